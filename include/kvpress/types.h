@@ -1,0 +1,50 @@
+// Plain data passed between an engine and a press. No model object ever reaches a press:
+// everything it may use is in LayerInputs (see docs/ARCHITECTURE.md §2).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace kvpress {
+
+// One attention layer's state right after prefill. Optional tensors are left undefined
+// (`!t.defined()`); a press that needs one it was not given raises a c10::Error naming it.
+struct LayerInputs {
+  at::Tensor keys;    // [B, Hkv, S, D] as cached: post-RoPE (post k_norm where the model has one)
+  at::Tensor values;  // [B, Hkv, S, D]
+
+  // Post-RoPE queries of the last Sq positions (Sq <= S), when the engine already has them.
+  at::Tensor queries;  // optional [B, Hq, Sq, D]
+
+  // kvpress's path: recompute queries (or pre-RoPE keys) from the attention input.
+  at::Tensor hidden_states;  // optional [B, S, hidden], already input-layernormed
+  at::Tensor q_proj;         // optional [Hq * D, hidden] (nn.Linear weight layout, no bias)
+  at::Tensor k_proj;         // optional [Hkv * D, hidden]
+  at::Tensor q_norm;         // optional [D] RMSNorm weight applied per head (Qwen3-style)
+  at::Tensor k_norm;         // optional [D]
+  double norm_eps = 1e-6;    // eps of q_norm / k_norm
+
+  // Eager attention weights of the last Sq query positions over all S keys.
+  at::Tensor attentions;  // optional [B, Hq, Sq, S]
+
+  // RoPE tables for positions 0..S-1 (HF layout: each half of D repeats the frequencies).
+  at::Tensor cos;  // optional [S, D]
+  at::Tensor sin;  // optional [S, D]
+
+  // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.
+  int64_t num_heads = 0;
+
+  int64_t layer_idx = 0;   // for layer-aware budgets
+  int64_t num_layers = 1;
+};
+
+// A compressed layer. Every KV head keeps the same number of tokens here; head-ragged caches
+// are the business of cache-level presses.
+struct KV {
+  at::Tensor keys;          // [B, Hkv, n_kept, D], contiguous
+  at::Tensor values;        // [B, Hkv, n_kept, D], contiguous
+  at::Tensor kept_indices;  // [B, Hkv, n_kept] int64, original positions, ascending per head
+};
+
+}  // namespace kvpress

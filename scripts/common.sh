@@ -1,0 +1,19 @@
+# Sourced by the entry scripts: installs dependencies, then configures and builds into build/.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$(bash "$root/scripts/setup.sh" | tail -n 1)"
+python="$venv/bin/python"
+torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+build="${KVPRESS_BUILD_DIR:-$root/build}"
+jobs="${KVPRESS_JOBS:-$(nproc)}"
+
+kvpress_build() {
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" "$@" >/dev/null
+  cmake --build "$build" -j "$jobs"
+}
+
+# Regenerates the parity fixtures from the pinned kvpress package (also the demo's captured cache).
+kvpress_fixtures() {
+  "$python" "$root/tests/reference/make_fixtures.py" --out "$build/fixtures" "$@"
+}

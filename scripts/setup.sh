@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs everything kvpress-cpp needs to build and test; idempotent and fast when already done.
+#   - Debian -dev packages (fmt, nlohmann-json, GoogleTest, Google Benchmark, cmake)
+#   - a Python venv with the pinned torch wheel (provides libtorch + its CMake config) and the
+#     pinned reference stack used only by tests (kvpress 0.5.5 + transformers)
+# The venv lives outside the source tree so fresh clones reuse it: $KVPRESS_VENV or
+# ~/.cache/kvpress-cpp/venv. Prints the venv path on its last line.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KVPRESS_VENV:-$HOME/.cache/kvpress-cpp/venv}"
+requirements="$here/scripts/requirements.txt"
+
+apt_packages=(cmake g++ make libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}" >&2
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+stamp="$venv/.kvpress-requirements"
+if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then
+  echo "setup: creating Python environment in $venv (torch wheel is large; first run takes minutes)" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
+  cp "$requirements" "$stamp"
+fi
+echo "$venv"
