@@ -1,0 +1,101 @@
+// Shared validators (private). Every public op validates its arguments here, on every backend,
+// so messages look the same everywhere: "<op>: <argument> must be <expected>, got <actual>".
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+namespace kvpress::checks {
+
+inline std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// `t` is defined (present).
+inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is required but was not given");
+}
+
+// Rank `dims`, `layout` spells the dimension names for the message, e.g. "[batch, kv_heads, seq_len, head_dim]".
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t dims,
+                       const char* layout) {
+  check_defined(op, name, t);
+  TORCH_CHECK(t.dim() == dims, op, ": ", name, " must be ", layout, ", got ", shape_str(t));
+}
+
+inline void check_float(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",
+              ref_name, " (", ref.device(), "), got ", t.device());
+}
+
+inline void check_non_empty(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.numel() > 0, op, ": ", name, " must be non-empty, got ", shape_str(t));
+}
+
+// keys and values: [B, Hkv, S, D], same shape, supported float dtype, same device, non-empty.
+inline void check_kv(const char* op, const at::Tensor& keys, const at::Tensor& values) {
+  check_rank(op, "keys", keys, 4, "[batch, kv_heads, seq_len, head_dim]");
+  check_float(op, "keys", keys);
+  check_non_empty(op, "keys", keys);
+  check_rank(op, "values", values, 4, "[batch, kv_heads, seq_len, head_dim]");
+  check_float(op, "values", values);
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ",
+              shape_str(keys), ", got ", shape_str(values));
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op,
+              ": values must have the dtype of keys (", keys.scalar_type(), "), got ",
+              values.scalar_type());
+  check_same_device(op, "values", values, "keys", keys);
+}
+
+inline void check_keys(const char* op, const at::Tensor& keys) {
+  check_rank(op, "keys", keys, 4, "[batch, kv_heads, seq_len, head_dim]");
+  check_float(op, "keys", keys);
+  check_non_empty(op, "keys", keys);
+}
+
+inline void check_ratio(const char* op, double compression_ratio) {
+  TORCH_CHECK(std::isfinite(compression_ratio) && compression_ratio >= 0.0 && compression_ratio < 1.0,
+              op, ": compression_ratio must be in [0, 1), got ", compression_ratio);
+}
+
+inline void check_positive(const char* op, const char* name, int64_t v) {
+  TORCH_CHECK(v > 0, op, ": ", name, " must be > 0, got ", v);
+}
+
+inline void check_non_negative(const char* op, const char* name, int64_t v) {
+  TORCH_CHECK(v >= 0, op, ": ", name, " must be >= 0, got ", v);
+}
+
+// A window of `window` trailing positions must leave at least one position before it.
+inline void check_window(const char* op, const char* name, int64_t window, int64_t seq_len) {
+  check_positive(op, name, window);
+  TORCH_CHECK(window < seq_len, op, ": ", name, " must be < seq_len (", seq_len, "), got ", window);
+}
+
+inline void check_gqa(const char* op, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, op,
+              ": num_heads must be a positive multiple of num_kv_heads (", num_kv_heads, "), got ",
+              num_heads);
+}
+
+// NaN or Inf scores would make top-k selection meaningless; refuse them.
+void check_finite_scores(const char* op, const at::Tensor& scores);
+
+}  // namespace kvpress::checks

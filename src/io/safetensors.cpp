@@ -1,0 +1,316 @@
+// safetensors reader/writer: 8-byte little-endian header length N, N bytes of JSON header,
+// then the byte buffer. See include/kvpress/io/safetensors.h.
+#include "kvpress/io/safetensors.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__)
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "kvpress safetensors I/O copies raw little-endian bytes; big-endian hosts are unsupported");
+#endif
+
+namespace kvpress::io {
+namespace {
+
+using json = nlohmann::json;
+
+// Same limit as the reference implementation: a header larger than this is rejected before
+// anything is allocated for it.
+constexpr uint64_t kMaxHeaderSize = 100'000'000;
+
+struct DtypeInfo {
+  const char* name;
+  at::ScalarType type;
+};
+
+constexpr DtypeInfo kDtypes[] = {
+    {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
+    {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+    {"U8", at::kByte},    {"BOOL", at::kBool},
+};
+
+std::string supported_dtypes() {
+  std::string out;
+  for (const auto& d : kDtypes) {
+    if (!out.empty()) out += ", ";
+    out += d.name;
+  }
+  return out;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
+  }
+  return out + "]";
+}
+
+struct FileCloser {
+  void operator()(std::FILE* f) const {
+    if (f) std::fclose(f);
+  }
+};
+using File = std::unique_ptr<std::FILE, FileCloser>;
+
+// Throws c10::Error "load_safetensors: <path>: <what>".
+#define ST_LOAD_CHECK(cond, ...) TORCH_CHECK(cond, "load_safetensors: ", path, ": ", __VA_ARGS__)
+#define ST_SAVE_CHECK(cond, ...) TORCH_CHECK(cond, "save_safetensors: ", path, ": ", __VA_ARGS__)
+
+// Reads exactly n bytes at the current position.
+void read_exact(std::FILE* f, void* dst, uint64_t n, const std::string& path, const char* what) {
+  uint8_t* p = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
+    const size_t got = std::fread(p, 1, chunk, f);
+    ST_LOAD_CHECK(got == chunk, "truncated file: could not read ", what,
+                  std::ferror(f) ? std::string(" (") + std::strerror(errno) + ")" : std::string());
+    p += got;
+    n -= got;
+  }
+}
+
+int64_t json_int(const json& v, const std::string& path, const std::string& what) {
+  ST_LOAD_CHECK(v.is_number_integer(), what, " must be an integer, got ", v.dump());
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    ST_LOAD_CHECK(u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), what,
+                  " is too large: ", u);
+    return static_cast<int64_t>(u);
+  }
+  return v.get<int64_t>();
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  std::error_code ec;
+  const bool is_dir = std::filesystem::is_directory(path, ec);
+  ST_LOAD_CHECK(!is_dir, "is a directory, not a safetensors file");
+
+  errno = 0;
+  File file(std::fopen(path.c_str(), "rb"));
+  ST_LOAD_CHECK(file != nullptr, "cannot open file (", std::strerror(errno), ")");
+  std::FILE* f = file.get();
+
+  ST_LOAD_CHECK(fseeko(f, 0, SEEK_END) == 0, "cannot seek (", std::strerror(errno), ")");
+  const off_t end = ftello(f);
+  ST_LOAD_CHECK(end >= 0, "cannot tell file size (", std::strerror(errno), ")");
+  ST_LOAD_CHECK(fseeko(f, 0, SEEK_SET) == 0, "cannot seek (", std::strerror(errno), ")");
+  const auto file_size = static_cast<uint64_t>(end);
+
+  ST_LOAD_CHECK(file_size >= 8, "truncated file: ", file_size,
+                " bytes, too short for the 8-byte header length");
+  uint8_t len_bytes[8];
+  read_exact(f, len_bytes, 8, path, "the header length");
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+  ST_LOAD_CHECK(header_len <= kMaxHeaderSize, "header length ", header_len,
+                " exceeds the limit of ", kMaxHeaderSize, " bytes (not a safetensors file?)");
+  ST_LOAD_CHECK(header_len <= file_size - 8, "truncated file: header length ", header_len,
+                " but only ", file_size - 8, " bytes follow");
+  ST_LOAD_CHECK(header_len >= 2, "header length ", header_len, " is too short for a JSON object");
+
+  std::string header(static_cast<size_t>(header_len), '\0');
+  read_exact(f, header.data(), header_len, path, "the header");
+  const uint64_t body_size = file_size - 8 - header_len;
+  const uint64_t body_start = 8 + header_len;
+
+  json doc;
+  try {
+    doc = json::parse(header);
+  } catch (const json::parse_error& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ...".
+    std::string msg = e.what();
+    const auto pos = msg.find("] ");
+    if (pos != std::string::npos) msg = msg.substr(pos + 2);
+    ST_LOAD_CHECK(false, "header is not valid JSON: ", msg);
+  }
+  ST_LOAD_CHECK(doc.is_object(), "header must be a JSON object, got ", doc.type_name());
+
+  SafetensorsFile out;
+  for (const auto& [name, entry] : doc.items()) {
+    if (name == "__metadata__") {
+      ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ",
+                    entry.type_name());
+      for (const auto& [key, value] : entry.items()) {
+        ST_LOAD_CHECK(value.is_string(), "__metadata__ value of '", key,
+                      "' must be a string, got ", value.dump());
+        out.metadata.emplace(key, value.get<std::string>());
+      }
+      continue;
+    }
+    const std::string what = "tensor '" + name + "'";
+    ST_LOAD_CHECK(entry.is_object(), what, " must be an object with dtype, shape and data_offsets");
+    ST_LOAD_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), what,
+                  " needs a string 'dtype'");
+    ST_LOAD_CHECK(entry.contains("shape") && entry["shape"].is_array(), what,
+                  " needs an array 'shape'");
+    ST_LOAD_CHECK(entry.contains("data_offsets") && entry["data_offsets"].is_array() &&
+                      entry["data_offsets"].size() == 2,
+                  what, " needs 'data_offsets' [begin, end]");
+
+    const std::string dtype_name = entry["dtype"].get<std::string>();
+    const DtypeInfo* dtype = nullptr;
+    for (const auto& d : kDtypes) {
+      if (dtype_name == d.name) dtype = &d;
+    }
+    ST_LOAD_CHECK(dtype != nullptr, what, " has unsupported dtype '", dtype_name,
+                  "' (supported: ", supported_dtypes(), ")");
+
+    std::vector<int64_t> shape;
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (const auto& dim : entry["shape"]) {
+      const int64_t d = json_int(dim, path, what + " shape entry");
+      ST_LOAD_CHECK(d >= 0, what, " has a negative dimension in shape ", entry["shape"].dump());
+      shape.push_back(d);
+      if (d != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
+        overflow = true;
+      }
+      numel *= static_cast<uint64_t>(d);
+    }
+    const uint64_t itemsize = c10::elementSize(dtype->type);
+    overflow = overflow || (numel != 0 && numel > std::numeric_limits<uint64_t>::max() / itemsize);
+    ST_LOAD_CHECK(!overflow, what, " shape ", shape_str(shape), " is too large");
+    const uint64_t nbytes = numel * itemsize;
+
+    const int64_t begin = json_int(entry["data_offsets"][0], path, what + " data_offsets begin");
+    const int64_t end_off = json_int(entry["data_offsets"][1], path, what + " data_offsets end");
+    const std::string offsets =
+        "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
+    ST_LOAD_CHECK(begin >= 0 && begin <= end_off, what, " data_offsets ", offsets,
+                  " are not an ordered pair of non-negative offsets");
+    ST_LOAD_CHECK(static_cast<uint64_t>(end_off) <= body_size, what, " data_offsets ", offsets,
+                  " lie outside the ", body_size, "-byte data buffer (truncated file?)");
+    ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ",
+                  offsets, " do not match shape ", shape_str(shape), " of ", dtype->name, " (",
+                  nbytes, " bytes)");
+
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype->type));
+    if (nbytes > 0) {
+      ST_LOAD_CHECK(fseeko(f, static_cast<off_t>(body_start + begin), SEEK_SET) == 0,
+                    "cannot seek to ", what, " (", std::strerror(errno), ")");
+      read_exact(f, t.data_ptr(), nbytes, path, what.c_str());
+    }
+    if (dtype->type == at::kBool && nbytes > 0) {
+      const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
+      for (uint64_t i = 0; i < nbytes; ++i) {
+        ST_LOAD_CHECK(bytes[i] <= 1, what, " is BOOL but byte ", i, " holds ",
+                      static_cast<int>(bytes[i]), " (must be 0 or 1)");
+      }
+    }
+    out.tensors.emplace(name, std::move(t));
+  }
+  return out;
+}
+
+void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  struct Item {
+    const std::string* name;
+    const DtypeInfo* dtype;
+    at::Tensor tensor;  // CPU, contiguous
+  };
+  std::vector<Item> items;
+  items.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    ST_SAVE_CHECK(!name.empty(), "tensor names must not be empty");
+    ST_SAVE_CHECK(name != "__metadata__", "'__metadata__' is reserved and cannot name a tensor");
+    ST_SAVE_CHECK(tensor.defined(), "tensor '", name, "' is undefined");
+    const DtypeInfo* dtype = nullptr;
+    for (const auto& d : kDtypes) {
+      if (tensor.scalar_type() == d.type) dtype = &d;
+    }
+    ST_SAVE_CHECK(dtype != nullptr, "tensor '", name, "' has unsupported dtype ",
+                  tensor.scalar_type(), " (supported: ", supported_dtypes(), ")");
+    items.push_back({&name, dtype, tensor.to(at::kCPU).contiguous()});
+  }
+  // Data layout as the reference writer does it: wider dtypes first, then by name. With the
+  // header padded to 8 bytes every tensor's data is aligned to its element size. The result
+  // depends only on the names, dtypes and shapes, so equal inputs give identical files.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.tensor.element_size() > b.tensor.element_size();
+  });
+  json header = json::object();  // keys sorted by name
+  uint64_t offset = 0;
+  for (const auto& item : items) {
+    const uint64_t nbytes = static_cast<uint64_t>(item.tensor.numel()) * item.tensor.element_size();
+    json entry = json::object();
+    entry["dtype"] = item.dtype->name;
+    entry["shape"] = item.tensor.sizes().vec();
+    entry["data_offsets"] = {offset, offset + nbytes};
+    header[*item.name] = std::move(entry);
+    offset += nbytes;
+  }
+  if (!metadata.empty()) {
+    json meta = json::object();
+    for (const auto& [key, value] : metadata) meta[key] = value;
+    header["__metadata__"] = std::move(meta);
+  }
+
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& e) {
+    ST_SAVE_CHECK(false, "cannot encode the header: ", e.what(),
+                  " (names and metadata must be valid UTF-8)");
+  }
+  // The spec allows trailing spaces; padding to a multiple of 8 keeps the data aligned.
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t header_len = text.size();
+  uint8_t len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(header_len >> (8 * i));
+
+  // Write to a temporary file next to the target and rename, so a failed write never leaves a
+  // truncated file under the final name.
+  const std::string tmp = path + ".tmp";
+  {
+    errno = 0;
+    File file(std::fopen(tmp.c_str(), "wb"));
+    ST_SAVE_CHECK(file != nullptr, "cannot create file (", std::strerror(errno), ")");
+    std::FILE* f = file.get();
+    bool ok = std::fwrite(len_bytes, 1, 8, f) == 8 &&
+              std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    for (const auto& item : items) {
+      if (!ok) break;
+      const auto& t = item.tensor;
+      const size_t n = static_cast<size_t>(t.numel()) * t.element_size();
+      if (n > 0) ok = std::fwrite(t.data_ptr(), 1, n, f) == n;
+    }
+    const int write_errno = errno;
+    ok = (std::fflush(f) == 0) && ok;
+    const int close_rc = std::fclose(file.release());
+    if (!ok || close_rc != 0) {
+      std::remove(tmp.c_str());
+      ST_SAVE_CHECK(false, "write failed (", std::strerror(write_errno ? write_errno : errno), ")");
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int rename_errno = errno;
+    std::remove(tmp.c_str());
+    ST_SAVE_CHECK(false, "cannot move the written file into place (", std::strerror(rename_errno),
+                  ")");
+  }
+}
+
+#undef ST_LOAD_CHECK
+#undef ST_SAVE_CHECK
+
+}  // namespace kvpress::io

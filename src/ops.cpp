@@ -1,0 +1,44 @@
+// Registers every op as torch.ops.kvpress.<name>, so Python can call them after
+// torch.ops.load_library("libkvpress.so"). Composite ops are registered once for all backends;
+// ops with dedicated kernels declare only the schema here (kernels/cpu, kernels/cuda).
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "kvpress/ops.h"
+
+namespace kvpress {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> gather_kv_op(const at::Tensor& keys, const at::Tensor& values,
+                                                const at::Tensor& indices) {
+  KV kv = ops::gather_kv(keys, values, indices);
+  return {kv.keys, kv.values};
+}
+
+at::Tensor random_scores_op(const at::Tensor& keys, int64_t seed) { return ops::random_scores(keys, seed); }
+
+}  // namespace
+
+TORCH_LIBRARY(kvpress, m) {
+  m.def("n_kept(int seq_len, float compression_ratio) -> int", &ops::n_kept);
+  m.def("topk_indices(Tensor scores, int k) -> Tensor", &ops::topk_indices);
+  m.def("gather_kv(Tensor keys, Tensor values, Tensor indices) -> (Tensor, Tensor)", &gather_kv_op);
+  m.def("apply_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::apply_rope);
+  m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::invert_rope);
+  m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);
+  m.def("window_attention(Tensor queries, Tensor keys) -> Tensor", &ops::window_attention);
+  m.def("key_norm_scores(Tensor keys) -> Tensor");  // kernels/cpu/key_norm.cpp, kernels/cuda/key_norm.cu
+  m.def("keydiff_scores(Tensor keys) -> Tensor", &ops::keydiff_scores);
+  m.def("streaming_llm_scores(Tensor keys, int n_sink, float compression_ratio) -> Tensor",
+        &ops::streaming_llm_scores);
+  m.def("random_scores(Tensor keys, int seed=-1) -> Tensor", &random_scores_op);
+  m.def("lagkv_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor",
+        &ops::lagkv_scores);
+  m.def("snapkv_scores(Tensor window_attn, int num_kv_heads, int kernel_size) -> Tensor", &ops::snapkv_scores);
+  m.def("tova_scores(Tensor last_attn, int num_kv_heads) -> Tensor", &ops::tova_scores);
+  m.def("observed_attention_scores(Tensor attentions, int num_kv_heads) -> Tensor",
+        &ops::observed_attention_scores);
+}
+
+}  // namespace kvpress

@@ -1,0 +1,173 @@
+// RoPE, GQA reduction, query recomputation and window attention.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress::ops {
+namespace {
+
+// [x1, x2] -> [-x2, x1] along the last dim (HF rotate_half).
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+void check_rope_args(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  checks::check_rank(op, "x", x, 4, "[batch, heads, seq_len, head_dim]");
+  checks::check_float(op, "x", x);
+  const int64_t n = x.size(2), d = x.size(3);
+  TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
+    checks::check_defined(op, name, t);
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == d, op, ": ", name, " must be [", n,
+                ", ", d, "] ([seq_len, head_dim]), got ", checks::shape_str(t));
+    checks::check_same_device(op, name, t, "x", x);
+  }
+}
+
+// RMSNorm over the last dim with weight [D] (Qwen3-style q_norm/k_norm), in float32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const char* op,
+                    const char* name) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": ", name, " must be [",
+              x.size(-1), "] ([head_dim]), got ", checks::shape_str(weight));
+  const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
+  return x * at::rsqrt(variance + eps) * weight.to(at::kFloat);
+}
+
+// hidden[:, -n:] @ proj^T -> [B, heads, n, D] in float32.
+at::Tensor project_heads(const at::Tensor& hidden, const at::Tensor& proj, int64_t heads,
+                         int64_t head_dim, int64_t n_last, const char* op, const char* proj_name) {
+  checks::check_rank(op, proj_name, proj, 2, "[heads * head_dim, hidden]");
+  TORCH_CHECK(proj.size(0) == heads * head_dim && proj.size(1) == hidden.size(2), op, ": ",
+              proj_name, " must be [", heads * head_dim, ", ", hidden.size(2), "], got ",
+              checks::shape_str(proj));
+  checks::check_same_device(op, proj_name, proj, "hidden_states", hidden);
+  const int64_t batch = hidden.size(0), seq = hidden.size(1);
+  const at::Tensor h = hidden.narrow(1, seq - n_last, n_last).to(at::kFloat);
+  return at::matmul(h, proj.to(at::kFloat).t()).view({batch, n_last, heads, head_dim}).transpose(1, 2);
+}
+
+void check_hidden(const char* op, const LayerInputs& in) {
+  checks::check_rank(op, "hidden_states", in.hidden_states, 3, "[batch, seq_len, hidden]");
+  TORCH_CHECK(in.hidden_states.size(0) == in.keys.size(0) && in.hidden_states.size(1) == in.keys.size(2),
+              op, ": hidden_states must be [", in.keys.size(0), ", ", in.keys.size(2),
+              ", hidden] to match keys, got ", checks::shape_str(in.hidden_states));
+  checks::check_same_device(op, "hidden_states", in.hidden_states, "keys", in.keys);
+}
+
+}  // namespace
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rope_args("apply_rope", x, cos, sin);
+  return x * cos.to(x.scalar_type()) + rotate_half(x) * sin.to(x.scalar_type());
+}
+
+at::Tensor invert_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rope_args("invert_rope", x, cos, sin);
+  // R(theta)^-1 = R(-theta): same cos, negated sin.
+  return x * cos.to(x.scalar_type()) - rotate_half(x) * sin.to(x.scalar_type());
+}
+
+at::Tensor group_mean(const at::Tensor& per_query_head, int64_t num_kv_heads) {
+  constexpr const char* op = "group_mean";
+  checks::check_defined(op, "per_query_head", per_query_head);
+  TORCH_CHECK(per_query_head.dim() >= 2, op, ": per_query_head must be [batch, heads, ...], got ",
+              checks::shape_str(per_query_head));
+  checks::check_gqa(op, per_query_head.size(1), num_kv_heads);
+  std::vector<int64_t> grouped{per_query_head.size(0), num_kv_heads,
+                               per_query_head.size(1) / num_kv_heads};
+  for (int64_t d = 2; d < per_query_head.dim(); ++d) grouped.push_back(per_query_head.size(d));
+  return per_query_head.reshape(grouped).mean(2);
+}
+
+int64_t num_query_heads(const LayerInputs& in) {
+  if (in.num_heads > 0) return in.num_heads;
+  if (in.queries.defined() && in.queries.dim() == 4) return in.queries.size(1);
+  if (in.attentions.defined() && in.attentions.dim() == 4) return in.attentions.size(1);
+  if (in.q_proj.defined() && in.q_proj.dim() == 2 && in.keys.defined() && in.keys.dim() == 4 &&
+      in.keys.size(3) > 0 && in.q_proj.size(0) % in.keys.size(3) == 0)
+    return in.q_proj.size(0) / in.keys.size(3);
+  TORCH_CHECK(false, "num_query_heads: the number of query heads is unknown: set num_heads or give "
+                     "queries, attentions or q_proj");
+}
+
+at::Tensor window_queries(const LayerInputs& in, int64_t n_last, const char* op) {
+  checks::check_keys(op, in.keys);
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2),
+                head_dim = in.keys.size(3);
+  checks::check_window(op, "window_size", n_last, seq + 1);
+  if (in.queries.defined()) {
+    checks::check_rank(op, "queries", in.queries, 4, "[batch, num_heads, q_len, head_dim]");
+    checks::check_float(op, "queries", in.queries);
+    checks::check_same_device(op, "queries", in.queries, "keys", in.keys);
+    TORCH_CHECK(in.queries.size(0) == batch && in.queries.size(3) == head_dim, op,
+                ": queries must be [", batch, ", num_heads, q_len, ", head_dim,
+                "] to match keys, got ", checks::shape_str(in.queries));
+    TORCH_CHECK(in.queries.size(2) >= n_last, op, ": queries must hold at least the last ", n_last,
+                " positions, got q_len ", in.queries.size(2));
+    checks::check_gqa(op, in.queries.size(1), kv_heads);
+    return in.queries.narrow(2, in.queries.size(2) - n_last, n_last);
+  }
+  TORCH_CHECK(in.hidden_states.defined() && in.q_proj.defined(), op,
+              ": needs attentions, queries, or hidden_states + q_proj + cos/sin; got none of them");
+  check_hidden(op, in);
+  const int64_t heads = num_query_heads(in);
+  checks::check_gqa(op, heads, kv_heads);
+  at::Tensor q = project_heads(in.hidden_states, in.q_proj, heads, head_dim, n_last, op, "q_proj");
+  if (in.q_norm.defined()) q = rms_norm(q, in.q_norm, in.norm_eps, op, "q_norm");
+  checks::check_defined(op, "cos", in.cos);
+  checks::check_defined(op, "sin", in.sin);
+  TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) == seq, op, ": cos must be [", seq, ", ", head_dim,
+              "] ([seq_len, head_dim]), got ", checks::shape_str(in.cos));
+  TORCH_CHECK(in.sin.dim() == 2 && in.sin.size(0) == seq, op, ": sin must be [", seq, ", ", head_dim,
+              "] ([seq_len, head_dim]), got ", checks::shape_str(in.sin));
+  return apply_rope(q, in.cos.narrow(0, seq - n_last, n_last).to(at::kFloat),
+                    in.sin.narrow(0, seq - n_last, n_last).to(at::kFloat));
+}
+
+at::Tensor prerope_keys(const LayerInputs& in, const char* op) {
+  checks::check_keys(op, in.keys);
+  if (in.cos.defined() || in.sin.defined()) {
+    return invert_rope(in.keys.to(at::kFloat), in.cos.to(at::kFloat), in.sin.to(at::kFloat));
+  }
+  TORCH_CHECK(in.hidden_states.defined() && in.k_proj.defined(), op,
+              ": needs cos/sin (to invert RoPE on the cached keys) or hidden_states + k_proj");
+  check_hidden(op, in);
+  at::Tensor k = project_heads(in.hidden_states, in.k_proj, in.keys.size(1), in.keys.size(3),
+                               in.keys.size(2), op, "k_proj");
+  if (in.k_norm.defined()) k = rms_norm(k, in.k_norm, in.norm_eps, op, "k_norm");
+  return k;
+}
+
+at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
+  constexpr const char* op = "window_attention";
+  checks::check_keys(op, keys);
+  checks::check_rank(op, "queries", queries, 4, "[batch, num_heads, window, head_dim]");
+  checks::check_float(op, "queries", queries);
+  checks::check_same_device(op, "queries", queries, "keys", keys);
+  const int64_t batch = keys.size(0), kv_heads = keys.size(1), seq = keys.size(2),
+                head_dim = keys.size(3);
+  const int64_t heads = queries.size(1), window = queries.size(2);
+  TORCH_CHECK(queries.size(0) == batch && queries.size(3) == head_dim, op, ": queries must be [",
+              batch, ", num_heads, window, ", head_dim, "] to match keys, got ",
+              checks::shape_str(queries));
+  checks::check_gqa(op, heads, kv_heads);
+  checks::check_window(op, "window", window, seq);
+  const int64_t group = heads / kv_heads;
+  // Fold the query heads of a group into the row dimension: one matmul per KV head, no repeat_kv.
+  const at::Tensor q = queries.to(at::kFloat).reshape({batch, kv_heads, group * window, head_dim});
+  at::Tensor logits = at::matmul(q, keys.to(at::kFloat).transpose(2, 3))
+                          .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)))
+                          .view({batch, heads, window, seq});
+  // Query i sits at position seq - window + i and sees keys 0..seq - window + i.
+  const at::Tensor future = at::ones({window, seq}, keys.options().dtype(at::kBool))
+                                .triu(seq - window + 1);
+  logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
+  return at::softmax(logits, -1).narrow(-1, 0, seq - window).contiguous();
+}
+
+}  // namespace kvpress::ops
