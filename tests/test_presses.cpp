@@ -1,0 +1,128 @@
+// Behaviour of each press that a user relies on, independent of the kvpress fixtures.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "kvpress/kvpress.h"
+#include "test_util.h"
+
+namespace kvpress {
+namespace {
+
+using testing::randn;
+
+LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16) {
+  LayerInputs in;
+  in.keys = randn({1, kv_heads, seq, d}, seed);
+  in.values = randn({1, kv_heads, seq, d}, seed + 1);
+  in.queries = randn({1, heads, seq, d}, seed + 2);
+  // Causal attention of every position, so every press has what it needs.
+  const at::Tensor logits = at::matmul(in.queries, in.keys.repeat_interleave(heads / kv_heads, 1).transpose(2, 3));
+  in.attentions = at::softmax(logits.masked_fill(at::ones({seq, seq}, at::kBool).triu(1), -INFINITY), -1);
+  return in;
+}
+
+bool strictly_ascending(const at::Tensor& idx) {
+  return idx.size(-1) < 2 || (idx.narrow(-1, 1, idx.size(-1) - 1) > idx.narrow(-1, 0, idx.size(-1) - 1)).all().item<bool>();
+}
+
+TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
+  const LayerInputs in = random_layer(300, 1);
+  for (const PressInfo& info : list_presses()) {
+    for (double ratio : {0.25, 0.5, 0.75}) {
+      SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
+      const auto press = make_press(info.name, ratio, info.name == "RandomPress" ? std::map<std::string, std::string>{{"seed", "1"}} : std::map<std::string, std::string>{});
+      const KV kv = press->compress(in);
+      const int64_t n = ops::n_kept(300, ratio);
+      ASSERT_EQ(kv.kept_indices.sizes(), (at::IntArrayRef{1, 2, n}));
+      ASSERT_EQ(kv.keys.sizes(), (at::IntArrayRef{1, 2, n, 16}));
+      EXPECT_TRUE(strictly_ascending(kv.kept_indices));
+      const KV expected = ops::gather_kv(in.keys, in.values, kv.kept_indices);
+      EXPECT_TRUE(at::equal(kv.keys, expected.keys));
+      EXPECT_TRUE(at::equal(kv.values, expected.values));
+      // Stateless: the same call gives the same answer.
+      EXPECT_TRUE(at::equal(press->compress(in).kept_indices, kv.kept_indices));
+    }
+  }
+}
+
+TEST(EveryPress, RatioZeroReturnsTheCacheUntouched) {
+  const LayerInputs in = random_layer(100, 2);
+  for (const PressInfo& info : list_presses()) {
+    SCOPED_TRACE(info.name);
+    const KV kv = make_press(info.name, 0.0)->compress(in);
+    EXPECT_TRUE(kv.keys.is_same(in.keys));
+    EXPECT_TRUE(at::equal(kv.kept_indices[0][1], at::arange(100)));
+  }
+}
+
+TEST(KnormPress, KeepsTheSmallestNormKeys) {
+  LayerInputs in = random_layer(20, 3);
+  const KV kv = KnormPress(0.5).compress(in);
+  const at::Tensor norms = in.keys.norm(2, -1);
+  for (int64_t h = 0; h < 2; ++h) {
+    const at::Tensor kept_norms = norms[0][h].index_select(0, kv.kept_indices[0][h]);
+    const at::Tensor kept_mask = at::zeros({20}, at::kBool).index_fill_(0, kv.kept_indices[0][h], true);
+    const at::Tensor dropped_norms = norms[0][h].masked_select(kept_mask.logical_not());
+    EXPECT_LT(kept_norms.max().item<float>(), dropped_norms.min().item<float>());
+  }
+}
+
+TEST(StreamingLLMPress, KeepsSinksAndTheMostRecentTokens) {
+  const LayerInputs in = random_layer(20, 4);
+  const KV kv = StreamingLLMPress(0.5, 4).compress(in);
+  at::Tensor expected = at::cat({at::arange(4), at::arange(14, 20)});
+  EXPECT_TRUE(at::equal(kv.kept_indices[0][0], expected));
+  EXPECT_TRUE(at::equal(kv.kept_indices[0][1], expected));
+}
+
+TEST(SnapKVPress, AlwaysKeepsTheObservationWindow) {
+  const LayerInputs in = random_layer(200, 5);
+  const KV kv = SnapKVPress(0.75, 16, 5).compress(in);
+  for (int64_t h = 0; h < 2; ++h)
+    EXPECT_TRUE(at::equal(kv.kept_indices[0][h].narrow(0, kv.kept_indices.size(2) - 16, 16), at::arange(184, 200)));
+}
+
+TEST(SnapKVPress, AttentionsAndQueriesGiveTheSameScores) {
+  // random_layer's attentions are softmax(q k^T) without 1/sqrt(D); rebuild them with it.
+  LayerInputs in = random_layer(120, 6);
+  const at::Tensor logits = at::matmul(in.queries, in.keys.repeat_interleave(4, 1).transpose(2, 3)) / 4.0;
+  in.attentions = at::softmax(logits.masked_fill(at::ones({120, 120}, at::kBool).triu(1), -INFINITY), -1);
+  LayerInputs from_queries = in;
+  from_queries.attentions = at::Tensor();
+  const SnapKVPress press(0.5, 32, 5);
+  EXPECT_TRUE(at::allclose(press.score(in), press.score(from_queries), 1e-5, 1e-7));
+}
+
+TEST(TOVAPress, AlwaysKeepsTheLastTokenAndSharesSelectionAcrossHeads) {
+  const LayerInputs in = random_layer(50, 7);
+  const KV kv = TOVAPress(0.8).compress(in);
+  EXPECT_EQ(kv.kept_indices[0][0][-1].item<int64_t>(), 49);
+  EXPECT_TRUE(at::equal(kv.kept_indices[0][0], kv.kept_indices[0][1]));
+}
+
+TEST(RandomPress, SeedMakesSelectionReproducible) {
+  const LayerInputs in = random_layer(64, 8);
+  EXPECT_TRUE(at::equal(RandomPress(0.5, 3).compress(in).kept_indices, RandomPress(0.5, 3).compress(in).kept_indices));
+  EXPECT_FALSE(at::equal(RandomPress(0.5, 3).compress(in).kept_indices, RandomPress(0.5, 4).compress(in).kept_indices));
+}
+
+TEST(LagKVPress, KeepsSinksAndTheTailPartition) {
+  const LayerInputs in = random_layer(4 + 128 * 3 + 10, 9);
+  const KV kv = LagKVPress(0.5).compress(in);
+  const at::Tensor kept = kv.kept_indices[0][0];
+  EXPECT_TRUE(at::equal(kept.narrow(0, 0, 4), at::arange(4)));
+  EXPECT_TRUE(at::equal(kept.narrow(0, kept.size(0) - 138, 138), at::arange(4 + 256, 4 + 384 + 10)));
+}
+
+TEST(Registry, BuildsEveryPressWithItsKvpressName) {
+  ASSERT_EQ(list_presses().size(), 8u);
+  for (const PressInfo& info : list_presses()) EXPECT_EQ(make_press(info.name, 0.5)->name(), info.name);
+  const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});
+  EXPECT_EQ(dynamic_cast<SnapKVPress&>(*snap).window_size(), 16);
+  EXPECT_DOUBLE_EQ(snap->compression_ratio(), 0.3);
+  const auto lag = make_press("LagKVPress", 0.5, {{"cross_scoring", "true"}, {"lag_size", "32"}});
+  EXPECT_TRUE(dynamic_cast<LagKVPress&>(*lag).cross_scoring());
+}
+
+}  // namespace
+}  // namespace kvpress
