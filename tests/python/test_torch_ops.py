@@ -1,0 +1,46 @@
+"""The ops are callable from Python as torch.ops.kvpress.* after loading libkvpress.so.
+
+Usage: python test_torch_ops.py /path/to/libkvpress.so
+"""
+import sys
+
+import torch
+
+torch.ops.load_library(sys.argv[1])
+ops = torch.ops.kvpress
+failures = []
+
+
+def check(name, ok):
+    print(("ok   " if ok else "FAIL ") + name)
+    if not ok:
+        failures.append(name)
+
+
+torch.manual_seed(0)
+keys = torch.randn(1, 2, 40, 16)
+values = torch.randn(1, 2, 40, 16)
+
+check("key_norm_scores", torch.allclose(ops.key_norm_scores(keys), -keys.norm(dim=-1), rtol=1e-6, atol=1e-6))
+check("key_norm_scores bfloat16", ops.key_norm_scores(keys.bfloat16()).dtype == torch.float32)
+check("n_kept", ops.n_kept(1000, 0.9) == max(1, int(1000 * (1 - 0.9))))
+
+scores = torch.tensor([[[1.0, 0.0, 1.0, 1.0, 0.0, 1.0]]])
+check("topk_indices ties to lower position", ops.topk_indices(scores, 2).tolist() == [[[0, 2]]])
+
+kept = ops.topk_indices(ops.key_norm_scores(keys), 10)
+k, v = ops.gather_kv(keys, values, kept)
+check("gather_kv", torch.equal(k, keys.gather(2, kept[..., None].expand(-1, -1, -1, 16))))
+
+seeded = ops.random_scores(keys, 42)
+generator = torch.Generator().manual_seed(42)
+check("random_scores equals torch.rand", torch.equal(seeded, torch.rand(1, 2, 40, generator=generator)))
+
+try:
+    ops.key_norm_scores(torch.randn(2, 8, 64))
+    check("error message", False)
+except RuntimeError as error:
+    check("error message", "keys must be [batch, kv_heads, seq_len, head_dim], got [2, 8, 64]" in str(error))
+
+print(f"{7 - len(failures)} passed, {len(failures)} failed")
+sys.exit(1 if failures else 0)
