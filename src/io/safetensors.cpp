@@ -278,6 +278,9 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   uint8_t len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(header_len >> (8 * i));
 
+  std::error_code ec;
+  ST_SAVE_CHECK(!std::filesystem::is_directory(path, ec), "is a directory");
+
   // Write to a temporary file next to the target and rename, so a failed write never leaves a
   // truncated file under the final name.
   const std::string tmp = path + ".tmp";

@@ -14,10 +14,16 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;  // the optional "__metadata__" string map
 };
 
-// Raises c10::Error naming the file on a missing file, a malformed header or a truncated body.
+// Raises c10::Error "load_safetensors: <path>: <what is wrong>" on a missing or unreadable file,
+// a malformed header (bad JSON, unknown dtype, data_offsets out of range or not matching
+// shape * itemsize) or a truncated body. Reads the whole file; tensors own their memory.
 SafetensorsFile load_safetensors(const std::string& path);
 
-// Writes every tensor (moved to CPU, made contiguous) in name order.
+// Writes every tensor (moved to CPU, made contiguous). Deterministic: header keys in name order,
+// data widest dtype first then by name (every tensor aligned to its element size), header padded
+// with spaces to a multiple of 8 bytes. Written to "<path>.tmp" and renamed into place, so a
+// failure never leaves a partial file. Raises c10::Error "save_safetensors: <path>: ..." on an
+// unsupported dtype, an undefined tensor, a reserved or empty name, or an I/O failure.
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 

@@ -1,0 +1,275 @@
+#!/usr/bin/env bash
+# End-to-end test of kvpress-cli (registered in ctest as cli.end_to_end):
+#   bash test_cli.sh <path-to-kvpress-cli> [<fixtures-dir>]
+# Makes its own small inputs with Python (torch + safetensors from the project venv: $KVPRESS_PYTHON,
+# else $KVPRESS_VENV/bin/python, else ~/.cache/kvpress-cpp/venv/bin/python), runs the CLI on them,
+# checks the outputs with Python's safetensors (so the C++ writer is read by the reference
+# reader), and checks every error path: exit code 2 and exactly one stderr line starting with
+# "kvpress-cli: error: ". The fixtures dir is accepted for symmetry with the other tests and unused.
+# Exits non-zero and names each failed check.
+set -uo pipefail
+
+cli="${1:?usage: test_cli.sh <path-to-kvpress-cli> [<fixtures-dir>]}"
+[ -x "$cli" ] || { echo "test_cli.sh: $cli is not an executable" >&2; exit 1; }
+
+python="${KVPRESS_PYTHON:-}"
+if [ -z "$python" ]; then
+  for candidate in "${KVPRESS_VENV:-}/bin/python" "$HOME/.cache/kvpress-cpp/venv/bin/python" python3; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import torch, safetensors' 2>/dev/null; then
+      python="$candidate"
+      break
+    fi
+  done
+fi
+[ -n "$python" ] || { echo "test_cli.sh: no Python with torch and safetensors (set KVPRESS_PYTHON)" >&2; exit 1; }
+
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/kvpress_cli_test.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+checks=0
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# ---- inputs -------------------------------------------------------------------------------
+# B=2, Hkv=2, Hq=4 (GQA 2), S=40, D=8, hidden=32. Random data has no ties.
+"$python" - "$tmp" <<'EOF' || { echo "FAIL: could not create the inputs" >&2; exit 1; }
+import math, sys
+import torch
+from safetensors.torch import save_file
+
+out = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+B, HKV, HQ, S, D, HID = 2, 2, 4, 40, 8, 32
+
+def randn(*shape):
+    return torch.randn(*shape, generator=g)
+
+keys, values = randn(B, HKV, S, D), randn(B, HKV, S, D)
+queries = randn(B, HQ, S, D)
+# Causal softmax attention of every position (what eager attention returns).
+k_rep = keys.repeat_interleave(HQ // HKV, dim=1)
+logits = queries @ k_rep.transpose(-1, -2) / math.sqrt(D)
+logits = logits.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+attentions = logits.softmax(-1)
+inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+freqs = torch.outer(torch.arange(S).float(), inv_freq)
+emb = torch.cat([freqs, freqs], dim=-1)
+cos, sin = emb.cos(), emb.sin()
+hidden_states = randn(B, S, HID)
+q_proj, k_proj = randn(HQ * D, HID) / math.sqrt(HID), randn(HKV * D, HID) / math.sqrt(HID)
+meta = {"num_heads": str(HQ), "layer_idx": "0", "num_layers": "2"}
+
+def save(name, tensors, metadata=meta):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{out}/{name}", metadata=metadata)
+
+save("kv.safetensors", {"keys": keys, "values": values})
+save("kv_bf16.safetensors", {"keys": keys.bfloat16(), "values": values.bfloat16()})
+save("queries.safetensors", {"keys": keys, "values": values, "queries": queries[:, :, -16:]})
+save("hidden.safetensors", {"keys": keys, "values": values, "hidden_states": hidden_states,
+                            "q_proj": q_proj, "k_proj": k_proj, "cos": cos, "sin": sin})
+save("full.safetensors", {"keys": keys, "values": values, "queries": queries,
+                          "attentions": attentions})
+# Broken inputs.
+save("keys_3d.safetensors", {"keys": keys[0], "values": values[0]})
+save("values_mismatch.safetensors", {"keys": keys, "values": values[:, :, :-1]})
+save("no_keys.safetensors", {"values": values})
+save("typo.safetensors", {"keys": keys, "values": values, "querys": queries})
+save("bad_queries.safetensors", {"keys": keys, "values": values, "queries": queries[..., :4]})
+save("bad_meta.safetensors", {"keys": keys, "values": values}, {"num_heads": "four"})
+open(f"{out}/garbage.safetensors", "wb").write(b"\xff" * 64)
+EOF
+
+# ---- helpers ------------------------------------------------------------------------------
+# expect_ok NAME ARGS...: exit code 0.
+expect_ok() {
+  local name="$1"; shift
+  checks=$((checks + 1))
+  local rc=0
+  "$cli" "$@" >"$tmp/stdout" 2>"$tmp/stderr" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    fail "$name: exit code $rc, expected 0 (stderr: $(head -c 500 "$tmp/stderr"))"
+    return 1
+  fi
+}
+
+# expect_error NAME EXPECTED-SUBSTRING ARGS...: exit code 2, one stderr line starting with
+# "kvpress-cli: error: " and containing the substring, nothing on stdout.
+expect_error() {
+  local name="$1" want="$2"; shift 2
+  checks=$((checks + 1))
+  local rc=0
+  "$cli" "$@" >"$tmp/stdout" 2>"$tmp/stderr" || rc=$?
+  local lines
+  lines=$(wc -l <"$tmp/stderr")
+  if [ "$rc" -ne 2 ]; then
+    fail "$name: exit code $rc, expected 2 (stderr: $(head -c 500 "$tmp/stderr"))"
+  elif [ "$lines" -ne 1 ]; then
+    fail "$name: stderr has $lines lines, expected 1:"$'\n'"$(cat "$tmp/stderr")"
+  elif ! grep -q '^kvpress-cli: error: ' "$tmp/stderr"; then
+    fail "$name: stderr does not start with 'kvpress-cli: error: ': $(cat "$tmp/stderr")"
+  elif ! grep -qF -- "$want" "$tmp/stderr"; then
+    fail "$name: stderr lacks '$want': $(cat "$tmp/stderr")"
+  elif [ -s "$tmp/stdout" ]; then
+    fail "$name: unexpected stdout: $(head -c 200 "$tmp/stdout")"
+  fi
+}
+
+# ---- help, version, list ------------------------------------------------------------------
+if expect_ok "--help" --help; then
+  grep -q 'kvpress-cli compress --press NAME --ratio R' "$tmp/stdout" || fail "--help: no usage line"
+fi
+expect_ok "compress --help" compress --help && { grep -q '^Usage:' "$tmp/stdout" || fail "compress --help: no usage"; }
+if expect_ok "--version" --version; then
+  grep -Eq '^kvpress-cli [0-9]+\.[0-9]+\.[0-9]+' "$tmp/stdout" || fail "--version: got '$(cat "$tmp/stdout")'"
+fi
+
+presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress)
+if expect_ok "list" list; then
+  for p in "${presses[@]}"; do
+    grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"
+  done
+  grep -q 'window_size' "$tmp/stdout" || fail "list: SnapKVPress parameters missing"
+  grep -q 'needs:' "$tmp/stdout" || fail "list: no 'needs:' lines"
+fi
+if expect_ok "list --names" list --names; then
+  [ "$(sort "$tmp/stdout")" = "$(printf '%s\n' "${presses[@]}" | sort)" ] ||
+    fail "list --names: got $(tr '\n' ' ' <"$tmp/stdout")"
+fi
+
+# ---- compress: successes ------------------------------------------------------------------
+# Each case: output name, input name, press, ratio, extra args. Checked below in one Python run.
+cases=()
+run_case() {
+  local out="$1" in="$2" press="$3" ratio="$4"; shift 4
+  if expect_ok "compress $out" compress --press "$press" --ratio "$ratio" "$@" \
+      --input "$tmp/$in" --output "$tmp/$out"; then
+    grep -q "^$press: ratio .* 40 -> [0-9]* tokens per head" "$tmp/stdout" ||
+      fail "compress $out: summary line: $(cat "$tmp/stdout")"
+    [ "$(wc -l <"$tmp/stdout")" -eq 1 ] || fail "compress $out: summary is not one line"
+    cases+=("$out $in $press $ratio")
+  fi
+}
+run_case knorm.st kv.safetensors KnormPress 0.5
+run_case knorm_bf16.st kv_bf16.safetensors KnormPress 0.3
+run_case knorm_r0.st kv.safetensors KnormPress 0
+run_case knorm_r099.st kv.safetensors KnormPress 0.99
+run_case snapkv_queries.st queries.safetensors SnapKVPress 0.5 --param window_size=8 --param kernel_size=3
+run_case snapkv_hidden.st hidden.safetensors SnapKVPress 0.25 --param=window_size=8
+run_case snapkv_attn.st full.safetensors SnapKVPress 0.6 --param window_size=8
+run_case tova.st full.safetensors TOVAPress 0.5
+run_case observed.st full.safetensors ObservedAttentionPress 0.5
+run_case streaming.st kv.safetensors StreamingLLMPress 0.5 --param n_sink=2
+run_case keydiff.st kv.safetensors KeyDiffPress 0.4
+run_case lagkv.st kv.safetensors LagKVPress 0.5 --param lag_size=8
+run_case random.st kv.safetensors RandomPress 0.5 --param seed=3
+run_case knorm_extra.st typo.safetensors KnormPress 0.5 --allow-unknown-tensors
+grep -q "warning: .*ignoring unknown tensor 'querys'" "$tmp/stderr" || fail "--allow-unknown-tensors: no warning"
+expect_ok "compress --quiet" compress --press KnormPress --ratio 0.5 --input "$tmp/kv.safetensors" \
+  --output "$tmp/quiet.st" --quiet && { [ ! -s "$tmp/stdout" ] || fail "--quiet printed: $(cat "$tmp/stdout")"; }
+
+checks=$((checks + 1))
+"$python" - "$tmp" "${cases[@]}" <<'EOF' || fail "output checks (see above)"
+import json, sys
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+tmp, cases = sys.argv[1], [c.split() for c in sys.argv[2:]]
+bad = 0
+def check(cond, what):
+    global bad
+    if not cond:
+        print(f"FAIL: {what}", file=sys.stderr)
+        bad += 1
+
+for out, inp, press, ratio in cases:
+    r = float(ratio)
+    src = load_file(f"{tmp}/{inp}")
+    got = load_file(f"{tmp}/{out}")
+    with safe_open(f"{tmp}/{out}", "pt") as f:
+        meta = f.metadata()
+    keys, values = src["keys"], src["values"]
+    B, H, S, D = keys.shape
+    n = max(1, int(S * (1 - r)))
+    tag = f"{out} ({press}, ratio {ratio})"
+    bad_before = bad
+    check(set(got) == {"keys", "values", "scores", "kept_indices"}, f"{tag}: tensors {sorted(got)}")
+    if bad > bad_before:
+        continue
+    idx, scores = got["kept_indices"], got["scores"]
+    check(got["keys"].shape == (B, H, n, D), f"{tag}: keys shape {tuple(got['keys'].shape)}, n_kept {n}")
+    check(got["values"].shape == (B, H, n, D), f"{tag}: values shape {tuple(got['values'].shape)}")
+    check(got["keys"].dtype == keys.dtype and got["values"].dtype == keys.dtype, f"{tag}: dtype")
+    check(idx.shape == (B, H, n) and idx.dtype == torch.int64, f"{tag}: kept_indices {idx.dtype} {tuple(idx.shape)}")
+    check(scores.shape == (B, H, S) and scores.dtype == torch.float32, f"{tag}: scores {scores.dtype} {tuple(scores.shape)}")
+    if bad > bad_before:
+        continue
+    check(bool((idx[..., 1:] > idx[..., :-1]).all()), f"{tag}: kept_indices not strictly ascending")
+    check(bool((idx >= 0).all() and (idx < S).all()), f"{tag}: kept_indices out of range")
+    gi = idx.unsqueeze(-1).expand(B, H, n, D)
+    check(torch.equal(got["keys"], keys.gather(2, gi)), f"{tag}: keys are not keys[kept_indices]")
+    check(torch.equal(got["values"], values.gather(2, gi)), f"{tag}: values are not values[kept_indices]")
+    # The kept positions are the n best scores (ties to the lower position).
+    for b in range(B):
+        for h in range(H):
+            s = scores[b, h].tolist()
+            best = sorted(sorted(range(S), key=lambda i: (-s[i], i))[:n])
+            check(idx[b, h].tolist() == best, f"{tag}: kept_indices[{b},{h}] are not the top-{n} scores")
+    if press == "KnormPress":
+        want = -keys.float().norm(dim=-1)
+        check(torch.allclose(scores, want, rtol=1e-2 if keys.dtype == torch.bfloat16 else 1e-5, atol=1e-3),
+              f"{tag}: scores are not -||k||")
+    check(meta.get("press") == press, f"{tag}: metadata press {meta.get('press')}")
+    check(float(meta.get("ratio", "nan")) == r, f"{tag}: metadata ratio {meta.get('ratio')}")
+    try:
+        params = json.loads(meta.get("params", ""))
+        check(isinstance(params, dict), f"{tag}: params is not an object")
+        if press == "SnapKVPress":
+            check(params.get("window_size") == "8", f"{tag}: params {params}")
+    except json.JSONDecodeError:
+        check(False, f"{tag}: params is not JSON: {meta.get('params')}")
+print(f"checked {len(cases)} outputs", file=sys.stderr)
+sys.exit(1 if bad else 0)
+EOF
+
+# ---- compress: errors ---------------------------------------------------------------------
+in="$tmp/kv.safetensors"
+out="$tmp/err_out.st"
+expect_error "no command" "no command given"
+expect_error "unknown command" "unknown command 'squeeze'" squeeze
+expect_error "unknown option" "unknown option '--pres'" compress --pres KnormPress --ratio 0.5 --input "$in" --output "$out"
+expect_error "unknown press" "unknown press 'NopePress'" compress --press NopePress --ratio 0.5 --input "$in" --output "$out"
+expect_error "unknown --param" "unknown parameter 'window'" compress --press SnapKVPress --ratio 0.5 --param window=8 --input "$in" --output "$out"
+expect_error "--param on a press without params" "unknown parameter 'n_sink'" compress --press KnormPress --ratio 0.5 --param n_sink=3 --input "$in" --output "$out"
+expect_error "malformed --param" "--param expects KEY=VALUE, got 'window_size'" compress --press SnapKVPress --ratio 0.5 --param window_size --input "$in" --output "$out"
+expect_error "bad --param value" "window_size" compress --press SnapKVPress --ratio 0.5 --param window_size=big --input "$in" --output "$out"
+expect_error "ratio 1" "--ratio must be a number in [0, 1), got '1'" compress --press KnormPress --ratio 1 --input "$in" --output "$out"
+expect_error "ratio negative" "--ratio must be a number in [0, 1)" compress --press KnormPress --ratio -0.1 --input "$in" --output "$out"
+expect_error "ratio not a number" "got 'half'" compress --press KnormPress --ratio half --input "$in" --output "$out"
+expect_error "ratio nan" "got 'nan'" compress --press KnormPress --ratio nan --input "$in" --output "$out"
+expect_error "missing --ratio" "compress needs --ratio" compress --press KnormPress --input "$in" --output "$out"
+expect_error "missing --input" "compress needs --input" compress --press KnormPress --ratio 0.5 --output "$out"
+expect_error "option without value" "option --output needs a value" compress --press KnormPress --ratio 0.5 --input "$in" --output
+expect_error "missing input file" "No such file or directory" compress --press KnormPress --ratio 0.5 --input "$tmp/absent.safetensors" --output "$out"
+expect_error "not safetensors" "garbage.safetensors" compress --press KnormPress --ratio 0.5 --input "$tmp/garbage.safetensors" --output "$out"
+expect_error "SnapKV without attentions/queries/hidden_states" "SnapKVPress" compress --press SnapKVPress --ratio 0.5 --param window_size=8 --input "$in" --output "$out"
+expect_error "ObservedAttention without attentions" "attentions" compress --press ObservedAttentionPress --ratio 0.5 --input "$tmp/queries.safetensors" --output "$out"
+expect_error "keys not 4-D" "'keys' must be [batch, kv_heads, seq_len, head_dim]" compress --press KnormPress --ratio 0.5 --input "$tmp/keys_3d.safetensors" --output "$out"
+expect_error "values shape" "'values' must have the shape of 'keys'" compress --press KnormPress --ratio 0.5 --input "$tmp/values_mismatch.safetensors" --output "$out"
+expect_error "missing keys" "missing tensor 'keys'" compress --press KnormPress --ratio 0.5 --input "$tmp/no_keys.safetensors" --output "$out"
+expect_error "unknown tensor" "unknown tensor 'querys'" compress --press KnormPress --ratio 0.5 --input "$tmp/typo.safetensors" --output "$out"
+expect_error "queries head_dim" "'queries' must be [2, num_heads, Sq, 8]" compress --press SnapKVPress --ratio 0.5 --input "$tmp/bad_queries.safetensors" --output "$out"
+expect_error "bad metadata" "metadata num_heads must be an integer, got 'four'" compress --press KnormPress --ratio 0.5 --input "$tmp/bad_meta.safetensors" --output "$out"
+expect_error "bad device" "--device must be a torch device such as cpu, cuda or cuda:1, got 'warp9'" compress --press KnormPress --ratio 0.5 --device warp9 --input "$in" --output "$out"
+expect_error "unwritable output" "No such file or directory" compress --press KnormPress --ratio 0.5 --input "$in" --output "$tmp/no/such/dir/out.st"
+expect_error "output is a directory" "is a directory" compress --press KnormPress --ratio 0.5 --input "$in" --output "$tmp"
+checks=$((checks + 1))
+[ ! -e "$out" ] || fail "an error run wrote $out"
+
+if [ "$failures" -ne 0 ]; then
+  echo "test_cli.sh: $failures failure(s) in $checks checks" >&2
+  exit 1
+fi
+echo "test_cli.sh: all $checks checks passed"

@@ -1,0 +1,550 @@
+// kvpress-cli: compress one attention layer's KV cache stored as safetensors with any press of
+// the registry, and list the presses. See docs/CLI.md.
+//
+//   kvpress-cli compress --press NAME --ratio R [--param KEY=VALUE ...] --input IN --output OUT
+//   kvpress-cli list [--names]
+//   kvpress-cli --help | --version
+//
+// Exit codes: 0 success; 2 bad usage or bad input (one line on stderr starting with
+// "kvpress-cli: error: "); 1 unexpected internal failure (same one-line format).
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kvpress/io/safetensors.h"
+#include "kvpress/ops.h"
+#include "kvpress/presses/base_press.h"
+#include "kvpress/registry.h"
+#include "kvpress/types.h"
+#include "kvpress/version.h"
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#endif
+#ifndef TORCH_VERSION
+#define TORCH_VERSION "unknown"
+#endif
+
+namespace {
+
+constexpr const char* kProg = "kvpress-cli";
+
+// Bad command line: reported like a c10::Error, exit code 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void usage_error(fmt::format_string<Args...> format, Args&&... args) {
+  throw UsageError(fmt::format(format, std::forward<Args>(args)...));
+}
+
+constexpr const char* kHelp = R"(kvpress-cli — compress a layer's KV cache with a kvpress press
+
+Usage:
+  kvpress-cli compress --press NAME --ratio R [--param KEY=VALUE ...]
+                       --input IN.safetensors --output OUT.safetensors
+                       [--device DEVICE] [--allow-unknown-tensors] [--quiet]
+  kvpress-cli list [--names]
+  kvpress-cli --help
+  kvpress-cli --version
+
+compress options:
+  --press NAME             kvpress class name, e.g. SnapKVPress (see `kvpress-cli list`)
+  --ratio R                compression ratio in [0, 1): the fraction of tokens removed
+  --param KEY=VALUE        a press parameter, e.g. --param window_size=32 (repeatable)
+  --input PATH, -i PATH    safetensors with keys, values [B, Hkv, S, D] and, as the press
+                           needs them: queries, attentions, cos, sin, hidden_states,
+                           q_proj, k_proj, q_norm, k_norm; metadata num_heads, layer_idx,
+                           num_layers, norm_eps
+  --output PATH, -o PATH   written with keys, values [B, Hkv, n_kept, D], scores [B, Hkv, S]
+                           float32, kept_indices [B, Hkv, n_kept] int64 (ascending)
+  --device DEVICE          where the press runs: cpu (default), cuda, cuda:1, ...
+  --allow-unknown-tensors  ignore input tensors the CLI does not know (default: error)
+  --quiet, -q              do not print the summary line
+
+list options:
+  --names                  print only the press names, one per line
+
+Errors print one line "kvpress-cli: error: ..." on stderr and exit with code 2.
+Full reference: docs/CLI.md.
+)";
+
+// ---- small parsers ----------------------------------------------------------------------
+
+std::optional<int64_t> parse_int(std::string_view text) {
+  int64_t value = 0;
+  const char* first = text.data();
+  const char* last = text.data() + text.size();
+  if (first != last && *first == '+') ++first;
+  const auto [ptr, ec] = std::from_chars(first, last, value);
+  if (ec != std::errc() || ptr != last || first == last) return std::nullopt;
+  return value;
+}
+
+std::optional<double> parse_double(const std::string& text) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size() || errno == ERANGE) return std::nullopt;
+  return value;
+}
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
+// First line of an exception message.
+std::string first_line(const std::string& message) {
+  const auto pos = message.find('\n');
+  std::string line = pos == std::string::npos ? message : message.substr(0, pos);
+  while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.pop_back();
+  return line.empty() ? "unknown error" : line;
+}
+
+// ---- compress ---------------------------------------------------------------------------
+
+struct CompressArgs {
+  std::string press;
+  std::optional<std::string> ratio_text;
+  std::map<std::string, std::string> params;
+  std::string input;
+  std::string output;
+  std::string device = "cpu";
+  bool allow_unknown_tensors = false;
+  bool quiet = false;
+};
+
+// Reads "--name VALUE" or "--name=VALUE"; returns true and advances i if argv[i] is `name`.
+bool take_value(const std::vector<std::string>& args, size_t& i, std::string_view name,
+                std::string_view short_name, std::string& out) {
+  const std::string& a = args[i];
+  if (a == name || (!short_name.empty() && a == short_name)) {
+    if (i + 1 >= args.size()) usage_error("option {} needs a value", a);
+    out = args[++i];
+    return true;
+  }
+  if (a.size() > name.size() && a.compare(0, name.size(), name) == 0 && a[name.size()] == '=') {
+    out = a.substr(name.size() + 1);
+    return true;
+  }
+  return false;
+}
+
+CompressArgs parse_compress_args(const std::vector<std::string>& args) {
+  CompressArgs out;
+  std::set<std::string> seen;
+  auto once = [&](const char* option) {
+    if (!seen.insert(option).second) usage_error("option {} given more than once", option);
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string value;
+    const std::string& a = args[i];
+    if (take_value(args, i, "--press", "", value)) {
+      once("--press");
+      out.press = value;
+    } else if (take_value(args, i, "--ratio", "", value)) {
+      once("--ratio");
+      out.ratio_text = value;
+    } else if (take_value(args, i, "--param", "", value)) {
+      const auto eq = value.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        usage_error("--param expects KEY=VALUE, got '{}'", value);
+      }
+      const std::string key = value.substr(0, eq);
+      if (!out.params.emplace(key, value.substr(eq + 1)).second) {
+        usage_error("--param {} given more than once", key);
+      }
+    } else if (take_value(args, i, "--input", "-i", value)) {
+      once("--input");
+      out.input = value;
+    } else if (take_value(args, i, "--output", "-o", value)) {
+      once("--output");
+      out.output = value;
+    } else if (take_value(args, i, "--device", "", value)) {
+      once("--device");
+      out.device = value;
+    } else if (a == "--allow-unknown-tensors") {
+      out.allow_unknown_tensors = true;
+    } else if (a == "--quiet" || a == "-q") {
+      out.quiet = true;
+    } else if (!a.empty() && a[0] == '-') {
+      usage_error("compress: unknown option '{}' (see kvpress-cli --help)", a);
+    } else {
+      usage_error("compress: unexpected argument '{}' (see kvpress-cli --help)", a);
+    }
+  }
+  if (out.press.empty()) usage_error("compress needs --press NAME (see kvpress-cli list)");
+  if (!out.ratio_text) usage_error("compress needs --ratio R, a number in [0, 1)");
+  if (out.input.empty()) usage_error("compress needs --input PATH");
+  if (out.output.empty()) usage_error("compress needs --output PATH");
+  return out;
+}
+
+double parse_ratio(const std::string& text) {
+  const auto r = parse_double(text);
+  if (!r || !std::isfinite(*r) || *r < 0.0 || *r >= 1.0) {
+    usage_error("--ratio must be a number in [0, 1), got '{}'", text);
+  }
+  return *r;
+}
+
+c10::Device parse_device(const std::string& text) {
+  try {
+    return c10::Device(text);
+  } catch (const c10::Error&) {
+    usage_error("--device must be a torch device such as cpu, cuda or cuda:1, got '{}'", text);
+  }
+}
+
+// Tensors an input file may hold, in LayerInputs order.
+const std::vector<std::string>& known_tensors() {
+  static const std::vector<std::string> names = {
+      "keys",   "values", "queries", "hidden_states", "q_proj", "k_proj",
+      "q_norm", "k_norm", "attentions", "cos",        "sin"};
+  return names;
+}
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+int64_t metadata_int(const kvpress::io::SafetensorsFile& file, const std::string& path,
+                     const char* key, int64_t fallback) {
+  const auto it = file.metadata.find(key);
+  if (it == file.metadata.end()) return fallback;
+  const auto v = parse_int(it->second);
+  TORCH_CHECK(v.has_value(), "input ", path, ": metadata ", key, " must be an integer, got '",
+              it->second, "'");
+  return *v;
+}
+
+// Builds LayerInputs from the file and checks the shapes against each other, naming the tensor.
+kvpress::LayerInputs layer_inputs(kvpress::io::SafetensorsFile& file, const std::string& path,
+                                  bool allow_unknown) {
+  const auto& known = known_tensors();
+  for (const auto& [name, t] : file.tensors) {
+    (void)t;
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      if (!allow_unknown) {
+        TORCH_CHECK(false, "input ", path, ": unknown tensor '", name, "' (expected ",
+                    join(known, ", "), "; --allow-unknown-tensors ignores it)");
+      }
+      fmt::print(stderr, "{}: warning: input {}: ignoring unknown tensor '{}'\n", kProg, path,
+                 name);
+    }
+  }
+  auto take = [&](const char* name) {
+    const auto it = file.tensors.find(name);
+    if (it == file.tensors.end()) return at::Tensor();
+    at::Tensor t = it->second;
+    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "input ", path, ": '", name,
+                "' must be a floating-point tensor, got ", t.scalar_type());
+    return t;
+  };
+
+  kvpress::LayerInputs in;
+  in.keys = take("keys");
+  in.values = take("values");
+  in.queries = take("queries");
+  in.hidden_states = take("hidden_states");
+  in.q_proj = take("q_proj");
+  in.k_proj = take("k_proj");
+  in.q_norm = take("q_norm");
+  in.k_norm = take("k_norm");
+  in.attentions = take("attentions");
+  in.cos = take("cos");
+  in.sin = take("sin");
+
+  TORCH_CHECK(in.keys.defined(), "input ", path, ": missing tensor 'keys' [batch, kv_heads, seq_len, head_dim]");
+  TORCH_CHECK(in.values.defined(), "input ", path, ": missing tensor 'values' [batch, kv_heads, seq_len, head_dim]");
+  TORCH_CHECK(in.keys.dim() == 4 && in.keys.size(2) > 0 && in.keys.size(3) > 0, "input ", path,
+              ": 'keys' must be [batch, kv_heads, seq_len, head_dim] with seq_len, head_dim > 0, got ",
+              shape_str(in.keys.sizes()));
+  const int64_t B = in.keys.size(0), Hkv = in.keys.size(1), S = in.keys.size(2), D = in.keys.size(3);
+  TORCH_CHECK(in.values.sizes() == in.keys.sizes(), "input ", path,
+              ": 'values' must have the shape of 'keys' ", shape_str(in.keys.sizes()), ", got ",
+              shape_str(in.values.sizes()));
+  TORCH_CHECK(in.values.scalar_type() == in.keys.scalar_type(), "input ", path,
+              ": 'values' must have the dtype of 'keys' (", in.keys.scalar_type(), "), got ",
+              in.values.scalar_type());
+
+  in.num_heads = metadata_int(file, path, "num_heads", 0);
+  TORCH_CHECK(in.num_heads > 0 || !file.metadata.count("num_heads"), "input ", path,
+              ": metadata num_heads must be positive, got ", in.num_heads);
+  int64_t hq = in.num_heads;
+  std::string hq_from = "metadata num_heads";
+  auto agree_hq = [&](int64_t h, const std::string& from) {
+    if (hq == 0) {
+      hq = h;
+      hq_from = from;
+    } else {
+      TORCH_CHECK(h == hq, "input ", path, ": ", from, " implies ", h, " query heads but ",
+                  hq_from, " implies ", hq);
+    }
+  };
+
+  if (in.queries.defined()) {
+    const auto& q = in.queries;
+    TORCH_CHECK(q.dim() == 4 && q.size(0) == B && q.size(2) >= 1 && q.size(2) <= S &&
+                    q.size(3) == D,
+                "input ", path, ": 'queries' must be [", B, ", num_heads, Sq, ", D,
+                "] with 1 <= Sq <= ", S, ", got ", shape_str(q.sizes()));
+    agree_hq(q.size(1), "'queries' " + shape_str(q.sizes()));
+  }
+  if (in.attentions.defined()) {
+    const auto& a = in.attentions;
+    TORCH_CHECK(a.dim() == 4 && a.size(0) == B && a.size(2) >= 1 && a.size(2) <= S &&
+                    a.size(3) == S,
+                "input ", path, ": 'attentions' must be [", B, ", num_heads, Sq, ", S,
+                "] with 1 <= Sq <= ", S, ", got ", shape_str(a.sizes()));
+    agree_hq(a.size(1), "'attentions' " + shape_str(a.sizes()));
+  }
+  TORCH_CHECK(in.cos.defined() == in.sin.defined(), "input ", path, ": 'cos' and 'sin' come together; only '",
+              in.cos.defined() ? "cos" : "sin", "' was given");
+  for (const auto* name : {"cos", "sin"}) {
+    const auto& t = std::string(name) == "cos" ? in.cos : in.sin;
+    TORCH_CHECK(!t.defined() || (t.dim() == 2 && t.size(0) == S && t.size(1) == D), "input ",
+                path, ": '", name, "' must be [", S, ", ", D, "] (seq_len, head_dim), got ",
+                shape_str(t.sizes()));
+  }
+  int64_t hidden = -1;
+  if (in.hidden_states.defined()) {
+    const auto& h = in.hidden_states;
+    TORCH_CHECK(h.dim() == 3 && h.size(0) == B && h.size(1) == S && h.size(2) > 0, "input ",
+                path, ": 'hidden_states' must be [", B, ", ", S, ", hidden_size], got ",
+                shape_str(h.sizes()));
+    hidden = h.size(2);
+  }
+  if (in.q_proj.defined()) {
+    const auto& w = in.q_proj;
+    TORCH_CHECK(w.dim() == 2 && w.size(0) > 0 && w.size(0) % D == 0 &&
+                    (hidden < 0 || w.size(1) == hidden),
+                "input ", path, ": 'q_proj' must be [num_heads * ", D, ", ",
+                hidden < 0 ? std::string("hidden_size") : std::to_string(hidden), "], got ",
+                shape_str(w.sizes()));
+    agree_hq(w.size(0) / D, "'q_proj' " + shape_str(w.sizes()));
+  }
+  if (in.k_proj.defined()) {
+    const auto& w = in.k_proj;
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == Hkv * D && (hidden < 0 || w.size(1) == hidden),
+                "input ", path, ": 'k_proj' must be [", Hkv * D, ", ",
+                hidden < 0 ? std::string("hidden_size") : std::to_string(hidden), "], got ",
+                shape_str(w.sizes()));
+  }
+  for (const auto* name : {"q_norm", "k_norm"}) {
+    const auto& t = std::string(name) == "q_norm" ? in.q_norm : in.k_norm;
+    TORCH_CHECK(!t.defined() || (t.dim() == 1 && t.size(0) == D), "input ", path, ": '", name,
+                "' must be [", D, "] (head_dim), got ", shape_str(t.sizes()));
+  }
+  TORCH_CHECK(hq == 0 || hq % Hkv == 0, "input ", path, ": ", hq_from, " gives ", hq,
+              " query heads, not a multiple of the ", Hkv, " KV heads of 'keys'");
+
+  in.num_layers = metadata_int(file, path, "num_layers", 1);
+  in.layer_idx = metadata_int(file, path, "layer_idx", 0);
+  TORCH_CHECK(in.num_layers >= 1, "input ", path, ": metadata num_layers must be >= 1, got ",
+              in.num_layers);
+  TORCH_CHECK(in.layer_idx >= 0 && in.layer_idx < in.num_layers, "input ", path,
+              ": metadata layer_idx must be in [0, ", in.num_layers, "), got ", in.layer_idx);
+  if (const auto it = file.metadata.find("norm_eps"); it != file.metadata.end()) {
+    const auto eps = parse_double(it->second);
+    TORCH_CHECK(eps && std::isfinite(*eps) && *eps >= 0, "input ", path,
+                ": metadata norm_eps must be a non-negative number, got '", it->second, "'");
+    in.norm_eps = *eps;
+  }
+  return in;
+}
+
+kvpress::LayerInputs to_device(const kvpress::LayerInputs& in, const c10::Device& device) {
+  kvpress::LayerInputs out = in;
+  for (at::Tensor* t : {&out.keys, &out.values, &out.queries, &out.hidden_states, &out.q_proj,
+                        &out.k_proj, &out.q_norm, &out.k_norm, &out.attentions, &out.cos,
+                        &out.sin}) {
+    if (t->defined()) *t = t->to(device);
+  }
+  return out;
+}
+
+const kvpress::PressInfo* find_info(const std::string& name) {
+  for (const auto& info : kvpress::list_presses()) {
+    if (info.name == name) return &info;
+  }
+  return nullptr;
+}
+
+int run_compress(const std::vector<std::string>& argv) {
+  const CompressArgs args = parse_compress_args(argv);
+  const double ratio = parse_ratio(*args.ratio_text);
+  const c10::Device device = parse_device(args.device);
+
+  // The press first: an unknown press or parameter is reported before any file is read.
+  std::unique_ptr<kvpress::BasePress> press = kvpress::make_press(args.press, ratio, args.params);
+
+  auto file = kvpress::io::load_safetensors(args.input);
+  const kvpress::LayerInputs inputs =
+      to_device(layer_inputs(file, args.input, args.allow_unknown_tensors), device);
+  const int64_t B = inputs.keys.size(0), Hkv = inputs.keys.size(1), S = inputs.keys.size(2);
+
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor scores;
+  kvpress::KV kv;
+  if (const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get())) {
+    // Score once and select from exactly these scores, so the file's scores explain its
+    // kept_indices.
+    scores = scorer->score(inputs);
+    TORCH_CHECK(scores.defined() && scores.dim() == 3 && scores.size(0) == B &&
+                    scores.size(1) == Hkv && scores.size(2) == S,
+                press->name(), ": score() returned ", scores.defined() ? shape_str(scores.sizes()) : "nothing",
+                ", expected [", B, ", ", Hkv, ", ", S, "]");
+    const int64_t n = kvpress::ops::n_kept(S, ratio);
+    const at::Tensor indices = kvpress::ops::topk_indices(scores, n);
+    kv = kvpress::ops::gather_kv(inputs.keys, inputs.values, indices);
+    kv.kept_indices = indices;
+  } else {
+    kv = press->compress(inputs);
+  }
+  TORCH_CHECK(kv.keys.defined() && kv.values.defined() && kv.kept_indices.defined(),
+              press->name(), ": compress() returned an incomplete result");
+  // Copying back to the CPU synchronises, so the time covers the device work.
+  std::map<std::string, at::Tensor> out = {
+      {"keys", kv.keys.to(at::kCPU).contiguous()},
+      {"values", kv.values.to(at::kCPU).contiguous()},
+      {"kept_indices", kv.kept_indices.to(at::kCPU, at::kLong).contiguous()},
+  };
+  if (scores.defined()) out["scores"] = scores.to(at::kCPU, at::kFloat).contiguous();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+
+  // Effective parameters (defaults overridden by --param), as text.
+  nlohmann::json params = nlohmann::json::object();
+  if (const auto* info = find_info(args.press)) {
+    for (const auto& p : info->params) params[p.name] = p.default_value;
+  }
+  for (const auto& [key, value] : args.params) params[key] = value;
+  const int64_t n_kept = kv.kept_indices.size(-1);
+  const std::map<std::string, std::string> metadata = {
+      {"press", press->name()},
+      {"ratio", fmt::format("{}", ratio)},
+      {"params", params.dump()},
+      {"seq_len", std::to_string(S)},
+      {"n_kept", std::to_string(n_kept)},
+      {"kvpress_version", KVPRESS_VERSION},
+  };
+  kvpress::io::save_safetensors(args.output, out, metadata);
+
+  if (!args.quiet) {
+    fmt::print("{}: ratio {}, {} -> {} tokens per head (batch {}, {} KV heads) in {:.2f} ms on {}; wrote {}\n",
+               press->name(), ratio, S, n_kept, B, Hkv, ms, device.str(), args.output);
+  }
+  return 0;
+}
+
+// ---- list -------------------------------------------------------------------------------
+
+int run_list(const std::vector<std::string>& args) {
+  bool names_only = false;
+  for (const auto& a : args) {
+    if (a == "--names") {
+      names_only = true;
+    } else {
+      usage_error("list: unknown argument '{}' (see kvpress-cli --help)", a);
+    }
+  }
+  const auto& presses = kvpress::list_presses();
+  std::string out;
+  for (size_t i = 0; i < presses.size(); ++i) {
+    const auto& p = presses[i];
+    if (names_only) {
+      out += p.name + "\n";
+      continue;
+    }
+    if (i) out += "\n";
+    out += fmt::format("{}\n  {}\n  needs: {}\n", p.name, p.summary,
+                       p.needs.empty() ? "keys, values" : p.needs);
+    if (p.params.empty()) {
+      out += "  params: none\n";
+      continue;
+    }
+    out += "  params:\n";
+    size_t wn = 0, wt = 0, wd = 0;
+    for (const auto& q : p.params) {
+      wn = std::max(wn, q.name.size());
+      wt = std::max(wt, q.type.size());
+      wd = std::max(wd, q.default_value.size());
+    }
+    for (const auto& q : p.params) {
+      out += fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}\n", q.name, wn, q.type, wt,
+                         q.default_value, wd, q.help);
+    }
+  }
+  fmt::print("{}", out);
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) usage_error("no command given (see kvpress-cli --help)");
+  const std::string command = args.front();
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  const bool wants_help = std::find_if(rest.begin(), rest.end(), [](const std::string& a) {
+                            return a == "--help" || a == "-h";
+                          }) != rest.end();
+  if (command == "--help" || command == "-h" || command == "help" || wants_help) {
+    fmt::print("{}", kHelp);
+    return 0;
+  }
+  if (command == "--version" || command == "-V" || command == "version") {
+    fmt::print("kvpress-cli {} (libtorch {})\n", KVPRESS_VERSION, TORCH_VERSION);
+    return 0;
+  }
+  if (command == "compress") return run_compress(rest);
+  if (command == "list") return run_list(rest);
+  usage_error("unknown command '{}' (commands: compress, list; see kvpress-cli --help)", command);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "{}: error: {}\n", kProg, first_line(e.what()));
+    return 2;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "{}: error: {}\n", kProg, first_line(e.what_without_backtrace()));
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "{}: error: internal error: {}\n", kProg, first_line(e.what()));
+    return 1;
+  } catch (...) {
+    fmt::print(stderr, "{}: error: internal error: unknown exception\n", kProg);
+    return 1;
+  }
+}
