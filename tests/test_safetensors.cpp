@@ -7,7 +7,9 @@
 
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -16,25 +18,34 @@
 
 #include "kvpress/io/safetensors.h"
 
-namespace fs = std::filesystem;
 using kvpress::io::load_safetensors;
 using kvpress::io::save_safetensors;
 
 namespace {
 
+// POSIX file helpers: std::filesystem calls can bind to the copies the torch wheel's libtorch
+// exports and crash (seen with remove_all).
+bool file_exists(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+void remove_tree(const std::string& dir) {
+  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
 // A fresh directory per test, removed afterwards.
 class Safetensors : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("kvpress_st_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    std::string templ = "/tmp/kvpress_st_XXXXXX";
+    ASSERT_NE(::mkdtemp(templ.data()), nullptr);
+    dir_ = templ;
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { remove_tree(dir_); }
 
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
 
   // Writes an 8-byte length + `header` + `body` file and returns its path.
   std::string write_raw(const std::string& name, const std::string& header,
@@ -47,7 +58,7 @@ class Safetensors : public ::testing::Test {
     return p;
   }
 
-  fs::path dir_;
+  std::string dir_;
 };
 
 std::string read_bytes(const std::string& p) {
@@ -155,7 +166,7 @@ TEST_F(Safetensors, WritesDeterministicAlignedFiles) {
   EXPECT_NE(header.find("\"c_bf16\":{\"data_offsets\":[44,54]"), std::string::npos) << header;
   EXPECT_NE(header.find("\"a_bool\":{\"data_offsets\":[54,57]"), std::string::npos) << header;
   EXPECT_EQ(bytes.size(), 8 + n + 57);
-  EXPECT_FALSE(fs::exists(path("1.st.tmp")));
+  EXPECT_FALSE(file_exists(path("1.st.tmp")));
 }
 
 TEST_F(Safetensors, OverwritesAnExistingFile) {
@@ -221,7 +232,7 @@ TEST_F(Safetensors, MissingFile) {
 }
 
 TEST_F(Safetensors, Directory) {
-  expect_error([&] { load_safetensors(dir_.string()); }, {dir_.string(), "is a directory"});
+  expect_error([&] { load_safetensors(dir_); }, {dir_, "is a directory"});
 }
 
 TEST_F(Safetensors, TooShortForTheLength) {
@@ -334,9 +345,9 @@ TEST_F(Safetensors, SaveErrors) {
                {"tensor names must not be empty"});
   expect_error([&] { save_safetensors(p, {{"x", at::zeros({1})}}, {{"bad", std::string("\xff\xfe", 2)}}); },
                {"cannot encode the header"});
-  EXPECT_FALSE(fs::exists(p));
-  expect_error([&] { save_safetensors(dir_.string(), {{"x", at::zeros({1})}}); },
-               {"save_safetensors: " + dir_.string() + ": is a directory"});
+  EXPECT_FALSE(file_exists(p));
+  expect_error([&] { save_safetensors(dir_, {{"x", at::zeros({1})}}); },
+               {"save_safetensors: " + dir_ + ": is a directory"});
   const std::string missing_dir = path("no/such/dir/out.st");
   expect_error([&] { save_safetensors(missing_dir, {{"x", at::zeros({1})}}); },
                {"save_safetensors: " + missing_dir + ": cannot create file (No such file or directory)"});

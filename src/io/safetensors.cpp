@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
+#include <sys/stat.h>
 #include <limits>
 #include <memory>
 #include <string>
@@ -97,12 +97,17 @@ int64_t json_int(const json& v, const std::string& path, const std::string& what
   return v.get<int64_t>();
 }
 
+// stat(), not std::filesystem: the torch wheel's libtorch exports std::filesystem symbols of its
+// own that can bind in place of libstdc++'s and crash.
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 }  // namespace
 
 SafetensorsFile load_safetensors(const std::string& path) {
-  std::error_code ec;
-  const bool is_dir = std::filesystem::is_directory(path, ec);
-  ST_LOAD_CHECK(!is_dir, "is a directory, not a safetensors file");
+  ST_LOAD_CHECK(!is_directory(path), "is a directory, not a safetensors file");
 
   errno = 0;
   File file(std::fopen(path.c_str(), "rb"));
@@ -278,8 +283,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   uint8_t len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(header_len >> (8 * i));
 
-  std::error_code ec;
-  ST_SAVE_CHECK(!std::filesystem::is_directory(path, ec), "is a directory");
+  ST_SAVE_CHECK(!is_directory(path), "is a directory");
 
   // Write to a temporary file next to the target and rename, so a failed write never leaves a
   // truncated file under the final name.

@@ -1,0 +1,172 @@
+// Reading the parity fixtures written by tests/reference/make_fixtures.py (the pinned Python
+// kvpress): manifest.json, one <case>.inputs.safetensors per captured layer and one
+// <run>.safetensors per (press, parameters, ratio, input source). See tests/reference/README.md.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvpress/io/safetensors.h"
+#include "kvpress/types.h"
+
+namespace kvpress::testing {
+
+// One kvpress run on one captured layer.
+struct FixtureRun {
+  std::string name;    // unique, e.g. "real_f32_l0__SnapKVPress_w16_k3_r0.5_attentions"
+  std::string press;   // kvpress class name
+  double compression_ratio = 0.0;
+  std::map<std::string, std::string> params;  // kvpress parameter names, values as text
+  // Inputs the C++ press gets besides keys/values:
+  //   "keys" (nothing else), "attentions", "hidden_states" (+ q_proj, k_proj, cos, sin), "queries".
+  std::string source;
+  std::string file;  // scores (float32 [B, Hkv, S]) and kept_indices (int64, ascending)
+};
+
+// One captured attention layer and the runs made on it.
+struct FixtureCase {
+  std::string name;
+  std::string family;  // "real" or "random"
+  std::string dtype;   // "float32" or "bfloat16"
+  std::string inputs;  // file name of the inputs
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t seq_len = 0;
+  int64_t layer_idx = 0;
+  int64_t num_layers = 1;
+  bool has_attentions = false;
+  std::vector<FixtureRun> runs;
+};
+
+struct Manifest {
+  std::string dir;
+  std::string kvpress_version;
+  std::string torch_version;
+  std::string transformers_version;
+  std::vector<FixtureCase> cases;
+};
+
+inline const char* fixtures_howto() {
+  return "generate the parity fixtures with the pinned kvpress: "
+         "`bash scripts/test.sh` does it, or by hand "
+         "`source scripts/common.sh && kvpress_fixtures` (writes <build>/fixtures), or "
+         "`<venv>/bin/python tests/reference/make_fixtures.py --out DIR`; then run the tests "
+         "with KVPRESS_FIXTURES=DIR";
+}
+
+// The fixture directory: $KVPRESS_FIXTURES, else the build's default when the build defines
+// KVPRESS_FIXTURES_DEFAULT_DIR (ctest's test discovery runs without the test environment),
+// else "".
+inline std::string fixtures_dir() {
+  if (const char* env = std::getenv("KVPRESS_FIXTURES"); env && *env) return env;
+#ifdef KVPRESS_FIXTURES_DEFAULT_DIR
+  return KVPRESS_FIXTURES_DEFAULT_DIR;
+#else
+  return "";
+#endif
+}
+
+// Parses DIR/manifest.json. Throws std::runtime_error saying what is missing and how to make it.
+inline Manifest load_manifest(const std::string& dir) {
+  if (dir.empty()) {
+    throw std::runtime_error(std::string("KVPRESS_FIXTURES is not set; ") + fixtures_howto());
+  }
+  const std::string path = dir + "/manifest.json";
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("no parity manifest at " + path + "; " + fixtures_howto());
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    throw std::runtime_error("malformed parity manifest " + path + ": " + e.what());
+  }
+  Manifest m;
+  m.dir = dir;
+  m.kvpress_version = j.at("kvpress_version").get<std::string>();
+  m.torch_version = j.value("torch_version", "");
+  m.transformers_version = j.value("transformers_version", "");
+  for (const auto& jc : j.at("cases")) {
+    FixtureCase c;
+    c.name = jc.at("name").get<std::string>();
+    c.family = jc.at("family").get<std::string>();
+    c.dtype = jc.at("dtype").get<std::string>();
+    c.inputs = jc.at("inputs").get<std::string>();
+    c.num_heads = jc.at("num_heads").get<int64_t>();
+    c.num_kv_heads = jc.at("num_kv_heads").get<int64_t>();
+    c.head_dim = jc.at("head_dim").get<int64_t>();
+    c.seq_len = jc.at("seq_len").get<int64_t>();
+    c.layer_idx = jc.at("layer_idx").get<int64_t>();
+    c.num_layers = jc.at("num_layers").get<int64_t>();
+    c.has_attentions = jc.at("has_attentions").get<bool>();
+    for (const auto& jr : jc.at("runs")) {
+      FixtureRun r;
+      r.press = jr.at("press").get<std::string>();
+      r.compression_ratio = jr.at("compression_ratio").get<double>();
+      r.params = jr.at("params").get<std::map<std::string, std::string>>();
+      r.source = jr.at("source").get<std::string>();
+      r.file = jr.at("file").get<std::string>();
+      r.name = jr.value("name", c.name + "__" + r.press + "_" + r.source);
+      c.runs.push_back(std::move(r));
+    }
+    m.cases.push_back(std::move(c));
+  }
+  return m;
+}
+
+// Loads a fixture file once per process (every run of a case shares its inputs).
+inline const io::SafetensorsFile& load_fixture_file(const std::string& path) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<io::SafetensorsFile>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = cache[path];
+  if (!slot) slot = std::make_shared<io::SafetensorsFile>(io::load_safetensors(path));
+  return *slot;
+}
+
+inline const at::Tensor& fixture_tensor(const io::SafetensorsFile& file, const std::string& key,
+                                        const std::string& path) {
+  const auto it = file.tensors.find(key);
+  if (it == file.tensors.end()) throw std::runtime_error("fixture " + path + " has no tensor '" + key + "'");
+  return it->second;
+}
+
+// The LayerInputs a C++ caller would pass for `run.source`: keys and values always, plus only
+// what that source names, so a press cannot silently fall back to another input.
+inline LayerInputs make_layer_inputs(const Manifest& m, const FixtureCase& c, const FixtureRun& r) {
+  const std::string path = m.dir + "/" + c.inputs;
+  const io::SafetensorsFile& f = load_fixture_file(path);
+  auto get = [&](const char* key) { return fixture_tensor(f, key, path); };
+  LayerInputs in;
+  in.keys = get("keys");
+  in.values = get("values");
+  in.num_heads = c.num_heads;
+  in.layer_idx = c.layer_idx;
+  in.num_layers = c.num_layers;
+  if (r.source == "attentions") {
+    in.attentions = get("attentions");
+  } else if (r.source == "hidden_states") {
+    in.hidden_states = get("hidden_states");
+    in.q_proj = get("q_proj");
+    in.k_proj = get("k_proj");
+    in.cos = get("cos");
+    in.sin = get("sin");
+  } else if (r.source == "queries") {
+    in.queries = get("queries");
+  } else if (r.source != "keys") {
+    throw std::runtime_error("run " + r.name + ": unknown source '" + r.source + "'");
+  }
+  return in;
+}
+
+}  // namespace kvpress::testing

@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""Parity fixtures for kvpress-cpp, produced by the pinned Python kvpress package.
+
+    python make_fixtures.py --out DIR [--only real|random] [--models DIR] [--data FILE]
+
+For every captured attention layer this writes the press inputs exactly as kvpress's forward
+hook sees them, and for every (press, parameters, compression ratio, input source) the scores
+and kept positions that kvpress itself computes. See README.md next to this file for the
+layout; tests/test_parity.cpp reads it.
+
+CPU only, deterministic (fixed seeds), two threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+PINNED_KVPRESS = "0.5.5"
+
+try:
+    _kvpress_version = importlib.metadata.version("kvpress")
+except importlib.metadata.PackageNotFoundError:
+    sys.exit(f"make_fixtures.py: kvpress {PINNED_KVPRESS} is not installed in {sys.executable}")
+if _kvpress_version != PINNED_KVPRESS:
+    sys.exit(
+        f"make_fixtures.py: the parity target is kvpress {PINNED_KVPRESS}, but {sys.executable} has "
+        f"kvpress {_kvpress_version}; run scripts/setup.sh and use its virtual environment"
+    )
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import rotate_half  # noqa: E402
+
+import kvpress  # noqa: E402
+from kvpress.utils import compute_n_kept, get_prerope_query_states  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Attention weights are stored only when B * Hq * S * S * 4 bytes stays below this.
+MAX_ATTENTION_BYTES = 40 * 1024 * 1024
+
+# ---------------------------------------------------------------------------------------------
+# Press configurations. Parameter values are text, named as kvpress names them.
+# sources: which inputs the C++ side gets for the run.
+#   "keys"          keys, values
+#   "attentions"    keys, values, attentions (eager weights)
+#   "hidden_states" keys, values, hidden_states, q_proj, k_proj, cos, sin (queries recomputed)
+#   "queries"       keys, values, post-RoPE queries; expected = the "hidden_states" run
+# ---------------------------------------------------------------------------------------------
+KEYS_ONLY = ("keys",)
+ATTENTION_BASED = ("attentions", "hidden_states", "queries")
+
+PRESSES = [
+    # (class name, params, sources, extra ratios)
+    ("RandomPress", {"seed": "42"}, KEYS_ONLY, ()),
+    ("KnormPress", {}, KEYS_ONLY, (0.25, 0.75)),
+    ("StreamingLLMPress", {}, KEYS_ONLY, (0.25, 0.75)),
+    ("StreamingLLMPress", {"n_sink": "8"}, KEYS_ONLY, ()),
+    ("KeyDiffPress", {}, KEYS_ONLY, ()),
+    ("SnapKVPress", {}, ATTENTION_BASED, (0.25, 0.75)),
+    ("SnapKVPress", {"window_size": "16", "kernel_size": "3"}, ATTENTION_BASED, ()),
+    ("LagKVPress", {}, KEYS_ONLY, (0.25, 0.75)),
+    ("LagKVPress", {"lag_size": "32"}, KEYS_ONLY, ()),
+    ("LagKVPress", {"cross_scoring": "True"}, KEYS_ONLY, ()),
+    ("LagKVPress", {"lag_size": "32", "cross_scoring": "True"}, KEYS_ONLY, ()),
+    ("TOVAPress", {}, ATTENTION_BASED, (0.25,)),
+    ("ObservedAttentionPress", {}, ("attentions",), ()),
+]
+BASE_RATIO = 0.5
+
+# Random-weight Llama cases: (head_dim, dtype, seq_len, store attentions). 8 query heads,
+# 2 KV heads, one layer. S=200 takes LagKV's short-input ramp; the long cases have a LagKV
+# remainder that is not a multiple of the lag.
+RANDOM_CASES = [
+    (64, torch.float32, 200),
+    (64, torch.bfloat16, 200),
+    (128, torch.float32, 200),
+    (64, torch.float32, 1024),
+    (128, torch.bfloat16, 1024),
+    (128, torch.float32, 3000),
+    (64, torch.bfloat16, 2900),
+]
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+SHORT_DTYPE = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def parse_value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def param_tag(params: dict[str, str]) -> str:
+    if not params:
+        return "default"
+    short = {"window_size": "w", "kernel_size": "k", "lag_size": "lag", "n_sink": "sink",
+             "cross_scoring": "cross", "seed": "seed"}
+    return "_".join(f"{short.get(k, k)}{'' if v == 'True' else v}" for k, v in params.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture
+# ---------------------------------------------------------------------------------------------
+def capture_layers(model: LlamaForCausalLM, input_ids: torch.Tensor) -> list[dict]:
+    """Runs a prefill and records, for every layer, what kvpress's forward hook receives."""
+    captured: dict[int, dict] = {}
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        layer = cache.layers[module.layer_idx]
+        captured[module.layer_idx] = {
+            "module": module,
+            "hidden_states": kwargs["hidden_states"].detach().clone(),
+            "keys": layer.keys.detach().clone(),
+            "values": layer.values.detach().clone(),
+            "attentions": None if output[1] is None else output[1].detach().clone(),
+            "kwargs": {
+                "position_embeddings": tuple(t.detach().clone() for t in kwargs["position_embeddings"]),
+                "cache_position": kwargs["cache_position"],
+            },
+        }
+        return output
+
+    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, past_key_values=DynamicCache(), use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [captured[i] for i in sorted(captured)]
+
+
+def post_rope_queries(module, hidden_states, cos, sin) -> torch.Tensor:
+    """Post-RoPE queries of all positions, computed the way kvpress's SnapKV/TOVA do."""
+    q = get_prerope_query_states(module, hidden_states)
+    return (q * cos.unsqueeze(1)) + (rotate_half(q) * sin.unsqueeze(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the presses
+# ---------------------------------------------------------------------------------------------
+def run_press(press, layer: dict, source: str):
+    attentions = layer["attentions"] if source == "attentions" else None
+    args = (layer["module"], layer["hidden_states"], layer["keys"], layer["values"], attentions, layer["kwargs"])
+    with torch.no_grad():
+        scores = press.score(*args)
+        new_keys, new_values = press.compress(*args)
+    keys = layer["keys"]
+    n_kept = compute_n_kept(keys.shape[2], press.compression_ratio)
+    assert tuple(scores.shape) == tuple(keys.shape[:3]), (scores.shape, keys.shape)
+    topk = scores.topk(n_kept, dim=-1).indices
+    gathered = keys.gather(2, topk.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    if not torch.equal(gathered, new_keys):
+        raise AssertionError(f"{type(press).__name__}: compress() kept other keys than score().topk()")
+    gathered_v = layer["values"].gather(2, topk.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    assert torch.equal(gathered_v, new_values)
+    kept = topk.sort(dim=-1).values.to(torch.int64).contiguous()
+    return scores.to(torch.float32).contiguous(), kept, n_kept
+
+
+def lagkv_statistic(press, layer: dict) -> torch.Tensor:
+    """LagKV's per-token statistic before the within-partition ranking: the scores of the same
+    press with cross_scoring=True (sinks and tail are 1). The C++ test needs it to tell which
+    rank differences come from near-equal statistics."""
+    cross = kvpress.LagKVPress(compression_ratio=press.compression_ratio, n_sink=press.n_sink,
+                               lag_size=press.lag_size, cross_scoring=True)
+    with torch.no_grad():
+        stat = cross.score(layer["module"], layer["hidden_states"], layer["keys"], layer["values"], None,
+                           layer["kwargs"])
+    return stat.to(torch.float32).contiguous()
+
+
+def straddling_tie(scores: torch.Tensor, n_kept: int) -> bool:
+    """True when some row has equal scores on both sides of the selection threshold."""
+    s = scores.reshape(-1, scores.shape[-1])
+    if n_kept >= s.shape[-1]:
+        return False
+    top = s.topk(n_kept + 1, dim=-1).values
+    return bool((top[:, n_kept - 1] == top[:, n_kept]).any())
+
+
+def write_case(out: Path, name: str, family: str, description: str, model_cfg, layer: dict, num_layers: int,
+               keep_attentions: bool) -> tuple[dict, dict]:
+    module = layer["module"]
+    keys = layer["keys"]
+    dtype = keys.dtype
+    b, hkv, s, d = keys.shape
+    cos, sin = layer["kwargs"]["position_embeddings"]
+    hidden_states = layer["hidden_states"]
+    with torch.no_grad():
+        queries = post_rope_queries(module, hidden_states, cos, sin)
+    if not keep_attentions:
+        layer = dict(layer, attentions=None)
+    has_attn = layer["attentions"] is not None
+
+    tensors = {
+        "keys": keys,
+        "values": layer["values"],
+        "hidden_states": hidden_states,
+        "q_proj": module.q_proj.weight.detach(),
+        "k_proj": module.k_proj.weight.detach(),
+        "cos": cos[0],
+        "sin": sin[0],
+        "queries": queries,
+    }
+    if has_attn:
+        tensors["attentions"] = layer["attentions"]
+    for key, t in tensors.items():
+        assert t.dtype == dtype, (key, t.dtype, dtype)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{name}.inputs.safetensors"))
+
+    case = {
+        "name": name,
+        "family": family,
+        "description": description,
+        "dtype": DTYPE_NAMES[dtype],
+        "inputs": f"{name}.inputs.safetensors",
+        "num_heads": model_cfg.num_attention_heads,
+        "num_kv_heads": model_cfg.num_key_value_heads,
+        "head_dim": d,
+        "seq_len": s,
+        "layer_idx": module.layer_idx,
+        "num_layers": num_layers,
+        "has_attentions": has_attn,
+        "runs": [],
+    }
+    stats = {"runs": 0, "ties": 0}
+    for press_name, params, sources, extra in PRESSES:
+        for ratio in (BASE_RATIO, *extra):
+            press = getattr(kvpress, press_name)(compression_ratio=ratio,
+                                                 **{k: parse_value(v) for k, v in params.items()})
+            # Extra ratios only for the first available source.
+            srcs = [x for x in sources if x != "attentions" or has_attn]
+            if ratio != BASE_RATIO:
+                srcs = srcs[:1]
+            files: dict[str, str] = {}
+            for source in srcs:
+                run_name = f"{name}__{press_name}_{param_tag(params)}_r{ratio:g}_{source}"
+                if source == "queries":
+                    # Same expected result as the recomputed-query run.
+                    file = files["hidden_states"]
+                else:
+                    scores, kept, n_kept = run_press(press, layer, source)
+                    file = f"{run_name}.safetensors"
+                    tensors = {"scores": scores, "kept_indices": kept}
+                    if press_name == "LagKVPress" and not press.cross_scoring:
+                        tensors["statistic"] = lagkv_statistic(press, layer)
+                    save_file(tensors, str(out / file))
+                    files[source] = file
+                    stats["ties"] += straddling_tie(scores, n_kept)
+                stats["runs"] += 1
+                case["runs"].append({
+                    "name": run_name,
+                    "press": press_name,
+                    "compression_ratio": ratio,
+                    "params": dict(params),
+                    "source": source,
+                    "file": file,
+                })
+    return case, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Families
+# ---------------------------------------------------------------------------------------------
+def first_long_story(data: Path, tokenizer, min_tokens: int = 300, max_tokens: int = 511) -> tuple[int, torch.Tensor]:
+    """The first story of at least min_tokens tokens (LagKV's default lag needs S >= 260),
+    truncated to max_tokens (the model's context is 512)."""
+    text = data.read_text(encoding="utf-8")
+    for index, story in enumerate(text.split("<|endoftext|>")):
+        story = story.strip()
+        if not story:
+            continue
+        ids = tokenizer(story, return_tensors="pt").input_ids
+        if ids.shape[1] >= min_tokens:
+            return index, ids[:, :max_tokens]
+    raise SystemExit(f"make_fixtures.py: no story with >= {min_tokens} tokens in {data}")
+
+
+def real_family(out: Path, models: Path, data: Path):
+    model_dir = models / "tinystories-656k"
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"make_fixtures.py: model not found at {model_dir} (use --models or KVPRESS_MODELS)")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    story, input_ids = first_long_story(data, tokenizer)
+    cases, stats = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = LlamaForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=dtype)
+        model.eval()
+        layers = capture_layers(model, input_ids)
+        for layer in layers:
+            name = f"real_{SHORT_DTYPE[dtype]}_l{layer['module'].layer_idx}"
+            description = (f"tinystories-656k ({DTYPE_NAMES[dtype]}, eager attention), layer {layer['module'].layer_idx} "
+                           f"of {len(layers)}, story {story} of {data.name}, {input_ids.shape[1]} tokens")
+            case, st = write_case(out, name, "real", description, model.config, layer, len(layers),
+                                  keep_attentions=True)
+            cases.append(case)
+            stats.append(st)
+    return cases, stats
+
+
+def random_model(head_dim: int, attn_implementation: str) -> LlamaForCausalLM:
+    torch.manual_seed(1234 + head_dim)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=8 * head_dim,
+        intermediate_size=16 * head_dim,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        # Larger than the default 0.02 so that attention is peaked rather than near-uniform
+        # (near-uniform attention makes attention-based scores near-ties everywhere).
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+def random_family(out: Path):
+    cases, stats = [], []
+    for head_dim, dtype, seq_len in RANDOM_CASES:
+        keep_attn = 1 * 8 * seq_len * seq_len * 4 <= MAX_ATTENTION_BYTES
+        # Same weights for every case of a head_dim (fixed seed), cast to the case dtype.
+        model = random_model(head_dim, "eager" if keep_attn else "sdpa").to(dtype)
+        gen = torch.Generator().manual_seed(seq_len * 7 + head_dim)
+        input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=gen)
+        layers = capture_layers(model, input_ids)
+        assert (layers[0]["attentions"] is not None) == keep_attn
+        name = f"rand_d{head_dim}_{SHORT_DTYPE[dtype]}_s{seq_len}"
+        description = (f"random-weight Llama, 1 layer, 8 query / 2 KV heads, head_dim {head_dim}, "
+                       f"{DTYPE_NAMES[dtype]}, {seq_len} random tokens, "
+                       f"{'eager' if keep_attn else 'sdpa'} attention")
+        case, st = write_case(out, name, "random", description, model.config, layers[0], len(layers),
+                              keep_attentions=keep_attn)
+        cases.append(case)
+        stats.append(st)
+    return cases, stats
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", choices=("real", "random"))
+    parser.add_argument("--models", type=Path,
+                        default=Path(os.environ.get("KVPRESS_MODELS", REPO.parent / "shared" / "models")))
+    parser.add_argument("--data", type=Path, default=None,
+                        help="stories file (default: <models>/../data/tinystories_valid_100.txt)")
+    args = parser.parse_args()
+    data = args.data or args.models.parent / "data" / "tinystories_valid_100.txt"
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    start = time.time()
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("*.safetensors"), out / "manifest.json"]:
+        if stale.exists():
+            stale.unlink()
+
+    cases, stats = [], []
+    if args.only in (None, "real"):
+        c, s = real_family(out, args.models, data)
+        cases += c
+        stats += s
+    if args.only in (None, "random"):
+        c, s = random_family(out)
+        cases += c
+        stats += s
+
+    manifest = {
+        "kvpress_version": _kvpress_version,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "cases": cases,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    n_runs = sum(s["runs"] for s in stats)
+    n_ties = sum(s["ties"] for s in stats)
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"make_fixtures: kvpress {_kvpress_version}: {len(cases)} cases, {n_runs} runs "
+          f"({n_ties} with a score tie at the threshold), {size / 2**20:.1f} MiB in {out} "
+          f"({time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
