@@ -8,6 +8,7 @@
 // Exit codes: 0 success; 2 bad usage or bad input (one line on stderr starting with
 // "kvpress-cli: error: "); 1 unexpected internal failure (same one-line format).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 #include <fmt/core.h>
@@ -33,6 +34,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvpress/calibration.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/base_press.h"
@@ -67,6 +69,8 @@ Usage:
   kvpress-cli compress --press NAME --ratio R [--param KEY=VALUE ...]
                        --input IN.safetensors --output OUT.safetensors
                        [--device DEVICE] [--allow-unknown-tensors] [--quiet]
+  kvpress-cli calibrate --press NAME [--param KEY=VALUE ...] --input LAYER.safetensors
+                       [--input ...] [--tolerance T] [--observe N] [--max-ratio M] [--json OUT]
   kvpress-cli list [--names]
   kvpress-cli --help
   kvpress-cli --version
@@ -84,6 +88,15 @@ compress options:
   --device DEVICE          where the press runs: cpu (default), cuda, cuda:1, ...
   --allow-unknown-tensors  ignore input tensors the CLI does not know (default: error)
   --quiet, -q              do not print the summary line
+
+calibrate options (largest ratio whose attention output stays within a tolerance):
+  --input PATH, -i PATH    one file per layer of the same context, as for compress, with
+                           queries: their last N rows are the observation queries
+  --tolerance T            allowed drop of quality = 1 - relative attention-output error
+                           (default 0.05)
+  --observe N              number of observation queries (default 16)
+  --max-ratio M            largest ratio tried, in (0, 1) (default 0.95)
+  --json OUT               also write the result and every evaluation as JSON
 
 list options:
   --names                  print only the press names, one per line
@@ -466,6 +479,100 @@ int run_compress(const std::vector<std::string>& argv) {
   return 0;
 }
 
+
+// ---- calibrate ----------------------------------------------------------------------------
+
+struct CalibrateArgs {
+  std::string press;
+  std::map<std::string, std::string> params;
+  std::vector<std::string> inputs;  // one file per layer of the same context
+  double tolerance = 0.05;
+  int64_t observe = 16;
+  double max_ratio = 0.95;
+  std::string json;
+};
+
+CalibrateArgs parse_calibrate_args(const std::vector<std::string>& args) {
+  CalibrateArgs out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string value;
+    const std::string& a = args[i];
+    if (take_value(args, i, "--press", "", value)) {
+      out.press = value;
+    } else if (take_value(args, i, "--param", "", value)) {
+      const auto eq = value.find('=');
+      if (eq == std::string::npos || eq == 0) usage_error("--param expects KEY=VALUE, got '{}'", value);
+      out.params[value.substr(0, eq)] = value.substr(eq + 1);
+    } else if (take_value(args, i, "--input", "-i", value)) {
+      out.inputs.push_back(value);
+    } else if (take_value(args, i, "--tolerance", "", value)) {
+      const auto t = parse_double(value);
+      if (!t || !std::isfinite(*t) || *t < 0) usage_error("--tolerance must be a number >= 0, got '{}'", value);
+      out.tolerance = *t;
+    } else if (take_value(args, i, "--observe", "", value)) {
+      const auto n = parse_int(value);
+      if (!n || *n < 1) usage_error("--observe must be an integer >= 1, got '{}'", value);
+      out.observe = *n;
+    } else if (take_value(args, i, "--max-ratio", "", value)) {
+      const auto r = parse_double(value);
+      if (!r || !(*r > 0.0 && *r < 1.0)) usage_error("--max-ratio must be a number in (0, 1), got '{}'", value);
+      out.max_ratio = *r;
+    } else if (take_value(args, i, "--json", "", value)) {
+      out.json = value;
+    } else {
+      usage_error("calibrate: unknown option '{}' (see kvpress-cli --help)", a);
+    }
+  }
+  if (out.press.empty()) usage_error("calibrate needs --press NAME (see kvpress-cli list)");
+  if (out.inputs.empty()) usage_error("calibrate needs --input PATH (one per layer)");
+  return out;
+}
+
+// Largest compression ratio whose attention-output quality stays within a tolerance, for one
+// context given as one safetensors file per layer (kvpress::calibration::search_max_ratio).
+int run_calibrate(const std::vector<std::string>& argv) {
+  const CalibrateArgs args = parse_calibrate_args(argv);
+  kvpress::make_press(args.press, 0.5, args.params);  // unknown press/parameter: fail before reading
+
+  std::vector<kvpress::calibration::ObservedLayer> layers;
+  for (const auto& path : args.inputs) {
+    auto file = kvpress::io::load_safetensors(path);
+    kvpress::calibration::ObservedLayer layer;
+    layer.inputs = layer_inputs(file, path, /*allow_unknown=*/false);
+    const at::Tensor& q = layer.inputs.queries;
+    TORCH_CHECK(q.defined(), "input ", path, ": calibrate needs queries [B, Hq, Sq, D] (the observation queries "
+                "are their last --observe rows)");
+    TORCH_CHECK(q.size(2) >= args.observe, "input ", path, ": queries must hold at least --observe (",
+                args.observe, ") rows, got ", q.size(2));
+    const int64_t seq = layer.inputs.keys.size(2);
+    layer.queries = q.narrow(2, q.size(2) - args.observe, args.observe);
+    layer.query_positions = at::arange(seq - args.observe, seq, at::TensorOptions().dtype(at::kLong));
+    layers.push_back(std::move(layer));
+  }
+  kvpress::calibration::SearchOptions options;
+  options.max_ratio = args.max_ratio;
+  const auto make = [&](double ratio) { return kvpress::make_press(args.press, ratio, args.params); };
+  const auto result = kvpress::calibration::search_max_ratio(layers, make, args.tolerance, options);
+
+  fmt::print("{}: attention-output quality of the last {} queries, {} layer(s), tolerance {}\n", args.press,
+             args.observe, layers.size(), args.tolerance);
+  fmt::print("{:>8}  {:>8}\n", "ratio", "quality");
+  for (const auto& [ratio, quality] : result.evaluations) fmt::print("{:>8.4f}  {:>8.4f}\n", ratio, quality);
+  fmt::print("largest ratio within tolerance: {:.4f} (quality {:.4f}, {} evaluations)\n", result.ratio,
+             result.quality, result.evaluations.size());
+  if (!args.json.empty()) {
+    nlohmann::json j = {{"press", args.press},         {"params", args.params},
+                        {"tolerance", args.tolerance}, {"observe", args.observe},
+                        {"ratio", result.ratio},       {"quality", result.quality},
+                        {"evaluations", result.evaluations}};
+    std::FILE* f = std::fopen(args.json.c_str(), "w");
+    TORCH_CHECK(f != nullptr, "--json ", args.json, ": cannot create file");
+    fmt::print(f, "{}\n", j.dump(2));
+    std::fclose(f);
+  }
+  return 0;
+}
+
 // ---- list -------------------------------------------------------------------------------
 
 int run_list(const std::vector<std::string>& args) {
@@ -526,7 +633,8 @@ int run(int argc, char** argv) {
   }
   if (command == "compress") return run_compress(rest);
   if (command == "list") return run_list(rest);
-  usage_error("unknown command '{}' (commands: compress, list; see kvpress-cli --help)", command);
+  if (command == "calibrate") return run_calibrate(rest);
+  usage_error("unknown command '{}' (commands: compress, calibrate, list; see kvpress-cli --help)", command);
 }
 
 }  // namespace

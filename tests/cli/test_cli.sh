@@ -268,6 +268,30 @@ expect_error "output is a directory" "is a directory" compress --press KnormPres
 checks=$((checks + 1))
 [ ! -e "$out" ] || fail "an error run wrote $out"
 
+# ---- calibrate ----------------------------------------------------------------------------
+# Two "layers" of one context (the same file twice is enough to exercise aggregation).
+if expect_ok "calibrate" calibrate --press KnormPress --input "$tmp/queries.safetensors" \
+    --input "$tmp/queries.safetensors" --observe 4 --tolerance 0.2 --json "$tmp/cal.json"; then
+  checks=$((checks + 1))
+  grep -q "largest ratio within tolerance" "$tmp/stdout" || fail "calibrate: no result line in stdout"
+  checks=$((checks + 1))
+  "$python" - "$tmp/cal.json" <<'PYEOF' || fail "calibrate: JSON result is wrong"
+import json, sys
+r = json.load(open(sys.argv[1]))
+ev = r["evaluations"]
+assert ev[0] == [0.0, 1.0], ev[0]
+assert 0.0 <= r["ratio"] <= 0.95, r
+assert r["quality"] >= 1.0 - 0.2, r
+# every evaluated ratio at or below the answer passed (the search's guarantee)
+assert all(q >= 0.8 for x, q in ev if x <= r["ratio"]), ev
+PYEOF
+fi
+expect_error "calibrate without queries" "calibrate needs queries" calibrate --press KnormPress --input "$in"
+expect_error "calibrate too few queries" "queries must hold at least --observe (32) rows, got 16" calibrate --press KnormPress --input "$tmp/queries.safetensors" --observe 32
+expect_error "calibrate bad tolerance" "--tolerance must be a number >= 0, got '-1'" calibrate --press KnormPress --input "$in" --tolerance -1
+expect_error "calibrate unknown press" "unknown press 'NopePress'" calibrate --press NopePress --input "$in"
+expect_error "calibrate without input" "calibrate needs --input" calibrate --press KnormPress
+
 if [ "$failures" -ne 0 ]; then
   echo "test_cli.sh: $failures failure(s) in $checks checks" >&2
   exit 1
