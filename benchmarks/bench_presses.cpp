@@ -52,7 +52,7 @@ void sync() {
 struct ShapeData {
   int64_t S = -1;
   at::ScalarType dtype = at::kFloat;
-  at::Tensor keys, values, queries, attentions, hidden_states, q_proj, k_proj, cos, sin, scores;
+  at::Tensor keys, values, queries, all_queries, attentions, hidden_states, q_proj, k_proj, cos, sin, scores;
 
   at::TensorOptions opts() const { return at::TensorOptions().dtype(dtype).device(g_device); }
 
@@ -64,6 +64,11 @@ struct ShapeData {
   }
   void ensure_queries() {
     if (!queries.defined()) queries = at::randn({kBatch, kQHeads, kWindow, kHeadDim}, opts());
+  }
+  // Post-RoPE queries of every position (NonCausalAttnPress, CompactorPress): [B, Hq, S, D],
+  // 512 MiB at S=32768 in fp32.
+  void ensure_all_queries() {
+    if (!all_queries.defined()) all_queries = at::randn({kBatch, kQHeads, S, kHeadDim}, opts());
   }
   void ensure_rope() {
     if (cos.defined()) return;
@@ -109,12 +114,15 @@ ShapeData& shape_data(int64_t S, at::ScalarType dtype) {
 }
 
 // Which optional inputs a press gets, read from PressInfo::needs ("attentions | queries | ...").
-// Preference: post-RoPE queries (what an engine has), then full attentions, then the
-// hidden_states + projections path.
-enum class Feed { kNone, kQueries, kAttentions, kHidden };
+// Preference: post-RoPE queries (what an engine has; of every position when the press says
+// "queries (all positions)", with cos/sin when it names them), then full attentions, then the
+// hidden_states + projections path; presses whose first choice is "cos+sin" get only the RoPE tables.
+enum class Feed { kNone, kQueries, kAllQueries, kRope, kAttentions, kHidden };
 
 Feed feed_for(const kvpress::PressInfo& info) {
   const std::string& n = info.needs;
+  if (n.find("queries (all positions)") != std::string::npos) return Feed::kAllQueries;
+  if (n.rfind("cos+sin", 0) == 0) return Feed::kRope;
   if (n.find("queries") != std::string::npos) return Feed::kQueries;
   if (n.find("attentions") != std::string::npos) return Feed::kAttentions;
   if (n.find("hidden_states") != std::string::npos) return Feed::kHidden;
@@ -158,6 +166,20 @@ void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S
       d.ensure_queries();
       in.queries = d.queries;
       bytes += nbytes(d.queries);
+      break;
+    case Feed::kAllQueries:
+      d.ensure_all_queries();
+      d.ensure_rope();
+      in.queries = d.all_queries;
+      in.cos = d.cos;
+      in.sin = d.sin;
+      bytes += nbytes(d.all_queries) + nbytes(d.cos) + nbytes(d.sin);
+      break;
+    case Feed::kRope:
+      d.ensure_rope();
+      in.cos = d.cos;
+      in.sin = d.sin;
+      bytes += nbytes(d.cos) + nbytes(d.sin);
       break;
     case Feed::kAttentions:
       d.ensure_attentions();
@@ -265,7 +287,8 @@ void register_all() {
   benchmark::AddCustomContext("device", g_device.str());
   benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
   benchmark::AddCustomContext(
-      "shape", "B=1 Hq=32 Hkv=8 D=128 (Llama-3.1-8B layer), ratio 0.5, queries [1,32,64,128]");
+      "shape", "B=1 Hq=32 Hkv=8 D=128 (Llama-3.1-8B layer), ratio 0.5, queries [1,32,64,128] "
+               "(NonCausalAttnPress, CompactorPress: [1,32,S,128] + cos/sin; LeverageScorePress: cos/sin)");
   if (!skipped.empty()) {
     std::string list;
     for (const auto& s : skipped) list += (list.empty() ? "" : ", ") + s;

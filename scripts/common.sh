@@ -16,4 +16,5 @@ kvpress_build() {
 # Regenerates the parity fixtures from the pinned kvpress package (also the demo's captured cache).
 kvpress_fixtures() {
   "$python" "$root/tests/reference/make_fixtures.py" --out "$build/fixtures" "$@"
+  "$python" "$root/tests/reference/make_model_fixtures.py" --out "$build/fixtures/llama"
 }

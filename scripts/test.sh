@@ -4,7 +4,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 kvpress_build
 kvpress_fixtures
-(cd "$build" && ctest --output-on-failure -j "$jobs")
+# One intra-op thread per test process: ctest already runs $jobs of them side by side.
+(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs")
 
 # The installed package must be usable through find_package(kvpress).
 cmake --install "$build" --prefix "$build/install" >/dev/null

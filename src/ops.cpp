@@ -18,6 +18,14 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_op(const at::Tensor& keys, const at
 
 at::Tensor random_scores_op(const at::Tensor& keys, int64_t seed) { return ops::random_scores(keys, seed); }
 
+at::Tensor leverage_scores_op(const at::Tensor& prerope_keys, int64_t sketch_dimension, int64_t seed) {
+  return ops::leverage_scores(prerope_keys, sketch_dimension, seed);
+}
+
+at::Tensor noncausal_column_sums_op(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {
+  return ops::noncausal_column_sums(queries, keys, chunk_size);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvpress, m) {
@@ -39,6 +47,19 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("tova_scores(Tensor last_attn, int num_kv_heads) -> Tensor", &ops::tova_scores);
   m.def("observed_attention_scores(Tensor attentions, int num_kv_heads) -> Tensor",
         &ops::observed_attention_scores);
+  // Compactor (src/ops/compactor.cpp).
+  m.def("zscore(Tensor scores) -> Tensor", &ops::zscore);
+  m.def("blend_scores(Tensor[] scores, float[] weights, bool normalize=True) -> Tensor", &ops::blend_scores);
+  m.def("gaussian_sketch(int batch, int heads, int head_dim, int sketch_dimension, ScalarType dtype, Device device, "
+        "int seed=-1) -> Tensor",
+        &ops::gaussian_sketch);
+  m.def("sketch_keys(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketch_keys);
+  m.def("ridge_leverage(Tensor sketched) -> Tensor", &ops::ridge_leverage);
+  m.def("sketched_leverage(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketched_leverage);
+  m.def("leverage_scores(Tensor prerope_keys, int sketch_dimension=48, int seed=-1) -> Tensor", &leverage_scores_op);
+  m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor", &noncausal_column_sums_op);
+  m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
+  m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
 }
 
 }  // namespace kvpress

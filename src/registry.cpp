@@ -4,14 +4,18 @@
 #include <c10/util/Exception.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <optional>
 #include <set>
 
+#include "kvpress/presses/compactor_press.h"
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/lagkv_press.h"
+#include "kvpress/presses/leverage_score_press.h"
+#include "kvpress/presses/non_causal_attn_press.h"
 #include "kvpress/presses/observed_attention_press.h"
 #include "kvpress/presses/random_press.h"
 #include "kvpress/presses/snapkv_press.h"
@@ -37,6 +41,17 @@ class Params {
     const std::optional<std::string> text = take(key);
     if (!text || *text == "None" || *text == "none") return std::nullopt;
     return parse_int(key, *text);
+  }
+
+  std::optional<double> get_optional_double(const std::string& key) {
+    const std::optional<std::string> text = take(key);
+    if (!text || *text == "None" || *text == "none") return std::nullopt;
+    errno = 0;
+    char* end = nullptr;
+    const double v = std::strtod(text->c_str(), &end);
+    TORCH_CHECK(!text->empty() && end && *end == '\0' && errno == 0 && std::isfinite(v), press_, ": parameter ", key,
+                " must be a number or None, got '", *text, "'");
+    return v;
   }
 
   bool get_bool(const std::string& key, bool fallback) {
@@ -121,6 +136,34 @@ const std::vector<Entry>& entries() {
        [](double r, Params&) { return std::make_unique<TOVAPress>(r); }},
       {{"ObservedAttentionPress", "mean attention received (H2O-like)", "attentions (all rows)", {}},
        [](double r, Params&) { return std::make_unique<ObservedAttentionPress>(r); }},
+      {{"LeverageScorePress", "ridge leverage of the pre-RoPE keys (Gaussian sketch), z-scored",
+        "cos+sin | hidden_states+k_proj",
+        {{"sketch_dimension", "int", "48", "columns of the right Gaussian sketch"},
+         {"seed", "int?", "None", "seed of the sketch's CPU generator (kvpress: torch.manual_seed before score)"}}},
+       [](double r, Params& p) {
+         const int64_t sketch = p.get_int("sketch_dimension", 48);
+         return std::make_unique<LeverageScorePress>(r, sketch, p.get_optional_int("seed"));
+       }},
+      {{"NonCausalAttnPress", "chunked non-causal attention received, x ||v||, pooled, z-scored",
+        "queries (all positions) | hidden_states+q_proj+cos+sin",
+        {{"chunk_size", "int", "256", "positions per non-causal attention chunk"}}},
+       [](double r, Params& p) { return std::make_unique<NonCausalAttnPress>(r, p.get_int("chunk_size", 256)); }},
+      {{"CompactorPress", "blending * z(leverage) + z(non-causal attention), sinks kept",
+        "queries (all positions)+cos+sin | hidden_states+q_proj+k_proj+cos+sin",
+        {{"sink_size_start", "int", "8", "first tokens always kept"},
+         {"sink_size_end", "int", "4", "last tokens always kept"},
+         {"chunk_size", "int", "256", "positions per non-causal attention chunk"},
+         {"sketch_dimension", "int", "48", "columns of the leverage sketch"},
+         {"blending", "float?", "None", "weight of the leverage scores; None = compression_ratio (paper: 0.3)"},
+         {"seed", "int?", "None", "seed of the leverage sketch's CPU generator"}}},
+       [](double r, Params& p) {
+         const int64_t start = p.get_int("sink_size_start", 8);
+         const int64_t end = p.get_int("sink_size_end", 4);
+         const int64_t chunk = p.get_int("chunk_size", 256);
+         const int64_t sketch = p.get_int("sketch_dimension", 48);
+         const std::optional<double> blending = p.get_optional_double("blending");
+         return std::make_unique<CompactorPress>(r, start, end, chunk, sketch, blending, p.get_optional_int("seed"));
+       }},
   };
   return table;
 }

@@ -28,7 +28,9 @@ struct FixtureRun {
   double compression_ratio = 0.0;
   std::map<std::string, std::string> params;  // kvpress parameter names, values as text
   // Inputs the C++ press gets besides keys/values:
-  //   "keys" (nothing else), "attentions", "hidden_states" (+ q_proj, k_proj, cos, sin), "queries".
+  //   "keys" (nothing else), "attentions", "hidden_states" (+ q_proj, k_proj, cos, sin), "queries"
+  //   (post-RoPE, every position), "rope" (cos, sin), "k_proj" (hidden_states, k_proj),
+  //   "queries_rope" (queries, cos, sin), "queries_k_proj" (queries, hidden_states, k_proj).
   std::string source;
   std::string file;  // scores (float32 [B, Hkv, S]) and kept_indices (int64, ascending)
 };
@@ -163,6 +165,20 @@ inline LayerInputs make_layer_inputs(const Manifest& m, const FixtureCase& c, co
     in.sin = get("sin");
   } else if (r.source == "queries") {
     in.queries = get("queries");
+  } else if (r.source == "rope") {
+    in.cos = get("cos");
+    in.sin = get("sin");
+  } else if (r.source == "k_proj") {
+    in.hidden_states = get("hidden_states");
+    in.k_proj = get("k_proj");
+  } else if (r.source == "queries_k_proj") {
+    in.queries = get("queries");
+    in.hidden_states = get("hidden_states");
+    in.k_proj = get("k_proj");
+  } else if (r.source == "queries_rope") {
+    in.queries = get("queries");
+    in.cos = get("cos");
+    in.sin = get("sin");
   } else if (r.source != "keys") {
     throw std::runtime_error("run " + r.name + ": unknown source '" + r.source + "'");
   }

@@ -23,6 +23,19 @@
 //         the softmax weights by a few percent.                                      [<= 1.5e-2]
 //       - LagKV statistic: rtol 1.2e-2, atol 1e-3 (relative: it is a softmax of nearly equal
 //         values ~1/lag whose bf16 spacing is up to 2^-7 relative)            [rel <= 8.1e-3]
+//   * Compactor's scorers (LeverageScorePress, NonCausalAttnPress, CompactorPress; the sketch
+//     seeded as kvpress's after torch.manual_seed). float32: rtol 1e-4, atol 1e-5 * scale (the
+//     issue's bound is 1e-4 relative). With kvpress's own inputs (k_proj for the pre-RoPE keys,
+//     given queries) the scores are bit-identical in nearly every run [0, <= 1.7e-6]; inverting
+//     RoPE on the cached keys or recomputing queries chunk by chunk changes the last bits
+//     [<= 4.1e-6]. Exception: a square sketch (sketch_dimension == head_dim, the real model's
+//     D = 16 with k = 16) is ill-conditioned and turns the inverse-RoPE rounding into
+//     [9.2e-5]: 2e-4, 2e-4.
+//     bfloat16: LeverageScorePress from k_proj 1e-3, 1e-3 [4.4e-4] (we round X to bf16 as
+//     kvpress does); from inverted RoPE 0.2, 0.2 [9.7e-2]: bf16 cached keys hold RoPE's rounding,
+//     so their inverse differs from kvpress's projected keys in the last bit and leverage
+//     amplifies it. NonCausalAttnPress and CompactorPress 8e-2, 8e-2 [<= 4.1e-2]: kvpress rounds
+//     the unscaled q.k logits to bf16 (we keep them in float32).
 //   * LagKV without cross_scoring scores within-partition ranks / lag: a rank may move by the
 //     number of tokens of its partition whose kvpress statistic (stored in the fixture) is within
 //     the statistic's tolerance of its own (lagkv_rank_slack). float32: 0.1 rank on average,
@@ -144,9 +157,34 @@ std::pair<int64_t, int64_t> scored_range(const FixtureCase& c, const FixtureRun&
   return {0, s};
 }
 
+bool is_compactor_family(const FixtureRun& r) {
+  return r.press == "LeverageScorePress" || r.press == "NonCausalAttnPress" || r.press == "CompactorPress";
+}
+
+// Compactor's scorers (see the top of the file). Pre-RoPE keys come from k_proj (kvpress's own
+// path) for the "k_proj" sources, else from inverting RoPE on the cached keys.
+std::pair<double, double> compactor_tolerance(const FixtureCase& c, const FixtureRun& r) {
+  const bool kvpress_path = r.source == "k_proj" || r.source == "queries_k_proj";
+  const bool leverage = r.press != "NonCausalAttnPress";
+  if (c.dtype == "float32") {
+    // A square Gaussian sketch (k == D) is ill-conditioned: the one-ulp difference between the
+    // inverted and the projected keys grows to ~1e-4 of the scale.
+    if (leverage && !kvpress_path && param_int(r, "sketch_dimension", 48) == c.head_dim) return {2e-4, 2e-4};
+    return {1e-4, 1e-5};
+  }
+  if (r.press == "LeverageScorePress") {
+    // bf16 cached keys hold RoPE's rounding: inverting RoPE cannot give kvpress's bf16 pre-RoPE
+    // keys bit for bit, and leverage amplifies the last-bit differences.
+    return kvpress_path ? std::pair<double, double>{1e-3, 1e-3} : std::pair<double, double>{0.2, 0.2};
+  }
+  // kvpress rounds the unscaled q.k logits (|logit| up to ~sqrt(D) times SnapKV's) to bf16.
+  return {8e-2, 8e-2};
+}
+
 // {rtol, atol as a fraction of the scale} (see the top of the file).
 std::pair<double, double> tolerance_fractions(const FixtureCase& c, const FixtureRun& r) {
   if (r.press == "RandomPress" && r.params.count("seed")) return {0.0, 0.0};  // same generator
+  if (is_compactor_family(r)) return compactor_tolerance(c, r);
   // float32, and the presses kvpress computes in float32 (Knorm) or exactly (StreamingLLM's 0/1)
   // whatever the cache dtype.
   if (c.dtype == "float32" || r.press == "KnormPress" || r.press == "StreamingLLMPress") return {1e-5, 1e-6};

@@ -101,4 +101,83 @@ at::Tensor tova_scores(const at::Tensor& last_attn,  // [B, Hq, 1, S - 1] float
 at::Tensor observed_attention_scores(const at::Tensor& attentions,  // [B, Hq, S, S]
                                      int64_t num_kv_heads);          // -> [B, Hkv, S]
 
+// ---- Compactor: leverage, non-causal chunked attention, z-score blending ------------------
+
+// kvpress's normalisation of LeverageScorePress / NonCausalAttnPress: (x - mean) / max(std, 1e-6)
+// with ONE mean and ONE (unbiased) std over the whole tensor (every batch row, head and token),
+// in float32. A tensor of fewer than two elements (no std) gives zeros.
+at::Tensor zscore(const at::Tensor& scores);  // any shape -> same shape, float32
+
+// sum_i weights[i] * s_i, each s_i first z-scored (zscore above) when `normalize`. Summed left to
+// right (weights[0] * s_0 + weights[1] * s_1 + ...), so CompactorPress's blending * lev + attn is
+// reproduced bit for bit with weights {blending, 1}.
+at::Tensor blend_scores(at::TensorList scores,      // each [B, H, S], same shape
+                        at::ArrayRef<double> weights,  // one per score tensor
+                        bool normalize);               // -> [B, H, S] float32
+
+// The right Gaussian sketch of LeverageScorePress: randn(batch, heads, head_dim, k) * (1 / sqrt(k))
+// drawn in `dtype` from a CPU generator, then moved to `device` as float32. seed >= 0 seeds a fresh
+// generator, so the values equal torch.randn(...) right after torch.manual_seed(seed) (what
+// kvpress draws on a CPU cache); seed < 0 draws from the default CPU generator.
+at::Tensor gaussian_sketch(int64_t batch, int64_t heads, int64_t head_dim, int64_t sketch_dimension,
+                           at::ScalarType dtype, at::Device device, int64_t seed);  // -> [B, H, D, k]
+
+// The sketched, sequence-centred keys X = (K - mean_S K) Φ, float32. Like kvpress, the centring
+// and the product are computed in the keys' dtype (Φ rounded to it) and X is then cast.
+at::Tensor sketch_keys(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
+                       const at::Tensor& sketch);       // [B, Hkv, D, k] or [D, k] -> [B, Hkv, S, k]
+
+// Ridge leverage of the rows of X: ℓ_i = x_iᵀ (G + λI)⁻¹ x_i, G = sym(XᵀX), by Cholesky (λ = 1e-2,
+// ×10 for every head when any head's factorisation fails, at most 5 tries, then an error),
+// clamped at 0. float32, not z-scored.
+at::Tensor ridge_leverage(const at::Tensor& sketched);  // [B, Hkv, S, k] float32 -> [B, Hkv, S]
+
+// ridge_leverage(sketch_keys(prerope_keys, sketch)). With Φ = I (D × D) this is the exact ridge
+// leverage of the centred keys.
+at::Tensor sketched_leverage(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
+                             const at::Tensor& sketch);       // [B, Hkv, D, k] or [D, k] -> [B, Hkv, S]
+
+// LeverageScorePress's raw scores: sketched_leverage with gaussian_sketch drawn in the keys'
+// dtype (kvpress draws it in the dtype of its pre-RoPE keys, the model dtype).
+at::Tensor leverage_scores(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
+                           int64_t sketch_dimension,
+                           int64_t seed = -1);               // -> [B, Hkv, S] float32
+
+// The same from a layer's inputs, with the pre-RoPE keys of prerope_keys() rounded to the cache
+// dtype. With cos/sin, RoPE is inverted one KV head at a time, so the extra memory stays below the
+// keys' size; from hidden_states + k_proj all heads are projected at once, as kvpress does.
+at::Tensor leverage_scores(const LayerInputs& inputs, int64_t sketch_dimension, int64_t seed, const char* op);
+
+// Non-causal attention within chunks of `chunk_size` positions, summed over each chunk's query
+// rows: out[b, h, i] = sum over the queries q of i's chunk of softmax_j(q·k_j)[i], with NO 1/sqrt(D)
+// scaling (kvpress's NonCausalAttnPress). When S is not a multiple of chunk_size the last chunk is
+// padded like kvpress: logits of padded query rows are 0 (so each padded row spreads a uniform
+// weight that real keys receive too), logits of padded key columns are -1e-9 (not masked: they
+// absorb weight), then softmax in float32 and the padding is trimmed. Computed one chunk at a
+// time: extra memory O(Hq * chunk_size^2), never O(S * chunk_size). GQA without repeat_kv.
+at::Tensor noncausal_column_sums(const at::Tensor& queries,  // [B, Hq, S, D] post-RoPE, all positions
+                                 const at::Tensor& keys,     // [B, Hkv, S, D] post-RoPE
+                                 int64_t chunk_size);        // -> [B, Hq, S] float32
+
+// The same from a layer's inputs: `queries` (they must cover all S positions), else queries
+// recomputed chunk by chunk from hidden_states + q_proj (+ q_norm) + cos/sin.
+at::Tensor noncausal_column_sums(const LayerInputs& inputs, int64_t chunk_size, const char* op);
+
+// NonCausalAttnPress's scores from the column sums: group mean over each GQA group, times
+// ||v_i||, avg_pool1d(kernel 3, stride 1, zero padding 1, padding counted), zscore.
+at::Tensor noncausal_attention_scores(const at::Tensor& column_sums,  // [B, Hq, S]
+                                      const at::Tensor& values);      // [B, Hkv, S, D] -> [B, Hkv, S]
+
+// Across-heads selection (Compactor paper): the `n_total` highest scores over all (head, position)
+// pairs of each batch row. Ties go to the lower head, then the lower position. Heads may keep
+// different numbers of tokens, so the result is a mask, not indices.
+at::Tensor topk_mask_across_heads(const at::Tensor& scores,  // [B, H, S] float
+                                  int64_t n_total);           // -> [B, H, S] bool
+
+// The kept keys/values of every (batch row, KV head) under `keep_mask`, for selections that keep
+// a different number of tokens per head.
+RaggedKV gather_ragged(const at::Tensor& keys,        // [B, Hkv, S, D]
+                       const at::Tensor& values,      // [B, Hkv, S, D]
+                       const at::Tensor& keep_mask);  // [B, Hkv, S] bool
+
 }  // namespace kvpress::ops

@@ -13,7 +13,7 @@ namespace kvpress {
 
 struct PressParam {
   std::string name;           // kvpress's parameter name, e.g. "window_size"
-  std::string type;           // "int", "float", "bool" or "int?" (optional int)
+  std::string type;           // "int", "float", "bool", "int?" or "float?" (optional: "None" unsets)
   std::string default_value;  // as text, "None" for an unset optional
   std::string help;
 };

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace kvpress {
 
@@ -45,6 +46,21 @@ struct KV {
   at::Tensor keys;          // [B, Hkv, n_kept, D], contiguous
   at::Tensor values;        // [B, Hkv, n_kept, D], contiguous
   at::Tensor kept_indices;  // [B, Hkv, n_kept] int64, original positions, ascending per head
+};
+
+// A compressed layer whose KV heads keep different numbers of tokens (across-heads selection,
+// e.g. CompactorPress with selection "across_heads"). heads[b * kv_heads + h] holds one head.
+struct HeadKV {
+  at::Tensor keys;          // [n_bh, D]
+  at::Tensor values;        // [n_bh, D]
+  at::Tensor kept_indices;  // [n_bh] int64, original positions, ascending
+};
+struct RaggedKV {
+  int64_t batch = 0;
+  int64_t kv_heads = 0;
+  std::vector<HeadKV> heads;  // batch * kv_heads entries, row-major
+  at::Tensor keep_mask;       // [B, Hkv, S] bool, the same selection as a mask
+  const HeadKV& at(int64_t b, int64_t h) const { return heads.at(static_cast<size_t>(b * kv_heads + h)); }
 };
 
 }  // namespace kvpress

@@ -71,6 +71,8 @@ save("hidden.safetensors", {"keys": keys, "values": values, "hidden_states": hid
                             "q_proj": q_proj, "k_proj": k_proj, "cos": cos, "sin": sin})
 save("full.safetensors", {"keys": keys, "values": values, "queries": queries,
                           "attentions": attentions})
+# Compactor: post-RoPE queries of every position and the RoPE tables (pre-RoPE keys by inverse RoPE).
+save("compactor.safetensors", {"keys": keys, "values": values, "queries": queries, "cos": cos, "sin": sin})
 # Broken inputs.
 save("keys_3d.safetensors", {"keys": keys[0], "values": values[0]})
 save("values_mismatch.safetensors", {"keys": keys, "values": values[:, :, :-1]})
@@ -125,7 +127,8 @@ if expect_ok "--version" --version; then
   grep -Eq '^kvpress-cli [0-9]+\.[0-9]+\.[0-9]+' "$tmp/stdout" || fail "--version: got '$(cat "$tmp/stdout")'"
 fi
 
-presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress)
+presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress
+         LeverageScorePress NonCausalAttnPress CompactorPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"
@@ -164,6 +167,11 @@ run_case streaming.st kv.safetensors StreamingLLMPress 0.5 --param n_sink=2
 run_case keydiff.st kv.safetensors KeyDiffPress 0.4
 run_case lagkv.st kv.safetensors LagKVPress 0.5 --param lag_size=8
 run_case random.st kv.safetensors RandomPress 0.5 --param seed=3
+run_case compactor.st compactor.safetensors CompactorPress 0.5 --param seed=1 --param chunk_size=16
+run_case compactor_paper.st compactor.safetensors CompactorPress 0.6 --param blending=0.3 --param seed=1
+run_case compactor_r09.st compactor.safetensors CompactorPress 0.9 --param seed=1
+run_case noncausal.st compactor.safetensors NonCausalAttnPress 0.5 --param chunk_size=16
+run_case leverage.st compactor.safetensors LeverageScorePress 0.5 --param seed=2
 run_case knorm_extra.st typo.safetensors KnormPress 0.5 --allow-unknown-tensors
 grep -q "warning: .*ignoring unknown tensor 'querys'" "$tmp/stderr" || fail "--allow-unknown-tensors: no warning"
 expect_ok "compress --quiet" compress --press KnormPress --ratio 0.5 --input "$tmp/kv.safetensors" \
@@ -217,6 +225,13 @@ for out, inp, press, ratio in cases:
             s = scores[b, h].tolist()
             best = sorted(sorted(range(S), key=lambda i: (-s[i], i))[:n])
             check(idx[b, h].tolist() == best, f"{tag}: kept_indices[{b},{h}] are not the top-{n} scores")
+    if press == "CompactorPress":
+        # Sinks (8 first, 4 last) carry the maximum score; kept whenever n_kept > 12 (the best
+        # inner token ties with them).
+        sinks = list(range(8)) + list(range(S - 4, S))
+        check(bool((scores[..., sinks] == scores.amax(-1, keepdim=True)).all()), f"{tag}: sinks do not hold the max")
+        if n > len(sinks):
+            check(all(set(sinks) <= set(idx[b, h].tolist()) for b in range(B) for h in range(H)), f"{tag}: sinks dropped")
     if press == "KnormPress":
         want = -keys.float().norm(dim=-1)
         check(torch.allclose(scores, want, rtol=1e-2 if keys.dtype == torch.bfloat16 else 1e-5, atol=1e-3),
@@ -255,6 +270,8 @@ expect_error "option without value" "option --output needs a value" compress --p
 expect_error "missing input file" "No such file or directory" compress --press KnormPress --ratio 0.5 --input "$tmp/absent.safetensors" --output "$out"
 expect_error "not safetensors" "garbage.safetensors" compress --press KnormPress --ratio 0.5 --input "$tmp/garbage.safetensors" --output "$out"
 expect_error "SnapKV without attentions/queries/hidden_states" "SnapKVPress" compress --press SnapKVPress --ratio 0.5 --param window_size=8 --input "$in" --output "$out"
+expect_error "NonCausalAttn with window queries only" "queries must cover every position" compress --press NonCausalAttnPress --ratio 0.5 --input "$tmp/queries.safetensors" --output "$out"
+expect_error "Compactor without cos/sin" "LeverageScorePress: needs cos/sin" compress --press CompactorPress --ratio 0.5 --input "$tmp/full.safetensors" --output "$out"
 expect_error "ObservedAttention without attentions" "attentions" compress --press ObservedAttentionPress --ratio 0.5 --input "$tmp/queries.safetensors" --output "$out"
 expect_error "keys not 4-D" "'keys' must be [batch, kv_heads, seq_len, head_dim]" compress --press KnormPress --ratio 0.5 --input "$tmp/keys_3d.safetensors" --output "$out"
 expect_error "values shape" "'values' must have the shape of 'keys'" compress --press KnormPress --ratio 0.5 --input "$tmp/values_mismatch.safetensors" --output "$out"

@@ -53,7 +53,17 @@ MAX_ATTENTION_BYTES = 40 * 1024 * 1024
 #   "keys"          keys, values
 #   "attentions"    keys, values, attentions (eager weights)
 #   "hidden_states" keys, values, hidden_states, q_proj, k_proj, cos, sin (queries recomputed)
-#   "queries"       keys, values, post-RoPE queries; expected = the "hidden_states" run
+#   "queries"       keys, values, post-RoPE queries (all positions)
+#   "rope"          keys, values, cos, sin (pre-RoPE keys by inverting RoPE on the cached keys)
+#   "k_proj"        keys, values, hidden_states, k_proj (pre-RoPE keys recomputed, no cos/sin)
+#   "queries_rope"  keys, values, post-RoPE queries (all positions), cos, sin
+#   "queries_k_proj" keys, values, post-RoPE queries (all positions), hidden_states, k_proj
+# kvpress itself always recomputes queries / pre-RoPE keys from the hidden states, so every source
+# but "attentions" shares one kvpress run (the C++ side must reach the same numbers by its path).
+#
+# "seed" is a C++ parameter of the presses with a random sketch (LeverageScorePress,
+# CompactorPress): kvpress has none, so the generator calls torch.manual_seed(seed) right before
+# each score()/compress() of those presses (RandomPress takes its seed as kvpress does).
 # ---------------------------------------------------------------------------------------------
 KEYS_ONLY = ("keys",)
 ATTENTION_BASED = ("attentions", "hidden_states", "queries")
@@ -73,7 +83,18 @@ PRESSES = [
     ("LagKVPress", {"lag_size": "32", "cross_scoring": "True"}, KEYS_ONLY, ()),
     ("TOVAPress", {}, ATTENTION_BASED, (0.25,)),
     ("ObservedAttentionPress", {}, ("attentions",), ()),
+    # Compactor (seeded sketch; chunk 64 exercises the padded last chunk on every length).
+    ("LeverageScorePress", {"seed": "7"}, ("rope", "k_proj"), (0.25, 0.75)),
+    ("LeverageScorePress", {"sketch_dimension": "16", "seed": "3"}, ("rope", "k_proj"), ()),
+    ("NonCausalAttnPress", {}, ("hidden_states", "queries"), (0.25, 0.75)),
+    ("NonCausalAttnPress", {"chunk_size": "64"}, ("hidden_states", "queries"), ()),
+    ("CompactorPress", {"seed": "11"}, ("hidden_states", "queries_rope", "queries_k_proj"), (0.25, 0.75)),
+    ("CompactorPress", {"blending": "0.3", "seed": "11"}, ("hidden_states", "queries_rope"), ()),
+    ("CompactorPress", {"sink_size_start": "4", "sink_size_end": "0", "chunk_size": "64", "seed": "5"},
+     ("queries_rope",), ()),
 ]
+# Parameters only the C++ presses have (see above).
+SEEDED_SKETCH = ("LeverageScorePress", "CompactorPress")
 BASE_RATIO = 0.5
 
 # Random-weight Llama cases: (head_dim, dtype, seq_len, store attentions). 8 query heads,
@@ -106,7 +127,8 @@ def param_tag(params: dict[str, str]) -> str:
     if not params:
         return "default"
     short = {"window_size": "w", "kernel_size": "k", "lag_size": "lag", "n_sink": "sink",
-             "cross_scoring": "cross", "seed": "seed"}
+             "cross_scoring": "cross", "seed": "seed", "sketch_dimension": "sk", "chunk_size": "c",
+             "blending": "bl", "sink_size_start": "ss", "sink_size_end": "se"}
     return "_".join(f"{short.get(k, k)}{'' if v == 'True' else v}" for k, v in params.items())
 
 
@@ -152,11 +174,15 @@ def post_rope_queries(module, hidden_states, cos, sin) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Running the presses
 # ---------------------------------------------------------------------------------------------
-def run_press(press, layer: dict, source: str):
+def run_press(press, layer: dict, source: str, seed: int | None = None):
     attentions = layer["attentions"] if source == "attentions" else None
     args = (layer["module"], layer["hidden_states"], layer["keys"], layer["values"], attentions, layer["kwargs"])
     with torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
         scores = press.score(*args)
+        if seed is not None:
+            torch.manual_seed(seed)
         new_keys, new_values = press.compress(*args)
     keys = layer["keys"]
     n_kept = compute_n_kept(keys.shape[2], press.compression_ratio)
@@ -239,9 +265,13 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
     }
     stats = {"runs": 0, "ties": 0}
     for press_name, params, sources, extra in PRESSES:
+        kv_params = dict(params)
+        seed = None
+        if press_name in SEEDED_SKETCH and "seed" in kv_params:
+            seed = int(kv_params.pop("seed"))
         for ratio in (BASE_RATIO, *extra):
             press = getattr(kvpress, press_name)(compression_ratio=ratio,
-                                                 **{k: parse_value(v) for k, v in params.items()})
+                                                 **{k: parse_value(v) for k, v in kv_params.items()})
             # Extra ratios only for the first available source.
             srcs = [x for x in sources if x != "attentions" or has_attn]
             if ratio != BASE_RATIO:
@@ -249,17 +279,18 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
             files: dict[str, str] = {}
             for source in srcs:
                 run_name = f"{name}__{press_name}_{param_tag(params)}_r{ratio:g}_{source}"
-                if source == "queries":
-                    # Same expected result as the recomputed-query run.
-                    file = files["hidden_states"]
+                # kvpress's result depends only on whether it is given attentions.
+                kv_run = "attentions" if source == "attentions" else "model"
+                if kv_run in files:
+                    file = files[kv_run]
                 else:
-                    scores, kept, n_kept = run_press(press, layer, source)
+                    scores, kept, n_kept = run_press(press, layer, source, seed)
                     file = f"{run_name}.safetensors"
                     tensors = {"scores": scores, "kept_indices": kept}
                     if press_name == "LagKVPress" and not press.cross_scoring:
                         tensors["statistic"] = lagkv_statistic(press, layer)
                     save_file(tensors, str(out / file))
-                    files[source] = file
+                    files[kv_run] = file
                     stats["ties"] += straddling_tie(scores, n_kept)
                 stats["runs"] += 1
                 case["runs"].append({

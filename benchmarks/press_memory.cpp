@@ -1,0 +1,327 @@
+// kvpress_memory: peak extra host memory of a press's score() on one Llama-3.1-8B-shaped layer
+// (B=1, Hq=32, Hkv=8, D=128), compared with the size of the layer's keys.
+//
+//   kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]
+//
+// Defaults: S = 32768, fp32, NonCausalAttnPress (given the post-RoPE queries of every position),
+// LeverageScorePress and CompactorPress (queries + cos/sin). --hidden adds NonCausalAttnPress with
+// queries recomputed from hidden_states + q_proj (slow on a small CPU: 1.1 TFLOP of projection).
+//
+// Each measurement runs in a fresh process (this binary re-executes itself), so memory freed by
+// an earlier measurement cannot hide a later one. Two figures, both "above the inputs":
+//   * allocator: peak of the bytes live in libtorch's CPU allocator (a counting wrapper installed
+//     with c10::SetCPUAllocator) minus the bytes live before score(); exact for ATen tensors,
+//     blind to memory BLAS or OpenMP take with malloc themselves;
+//   * RSS: the process's resident high-water mark (VmHWM, reset through /proc/self/clear_refs)
+//     minus VmRSS before score(), with glibc told to mmap every block >= 64 KiB and trimmed after a
+//     warm-up, so freed blocks go back to the OS and do not hide new ones.
+// The press runs once at S = 1024 first (warm-up: BLAS buffers, thread pools), then on S.
+// Exit status 1 when NonCausalAttnPress's peak is not below the keys' size.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <malloc.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvpress/kvpress.h"
+
+extern char** environ;
+
+namespace {
+
+constexpr int64_t kQHeads = 32, kKVHeads = 8, kHeadDim = 128, kHidden = kQHeads * kHeadDim;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// Counts the bytes live in the CPU allocator and their peak. Its data pointers are "simple"
+// (context == data, freed by a raw deleter) like the default allocator's, because oneDNN's
+// raw_allocate() requires that.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base), base_deleter_(base->raw_deleter()) {
+    TORCH_CHECK(base_deleter_ != nullptr, "kvpress_memory: the CPU allocator has no raw deleter");
+    instance_ = this;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base_->allocate(n);
+    TORCH_CHECK(inner.get() == inner.get_context(), "kvpress_memory: the CPU allocator's pointers are not simple");
+    void* data = inner.release_context();
+    const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    if (data) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = n;
+    }
+    return {data, data, &CountingAllocator::release, c10::Device(c10::kCPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  int64_t live() const { return live_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(live_.load()); }
+
+ private:
+  static void release(void* data) {
+    if (!data) return;
+    CountingAllocator* self = instance_;
+    size_t n = 0;
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      const auto it = self->sizes_.find(data);
+      if (it != self->sizes_.end()) {
+        n = it->second;
+        self->sizes_.erase(it);
+      }
+    }
+    self->live_.fetch_sub(static_cast<int64_t>(n));
+    self->base_deleter_(data);
+  }
+
+  static inline CountingAllocator* instance_ = nullptr;
+  c10::Allocator* base_;
+  c10::DeleterFnPtr base_deleter_;
+  std::atomic<int64_t> live_{0};
+  std::atomic<int64_t> peak_{0};
+  std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;
+};
+
+// A field of /proc/self/status in kB, as bytes (-1 if absent).
+int64_t proc_status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const size_t len = std::strlen(field);
+  while (std::getline(in, line))
+    if (line.compare(0, len, field) == 0 && line.size() > len && line[len] == ':')
+      return std::atoll(line.c_str() + len + 1) * 1024;
+  return -1;
+}
+
+bool reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+struct Config {
+  std::string press;
+  bool hidden = false;  // recompute queries from hidden states instead of giving them
+};
+
+std::string label(const Config& c) {
+  return c.press + (c.press == "LeverageScorePress" ? " (cos/sin)" : c.hidden ? " (hidden_states + q_proj + cos/sin)"
+                                                                               : " (queries of all S positions + cos/sin)");
+}
+
+kvpress::LayerInputs make_inputs(const Config& c, int64_t seq, at::ScalarType dtype) {
+  at::manual_seed(0);
+  const auto opts = at::TensorOptions().dtype(dtype);
+  kvpress::LayerInputs in;
+  in.keys = at::randn({1, kKVHeads, seq, kHeadDim}, opts);
+  in.values = at::randn({1, kKVHeads, seq, kHeadDim}, opts);
+  in.num_heads = kQHeads;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor inv_freq = at::pow(500000.0, -at::arange(0, kHeadDim, 2, f32) / double(kHeadDim));
+  const at::Tensor angles = at::outer(at::arange(seq, f32), inv_freq);
+  in.cos = at::cat({angles, angles}, -1).cos().to(dtype);
+  in.sin = at::cat({angles, angles}, -1).sin().to(dtype);
+  if (c.press == "LeverageScorePress") return in;
+  if (c.hidden) {
+    in.hidden_states = at::randn({1, seq, kHidden}, opts);
+    in.q_proj = at::randn({kQHeads * kHeadDim, kHidden}, opts).div_(std::sqrt(double(kHidden)));
+  } else {
+    in.queries = at::randn({1, kQHeads, seq, kHeadDim}, opts).div_(std::sqrt(double(kHeadDim)));
+  }
+  return in;
+}
+
+// One measurement (in its own process). Prints one machine-readable line.
+int measure(const Config& c, int64_t seq, at::ScalarType dtype) {
+  mallopt(M_MMAP_THRESHOLD, 64 * 1024);  // fixed: large blocks are mmapped and unmapped on free
+  auto* counting = new CountingAllocator(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(counting, /*priority=*/100);
+  auto press = kvpress::make_press(c.press, 0.5, {});
+  auto* scorer = dynamic_cast<kvpress::ScorerPress*>(press.get());
+  {
+    const kvpress::LayerInputs warm = make_inputs(c, 1024, dtype);
+    (void)scorer->score(warm);
+  }
+  malloc_trim(0);
+  const kvpress::LayerInputs in = make_inputs(c, seq, dtype);
+  const int64_t live_before = counting->live();
+  counting->reset_peak();
+  const bool rss_ok = reset_peak_rss();
+  const int64_t rss_before = proc_status_bytes("VmRSS");
+  const auto t0 = std::chrono::steady_clock::now();
+  at::Tensor scores = scorer->score(in);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t hwm = proc_status_bytes("VmHWM");
+  const int64_t alloc_extra = counting->peak() - live_before;
+  const int64_t rss_extra = rss_ok && hwm >= 0 && rss_before >= 0 ? hwm - rss_before : -1;
+  std::printf("RESULT %lld %lld %.3f %lld\n", static_cast<long long>(alloc_extra), static_cast<long long>(rss_extra),
+              secs, static_cast<long long>(scores.numel()));
+  return 0;
+}
+
+// Runs `self --one ...` and parses its RESULT line.
+bool run_child(const std::string& self, const Config& c, int64_t seq, const std::string& dtype, int64_t* alloc,
+               int64_t* rss, double* secs) {
+  std::vector<std::string> args = {self, "--one", c.press, "--seq", std::to_string(seq), "--dtype", dtype};
+  if (c.hidden) args.push_back("--hidden");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int pipefd[2];
+  if (pipe(pipefd) != 0) return false;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, pipefd[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, pipefd[0]);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, self.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(pipefd[1]);
+  if (rc != 0) {
+    close(pipefd[0]);
+    return false;
+  }
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(pipefd[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(pipefd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const size_t at = out.find("RESULT ");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || at == std::string::npos) {
+    std::fprintf(stderr, "%s", out.c_str());
+    return false;
+  }
+  long long a = 0, r = 0, numel = 0;
+  return std::sscanf(out.c_str() + at, "RESULT %lld %lld %lf %lld", &a, &r, secs, &numel) == 4 &&
+         ((*alloc = a), (*rss = r), true);
+}
+
+std::string mib(int64_t bytes) {
+  if (bytes < 0) return "n/a";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / kMiB);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t seq = 32768;
+  std::string dtype_name = "fp32";
+  bool one = false, hidden = false;
+  std::vector<std::string> presses;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "kvpress_memory: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--seq") {
+      seq = std::atoll(next().c_str());
+    } else if (a == "--dtype") {
+      dtype_name = next();
+    } else if (a == "--press") {
+      presses.push_back(next());
+    } else if (a == "--one") {
+      one = true;
+      presses = {next()};
+    } else if (a == "--hidden") {
+      hidden = true;
+    } else if (a == "-h" || a == "--help") {
+      std::printf("usage: kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]\n");
+      return 0;
+    } else {
+      std::fprintf(stderr, "kvpress_memory: unknown argument '%s'\n", a.c_str());
+      return 2;
+    }
+  }
+  if (seq < 2048 || (dtype_name != "fp32" && dtype_name != "bf16")) {
+    std::fprintf(stderr, "kvpress_memory: --seq must be >= 2048 and --dtype fp32 or bf16\n");
+    return 2;
+  }
+  const at::ScalarType dtype = dtype_name == "fp32" ? at::kFloat : at::kBFloat16;
+  try {
+    if (one) return measure(Config{presses[0], hidden}, seq, dtype);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "kvpress_memory: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+
+  std::vector<Config> configs;
+  if (presses.empty()) {
+    configs = {{"NonCausalAttnPress", false}, {"LeverageScorePress", false}, {"CompactorPress", false}};
+    if (hidden) configs.push_back({"NonCausalAttnPress", true});
+  } else {
+    for (const auto& p : presses) configs.push_back({p, hidden});
+  }
+
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t keys_bytes = kKVHeads * seq * kHeadDim * elem;
+  const int64_t chunk = 256;
+  const int64_t padded = (seq + chunk - 1) / chunk * chunk;
+  std::printf("kvpress %s: peak extra host memory of score(), one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, "
+              "%d torch threads\n",
+              KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim,
+              dtype_name.c_str(), at::get_num_threads());
+  std::printf("layer keys Hkv*S*D*%lld B: %s\n", (long long)elem, mib(keys_bytes).c_str());
+  std::printf("for comparison, kvpress 0.5.5's NonCausalAttnPress materialises its logits for all chunks at once,\n"
+              "[B, Hq, S_pad, chunk] in the cache dtype plus a float32 softmax copy: %s + %s, and repeat_kv keys %s\n\n",
+              mib(kQHeads * padded * chunk * elem).c_str(), mib(kQHeads * padded * chunk * 4).c_str(),
+              mib(kQHeads * seq * kHeadDim * elem).c_str());
+  const std::string self = "/proc/self/exe";
+  char exe[4096];
+  const ssize_t len = readlink(self.c_str(), exe, sizeof exe - 1);
+  const std::string path = len > 0 ? std::string(exe, static_cast<size_t>(len)) : std::string(argv[0]);
+  int status = 0;
+  std::printf("%-62s %14s %14s %9s  %s\n", "press (inputs)", "allocator", "peak RSS", "time s", "below keys?");
+  for (const auto& c : configs) {
+    int64_t alloc = -1, rss = -1;
+    double secs = 0.0;
+    if (!run_child(path, c, seq, dtype_name, &alloc, &rss, &secs)) {
+      std::printf("%-62s failed (see above)\n", label(c).c_str());
+      status = 1;
+      continue;
+    }
+    const bool below = alloc >= 0 && alloc < keys_bytes && (rss < 0 || rss < keys_bytes);
+    std::printf("%-62s %14s %14s %9.2f  %s\n", label(c).c_str(), mib(alloc).c_str(), mib(rss).c_str(), secs,
+                below ? "yes" : "no");
+    if (c.press == "NonCausalAttnPress" && !below) status = 1;
+  }
+  std::printf("\nallocator: peak bytes live in libtorch's CPU allocator during score(), minus those live before;\n"
+              "peak RSS: VmHWM during score() minus VmRSS before (each in a fresh process after a warm-up).\n"
+              "Only NonCausalAttnPress is required to stay below the keys (issue 3). LeverageScorePress holds the\n"
+              "float32 sketch X [B, Hkv, S, 48] plus one KV head's float32 pre-RoPE keys and RoPE temporaries.\n");
+  return status;
+}

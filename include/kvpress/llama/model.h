@@ -1,0 +1,170 @@
+// A small Llama-family runner with kvpress presses in the loop: the integration reference.
+//
+//   auto model = kvpress::llama::LlamaModel::load(dir);          // config.json + model.safetensors
+//   kvpress::llama::KVCache cache = model.new_cache();
+//   auto press = kvpress::make_press("SnapKVPress", 0.5);
+//   kvpress::llama::PrefillOptions opt;
+//   opt.press = press.get();
+//   auto out = model.prefill(context_ids, cache, opt);             // each layer compressed after its attention
+//   auto next = model.forward(question_ids, cache);                // positions continue at context length
+//
+// The forward pass follows transformers' LlamaForCausalLM (eager attention) operation by operation:
+// embedding, per layer RMSNorm -> q/k/v projections -> RoPE (rotate_half convention, rope_theta)
+// -> cache append -> causal softmax attention (float32 softmax, GQA without repeating K/V) ->
+// o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual, final RMSNorm, lm_head (tied to the
+// embedding when the checkpoint says so). See docs/LLAMA_RUNNER.md.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kvpress/llama/config.h"
+#include "kvpress/presses/base_press.h"
+#include "kvpress/types.h"
+
+namespace kvpress::llama {
+
+// ---- model files ------------------------------------------------------------------------------
+
+// Where models live: $KVPRESS_MODELS when set, else <source tree>/../shared/models.
+std::string default_models_dir();
+
+// A checkpoint folder from a path (any folder holding config.json) or a model name looked up in
+// default_models_dir() (e.g. "tinystories-656k"). Raises c10::Error listing where it looked.
+std::string resolve_model_dir(const std::string& name_or_path);
+
+// ---- KV cache ---------------------------------------------------------------------------------
+
+// Per-layer keys (post-RoPE) and values, [B, Hkv, length, D] each. After a press has compressed a
+// layer, length(layer) is smaller than position(): tokens keep attending over what is left, while
+// new tokens get the next ORIGINAL position ids (kvpress's protocol).
+class KVCache {
+ public:
+  KVCache() = default;
+  explicit KVCache(int64_t num_layers);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // Tokens consumed so far: the position id the next token gets.
+  int64_t position() const { return position_; }
+  // Tokens stored in `layer` (0 before the first forward).
+  int64_t length(int64_t layer) const;
+  std::vector<int64_t> lengths() const;
+  // Views of the stored tokens, [B, Hkv, length, D]; undefined before the first forward.
+  at::Tensor keys(int64_t layer) const;
+  at::Tensor values(int64_t layer) const;
+
+  // Engine side (LlamaModel calls these; exposed for custom loops and tests).
+  void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // [B, Hkv, n, D]
+  void replace(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // e.g. a press's output
+  void advance(int64_t n_tokens) { position_ += n_tokens; }
+  // Drops everything stored after lengths[layer] in each layer and sets position (e.g. to remove a
+  // generated answer and reuse a compressed context, as kvpress's pipeline does per question).
+  void truncate(const std::vector<int64_t>& lengths, int64_t position);
+
+ private:
+  struct Layer {
+    at::Tensor key_buffer, value_buffer;  // [B, Hkv, capacity, D]; tokens [0, length) are valid
+    int64_t length = 0;
+  };
+  std::vector<Layer> layers_;
+  int64_t position_ = 0;
+};
+
+// ---- forward passes ---------------------------------------------------------------------------
+
+struct ForwardOptions {
+  // Keep every layer's eager attention weights [B, Hq, n, length] in ForwardOutput::attentions.
+  bool return_attentions = false;
+  // Run lm_head on the last position only (kvpress/transformers' logits_to_keep=1).
+  bool last_logits_only = false;
+};
+
+// Whether a press gets the layer's eager attention weights in LayerInputs::attentions.
+enum class PressAttentions {
+  kAuto,    // when return_attentions is set, or the press cannot work without them
+            // (press_needs_attentions); otherwise the press recomputes what it needs
+  kAlways,  // always, as kvpress on a model loaded with attn_implementation="eager"
+  kNever,
+};
+
+struct PrefillOptions : ForwardOptions {
+  // Compresses each layer's cache right after that layer's attention (which used the full cache),
+  // exactly where kvpress's forward hook does. nullptr: no compression.
+  const BasePress* press = nullptr;
+  PressAttentions press_attentions = PressAttentions::kAuto;
+  // Called after each layer's compression with what the press saw and returned (tests, analysis).
+  std::function<void(const LayerInputs&, const KV&)> on_compress;
+};
+
+struct ForwardOutput {
+  at::Tensor logits;                     // [B, n, vocab] (n = 1 with last_logits_only), model dtype
+  std::vector<at::Tensor> attentions;    // per layer [B, Hq, n, length] when return_attentions
+  std::vector<at::Tensor> kept_indices;  // prefill with a press: per layer [B, Hkv, n_kept], ascending
+};
+
+// RoPE tables in the model dtype: cos/sin [n, head_dim], each half repeating the frequencies.
+struct RopeTables {
+  at::Tensor cos, sin;
+};
+
+// True when a press cannot run without attention weights: its registry entry lists attentions as
+// the only input it accepts (ObservedAttentionPress). Presses unknown to the registry: false.
+bool press_needs_attentions(const BasePress& press);
+
+class LlamaModel {
+ public:
+  // Loads <dir>/config.json and <dir>/model.safetensors, casting weights to `dtype`
+  // (float32, float16 or bfloat16).
+  static LlamaModel load(const std::string& dir, at::ScalarType dtype = at::kFloat);
+
+  // From a parsed config and tensors named as in a Hugging Face Llama checkpoint
+  // ("model.layers.0.self_attn.q_proj.weight", ...). Raises c10::Error on a missing tensor or a
+  // shape that does not match the config.
+  LlamaModel(LlamaConfig config, const std::map<std::string, at::Tensor>& weights,
+             at::ScalarType dtype = at::kFloat);
+
+  const LlamaConfig& config() const { return config_; }
+  at::ScalarType dtype() const { return dtype_; }
+
+  KVCache new_cache() const { return KVCache(config_.num_layers); }
+
+  // The first forward pass on an empty cache: input_ids [B, S] (int64) at positions 0..S-1. With a
+  // press, each layer's cache is replaced by press->compress(inputs) right after that layer's
+  // attention, where `inputs` holds the layer's keys/values, the attention input (hidden_states,
+  // post input-layernorm), q_proj/k_proj weights, cos/sin of positions 0..S-1, the attention
+  // weights (per press_attentions), num_heads, layer_idx and num_layers. The returned logits are
+  // the uncompressed forward's (the press acts after each layer's attention).
+  ForwardOutput prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options = {}) const;
+
+  // Any later forward: input_ids [B, n] at positions cache.position() .. + n - 1, each attending
+  // over the whole (possibly compressed) cache and the new tokens up to itself.
+  ForwardOutput forward(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options = {}) const;
+
+  // cos/sin of positions [start, start + n), computed as transformers' LlamaRotaryEmbedding does
+  // (float32 inverse frequencies and angles, then cast to the model dtype).
+  RopeTables rope(int64_t start, int64_t n) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, down_proj;
+  };
+
+  ForwardOutput run(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options,
+                    const PrefillOptions* prefill) const;
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
+
+  LlamaConfig config_;
+  at::ScalarType dtype_;
+  at::Tensor embed_tokens_;  // [vocab, hidden]
+  std::vector<Layer> layers_;
+  at::Tensor norm_;     // [hidden]
+  at::Tensor lm_head_;  // [vocab, hidden]; the embedding when tied
+  at::Tensor inv_freq_;  // [head_dim / 2] float32
+};
+
+}  // namespace kvpress::llama

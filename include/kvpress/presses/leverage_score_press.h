@@ -1,0 +1,34 @@
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// Compactor's outlier scorer (arXiv 2507.08143; kvpress's LeverageScorePress): approximate ridge
+// leverage of the pre-RoPE keys through a right Gaussian sketch of sketch_dimension columns,
+// z-scored over the whole tensor. Keys that are geometric outliers get high scores.
+//
+// Pre-RoPE keys: the cached keys with RoPE inverted when cos/sin are given, else recomputed from
+// hidden_states + k_proj (+ k_norm) as kvpress does. The sketch is redrawn on every call: from a
+// generator seeded with `seed` (then equal to kvpress's after torch.manual_seed(seed) on a CPU
+// cache), or from the default CPU generator when no seed is set.
+class LeverageScorePress : public ScorerPress {
+ public:
+  explicit LeverageScorePress(double compression_ratio = 0.0, int64_t sketch_dimension = 48,
+                              std::optional<int64_t> seed = std::nullopt);
+
+  std::string name() const override { return "LeverageScorePress"; }
+  int64_t sketch_dimension() const { return sketch_dimension_; }
+  std::optional<int64_t> seed() const { return seed_; }
+
+  at::Tensor score(const LayerInputs& inputs) const override;
+
+ private:
+  int64_t sketch_dimension_;
+  std::optional<int64_t> seed_;
+};
+
+}  // namespace kvpress

@@ -1,0 +1,28 @@
+#pragma once
+
+#include <cstdint>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// Compactor's attention scorer (kvpress's NonCausalAttnPress): every query attends to every key
+// of its chunk of chunk_size positions (non-causal, no 1/sqrt(D)); the attention each key receives
+// is summed over its chunk's queries, averaged per GQA group, weighted by ||v_i||, smoothed with a
+// 3-tap average and z-scored over the whole tensor. Needs the post-RoPE queries of EVERY position:
+// inputs.queries with q_len == seq_len, or hidden_states + q_proj (+ q_norm) + cos/sin (recomputed
+// one chunk at a time). Peak extra memory is one chunk's logits, O(Hq * chunk_size^2).
+class NonCausalAttnPress : public ScorerPress {
+ public:
+  explicit NonCausalAttnPress(double compression_ratio = 0.0, int64_t chunk_size = 256);
+
+  std::string name() const override { return "NonCausalAttnPress"; }
+  int64_t chunk_size() const { return chunk_size_; }
+
+  at::Tensor score(const LayerInputs& inputs) const override;
+
+ private:
+  int64_t chunk_size_;
+};
+
+}  // namespace kvpress

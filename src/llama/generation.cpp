@@ -1,0 +1,52 @@
+// Greedy generation with a press on the context (kvpress's pipeline, batch 1).
+#include "kvpress/llama/generation.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace kvpress::llama {
+namespace {
+
+at::Tensor as_batch(const std::vector<int64_t>& ids) {
+  return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);
+}
+
+int64_t argmax_last(const at::Tensor& logits) {  // [1, n, V] -> argmax of the last row
+  return logits[0][logits.size(1) - 1].argmax().item<int64_t>();
+}
+
+}  // namespace
+
+Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& context,
+                           const std::vector<int64_t>& question, const GenerationOptions& options) {
+  TORCH_CHECK(!context.empty(), "generate_greedy: the context is empty");
+  TORCH_CHECK(options.max_new_tokens >= 0, "generate_greedy: max_new_tokens must be >= 0, got ",
+              options.max_new_tokens);
+  Generation g;
+  g.context_length = static_cast<int64_t>(context.size());
+  if (options.max_new_tokens == 0) return g;
+
+  KVCache cache = model.new_cache();
+  PrefillOptions prefill;
+  prefill.press = options.press;
+  prefill.press_attentions = options.press_attentions;
+  prefill.last_logits_only = true;
+  at::Tensor logits = model.prefill(as_batch(context), cache, prefill).logits;
+  g.cache_lengths = cache.lengths();
+
+  ForwardOptions step;
+  step.last_logits_only = true;
+  if (!question.empty()) logits = model.forward(as_batch(question), cache, step).logits;
+
+  const int64_t eos = model.config().eos_token_id;
+  while (true) {
+    const int64_t next = argmax_last(logits);
+    g.tokens.push_back(next);
+    if (static_cast<int64_t>(g.tokens.size()) >= options.max_new_tokens) break;
+    if (options.stop_at_eos && next == eos) break;
+    logits = model.forward(as_batch({next}), cache, step).logits;
+  }
+  return g;
+}
+
+}  // namespace kvpress::llama

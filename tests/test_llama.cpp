@@ -1,0 +1,691 @@
+// kvpress::llama — the Llama runner with presses in the loop.
+//
+// Llama.*            unit tests on the real TinyStories-656K checkpoint (no fixtures needed):
+//                    config, tokenizer basics, KV cache, incremental decoding, batching, and every
+//                    press of the registry running inside prefill.
+// LlamaParity.*,     exactness against the pinned packages, from the fixtures written by
+// Kvpress/LlamaPressRun.*   tests/reference/make_model_fixtures.py into <fixtures>/llama (one ctest
+//                    entry, like parity.kvpress_0_5_5):
+//   * tokenizer: ids of all 100 held-out stories and edge cases equal transformers', decodes equal;
+//     a synthetic tokenizer with byte fallback equals `tokenizers`;
+//   * logits of the prefill, the question and greedy decode steps equal transformers' (float32,
+//     eager) within 1e-4, attention weights within 1e-5;
+//   * for every press (ratio 0.5): the kept positions of every layer after prefill equal kvpress's
+//     pipeline (exactly, or modulo near-ties at the selection threshold, as tests/test_parity.cpp
+//     argues), and the logits of the question and decode steps over the compressed cache equal
+//     kvpress's within 1e-4. Where a tie made the kept sets differ, the logits are compared by
+//     replaying kvpress's kept positions through the runner.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fixtures.h"
+#include "kvpress/llama/llama.h"
+#include "kvpress/ops.h"
+#include "kvpress/registry.h"
+#include "test_util.h"
+
+namespace {
+
+using kvpress::llama::ForwardOptions;
+using kvpress::llama::KVCache;
+using kvpress::llama::LlamaConfig;
+using kvpress::llama::LlamaModel;
+using kvpress::llama::PrefillOptions;
+using kvpress::llama::PressAttentions;
+using kvpress::llama::Tokenizer;
+using kvpress::testing::expect_error;
+
+constexpr double kLogitTol = 1e-4;
+constexpr double kAttentionTol = 1e-5;
+
+const std::string& model_dir() {
+  static const std::string dir = kvpress::llama::resolve_model_dir("tinystories-656k");
+  return dir;
+}
+const LlamaModel& tiny_model() {
+  static const LlamaModel model = LlamaModel::load(model_dir());
+  return model;
+}
+const Tokenizer& tiny_tokenizer() {
+  static const Tokenizer tok = Tokenizer::load(model_dir() + "/tokenizer.json");
+  return tok;
+}
+
+at::Tensor ids_tensor(const std::vector<int64_t>& ids) {
+  return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);
+}
+
+const char* kStory =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
+    "friends. One day, Lily saw a big red ball under a tree. She ran to the ball and kicked it very hard. The "
+    "ball flew over the fence and into the garden of an old man. Lily was scared, but she went to the old man "
+    "and said, \"I am sorry, can I have my ball back?\" The old man smiled and gave her the ball. They became "
+    "good friends and played together every day.";
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>();
+}
+
+// ---- unit tests ---------------------------------------------------------------------------------
+
+TEST(Llama, ConfigOfTinyStories) {
+  const LlamaConfig& c = tiny_model().config();
+  EXPECT_EQ(c.vocab_size, 2048);
+  EXPECT_EQ(c.hidden_size, 128);
+  EXPECT_EQ(c.intermediate_size, 384);
+  EXPECT_EQ(c.num_layers, 2);
+  EXPECT_EQ(c.num_heads, 8);
+  EXPECT_EQ(c.num_kv_heads, 4);
+  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 10000.0);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.bos_token_id, 1);
+  EXPECT_EQ(c.eos_token_id, 2);
+}
+
+TEST(Llama, ConfigRefusesWhatItCannotRun) {
+  const std::string base =
+      R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 1)";
+  EXPECT_NO_THROW(LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + "}"));
+  const LlamaConfig v5 = LlamaConfig::from_json(
+      "{\"model_type\": \"llama\", " + base + R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
+  EXPECT_DOUBLE_EQ(v5.rope_theta, 500000.0);
+  EXPECT_EQ(v5.head_dim, 4);
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + "}", "x.json"); },
+               {"LlamaConfig: x.json: unsupported model_type 'mistral'"});
+  expect_error(
+      [&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "rope_scaling": {"rope_type": "llama3"}})"); },
+      {"unsupported RoPE scaling 'llama3'"});
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "hidden_act": "gelu"})"); },
+               {"unsupported hidden_act 'gelu'"});
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "attention_bias": true})"); },
+               {"attention_bias is not supported"});
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\"}"); }, {"vocab_size must be an integer"});
+  expect_error([&] { LlamaConfig::from_json("{not json"); }, {"not valid JSON"});
+  expect_error([&] { kvpress::llama::resolve_model_dir("/nonexistent/model"); }, {"no config.json in '/nonexistent/model'"});
+  EXPECT_EQ(kvpress::llama::resolve_model_dir(model_dir()), model_dir());
+}
+
+TEST(Llama, TokenizerBasics) {
+  const Tokenizer& tok = tiny_tokenizer();
+  EXPECT_EQ(tok.vocab_size(), 2048);
+  const std::vector<int64_t> ids = tok.encode("Once upon a time");
+  ASSERT_FALSE(ids.empty());
+  EXPECT_EQ(ids.front(), 1);  // <|start_story|>, from the post_processor
+  EXPECT_EQ(tok.encode("Once upon a time", /*add_special_tokens=*/false),
+            std::vector<int64_t>(ids.begin() + 1, ids.end()));
+  EXPECT_EQ(tok.decode(ids), "Once upon a time");
+  EXPECT_EQ(tok.decode(ids, /*skip_special_tokens=*/false), "<|start_story|> Once upon a time");
+  EXPECT_EQ(tok.encode(""), std::vector<int64_t>{1});
+  EXPECT_EQ(tok.token_to_id("<|end_story|>"), std::optional<int64_t>(2));
+  EXPECT_EQ(tok.id_to_token(80), "\xE2\x96\x81");  // "▁"
+  EXPECT_TRUE(tok.is_special(0));
+  EXPECT_FALSE(tok.is_special(80));
+  expect_error([&] { tok.id_to_token(5000); }, {"id 5000 is out of range"});
+}
+
+TEST(Llama, TokenizerRefusesUnsupportedComponents) {
+  const std::string model = R"("model": {"type": "BPE", "vocab": {"a": 0}, "merges": []})";
+  EXPECT_NO_THROW(Tokenizer::from_json("{" + model + "}"));
+  expect_error([&] { Tokenizer::from_json("{" + model + R"(, "pre_tokenizer": {"type": "ByteLevel"}})", "t.json"); },
+               {"Tokenizer: t.json: unsupported pre_tokenizer"});
+  expect_error([&] { Tokenizer::from_json("{" + model + R"(, "normalizer": {"type": "NFKC"}})"); },
+               {"unsupported normalizer"});
+  expect_error([&] { Tokenizer::from_json("{" + model + R"(, "decoder": {"type": "Metaspace"}})"); },
+               {"unsupported decoder"});
+  expect_error([&] { Tokenizer::from_json(R"({"model": {"type": "WordPiece", "vocab": {}}})"); },
+               {"unsupported model type"});
+  expect_error([&] { Tokenizer::from_json(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a b"]}})"); },
+               {"merge 'a b' uses tokens missing from the vocabulary"});
+  // A character outside the vocabulary without unk_token or byte tokens cannot be encoded.
+  expect_error([&] { Tokenizer::from_json("{" + model + "}").encode("b"); }, {"no unk_token"});
+}
+
+TEST(Llama, KVCacheAppendReplaceTruncate) {
+  KVCache cache(2);
+  EXPECT_EQ(cache.position(), 0);
+  EXPECT_FALSE(cache.keys(0).defined());
+  const at::Tensor k = at::arange(2 * 3 * 4, at::kFloat).view({1, 2, 3, 4});
+  cache.append(0, k, -k);
+  cache.append(0, k.narrow(2, 0, 1), -k.narrow(2, 0, 1));
+  cache.advance(4);
+  EXPECT_EQ(cache.length(0), 4);
+  EXPECT_EQ(cache.length(1), 0);
+  EXPECT_EQ(cache.position(), 4);
+  EXPECT_TRUE(at::equal(cache.keys(0), at::cat({k, k.narrow(2, 0, 1)}, 2)));
+  EXPECT_TRUE(at::equal(cache.values(0), -cache.keys(0)));
+  cache.replace(0, k.narrow(2, 1, 2), -k.narrow(2, 1, 2));
+  EXPECT_EQ(cache.length(0), 2);
+  EXPECT_EQ(cache.position(), 4);  // compression never moves the position
+  cache.append(0, k, -k);
+  EXPECT_TRUE(at::equal(cache.keys(0), at::cat({k.narrow(2, 1, 2), k}, 2)));
+  cache.truncate({2, 0}, 4);
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{2, 0}));
+  expect_error([&] { cache.truncate({3, 0}, 4); }, {"layer 0 holds 2 tokens, cannot keep 3"});
+  expect_error([&] { cache.append(0, at::zeros({1, 3, 1, 4}), at::zeros({1, 3, 1, 4})); }, {"do not match the cache"});
+}
+
+// Prefill of n tokens == prefill of a prefix + a multi-token forward + single-token steps.
+TEST(Llama, IncrementalDecodingMatchesOneForward) {
+  const LlamaModel& model = tiny_model();
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  ASSERT_GE(ids.size(), 60u);
+  const at::Tensor all = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + 60));
+  KVCache full_cache = model.new_cache();
+  const at::Tensor full = model.prefill(all, full_cache).logits;
+  EXPECT_EQ(full_cache.position(), 60);
+
+  KVCache cache = model.new_cache();
+  std::vector<at::Tensor> parts{model.prefill(all.narrow(1, 0, 40), cache).logits,
+                                model.forward(all.narrow(1, 40, 10), cache).logits};
+  for (int64_t i = 50; i < 60; ++i) parts.push_back(model.forward(all.narrow(1, i, 1), cache).logits);
+  EXPECT_EQ(cache.position(), 60);
+  EXPECT_EQ(cache.length(1), 60);
+  // Same math, other matmul shapes: summation order differs (logits are O(10)).
+  EXPECT_LE(max_abs_diff(at::cat(parts, 1), full), 5e-5);
+
+  KVCache c2 = model.new_cache();
+  const at::Tensor only_last = model.prefill(all, c2, PrefillOptions()).logits;
+  EXPECT_EQ(only_last.size(1), 60);
+  KVCache c3 = model.new_cache();
+  PrefillOptions p;
+  p.last_logits_only = true;
+  const at::Tensor l3 = model.prefill(all, c3, p).logits;
+  ASSERT_EQ(l3.sizes(), at::IntArrayRef({1, 1, 2048}));
+  EXPECT_LE(max_abs_diff(l3[0][0], full[0][59]), 2e-5);
+  expect_error([&] { model.prefill(all, c3); }, {"prefill starts from an empty cache"});
+  expect_error([&] { model.forward(all.to(at::kInt), c3); }, {"input_ids must be a non-empty int64"});
+}
+
+TEST(Llama, BatchedForwardMatchesSingleSequences) {
+  const LlamaModel& model = tiny_model();
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  const at::Tensor a = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + 32));
+  const at::Tensor b = ids_tensor(std::vector<int64_t>(ids.begin() + 32, ids.begin() + 64));
+  KVCache ca = model.new_cache(), cb = model.new_cache(), cab = model.new_cache();
+  const at::Tensor la = model.prefill(a, ca).logits, lb = model.prefill(b, cb).logits;
+  const at::Tensor lab = model.prefill(at::cat({a, b}, 0), cab).logits;
+  EXPECT_LE(max_abs_diff(lab[0], la[0]), 5e-5);
+  EXPECT_LE(max_abs_diff(lab[1], lb[0]), 5e-5);
+}
+
+TEST(Llama, PressNeedsAttentions) {
+  EXPECT_TRUE(kvpress::llama::press_needs_attentions(*kvpress::make_press("ObservedAttentionPress", 0.5)));
+  EXPECT_FALSE(kvpress::llama::press_needs_attentions(*kvpress::make_press("SnapKVPress", 0.5)));
+  EXPECT_FALSE(kvpress::llama::press_needs_attentions(*kvpress::make_press("KnormPress", 0.5)));
+}
+
+// bfloat16 weights and activations (the casts follow transformers'): same greedy choices as float32
+// almost everywhere.
+TEST(Llama, RunsInBfloat16) {
+  const LlamaModel bf16 = LlamaModel::load(model_dir(), at::kBFloat16);
+  EXPECT_EQ(bf16.dtype(), at::kBFloat16);
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + 60));
+  KVCache c16 = bf16.new_cache(), c32 = tiny_model().new_cache();
+  const auto press = kvpress::make_press("SnapKVPress", 0.5, {{"window_size", "16"}});
+  PrefillOptions opt;
+  opt.press = press.get();
+  const at::Tensor l16 = bf16.prefill(prompt, c16, opt).logits;
+  const at::Tensor l32 = tiny_model().prefill(prompt, c32, opt).logits;
+  EXPECT_EQ(l16.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(c16.keys(0).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(c16.length(1), 30);
+  const double agree = (l16.argmax(-1) == l32.argmax(-1)).to(at::kFloat).mean().item<double>();
+  EXPECT_GE(agree, 0.8);
+  EXPECT_TRUE(at::isfinite(bf16.forward(ids_tensor({ids[60]}), c16).logits.to(at::kFloat)).all().item<bool>());
+}
+
+// Every press of the registry compresses every layer inside prefill (attentions given only to the
+// presses that need them), and decoding continues over the compressed cache.
+TEST(Llama, EveryRegistryPressRunsInTheLoop) {
+  const LlamaModel& model = tiny_model();
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  const int64_t s = std::min<int64_t>(static_cast<int64_t>(ids.size()) - 2, 100);
+  ASSERT_GT(s, 70);  // SnapKV's default window is 64
+  const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + s));
+  for (const kvpress::PressInfo& info : kvpress::list_presses()) {
+    SCOPED_TRACE(info.name);
+    const auto press = kvpress::make_press(info.name, 0.5);
+    KVCache cache = model.new_cache();
+    PrefillOptions opt;
+    opt.press = press.get();
+    int calls = 0;
+    opt.on_compress = [&](const kvpress::LayerInputs& in, const kvpress::KV& kv) {
+      EXPECT_EQ(in.layer_idx, calls++);
+      EXPECT_EQ(in.keys.size(2), s);
+      EXPECT_EQ(in.hidden_states.sizes(), at::IntArrayRef({1, s, 128}));
+      EXPECT_EQ(in.cos.sizes(), at::IntArrayRef({s, 16}));
+      EXPECT_EQ(in.attentions.defined(), info.name == "ObservedAttentionPress");
+    };
+    kvpress::llama::ForwardOutput out;
+    try {
+      out = model.prefill(prompt, cache, opt);
+    } catch (const c10::Error& e) {
+      ADD_FAILURE() << "prefill raised: " << e.what_without_backtrace();
+      continue;
+    }
+    EXPECT_EQ(calls, 2);
+    const int64_t n_kept = kvpress::ops::n_kept(s, 0.5);
+    ASSERT_EQ(out.kept_indices.size(), 2u);
+    for (int64_t l = 0; l < 2; ++l) {
+      EXPECT_EQ(cache.length(l), n_kept);
+      EXPECT_EQ(out.kept_indices[l].sizes(), at::IntArrayRef({1, 4, n_kept}));
+    }
+    EXPECT_EQ(cache.position(), s);
+    const at::Tensor next = model.forward(ids_tensor({ids[s], ids[s + 1]}), cache).logits;
+    EXPECT_TRUE(at::isfinite(next).all().item<bool>());
+    EXPECT_EQ(cache.position(), s + 2);
+    EXPECT_EQ(cache.length(0), n_kept + 2);
+
+    kvpress::llama::GenerationOptions g;
+    g.press = press.get();
+    g.max_new_tokens = 4;
+    g.stop_at_eos = false;
+    const auto gen = kvpress::llama::generate_greedy(model, std::vector<int64_t>(ids.begin(), ids.begin() + s), {}, g);
+    EXPECT_EQ(gen.tokens.size(), 4u);
+    EXPECT_EQ(gen.cache_lengths, (std::vector<int64_t>{n_kept, n_kept}));
+  }
+  // A press that needs attentions refuses to run without them.
+  const auto observed = kvpress::make_press("ObservedAttentionPress", 0.5);
+  KVCache cache = model.new_cache();
+  PrefillOptions never;
+  never.press = observed.get();
+  never.press_attentions = PressAttentions::kNever;
+  expect_error([&] { model.prefill(prompt, cache, never); }, {"ObservedAttentionPress", "attentions"});
+}
+
+// ---- fixtures -------------------------------------------------------------------------------------
+
+using json = nlohmann::json;
+
+struct LlamaFixtures {
+  std::string dir;
+  json manifest;
+  std::string error;
+};
+
+const LlamaFixtures& llama_fixtures() {
+  static const LlamaFixtures f = [] {
+    LlamaFixtures out;
+    const std::string base = kvpress::testing::fixtures_dir();
+    if (base.empty()) {
+      out.error = std::string("KVPRESS_FIXTURES is not set; ") + kvpress::testing::fixtures_howto();
+      return out;
+    }
+    out.dir = base + "/llama";
+    std::ifstream in(out.dir + "/manifest.json");
+    if (!in) {
+      out.error = "no manifest at " + out.dir +
+                  "/manifest.json; generate it with tests/reference/make_model_fixtures.py --out " + out.dir +
+                  " (scripts/test.sh does)";
+      return out;
+    }
+    try {
+      in >> out.manifest;
+    } catch (const std::exception& e) {
+      out.error = std::string("malformed ") + out.dir + "/manifest.json: " + e.what();
+    }
+    return out;
+  }();
+  return f;
+}
+
+json read_json(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  json j;
+  in >> j;
+  return j;
+}
+
+const kvpress::io::SafetensorsFile& fixture_file(const std::string& name) {
+  return kvpress::testing::load_fixture_file(llama_fixtures().dir + "/" + name);
+}
+at::Tensor fixture_tensor(const std::string& file, const std::string& key) {
+  return kvpress::testing::fixture_tensor(fixture_file(file), key, file);
+}
+
+std::vector<int64_t> to_vector(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous().flatten();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+// Figures gathered for the summary printed after the run.
+struct RunFigures {
+  std::string kept;  // "exact", "modulo N near-ties", ...
+  double logits = 0, scores_rel = 0;
+  bool replayed = false;
+};
+std::map<std::string, RunFigures>& figures() {
+  static std::map<std::string, RunFigures> f;
+  return f;
+}
+std::map<std::string, double>& model_figures() {
+  static std::map<std::string, double> f;
+  return f;
+}
+
+class LlamaSummary : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (!model_figures().empty()) {
+      std::cout << "[ llama    ] transformers parity, max |diff|:";
+      for (const auto& [k, v] : model_figures()) std::cout << "  " << k << " " << std::setprecision(3) << v;
+      std::cout << "\n";
+    }
+    for (const auto& [name, f] : figures())
+      std::cout << "[ llama    ] " << std::left << std::setw(44) << name << std::right << " kept " << std::setw(22)
+                << f.kept << "  max |d logits| " << std::setprecision(3) << std::setw(9) << f.logits
+                << (f.replayed ? " (kvpress's kept positions replayed)" : "") << "  max rel |d score| "
+                << f.scores_rel << "\n";
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kLlamaSummary = ::testing::AddGlobalTestEnvironment(new LlamaSummary);
+
+#define REQUIRE_FIXTURES()                                                   \
+  const LlamaFixtures& fx = llama_fixtures();                                \
+  ASSERT_TRUE(fx.error.empty()) << fx.error;                                 \
+  ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5") \
+      << "fixtures in " << fx.dir << " were made with another kvpress; regenerate them"
+
+void check_tokenizer_cases(const Tokenizer& tok, const json& cases) {
+  int n = 0;
+  for (const auto& c : cases) {
+    const std::vector<int64_t> ids = c.at("ids").get<std::vector<int64_t>>();
+    if (!c.at("text").is_null()) {
+      const std::string text = c.at("text").get<std::string>();
+      EXPECT_EQ(tok.encode(text), ids) << c.at("name") << ": " << text;
+    }
+    EXPECT_EQ(tok.decode(ids, true), c.at("decoded").get<std::string>()) << c.at("name");
+    EXPECT_EQ(tok.decode(ids, false), c.at("decoded_with_special").get<std::string>()) << c.at("name");
+    ++n;
+  }
+  EXPECT_GT(n, 0);
+}
+
+TEST(LlamaParity, TokenizerMatchesTransformers) {
+  REQUIRE_FIXTURES();
+  const json cases = read_json(fx.dir + "/" + fx.manifest.at("tokenizer_cases").get<std::string>());
+  int stories = 0;
+  for (const auto& c : cases) stories += c.at("name").get<std::string>().rfind("story", 0) == 0;
+  EXPECT_EQ(stories, 100);
+  check_tokenizer_cases(tiny_tokenizer(), cases);
+}
+
+TEST(LlamaParity, SyntheticTokenizerMatchesTokenizers) {
+  REQUIRE_FIXTURES();
+  const Tokenizer tok = Tokenizer::load(fx.dir + "/" + fx.manifest.at("synthetic_tokenizer").get<std::string>());
+  check_tokenizer_cases(tok, read_json(fx.dir + "/" + fx.manifest.at("synthetic_tokenizer_cases").get<std::string>()));
+}
+
+struct Prompt {
+  std::string name, file;
+  at::Tensor prefix, question;
+  int64_t prefix_len = 0;
+};
+Prompt prompt_of(const json& p) {
+  Prompt out;
+  out.name = p.at("name").get<std::string>();
+  out.file = p.at("file").get<std::string>();
+  out.prefix_len = p.at("prefix_len").get<int64_t>();
+  const at::Tensor ids = fixture_tensor(out.file, "input_ids");
+  out.prefix = ids.narrow(1, 0, out.prefix_len);
+  out.question = ids.narrow(1, out.prefix_len, p.at("question_len").get<int64_t>());
+  return out;
+}
+
+// The question (one forward) then the reference's decode tokens fed one at a time (teacher
+// forcing keeps the comparison meaningful after a differing argmax). Returns the question logits
+// [q, V] and the decode logits [steps, V].
+std::pair<at::Tensor, at::Tensor> continue_decoding(const LlamaModel& model, KVCache& cache, const Prompt& p,
+                                                    const at::Tensor& decode_tokens) {
+  const at::Tensor q = model.forward(p.question, cache).logits[0];
+  std::vector<at::Tensor> steps;
+  for (int64_t i = 0; i < decode_tokens.size(0); ++i)
+    steps.push_back(model.forward(decode_tokens.narrow(0, i, 1).view({1, 1}), cache).logits[0][0]);
+  return {q, at::stack(steps)};
+}
+
+// Greedy decoding agrees: every argmax of ours equals the reference's next token, unless the
+// reference's top two logits are within the logit tolerance (an honest tie).
+void expect_greedy_agrees(const at::Tensor& q_logits, const at::Tensor& d_logits, const at::Tensor& ref_q,
+                          const at::Tensor& ref_d, const at::Tensor& tokens) {
+  const at::Tensor ours = at::cat({q_logits.narrow(0, q_logits.size(0) - 1, 1), d_logits}, 0);
+  const at::Tensor ref = at::cat({ref_q.narrow(0, ref_q.size(0) - 1, 1), ref_d}, 0);
+  for (int64_t i = 0; i + 1 < ours.size(0); ++i) {
+    const int64_t want = i < tokens.size(0) ? tokens[i].item<int64_t>() : ref[i].argmax().item<int64_t>();
+    const at::Tensor top2 = std::get<0>(ref[i].topk(2));
+    if ((top2[0] - top2[1]).item<double>() <= 2 * kLogitTol) continue;
+    EXPECT_EQ(ours[i].argmax().item<int64_t>(), want) << "greedy step " << i;
+  }
+}
+
+TEST(LlamaParity, LogitsAndAttentionsMatchTransformers) {
+  REQUIRE_FIXTURES();
+  const LlamaModel& model = tiny_model();
+  for (const auto& jp : fx.manifest.at("prompts")) {
+    const Prompt p = prompt_of(jp);
+    SCOPED_TRACE(p.name);
+    KVCache cache = model.new_cache();
+    PrefillOptions opt;
+    opt.return_attentions = true;
+    const auto out = model.prefill(p.prefix, cache, opt);
+    const double dl = max_abs_diff(out.logits, fixture_tensor(p.file, "prefill_logits"));
+    EXPECT_LE(dl, kLogitTol) << "prefill logits";
+    double da = 0;
+    ASSERT_EQ(out.attentions.size(), 2u);
+    for (size_t l = 0; l < out.attentions.size(); ++l)
+      da = std::max(da, max_abs_diff(out.attentions[l], fixture_tensor(p.file, "attentions_l" + std::to_string(l))));
+    EXPECT_LE(da, kAttentionTol) << "attention weights";
+
+    const at::Tensor tokens = fixture_tensor(p.file, "decode_tokens");
+    const auto [q, d] = continue_decoding(model, cache, p, tokens);
+    const at::Tensor ref_q = fixture_tensor(p.file, "question_logits"), ref_d = fixture_tensor(p.file, "decode_logits");
+    const double dq = max_abs_diff(q, ref_q), dd = max_abs_diff(d, ref_d);
+    EXPECT_LE(dq, kLogitTol) << "question logits";
+    EXPECT_LE(dd, kLogitTol) << "decode logits";
+    expect_greedy_agrees(q, d, ref_q, ref_d, tokens);
+    auto& mf = model_figures();
+    mf["prefill_logits"] = std::max(mf["prefill_logits"], dl);
+    mf["attentions"] = std::max(mf["attentions"], da);
+    mf["question+decode_logits"] = std::max(mf["question+decode_logits"], std::max(dq, dd));
+  }
+}
+
+TEST(LlamaParity, EveryRegistryPressHasARun) {
+  REQUIRE_FIXTURES();
+  std::map<std::string, int> runs;
+  for (const auto& p : fx.manifest.at("prompts"))
+    for (const auto& r : p.at("runs")) ++runs[r.at("press").get<std::string>()];
+  for (const auto& info : kvpress::list_presses())
+    EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
+}
+
+// ---- per press ---------------------------------------------------------------------------------------
+
+// Replays kvpress's kept positions: isolates the runner's compressed-cache mechanics from selection
+// ties.
+class ReplayPress : public kvpress::BasePress {
+ public:
+  explicit ReplayPress(std::vector<at::Tensor> kept) : kept_(std::move(kept)) {}
+  std::string name() const override { return "ReplayPress"; }
+  double compression_ratio() const override { return 0.5; }
+  kvpress::KV compress(const kvpress::LayerInputs& in) const override {
+    const at::Tensor& idx = kept_.at(static_cast<size_t>(in.layer_idx));
+    kvpress::KV kv = kvpress::ops::gather_kv(in.keys, in.values, idx);
+    kv.kept_indices = idx;
+    return kv;
+  }
+
+ private:
+  std::vector<at::Tensor> kept_;
+};
+
+// Kept sets equal, or differing only at positions whose kvpress score is within `allowed` of the
+// selection threshold (the argument of tests/test_parity.cpp's KeptSetsAgreeModuloNearTies: if we keep
+// p and drop q while kvpress keeps q and drops p, both scores lie within e_p + e_q of the threshold).
+// Returns the number of positions kept by one side only; adds a failure for any other difference.
+int64_t compare_kept(const at::Tensor& ours, const at::Tensor& ref, const at::Tensor& ref_scores,
+                     const at::Tensor& allowed, const std::string& what) {
+  const int64_t seq = ref_scores.defined()
+                          ? ref_scores.size(-1)
+                          : std::max(ours.max().item<int64_t>(), ref.max().item<int64_t>()) + 1;
+  auto mask = [&](const at::Tensor& kept) {
+    const at::Tensor rows = kept.reshape({-1, kept.size(-1)});
+    return at::zeros({rows.size(0), seq}, at::kBool).scatter_(1, rows, true);
+  };
+  EXPECT_EQ(ours.sizes(), ref.sizes()) << what;
+  if (ours.sizes() != ref.sizes()) return -1;
+  const at::Tensor ref_mask = mask(ref), diff = mask(ours).logical_xor(ref_mask);
+  const int64_t n_diff = diff.sum().item<int64_t>();
+  if (n_diff == 0) return 0;
+  if (!ref_scores.defined()) {
+    ADD_FAILURE() << what << ": " << n_diff << " positions kept by one side only (no scores to explain ties)";
+    return n_diff;
+  }
+  const at::Tensor scores = ref_scores.reshape({-1, seq}), e = allowed.reshape({-1, seq});
+  const at::Tensor threshold = scores.gather(1, ref.reshape({-1, ref.size(-1)})).amin(1, true);
+  const at::Tensor e_max = at::where(diff, e, at::zeros_like(e)).amax(1, true);
+  const at::Tensor bad = diff.logical_and((scores - threshold).abs() > e + e_max);
+  EXPECT_FALSE(bad.any().item<bool>()) << what << ": " << bad.sum().item<int64_t>() << " of " << n_diff
+                                       << " positions kept by one side only have a kvpress score far from the "
+                                          "selection threshold";
+  return n_diff;
+}
+
+struct PressRunParam {
+  const json* prompt = nullptr;
+  const json* run = nullptr;
+};
+void PrintTo(const PressRunParam& p, std::ostream* os) { *os << (p.run ? p.run->at("name").get<std::string>() : "?"); }
+
+std::vector<PressRunParam> press_runs() {
+  std::vector<PressRunParam> out;
+  const LlamaFixtures& fx = llama_fixtures();
+  if (!fx.error.empty()) return out;
+  for (const auto& p : fx.manifest.at("prompts"))
+    for (const auto& r : p.at("runs")) out.push_back({&p, &r});
+  return out;
+}
+
+class LlamaPressRun : public ::testing::TestWithParam<PressRunParam> {};
+
+TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
+  REQUIRE_FIXTURES();
+  const json& jr = *GetParam().run;
+  const Prompt p = prompt_of(*GetParam().prompt);
+  const std::string run = jr.at("name").get<std::string>();
+  const std::string file = jr.at("file").get<std::string>();
+  const std::string press_name = jr.at("press").get<std::string>();
+  const auto& infos = kvpress::list_presses();
+  if (std::none_of(infos.begin(), infos.end(), [&](const auto& i) { return i.name == press_name; }))
+    GTEST_SKIP() << press_name << " is not in the C++ registry yet";
+  const auto press = kvpress::make_press(press_name, jr.at("compression_ratio").get<double>(),
+                                         jr.at("params").get<std::map<std::string, std::string>>());
+  const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get());
+  const LlamaModel& model = tiny_model();
+  const int64_t num_layers = model.config().num_layers;
+  RunFigures fig;
+
+  // 1. Prefill with the press, attentions given as kvpress's eager model gives them.
+  std::vector<at::Tensor> our_scores(num_layers);
+  auto run_prefill = [&](PressAttentions attentions, KVCache& cache, bool record_scores) {
+    PrefillOptions opt;
+    opt.press = press.get();
+    opt.press_attentions = attentions;
+    opt.on_compress = [&](const kvpress::LayerInputs& in, const kvpress::KV&) {
+      if (record_scores && scorer) our_scores[in.layer_idx] = scorer->score(in);
+    };
+    return model.prefill(p.prefix, cache, opt);
+  };
+  KVCache cache = model.new_cache();
+  const auto out = run_prefill(PressAttentions::kAlways, cache, true);
+
+  // 2. Kept positions per layer.
+  const bool has_scores = jr.at("has_scores").get<bool>();
+  std::vector<at::Tensor> ref_kept, ref_scores, allowed;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    ref_kept.push_back(fixture_tensor(file, "kept_l" + std::to_string(l)));
+    ref_scores.push_back(has_scores ? fixture_tensor(file, "scores_l" + std::to_string(l)) : at::Tensor());
+    if (has_scores) {
+      // float32 scores from inputs that agree to ~1e-6: 1e-4 relative to each score and to the
+      // layer's largest score magnitude.
+      const at::Tensor& s = ref_scores.back();
+      allowed.push_back(s.abs() * 1e-4 + 1e-4 * s.abs().max());
+      if (our_scores[l].defined()) {
+        const double rel = ((our_scores[l] - s).abs() / (s.abs() + s.abs().max())).max().item<double>();
+        fig.scores_rel = std::max(fig.scores_rel, rel);
+        EXPECT_TRUE(((our_scores[l] - s).abs() <= allowed.back()).all().item<bool>())
+            << "layer " << l << " scores differ from kvpress's by up to " << rel << " (relative)";
+      }
+    } else {
+      allowed.emplace_back();
+    }
+  }
+  int64_t n_diff = 0;
+  for (int64_t l = 0; l < num_layers; ++l)
+    n_diff += compare_kept(out.kept_indices[l], ref_kept[l], ref_scores[l], allowed[l], "layer " + std::to_string(l));
+  fig.kept = n_diff == 0 ? "exact" : "modulo " + std::to_string(n_diff) + " near-ties";
+
+  // 3. Logits over the compressed cache: ours when the kept sets agree, else kvpress's replayed.
+  const at::Tensor tokens = fixture_tensor(file, "decode_tokens");
+  const at::Tensor ref_q = fixture_tensor(file, "question_logits"), ref_d = fixture_tensor(file, "decode_logits");
+  at::Tensor q, d;
+  if (n_diff == 0) {
+    std::tie(q, d) = continue_decoding(model, cache, p, tokens);
+  } else {
+    const ReplayPress replay(ref_kept);
+    KVCache replay_cache = model.new_cache();
+    PrefillOptions opt;
+    opt.press = &replay;
+    model.prefill(p.prefix, replay_cache, opt);
+    std::tie(q, d) = continue_decoding(model, replay_cache, p, tokens);
+    fig.replayed = true;
+  }
+  fig.logits = std::max(max_abs_diff(q, ref_q), max_abs_diff(d, ref_d));
+  EXPECT_LE(fig.logits, kLogitTol) << "logits over the compressed cache";
+  expect_greedy_agrees(q, d, ref_q, ref_d, tokens);
+
+  // 4. Presses that can do without attention weights (they recompute queries from hidden_states +
+  //    q_proj + RoPE, kvpress's path on non-eager models) keep the same tokens.
+  if (!kvpress::llama::press_needs_attentions(*press)) {
+    KVCache c2 = model.new_cache();
+    const auto out2 = run_prefill(PressAttentions::kNever, c2, false);
+    for (int64_t l = 0; l < num_layers; ++l)
+      compare_kept(out2.kept_indices[l], ref_kept[l], ref_scores[l], allowed[l],
+                   "without attentions, layer " + std::to_string(l));
+  }
+  figures()[run] = fig;
+}
+
+std::string sanitize(const std::string& s) {
+  std::string out;
+  for (char c : s) out += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Kvpress, LlamaPressRun, ::testing::ValuesIn(press_runs()),
+                         [](const ::testing::TestParamInfo<PressRunParam>& info) {
+                           return sanitize(info.param.run->at("name").get<std::string>());
+                         });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(LlamaPressRun);
+
+}  // namespace
