@@ -13,7 +13,7 @@ kvpress_build() {
   cmake --build "$build" -j "$jobs"
 }
 
-# Regenerates the parity fixtures from the pinned kvpress package (also the demo's captured cache).
+# Regenerates the parity fixtures from the pinned kvpress package.
 kvpress_fixtures() {
   "$python" "$root/tests/reference/make_fixtures.py" --out "$build/fixtures" "$@"
   "$python" "$root/tests/reference/make_model_fixtures.py" --out "$build/fixtures/llama"

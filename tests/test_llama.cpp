@@ -214,6 +214,49 @@ TEST(Llama, IncrementalDecodingMatchesOneForward) {
   expect_error([&] { model.forward(all.to(at::kInt), c3); }, {"input_ids must be a non-empty int64"});
 }
 
+// kvpress-cli eval's protocol (include/kvpress/llama/eval.h); its parity with kvpress is
+// tests/cli/test_eval_parity.py.
+TEST(Llama, ScoreContinuation) {
+  const LlamaModel& model = tiny_model();
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  const int64_t n = static_cast<int64_t>(ids.size()), prefix = 40;
+  ASSERT_GE(n, 60);
+
+  // Full cache: the NLL of tokens prefix+1 .. n-1 under one forward over the whole story.
+  const kvpress::llama::ContinuationScore full = kvpress::llama::score_continuation(model, ids, prefix);
+  EXPECT_EQ(full.scored, n - prefix - 1);
+  KVCache cache = model.new_cache();
+  const at::Tensor logits = model.prefill(ids_tensor(ids), cache).logits[0].narrow(0, prefix, n - prefix - 1);
+  const at::Tensor targets = ids_tensor(ids)[0].narrow(0, prefix + 1, n - prefix - 1);
+  const double want = -at::log_softmax(logits, -1).gather(1, targets.view({-1, 1})).mean().item<double>();
+  EXPECT_NEAR(full.mean_nll, want, 1e-5);
+  EXPECT_TRUE(at::equal(full.argmax, logits.argmax(-1)));
+  EXPECT_DOUBLE_EQ(kvpress::llama::greedy_agreement(full, full), 1.0);
+
+  // Ratio 0 keeps everything: the same figures. A real compression changes them.
+  const auto keep_all = kvpress::make_press("KnormPress", 0.0);
+  const auto same = kvpress::llama::score_continuation(model, ids, prefix, keep_all.get());
+  EXPECT_NEAR(same.mean_nll, full.mean_nll, 1e-6);
+  EXPECT_DOUBLE_EQ(kvpress::llama::greedy_agreement(same, full), 1.0);
+  const auto press = kvpress::make_press("KnormPress", 0.75);
+  const auto compressed = kvpress::llama::score_continuation(model, ids, prefix, press.get());
+  EXPECT_NE(compressed.mean_nll, full.mean_nll);
+  const double agree = kvpress::llama::greedy_agreement(compressed, full);
+  EXPECT_GE(agree, 0.0);
+  EXPECT_LT(agree, 1.0);
+
+  EXPECT_EQ(kvpress::llama::prefix_length(100, 0, 0.5), 50);
+  EXPECT_EQ(kvpress::llama::prefix_length(101, 0, 0.5), 50);
+  EXPECT_EQ(kvpress::llama::prefix_length(100, 98, 0.5), 98);
+  EXPECT_EQ(kvpress::llama::prefix_length(100, 99, 0.5), -1);  // one token left: nothing to score
+  EXPECT_EQ(kvpress::llama::prefix_length(3, 0, 0.5), 1);
+  EXPECT_EQ(kvpress::llama::prefix_length(2, 0, 0.5), -1);
+  EXPECT_EQ(kvpress::llama::prefix_length(10, 0, 0.05), -1);  // empty prefix
+  expect_error([&] { kvpress::llama::score_continuation(model, ids, n - 1); }, {"prefix must be in [1, "});
+  expect_error([&] { kvpress::llama::greedy_agreement(full, kvpress::llama::ContinuationScore{}); },
+               {"greedy_agreement: both scores must cover the same non-empty positions"});
+}
+
 TEST(Llama, BatchedForwardMatchesSingleSequences) {
   const LlamaModel& model = tiny_model();
   const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);

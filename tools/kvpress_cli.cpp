@@ -42,6 +42,8 @@
 #include "kvpress/types.h"
 #include "kvpress/version.h"
 
+#include "eval.h"
+
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
 #endif
@@ -71,6 +73,9 @@ Usage:
                        [--device DEVICE] [--allow-unknown-tensors] [--quiet]
   kvpress-cli calibrate --press NAME [--param KEY=VALUE ...] --input LAYER.safetensors
                        [--input ...] [--tolerance T] [--observe N] [--max-ratio M] [--json OUT]
+  kvpress-cli eval [--model DIR] [--text FILE] [--press NAME [--param KEY=VALUE ...]]...
+                   [--ratios LIST] [--prefix-tokens P | --prefix-fraction F] [--min-prefix N]
+                   [--max-stories N] [--threads N] [--json OUT] [--csv OUT] [--png OUT]
   kvpress-cli list [--names]
   kvpress-cli --help
   kvpress-cli --version
@@ -97,6 +102,24 @@ calibrate options (largest ratio whose attention output stays within a tolerance
   --observe N              number of observation queries (default 16)
   --max-ratio M            largest ratio tried, in (0, 1) (default 0.95)
   --json OUT               also write the result and every evaluation as JSON
+
+eval options (perplexity under compression with the kvpress::llama runner):
+  --model NAME|DIR         checkpoint folder or model name (default tinystories-656k)
+  --text FILE              stories separated by <|endoftext|> lines (default: the bundled
+                           tinystories_valid_100.txt)
+  --press NAME             a press to evaluate (repeatable; default: every registry press)
+  --param KEY=VALUE        a parameter of the --press it follows
+  --ratios LIST            comma-separated compression ratios (default 0.25,0.5,0.75)
+  --prefix-tokens P        prefill the first P tokens of each story (BOS included)
+  --prefix-fraction F      ... or the first floor(F * length) tokens (default 0.5)
+  --min-prefix N           skip stories whose prefix is shorter (default 65: SnapKVPress
+                           observes the last 64 prefix tokens)
+  --max-stories N          only the first N stories long enough for the prefix
+  --threads N              intra-op threads (default 1: faster on small models)
+  --json OUT               per-story and mean figures
+  --csv OUT                the table (mean figures)
+  --png OUT                chart of mean NLL against ratio, one curve per press
+  --no-progress, --quiet   no progress bar (shown only on a terminal) / also no table
 
 list options:
   --names                  print only the press names, one per line
@@ -634,7 +657,8 @@ int run(int argc, char** argv) {
   if (command == "compress") return run_compress(rest);
   if (command == "list") return run_list(rest);
   if (command == "calibrate") return run_calibrate(rest);
-  usage_error("unknown command '{}' (commands: compress, calibrate, list; see kvpress-cli --help)", command);
+  if (command == "eval") return kvpress_cli::run_eval(rest);
+  usage_error("unknown command '{}' (commands: compress, calibrate, eval, list; see kvpress-cli --help)", command);
 }
 
 }  // namespace

@@ -309,6 +309,12 @@ expect_error "calibrate bad tolerance" "--tolerance must be a number >= 0, got '
 expect_error "calibrate unknown press" "unknown press 'NopePress'" calibrate --press NopePress --input "$in"
 expect_error "calibrate without input" "calibrate needs --input" calibrate --press KnormPress
 
+# ---- eval: error paths (results: tests/cli/test_eval_parity.py) ----------------------------
+expect_error "eval unknown press" "unknown press 'NopePress'" eval --press NopePress
+expect_error "eval bad ratio list" "--ratios must be a comma-separated list of numbers in [0, 1), got '0.5,x'" eval --press KnormPress --ratios 0.5,x
+expect_error "eval missing text" "$tmp/missing.txt" eval --press KnormPress --text "$tmp/missing.txt"
+expect_error "eval param before press" "must follow the --press it applies to" eval --param window_size=8 --press SnapKVPress
+
 if [ "$failures" -ne 0 ]; then
   echo "test_cli.sh: $failures failure(s) in $checks checks" >&2
   exit 1

@@ -1,0 +1,414 @@
+// kvpress-cli eval: for each held-out story, prefill its first tokens, compress with each press at
+// each ratio, teacher-force the rest, and report mean NLL and greedy agreement with the full cache
+// (kvpress::llama::score_continuation). See docs/CLI.md and docs/EVAL.md.
+#include "eval.h"
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <fmt/core.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "chart.h"
+#include "kvpress/llama/llama.h"
+#include "kvpress/registry.h"
+
+namespace kvpress_cli {
+namespace {
+
+namespace llama = kvpress::llama;
+using Clock = std::chrono::steady_clock;
+
+struct PressSpec {
+  std::string name;
+  std::map<std::string, std::string> params;
+  std::string label;  // name, or name(k=v,...) with parameters
+};
+
+struct EvalArgs {
+  std::string model = "tinystories-656k";
+  std::string text;
+  std::vector<PressSpec> presses;  // empty: every registry press with its defaults
+  std::vector<double> ratios = {0.25, 0.5, 0.75};
+  int64_t prefix_tokens = 0;  // > 0: fixed prefix length
+  double prefix_fraction = 0.5;
+  int64_t min_prefix = 65;  // SnapKVPress's default window_size + 1: it observes the last 64 queries
+  int64_t max_stories = 0;  // 0: all
+  std::string json, csv, png;
+  int64_t threads = 1;  // intra-op threads: the tiny model's ops are too small to split
+  bool progress = true;
+  bool quiet = false;
+};
+
+std::optional<double> to_double(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+std::optional<int64_t> to_int(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (end != text.c_str() + text.size() || errno == ERANGE) return std::nullopt;
+  return v;
+}
+
+std::vector<double> parse_ratios(const std::string& text) {
+  std::vector<double> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const auto r = to_double(item);
+    TORCH_CHECK(r && *r >= 0.0 && *r < 1.0, "--ratios must be a comma-separated list of numbers in [0, 1), got '",
+                text, "'");
+    out.push_back(*r);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+EvalArgs parse_eval_args(const std::vector<std::string>& args) {
+  EvalArgs out;
+  bool fraction_given = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    std::string key = a, value;
+    bool has_inline = false;
+    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
+      key = a.substr(0, a.find('='));
+      value = a.substr(a.find('=') + 1);
+      has_inline = true;
+    }
+    auto take = [&]() -> std::string {
+      if (has_inline) return value;
+      TORCH_CHECK(i + 1 < args.size(), "option ", key, " needs a value");
+      return args[++i];
+    };
+    if (key == "--model") {
+      out.model = take();
+    } else if (key == "--text") {
+      out.text = take();
+    } else if (key == "--press") {
+      PressSpec p;
+      p.name = take();
+      p.label = p.name;
+      out.presses.push_back(p);
+    } else if (key == "--param") {
+      const std::string kv = take();
+      const auto eq = kv.find('=');
+      TORCH_CHECK(eq != std::string::npos && eq > 0, "--param expects KEY=VALUE, got '", kv, "'");
+      TORCH_CHECK(!out.presses.empty(), "eval: --param ", kv, " must follow the --press it applies to");
+      TORCH_CHECK(out.presses.back().params.emplace(kv.substr(0, eq), kv.substr(eq + 1)).second, "--param ",
+                  kv.substr(0, eq), " given more than once for ", out.presses.back().name);
+    } else if (key == "--ratios") {
+      out.ratios = parse_ratios(take());
+    } else if (key == "--prefix-tokens") {
+      const std::string v = take();
+      const auto n = to_int(v);
+      TORCH_CHECK(n && *n >= 1, "--prefix-tokens must be an integer >= 1, got '", v, "'");
+      out.prefix_tokens = *n;
+    } else if (key == "--prefix-fraction") {
+      const std::string v = take();
+      const auto f = to_double(v);
+      TORCH_CHECK(f && *f > 0.0 && *f < 1.0, "--prefix-fraction must be a number in (0, 1), got '", v, "'");
+      out.prefix_fraction = *f;
+      fraction_given = true;
+    } else if (key == "--min-prefix") {
+      const std::string v = take();
+      const auto n = to_int(v);
+      TORCH_CHECK(n && *n >= 1, "--min-prefix must be an integer >= 1, got '", v, "'");
+      out.min_prefix = *n;
+    } else if (key == "--max-stories") {
+      const std::string v = take();
+      const auto n = to_int(v);
+      TORCH_CHECK(n && *n >= 1, "--max-stories must be an integer >= 1, got '", v, "'");
+      out.max_stories = *n;
+    } else if (key == "--threads") {
+      const std::string v = take();
+      const auto n = to_int(v);
+      TORCH_CHECK(n && *n >= 1 && *n <= 1024, "--threads must be an integer >= 1, got '", v, "'");
+      out.threads = *n;
+    } else if (key == "--json") {
+      out.json = take();
+    } else if (key == "--csv") {
+      out.csv = take();
+    } else if (key == "--png") {
+      out.png = take();
+    } else if (a == "--no-progress") {
+      out.progress = false;
+    } else if (a == "--quiet" || a == "-q") {
+      out.quiet = true;
+    } else {
+      TORCH_CHECK(false, "eval: unknown ", a.rfind("-", 0) == 0 ? "option" : "argument", " '", a,
+                  "' (see kvpress-cli --help)");
+    }
+  }
+  TORCH_CHECK(!(fraction_given && out.prefix_tokens > 0), "eval: give --prefix-tokens or --prefix-fraction, not both");
+  for (auto& p : out.presses) {
+    if (p.params.empty()) continue;
+    std::string inner;
+    for (const auto& [k, v] : p.params) inner += (inner.empty() ? "" : ",") + k + "=" + v;
+    p.label = p.name + "(" + inner + ")";
+  }
+  return out;
+}
+
+std::string fmt_duration(double s) {
+  if (s < 60) return fmt::format("{:.0f} s", s);
+  return fmt::format("{}m{:02d}s", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
+}
+
+// A one-line progress bar on stderr, redrawn at most every 0.2 s, only when stderr is a terminal.
+class Progress {
+ public:
+  Progress(int64_t total, bool enabled) : total_(total), enabled_(enabled && isatty(STDERR_FILENO)) {}
+  void step(int64_t done) {
+    if (!enabled_) return;
+    const auto now = Clock::now();
+    if (done < total_ && now - last_ < std::chrono::milliseconds(200)) return;
+    last_ = now;
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double left = done > 0 ? elapsed * static_cast<double>(total_ - done) / static_cast<double>(done) : 0.0;
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(kWidth * done / std::max<int64_t>(total_, 1));
+    fmt::print(stderr, "\r[{}{}] {}/{} runs, {} elapsed, ~{} left ", std::string(filled, '#'),
+               std::string(kWidth - filled, '.'), done, total_, fmt_duration(elapsed), fmt_duration(left));
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+  void finish() {
+    if (drawn_) fmt::print(stderr, "\r{}\r", std::string(90, ' '));
+  }
+
+ private:
+  int64_t total_;
+  bool enabled_;
+  bool drawn_ = false;
+  Clock::time_point start_ = Clock::now();
+  Clock::time_point last_{};
+};
+
+double mean(const std::vector<double>& v) {
+  double s = 0.0;
+  for (double x : v) s += x;
+  return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+}
+
+void write_text(const std::string& path, const std::string& text, const char* option) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  TORCH_CHECK(f != nullptr, option, " ", path, ": cannot create file");
+  std::fputs(text.c_str(), f);
+  TORCH_CHECK(std::fclose(f) == 0, option, " ", path, ": write failed");
+}
+
+}  // namespace
+
+int run_eval(const std::vector<std::string>& argv) {
+  EvalArgs args = parse_eval_args(argv);
+  if (args.presses.empty()) {
+    for (const auto& info : kvpress::list_presses()) args.presses.push_back({info.name, {}, info.name});
+  }
+  // Presses first: an unknown press or parameter fails before the model is read.
+  for (const auto& p : args.presses) kvpress::make_press(p.name, 0.5, p.params);
+
+  at::set_num_threads(static_cast<int>(args.threads));
+  // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global
+  // generator: seed it so that a run is reproducible.
+  at::manual_seed(0);
+  const auto start = Clock::now();
+  // Then the text (cheap), then the model.
+  const std::string text_path = args.text.empty() ? llama::default_stories_path() : args.text;
+  const std::vector<std::string> texts = llama::read_stories(text_path);
+  TORCH_CHECK(!texts.empty(), "--text ", text_path, ": no stories (stories are separated by <|endoftext|> lines)");
+  const std::string dir = llama::resolve_model_dir(args.model);
+  const llama::LlamaModel model = llama::LlamaModel::load(dir);
+  const llama::Tokenizer tokenizer = llama::Tokenizer::load(dir + "/tokenizer.json");
+
+  struct Story {
+    int64_t index = 0;
+    std::vector<int64_t> ids;
+    int64_t prefix = 0;
+    llama::ContinuationScore full;
+  };
+  std::vector<Story> stories;
+  int64_t skipped = 0;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    if (args.max_stories > 0 && static_cast<int64_t>(stories.size()) >= args.max_stories) break;
+    Story s;
+    s.index = static_cast<int64_t>(i);
+    s.ids = tokenizer.encode(texts[i]);
+    s.prefix = llama::prefix_length(static_cast<int64_t>(s.ids.size()), args.prefix_tokens, args.prefix_fraction);
+    if (s.prefix < args.min_prefix) {  // also -1: too short for any prefix
+      ++skipped;
+      continue;
+    }
+    stories.push_back(std::move(s));
+  }
+  TORCH_CHECK(!stories.empty(), "--text ", text_path, ": no story is long enough for the prefix (",
+              args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
+                                     : fmt::format("fraction {}", args.prefix_fraction),
+              ", at least --min-prefix ", args.min_prefix, " tokens) plus 2 tokens");
+
+  const int64_t n_runs =
+      static_cast<int64_t>(stories.size() * (1 + args.presses.size() * args.ratios.size()));
+  Progress progress(n_runs, args.progress && !args.quiet);
+  int64_t done = 0;
+  for (auto& s : stories) {
+    s.full = llama::score_continuation(model, s.ids, s.prefix, nullptr);
+    progress.step(++done);
+  }
+
+  struct Result {
+    const PressSpec* press;
+    double ratio;
+    std::vector<double> nll, agreement;
+  };
+  std::vector<Result> results;
+  for (const auto& p : args.presses) {
+    for (double ratio : args.ratios) {
+      Result r{&p, ratio, {}, {}};
+      const auto press = kvpress::make_press(p.name, ratio, p.params);
+      for (const auto& s : stories) {
+        llama::ContinuationScore c;
+        try {
+          c = llama::score_continuation(model, s.ids, s.prefix, press.get());
+        } catch (const c10::Error& e) {
+          progress.finish();
+          TORCH_CHECK(false, p.label, " at ratio ", ratio, " on story ", s.index, " (prefix ", s.prefix,
+                      " tokens): ", e.what_without_backtrace());
+        }
+        r.nll.push_back(c.mean_nll);
+        r.agreement.push_back(llama::greedy_agreement(c, s.full));
+        progress.step(++done);
+      }
+      results.push_back(std::move(r));
+    }
+  }
+  progress.finish();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+  std::vector<double> full_nll;
+  double prefix_sum = 0, scored_sum = 0;
+  for (const auto& s : stories) {
+    full_nll.push_back(s.full.mean_nll);
+    prefix_sum += static_cast<double>(s.prefix);
+    scored_sum += static_cast<double>(s.full.scored);
+  }
+  const double full_mean = mean(full_nll);
+  const double n_stories = static_cast<double>(stories.size());
+
+  // ---- table --------------------------------------------------------------------------------
+  if (!args.quiet) {
+    size_t w = std::string("full cache").size();
+    for (const auto& p : args.presses) w = std::max(w, p.label.size());
+    fmt::print("model: {}\n", dir);
+    fmt::print("stories: {} from {}{}; prefix {} (mean {:.1f} tokens), scored tokens per story: mean {:.1f}\n",
+               stories.size(), text_path, skipped ? fmt::format(" ({} with a prefix under {} tokens skipped)", skipped, args.min_prefix) : "",
+               args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
+                                      : fmt::format("{:g} of each story", args.prefix_fraction),
+               prefix_sum / n_stories, scored_sum / n_stories);
+    fmt::print("NLL: mean over stories of the mean NLL (nats/token) of the teacher-forced continuation; agree: "
+               "fraction of positions whose argmax matches the full cache's\n\n");
+    fmt::print("{:<{}}  {:>5}  {:>8}  {:>8}  {:>6}\n", "press", w, "ratio", "NLL", "dNLL", "agree");
+    fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>8}  {:>6.3f}\n", "full cache", w, "-", full_mean, "-", 1.0);
+    for (const auto& r : results) {
+      const double m = mean(r.nll);
+      fmt::print("{:<{}}  {:>5.2f}  {:>8.4f}  {:>+8.4f}  {:>6.3f}\n", r.press->label, w, r.ratio, m, m - full_mean,
+                 mean(r.agreement));
+    }
+    fmt::print("\n{} runs ({} stories x (1 + {} presses x {} ratios)) in {}\n", n_runs, stories.size(),
+               args.presses.size(), args.ratios.size(), fmt_duration(seconds));
+  }
+
+  // ---- files --------------------------------------------------------------------------------
+  if (!args.json.empty()) {
+    nlohmann::json j;
+    j["model"] = dir;
+    j["text"] = text_path;
+    j["prefix_tokens"] = args.prefix_tokens > 0 ? nlohmann::json(args.prefix_tokens) : nlohmann::json(nullptr);
+    j["prefix_fraction"] = args.prefix_tokens > 0 ? nlohmann::json(nullptr) : nlohmann::json(args.prefix_fraction);
+    j["min_prefix"] = args.min_prefix;
+    j["skipped_stories"] = skipped;
+    j["seconds"] = seconds;
+    nlohmann::json js = nlohmann::json::array();
+    for (const auto& s : stories)
+      js.push_back({{"index", s.index}, {"tokens", s.ids.size()}, {"prefix", s.prefix}, {"scored", s.full.scored}});
+    j["stories"] = js;
+    j["full"] = {{"mean_nll", full_mean}, {"nll", full_nll}};
+    nlohmann::json jr = nlohmann::json::array();
+    for (const auto& r : results) {
+      const double m = mean(r.nll);
+      jr.push_back({{"press", r.press->name},
+                    {"params", r.press->params},
+                    {"label", r.press->label},
+                    {"ratio", r.ratio},
+                    {"mean_nll", m},
+                    {"delta_nll", m - full_mean},
+                    {"greedy_agreement", mean(r.agreement)},
+                    {"nll", r.nll},
+                    {"agreement", r.agreement}});
+    }
+    j["results"] = jr;
+    write_text(args.json, j.dump(1) + "\n", "--json");
+  }
+  if (!args.csv.empty()) {
+    std::string csv = "press,ratio,mean_nll,delta_nll,greedy_agreement,stories\n";
+    auto quoted = [](const std::string& s) {
+      return s.find_first_of(",\"") == std::string::npos ? s : "\"" + s + "\"";  // labels have no quotes
+    };
+    csv += fmt::format("full cache,0,{:.6f},0,1,{}\n", full_mean, stories.size());
+    for (const auto& r : results) {
+      const double m = mean(r.nll);
+      csv += fmt::format("{},{:g},{:.6f},{:.6f},{:.6f},{}\n", quoted(r.press->label), r.ratio, m, m - full_mean,
+                         mean(r.agreement), stories.size());
+    }
+    write_text(args.csv, csv, "--csv");
+  }
+  if (!args.png.empty()) {
+    Chart chart;
+    chart.title = fmt::format("Continuation NLL under compression ({} stories, prefix {})", stories.size(),
+                              args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
+                                                     : fmt::format("{:g}", args.prefix_fraction));
+    chart.x_label = "compression ratio";
+    chart.y_label = "mean NLL (nats/token)";
+    chart.has_reference = true;
+    chart.reference = full_mean;
+    chart.reference_label = "full cache";
+    for (const auto& p : args.presses) {
+      ChartSeries series{p.label, {0.0}, {full_mean}};
+      for (const auto& r : results) {
+        if (r.press != &p || r.ratio == 0.0) continue;
+        series.x.push_back(r.ratio);
+        series.y.push_back(mean(r.nll));
+      }
+      chart.series.push_back(std::move(series));
+    }
+    write_chart_png(chart, args.png);
+  }
+  return 0;
+}
+
+}  // namespace kvpress_cli
