@@ -10,7 +10,13 @@
 #include <optional>
 #include <set>
 
+#include "kvpress/presses/block_press.h"
+#include "kvpress/presses/chunk_press.h"
+#include "kvpress/presses/chunkkv_press.h"
 #include "kvpress/presses/compactor_press.h"
+#include "kvpress/presses/composed_press.h"
+#include "kvpress/presses/expected_attention_press.h"
+#include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/lagkv_press.h"
@@ -62,6 +68,21 @@ class Params {
     TORCH_CHECK(false, press_, ": parameter ", key, " must be true or false, got '", *text, "'");
   }
 
+  std::optional<std::string> get_string(const std::string& key) { return take(key); }
+
+  // Every parameter "<prefix><rest>" as rest -> value (the inner press's parameters of a wrapper).
+  std::map<std::string, std::string> take_prefixed(const std::string& prefix) {
+    std::map<std::string, std::string> out;
+    for (const auto& [key, value] : values_) {
+      if (key.rfind(prefix, 0) != 0) continue;
+      used_.insert(key);
+      out[key.substr(prefix.size())] = value;
+    }
+    return out;
+  }
+
+  const std::string& press_name() const { return press_; }
+
   // Every given parameter must have been read by the factory.
   void check_all_used(const std::vector<PressParam>& known) const {
     for (const auto& [key, value] : values_) {
@@ -94,6 +115,44 @@ class Params {
   const std::map<std::string, std::string>& values_;
   std::set<std::string> used_;
 };
+
+// The inner ScorerPress of a wrapper: parameter `press` names it, `press.<param>` are its
+// parameters, and it gets the wrapper's compression ratio. kvpress requires the inner press; the
+// registry defaults it to KnormPress so that every registered press builds from its name alone.
+std::shared_ptr<const ScorerPress> inner_scorer(Params& p, double ratio) {
+  const std::string inner = p.get_string("press").value_or("KnormPress");
+  TORCH_CHECK(!inner.empty(), p.press_name(), ": parameter press (the inner press's name) must not be empty");
+  std::shared_ptr<BasePress> built = make_press(inner, ratio, p.take_prefixed("press."));
+  auto scorer = std::dynamic_pointer_cast<const ScorerPress>(std::shared_ptr<const BasePress>(built));
+  TORCH_CHECK(scorer != nullptr, p.press_name(), ": press must be a ScorerPress, got ", inner);
+  return scorer;
+}
+
+// ComposedPress's presses: `presses` = "A,B,..."; `presses.<i>.<param>` are press i's parameters
+// and `presses.<i>.compression_ratio` its ratio (default: the ratio given to ComposedPress).
+std::vector<std::shared_ptr<const BasePress>> composed_presses(Params& p, double ratio) {
+  const std::optional<std::string> list = std::optional<std::string>(p.get_string("presses").value_or("KnormPress"));
+  std::vector<std::shared_ptr<const BasePress>> out;
+  size_t begin = 0;
+  for (int i = 0;; ++i) {
+    const size_t comma = list->find(',', begin);
+    const std::string name = list->substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+    TORCH_CHECK(!name.empty(), "ComposedPress: presses must be comma-separated press names, got '", *list, "'");
+    std::map<std::string, std::string> params = p.take_prefixed("presses." + std::to_string(i) + ".");
+    double r = ratio;
+    if (const auto it = params.find("compression_ratio"); it != params.end()) {
+      char* end = nullptr;
+      r = std::strtod(it->second.c_str(), &end);
+      TORCH_CHECK(end && *end == '\0' && !it->second.empty(), "ComposedPress: parameter presses.", i,
+                  ".compression_ratio must be a number, got '", it->second, "'");
+      params.erase(it);
+    }
+    out.push_back(make_press(name, r, params));
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return out;
+}
 
 using Factory = std::function<std::unique_ptr<BasePress>(double, Params&)>;
 
@@ -164,6 +223,49 @@ const std::vector<Entry>& entries() {
          const std::optional<double> blending = p.get_optional_double("blending");
          return std::make_unique<CompactorPress>(r, start, end, chunk, sketch, blending, p.get_optional_int("seed"));
        }},
+      {{"ExpectedAttentionPress", "expected attention of future queries (query mean/covariance, averaged RoPE)",
+        "hidden_states+q_proj(+inv_freq | cos+sin) | queries (all positions)+cos+sin",
+        {{"n_future_positions", "int", "512", "future positions the RoPE is averaged over"},
+         {"n_sink", "int", "4", "first tokens always kept and left out of the query statistics"},
+         {"use_covariance", "bool", "true", "add the query covariance term"},
+         {"use_vnorm", "bool", "true", "rescale by ||v||"},
+         {"epsilon", "float", "0", "added to the scores before the ||v|| rescaling"}}},
+       [](double r, Params& p) {
+         const int64_t n_future = p.get_int("n_future_positions", 512);
+         const int64_t n_sink = p.get_int("n_sink", 4);
+         const bool cov = p.get_bool("use_covariance", true);
+         const bool vnorm = p.get_bool("use_vnorm", true);
+         return std::make_unique<ExpectedAttentionPress>(r, n_future, n_sink, cov, vnorm,
+                                                         p.get_optional_double("epsilon").value_or(0.0));
+       }},
+      {{"KeyRerotationPress", "inner scorer's selection, kept keys re-rotated to positions 0..n_kept-1",
+        "the inner press's + inv_freq | cos+sin",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"}}},
+       [](double r, Params& p) { return std::make_unique<KeyRerotationPress>(inner_scorer(p, r)); }},
+      {{"ChunkKVPress", "inner scores averaged per chunk, best chunks kept whole", "the inner press's (no attentions)",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"chunk_length", "int", "20", "tokens per chunk"}}},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         return std::make_unique<ChunkKVPress>(inner, p.get_int("chunk_length", 20));
+       }},
+      {{"ChunkPress", "inner press applied to each chunk independently", "the inner press's (no attentions)",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"chunk_length", "int", "1024", "tokens per chunk"}}},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         return std::make_unique<ChunkPress>(inner, p.get_int("chunk_length", 1024));
+       }},
+      {{"BlockPress", "block-iterative selection with the inner scorer", "keys+values",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"block_size", "int", "128", "tokens per block"}}},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         return std::make_unique<BlockPress>(inner, p.get_int("block_size", 128));
+       }},
+      {{"ComposedPress", "presses applied in order", "the first press's",
+        {{"presses", "str", "KnormPress", "comma-separated press names; presses.<i>.<param> (and presses.<i>.compression_ratio)"}}},
+       [](double r, Params& p) { return std::make_unique<ComposedPress>(composed_presses(p, r)); }},
   };
   return table;
 }

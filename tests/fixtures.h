@@ -30,7 +30,8 @@ struct FixtureRun {
   // Inputs the C++ press gets besides keys/values:
   //   "keys" (nothing else), "attentions", "hidden_states" (+ q_proj, k_proj, cos, sin), "queries"
   //   (post-RoPE, every position), "rope" (cos, sin), "k_proj" (hidden_states, k_proj),
-  //   "queries_rope" (queries, cos, sin), "queries_k_proj" (queries, hidden_states, k_proj).
+  //   "queries_rope" (queries, cos, sin), "queries_k_proj" (queries, hidden_states, k_proj),
+  //   "keys_inv_freq" (inv_freq); "hidden_states" also gives inv_freq when the fixture has it.
   std::string source;
   std::string file;  // scores (float32 [B, Hkv, S]) and kept_indices (int64, ascending)
 };
@@ -163,6 +164,9 @@ inline LayerInputs make_layer_inputs(const Manifest& m, const FixtureCase& c, co
     in.k_proj = get("k_proj");
     in.cos = get("cos");
     in.sin = get("sin");
+    if (f.tensors.count("inv_freq")) in.inv_freq = get("inv_freq");
+  } else if (r.source == "keys_inv_freq") {
+    in.inv_freq = get("inv_freq");
   } else if (r.source == "queries") {
     in.queries = get("queries");
   } else if (r.source == "rope") {

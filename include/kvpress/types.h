@@ -33,6 +33,11 @@ struct LayerInputs {
   at::Tensor cos;  // optional [S, D]
   at::Tensor sin;  // optional [S, D]
 
+  // RoPE inverse frequencies (HF rotary_emb.inv_freq), for presses that rotate by positions
+  // outside 0..S-1 (ExpectedAttentionPress's future positions, KeyRerotationPress). When absent
+  // they are derived from cos/sin row 1 (atan2), which needs float32 tables to be exact.
+  at::Tensor inv_freq;  // optional [D / 2]
+
   // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.
   int64_t num_heads = 0;
 

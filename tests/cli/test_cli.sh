@@ -128,7 +128,8 @@ if expect_ok "--version" --version; then
 fi
 
 presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress
-         LeverageScorePress NonCausalAttnPress CompactorPress)
+         LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
+         ChunkKVPress ChunkPress BlockPress ComposedPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"
@@ -174,6 +175,11 @@ run_case noncausal.st compactor.safetensors NonCausalAttnPress 0.5 --param chunk
 run_case leverage.st compactor.safetensors LeverageScorePress 0.5 --param seed=2
 run_case knorm_extra.st typo.safetensors KnormPress 0.5 --allow-unknown-tensors
 grep -q "warning: .*ignoring unknown tensor 'querys'" "$tmp/stderr" || fail "--allow-unknown-tensors: no warning"
+# Nested presses (docs/CLI.md): a wrapper's inner press and its parameters.
+expect_ok "compress ChunkKVPress(SnapKVPress)" compress --press ChunkKVPress --ratio 0.5 --param press=SnapKVPress \
+  --param press.window_size=8 --param chunk_length=4 --input "$tmp/queries.safetensors" --output "$tmp/chunkkv.st" --quiet
+expect_ok "compress ComposedPress" compress --press ComposedPress --ratio 0.5 --param presses=KnormPress,KeyDiffPress \
+  --param presses.1.compression_ratio=0.25 --input "$tmp/kv.safetensors" --output "$tmp/composed.st" --quiet
 expect_ok "compress --quiet" compress --press KnormPress --ratio 0.5 --input "$tmp/kv.safetensors" \
   --output "$tmp/quiet.st" --quiet && { [ ! -s "$tmp/stdout" ] || fail "--quiet printed: $(cat "$tmp/stdout")"; }
 

@@ -58,6 +58,14 @@ MAX_ATTENTION_BYTES = 40 * 1024 * 1024
 #   "k_proj"        keys, values, hidden_states, k_proj (pre-RoPE keys recomputed, no cos/sin)
 #   "queries_rope"  keys, values, post-RoPE queries (all positions), cos, sin
 #   "queries_k_proj" keys, values, post-RoPE queries (all positions), hidden_states, k_proj
+#   "keys_inv_freq" keys, values, inv_freq (RoPE inverse frequencies, float32)
+# ("hidden_states" also gives inv_freq.)
+#
+# Wrappers (ChunkKVPress, ChunkPress, BlockPress, KeyRerotationPress, ComposedPress) name their
+# inner press with the C++ registry's syntax: "press" = inner class name, "press.<param>" its
+# parameters; ComposedPress: "presses" = "A,B", "presses.<i>.<param>". Their run files hold the
+# kept positions (recovered from the returned cache) and, for KeyRerotationPress, the re-rotated
+# keys, and the inner scorer's scores where the selection is a top-k of them.
 # kvpress itself always recomputes queries / pre-RoPE keys from the hidden states, so every source
 # but "attentions" shares one kvpress run (the C++ side must reach the same numbers by its path).
 #
@@ -92,7 +100,23 @@ PRESSES = [
     ("CompactorPress", {"blending": "0.3", "seed": "11"}, ("hidden_states", "queries_rope"), ()),
     ("CompactorPress", {"sink_size_start": "4", "sink_size_end": "0", "chunk_size": "64", "seed": "5"},
      ("queries_rope",), ()),
+    ("ExpectedAttentionPress", {}, ("hidden_states", "queries_rope"), (0.25, 0.75)),
+    ("ExpectedAttentionPress", {"use_covariance": "False", "use_vnorm": "False", "epsilon": "0.01"},
+     ("hidden_states",), ()),
+    ("ExpectedAttentionPress", {"n_future_positions": "64", "n_sink": "0", "epsilon": "0.01"}, ("hidden_states",), ()),
+    # Wrappers.
+    ("KeyRerotationPress", {"press": "KnormPress"}, ("keys_inv_freq",), (0.25,)),
+    ("KeyRerotationPress", {"press": "SnapKVPress", "press.window_size": "16"}, ("hidden_states",), ()),
+    ("ChunkKVPress", {"press": "KnormPress"}, KEYS_ONLY, (0.25,)),
+    ("ChunkKVPress", {"press": "SnapKVPress", "press.window_size": "16", "chunk_length": "16"}, ("hidden_states",), ()),
+    ("ChunkPress", {"press": "KnormPress", "chunk_length": "256"}, KEYS_ONLY, (0.25,)),
+    ("ChunkPress", {"press": "SnapKVPress", "press.window_size": "16", "chunk_length": "256"}, ("hidden_states",), ()),
+    ("BlockPress", {"press": "KeyDiffPress", "block_size": "64"}, KEYS_ONLY, (0.25,)),
+    ("BlockPress", {"press": "KnormPress"}, KEYS_ONLY, ()),
+    ("ComposedPress", {"presses": "KnormPress,KeyDiffPress"}, KEYS_ONLY, ()),
+    ("ComposedPress", {"presses": "SnapKVPress,KnormPress", "presses.0.window_size": "16"}, ("hidden_states",), ()),
 ]
+WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress")
 # Parameters only the C++ presses have (see above).
 SEEDED_SKETCH = ("LeverageScorePress", "CompactorPress")
 BASE_RATIO = 0.5
@@ -126,6 +150,9 @@ def parse_value(text: str):
 def param_tag(params: dict[str, str]) -> str:
     if not params:
         return "default"
+    if "press" in params or "presses" in params:
+        return "_".join(f"{k.split('.')[-1] if k.startswith('press') and k not in ('press', 'presses') else ''}"
+                        f"{v.replace(',', '+')}" for k, v in params.items())
     short = {"window_size": "w", "kernel_size": "k", "lag_size": "lag", "n_sink": "sink",
              "cross_scoring": "cross", "seed": "seed", "sketch_dimension": "sk", "chunk_size": "c",
              "blending": "bl", "sink_size_start": "ss", "sink_size_end": "se"}
@@ -142,6 +169,7 @@ def capture_layers(model: LlamaForCausalLM, input_ids: torch.Tensor) -> list[dic
     def hook(module, args, kwargs, output):
         cache = kwargs["past_key_values"]
         layer = cache.layers[module.layer_idx]
+        module.rotary_emb = model.model.rotary_emb  # what kvpress's post_init_from_model sets
         captured[module.layer_idx] = {
             "module": module,
             "hidden_states": kwargs["hidden_states"].detach().clone(),
@@ -197,6 +225,65 @@ def run_press(press, layer: dict, source: str, seed: int | None = None):
     return scores.to(torch.float32).contiguous(), kept, n_kept
 
 
+def build_press(name: str, params: dict[str, str], ratio: float):
+    """A kvpress press from the C++ registry's parameter syntax (nested presses included)."""
+    if name == "ComposedPress":
+        inner = []
+        for i, sub in enumerate(params["presses"].split(",")):
+            prefix = f"presses.{i}."
+            sub_params = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+            inner.append(build_press(sub, sub_params, ratio))
+        return kvpress.ComposedPress(presses=inner)
+    if name in WRAPPERS:
+        sub_params = {k[len("press."):]: v for k, v in params.items() if k.startswith("press.")}
+        inner = build_press(params["press"], sub_params, ratio)
+        rest = {k: parse_value(v) for k, v in params.items() if k != "press" and not k.startswith("press.")}
+        return getattr(kvpress, name)(press=inner, **rest)
+    return getattr(kvpress, name)(compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
+
+
+def positions_of(keys: torch.Tensor, values: torch.Tensor, kept_keys: torch.Tensor,
+                 kept_values: torch.Tensor) -> torch.Tensor:
+    """Original positions of the returned (key, value) rows (distinct per position: post-RoPE keys)."""
+    b, h, _, _ = keys.shape
+    kv = torch.cat([keys, values], -1).to(torch.float32)
+    kept_kv = torch.cat([kept_keys, kept_values], -1).to(torch.float32)
+    out = torch.empty(kept_keys.shape[:3], dtype=torch.int64)
+    for bi in range(b):
+        for hi in range(h):
+            rows = {kv[bi, hi, i].numpy().tobytes(): i for i in range(keys.shape[2])}
+            assert len(rows) == keys.shape[2], "duplicate keys: cannot recover positions"
+            out[bi, hi] = torch.tensor([rows[k.numpy().tobytes()] for k in kept_kv[bi, hi]])
+    return out
+
+
+def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
+    """Runs a wrapper like kvpress's hook does; returns the run file's tensors."""
+    attentions = layer["attentions"] if source == "attentions" else None
+    module, hidden, keys, values, kwargs = (layer["module"], layer["hidden_states"], layer["keys"],
+                                            layer["values"], layer["kwargs"])
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if isinstance(press, kvpress.ComposedPress):
+            new_keys, new_values = keys, values
+            for p in press.presses:  # what ComposedPress.forward_hook chains
+                new_keys, new_values = p.compress(module, hidden, new_keys, new_values, attentions, kwargs)
+        else:
+            new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
+        if isinstance(press, kvpress.KeyRerotationPress):
+            scores = press.press.score(module, hidden, keys, values, attentions, kwargs)
+            n_kept = compute_n_kept(keys.shape[2], press.compression_ratio)
+            kept = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+            out["scores"] = scores.to(torch.float32).contiguous()
+            out["keys"] = new_keys.contiguous()
+        else:
+            kept = positions_of(keys, values, new_keys, new_values)  # in the order kvpress left them
+    gathered_v = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+    assert torch.equal(gathered_v, new_values), type(press).__name__
+    out["kept_indices"] = kept.sort(dim=-1).values.to(torch.int64).contiguous()
+    return out
+
+
 def lagkv_statistic(press, layer: dict) -> torch.Tensor:
     """LagKV's per-token statistic before the within-partition ranking: the scores of the same
     press with cross_scoring=True (sinks and tail are 1). The C++ test needs it to tell which
@@ -242,10 +329,12 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
         "sin": sin[0],
         "queries": queries,
     }
+    inv_freq = module.rotary_emb.inv_freq.detach().to(torch.float32).contiguous()
     if has_attn:
         tensors["attentions"] = layer["attentions"]
     for key, t in tensors.items():
         assert t.dtype == dtype, (key, t.dtype, dtype)
+    tensors["inv_freq"] = inv_freq  # float32 whatever the cache dtype (HF keeps it in float32)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{name}.inputs.safetensors"))
 
     case = {
@@ -270,8 +359,7 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
         if press_name in SEEDED_SKETCH and "seed" in kv_params:
             seed = int(kv_params.pop("seed"))
         for ratio in (BASE_RATIO, *extra):
-            press = getattr(kvpress, press_name)(compression_ratio=ratio,
-                                                 **{k: parse_value(v) for k, v in kv_params.items()})
+            press = build_press(press_name, kv_params, ratio)
             # Extra ratios only for the first available source.
             srcs = [x for x in sources if x != "attentions" or has_attn]
             if ratio != BASE_RATIO:
@@ -283,6 +371,10 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
                 kv_run = "attentions" if source == "attentions" else "model"
                 if kv_run in files:
                     file = files[kv_run]
+                elif press_name in WRAPPERS:
+                    file = f"{run_name}.safetensors"
+                    save_file(run_wrapper(press, layer, source), str(out / file))
+                    files[kv_run] = file
                 else:
                     scores, kept, n_kept = run_press(press, layer, source, seed)
                     file = f"{run_name}.safetensors"

@@ -78,6 +78,7 @@ PRESSES = [
     ("LeverageScorePress", {"seed": "0"}),
     ("NonCausalAttnPress", {}),
     ("CompactorPress", {"seed": "0"}),
+    ("ExpectedAttentionPress", {}),
 ]
 RATIO = 0.5
 

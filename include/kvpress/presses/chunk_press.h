@@ -1,0 +1,31 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// ChunkPress (kvpress): the sequence is cut into chunks of chunk_length positions (the last may be
+// shorter); each chunk is scored ALONE by the inner scorer (its keys, values, hidden_states and the
+// matching rows of queries given for all S positions) and keeps max(1, int(len·(1 - ratio))) tokens
+// per head. Like kvpress, cos/sin are not the chunk's: the inner press gets the LAST len rows of the
+// tables (kvpress passes the full tables, and window presses read their tail). Attentions are not passed on (kvpress refuses them).
+// The compression ratio is the inner press's.
+class ChunkPress : public BasePress {
+ public:
+  explicit ChunkPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = 1024);
+
+  std::string name() const override { return "ChunkPress"; }
+  KV compress(const LayerInputs& inputs) const override;
+  double compression_ratio() const override { return press_->compression_ratio(); }
+  int64_t chunk_length() const { return chunk_length_; }
+  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+
+ private:
+  std::shared_ptr<const ScorerPress> press_;
+  int64_t chunk_length_;
+};
+
+}  // namespace kvpress

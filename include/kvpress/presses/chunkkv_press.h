@@ -1,0 +1,31 @@
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// ChunkKVPress (kvpress): the inner scorer's scores [B, Hkv, S] are summed over KV heads and
+// averaged per chunk of chunk_length tokens (a shorter remainder is its own chunk); the best
+// max(1, int(n_chunks·(1 - ratio))) chunks are kept whole, for every head. S < chunk_length falls
+// back to the inner press. kvpress picks the chunks of batch row 0 for every row; we pick them by
+// the scores summed over the batch too (identical for B = 1). Ties go to the earlier chunk.
+// Attentions are not passed on (kvpress refuses them). The compression ratio is the inner press's.
+class ChunkKVPress : public BasePress {
+ public:
+  explicit ChunkKVPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = 20);
+
+  std::string name() const override { return "ChunkKVPress"; }
+  KV compress(const LayerInputs& inputs) const override;
+  double compression_ratio() const override { return press_->compression_ratio(); }
+  int64_t chunk_length() const { return chunk_length_; }
+  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+
+ private:
+  std::shared_ptr<const ScorerPress> press_;
+  int64_t chunk_length_;
+};
+
+}  // namespace kvpress

@@ -1,0 +1,29 @@
+#pragma once
+
+#include <memory>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// KeyRerotationPress (kvpress): selects with the inner scorer, keeps the positions in ascending
+// order and rotates each kept key from its original position p to its new slot j (its rank):
+// k' = k·cos(Δ·inv_freq) + rotate_half(k)·sin(Δ·inv_freq), Δ = j - p (angles in float32, the
+// products in the cache dtype, as kvpress). The compressed cache then looks as if the kept tokens
+// had been encoded at positions 0..n_kept-1, so the engine continues at position n_kept.
+// kept_indices still hold the ORIGINAL positions. Needs inv_freq (or float32 cos/sin to derive it).
+// The compression ratio is the inner press's.
+class KeyRerotationPress : public BasePress {
+ public:
+  explicit KeyRerotationPress(std::shared_ptr<const ScorerPress> press);
+
+  std::string name() const override { return "KeyRerotationPress"; }
+  KV compress(const LayerInputs& inputs) const override;
+  double compression_ratio() const override { return press_->compression_ratio(); }
+  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+
+ private:
+  std::shared_ptr<const ScorerPress> press_;
+};
+
+}  // namespace kvpress
