@@ -3,9 +3,14 @@
 // ops with dedicated kernels declare only the schema here (kernels/cpu, kernels/cuda).
 #include <torch/library.h>
 
+#include <map>
+#include <memory>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "kvpress/ops.h"
+#include "kvpress/registry.h"
 
 namespace kvpress {
 namespace {
@@ -24,6 +29,62 @@ at::Tensor leverage_scores_op(const at::Tensor& prerope_keys, int64_t sketch_dim
 
 at::Tensor noncausal_column_sums_op(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {
   return ops::noncausal_column_sums(queries, keys, chunk_size);
+}
+
+// press_scores / press_compress: run a registry press on one layer from Python (used by
+// benchmarks/compare_kvpress.py). params are "key=value" strings, as kvpress-cli's --param.
+LayerInputs press_inputs(const at::Tensor& keys, const at::Tensor& values, const c10::optional<at::Tensor>& queries,
+                         const c10::optional<at::Tensor>& attentions, const c10::optional<at::Tensor>& hidden_states,
+                         const c10::optional<at::Tensor>& q_proj, const c10::optional<at::Tensor>& k_proj,
+                         const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin, int64_t num_heads) {
+  LayerInputs in;
+  in.keys = keys;
+  in.values = values;
+  in.queries = queries.value_or(at::Tensor());
+  in.attentions = attentions.value_or(at::Tensor());
+  in.hidden_states = hidden_states.value_or(at::Tensor());
+  in.q_proj = q_proj.value_or(at::Tensor());
+  in.k_proj = k_proj.value_or(at::Tensor());
+  in.cos = cos.value_or(at::Tensor());
+  in.sin = sin.value_or(at::Tensor());
+  in.num_heads = num_heads;
+  return in;
+}
+
+std::unique_ptr<BasePress> press_from(const std::string& name, double ratio, const std::vector<std::string>& params) {
+  std::map<std::string, std::string> values;
+  for (const auto& kv : params) {
+    const auto eq = kv.find('=');
+    TORCH_CHECK(eq != std::string::npos && eq > 0, "press_compress: params must be [\"key=value\", ...], got \"", kv,
+                "\"");
+    values[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return make_press(name, ratio, values);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> press_compress_op(
+    const std::string& name, double ratio, const std::vector<std::string>& params, const at::Tensor& keys,
+    const at::Tensor& values, const c10::optional<at::Tensor>& queries, const c10::optional<at::Tensor>& attentions,
+    const c10::optional<at::Tensor>& hidden_states, const c10::optional<at::Tensor>& q_proj,
+    const c10::optional<at::Tensor>& k_proj, const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+    int64_t num_heads) {
+  KV kv = press_from(name, ratio, params)
+              ->compress(press_inputs(keys, values, queries, attentions, hidden_states, q_proj, k_proj, cos, sin,
+                                      num_heads));
+  return {kv.keys, kv.values, kv.kept_indices};
+}
+
+at::Tensor press_scores_op(const std::string& name, double ratio, const std::vector<std::string>& params,
+                           const at::Tensor& keys, const at::Tensor& values, const c10::optional<at::Tensor>& queries,
+                           const c10::optional<at::Tensor>& attentions, const c10::optional<at::Tensor>& hidden_states,
+                           const c10::optional<at::Tensor>& q_proj, const c10::optional<at::Tensor>& k_proj,
+                           const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
+                           int64_t num_heads) {
+  auto press = press_from(name, ratio, params);
+  const auto* scorer = dynamic_cast<const ScorerPress*>(press.get());
+  TORCH_CHECK(scorer != nullptr, "press_scores: press must be a ScorerPress, got ", name);
+  return scorer->score(
+      press_inputs(keys, values, queries, attentions, hidden_states, q_proj, k_proj, cos, sin, num_heads));
 }
 
 }  // namespace
@@ -60,6 +121,15 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor", &noncausal_column_sums_op);
   m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
   m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
+  // Any registry press on one layer (benchmarks/compare_kvpress.py); params: ["window_size=32", ...].
+  m.def("press_compress(str name, float compression_ratio, str[] params, Tensor keys, Tensor values, "
+        "Tensor? queries=None, Tensor? attentions=None, Tensor? hidden_states=None, Tensor? q_proj=None, "
+        "Tensor? k_proj=None, Tensor? cos=None, Tensor? sin=None, int num_heads=0) -> (Tensor, Tensor, Tensor)",
+        &press_compress_op);
+  m.def("press_scores(str name, float compression_ratio, str[] params, Tensor keys, Tensor values, "
+        "Tensor? queries=None, Tensor? attentions=None, Tensor? hidden_states=None, Tensor? q_proj=None, "
+        "Tensor? k_proj=None, Tensor? cos=None, Tensor? sin=None, int num_heads=0) -> Tensor",
+        &press_scores_op);
 }
 
 }  // namespace kvpress

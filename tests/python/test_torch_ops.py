@@ -65,5 +65,20 @@ else:
     ref = NonCausalAttnPress.non_causal_chunked_attn(queries, keys.repeat_interleave(2, dim=1), 16)
     check("noncausal_column_sums equals kvpress (padded last chunk)", torch.allclose(sums, ref, rtol=1e-5, atol=1e-6))
 
+# Registry presses through press_compress / press_scores (benchmarks/compare_kvpress.py).
+pk, pv, pidx = ops.press_compress("KnormPress", 0.75, [], keys, values)
+check("press_compress KnormPress", torch.equal(pidx, kept) and torch.equal(pk, k) and torch.equal(pv, v))
+check("press_scores KnormPress", torch.equal(ops.press_scores("KnormPress", 0.75, [], keys, values), ops.key_norm_scores(keys)))
+sk, _, sidx = ops.press_compress("StreamingLLMPress", 0.5, ["n_sink=2"], keys, values)
+check("press_compress params", sidx[0, 0].tolist() == [0, 1] + list(range(22, 40)) and sk.shape == (1, 2, 20, 16))
+snap_q = torch.randn(1, 4, 8, 16)
+snap = ops.press_compress("SnapKVPress", 0.5, ["window_size=8"], keys, values, queries=snap_q, num_heads=4)
+check("press_compress SnapKVPress keeps the window", set(range(32, 40)) <= set(snap[2][0, 0].tolist()))
+try:
+    ops.press_compress("KnormPress", 0.5, ["window_size"], keys, values)
+    check("press_compress bad param", False)
+except RuntimeError as error:
+    check("press_compress bad param", 'params must be ["key=value", ...], got "window_size"' in str(error))
+
 print(f"{passed} passed, {len(failures)} failed")
 sys.exit(1 if failures else 0)

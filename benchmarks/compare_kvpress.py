@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""Side-by-side speed of kvpress 0.5.5 and kvpress-cpp on identical inputs, in one process.
+
+Both sides run in this Python process on the same tensors, with the same dtype and the same
+intra-op thread pool (torch.set_num_threads; libkvpress.so runs through the same libtorch), and
+alternate per repetition (which side goes first alternates too). Our presses are called through
+torch.ops.kvpress.press_compress (src/ops.cpp), which builds the press with kvpress::make_press and
+runs BasePress::compress; kvpress's side calls press.compress(module, hidden_states, keys, values,
+attentions, kwargs) as its forward hook does. Both time score + top-k + gather of K and V.
+
+Table (a), projections excluded: kvpress's attention module gets q_proj/k_proj that merely slice
+precomputed pre-RoPE queries/keys out of `hidden_states` (a view, no GEMM); we get the same queries
+after RoPE (the last window for SnapKV/TOVA, all positions for NonCausalAttn/Compactor), the RoPE
+tables where a press needs them (LeverageScore, Compactor invert RoPE on the cached keys), and the
+full attention matrix for ObservedAttention (both sides). RoPE of the queries stays inside
+kvpress's press, as in kvpress. Table (b), each side's full path: real hidden states [B, S, Hq*D]
+and projection weights (nn.Linear on kvpress's side, q_proj/k_proj tensors on ours), for the
+presses that read them (SnapKV, TOVA, LeverageScore, NonCausalAttn, Compactor). Ours gets the RoPE
+tables too, except LeverageScorePress: given cos/sin our presses get the pre-RoPE keys by inverting
+RoPE on the cached keys instead of projecting them (CompactorPress does so in table (b), as it
+needs cos/sin for its queries; kvpress projects K).
+
+Inputs are random (timings depend only on shapes). Unless --no-check, each deterministic press's
+kept positions are compared once, untimed, with kvpress's top-k ("agree" = share of positions in
+common).
+
+    ~/.cache/kvpress-cpp/venv/bin/python benchmarks/compare_kvpress.py --lib build/libkvpress.so
+    ... --seq 4096 --presses KnormPress,SnapKVPress --repeats 3 --png /tmp/compare.png
+
+The last line reads `min speedup A, median speedup B over N presses` for table (a).
+See docs/PERFORMANCE.md.
+"""
+import argparse
+import gc
+import math
+import os
+import statistics
+import struct
+import sys
+import time
+import types
+import zlib
+
+import torch
+
+ALL_PRESSES = [
+    "RandomPress", "KnormPress", "StreamingLLMPress", "KeyDiffPress", "SnapKVPress", "LagKVPress",
+    "TOVAPress", "ObservedAttentionPress", "LeverageScorePress", "NonCausalAttnPress", "CompactorPress",
+]
+KEYS_ONLY = {"RandomPress", "KnormPress", "StreamingLLMPress", "KeyDiffPress", "LagKVPress"}
+PROJECTION_PRESSES = ["SnapKVPress", "TOVAPress", "LeverageScorePress", "NonCausalAttnPress", "CompactorPress"]
+RANDOMISED = {"RandomPress", "LeverageScorePress", "CompactorPress"}  # no agreement check
+WINDOW = 64  # SnapKVPress's default window_size
+ROPE_THETA = 500000.0  # Llama-3.1
+
+# 5x7 glyphs from tools/chart.cpp: 35 bits, row-major, most significant bit = top-left.
+_FONT = {'A': 0x3a31fc631, 'B': 0x7a31f463e, 'C': 0x3a308422e, 'D': 0x7a318c63e, 'E': 0x7e10f421f,
+    'F': 0x7e10f4210, 'G': 0x3a30bc62f, 'H': 0x4631fc631, 'I': 0x38842108e, 'J': 0x1c4210a4c,
+    'K': 0x4654c5251, 'L': 0x42108421f, 'M': 0x4775ac631, 'N': 0x4639ace31, 'O': 0x3a318c62e,
+    'P': 0x7a31f4210, 'Q': 0x3a318d64d, 'R': 0x7a31f5251, 'S': 0x3e107043e, 'T': 0x7c8421084,
+    'U': 0x46318c62e, 'V': 0x46318c544, 'W': 0x4631ad6aa, 'X': 0x462a22a31, 'Y': 0x462a21084,
+    'Z': 0x7c222221f, 'a': 0x000e0be2f, 'b': 0x4216cc63e, 'c': 0x000e8422e, 'd': 0x042d9c62f,
+    'e': 0x000e8fe0e, 'f': 0x1928e2108, 'g': 0x01f18bc2e, 'h': 0x4216cc631, 'i': 0x100c2108e,
+    'j': 0x080610a4c, 'k': 0x4212a6292, 'l': 0x30842108e, 'm': 0x001aad631, 'n': 0x0016cc631,
+    'o': 0x000e8c62e, 'p': 0x03d18fa10, 'q': 0x01b38bc21, 'r': 0x0016cc210, 's': 0x000e8383e,
+    't': 0x211c42126, 'u': 0x00118c66d, 'v': 0x00118c544, 'w': 0x00118d6aa, 'x': 0x001151151,
+    'y': 0x02318bc2e, 'z': 0x001f1111f, '0': 0x3a33ae62e, '1': 0x11842108e, '2': 0x3a211111f,
+    '3': 0x78217043e, '4': 0x08ca97c42, '5': 0x7e1e0862e, '6': 0x1910f462e, '7': 0x7c2222108,
+    '8': 0x3a317462e, '9': 0x3a317844c, '.': 0x00000018c, ',': 0x000003088, '-': 0x000070000,
+    '+': 0x0084f9080, '(': 0x088842082, ')': 0x208210888, '=': 0x001f07c00, '_': 0x00000001f,
+    '/': 0x042222210, ':': 0x018c03180, '%': 0x672222273,}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+class Layer:
+    """Random inputs of one Llama-3.1-8B-shaped layer, built once."""
+
+    def __init__(self, args, dtype, need_full, need_attn):
+        B, Hq, Hkv, D, S = args.batch, args.q_heads, args.kv_heads, args.head_dim, args.seq
+        self.B, self.Hq, self.Hkv, self.D, self.S, self.dtype = B, Hq, Hkv, D, S, dtype
+        g = torch.Generator().manual_seed(0)
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        inv_freq = ROPE_THETA ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+        angles = torch.outer(torch.arange(S, dtype=torch.float32), inv_freq)
+        emb = torch.cat([angles, angles], dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [S, D], HF layout
+        self.position_embeddings = (self.cos[None], self.sin[None])  # what kvpress's kwargs carry
+
+        q_pre = randn(B, Hq, S, D)
+        k_pre = randn(B, Hkv, S, D)
+        self.values = randn(B, Hkv, S, D)
+        self.keys = rope(k_pre, self.cos, self.sin).contiguous()  # the cache: post-RoPE keys
+        self.q_post = rope(q_pre, self.cos, self.sin).contiguous()  # our side of table (a)
+        self.q_window = self.q_post[:, :, -WINDOW:].contiguous()
+        self.q_last = self.q_post[:, :, -1:].contiguous()
+        # kvpress's side of table (a): pre-RoPE queries and keys laid out as "hidden states"
+        # [B, S, Hq*D + Hkv*D]; q_proj/k_proj slice them (views, no GEMM).
+        self.hs_slices = torch.cat(
+            [q_pre.transpose(1, 2).reshape(B, S, Hq * D), k_pre.transpose(1, 2).reshape(B, S, Hkv * D)], dim=-1
+        )
+        del q_pre, k_pre
+        nq = Hq * D
+        self.slicing_module = self._module(lambda h: h[..., :nq], lambda h: h[..., nq:])
+
+        self.hidden = self.Wq = self.Wk = self.linear_module = None
+        if need_full:  # table (b): real hidden states and projection weights
+            hidden = Hq * D
+            self.hidden = randn(B, S, hidden)
+            self.Wq = randn(Hq * D, hidden, scale=1 / math.sqrt(hidden))
+            self.Wk = randn(Hkv * D, hidden, scale=1 / math.sqrt(hidden))
+            q_lin = torch.nn.Linear(hidden, Hq * D, bias=False, dtype=dtype)
+            k_lin = torch.nn.Linear(hidden, Hkv * D, bias=False, dtype=dtype)
+            q_lin.weight = torch.nn.Parameter(self.Wq, requires_grad=False)
+            k_lin.weight = torch.nn.Parameter(self.Wk, requires_grad=False)
+            self.linear_module = self._module(q_lin, k_lin)
+
+        self.attentions = None
+        if need_attn:  # causal rows of non-negative weights summing to 1, built in place
+            a = torch.empty(B, Hq, S, S, dtype=dtype)
+            a.uniform_(generator=g).tril_()
+            self.attentions = a.div_(a.sum(-1, keepdim=True))
+
+    def _module(self, q_proj, k_proj):
+        """The attributes kvpress reads from a Llama-like attention module."""
+        config = types.SimpleNamespace(num_attention_heads=self.Hq, num_key_value_heads=self.Hkv)
+        return types.SimpleNamespace(config=config, head_dim=self.D, num_key_value_heads=self.Hkv,
+                                     layer_idx=0, q_proj=q_proj, k_proj=k_proj)
+
+    def kvpress_args(self, name, full):
+        """(module, hidden_states, keys, values, attentions, kwargs) for press.compress/score."""
+        module, hs = (self.linear_module, self.hidden) if full else (self.slicing_module, self.hs_slices)
+        attn = self.attentions if name == "ObservedAttentionPress" else None
+        return module, hs, self.keys, self.values, attn, {"position_embeddings": self.position_embeddings}
+
+    def our_kwargs(self, name, full):
+        """Optional inputs of torch.ops.kvpress.press_compress (LayerInputs fields)."""
+        kw = {"num_heads": self.Hq}
+        if full:
+            kw.update(hidden_states=self.hidden, q_proj=self.Wq, k_proj=self.Wk)
+            if name != "LeverageScorePress":  # given cos/sin, it would invert RoPE instead of projecting K
+                kw.update(cos=self.cos, sin=self.sin)
+        elif name == "SnapKVPress":
+            kw["queries"] = self.q_window
+        elif name == "TOVAPress":
+            kw["queries"] = self.q_last
+        elif name == "ObservedAttentionPress":
+            kw["attentions"] = self.attentions
+        elif name == "LeverageScorePress":
+            kw.update(cos=self.cos, sin=self.sin)
+        elif name == "NonCausalAttnPress":
+            kw["queries"] = self.q_post
+        elif name == "CompactorPress":
+            kw.update(queries=self.q_post, cos=self.cos, sin=self.sin)
+        return kw
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def bench(kv_fn, our_fn, repeats, warmup):
+    """Median seconds of each side; the sides alternate, and so does which one goes first."""
+    for _ in range(warmup):
+        kv_fn()
+        our_fn()
+    times = {"kv": [], "ours": []}
+    for r in range(repeats):
+        order = [("kv", kv_fn), ("ours", our_fn)] if r % 2 == 0 else [("ours", our_fn), ("kv", kv_fn)]
+        for side, fn in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            out = fn()
+            times[side].append(time.perf_counter() - t0)
+            del out
+    return times["kv"], times["ours"]
+
+
+def agreement(press, layer, name, full, ours_kept, ratio):
+    """Share of kept positions in common with kvpress's top-k (None for randomised presses)."""
+    if name in RANDOMISED:
+        return None
+    scores = press.score(*layer.kvpress_args(name, full))
+    n_kept = torch.ops.kvpress.n_kept(layer.S, ratio)
+    ref = scores.topk(n_kept, dim=-1).indices
+    common, total = 0, 0
+    for r, o in zip(ref.reshape(-1, n_kept).tolist(), ours_kept.reshape(-1, ours_kept.shape[-1]).tolist()):
+        common += len(set(r) & set(o))
+        total += n_kept
+    return common / total
+
+
+def copy_bandwidth(layer):
+    """Bytes/s of a multithreaded copy (read + write) of at least 256 MiB (past the caches), best of 5."""
+    src = torch.ones(max(layer.keys.nbytes, 256 << 20), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def run_table(title, presses, layer, args, full, kvpress_mod):
+    rows = []
+    n_kept = torch.ops.kvpress.n_kept(layer.S, args.ratio)
+    bw = copy_bandwidth(layer)
+    for name in presses:
+        press = getattr(kvpress_mod, name)(compression_ratio=args.ratio)
+        kv_args = layer.kvpress_args(name, full)
+        our_kw = layer.our_kwargs(name, full)
+
+        def kv_fn():
+            return press.compress(*kv_args)
+
+        def our_fn():
+            return torch.ops.kvpress.press_compress(name, args.ratio, [], layer.keys, layer.values, **our_kw)
+
+        try:
+            all_kv, all_ours = bench(kv_fn, our_fn, args.repeats, args.warmup)
+            t_kv, t_ours = statistics.median(all_kv), statistics.median(all_ours)
+        except Exception as e:  # report and go on with the other presses
+            print(f"  {name:24s} FAILED: {str(e).splitlines()[0]}", flush=True)
+            continue
+        agree = None if args.no_check else agreement(press, layer, name, full, our_fn()[2], args.ratio)
+        floor = None
+        if name in KEYS_ONLY and name != "RandomPress":  # memory-bound: read K and V, write the kept part
+            floor = (layer.keys.nbytes + layer.values.nbytes + 2 * layer.keys.nbytes * n_kept / layer.S) / bw
+        rows.append(dict(press=name, kv=t_kv, ours=t_ours, speedup=t_kv / t_ours, agree=agree, floor=floor))
+        print(f"  {name:24s} kvpress {t_kv * 1e3:10.2f} ms   ours {t_ours * 1e3:9.2f} ms   "
+              f"{t_kv / t_ours:7.2f}x" + ("" if agree is None else f"   agree {agree:.4f}") +
+              f"   (all ms: kvpress {' '.join(f'{t * 1e3:.0f}' for t in all_kv)}; "
+              f"ours {' '.join(f'{t * 1e3:.0f}' for t in all_ours)})", flush=True)
+        del kv_args, our_kw
+        gc.collect()
+    print()
+    print(f"{title}")
+    print()
+    print("| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | bandwidth floor (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        agree = "-" if r["agree"] is None else f"{r['agree'] * 100:.2f}%"
+        floor = "-" if r["floor"] is None else f"{r['floor'] * 1e3:.2f} ({r['ours'] / r['floor']:.1f}x)"
+        print(f"| {r['press']} | {r['kv'] * 1e3:.2f} | {r['ours'] * 1e3:.2f} | {r['speedup']:.2f}x | {agree} | {floor} |")
+    print()
+    return rows
+
+
+# ----------------------------------------------------------------------------- chart (no plotting dependency)
+
+
+def write_png(path, title, rows_a, rows_b):
+    """Horizontal bars of the speedup per press on a log scale: table (a) blue, table (b) orange.
+
+    A small rasteriser (the 5x7 font of tools/chart.cpp, zlib) so the chart needs nothing beyond
+    the project's venv."""
+    scale = 2  # font pixel size
+    names = [r["press"] for r in rows_a] + [r["press"] for r in rows_b if r["press"] not in {x["press"] for x in rows_a}]
+    sa = {r["press"]: r["speedup"] for r in rows_a}
+    sb = {r["press"]: r["speedup"] for r in rows_b}
+    values = list(sa.values()) + list(sb.values()) + [1.0]
+    lo = math.floor(math.log10(min(values)))
+    hi = max(lo + 1, math.ceil(math.log10(max(values) * 1.05)))
+    left, right, top, row_h, bar_h = 24 + 6 * scale * 24, 140, 70, 40, 14
+    W = 1100
+    H = top + row_h * len(names) + 70
+    img = bytearray(b"\xff" * (W * H * 3))
+
+    def rect(x0, y0, x1, y1, rgb):
+        x0, x1 = max(0, int(x0)), min(W, int(x1))
+        for y in range(max(0, int(y0)), min(H, int(y1))):
+            img[(y * W + x0) * 3:(y * W + x1) * 3] = bytes(rgb) * (x1 - x0)
+
+    def text(x, y, s, rgb=(0, 0, 0)):
+        for ch in s:
+            bits = _FONT.get(ch)
+            if bits is not None:
+                for i in range(35):
+                    if bits >> (34 - i) & 1:
+                        rect(x + (i % 5) * scale, y + (i // 5) * scale, x + (i % 5 + 1) * scale, y + (i // 5 + 1) * scale, rgb)
+            x += 6 * scale
+
+    plot_w = W - left - right
+
+    def xpos(v):
+        return left + (math.log10(v) - lo) / (hi - lo) * plot_w
+
+    text(24, 16, title)
+    text(24, 40, "speedup of kvpress-cpp over kvpress 0.5.5 (log scale)", (90, 90, 90))
+    blue, orange = (31, 119, 180), (255, 127, 14)
+    y_axis_end = top + row_h * len(names)
+    for d in range(lo, hi + 1):
+        x = xpos(10.0 ** d)
+        rect(x, top - 6, x + 1, y_axis_end, (200, 200, 200) if d != 0 else (0, 0, 0))
+        label = f"{10.0 ** d:g}x"
+        text(x - len(label) * 3 * scale, y_axis_end + 8, label)
+    for i, name in enumerate(names):
+        y = top + i * row_h
+        text(24, y + row_h // 2 - 7, name)
+        for j, (series, rgb) in enumerate(((sa, blue), (sb, orange))):
+            if name in series:
+                v = series[name]
+                yb = y + 4 + j * (bar_h + 2)
+                x0, x1 = sorted((xpos(1.0), xpos(v)))
+                rect(x0, yb, max(x1, x0 + 1), yb + bar_h, rgb)
+                text(max(xpos(1.0), xpos(v)) + 6, yb, f"{v:.1f}x", rgb)
+    rect(24, H - 30, 44, H - 16, blue)
+    text(50, H - 30, "(a) projections excluded", blue)
+    if rows_b:
+        rect(420, H - 30, 440, H - 16, orange)
+        text(446, H - 30, "(b) full path from hidden states", orange)
+
+    raw = b"".join(b"\x00" + bytes(img[y * W * 3:(y + 1) * W * 3]) for y in range(H))
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    with open(path, "wb") as f:
+        f.write(png)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def find_library(arg):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in (arg, os.environ.get("KVPRESS_LIB"), os.path.join(root, "build", "libkvpress.so")):
+        if path and os.path.exists(path):
+            return path
+    sys.exit("compare_kvpress: libkvpress.so not found: pass --lib PATH (or set KVPRESS_LIB)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lib", help="path of libkvpress.so (default: $KVPRESS_LIB, then build/libkvpress.so)")
+    p.add_argument("--seq", type=int, default=16384, help="cached tokens S (default 16384)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--presses", default="all", help="comma-separated kvpress class names (default: all)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help=f"intra-op threads for both sides (default {torch.get_num_threads()})")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per side and press (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per side first")
+    p.add_argument("--ratio", type=float, default=0.5, help="compression ratio")
+    p.add_argument("--png", default="compare_kvpress.png", help="chart path ('' for none)")
+    p.add_argument("--table", choices=["a", "b", "both"], default="both", help="which tables to run")
+    p.add_argument("--attn-budget-gib", type=float, default=2.0,
+                   help="largest [B,Hq,S,S] attention tensor to build for ObservedAttentionPress")
+    p.add_argument("--no-check", action="store_true", help="skip the untimed kept-position comparison")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    args = p.parse_args()
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    presses = ALL_PRESSES if args.presses == "all" else [x.strip() for x in args.presses.split(",") if x.strip()]
+    unknown = [x for x in presses if x not in ALL_PRESSES]
+    if unknown:
+        sys.exit(f"compare_kvpress: unknown press {unknown}; known: {', '.join(ALL_PRESSES)}")
+    if args.seq <= WINDOW + 16:
+        sys.exit(f"compare_kvpress: --seq must exceed {WINDOW + 16} (SnapKVPress's window)")
+
+    torch.set_num_threads(args.threads)
+    lib = find_library(args.lib)
+    torch.ops.load_library(lib)
+    import kvpress as kvpress_mod  # after torch, as in kvpress's own use
+
+    attn_gib = args.batch * args.q_heads * args.seq ** 2 * torch.tensor([], dtype=dtype).element_size() / 2 ** 30
+    skipped = []
+    if "ObservedAttentionPress" in presses and attn_gib > args.attn_budget_gib:
+        presses = [x for x in presses if x != "ObservedAttentionPress"]
+        skipped.append(f"ObservedAttentionPress skipped: its [B,Hq,S,S] attentions would take {attn_gib:.1f} GiB "
+                       f"(budget {args.attn_budget_gib:g} GiB, --attn-budget-gib)")
+    full_presses = [x for x in PROJECTION_PRESSES if x in presses] if args.table in ("b", "both") else []
+    a_presses = presses if args.table in ("a", "both") else []
+
+    shape = (f"B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} S={args.seq} "
+             f"{args.dtype}, ratio {args.ratio}")
+    from importlib.metadata import version
+
+    print(f"kvpress {version('kvpress')} vs kvpress-cpp ({lib}), torch {torch.__version__}")
+    print(f"shape {shape}; threads {torch.get_num_threads()}; median of {args.repeats} alternating calls "
+          f"after {args.warmup} warm-up")
+    for s in skipped:
+        print(s)
+    print(flush=True)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        layer = Layer(args, dtype, need_full=bool(full_presses),
+                      need_attn="ObservedAttentionPress" in a_presses)
+        print(f"inputs built in {time.perf_counter() - t0:.1f} s", flush=True)
+        rows_a, rows_b = [], []
+        if full_presses:
+            print("(b) full path from hidden states and projection weights", flush=True)
+            rows_b = run_table(f"Table (b): each side's full path from hidden states [B,S,{args.q_heads * args.head_dim}] "
+                               f"and projection weights ({shape})", full_presses, layer, args, True, kvpress_mod)
+        if a_presses:
+            print("(a) projections excluded", flush=True)
+            rows_a = run_table(f"Table (a): same inputs, projections excluded ({shape})", a_presses, layer, args,
+                               False, kvpress_mod)
+
+    if args.png:
+        write_png(args.png, f"kvpress-cpp vs kvpress 0.5.5: {shape}, {torch.get_num_threads()} threads",
+                  rows_a, rows_b)
+        print(f"chart: {args.png}")
+    rows = rows_a or rows_b
+    speedups = [r["speedup"] for r in rows]
+    if not rows_a:
+        print("note: table (a) was not run; the summary below is for table (b)")
+    print(f"min speedup {min(speedups):.2f}, median speedup {statistics.median(speedups):.2f} over {len(speedups)} presses")
+
+
+if __name__ == "__main__":
+    main()
