@@ -281,6 +281,12 @@ const std::vector<PressInfo>& list_presses() {
   return infos;
 }
 
+bool is_wrapper(const PressInfo& info) {
+  for (const auto& p : info.params)
+    if (p.name == "press" || p.name == "presses") return true;
+  return false;
+}
+
 std::unique_ptr<BasePress> make_press(const std::string& name, double compression_ratio,
                                       const std::map<std::string, std::string>& params) {
   for (const auto& e : entries()) {

@@ -125,6 +125,14 @@ TEST(LagKVPress, KeepsSinksAndTheTailPartition) {
   EXPECT_TRUE(at::equal(kept.narrow(0, kept.size(0) - 138, 138), at::arange(4 + 256, 4 + 384 + 10)));
 }
 
+TEST(Registry, TellsWrappersFromScorers) {
+  for (const PressInfo& info : list_presses()) {
+    const bool wrapper = info.name == "KeyRerotationPress" || info.name == "ChunkKVPress" || info.name == "ChunkPress" ||
+                         info.name == "BlockPress" || info.name == "ComposedPress";
+    EXPECT_EQ(is_wrapper(info), wrapper) << info.name;
+  }
+}
+
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
   ASSERT_EQ(list_presses().size(), 17u);
   for (const PressInfo& info : list_presses()) EXPECT_EQ(make_press(info.name, 0.5)->name(), info.name);

@@ -229,7 +229,8 @@ void write_text(const std::string& path, const std::string& text, const char* op
 int run_eval(const std::vector<std::string>& argv) {
   EvalArgs args = parse_eval_args(argv);
   if (args.presses.empty()) {
-    for (const auto& info : kvpress::list_presses()) args.presses.push_back({info.name, {}, info.name});
+    for (const auto& info : kvpress::list_presses())
+      if (!kvpress::is_wrapper(info)) args.presses.push_back({info.name, {}, info.name});
   }
   // Presses first: an unknown press or parameter fails before the model is read.
   for (const auto& p : args.presses) kvpress::make_press(p.name, 0.5, p.params);

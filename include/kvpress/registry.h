@@ -28,6 +28,10 @@ struct PressInfo {
 // Every press the registry can build, in a stable order.
 const std::vector<PressInfo>& list_presses();
 
+// True for wrappers (a "press" or "presses" parameter names the inner press). Built by name alone
+// they wrap KnormPress, so default press lists (demo, eval) leave them out.
+bool is_wrapper(const PressInfo& info);
+
 // Builds `name` with `compression_ratio` and parameters given as text ("window_size" -> "32").
 // Raises c10::Error for an unknown press, an unknown parameter or an unparsable value.
 std::unique_ptr<BasePress> make_press(const std::string& name, double compression_ratio,
