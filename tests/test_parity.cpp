@@ -393,6 +393,18 @@ class ParitySummary : public ::testing::Environment {
 
 std::string group_of(const FixtureCase& c, const FixtureRun& r) { return c.family + "/" + c.dtype + "/" + r.press; }
 
+// Counts a run as compared exactly (tie-free reference) or modulo near-ties.
+void record_comparison(const FixtureCase& c, const FixtureRun& r, bool tie_free, bool exact) {
+  for (GroupStats* g : {&stats().total, &stats().by_group[group_of(c, r)]}) {
+    if (tie_free) {
+      ++g->asserted_exact;
+    } else {
+      ++g->modulo_ties;
+      g->identical_anyway += exact;
+    }
+  }
+}
+
 // ---- tests ------------------------------------------------------------------------------------
 
 TEST(Parity, FixturesPresent) {
@@ -516,14 +528,7 @@ void check_wrapper_run(const FixtureCase& c, const FixtureRun& r, const kvpress:
       std::cout << "[ calibrate] " << c.dtype << " wrapper overlap " << r.name << " " << overlap << " exact " << exact
                 << " paired " << paired << "\n";
   }
-  for (GroupStats* g : {&stats().total, &stats().by_group[group_of(c, r)]}) {
-    if (tie_free) {
-      ++g->asserted_exact;
-    } else {
-      ++g->modulo_ties;
-      g->identical_anyway += exact;
-    }
-  }
+  record_comparison(c, r, tie_free, exact);
 }
 
 TEST_P(ParityRun, MatchesKvpress) {
@@ -615,14 +620,7 @@ TEST_P(ParityRun, MatchesKvpress) {
     EXPECT_TRUE(exact) << "kept sets differ although the kvpress reference has no near-tie at the threshold";
   }
 
-  for (GroupStats* g : {&stats().total, &stats().by_group[group_of(c, r)]}) {
-    if (tie_free) {
-      ++g->asserted_exact;
-    } else {
-      ++g->modulo_ties;
-      g->identical_anyway += exact;
-    }
-  }
+  record_comparison(c, r, tie_free, exact);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kvpress, ParityRun, ::testing::ValuesIn(all_runs()),
