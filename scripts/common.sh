@@ -7,8 +7,14 @@ torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)
 build="${KVPRESS_BUILD_DIR:-$root/build}"
 jobs="${KVPRESS_JOBS:-$(nproc)}"
 
+# ccache, when installed, makes rebuilds in several build folders cheap (optional).
+launcher=()
+if command -v ccache >/dev/null 2>&1; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+
 kvpress_build() {
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" "$@" >/dev/null
   cmake --build "$build" -j "$jobs"
 }

@@ -39,6 +39,33 @@ TEST(TopkIndices, IsPerHead) {
   EXPECT_TRUE(at::equal(ops::topk_indices(scores, 1), at::tensor({0L, 2L}).view({1, 2, 1})));
 }
 
+// The CPU kernel selects by threshold (nth_element) instead of sorting: it must pick exactly the
+// set a stable descending sort picks, also with many ties, in every floating dtype.
+TEST(TopkIndices, EqualsStableSortSelectionWithManyTies) {
+  at::manual_seed(3);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t seq = 1 + at::randint(300, {1}).item<int64_t>();
+    const int64_t k = 1 + at::randint(seq, {1}).item<int64_t>();
+    const at::Tensor raw = trial % 2 ? at::randint(0, 4, {2, 3, seq}).to(at::kFloat) : at::randn({2, 3, seq});
+    for (const auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+      const at::Tensor scores = raw.to(dtype);
+      const at::Tensor order = std::get<1>(at::sort(scores, /*stable=*/true, /*dim=*/-1, /*descending=*/true));
+      const at::Tensor expected = std::get<0>(at::sort(order.narrow(-1, 0, k), -1));
+      ASSERT_TRUE(at::equal(ops::topk_indices(scores, k), expected))
+          << "seq " << seq << " k " << k << " dtype " << dtype;
+    }
+  }
+}
+
+TEST(GatherKV, CopiesExactRowsForLargeInputs) {
+  const at::Tensor keys = randn({2, 3, 500, 16}, 1), values = randn({2, 3, 500, 16}, 2);
+  const at::Tensor idx = std::get<0>(at::sort(at::randperm(500, at::kLong).narrow(0, 0, 123))).expand({2, 3, 123});
+  const KV kv = ops::gather_kv(keys, values, idx.contiguous());
+  const at::Tensor expanded = idx.unsqueeze(-1).expand({-1, -1, -1, 16});
+  EXPECT_TRUE(at::equal(kv.keys, keys.gather(2, expanded)));
+  EXPECT_TRUE(at::equal(kv.values, values.gather(2, expanded)));
+}
+
 TEST(GatherKV, TakesRowsAtIndices) {
   const at::Tensor keys = at::arange(2 * 3 * 4, at::kFloat).view({1, 2, 4, 3});
   const at::Tensor values = -keys;

@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "checks.h"
+#include "cpu/keydiff.h"
 #include "kvpress/ops.h"
 
 namespace kvpress::ops {
@@ -40,6 +41,7 @@ at::Tensor key_norm_scores(const at::Tensor& keys) {
 
 at::Tensor keydiff_scores(const at::Tensor& keys) {
   checks::check_keys("keydiff_scores", keys);
+  if (keys.device().is_cpu()) return kernels::keydiff_scores_cpu(keys);
   const at::Tensor k = keys.to(at::kFloat);
   // F.normalize (eps 1e-12), sequence mean, then F.cosine_similarity (eps 1e-8).
   const at::Tensor unit = k / k.norm(2, -1, /*keepdim=*/true).clamp_min(1e-12);

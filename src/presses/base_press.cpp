@@ -3,9 +3,28 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
+#include "cpu/selection.h"
 #include "kvpress/ops.h"
 
 namespace kvpress {
+
+RaggedKV BasePress::compress_ragged(const LayerInputs& inputs) const {
+  const KV kv = compress(inputs);
+  const at::Tensor keep_mask = at::zeros({kv.keys.size(0), kv.keys.size(1), inputs.keys.size(2)},
+                                         inputs.keys.options().dtype(at::kBool));
+  keep_mask.scatter_(2, kv.kept_indices, true);
+  RaggedKV out;
+  out.batch = kv.keys.size(0);
+  out.kv_heads = kv.keys.size(1);
+  out.keep_mask = keep_mask;
+  out.heads.reserve(static_cast<size_t>(out.batch * out.kv_heads));
+  for (int64_t b = 0; b < out.batch; ++b) {
+    for (int64_t h = 0; h < out.kv_heads; ++h) {
+      out.heads.push_back(HeadKV{kv.keys[b][h], kv.values[b][h], kv.kept_indices[b][h]});
+    }
+  }
+  return out;
+}
 
 ScorerPress::ScorerPress(double compression_ratio) : compression_ratio_(compression_ratio) {
   checks::check_ratio("ScorerPress", compression_ratio);
@@ -28,9 +47,17 @@ KV ScorerPress::compress(const LayerInputs& inputs) const {
   const at::Tensor scores = score(inputs);
   TORCH_CHECK(scores.dim() == 3 && scores.size(0) == batch && scores.size(1) == kv_heads && scores.size(2) == seq,
               op, ": scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));
+  TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
+              scores.scalar_type());
+  const int64_t k = ops::n_kept(seq, compression_ratio_);
+  if (scores.device().is_cpu()) {
+    // The fused CPU top-k checks finiteness on the way; only a failure pays for the named error.
+    at::Tensor kept;
+    if (!kernels::topk_indices_cpu(scores, k, kept)) checks::check_finite_scores(op.c_str(), scores);
+    return ops::gather_kv(inputs.keys, inputs.values, kept);
+  }
   checks::check_finite_scores(op.c_str(), scores);
-  const at::Tensor kept = ops::topk_indices(scores, ops::n_kept(seq, compression_ratio_));
-  return ops::gather_kv(inputs.keys, inputs.values, kept);
+  return ops::gather_kv(inputs.keys, inputs.values, ops::topk_indices(scores, k));
 }
 
 }  // namespace kvpress

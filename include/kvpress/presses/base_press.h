@@ -17,8 +17,18 @@ class BasePress {
   // kvpress class name, e.g. "SnapKVPress".
   virtual std::string name() const = 0;
 
-  // Compresses one layer. The returned keys/values replace the layer's cache.
+  // Compresses one layer. The returned keys/values replace the layer's cache. Presses whose KV
+  // heads keep different numbers of tokens (head_ragged()) raise here: use compress_ragged().
   virtual KV compress(const LayerInputs& inputs) const = 0;
+
+  // True when KV heads may keep different numbers of tokens (AdaKV, CriticalAdaKV, Compactor
+  // across heads, KVCompose unstructured). Engines then store the layer head-ragged
+  // (kvpress/cache.h) and call compress_ragged().
+  virtual bool head_ragged() const { return false; }
+
+  // Compresses one layer into per-head kept tokens. The default wraps compress(), so every
+  // press can be called this way.
+  virtual RaggedKV compress_ragged(const LayerInputs& inputs) const;
 
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;

@@ -48,7 +48,8 @@ class ScoreBlendPress : public ScorerPress {
   at::Tensor keep_mask(const LayerInputs& inputs) const;
 
   // The kept keys/values of every head under options().selection (equal counts for kPerHead).
-  RaggedKV compress_ragged(const LayerInputs& inputs) const;
+  RaggedKV compress_ragged(const LayerInputs& inputs) const override;
+  bool head_ragged() const override { return options_.selection == TokenSelection::kAcrossHeads; }
 
   const std::vector<std::shared_ptr<const ScorerPress>>& scorers() const { return scorers_; }
   const ScoreBlendOptions& options() const { return options_; }

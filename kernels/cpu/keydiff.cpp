@@ -1,0 +1,67 @@
+// KeyDiff scores in two passes over each head's keys: the anchor (mean of unit keys), then the
+// cosine of every key to it. The ATen chain it replaces wrote three [B, H, S, D] temporaries.
+#include "cpu/keydiff.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace kvpress::kernels {
+namespace {
+
+template <typename scalar_t, typename acc_t>
+void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, std::vector<acc_t>& anchor,
+                  std::vector<acc_t>& norms) {
+  std::fill(anchor.begin(), anchor.end(), acc_t(0));
+  for (int64_t s = 0; s < seq; ++s) {
+    const scalar_t* k = keys + s * dim;
+    acc_t sq = 0;
+    for (int64_t d = 0; d < dim; ++d) {
+      const acc_t v = static_cast<acc_t>(k[d]);
+      sq += v * v;
+    }
+    const acc_t norm = std::sqrt(sq);
+    norms[static_cast<size_t>(s)] = norm;
+    const acc_t inv = acc_t(1) / std::max(norm, acc_t(1e-12));
+    for (int64_t d = 0; d < dim; ++d) anchor[static_cast<size_t>(d)] += static_cast<acc_t>(k[d]) * inv;
+  }
+  acc_t anchor_sq = 0;
+  for (int64_t d = 0; d < dim; ++d) {
+    anchor[static_cast<size_t>(d)] /= static_cast<acc_t>(seq);
+    anchor_sq += anchor[static_cast<size_t>(d)] * anchor[static_cast<size_t>(d)];
+  }
+  const acc_t anchor_norm = std::max(std::sqrt(anchor_sq), acc_t(1e-8));
+  for (int64_t s = 0; s < seq; ++s) {
+    const scalar_t* k = keys + s * dim;
+    acc_t dot = 0;
+    for (int64_t d = 0; d < dim; ++d) dot += static_cast<acc_t>(k[d]) * anchor[static_cast<size_t>(d)];
+    out[s] = static_cast<float>(-dot / (std::max(norms[static_cast<size_t>(s)], acc_t(1e-8)) * anchor_norm));
+  }
+}
+
+}  // namespace
+
+at::Tensor keydiff_scores_cpu(const at::Tensor& keys_in) {
+  const at::Tensor keys = keys_in.contiguous();
+  const int64_t heads = keys.size(0) * keys.size(1), seq = keys.size(2), dim = keys.size(3);
+  at::Tensor out = at::empty({keys.size(0), keys.size(1), seq}, keys.options().dtype(at::kFloat));
+  float* out_ptr = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "keydiff_scores_cpu", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* k = keys.data_ptr<scalar_t>();
+    at::parallel_for(0, heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> anchor(static_cast<size_t>(dim)), norms(static_cast<size_t>(seq));
+      for (int64_t h = begin; h < end; ++h) {
+        keydiff_head<scalar_t, acc_t>(k + h * seq * dim, seq, dim, out_ptr + h * seq, anchor, norms);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace kvpress::kernels

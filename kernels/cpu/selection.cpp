@@ -1,0 +1,98 @@
+// Fused CPU selection: top-k per row without a full sort, and the gather of kept K/V rows.
+#include "cpu/selection.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace kvpress::kernels {
+namespace {
+
+// One row. `work` is scratch of at least `seq` elements. Returns false on a non-finite score.
+template <typename scalar_t, typename acc_t>
+bool topk_row(const scalar_t* row, int64_t seq, int64_t k, std::vector<acc_t>& work, int64_t* out) {
+  bool finite = true;
+  for (int64_t i = 0; i < seq; ++i) {
+    const acc_t v = static_cast<acc_t>(row[i]);
+    finite &= std::isfinite(v);
+    work[static_cast<size_t>(i)] = v;
+  }
+  if (!finite) return false;
+  // The k-th largest value is the threshold; every score above it is kept, and the ties at the
+  // threshold are taken in position order until k are kept (= a stable descending sort's choice).
+  std::nth_element(work.begin(), work.begin() + (k - 1), work.begin() + seq, std::greater<acc_t>());
+  const acc_t threshold = work[static_cast<size_t>(k - 1)];
+  int64_t above = 0;
+  for (int64_t i = 0; i < seq; ++i) above += static_cast<acc_t>(row[i]) > threshold;
+  int64_t ties_left = k - above;
+  int64_t n = 0;
+  for (int64_t i = 0; i < seq && n < k; ++i) {
+    const acc_t v = static_cast<acc_t>(row[i]);
+    if (v > threshold || (v == threshold && ties_left-- > 0)) out[n++] = i;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool topk_indices_cpu(const at::Tensor& scores_in, int64_t k, at::Tensor& out) {
+  const at::Tensor scores = scores_in.contiguous();
+  const int64_t rows = scores.size(0) * scores.size(1), seq = scores.size(2);
+  out = at::empty({scores.size(0), scores.size(1), k}, scores.options().dtype(at::kLong));
+  int64_t* out_ptr = out.data_ptr<int64_t>();
+  std::atomic<bool> all_finite{true};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "topk_indices_cpu", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* s = scores.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> work(static_cast<size_t>(seq));
+      for (int64_t r = begin; r < end; ++r) {
+        if (!topk_row<scalar_t, acc_t>(s + r * seq, seq, k, work, out_ptr + r * k)) all_finite = false;
+      }
+    });
+  });
+  return all_finite.load();
+}
+
+int64_t gather_rows_cpu(const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& indices_in,
+                        at::Tensor& keys_out, at::Tensor& values_out) {
+  const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
+  const at::Tensor indices = indices_in.contiguous();
+  const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2), dim = keys.size(3);
+  const int64_t n = indices.size(2);
+  keys_out = at::empty({batch, heads, n, dim}, keys.options());
+  values_out = at::empty({batch, heads, n, dim}, values.options());
+  const size_t row_bytes = static_cast<size_t>(dim) * keys.element_size();
+  const auto* k_src = static_cast<const char*>(keys.data_ptr());
+  const auto* v_src = static_cast<const char*>(values.data_ptr());
+  auto* k_dst = static_cast<char*>(keys_out.data_ptr());
+  auto* v_dst = static_cast<char*>(values_out.data_ptr());
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  std::atomic<int64_t> first_bad{-1};
+  // Parallel over kept rows of all heads: each task copies a contiguous block of output rows.
+  at::parallel_for(0, batch * heads * n, /*grain_size=*/256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t head = r / std::max<int64_t>(n, 1);
+      const int64_t pos = idx[r];
+      if (pos < 0 || pos >= seq) {
+        int64_t expected = -1;
+        first_bad.compare_exchange_strong(expected, r);
+        continue;
+      }
+      const size_t src = static_cast<size_t>(head * seq + pos) * row_bytes;
+      const size_t dst = static_cast<size_t>(r) * row_bytes;
+      std::memcpy(k_dst + dst, k_src + src, row_bytes);
+      std::memcpy(v_dst + dst, v_src + src, row_bytes);
+    }
+  });
+  return first_bad.load();
+}
+
+}  // namespace kvpress::kernels
