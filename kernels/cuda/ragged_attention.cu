@@ -1,0 +1,73 @@
+// Bridge for kvpress::ragged_attention on CUDA: validation, dtype dispatch, stream.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "cuda/ragged_attention.cuh"
+#include "ragged_attention_checks.h"
+
+namespace kvpress::cuda {
+
+namespace {
+
+template <typename T>
+void run(const at::Tensor& queries, const at::Tensor& packed_keys, const at::Tensor& packed_values,
+         const at::Tensor& offsets, const at::Tensor& tail_keys, const at::Tensor& tail_values, at::Tensor& out,
+         double scale, cudaStream_t stream) {
+  RaggedAttentionShape shape{};
+  shape.batch = queries.size(0);
+  shape.q_heads = queries.size(1);
+  shape.n = queries.size(2);
+  shape.dim = queries.size(3);
+  shape.kv_heads = tail_keys.size(1);
+  shape.m = tail_keys.size(2);
+  shape.packed_tokens = packed_keys.size(0);
+  shape.tk_b = tail_keys.stride(0);
+  shape.tk_h = tail_keys.stride(1);
+  shape.tk_s = tail_keys.stride(2);
+  shape.tv_b = tail_values.stride(0);
+  shape.tv_h = tail_values.stride(1);
+  shape.tv_s = tail_values.stride(2);
+  shape.scale = static_cast<float>(scale);
+  const auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); };
+  const cudaError_t err = launch_ragged_attention<T>(ptr(queries), ptr(packed_keys), ptr(packed_values),
+                                                     offsets.const_data_ptr<int64_t>(), ptr(tail_keys),
+                                                     ptr(tail_values), reinterpret_cast<T*>(out.data_ptr()), shape,
+                                                     stream);
+  TORCH_CHECK(err == cudaSuccess, "ragged_attention: CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+at::Tensor ragged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& packed_keys_in,
+                                 const at::Tensor& packed_values_in, const at::Tensor& offsets_in,
+                                 const at::Tensor& tail_keys_in, const at::Tensor& tail_values_in,
+                                 std::optional<double> scale_in) {
+  const double scale = checks::check_ragged_attention(queries_in, packed_keys_in, packed_values_in, offsets_in,
+                                                      tail_keys_in, tail_values_in, scale_in);
+  TORCH_CHECK(queries_in.size(3) <= kRaggedMaxDim, "ragged_attention: head_dim must be <= ", kRaggedMaxDim,
+              " on CUDA, got ", queries_in.size(3));
+  const c10::cuda::CUDAGuard guard(queries_in.device());
+  const at::Tensor queries = queries_in.contiguous();
+  const at::Tensor packed_keys = packed_keys_in.contiguous(), packed_values = packed_values_in.contiguous();
+  const at::Tensor offsets = offsets_in.contiguous();
+  // The tail may be a strided view of a larger buffer; only rows must be contiguous.
+  const at::Tensor tail_keys = tail_keys_in.stride(3) == 1 ? tail_keys_in : tail_keys_in.contiguous();
+  const at::Tensor tail_values = tail_values_in.stride(3) == 1 ? tail_values_in : tail_values_in.contiguous();
+  at::Tensor out = at::empty(queries.sizes(), queries.options());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  switch (queries.scalar_type()) {
+    case at::kFloat: run<float>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream); break;
+    case at::kHalf: run<__half>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream); break;
+    case at::kBFloat16:
+      run<__nv_bfloat16>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream);
+      break;
+    default: TORCH_CHECK(false, "ragged_attention: queries must be float32, float16 or bfloat16, got ", queries.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CUDA, m) { m.impl("ragged_attention", &ragged_attention_cuda); }
+
+}  // namespace kvpress::cuda
