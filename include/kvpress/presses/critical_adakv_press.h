@@ -1,0 +1,51 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// CriticalAdaKVPress (kvpress; arXiv 2502.03805): AdaKV's head budgets with CriticalKV's two
+// stages inside each head. The inner scores get AdaKV's safeguard (top n_safe per head forced to
+// float max); each head's budget is its share of the Hkv · n_kept best (head, position) pairs of
+// the batch row; stage 1 forces the head's top int(budget · first_stage_ratio) positions (the
+// product in float32, as kvpress's tensor arithmetic); stage 2 rescores (score + epsilon) · N_i
+// (N: CriticalKVPress::output_projected_value_norms, needs LayerInputs::o_proj) and the head
+// keeps its `budget` best. kvpress then masks the other positions; here the heads are stored
+// head-ragged, so compress() raises and compress_ragged() returns the per-head kept tokens.
+// Budgets are counted per batch row (kvpress sums them over the batch; identical for B = 1).
+// The compression ratio is the inner press's.
+class CriticalAdaKVPress : public BasePress {
+ public:
+  // Raises unless press is non-null, 0 <= alpha_safeguard <= 1, epsilon is finite and
+  // 0 <= first_stage_ratio <= 1.
+  explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = 0.20,
+                              double epsilon = 1e-4, double first_stage_ratio = 0.5);
+
+  std::string name() const override { return "CriticalAdaKVPress"; }
+  double compression_ratio() const override { return press_->compression_ratio(); }
+
+  bool head_ragged() const override { return true; }
+  // Raises: heads keep different numbers of tokens; use compress_ragged().
+  KV compress(const LayerInputs& inputs) const override;
+  RaggedKV compress_ragged(const LayerInputs& inputs) const override;
+
+  // [B, Hkv, S] bool: the kept positions (the complement of kvpress's masked_key_indices).
+  at::Tensor keep_mask(const LayerInputs& inputs) const;
+
+  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+  double alpha_safeguard() const { return alpha_safeguard_; }
+  double epsilon() const { return epsilon_; }
+  double first_stage_ratio() const { return first_stage_ratio_; }
+
+ private:
+  std::shared_ptr<const ScorerPress> press_;
+  double alpha_safeguard_;
+  double epsilon_;
+  double first_stage_ratio_;
+};
+
+}  // namespace kvpress

@@ -1,0 +1,60 @@
+#include "kvpress/presses/pyramidkv_press.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress {
+namespace {
+
+// Python's round() of a float: to the nearest integer, halves to even (nearbyint under the
+// default rounding mode).
+int64_t python_round(double x) { return static_cast<int64_t>(std::nearbyint(x)); }
+
+}  // namespace
+
+PyramidKVPress::PyramidKVPress(double compression_ratio, int64_t window_size, int64_t kernel_size, int64_t beta)
+    : SnapKVPress(compression_ratio, window_size, kernel_size), beta_(beta) {
+  TORCH_CHECK(beta >= 1, "PyramidKVPress: beta must be >= 1, got ", beta);
+}
+
+int64_t PyramidKVPress::layer_budget(int64_t seq_len, int64_t layer_idx, int64_t num_layers) const {
+  constexpr const char* op = "PyramidKVPress";
+  checks::check_positive(op, "num_layers", num_layers);
+  TORCH_CHECK(layer_idx >= 0 && layer_idx < num_layers, op, ": layer_idx must be in [0, num_layers (", num_layers,
+              ")), got ", layer_idx);
+  checks::check_positive(op, "seq_len", seq_len);
+  // kvpress (after KVCache-Factory): the layers' budgets average to S·(1 - ratio); the window
+  // counts in the budget.
+  const double q_len = static_cast<double>(seq_len), window = static_cast<double>(window_size());
+  const double kept = q_len * (1.0 - compression_ratio());
+  const double max_capacity = window + kept;
+  double min_num = (max_capacity - window) / static_cast<double>(beta_);
+  double max_num = (max_capacity - window) * 2 - min_num;
+  if (max_num >= q_len - window) {
+    max_num = q_len - window;
+    min_num = (max_capacity - window) * 2 - max_num;
+  }
+  if (!(q_len >= max_num && max_num >= min_num && min_num >= window)) return std::max<int64_t>(1, python_round(kept));
+  const double steps = num_layers > 1 ? (max_num - min_num) / static_cast<double>(num_layers - 1) : 0.0;
+  return python_round(max_num - static_cast<double>(layer_idx) * steps);
+}
+
+KV PyramidKVPress::compress(const LayerInputs& in) const {
+  const std::string op = name() + ".compress";
+  checks::check_kv(op.c_str(), in.keys, in.values);
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
+  if (compression_ratio() == 0.0) {
+    const at::Tensor all = at::arange(seq, in.keys.options().dtype(at::kLong)).expand({batch, kv_heads, seq});
+    return KV{in.keys, in.values, all.contiguous()};
+  }
+  const int64_t n = layer_budget(seq, in.layer_idx, in.num_layers);
+  const at::Tensor scores = score(in);
+  checks::check_finite_scores(op.c_str(), scores);
+  return ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, n));
+}
+
+}  // namespace kvpress
