@@ -1,0 +1,67 @@
+// CTRPress: stage II of CTR-Press (github.com/xiyuanyang-code/CTRPress; docs/PRESS_NOTES.md
+// "QSMPress / CTRPress"). QSMPress's selection with an entropy-adaptive budget, then the rescue:
+// the evicted tokens the queries would attend to most are merged back into their nearest kept
+// neighbour's value.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "kvpress/presses/qsm_press.h"
+
+namespace kvpress {
+
+// Which tokens the budget's score entropy E is computed over.
+enum class CTREntropy {
+  // The non-forced tokens (default): p = softmax of their head-mean scores, E normalised by
+  // ln(#non-forced); the budget never drops below #forced.
+  kNonForced,
+  // The reference's arithmetic: every token, forced ones at float max. With two or more KV heads
+  // the head mean overflows to inf, E is NaN and the clip makes it 1, so n' = round(n * (1 - beta))
+  // (the paper's 0.80x KV memory); with one KV head E = ln(#forced). Normalised by ln S; the
+  // budget may drop below #forced (ties among forced keeps go to the lower position).
+  kReference,
+};
+
+struct CTROptions {
+  double rescue_ratio = 0.1;  // rescue max(1, int(rescue_ratio * #evicted)) tokens per head; 0: none
+  bool use_layer_adaptive = true;
+  double entropy_beta = 0.2;  // n' = round(n * (1 + beta * (1 - 2 * E_normalised)))
+  CTREntropy entropy = CTREntropy::kNonForced;
+};
+
+class CTRPress : public QSMPress {
+ public:
+  explicit CTRPress(double compression_ratio = 0.0, QSMOptions qsm = {}, CTROptions ctr = {},
+                    TokenTextFn token_text = nullptr);
+
+  std::string name() const override { return "CTRPress"; }
+  const CTROptions& ctr_options() const { return ctr_; }
+
+  // Tokens kept per head: the entropy-adaptive budget from QSMPress's kept_count (unchanged
+  // without use_layer_adaptive).
+  int64_t adaptive_kept_count(const QSMScores& st) const;
+
+  KV compress(const LayerInputs& inputs) const override;
+
+ private:
+  CTROptions ctr_;
+};
+
+// The normalised entropy of the head-mean scores, in [0, 1], as CTREntropy describes; the budget
+// is then round(n * (1 + beta * (1 - 2 * e))) (round half to even, as Python's round). Returns a
+// negative value when there is nothing to normalise (fewer than two tokens in the distribution):
+// the budget then stays n.
+double ctr_normalized_entropy(const at::Tensor& scores,  // [B, Hkv, S] stage-I scores, forced = float max
+                              const at::Tensor& forced,  // [S] bool
+                              CTREntropy mode);
+
+// The rescue score rho of every evicted token, per KV head: the largest weight a query of that
+// head's group, at any of the S positions, gives it in a non-causal softmax over that head's
+// evicted keys only (q . k / sqrt(D)). Kept positions get -1.
+at::Tensor ctr_rescue_scores(const at::Tensor& queries,        // [B, Hq, S, D] post-RoPE, every position
+                             const at::Tensor& keys,           // [B, Hkv, S, D]
+                             const at::Tensor& kept_indices);  // [B, Hkv, n] -> [B, Hkv, S] float32
+
+}  // namespace kvpress
