@@ -1,0 +1,115 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// Builds the inner ScorerPress at a compression ratio (the same alias as PerLayerCompressionPress's).
+using ScorerFactory = std::function<std::shared_ptr<const ScorerPress>(double compression_ratio)>;
+
+// What kvpress's DecodingPress keeps between forwards of one generation (its per-layer
+// hidden-state buffer and step counter). Presses are const and stateless, so the engine owns one
+// DecodingState per sequence being generated and hands it to every decoding forward; a fresh
+// generation starts from a fresh (or reset()) state, as kvpress resets its press on leaving
+// `with press(model)`. Layers are sized on first use.
+struct DecodingState {
+  // Per layer: the attention inputs [B, n_i, hidden] of the forwards since the last compression,
+  // oldest first (at most hidden_states_buffer_size of them; one forward may hold several tokens).
+  std::vector<std::vector<at::Tensor>> hidden_states;
+  // Per layer: decoding forwards since the last compression.
+  std::vector<int64_t> steps;
+  void reset() {
+    hidden_states.clear();
+    steps.clear();
+  }
+};
+
+// DecodingPress (kvpress): compresses each layer's cache DURING DECODING, never at prefill. After
+// every decoding forward of a layer (any forward that does not start at position 0) step() adds the
+// forward's attention input to the layer's buffer; when compression_interval forwards have passed
+// since the last compression, or the forward itself holds at least target_size tokens, the cache
+// (every token, the new ones included) is cut to target_size tokens by the inner scorer, the step
+// count restarts and the buffer is emptied. The buffer then keeps only its last
+// hidden_states_buffer_size forwards (0: none; the current forward is still seen at compression).
+//
+// The inner scorer is built by the factory at the ratio that makes int(S · (1 − ratio)) equal
+// target_size (kvpress's binary search, reproduced bit for bit; 0 when S <= target_size, which keeps
+// the cache as is) — kvpress sets base_press.compression_ratio the same way, and some scores depend
+// on it (StreamingLLMPress, CompactorPress's default blending) — and gets these inputs (kvpress hands it the buffered hidden states, whose length is not S):
+//   keys, values      the whole cache [B, Hkv, S, D];
+//   queries           [B, Hq, b, D] from the b buffered hidden states: q_proj (+ q_norm), then RoPE
+//                     with the LATEST forward's cos/sin aligned to the end, a single row being
+//                     broadcast to every buffered position, exactly as kvpress's window attention
+//                     rotates them (with position_embeddings of the current forward only). A latest
+//                     forward of 1 < n < b tokens yields queries of its n positions only;
+//   attentions        the latest forward's [B, Hq, n, S] when the engine gives them;
+//   num_heads, layer_idx, num_layers, inv_freq, norm_eps.
+// No hidden_states and no cos/sin: after compressions the cached positions are not 0..S-1. Inner
+// scorers that read keys/values (Knorm, StreamingLLM, KeyDiff, LagKV, Random) or a window of
+// trailing queries (SnapKV, TOVA) run as in kvpress; those that need every position's query or
+// pre-RoPE key (ExpectedAttention, LeverageScore, NonCausalAttn, Compactor) raise (in kvpress they
+// fail on the shape mismatch or score the buffer instead of the cache; docs/PRESS_NOTES.md).
+// Selection is the usual top-k (ties to the lower position). compression_ratio() is 0: the budget
+// is absolute (see CompressionRatioDecodingPress for a relative one).
+class DecodingPress : public BasePress {
+ public:
+  // make_press builds the inner scorer at a ratio, e.g.
+  //   [](double r) { return std::make_shared<SnapKVPress>(r, 8, 5); }
+  // Raises c10::Error unless it builds a non-null ScorerPress keeping equal counts per head,
+  // compression_interval > 0, target_size > 0 and hidden_states_buffer_size >= 0.
+  explicit DecodingPress(ScorerFactory make_press, int64_t compression_interval = 512, int64_t target_size = 2048,
+                         int64_t hidden_states_buffer_size = 256);
+
+  std::string name() const override { return "DecodingPress"; }
+
+  // One compression of a layer to target_size(S) tokens (kvpress's DecodingPress.compress).
+  // inputs.hidden_states: optional [B, b, hidden] buffered attention inputs of the last b positions;
+  // inputs.cos/sin: optional [n, D] RoPE rows of the latest forward; keys/values [B, Hkv, S, D].
+  KV compress(const LayerInputs& inputs) const override;
+  // The same with an explicit budget (> 0).
+  KV compress_to(const LayerInputs& inputs, int64_t target_size) const;
+
+  // kvpress's forward hook for one layer and one decoding forward. `forward` holds the layer's
+  // cache after this forward's tokens were appended (keys/values [B, Hkv, S, D]), this forward's
+  // attention input (hidden_states [B, n, hidden]), its RoPE rows (cos/sin [n, D]), q_proj
+  // (+ q_norm), optionally its attention weights [B, Hq, n, S], and layer_idx / num_layers.
+  // tokens_seen: the largest position id so far + 1. Returns the compressed layer when this step
+  // compresses (kept_indices index the given cache), std::nullopt otherwise.
+  std::optional<KV> step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const;
+
+  // Tokens kept at a compression after tokens_seen tokens (the fixed target_size here).
+  virtual int64_t target_size(int64_t tokens_seen) const;
+
+  double compression_ratio() const override { return 0.0; }
+  // The inner scorer at ratio 0 (as built at construction).
+  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+  const ScorerFactory& press_factory() const { return make_press_; }
+  int64_t compression_interval() const { return compression_interval_; }
+  int64_t hidden_states_buffer_size() const { return hidden_states_buffer_size_; }
+
+  // kvpress's _find_target_compression_ratio: the ratio r for which int(k_len · (1 − r)) ==
+  // target (20 bisection steps from 1 − target / k_len), 0 when k_len <= target.
+  static double find_target_compression_ratio(int64_t k_len, int64_t target);
+
+ protected:
+  // Subclasses with a derived budget call this with a placeholder target_size.
+  DecodingPress(ScorerFactory make_press, int64_t compression_interval, int64_t target_size,
+                int64_t hidden_states_buffer_size, const char* op);
+
+ private:
+  ScorerFactory make_press_;
+  std::shared_ptr<const ScorerPress> press_;
+  int64_t compression_interval_;
+  int64_t target_size_;
+  int64_t hidden_states_buffer_size_;
+};
+
+}  // namespace kvpress

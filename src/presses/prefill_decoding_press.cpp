@@ -1,0 +1,44 @@
+// PrefillDecodingPress: a prefill press and a DecodingPress under one name.
+#include "kvpress/presses/prefill_decoding_press.h"
+
+#include <ATen/ATen.h>
+
+#include "checks.h"
+
+namespace kvpress {
+
+PrefillDecodingPress::PrefillDecodingPress(std::shared_ptr<const BasePress> prefilling_press,
+                                           std::shared_ptr<const DecodingPress> decoding_press)
+    : prefilling_(std::move(prefilling_press)), decoding_(std::move(decoding_press)) {
+  TORCH_CHECK(!dynamic_cast<const DecodingPress*>(prefilling_.get()),
+              "PrefillDecodingPress: prefilling_press must be a prefill press, got ", prefilling_->name(),
+              " (a decoding press; pass it as decoding_press)");
+}
+
+KV PrefillDecodingPress::compress(const LayerInputs& inputs) const {
+  if (prefilling_) return prefilling_->compress(inputs);
+  // No prefilling press: the cache is kept whole (kvpress logs a warning and returns it).
+  checks::check_kv("PrefillDecodingPress.compress", inputs.keys, inputs.values);
+  const int64_t b = inputs.keys.size(0), h = inputs.keys.size(1), s = inputs.keys.size(2);
+  const at::Tensor all = at::arange(s, inputs.keys.options().dtype(at::kLong)).expand({b, h, s});
+  return KV{inputs.keys, inputs.values, all.contiguous()};
+}
+
+RaggedKV PrefillDecodingPress::compress_ragged(const LayerInputs& inputs) const {
+  if (prefilling_) return prefilling_->compress_ragged(inputs);
+  return BasePress::compress_ragged(inputs);
+}
+
+const BasePress* prefill_press_of(const BasePress* press) {
+  if (press == nullptr || dynamic_cast<const DecodingPress*>(press)) return nullptr;
+  if (const auto* both = dynamic_cast<const PrefillDecodingPress*>(press)) return both->prefilling_press().get();
+  return press;
+}
+
+const DecodingPress* decoding_press_of(const BasePress* press) {
+  if (const auto* decoding = dynamic_cast<const DecodingPress*>(press)) return decoding;
+  if (const auto* both = dynamic_cast<const PrefillDecodingPress*>(press)) return both->decoding_press().get();
+  return nullptr;
+}
+
+}  // namespace kvpress
