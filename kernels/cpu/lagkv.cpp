@@ -1,0 +1,195 @@
+// CPU kernel for kvpress::lagkv_partition_scores (LagKVPress), one pass over K and V.
+// Per (batch, head), partitions are visited in order: partition p + 1 is read for its per-channel
+// min/max (the reference), and partition p, read just before as the previous reference and still
+// in L2, is normalised by it; the unbiased std over channels of every token, a softmax over the
+// partition's tokens, the K/V average and, unless cross_scoring, the stable rank within the
+// partition follow on lag_size floats. float32 accumulation for every dtype.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "score_kernels.h"
+
+namespace kvpress::kernels {
+namespace {
+
+constexpr int64_t kLanes = 16;  // independent partial sums, so the compiler can vectorise reductions
+
+// The hot loops are compiled for AVX-512, AVX2 and the baseline, chosen at load time (the library
+// itself is built for the baseline x86-64).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVPRESS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KVPRESS_VECTOR_CLONES
+#endif
+
+// Sum of the n floats at x with kLanes partial sums.
+inline float lane_sum(const float* x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[d + j];
+  float total = 0.f;
+  for (; d < n; ++d) total += x[d];
+  for (int64_t j = 0; j < kLanes; ++j) total += acc[j];
+  return total;
+}
+
+// Per-token unbiased std over channels of partition `cur` ([lag, dim] float32 rows), normalised
+// by the per-channel min/max of partition `ref`. `work` holds 3 * dim floats.
+KVPRESS_VECTOR_CLONES
+void partition_stds(const float* __restrict cur, const float* __restrict ref, int64_t lag, int64_t dim,
+                    float* __restrict work, float* __restrict stds) {
+  float* __restrict lo = work;
+  float* __restrict hi = work + dim;
+  float* __restrict y = work + 2 * dim;
+  for (int64_t d = 0; d < dim; ++d) lo[d] = hi[d] = ref[d];
+  for (int64_t t = 1; t < lag; ++t) {
+    const float* x = ref + t * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      lo[d] = x[d] < lo[d] ? x[d] : lo[d];
+      hi[d] = x[d] > hi[d] ? x[d] : hi[d];
+    }
+  }
+  // x / (hi - lo) as x * (1 / (hi - lo)): at most one ulp from kvpress's division.
+  for (int64_t d = 0; d < dim; ++d) hi[d] = 1.f / (hi[d] - lo[d]);
+  const float inv_dim = 1.f / static_cast<float>(dim);
+  const float inv_dof = 1.f / static_cast<float>(dim - 1);  // unbiased; dim 1 gives NaN as torch does
+  for (int64_t t = 0; t < lag; ++t) {
+    const float* x = cur + t * dim;
+    for (int64_t d = 0; d < dim; ++d) y[d] = (x[d] - lo[d]) * hi[d];
+    const float mean = lane_sum(y, dim) * inv_dim;
+    for (int64_t d = 0; d < dim; ++d) y[d] = (y[d] - mean) * (y[d] - mean);
+    stds[t] = std::sqrt(lane_sum(y, dim) * inv_dof);
+  }
+}
+
+// In place: softmax over n values (NaN anywhere gives NaN everywhere).
+void softmax_in_place(float* v, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t t = 0; t < n; ++t) {
+    nan |= std::isnan(v[t]);
+    m = std::max(m, v[t]);
+  }
+  if (nan) {
+    std::fill(v, v + n, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < n; ++t) total += (v[t] = std::exp(v[t] - m));
+  const float inv_total = 1.f / total;
+  for (int64_t t = 0; t < n; ++t) v[t] *= inv_total;
+}
+
+// Scratch of one thread. float16/bfloat16 partitions are converted to float32 once: the
+// reference of partition p is the current partition of p + 1.
+struct LagScratch {
+  std::vector<float> work, key_soft, value_soft;
+  std::vector<float> conv[4];  // K cur, K ref, V cur, V ref
+  std::vector<int64_t> order;
+  LagScratch(int64_t dim, int64_t lag, bool convert) : work(3 * dim), key_soft(lag), value_soft(lag), order(lag) {
+    if (convert)
+      for (auto& c : conv) c.resize(static_cast<size_t>(lag * dim));
+  }
+};
+
+template <typename scalar_t>
+void to_float(const scalar_t* src, int64_t n, std::vector<float>& dst) {
+  for (int64_t i = 0; i < n; ++i) dst[static_cast<size_t>(i)] = static_cast<float>(src[i]);
+}
+
+// Scores of partitions [p_begin, p_end) of one head; k and v point at the first partition.
+template <typename scalar_t>
+void score_head_partitions(const scalar_t* k, const scalar_t* v, int64_t p_begin, int64_t p_end, int64_t lag,
+                           int64_t dim, bool cross_scoring, LagScratch& s, float* out) {
+  const int64_t part = lag * dim;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const float *kc, *kr, *vc, *vr;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      kc = k + p * part, kr = k + (p + 1) * part, vc = v + p * part, vr = v + (p + 1) * part;
+    } else {
+      if (p == p_begin) {
+        to_float(k + p * part, part, s.conv[0]);
+        to_float(v + p * part, part, s.conv[2]);
+      } else {
+        std::swap(s.conv[0], s.conv[1]);
+        std::swap(s.conv[2], s.conv[3]);
+      }
+      to_float(k + (p + 1) * part, part, s.conv[1]);
+      to_float(v + (p + 1) * part, part, s.conv[3]);
+      kc = s.conv[0].data(), kr = s.conv[1].data(), vc = s.conv[2].data(), vr = s.conv[3].data();
+    }
+    partition_stds(kc, kr, lag, dim, s.work.data(), s.key_soft.data());
+    partition_stds(vc, vr, lag, dim, s.work.data(), s.value_soft.data());
+    softmax_in_place(s.key_soft.data(), lag);
+    softmax_in_place(s.value_soft.data(), lag);
+    float* sc = s.key_soft.data();
+    bool nan = false;
+    for (int64_t t = 0; t < lag; ++t) {
+      sc[t] = (sc[t] + s.value_soft[t]) / 2.f;
+      nan |= std::isnan(sc[t]);
+    }
+    float* dst = out + p * lag;
+    if (cross_scoring || nan) {  // NaN ranks would hide bad input from the selection's check
+      std::copy(sc, sc + lag, dst);
+      continue;
+    }
+    // Stable rank within the partition (argsort(argsort)); ties go to the lower position.
+    std::iota(s.order.begin(), s.order.end(), int64_t{0});
+    std::sort(s.order.begin(), s.order.end(),
+              [sc](int64_t a, int64_t b) { return sc[a] < sc[b] || (sc[a] == sc[b] && a < b); });
+    for (int64_t r = 0; r < lag; ++r) {
+      // rank / lag in float32, rounded to the cache dtype as kvpress does.
+      dst[s.order[r]] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(r) / static_cast<float>(lag)));
+    }
+  }
+}
+
+at::Tensor lagkv_partition_scores_cpu(const at::Tensor& keys_in, const at::Tensor& values_in, int64_t n_sink,
+                                      int64_t lag_size, bool cross_scoring) {
+  constexpr const char* op = "lagkv_partition_scores";
+  checks::check_lagkv(op, keys_in, values_in, n_sink, lag_size);
+  const int64_t batch = keys_in.size(0), heads = keys_in.size(1), seq = keys_in.size(2), dim = keys_in.size(3);
+  TORCH_CHECK(seq >= n_sink + 2 * lag_size, op, ": seq_len must be >= n_sink + 2 * lag_size (",
+              n_sink + 2 * lag_size, "), got ", seq);
+  const checks::LagLayout layout = checks::lag_layout(seq, n_sink, lag_size);
+  const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
+  // Ones everywhere (sinks, last partition and remainder); the scored partitions are overwritten.
+  at::Tensor out = at::ones({batch, heads, seq}, keys.options().dtype(at::kFloat));
+  const int64_t scored = layout.n_parts - 1;
+  // Tasks: (batch, head, run of partitions); a run re-reads only its last reference partition.
+  constexpr int64_t kPartsPerTask = 16;
+  const int64_t runs = (scored + kPartsPerTask - 1) / kPartsPerTask;
+  float* out_ptr = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "lagkv_partition_scores_cpu", [&] {
+    const scalar_t* k = keys.data_ptr<scalar_t>();
+    const scalar_t* v = values.data_ptr<scalar_t>();
+    at::parallel_for(0, batch * heads * runs, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+      LagScratch scratch(dim, lag_size, !std::is_same_v<scalar_t, float>);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t row = task / runs, run = task % runs;
+        const int64_t head_offset = row * seq * dim + n_sink * dim;
+        score_head_partitions<scalar_t>(k + head_offset, v + head_offset, run * kPartsPerTask,
+                                        std::min(scored, (run + 1) * kPartsPerTask), lag_size, dim,
+                                        cross_scoring, scratch, out_ptr + row * seq + n_sink);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CPU, m) { m.impl("lagkv_partition_scores", &lagkv_partition_scores_cpu); }
+
+}  // namespace kvpress::kernels

@@ -1,0 +1,69 @@
+// CPU kernel for kvpress::window_attention_mean (SnapKVPress, TOVAPress): the causal softmax
+// attention of the last w positions over the keys, averaged over the w window queries, without
+// materialising [B, Hq, w, S] or repeated keys. KV heads go through in slabs whose float32 logits
+// take at most 32 MiB (the buffer is reused); per slab:
+//   logits = (q / sqrt(D)) k^T   one batched GEMM, each KV head's query heads stacked as rows
+//   causal mask on the last w columns, softmax per row in place (torch's vectorised kernel)
+//   mean over the w rows of each query head, written straight into the output.
+// Each step is one multi-threaded ATen call: BLAS must not run inside an at::parallel_for region
+// here, since torch turns MKL's dynamic threading off and nested GEMMs then oversubscribe the
+// cores (measured 10x slower on 2 busy cores).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "score_kernels.h"
+
+namespace kvpress::kernels {
+namespace {
+
+// Upper bound of one slab's float32 logits; at least one KV head is always taken.
+constexpr int64_t kSlabBytes = int64_t{32} << 20;
+
+at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Tensor& keys_in) {
+  constexpr const char* op = "window_attention_mean";
+  checks::check_window_attention(op, queries_in, keys_in);
+  const int64_t batch = keys_in.size(0), kv_heads = keys_in.size(1), seq = keys_in.size(2),
+                dim = keys_in.size(3);
+  const int64_t heads = queries_in.size(1), window = queries_in.size(2), group = heads / kv_heads;
+  const int64_t rows = group * window;  // logits rows of one KV head
+  // Scaling the (small) queries once replaces a pass over every logit.
+  const at::Tensor queries = (queries_in.to(at::kFloat) * (1.0 / std::sqrt(static_cast<double>(dim))))
+                                 .contiguous()
+                                 .view({batch, kv_heads, rows, dim});
+  at::Tensor out = at::empty({batch, heads, seq - window}, keys_in.options().dtype(at::kFloat));
+  const int64_t slab = std::clamp<int64_t>(kSlabBytes / std::max<int64_t>(1, rows * seq * 4), 1, kv_heads);
+  at::Tensor logits_buffer = at::empty({slab, rows, seq}, out.options());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h0 = 0; h0 < kv_heads; h0 += slab) {
+      const int64_t nh = std::min(slab, kv_heads - h0);
+      at::Tensor logits = logits_buffer.narrow(0, 0, nh);
+      // float32 keys of the slab: a view when the cache is float32, else one converted copy.
+      const at::Tensor k = keys_in.select(0, b).narrow(0, h0, nh).to(at::kFloat);  // [nh, S, D]
+      at::bmm_out(logits, queries.select(0, b).narrow(0, h0, nh), k.transpose(1, 2));
+      // Window query i sits at position S - w + i and sees keys 0 .. S - w + i.
+      float* lp = logits.data_ptr<float>();
+      at::parallel_for(0, nh * rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t i = r % window;
+          std::fill(lp + r * seq + (seq - window + i + 1), lp + (r + 1) * seq, neg_inf);
+        }
+      });
+      at::_softmax_out(logits, logits, /*dim=*/2, /*half_to_float=*/false);  // in place, row by row
+      at::Tensor dst = out.select(0, b).narrow(0, h0 * group, nh * group);  // [nh * group, S - w]
+      at::mean_out(dst, logits.view({nh * group, window, seq}).narrow(2, 0, seq - window), at::IntArrayRef{1});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CPU, m) { m.impl("window_attention_mean", &window_attention_mean_cpu); }
+
+}  // namespace kvpress::kernels

@@ -1,0 +1,132 @@
+// The fused CPU score kernels (kernels/cpu/window_attention.cpp, kernels/cpu/lagkv.cpp) against
+// their ATen versions (src/score_kernels.h), which follow kvpress's formulas op by op.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "kvpress/ops.h"
+#include "kvpress/presses/lagkv_press.h"
+#include "kvpress/presses/snapkv_press.h"
+#include "score_kernels.h"
+#include "test_util.h"
+
+namespace kvpress {
+namespace {
+
+using testing::expect_error;
+using testing::randn;
+
+TEST(WindowAttentionMean, MatchesWindowAttentionMeanForEveryDtype) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor q = randn({2, 8, 5, 16}, 1);
+    const at::Tensor k = randn({2, 2, 40, 16}, 2, dtype);
+    const at::Tensor fused = ops::window_attention_mean(q, k);
+    ASSERT_EQ(fused.sizes(), (at::IntArrayRef{2, 8, 35}));
+    ASSERT_EQ(fused.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::allclose(fused, ops::window_attention(q, k).mean(2), 1e-5, 1e-7)) << dtype;
+  }
+}
+
+TEST(WindowAttentionMean, SplitsLongSequencesIntoSlabsOfKvHeads) {
+  // 4 query heads x 32 rows x 16400 keys x 4 bytes = 8.4 MiB of logits per KV head: the CPU kernel
+  // takes its 5 KV heads in slabs of 3 and 2 (32 MiB at most).
+  const at::Tensor q = randn({1, 20, 32, 32}, 3);
+  const at::Tensor k = randn({1, 5, 16400, 32}, 4);
+  EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::window_attention_mean_aten(q, k), 1e-5, 1e-9));
+}
+
+TEST(WindowAttentionMean, AcceptsStridedInputsAndSingleQueryWindows) {
+  const at::Tensor q = randn({1, 4, 6, 8}, 5).transpose(2, 3).contiguous().transpose(2, 3);  // strided view
+  const at::Tensor k = randn({1, 30, 2, 8}, 6).transpose(1, 2);                              // [1, 2, 30, 8]
+  EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::window_attention_mean_aten(q, k), 1e-5, 1e-7));
+  const at::Tensor last = q.narrow(2, 5, 1);
+  EXPECT_TRUE(at::allclose(ops::window_attention_mean(last, k), ops::window_attention(last, k).squeeze(2), 1e-5, 1e-7));
+}
+
+TEST(WindowAttentionMean, SnapKVScoresFromMeanEqualScoresFromFullAttention) {
+  const at::Tensor q = randn({1, 8, 6, 16}, 7);
+  const at::Tensor k = randn({1, 2, 50, 16}, 8);
+  const at::Tensor full = ops::snapkv_scores(ops::window_attention(q, k), 2, 5);
+  const at::Tensor fused = ops::snapkv_scores_from_mean(ops::window_attention_mean(q, k), 2, 5, 6);
+  EXPECT_TRUE(at::allclose(full, fused, 1e-5, 1e-7));
+}
+
+TEST(WindowAttentionMean, RejectsBadArguments) {
+  const at::Tensor k = randn({1, 2, 20, 8}, 9);
+  expect_error([&] { ops::window_attention_mean(randn({1, 3, 4, 8}, 1), k); },
+               {"window_attention_mean: num_heads must be a positive multiple of num_kv_heads (2), got 3"});
+  expect_error([&] { ops::window_attention_mean(randn({1, 4, 20, 8}, 1), k); },
+               {"window_attention_mean: window must be < seq_len (20), got 20"});
+  expect_error([&] { ops::window_attention_mean(randn({1, 4, 4, 6}, 1), k); },
+               {"window_attention_mean: queries must be [1, num_heads, window, 8] to match keys, got [1, 4, 4, 6]"});
+  expect_error([&] { ops::snapkv_scores_from_mean(randn({1, 4, 10}, 1), 2, 4, 3); },
+               {"snapkv_scores_from_mean: kernel_size must be a positive odd number, got 4"});
+}
+
+// The kernel's ranks may differ from the ATen ranks only where two statistics of a partition are
+// within float32 rounding of each other: allow a few such swaps, never a large move.
+void expect_same_lag_scores(const at::Tensor& fused, const at::Tensor& ref, bool ranks, const char* what) {
+  ASSERT_EQ(fused.sizes(), ref.sizes()) << what;
+  if (!ranks) {
+    EXPECT_TRUE(at::allclose(fused, ref, 1e-5, 1e-7)) << what;
+    return;
+  }
+  const at::Tensor diff = (fused - ref).abs();
+  EXPECT_LE(diff.gt(0).sum().item<int64_t>(), fused.numel() / 500 + 2) << what;
+  EXPECT_LE(diff.max().item<double>(), 3.0 / 16 + 1e-6) << what;
+}
+
+TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (bool cross : {true, false}) {
+      // 4 sinks, lag 16, 7 partitions and 3 leftover tokens.
+      const at::Tensor k = randn({2, 3, 4 + 7 * 16 + 3, 32}, 10, dtype);
+      const at::Tensor v = randn({2, 3, 4 + 7 * 16 + 3, 32}, 11, dtype);
+      expect_same_lag_scores(ops::lagkv_scores(k, v, 4, 16, cross), ops::lagkv_partition_scores_aten(k, v, 4, 16, cross),
+                             !cross, c10::toString(dtype));
+    }
+  }
+}
+
+TEST(LagKVKernel, HandlesNoSinksStridedInputsAndExactPartitions) {
+  const at::Tensor k = randn({1, 40, 2, 8}, 12).transpose(1, 2);  // [1, 2, 40, 8], strided
+  const at::Tensor v = randn({1, 2, 40, 8}, 13);
+  expect_same_lag_scores(ops::lagkv_scores(k, v, 0, 8, true), ops::lagkv_partition_scores_aten(k, v, 0, 8, true), false,
+                         "strided");
+  // Ranks of one partition are a permutation of 0 .. lag - 1, divided by lag.
+  const at::Tensor s = ops::lagkv_scores(k, v, 0, 8, false);
+  for (int64_t p = 0; p < 4; ++p) {
+    const at::Tensor sorted = std::get<0>(s[0][1].narrow(0, p * 8, 8).sort());
+    EXPECT_TRUE(at::equal(sorted, at::arange(8, at::kFloat) / 8)) << p;
+  }
+  EXPECT_TRUE(at::equal(s[0][1].narrow(0, 32, 8), at::ones({8})));  // last partition
+}
+
+TEST(LagKVKernel, NaNInputsReachTheSelectionCheck) {
+  at::Tensor k = randn({1, 1, 64, 8}, 14);
+  k[0][0][5][3] = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor v = randn({1, 1, 64, 8}, 15);
+  EXPECT_TRUE(at::isnan(ops::lagkv_scores(k, v, 0, 16, false)).any().item<bool>());
+  LayerInputs in;
+  in.keys = k;
+  in.values = v;
+  expect_error([&] { LagKVPress(0.5, 0, 16).compress(in); }, {"scores must be finite"});
+}
+
+TEST(LagKVKernel, RejectsShortSequences) {
+  const at::Tensor k = randn({1, 1, 20, 8}, 16);
+  const auto kernel = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("kvpress::lagkv_partition_scores", "")
+                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>();
+  for (const auto& run : {std::function<void()>([&] { kernel.call(k, k, 4, 16, false); }),
+                          std::function<void()>([&] { ops::lagkv_partition_scores_aten(k, k, 4, 16, false); })}) {
+    expect_error(run, {"lagkv_partition_scores: seq_len must be >= n_sink + 2 * lag_size (36), got 20"});
+  }
+}
+
+}  // namespace
+}  // namespace kvpress
