@@ -266,6 +266,7 @@ void register_all() {
     for (at::ScalarType dtype : kDTypes) {
       const std::string suffix = std::string("/") + dtype_name(dtype) + "/S:" + std::to_string(S);
       for (const auto& info : presses) {
+        if (kvpress::needs_second_pass(info)) continue;  // no layer-level compress (KVComposePress)
         const Feed feed = feed_for(info);
         if (feed == Feed::kAttentions && attention_gib(S, dtype) > g_attn_budget_gib) {
           skipped.push_back(info.name + suffix);

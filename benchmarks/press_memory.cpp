@@ -2,10 +2,18 @@
 // (B=1, Hq=32, Hkv=8, D=128), compared with the size of the layer's keys.
 //
 //   kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]
+//   kvpress_memory --all [--seq S] [--dtype fp32|bf16]
 //
 // Defaults: S = 32768, fp32, NonCausalAttnPress (given the post-RoPE queries of every position),
 // LeverageScorePress and CompactorPress (queries + cos/sin). --hidden adds NonCausalAttnPress with
 // queries recomputed from hidden_states + q_proj (slow on a small CPU: 1.1 TFLOP of projection).
+// --all measures compress() (scores, top-k and the gather of the kept K/V; compress_ragged() for
+// presses whose heads keep different numbers of tokens) of every registry press
+// that compresses a layer on its own (not the decoding presses, not KVComposePress), given keys,
+// values, the post-RoPE queries of all positions, cos/sin and, for ObservedAttentionPress, the
+// attentions when they fit in 2 GiB; default S = 16384 there (issue 7's shape). Its table gives the
+// peak and the output (kept K/V + indices, part of the peak); the peak must not
+// exceed K + V (issue 7 item 4) even with the returned kept K/V counted; exit status 1 otherwise.
 //
 // Each measurement runs in a fresh process (this binary re-executes itself), so memory freed by
 // an earlier measurement cannot hide a later one. Two figures, both "above the inputs":
@@ -39,6 +47,7 @@
 #include <vector>
 
 #include "kvpress/kvpress.h"
+#include "kvpress/registry.h"
 
 extern char** environ;
 
@@ -128,7 +137,9 @@ bool reset_peak_rss() {
 
 struct Config {
   std::string press;
-  bool hidden = false;  // recompute queries from hidden states instead of giving them
+  bool hidden = false;    // recompute queries from hidden states instead of giving them
+  bool compress = false;  // --all: time compress() and give every input a press may read
+  bool attentions = false;  // --all: give the full attentions (ObservedAttentionPress)
 };
 
 std::string label(const Config& c) {
@@ -148,7 +159,10 @@ kvpress::LayerInputs make_inputs(const Config& c, int64_t seq, at::ScalarType dt
   const at::Tensor angles = at::outer(at::arange(seq, f32), inv_freq);
   in.cos = at::cat({angles, angles}, -1).cos().to(dtype);
   in.sin = at::cat({angles, angles}, -1).sin().to(dtype);
-  if (c.press == "LeverageScorePress") return in;
+  if (c.press == "LeverageScorePress" && !c.compress) return in;
+  if (c.attentions) {
+    in.attentions = at::softmax(at::randn({1, kQHeads, seq, seq}, f32), -1).tril_().to(dtype);
+  }
   if (c.hidden) {
     in.hidden_states = at::randn({1, seq, kHidden}, opts);
     in.q_proj = at::randn({kQHeads * kHeadDim, kHidden}, opts).div_(std::sqrt(double(kHidden)));
@@ -165,9 +179,29 @@ int measure(const Config& c, int64_t seq, at::ScalarType dtype) {
   c10::SetCPUAllocator(counting, /*priority=*/100);
   auto press = kvpress::make_press(c.press, 0.5, {});
   auto* scorer = dynamic_cast<kvpress::ScorerPress*>(press.get());
+  TORCH_CHECK(c.compress || scorer != nullptr, "kvpress_memory: ", c.press, " is not a ScorerPress (use --all)");
+  // --all: compress(), whose result (the kept K/V) is counted apart; otherwise score().
+  const auto run = [&](const kvpress::LayerInputs& in, int64_t* output_bytes) {
+    if (!c.compress) return scorer->score(in).numel();
+    if (press->head_ragged()) {  // heads keep different numbers of tokens
+      const kvpress::RaggedKV r = press->compress_ragged(in);
+      int64_t bytes = r.keep_mask.defined() ? static_cast<int64_t>(r.keep_mask.nbytes()) : 0, numel = 0;
+      for (const auto& h : r.heads) {
+        bytes += static_cast<int64_t>(h.keys.nbytes() + h.values.nbytes() + h.kept_indices.nbytes());
+        numel += h.keys.numel();
+      }
+      *output_bytes = bytes;
+      return numel;
+    }
+    const kvpress::KV kv = press->compress(in);
+    *output_bytes = static_cast<int64_t>(kv.keys.nbytes() + kv.values.nbytes() +
+                                         (kv.kept_indices.defined() ? kv.kept_indices.nbytes() : 0));
+    return kv.keys.numel();
+  };
+  int64_t output_bytes = 0;
   {
     const kvpress::LayerInputs warm = make_inputs(c, 1024, dtype);
-    (void)scorer->score(warm);
+    (void)run(warm, &output_bytes);
   }
   malloc_trim(0);
   const kvpress::LayerInputs in = make_inputs(c, seq, dtype);
@@ -176,21 +210,24 @@ int measure(const Config& c, int64_t seq, at::ScalarType dtype) {
   const bool rss_ok = reset_peak_rss();
   const int64_t rss_before = proc_status_bytes("VmRSS");
   const auto t0 = std::chrono::steady_clock::now();
-  at::Tensor scores = scorer->score(in);
+  const int64_t numel = run(in, &output_bytes);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const int64_t hwm = proc_status_bytes("VmHWM");
   const int64_t alloc_extra = counting->peak() - live_before;
   const int64_t rss_extra = rss_ok && hwm >= 0 && rss_before >= 0 ? hwm - rss_before : -1;
-  std::printf("RESULT %lld %lld %.3f %lld\n", static_cast<long long>(alloc_extra), static_cast<long long>(rss_extra),
-              secs, static_cast<long long>(scores.numel()));
+  std::printf("RESULT %lld %lld %.3f %lld %lld\n", static_cast<long long>(alloc_extra),
+              static_cast<long long>(rss_extra), secs, static_cast<long long>(numel),
+              static_cast<long long>(output_bytes));
   return 0;
 }
 
 // Runs `self --one ...` and parses its RESULT line.
 bool run_child(const std::string& self, const Config& c, int64_t seq, const std::string& dtype, int64_t* alloc,
-               int64_t* rss, double* secs) {
+               int64_t* rss, double* secs, int64_t* output_bytes) {
   std::vector<std::string> args = {self, "--one", c.press, "--seq", std::to_string(seq), "--dtype", dtype};
   if (c.hidden) args.push_back("--hidden");
+  if (c.compress) args.push_back("--compress");
+  if (c.attentions) args.push_back("--attentions");
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -220,9 +257,9 @@ bool run_child(const std::string& self, const Config& c, int64_t seq, const std:
     std::fprintf(stderr, "%s", out.c_str());
     return false;
   }
-  long long a = 0, r = 0, numel = 0;
-  return std::sscanf(out.c_str() + at, "RESULT %lld %lld %lf %lld", &a, &r, secs, &numel) == 4 &&
-         ((*alloc = a), (*rss = r), true);
+  long long a = 0, r = 0, numel = 0, o = 0;
+  return std::sscanf(out.c_str() + at, "RESULT %lld %lld %lf %lld %lld", &a, &r, secs, &numel, &o) == 5 &&
+         ((*alloc = a), (*rss = r), (*output_bytes = o), true);
 }
 
 std::string mib(int64_t bytes) {
@@ -232,12 +269,58 @@ std::string mib(int64_t bytes) {
   return buf;
 }
 
+std::string self_path(const char* argv0) {
+  char exe[4096];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  return len > 0 ? std::string(exe, static_cast<size_t>(len)) : std::string(argv0);
+}
+
+// --all: compress() of every registry press that compresses a layer on its own.
+int measure_all(int64_t seq, const std::string& dtype_name, int64_t elem) {
+  const int64_t kv_bytes = 2 * kKVHeads * seq * kHeadDim * elem;
+  std::printf("kvpress %s: peak extra host memory of compress(), one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, "
+              "ratio 0.5, %d torch threads\n",
+              KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim,
+              dtype_name.c_str(), at::get_num_threads());
+  std::printf("inputs: keys, values, queries of all positions, cos/sin (not counted); K + V = %s\n\n",
+              mib(kv_bytes).c_str());
+  std::printf("%-36s %12s %12s %12s %8s  %s\n", "press", "peak", "output", "peak RSS", "time s", "peak <= K+V?");
+  int status = 0;
+  const std::string path = self_path("kvpress_memory");
+  for (const auto& info : kvpress::list_presses()) {
+    if (kvpress::is_decoding_press(info) || kvpress::needs_second_pass(info)) continue;
+    // Attentions only for presses that take nothing else (ObservedAttentionPress).
+    Config c{info.name, false, true, info.needs.rfind("attentions", 0) == 0 && info.needs.find('|') == std::string::npos};
+    if (c.attentions && kQHeads * seq * seq * elem > (int64_t{2} << 30)) {
+      std::printf("%-36s skipped: its attentions [1, %lld, S, S] take %s (> 2 GiB); rerun with a smaller --seq\n",
+                  info.name.c_str(), (long long)kQHeads, mib(kQHeads * seq * seq * elem).c_str());
+      continue;
+    }
+    int64_t alloc = -1, rss = -1, output = 0;
+    double secs = 0.0;
+    if (!run_child(path, c, seq, dtype_name, &alloc, &rss, &secs, &output)) {
+      std::printf("%-36s failed (see above)\n", info.name.c_str());
+      status = 1;
+      continue;
+    }
+    const bool ok = alloc <= kv_bytes;
+    std::printf("%-36s %12s %12s %12s %8.2f  %s\n", info.name.c_str(), mib(alloc).c_str(), mib(output).c_str(),
+                mib(rss).c_str(), secs, ok ? "yes" : "NO");
+    if (!ok) status = 1;
+    std::fflush(stdout);
+  }
+  std::printf("\npeak: bytes live in libtorch's CPU allocator during compress() minus those live before, the\n"
+              "returned kept keys/values included (output: their size with the indices); peak RSS: VmHWM minus\n"
+              "VmRSS before (also counts memory BLAS/OpenMP take outside the allocator).\n");
+  return status;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t seq = 32768;
+  int64_t seq = -1;  // 32768, or 16384 with --all
   std::string dtype_name = "fp32";
-  bool one = false, hidden = false;
+  bool one = false, hidden = false, all = false, compress = false, attentions = false;
   std::vector<std::string> presses;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -259,21 +342,29 @@ int main(int argc, char** argv) {
       presses = {next()};
     } else if (a == "--hidden") {
       hidden = true;
+    } else if (a == "--all") {
+      all = true;
+    } else if (a == "--compress") {  // internal (child of --all)
+      compress = true;
+    } else if (a == "--attentions") {  // internal (child of --all)
+      attentions = true;
     } else if (a == "-h" || a == "--help") {
-      std::printf("usage: kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]\n");
+      std::printf("usage: kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]\n"
+                  "       kvpress_memory --all [--seq S] [--dtype fp32|bf16]\n");
       return 0;
     } else {
       std::fprintf(stderr, "kvpress_memory: unknown argument '%s'\n", a.c_str());
       return 2;
     }
   }
+  if (seq < 0) seq = all ? 16384 : 32768;
   if (seq < 2048 || (dtype_name != "fp32" && dtype_name != "bf16")) {
     std::fprintf(stderr, "kvpress_memory: --seq must be >= 2048 and --dtype fp32 or bf16\n");
     return 2;
   }
   const at::ScalarType dtype = dtype_name == "fp32" ? at::kFloat : at::kBFloat16;
   try {
-    if (one) return measure(Config{presses[0], hidden}, seq, dtype);
+    if (one) return measure(Config{presses[0], hidden, compress, attentions}, seq, dtype);
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "kvpress_memory: %s\n", e.what_without_backtrace());
     return 1;
@@ -288,6 +379,7 @@ int main(int argc, char** argv) {
   }
 
   const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  if (all) return measure_all(seq, dtype_name, elem);
   const int64_t keys_bytes = kKVHeads * seq * kHeadDim * elem;
   const int64_t chunk = 256;
   const int64_t padded = (seq + chunk - 1) / chunk * chunk;
@@ -309,7 +401,8 @@ int main(int argc, char** argv) {
   for (const auto& c : configs) {
     int64_t alloc = -1, rss = -1;
     double secs = 0.0;
-    if (!run_child(path, c, seq, dtype_name, &alloc, &rss, &secs)) {
+    int64_t output_bytes = 0;
+    if (!run_child(path, c, seq, dtype_name, &alloc, &rss, &secs, &output_bytes)) {
       std::printf("%-62s failed (see above)\n", label(c).c_str());
       status = 1;
       continue;

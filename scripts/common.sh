@@ -23,4 +23,7 @@ kvpress_build() {
 kvpress_fixtures() {
   "$python" "$root/tests/reference/make_fixtures.py" --out "$build/fixtures" "$@"
   "$python" "$root/tests/reference/make_model_fixtures.py" --out "$build/fixtures/llama"
+  "$python" "$root/tests/reference/make_decoding_fixtures.py" --out "$build/fixtures/decoding"
+  "$python" "$root/tests/reference/make_ragged_fixtures.py" --out "$build/fixtures/ragged"
+  "$python" "$root/tests/reference/make_kvcompose_fixtures.py" --out "$build/fixtures/kvcompose"
 }

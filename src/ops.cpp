@@ -11,6 +11,7 @@
 
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
+#include "score_kernels.h"
 
 namespace kvpress {
 namespace {
@@ -97,6 +98,7 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::invert_rope);
   m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);
   m.def("window_attention(Tensor queries, Tensor keys) -> Tensor", &ops::window_attention);
+  m.def("window_attention_mean(Tensor queries, Tensor keys) -> Tensor");  // kernels/cpu, kernels/cuda
   m.def("key_norm_scores(Tensor keys) -> Tensor");  // kernels/cpu/key_norm.cpp, kernels/cuda/key_norm.cu
   m.def("keydiff_scores(Tensor keys) -> Tensor", &ops::keydiff_scores);
   m.def("streaming_llm_scores(Tensor keys, int n_sink, float compression_ratio) -> Tensor",
@@ -104,7 +106,11 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("random_scores(Tensor keys, int seed=-1) -> Tensor", &random_scores_op);
   m.def("lagkv_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor",
         &ops::lagkv_scores);
+  // lagkv_scores' partition statistics for seq_len >= n_sink + 2 * lag_size (kernels/cpu/lagkv.cpp, kernels/cuda/lagkv.cu).
+  m.def("lagkv_partition_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor");
   m.def("snapkv_scores(Tensor window_attn, int num_kv_heads, int kernel_size) -> Tensor", &ops::snapkv_scores);
+  m.def("snapkv_scores_from_mean(Tensor mean_attn, int num_kv_heads, int kernel_size, int window_size) -> Tensor",
+        &ops::snapkv_scores_from_mean);
   m.def("tova_scores(Tensor last_attn, int num_kv_heads) -> Tensor", &ops::tova_scores);
   m.def("observed_attention_scores(Tensor attentions, int num_kv_heads) -> Tensor",
         &ops::observed_attention_scores);
@@ -121,6 +127,9 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor", &noncausal_column_sums_op);
   m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
   m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
+  // Head-ragged attention (kernels/cpu/ragged_attention.cpp, kernels/cuda/ragged_attention.cu).
+  m.def("ragged_attention(Tensor queries, Tensor packed_keys, Tensor packed_values, Tensor offsets, "
+        "Tensor tail_keys, Tensor tail_values, float? scale=None) -> Tensor");
   // Any registry press on one layer (benchmarks/compare_kvpress.py); params: ["window_size=32", ...].
   m.def("press_compress(str name, float compression_ratio, str[] params, Tensor keys, Tensor values, "
         "Tensor? queries=None, Tensor? attentions=None, Tensor? hidden_states=None, Tensor? q_proj=None, "
@@ -130,6 +139,12 @@ TORCH_LIBRARY(kvpress, m) {
         "Tensor? queries=None, Tensor? attentions=None, Tensor? hidden_states=None, Tensor? q_proj=None, "
         "Tensor? k_proj=None, Tensor? cos=None, Tensor? sin=None, int num_heads=0) -> Tensor",
         &press_scores_op);
+}
+
+// Ops with CPU/CUDA kernels: the ATen versions serve every other device.
+TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
+  m.impl("window_attention_mean", &ops::window_attention_mean_aten);
+  m.impl("lagkv_partition_scores", &ops::lagkv_partition_scores_aten);
 }
 
 }  // namespace kvpress

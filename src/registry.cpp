@@ -10,19 +10,30 @@
 #include <optional>
 #include <set>
 
+#include "kvpress/presses/adakv_press.h"
 #include "kvpress/presses/block_press.h"
 #include "kvpress/presses/chunk_press.h"
 #include "kvpress/presses/chunkkv_press.h"
 #include "kvpress/presses/compactor_press.h"
 #include "kvpress/presses/composed_press.h"
+#include "kvpress/presses/compression_ratio_decoding_press.h"
+#include "kvpress/presses/ctr_press.h"
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/critical_adakv_press.h"
+#include "kvpress/presses/criticalkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
+#include "kvpress/presses/kvcompose_press.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
 #include "kvpress/presses/non_causal_attn_press.h"
 #include "kvpress/presses/observed_attention_press.h"
+#include "kvpress/presses/per_layer_compression_press.h"
+#include "kvpress/presses/prefill_decoding_press.h"
+#include "kvpress/presses/pyramidkv_press.h"
+#include "kvpress/presses/qsm_press.h"
 #include "kvpress/presses/random_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "kvpress/presses/streaming_llm_press.h"
@@ -154,6 +165,165 @@ std::vector<std::shared_ptr<const BasePress>> composed_presses(Params& p, double
   return out;
 }
 
+// PrefillDecodingPress's parts: `<key>` names a press ("None" or empty: none), `<key>.<param>` are
+// its parameters and `<key>.compression_ratio` its ratio. The prefilling press gets the given ratio
+// by default; the decoding press gets it only when it is a CompressionRatioDecodingPress (a
+// DecodingPress's budget is its target_size, and its ratio must be 0).
+std::shared_ptr<const BasePress> prefill_decoding_part(Params& p, const std::string& key, double ratio) {
+  const std::string name = p.get_string(key).value_or("None");
+  std::map<std::string, std::string> params = p.take_prefixed(key + ".");
+  if (name.empty() || name == "None" || name == "none") {
+    TORCH_CHECK(params.empty(), p.press_name(), ": parameters ", key, ".* given without ", key);
+    return nullptr;
+  }
+  double r = key == "decoding_press" && name != "CompressionRatioDecodingPress" ? 0.0 : ratio;
+  if (const auto it = params.find("compression_ratio"); it != params.end()) {
+    char* end = nullptr;
+    r = std::strtod(it->second.c_str(), &end);
+    TORCH_CHECK(end && *end == '\0' && !it->second.empty(), p.press_name(), ": parameter ", key,
+                ".compression_ratio must be a number, got '", it->second, "'");
+    params.erase(it);
+  }
+  return std::shared_ptr<const BasePress>(make_press(name, r, params));
+}
+
+// A factory of the inner ScorerPress (`press`, `press.<param>`) for wrappers that need it at
+// several ratios (PerLayerCompressionPress). Built once here so that a bad name or parameter is
+// reported by make_press, not later.
+ScorerFactory scorer_factory(Params& p) {
+  const std::string inner = p.get_string("press").value_or("KnormPress");
+  TORCH_CHECK(!inner.empty(), p.press_name(), ": parameter press (the inner press's name) must not be empty");
+  const std::map<std::string, std::string> params = p.take_prefixed("press.");
+  const std::string outer = p.press_name();
+  ScorerFactory make = [inner, params, outer](double ratio) {
+    std::shared_ptr<BasePress> built = make_press(inner, ratio, params);
+    auto scorer = std::dynamic_pointer_cast<const ScorerPress>(std::shared_ptr<const BasePress>(built));
+    TORCH_CHECK(scorer != nullptr, outer, ": press must be a ScorerPress, got ", inner);
+    return scorer;
+  };
+  return make;
+}
+
+// PerLayerCompressionPress's `compression_ratios`: comma-separated numbers, one per layer; unset
+// (or None) is the ratio given to make_press for every layer.
+std::vector<double> ratio_list(Params& p, double ratio) {
+  const std::optional<std::string> text = p.get_string("compression_ratios");
+  if (!text || *text == "None" || *text == "none") return {ratio};
+  std::vector<double> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = text->find(',', begin);
+    const std::string item = text->substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+    errno = 0;
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    TORCH_CHECK(!item.empty() && end && *end == '\0' && errno == 0 && std::isfinite(v), p.press_name(),
+                ": parameter compression_ratios must be comma-separated numbers (one per layer), got '", *text, "'");
+    out.push_back(v);
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return out;
+}
+
+// QSMPress / CTRPress (CTR-Press): the reference's parameter names and defaults.
+std::vector<PressParam> qsm_params() {
+  return {
+      {"query_length", "int", "0", "explicit query: the last query_length tokens (0: the pseudo-query)"},
+      {"pseudo_query_len", "int", "128", "longest pseudo-query (the last prompt tokens)"},
+      {"pseudo_query_max_fraction", "float", "0.125", "longest pseudo-query as a fraction of the prompt"},
+      {"qa_alpha", "float", "0.5", "weight of the mean (1 - qa_alpha: of the max) attention over the query span"},
+      {"sink_tokens", "int", "4", "first tokens always kept"},
+      {"recent_tokens", "int", "32", "last context tokens always kept"},
+      {"keep_pseudo_query", "bool", "true", "always keep the pseudo-query span"},
+      {"use_query_aware", "bool", "true", "query-aware attention scores (false: zeros)"},
+      {"score_normalization", "bool", "true", "min-max normalise the scores per head"},
+      {"use_semantic", "bool", "true", "factor 1 + lambda_sem * tanh(w), w from token text (input_ids + callback)"},
+      {"lambda_sem", "float", "0.3", "strength of the semantic factor"},
+      {"digit_weight", "float", "1", "w: token has a digit"},
+      {"capital_weight", "float", "0.5", "w: token has an uppercase letter"},
+      {"rare_weight", "float", "0.3", "w: token has >= rare_min_chars characters (or id >= rare_token_id_threshold)"},
+      {"punctuation_weight", "float", "0.2", "w: token has one of .!?;: or a newline"},
+      {"code_weight", "float", "0.4", "w: token has a code symbol"},
+      {"stopword_weight", "float", "0.3", "w: minus, token is a stopword"},
+      {"whitespace_weight", "float", "0.3", "w: minus, token is blank"},
+      {"rare_min_chars", "int", "8", "length of a rare token"},
+      {"rare_token_id_threshold", "int?", "None", "ids from this one up count as rare"},
+      {"use_merge", "bool", "true", "merge evicted values into the nearest kept token (explicit query only)"},
+      {"merge_in_pseudo_query", "bool", "false", "merge with the pseudo-query too"},
+      {"merge_alpha", "float", "0.2", "gamma: strength of the value merge"},
+      {"merge_target", "str", "nearest", "merge target (only nearest)"},
+      {"merge_weighting", "str", "score", "score or uniform"},
+      {"merge_score_power", "float", "4", "exponent of the relative score weights"},
+      {"merge_min_score_ratio", "float", "0.5", "relative scores below this do not merge"},
+      {"merge_count_power", "float", "0.75", "p: merged mass m enters as m^(1 - p)"},
+  };
+}
+
+QSMOptions qsm_options(Params& p) {
+  auto num = [&p](const char* key, double fallback) { return p.get_optional_double(key).value_or(fallback); };
+  QSMOptions o;
+  o.query_length = p.get_int("query_length", 0);
+  o.pseudo_query_len = p.get_int("pseudo_query_len", 128);
+  o.pseudo_query_max_fraction = num("pseudo_query_max_fraction", 0.125);
+  o.qa_alpha = num("qa_alpha", 0.5);
+  o.sink_tokens = p.get_int("sink_tokens", 4);
+  o.recent_tokens = p.get_int("recent_tokens", 32);
+  o.keep_pseudo_query = p.get_bool("keep_pseudo_query", true);
+  o.use_query_aware = p.get_bool("use_query_aware", true);
+  o.score_normalization = p.get_bool("score_normalization", true);
+  o.use_semantic = p.get_bool("use_semantic", true);
+  o.lambda_sem = num("lambda_sem", 0.3);
+  o.semantic.digit_weight = num("digit_weight", 1.0);
+  o.semantic.capital_weight = num("capital_weight", 0.5);
+  o.semantic.rare_weight = num("rare_weight", 0.3);
+  o.semantic.punctuation_weight = num("punctuation_weight", 0.2);
+  o.semantic.code_weight = num("code_weight", 0.4);
+  o.semantic.stopword_weight = num("stopword_weight", 0.3);
+  o.semantic.whitespace_weight = num("whitespace_weight", 0.3);
+  o.semantic.rare_min_chars = p.get_int("rare_min_chars", 8);
+  o.semantic.rare_token_id_threshold = p.get_optional_int("rare_token_id_threshold");
+  o.use_merge = p.get_bool("use_merge", true);
+  o.merge_in_pseudo_query = p.get_bool("merge_in_pseudo_query", false);
+  o.merge_alpha = num("merge_alpha", 0.2);
+  const std::string target = p.get_string("merge_target").value_or("nearest");
+  TORCH_CHECK(target == "nearest", p.press_name(), ": parameter merge_target must be nearest, got '", target, "'");
+  const std::string weighting = p.get_string("merge_weighting").value_or("score");
+  TORCH_CHECK(weighting == "score" || weighting == "uniform", p.press_name(),
+              ": parameter merge_weighting must be score or uniform, got '", weighting, "'");
+  o.merge_weighting = weighting == "score" ? MergeWeighting::kScore : MergeWeighting::kUniform;
+  o.merge_score_power = num("merge_score_power", 4.0);
+  o.merge_min_score_ratio = num("merge_min_score_ratio", 0.5);
+  o.merge_count_power = num("merge_count_power", 0.75);
+  return o;
+}
+
+std::vector<PressParam> ctr_params() {
+  std::vector<PressParam> out = qsm_params();
+  out.push_back({"rescue_ratio", "float", "0.1", "fraction of the evicted tokens rescued per head (0: none)"});
+  out.push_back({"rescue_scoring", "str", "key_miss", "rescue score (only key_miss)"});
+  out.push_back({"use_layer_adaptive", "bool", "true", "entropy-adaptive budget"});
+  out.push_back({"entropy_beta", "float", "0.2", "beta: n' = round(n * (1 + beta * (1 - 2 E/E_max)))"});
+  out.push_back({"entropy", "str", "non_forced",
+                 "non_forced (E over the non-forced tokens) or reference (the reference's overflowing arithmetic)"});
+  return out;
+}
+
+CTROptions ctr_options(Params& p) {
+  CTROptions o;
+  o.rescue_ratio = p.get_optional_double("rescue_ratio").value_or(0.1);
+  const std::string scoring = p.get_string("rescue_scoring").value_or("key_miss");
+  TORCH_CHECK(scoring == "key_miss", p.press_name(), ": parameter rescue_scoring must be key_miss, got '", scoring,
+              "'");
+  o.use_layer_adaptive = p.get_bool("use_layer_adaptive", true);
+  o.entropy_beta = p.get_optional_double("entropy_beta").value_or(0.2);
+  const std::string entropy = p.get_string("entropy").value_or("non_forced");
+  TORCH_CHECK(entropy == "non_forced" || entropy == "reference", p.press_name(),
+              ": parameter entropy must be non_forced or reference, got '", entropy, "'");
+  o.entropy = entropy == "reference" ? CTREntropy::kReference : CTREntropy::kNonForced;
+  return o;
+}
+
 using Factory = std::function<std::unique_ptr<BasePress>(double, Params&)>;
 
 struct Entry {
@@ -214,14 +384,21 @@ const std::vector<Entry>& entries() {
          {"chunk_size", "int", "256", "positions per non-causal attention chunk"},
          {"sketch_dimension", "int", "48", "columns of the leverage sketch"},
          {"blending", "float?", "None", "weight of the leverage scores; None = compression_ratio (paper: 0.3)"},
-         {"seed", "int?", "None", "seed of the leverage sketch's CPU generator"}}},
+         {"seed", "int?", "None", "seed of the leverage sketch's CPU generator"},
+         {"selection", "str", "per_head",
+          "per_head (kvpress) or across_heads (the paper's global top-k; head budgets vary, head-ragged)"}}},
        [](double r, Params& p) {
          const int64_t start = p.get_int("sink_size_start", 8);
          const int64_t end = p.get_int("sink_size_end", 4);
          const int64_t chunk = p.get_int("chunk_size", 256);
          const int64_t sketch = p.get_int("sketch_dimension", 48);
          const std::optional<double> blending = p.get_optional_double("blending");
-         return std::make_unique<CompactorPress>(r, start, end, chunk, sketch, blending, p.get_optional_int("seed"));
+         const std::string selection = p.get_string("selection").value_or("per_head");
+         TORCH_CHECK(selection == "per_head" || selection == "across_heads",
+                     "CompactorPress: parameter selection must be per_head or across_heads, got ", selection);
+         return std::make_unique<CompactorPress>(r, start, end, chunk, sketch, blending, p.get_optional_int("seed"),
+                                                 selection == "per_head" ? TokenSelection::kPerHead
+                                                                         : TokenSelection::kAcrossHeads);
        }},
       {{"ExpectedAttentionPress", "expected attention of future queries (query mean/covariance, averaged RoPE)",
         "hidden_states+q_proj(+inv_freq | cos+sin) | queries (all positions)+cos+sin",
@@ -237,6 +414,27 @@ const std::vector<Entry>& entries() {
          const bool vnorm = p.get_bool("use_vnorm", true);
          return std::make_unique<ExpectedAttentionPress>(r, n_future, n_sink, cov, vnorm,
                                                          p.get_optional_double("epsilon").value_or(0.0));
+       }},
+      {{"KVComposePress", "global per-layer (structured) or per-head (unstructured) budgets from a second pass's attention",
+        "second pass: a task prompt's attention to the context in every layer (kvpress::llama::kvcompose_prefill, "
+        "or KVComposePress::start_session)",
+        {{"structured", "bool", "true", "each layer keeps k_l tokens per head; false: per-(layer, head) budgets, head-ragged"},
+         {"agg_task", "str", "max", "over the prompt's queries: max or mean"},
+         {"agg_group", "str", "mean", "over a KV group's query heads: max or mean"},
+         {"agg_head", "str", "mean", "over KV heads, of the sorted curves: max or mean"},
+         {"add_v_norm", "bool", "false", "multiply scores by ||v||"},
+         {"add_mean_across_heads", "bool", "true", "add the mean over KV heads to every head's scores"},
+         {"keep_token_lower_bound", "int", "0", "minimum tokens per layer"}}},
+       [](double r, Params& p) {
+         KVComposeOptions o;
+         o.structured = p.get_bool("structured", true);
+         o.agg_task = p.get_string("agg_task").value_or("max");
+         o.agg_group = p.get_string("agg_group").value_or("mean");
+         o.agg_head = p.get_string("agg_head").value_or("mean");
+         o.add_v_norm = p.get_bool("add_v_norm", false);
+         o.add_mean_across_heads = p.get_bool("add_mean_across_heads", true);
+         o.keep_token_lower_bound = p.get_int("keep_token_lower_bound", 0);
+         return std::make_unique<KVComposePress>(r, std::move(o));
        }},
       {{"KeyRerotationPress", "inner scorer's selection, kept keys re-rotated to positions 0..n_kept-1",
         "the inner press's + inv_freq | cos+sin",
@@ -266,6 +464,105 @@ const std::vector<Entry>& entries() {
       {{"ComposedPress", "presses applied in order", "the first press's",
         {{"presses", "str", "KnormPress", "comma-separated press names; presses.<i>.<param> (and presses.<i>.compression_ratio)"}}},
        [](double r, Params& p) { return std::make_unique<ComposedPress>(composed_presses(p, r)); }},
+      {{"DecodingPress", "compresses during decoding: every compression_interval steps, to target_size tokens",
+        "during decoding: the inner press's (keys/values, queries of the buffered hidden states, attentions)",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)"},
+         {"compression_interval", "int", "512", "decoding steps between compressions"},
+         {"target_size", "int", "2048", "tokens kept per layer after a compression"},
+         {"hidden_states_buffer_size", "int", "256", "decoding steps of hidden states kept for the inner press"}}},
+       [](double r, Params& p) {
+         TORCH_CHECK(r == 0.0, "DecodingPress: compression_ratio must be 0 (the budget is target_size; "
+                               "CompressionRatioDecodingPress keeps a fraction), got ", r);
+         ScorerFactory inner = scorer_factory(p);
+         const int64_t interval = p.get_int("compression_interval", 512);
+         const int64_t target = p.get_int("target_size", 2048);
+         return std::make_unique<DecodingPress>(inner, interval, target, p.get_int("hidden_states_buffer_size", 256));
+       }},
+      {{"CompressionRatioDecodingPress",
+        "compresses during decoding: every compression_interval steps, to (1 - ratio) of the tokens seen",
+        "during decoding: the inner press's (keys/values, queries of the buffered hidden states, attentions)",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)"},
+         {"compression_interval", "int", "512", "decoding steps between compressions"},
+         {"hidden_states_buffer_size", "int", "256", "decoding steps of hidden states kept for the inner press"}}},
+       [](double r, Params& p) {
+         ScorerFactory inner = scorer_factory(p);
+         const int64_t interval = p.get_int("compression_interval", 512);
+         return std::make_unique<CompressionRatioDecodingPress>(inner, r, interval,
+                                                                p.get_int("hidden_states_buffer_size", 256));
+       }},
+      {{"PrefillDecodingPress", "a prefill press and a decoding press under one name",
+        "during decoding: the decoding press's; at prefill: the prefilling press's",
+        {{"prefilling_press", "str", "None", "press applied at prefill (parameters as prefilling_press.<name>)"},
+         {"decoding_press", "str", "None",
+          "DecodingPress or CompressionRatioDecodingPress (parameters as decoding_press.<name>)"}}},
+       [](double r, Params& p) {
+         auto prefilling = prefill_decoding_part(p, "prefilling_press", r);
+         auto decoding_part = prefill_decoding_part(p, "decoding_press", r);
+         auto decoding = std::dynamic_pointer_cast<const DecodingPress>(decoding_part);
+         TORCH_CHECK(!decoding_part || decoding, "PrefillDecodingPress: decoding_press must be DecodingPress or "
+                                                 "CompressionRatioDecodingPress, got ", decoding_part->name());
+         return std::make_unique<PrefillDecodingPress>(prefilling, decoding);
+       }},
+      {{"AdaKVPress", "inner scores, safeguarded, kept across heads (head budgets vary; head-ragged)",
+        "the inner press's",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"alpha_safeguard", "float", "0.2", "fraction of n_kept every head keeps at least"}}},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         return std::make_unique<AdaKVPress>(inner, p.get_optional_double("alpha_safeguard").value_or(0.20));
+       }},
+      {{"CriticalKVPress", "inner scores x ||v W_o||_1, the first stage's winners kept", "the inner press's + o_proj",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"epsilon", "float", "0.0001", "added to the inner scores before the rescaling"},
+         {"first_stage_ratio", "float", "0.5", "fraction of the budget chosen by the inner scores alone"}}},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         const double eps = p.get_optional_double("epsilon").value_or(1e-4);
+         return std::make_unique<CriticalKVPress>(inner, eps, p.get_optional_double("first_stage_ratio").value_or(0.5));
+       }},
+      {{"CriticalAdaKVPress", "AdaKV head budgets with CriticalKV's two stages per head (head-ragged)",
+        "the inner press's + o_proj",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"alpha_safeguard", "float", "0.2", "fraction of n_kept every head keeps at least"},
+         {"epsilon", "float", "0.0001", "added to the inner scores before the rescaling"},
+         {"first_stage_ratio", "float", "0.5", "fraction of each head's budget chosen by the inner scores alone"}}},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         const double alpha = p.get_optional_double("alpha_safeguard").value_or(0.20);
+         const double eps = p.get_optional_double("epsilon").value_or(1e-4);
+         return std::make_unique<CriticalAdaKVPress>(inner, alpha, eps,
+                                                     p.get_optional_double("first_stage_ratio").value_or(0.5));
+       }},
+      {{"PyramidKVPress", "SnapKV scores, budgets shrinking linearly from the first layer to the last",
+        "attentions | queries | hidden_states+q_proj+cos+sin (and layer_idx, num_layers)",
+        {{"window_size", "int", "64", "number of trailing queries observed (always kept)"},
+         {"kernel_size", "int", "5", "odd width of the average pooling"},
+         {"beta", "int", "20", "steepness of the pyramid (>= 1)"}}},
+       [](double r, Params& p) {
+         const int64_t window = p.get_int("window_size", 64);
+         const int64_t kernel = p.get_int("kernel_size", 5);
+         return std::make_unique<PyramidKVPress>(r, window, kernel, p.get_int("beta", 20));
+       }},
+      {{"PerLayerCompressionPress", "inner press with its own compression ratio in every layer",
+        "the inner press's (and layer_idx, num_layers)",
+        {{"press", "str", "KnormPress", "inner ScorerPress (its parameters as press.<name>)"},
+         {"compression_ratios", "str", "None",
+          "comma-separated ratios, one per layer; None = the given ratio in every layer"}}},
+       [](double r, Params& p) {
+         ScorerFactory make = scorer_factory(p);
+         return std::make_unique<PerLayerCompressionPress>(make, ratio_list(p, r));
+       }},
+      {{"QSMPress", "CTR-Press stage I: query-span attention x semantic factor, forced keeps, value merge",
+        "hidden_states+q_proj+cos+sin | queries (+ input_ids and a token-text callback for semantic weights)",
+        qsm_params()},
+       [](double r, Params& p) { return std::make_unique<QSMPress>(r, qsm_options(p)); }},
+      {{"CTRPress", "CTR-Press: QSMPress with an entropy-adaptive budget and rescue merge of evicted tokens",
+        "hidden_states+q_proj+cos+sin | queries (all positions) (+ input_ids and a token-text callback)",
+        ctr_params()},
+       [](double r, Params& p) {
+         QSMOptions qsm = qsm_options(p);
+         return std::make_unique<CTRPress>(r, std::move(qsm), ctr_options(p));
+       }},
   };
   return table;
 }
@@ -283,9 +580,14 @@ const std::vector<PressInfo>& list_presses() {
 
 bool is_wrapper(const PressInfo& info) {
   for (const auto& p : info.params)
-    if (p.name == "press" || p.name == "presses") return true;
+    if (p.name == "press" || p.name == "presses" || p.name == "prefilling_press" || p.name == "decoding_press")
+      return true;
   return false;
 }
+
+bool is_decoding_press(const PressInfo& info) { return info.needs.rfind("during decoding", 0) == 0; }
+
+bool needs_second_pass(const PressInfo& info) { return info.needs.rfind("second pass", 0) == 0; }
 
 std::unique_ptr<BasePress> make_press(const std::string& name, double compression_ratio,
                                       const std::map<std::string, std::string>& params) {

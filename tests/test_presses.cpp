@@ -23,6 +23,7 @@ LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t 
   const at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
   in.cos = at::cat({angles, angles}, -1).cos().to(at::kFloat);
   in.sin = at::cat({angles, angles}, -1).sin().to(at::kFloat);
+  in.o_proj = randn({64, heads * d}, seed + 3) * 0.1;  // output projection (CriticalKVPress, CriticalAdaKVPress)
   return in;
 }
 
@@ -33,6 +34,9 @@ bool strictly_ascending(const at::Tensor& idx) {
 TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
   const LayerInputs in = random_layer(300, 1);
   for (const PressInfo& info : list_presses()) {
+    if (is_decoding_press(info)) continue;  // no prefill ratio: tests/test_decoding.cpp
+    if (needs_second_pass(info)) continue;  // KVComposePress: tests/test_kvcompose.cpp
+    if (info.name == "CTRPress") continue;  // adaptive budget, rescued values: tests/test_ctr.cpp
     for (double ratio : {0.25, 0.5, 0.75}) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
       // Presses with a random draw get a seed, so that the same call gives the same answer.
@@ -40,9 +44,16 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
       for (const PressParam& p : info.params)
         if (p.name == "seed") params["seed"] = "1";
       const auto press = make_press(info.name, ratio, params);
+      if (press->head_ragged()) {  // heads keep different counts; the layer keeps Hkv * n_kept
+        EXPECT_EQ(press->compress_ragged(in).keep_mask.sum().item<int64_t>(), 2 * ops::n_kept(300, ratio));
+        continue;
+      }
       const KV kv = press->compress(in);
-      // ChunkKVPress keeps whole chunks of 20: int(15 * (1 - ratio)) of the 15.
-      const int64_t n = info.name == "ChunkKVPress" ? 20 * static_cast<int64_t>(15 * (1 - ratio)) : ops::n_kept(300, ratio);
+      // ChunkKVPress keeps whole chunks of 20: int(15 * (1 - ratio)) of the 15. PyramidKVPress: its
+      // layer budget.
+      const int64_t n = info.name == "ChunkKVPress"     ? 20 * static_cast<int64_t>(15 * (1 - ratio))
+                        : info.name == "PyramidKVPress" ? dynamic_cast<const PyramidKVPress&>(*press).layer_budget(300, 0, 1)
+                                                        : ops::n_kept(300, ratio);
       ASSERT_EQ(kv.kept_indices.sizes(), (at::IntArrayRef{1, 2, n}));
       ASSERT_EQ(kv.keys.sizes(), (at::IntArrayRef{1, 2, n, 16}));
       EXPECT_TRUE(strictly_ascending(kv.kept_indices));
@@ -60,6 +71,13 @@ TEST(EveryPress, RatioZeroReturnsTheCacheUntouched) {
   const LayerInputs in = random_layer(100, 2);
   for (const PressInfo& info : list_presses()) {
     SCOPED_TRACE(info.name);
+    if (needs_second_pass(info)) continue;  // KVComposePress: tests/test_kvcompose.cpp
+    if (make_press(info.name, 0.0)->head_ragged()) {
+      const RaggedKV kv = make_press(info.name, 0.0)->compress_ragged(in);
+      EXPECT_TRUE(kv.keep_mask.all().item<bool>());
+      EXPECT_TRUE(at::equal(kv.at(0, 1).kept_indices, at::arange(100)));
+      continue;
+    }
     const KV kv = make_press(info.name, 0.0)->compress(in);
     EXPECT_TRUE(kv.keys.is_same(in.keys));
     EXPECT_TRUE(at::equal(kv.kept_indices[0][1], at::arange(100)));
@@ -128,14 +146,18 @@ TEST(LagKVPress, KeepsSinksAndTheTailPartition) {
 TEST(Registry, TellsWrappersFromScorers) {
   for (const PressInfo& info : list_presses()) {
     const bool wrapper = info.name == "KeyRerotationPress" || info.name == "ChunkKVPress" || info.name == "ChunkPress" ||
-                         info.name == "BlockPress" || info.name == "ComposedPress";
+                         info.name == "BlockPress" || info.name == "ComposedPress" || info.name == "DecodingPress" ||
+                         info.name == "CompressionRatioDecodingPress" || info.name == "PrefillDecodingPress" ||
+                         info.name == "AdaKVPress" || info.name == "CriticalKVPress" || info.name == "CriticalAdaKVPress" ||
+                         info.name == "PerLayerCompressionPress";
     EXPECT_EQ(is_wrapper(info), wrapper) << info.name;
   }
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 17u);
-  for (const PressInfo& info : list_presses()) EXPECT_EQ(make_press(info.name, 0.5)->name(), info.name);
+  ASSERT_EQ(list_presses().size(), 28u);
+  for (const PressInfo& info : list_presses())  // a DecodingPress takes no ratio (its budget is target_size)
+    EXPECT_EQ(make_press(info.name, info.name == "DecodingPress" ? 0.0 : 0.5)->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});
   EXPECT_EQ(dynamic_cast<SnapKVPress&>(*snap).window_size(), 16);
   EXPECT_DOUBLE_EQ(snap->compression_ratio(), 0.3);

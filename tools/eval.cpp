@@ -25,6 +25,7 @@
 
 #include "chart.h"
 #include "kvpress/llama/llama.h"
+#include "kvpress/presses/qsm_press.h"
 #include "kvpress/registry.h"
 
 namespace kvpress_cli {
@@ -37,6 +38,8 @@ struct PressSpec {
   std::string name;
   std::map<std::string, std::string> params;
   std::string label;  // name, or name(k=v,...) with parameters
+  // Default list only: compression_ratios set per evaluated ratio by per_layer_ramp().
+  bool per_layer_ramp = false;
 };
 
 struct EvalArgs {
@@ -211,6 +214,51 @@ class Progress {
   Clock::time_point last_{};
 };
 
+// A DecodingPress's budget is its target_size, not a ratio (the registry refuses one): it runs once,
+// whatever --ratios says, and its rows carry no ratio (NaN here; null in JSON, empty in CSV, "-").
+bool fixed_budget(const PressSpec& p) { return p.name == "DecodingPress"; }
+
+// The wrappers with head or layer budgets join the default press list configured as kvpress's
+// evaluation uses them (is_wrapper() leaves the other wrappers out: built by name alone they only
+// wrap KnormPress): AdaKV over ExpectedAttention with epsilon 1e-2 (kvpress's leaderboard
+// "expected_attention"), CriticalKV and CriticalAdaKV over ExpectedAttention without its ||v||
+// rescaling (kvpress's advice), PerLayerCompression over SnapKV with a per-layer ramp, and the
+// three decoding presses over KnormPress (PrefillDecodingPress: SnapKV at prefill).
+std::vector<PressSpec> default_budget_wrappers() {
+  const std::map<std::string, std::string> ea_no_vnorm{{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}};
+  return {
+      {"AdaKVPress", {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}}, "AdaKVPress(ExpectedAttentionPress)"},
+      {"CriticalKVPress", ea_no_vnorm, "CriticalKVPress(ExpectedAttentionPress)"},
+      {"CriticalAdaKVPress", ea_no_vnorm, "CriticalAdaKVPress(ExpectedAttentionPress)"},
+      {"PerLayerCompressionPress", {{"press", "SnapKVPress"}}, "PerLayerCompressionPress(SnapKVPress, ramp)", true},
+      // kvpress's decoding defaults (every 512 steps) never fire on stories this short: compress
+      // every 16 continuation tokens instead, so that the decoding presses are measured.
+      {"DecodingPress", {{"press", "KnormPress"}, {"compression_interval", "16"}, {"target_size", "64"}},
+       "DecodingPress(KnormPress, every 16, 64 tokens)"},
+      {"CompressionRatioDecodingPress", {{"press", "KnormPress"}, {"compression_interval", "16"}},
+       "CompressionRatioDecodingPress(KnormPress, every 16)"},
+      {"PrefillDecodingPress",
+       {{"prefilling_press", "SnapKVPress"},
+        {"decoding_press", "CompressionRatioDecodingPress"},
+        {"decoding_press.press", "KnormPress"},
+        {"decoding_press.compression_interval", "16"}},
+       "PrefillDecodingPress(SnapKVPress, CompressionRatioDecodingPress(KnormPress, every 16))"},
+  };
+}
+
+// compression_ratios for the default PerLayerCompressionPress at `ratio`: a linear ramp from
+// ratio - delta (first layer) to ratio + delta (last), delta = min(ratio, 1 - ratio) / 2, so the mean
+// is `ratio` and lower layers keep more (as PyramidKV's budgets).
+std::string per_layer_ramp(double ratio, int64_t num_layers) {
+  const double delta = std::min(ratio, 1.0 - ratio) / 2.0;
+  std::string out;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const double t = num_layers > 1 ? 2.0 * static_cast<double>(l) / static_cast<double>(num_layers - 1) - 1.0 : 0.0;
+    out += (l ? "," : "") + fmt::format("{:.17g}", ratio + delta * t);
+  }
+  return out;
+}
+
 double mean(const std::vector<double>& v) {
   double s = 0.0;
   for (double x : v) s += x;
@@ -229,11 +277,14 @@ void write_text(const std::string& path, const std::string& text, const char* op
 int run_eval(const std::vector<std::string>& argv) {
   EvalArgs args = parse_eval_args(argv);
   if (args.presses.empty()) {
+    // Every press with its defaults. KVComposePress (needs_second_pass) is included: the runner's
+    // prefill runs its second pass (kvpress::llama::kvcompose_prefill) inside score_continuation.
     for (const auto& info : kvpress::list_presses())
       if (!kvpress::is_wrapper(info)) args.presses.push_back({info.name, {}, info.name});
+    for (const auto& p : default_budget_wrappers()) args.presses.push_back(p);
   }
   // Presses first: an unknown press or parameter fails before the model is read.
-  for (const auto& p : args.presses) kvpress::make_press(p.name, 0.5, p.params);
+  for (const auto& p : args.presses) kvpress::make_press(p.name, fixed_budget(p) ? 0.0 : 0.5, p.params);
 
   at::set_num_threads(static_cast<int>(args.threads));
   // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global
@@ -273,8 +324,9 @@ int run_eval(const std::vector<std::string>& argv) {
                                      : fmt::format("fraction {}", args.prefix_fraction),
               ", at least --min-prefix ", args.min_prefix, " tokens) plus 2 tokens");
 
-  const int64_t n_runs =
-      static_cast<int64_t>(stories.size() * (1 + args.presses.size() * args.ratios.size()));
+  size_t press_runs = 0;
+  for (const auto& p : args.presses) press_runs += fixed_budget(p) ? 1 : args.ratios.size();
+  const int64_t n_runs = static_cast<int64_t>(stories.size() * (1 + press_runs));
   Progress progress(n_runs, args.progress && !args.quiet);
   int64_t done = 0;
   for (auto& s : stories) {
@@ -289,9 +341,14 @@ int run_eval(const std::vector<std::string>& argv) {
   };
   std::vector<Result> results;
   for (const auto& p : args.presses) {
-    for (double ratio : args.ratios) {
-      Result r{&p, ratio, {}, {}};
-      const auto press = kvpress::make_press(p.name, ratio, p.params);
+    for (double ratio : fixed_budget(p) ? std::vector<double>{0.0} : args.ratios) {
+      Result r{&p, fixed_budget(p) ? std::nan("") : ratio, {}, {}};
+      std::map<std::string, std::string> params = p.params;
+      if (p.per_layer_ramp) params["compression_ratios"] = per_layer_ramp(ratio, model.config().num_layers);
+      const auto press = kvpress::make_press(p.name, ratio, params);
+      // QSMPress/CTRPress weigh tokens by their text: give them the tokenizer's (one id decoded alone).
+      if (auto* qsm = dynamic_cast<kvpress::QSMPress*>(press.get()))
+        qsm->set_token_text([&tokenizer](int64_t id) { return tokenizer.decode({id}, /*skip_special_tokens=*/false); });
       for (const auto& s : stories) {
         llama::ContinuationScore c;
         try {
@@ -337,11 +394,14 @@ int run_eval(const std::vector<std::string>& argv) {
     fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>8}  {:>6.3f}\n", "full cache", w, "-", full_mean, "-", 1.0);
     for (const auto& r : results) {
       const double m = mean(r.nll);
-      fmt::print("{:<{}}  {:>5.2f}  {:>8.4f}  {:>+8.4f}  {:>6.3f}\n", r.press->label, w, r.ratio, m, m - full_mean,
+      fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>+8.4f}  {:>6.3f}\n", r.press->label, w,
+                 std::isnan(r.ratio) ? std::string("-") : fmt::format("{:.2f}", r.ratio), m, m - full_mean,
                  mean(r.agreement));
     }
-    fmt::print("\n{} runs ({} stories x (1 + {} presses x {} ratios)) in {}\n", n_runs, stories.size(),
-               args.presses.size(), args.ratios.size(), fmt_duration(seconds));
+    fmt::print("\n{} runs ({} stories x (1 + {} press runs: {} presses x {} ratios{})) in {}\n", n_runs,
+               stories.size(), press_runs, args.presses.size(), args.ratios.size(),
+               press_runs == args.presses.size() * args.ratios.size() ? "" : ", DecodingPress once",
+               fmt_duration(seconds));
   }
 
   // ---- files --------------------------------------------------------------------------------
@@ -365,7 +425,7 @@ int run_eval(const std::vector<std::string>& argv) {
       jr.push_back({{"press", r.press->name},
                     {"params", r.press->params},
                     {"label", r.press->label},
-                    {"ratio", r.ratio},
+                    {"ratio", std::isnan(r.ratio) ? nlohmann::json(nullptr) : nlohmann::json(r.ratio)},
                     {"mean_nll", m},
                     {"delta_nll", m - full_mean},
                     {"greedy_agreement", mean(r.agreement)},
@@ -383,7 +443,8 @@ int run_eval(const std::vector<std::string>& argv) {
     csv += fmt::format("full cache,0,{:.6f},0,1,{}\n", full_mean, stories.size());
     for (const auto& r : results) {
       const double m = mean(r.nll);
-      csv += fmt::format("{},{:g},{:.6f},{:.6f},{:.6f},{}\n", quoted(r.press->label), r.ratio, m, m - full_mean,
+      csv += fmt::format("{},{},{:.6f},{:.6f},{:.6f},{}\n", quoted(r.press->label),
+                         std::isnan(r.ratio) ? std::string() : fmt::format("{:g}", r.ratio), m, m - full_mean,
                          mean(r.agreement), stories.size());
     }
     write_text(args.csv, csv, "--csv");
@@ -399,9 +460,10 @@ int run_eval(const std::vector<std::string>& argv) {
     chart.reference = full_mean;
     chart.reference_label = "full cache";
     for (const auto& p : args.presses) {
+      if (fixed_budget(p)) continue;  // no ratio to plot it at
       ChartSeries series{p.label, {0.0}, {full_mean}};
       for (const auto& r : results) {
-        if (r.press != &p || r.ratio == 0.0) continue;
+        if (r.press != &p || r.ratio == 0.0 || std::isnan(r.ratio)) continue;  // NaN: DecodingPress
         series.x.push_back(r.ratio);
         series.y.push_back(mean(r.nll));
       }

@@ -34,6 +34,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvpress/cache.h"
 #include "kvpress/calibration.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/ops.h"
@@ -89,7 +90,10 @@ compress options:
                            q_proj, k_proj, q_norm, k_norm; metadata num_heads, layer_idx,
                            num_layers, norm_eps
   --output PATH, -o PATH   written with keys, values [B, Hkv, n_kept, D], scores [B, Hkv, S]
-                           float32, kept_indices [B, Hkv, n_kept] int64 (ascending)
+                           float32, kept_indices [B, Hkv, n_kept] int64 (ascending); for a
+                           head-ragged press (e.g. CompactorPress selection=across_heads):
+                           keys, values [T, D] and kept_indices [T] packed head after head,
+                           lengths [B, Hkv] int64 (docs/CLI.md)
   --device DEVICE          where the press runs: cpu (default), cuda, cuda:1, ...
   --allow-unknown-tensors  ignore input tensors the CLI does not know (default: error)
   --quiet, -q              do not print the summary line
@@ -262,7 +266,7 @@ c10::Device parse_device(const std::string& text) {
 const std::vector<std::string>& known_tensors() {
   static const std::vector<std::string> names = {
       "keys",   "values", "queries", "hidden_states", "q_proj", "k_proj",
-      "q_norm", "k_norm", "attentions", "cos",        "sin"};
+      "q_norm", "k_norm", "attentions", "cos",        "sin",    "inv_freq"};
   return names;
 }
 
@@ -318,6 +322,7 @@ kvpress::LayerInputs layer_inputs(kvpress::io::SafetensorsFile& file, const std:
   in.attentions = take("attentions");
   in.cos = take("cos");
   in.sin = take("sin");
+  in.inv_freq = take("inv_freq");
 
   TORCH_CHECK(in.keys.defined(), "input ", path, ": missing tensor 'keys' [batch, kv_heads, seq_len, head_dim]");
   TORCH_CHECK(in.values.defined(), "input ", path, ": missing tensor 'values' [batch, kv_heads, seq_len, head_dim]");
@@ -371,6 +376,9 @@ kvpress::LayerInputs layer_inputs(kvpress::io::SafetensorsFile& file, const std:
                 path, ": '", name, "' must be [", S, ", ", D, "] (seq_len, head_dim), got ",
                 shape_str(t.sizes()));
   }
+  TORCH_CHECK(!in.inv_freq.defined() || (D % 2 == 0 && in.inv_freq.dim() == 1 && in.inv_freq.size(0) == D / 2),
+              "input ", path, ": 'inv_freq' must be [", D / 2, "] (head_dim / 2), got ",
+              shape_str(in.inv_freq.sizes()));
   int64_t hidden = -1;
   if (in.hidden_states.defined()) {
     const auto& h = in.hidden_states;
@@ -422,7 +430,7 @@ kvpress::LayerInputs to_device(const kvpress::LayerInputs& in, const c10::Device
   kvpress::LayerInputs out = in;
   for (at::Tensor* t : {&out.keys, &out.values, &out.queries, &out.hidden_states, &out.q_proj,
                         &out.k_proj, &out.q_norm, &out.k_norm, &out.attentions, &out.cos,
-                        &out.sin}) {
+                        &out.sin, &out.inv_freq}) {
     if (t->defined()) *t = t->to(device);
   }
   return out;
@@ -451,7 +459,27 @@ int run_compress(const std::vector<std::string>& argv) {
   const auto start = std::chrono::steady_clock::now();
   at::Tensor scores;
   kvpress::KV kv;
-  if (const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get())) {
+  std::map<std::string, at::Tensor> out;
+  std::string summary_kept;  // "64 tokens per head" or the ragged spread
+  int64_t n_kept = 0;        // per head, or in total for a head-ragged press
+  if (press->head_ragged()) {
+    // Heads keep different numbers of tokens: every head's kept tokens packed one after another,
+    // with a [B, Hkv] lengths tensor (docs/CLI.md, "Head-ragged output").
+    const kvpress::RaggedKV ragged = press->compress_ragged(inputs);
+    TORCH_CHECK(ragged.batch == B && ragged.kv_heads == Hkv, press->name(), ": compress_ragged() returned ",
+                ragged.batch, " x ", ragged.kv_heads, " heads, expected ", B, " x ", Hkv);
+    const kvpress::HeadRaggedLayer layer = kvpress::HeadRaggedLayer::from_ragged(ragged, S);
+    out = {
+        {"keys", layer.packed_keys().to(at::kCPU).contiguous()},
+        {"values", layer.packed_values().to(at::kCPU).contiguous()},
+        {"kept_indices", layer.packed_positions().to(at::kCPU).contiguous()},
+        {"lengths", layer.lengths()},
+    };
+    n_kept = layer.packed_tokens();
+    summary_kept = fmt::format("{} tokens per head on average (min {}, max {}; head-ragged)",
+                               fmt::format("{:.1f}", static_cast<double>(n_kept) / static_cast<double>(B * Hkv)),
+                               layer.min_length(), layer.max_length());
+  } else if (const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get())) {
     // Score once and select from exactly these scores, so the file's scores explain its
     // kept_indices.
     scores = scorer->score(inputs);
@@ -466,15 +494,19 @@ int run_compress(const std::vector<std::string>& argv) {
   } else {
     kv = press->compress(inputs);
   }
-  TORCH_CHECK(kv.keys.defined() && kv.values.defined() && kv.kept_indices.defined(),
-              press->name(), ": compress() returned an incomplete result");
-  // Copying back to the CPU synchronises, so the time covers the device work.
-  std::map<std::string, at::Tensor> out = {
-      {"keys", kv.keys.to(at::kCPU).contiguous()},
-      {"values", kv.values.to(at::kCPU).contiguous()},
-      {"kept_indices", kv.kept_indices.to(at::kCPU, at::kLong).contiguous()},
-  };
-  if (scores.defined()) out["scores"] = scores.to(at::kCPU, at::kFloat).contiguous();
+  if (!press->head_ragged()) {
+    TORCH_CHECK(kv.keys.defined() && kv.values.defined() && kv.kept_indices.defined(),
+                press->name(), ": compress() returned an incomplete result");
+    // Copying back to the CPU synchronises, so the time covers the device work.
+    out = {
+        {"keys", kv.keys.to(at::kCPU).contiguous()},
+        {"values", kv.values.to(at::kCPU).contiguous()},
+        {"kept_indices", kv.kept_indices.to(at::kCPU, at::kLong).contiguous()},
+    };
+    if (scores.defined()) out["scores"] = scores.to(at::kCPU, at::kFloat).contiguous();
+    n_kept = kv.kept_indices.size(-1);
+    summary_kept = fmt::format("{} tokens per head", n_kept);
+  }
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 
@@ -484,8 +516,7 @@ int run_compress(const std::vector<std::string>& argv) {
     for (const auto& p : info->params) params[p.name] = p.default_value;
   }
   for (const auto& [key, value] : args.params) params[key] = value;
-  const int64_t n_kept = kv.kept_indices.size(-1);
-  const std::map<std::string, std::string> metadata = {
+  std::map<std::string, std::string> metadata = {
       {"press", press->name()},
       {"ratio", fmt::format("{}", ratio)},
       {"params", params.dump()},
@@ -493,11 +524,12 @@ int run_compress(const std::vector<std::string>& argv) {
       {"n_kept", std::to_string(n_kept)},
       {"kvpress_version", KVPRESS_VERSION},
   };
+  if (press->head_ragged()) metadata["layout"] = "head_ragged";  // n_kept is then the total
   kvpress::io::save_safetensors(args.output, out, metadata);
 
   if (!args.quiet) {
-    fmt::print("{}: ratio {}, {} -> {} tokens per head (batch {}, {} KV heads) in {:.2f} ms on {}; wrote {}\n",
-               press->name(), ratio, S, n_kept, B, Hkv, ms, device.str(), args.output);
+    fmt::print("{}: ratio {}, {} -> {} (batch {}, {} KV heads) in {:.2f} ms on {}; wrote {}\n",
+               press->name(), ratio, S, summary_kept, B, Hkv, ms, device.str(), args.output);
   }
   return 0;
 }

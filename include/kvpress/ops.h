@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "kvpress/types.h"
 
@@ -64,6 +65,11 @@ at::Tensor prerope_keys(const LayerInputs& inputs, const char* op);  // -> [B, H
 at::Tensor window_attention(const at::Tensor& queries,  // [B, Hq, w, D] post-RoPE
                             const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, w, S - w] float32
 
+// window_attention(queries, keys).mean(2), fused: float32 blocks of a few MiB, never the
+// [B, Hq, w, S] tensor (kernels/cpu/window_attention.cpp, kernels/cuda/window_attention.cu).
+at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D] post-RoPE
+                                 const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, S - w] float32
+
 // ---- scores -----------------------------------------------------------------------------
 
 // -||k_i||_2.
@@ -90,6 +96,12 @@ at::Tensor lagkv_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
 // then the last `window_size` positions get max + 1 so the window is always kept.
 at::Tensor snapkv_scores(const at::Tensor& window_attn,  // [B, Hq, w, S - w] float
                          int64_t num_kv_heads, int64_t kernel_size);  // -> [B, Hkv, S]
+
+// The same from the window attention already averaged over its `window_size` queries
+// (window_attention_mean), so the window attention itself never has to exist.
+at::Tensor snapkv_scores_from_mean(const at::Tensor& mean_attn,  // [B, Hq, S - w] float
+                                   int64_t num_kv_heads, int64_t kernel_size,
+                                   int64_t window_size);          // -> [B, Hkv, S]
 
 // TOVA: last query's attention averaged over ALL query heads, same for every KV head; the last
 // position gets max + 1.
@@ -179,5 +191,20 @@ at::Tensor topk_mask_across_heads(const at::Tensor& scores,  // [B, H, S] float
 RaggedKV gather_ragged(const at::Tensor& keys,        // [B, Hkv, S, D]
                        const at::Tensor& values,      // [B, Hkv, S, D]
                        const at::Tensor& keep_mask);  // [B, Hkv, S] bool
+
+// ---- head-ragged attention (kvpress/cache.h has the HeadRaggedLayer overload) --------------
+
+// Causal attention of n new tokens over a head-ragged layer given as raw storage: KV head
+// bh = b * Hkv + h holds packed rows [offsets[bh], offsets[bh + 1]) followed by tail[b, h, 0..m).
+// The queries are those of the last n tail tokens: new token i sees every packed token of its
+// head and tail tokens 0 .. m - n + i. float32 accumulation, GQA without repeat_kv, scale
+// defaults to 1 / sqrt(D). CPU and CUDA kernels (torch.ops.kvpress.ragged_attention).
+at::Tensor ragged_attention(const at::Tensor& queries,        // [B, Hq, n, D]
+                            const at::Tensor& packed_keys,    // [T, D]
+                            const at::Tensor& packed_values,  // [T, D]
+                            const at::Tensor& offsets,        // [B * Hkv + 1] int64, same device
+                            const at::Tensor& tail_keys,      // [B, Hkv, m, D], m >= n, last dim contiguous
+                            const at::Tensor& tail_values,    // [B, Hkv, m, D]
+                            std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
 
 }  // namespace kvpress::ops

@@ -28,9 +28,21 @@ struct PressInfo {
 // Every press the registry can build, in a stable order.
 const std::vector<PressInfo>& list_presses();
 
-// True for wrappers (a "press" or "presses" parameter names the inner press). Built by name alone
-// they wrap KnormPress, so default press lists (demo, eval) leave them out.
+// True for wrappers (a "press", "presses", "prefilling_press" or "decoding_press" parameter names
+// the inner press). Built by name alone they wrap KnormPress (PrefillDecodingPress: nothing), so
+// default press lists (demo, eval) leave them out.
 bool is_wrapper(const PressInfo& info);
+
+// True for presses that compress during decoding (DecodingPress, CompressionRatioDecodingPress,
+// PrefillDecodingPress: `needs` starts with "during decoding"). Engines run them through
+// kvpress::decoding_press_of; their compress() is not a prefill compression at the registry ratio
+// (a DecodingPress refuses any ratio but 0), so generic press loops leave them out.
+bool is_decoding_press(const PressInfo& info);
+
+// True for presses that cannot compress a layer on its own because they need the engine's second
+// pass over the context (KVComposePress: its `needs` starts with "second pass"). Their compress()
+// raises; kvpress::llama's runner runs them in prefill. Layer-level loops leave them out.
+bool needs_second_pass(const PressInfo& info);
 
 // Builds `name` with `compression_ratio` and parameters given as text ("window_size" -> "32").
 // Raises c10::Error for an unknown press, an unknown parameter or an unparsable value.

@@ -22,6 +22,9 @@ struct LayerInputs {
   at::Tensor hidden_states;  // optional [B, S, hidden], already input-layernormed
   at::Tensor q_proj;         // optional [Hq * D, hidden] (nn.Linear weight layout, no bias)
   at::Tensor k_proj;         // optional [Hkv * D, hidden]
+  // The layer's output projection weight, for presses that weigh values by their effect on the
+  // attention output (CriticalKVPress, CriticalAdaKVPress).
+  at::Tensor o_proj;         // optional [hidden, Hq * D] (nn.Linear weight layout, no bias)
   at::Tensor q_norm;         // optional [D] RMSNorm weight applied per head (Qwen3-style)
   at::Tensor k_norm;         // optional [D]
   double norm_eps = 1e-6;    // eps of q_norm / k_norm
@@ -37,6 +40,10 @@ struct LayerInputs {
   // outside 0..S-1 (ExpectedAttentionPress's future positions, KeyRerotationPress). When absent
   // they are derived from cos/sin row 1 (atan2), which needs float32 tables to be exact.
   at::Tensor inv_freq;  // optional [D / 2]
+
+  // Token ids of the S cached positions, for presses that read token text (QSMPress/CTRPress's
+  // semantic weights, through a callback on the press).
+  at::Tensor input_ids;  // optional [B, S] int64
 
   // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.
   int64_t num_heads = 0;

@@ -6,6 +6,10 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <vector>
+
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
 
@@ -18,11 +22,24 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
   const at::Tensor all = at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);
   KVCache cache = model.new_cache();
   PrefillOptions prefill;
-  prefill.press = press;
+  prefill.press = press;  // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part
   prefill.last_logits_only = true;  // token `prefix` is not scored
   model.prefill(all.narrow(1, 0, prefix), cache, prefill);
   // Feed tokens prefix .. n-2 at positions prefix .. n-2; they predict tokens prefix+1 .. n-1.
-  const at::Tensor logits = model.forward(all.narrow(1, prefix, n - 1 - prefix), cache).logits[0].to(at::kFloat);
+  at::Tensor logits;
+  if (const DecodingPress* decoding = decoding_press_of(press)) {
+    // A decoding press compresses while tokens are generated: feed them one per forward, as
+    // generation would, so that it compresses at its interval and later tokens read the result.
+    DecodingState state;
+    ForwardOptions step;
+    step.decoding_press = decoding;
+    step.decoding_state = &state;
+    std::vector<at::Tensor> rows;
+    for (int64_t p = prefix; p < n - 1; ++p) rows.push_back(model.forward(all.narrow(1, p, 1), cache, step).logits[0][0]);
+    logits = at::stack(rows).to(at::kFloat);
+  } else {
+    logits = model.forward(all.narrow(1, prefix, n - 1 - prefix), cache).logits[0].to(at::kFloat);
+  }
   const at::Tensor targets = all[0].narrow(0, prefix + 1, n - 1 - prefix);
   const at::Tensor logp = at::log_softmax(logits, -1);
   ContinuationScore s;

@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/prefill_decoding_press.h"
+
 namespace kvpress::llama {
 namespace {
 
@@ -28,14 +31,18 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
 
   KVCache cache = model.new_cache();
   PrefillOptions prefill;
-  prefill.press = options.press;
+  prefill.press = prefill_press_of(options.press);  // kvpress's pipeline: a DecodingPress skips the prefill
   prefill.press_attentions = options.press_attentions;
   prefill.last_logits_only = true;
   at::Tensor logits = model.prefill(as_batch(context), cache, prefill).logits;
   g.cache_lengths = cache.lengths();
 
+  DecodingState decoding_state;  // this generation's buffers (kvpress resets its press per pipeline call)
   ForwardOptions step;
   step.last_logits_only = true;
+  step.decoding_press = decoding_press_of(options.press);
+  step.decoding_state = &decoding_state;
+  step.decoding_attentions = options.decoding_attentions;
   if (!question.empty()) logits = model.forward(as_batch(question), cache, step).logits;
 
   const int64_t eos = model.config().eos_token_id;
@@ -46,6 +53,7 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
     if (options.stop_at_eos && next == eos) break;
     logits = model.forward(as_batch({next}), cache, step).logits;
   }
+  g.final_cache_lengths = cache.lengths();
   return g;
 }
 

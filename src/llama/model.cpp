@@ -14,10 +14,14 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "kvpress/io/safetensors.h"
+#include "kvpress/llama/kvcompose.h"
 #include "kvpress/ops.h"
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
 
 namespace kvpress::llama {
@@ -54,11 +58,13 @@ std::vector<int64_t> KVCache::lengths() const {
 
 at::Tensor KVCache::keys(int64_t layer) const {
   const Layer& l = layers_.at(static_cast<size_t>(layer));
+  TORCH_CHECK(!l.ragged.defined(), "KVCache::keys: layer ", layer, " is stored head-ragged (use ragged(layer))");
   return l.key_buffer.defined() ? l.key_buffer.narrow(2, 0, l.length) : at::Tensor();
 }
 
 at::Tensor KVCache::values(int64_t layer) const {
   const Layer& l = layers_.at(static_cast<size_t>(layer));
+  TORCH_CHECK(!l.ragged.defined(), "KVCache::values: layer ", layer, " is stored head-ragged (use ragged(layer))");
   return l.value_buffer.defined() ? l.value_buffer.narrow(2, 0, l.length) : at::Tensor();
 }
 
@@ -69,6 +75,11 @@ void KVCache::append(int64_t layer, const at::Tensor& keys, const at::Tensor& va
               shape_str(keys), " and ", shape_str(values));
   Layer& l = layers_[static_cast<size_t>(layer)];
   const int64_t n = keys.size(2);
+  if (l.ragged.defined()) {  // every head gets the new tokens in its tail
+    l.ragged.append(keys, values);
+    l.length = l.ragged.max_length();
+    return;
+  }
   if (l.key_buffer.defined()) {
     TORCH_CHECK(keys.size(0) == l.key_buffer.size(0) && keys.size(1) == l.key_buffer.size(1) &&
                     keys.size(3) == l.key_buffer.size(3),
@@ -87,9 +98,15 @@ void KVCache::append(int64_t layer, const at::Tensor& keys, const at::Tensor& va
     }
     l.key_buffer = kb;
     l.value_buffer = vb;
+    if (l.mask_buffer.defined()) {
+      at::Tensor mb = at::empty({keys.size(0), keys.size(1), new_capacity}, l.mask_buffer.options());
+      if (l.length > 0) mb.narrow(2, 0, l.length).copy_(l.mask_buffer.narrow(2, 0, l.length));
+      l.mask_buffer = mb;
+    }
   }
   l.key_buffer.narrow(2, l.length, n).copy_(keys);
   l.value_buffer.narrow(2, l.length, n).copy_(values);
+  if (l.mask_buffer.defined()) l.mask_buffer.narrow(2, l.length, n).fill_(true);  // new tokens are visible
   l.length += n;
 }
 
@@ -101,15 +118,75 @@ void KVCache::replace(int64_t layer, const at::Tensor& keys, const at::Tensor& v
   Layer& l = layers_[static_cast<size_t>(layer)];
   l.key_buffer = keys.contiguous();
   l.value_buffer = values.contiguous();
+  l.mask_buffer = at::Tensor();
+  l.ragged = HeadRaggedLayer();
   l.length = keys.size(2);
+}
+
+void KVCache::replace_ragged(int64_t layer, HeadRaggedLayer ragged) {
+  TORCH_CHECK(layer >= 0 && layer < num_layers(), "KVCache::replace_ragged: layer ", layer, " out of range");
+  TORCH_CHECK(ragged.defined(), "KVCache::replace_ragged: the head-ragged layer is empty");
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  l = Layer();  // frees the dense buffers
+  l.ragged = std::move(ragged);
+  l.length = l.ragged.max_length();
+}
+
+void KVCache::set_keep_mask(int64_t layer, const at::Tensor& keep_mask) {
+  TORCH_CHECK(layer >= 0 && layer < num_layers(), "KVCache::set_keep_mask: layer ", layer, " out of range");
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  TORCH_CHECK(l.key_buffer.defined() && !l.ragged.defined(), "KVCache::set_keep_mask: layer ", layer,
+              " must hold dense tokens");
+  const at::Tensor keys = this->keys(layer);
+  TORCH_CHECK(keep_mask.defined() && keep_mask.scalar_type() == at::kBool && keep_mask.dim() == 3 &&
+                  keep_mask.size(0) == keys.size(0) && keep_mask.size(1) == keys.size(1) &&
+                  keep_mask.size(2) == l.length,
+              "KVCache::set_keep_mask: keep_mask must be bool [", keys.size(0), ", ", keys.size(1), ", ", l.length,
+              "], got ", keep_mask.defined() ? shape_str(keep_mask) : std::string("undefined"));
+  l.mask_buffer = at::ones({keys.size(0), keys.size(1), l.key_buffer.size(2)}, keep_mask.options().device(keys.device()));
+  l.mask_buffer.narrow(2, 0, l.length).copy_(keep_mask);
+}
+
+bool KVCache::is_ragged(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).ragged.defined(); }
+
+const HeadRaggedLayer& KVCache::ragged(int64_t layer) const {
+  const Layer& l = layers_.at(static_cast<size_t>(layer));
+  TORCH_CHECK(l.ragged.defined(), "KVCache::ragged: layer ", layer, " is not stored head-ragged");
+  return l.ragged;
+}
+
+at::Tensor KVCache::keep_mask(int64_t layer) const {
+  const Layer& l = layers_.at(static_cast<size_t>(layer));
+  return l.mask_buffer.defined() ? l.mask_buffer.narrow(2, 0, l.length) : at::Tensor();
+}
+
+int64_t KVCache::bytes() const {
+  int64_t total = 0;
+  for (const Layer& l : layers_) {
+    for (const at::Tensor* t : {&l.key_buffer, &l.value_buffer, &l.mask_buffer})
+      if (t->defined()) total += static_cast<int64_t>(t->nbytes());
+    if (l.ragged.defined()) total += l.ragged.bytes();
+  }
+  return total;
 }
 
 void KVCache::truncate(const std::vector<int64_t>& lengths, int64_t position) {
   TORCH_CHECK(static_cast<int64_t>(lengths.size()) == num_layers(), "KVCache::truncate: expected ", num_layers(),
               " lengths, got ", lengths.size());
+  // Check every layer before changing any.
   for (size_t i = 0; i < layers_.size(); ++i) {
     TORCH_CHECK(lengths[i] >= 0 && lengths[i] <= layers_[i].length, "KVCache::truncate: layer ", i, " holds ",
                 layers_[i].length, " tokens, cannot keep ", lengths[i]);
+    const HeadRaggedLayer& ragged = layers_[i].ragged;
+    // A head-ragged layer can drop only the tokens appended after its compression (every head holds them).
+    TORCH_CHECK(!ragged.defined() || layers_[i].length - lengths[i] <= ragged.appended(),
+                "KVCache::truncate: head-ragged layer ", i, " can drop at most the ", ragged.appended(),
+                " tokens appended after compression (keep >= ", layers_[i].length - ragged.appended(), "), got ",
+                lengths[i]);
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    HeadRaggedLayer& ragged = layers_[i].ragged;
+    if (ragged.defined()) ragged.truncate_appended(ragged.appended() - (layers_[i].length - lengths[i]), position);
     layers_[i].length = lengths[i];
   }
   position_ = position;
@@ -183,6 +260,32 @@ RopeTables LlamaModel::rope(int64_t start, int64_t n) const {
   return {emb.cos().to(dtype_), emb.sin().to(dtype_)};
 }
 
+at::Tensor LlamaModel::embed(const at::Tensor& input_ids) const { return at::embedding(embed_tokens_, input_ids); }
+
+LlamaModel::LayerQKV LlamaModel::layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables) const {
+  TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_qkv: layer must be in [0, ",
+              config_.num_layers, "), got ", layer);
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  const int64_t batch = x.size(0), n = x.size(1), d = config_.head_dim;
+  const at::Tensor h = rms_norm(x, w.input_norm);
+  LayerQKV out;
+  out.q = ops::apply_rope(at::linear(h, w.q_proj).view({batch, n, config_.num_heads, d}).transpose(1, 2),
+                          rope_tables.cos, rope_tables.sin);
+  out.k = ops::apply_rope(at::linear(h, w.k_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2),
+                          rope_tables.cos, rope_tables.sin);
+  out.v = at::linear(h, w.v_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2);
+  return out;
+}
+
+at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const {
+  TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_output: layer must be in [0, ",
+              config_.num_layers, "), got ", layer);
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  const at::Tensor y = x + at::linear(attn, w.o_proj);
+  const at::Tensor m = rms_norm(y, w.post_norm);
+  return y + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+}
+
 at::Tensor LlamaModel::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor variance = xf.pow(2).mean(-1, /*keepdim=*/true);
@@ -192,6 +295,9 @@ at::Tensor LlamaModel::rms_norm(const at::Tensor& x, const at::Tensor& weight) c
 ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options) const {
   TORCH_CHECK(cache.position() == 0, "LlamaModel::prefill: the cache already holds ", cache.position(),
               " tokens; prefill starts from an empty cache (use forward() to continue)");
+  // KVCompose cannot compress layer by layer: it needs its second pass (kvpress/llama/kvcompose.h).
+  if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
+    return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
   return run(input_ids, cache, options, &options);
 }
 
@@ -212,7 +318,9 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
   const double scaling = 1.0 / std::sqrt(static_cast<double>(d));  // head_dim ** -0.5
   const int64_t start = cache.position();
 
-  const BasePress* press = prefill ? prefill->press : nullptr;
+  // A DecodingPress does nothing at prefill (kvpress's hook skips it); a PrefillDecodingPress
+  // applies its prefilling press.
+  const BasePress* press = prefill ? prefill_press_of(prefill->press) : nullptr;
   bool press_attentions = false;
   if (press) {
     switch (prefill->press_attentions) {
@@ -224,6 +332,13 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
         break;
     }
   }
+
+  // kvpress's is_prefilling: a forward starting at position 0 is a prefill, so decoding presses skip it.
+  const DecodingPress* decoding = start > 0 ? options.decoding_press : nullptr;
+  TORCH_CHECK(decoding == nullptr || options.decoding_state != nullptr, "LlamaModel: ", decoding->name(),
+              " needs a decoding_state (one per generation), got nullptr");
+  const bool decoding_attentions =
+      decoding && (options.decoding_attentions || press_needs_attentions(*decoding->press()));
 
   ForwardOutput out;
   const RopeTables rope_tables = rope(start, n);
@@ -241,25 +356,42 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
     q = ops::apply_rope(q, rope_tables.cos, rope_tables.sin);
     k = ops::apply_rope(k, rope_tables.cos, rope_tables.sin);
     cache.append(li, k, v);
-    const at::Tensor keys = cache.keys(li), values = cache.values(li);  // [B, Hkv, L, D]
-    const int64_t len = keys.size(2);
+    at::Tensor keys, values, attn_out, attn_weights;  // keys/values [B, Hkv, L, D] of a dense layer
+    if (cache.is_ragged(li)) {
+      // Head-ragged layer (compressed by a head-ragged press): fused attention over each head's kept
+      // tokens and the new ones, no dense K/V and no weight matrix.
+      TORCH_CHECK(!options.return_attentions, "LlamaModel: return_attentions is not available for layer ", li,
+                  ", stored head-ragged (prefill with ragged_layout = kMasked to get dense weights)");
+      TORCH_CHECK(decoding == nullptr, "LlamaModel: ", decoding ? decoding->name() : std::string(),
+                  " cannot compress layer ", li, ", stored head-ragged");
+      attn_out = ops::ragged_attention(q, cache.ragged(li), scaling).transpose(1, 2).reshape({batch, n, hq * d});
+    } else {
+      keys = cache.keys(li);
+      values = cache.values(li);
+      const int64_t len = keys.size(2);
 
-    // GQA without repeating K/V: the G query heads of a KV head become extra rows of one matmul.
-    // Query head j*G + g uses KV head j, as repeat_kv does.
-    const at::Tensor qg = q.reshape({batch, hkv, groups * n, d});
-    at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * scaling;  // [B, Hkv, G*n, L]
-    scores = scores.view({batch, hkv, groups, n, len});
-    if (n > 1) {
-      // New token i sits in cache slot len - n + i and sees slots <= that one; everything before
-      // the new tokens (the possibly compressed past) is visible.
-      const at::Tensor row = at::arange(n, at::kLong).unsqueeze(1) + (len - n);
-      const at::Tensor col = at::arange(len, at::kLong).unsqueeze(0);
-      scores = scores.masked_fill(col > row, -std::numeric_limits<double>::infinity());
+      // GQA without repeating K/V: the G query heads of a KV head become extra rows of one matmul.
+      // Query head j*G + g uses KV head j, as repeat_kv does.
+      const at::Tensor qg = q.reshape({batch, hkv, groups * n, d});
+      at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * scaling;  // [B, Hkv, G*n, L]
+      scores = scores.view({batch, hkv, groups, n, len});
+      if (n > 1) {
+        // New token i sits in cache slot len - n + i and sees slots <= that one; everything before
+        // the new tokens (the possibly compressed past) is visible.
+        const at::Tensor row = at::arange(n, at::kLong).unsqueeze(1) + (len - n);
+        const at::Tensor col = at::arange(len, at::kLong).unsqueeze(0);
+        scores = scores.masked_fill(col > row, -std::numeric_limits<double>::infinity());
+      }
+      // A head-ragged selection kept densely (RaggedLayout::kMasked): evicted tokens get -inf.
+      const at::Tensor keep = cache.keep_mask(li);  // [B, Hkv, L] bool or undefined
+      if (keep.defined())
+        scores = scores.masked_fill(keep.logical_not().view({batch, hkv, 1, 1, len}),
+                                    -std::numeric_limits<double>::infinity());
+      const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());  // [B, Hkv, G, n, L]
+      const at::Tensor attn = at::matmul(weights.view({batch, hkv, groups * n, len}), values);  // [B, Hkv, G*n, D]
+      attn_out = attn.view({batch, hq, n, d}).transpose(1, 2).reshape({batch, n, hq * d});
+      attn_weights = weights.view({batch, hq, n, len});
     }
-    const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());  // [B, Hkv, G, n, L]
-    const at::Tensor attn = at::matmul(weights.view({batch, hkv, groups * n, len}), values);  // [B, Hkv, G*n, D]
-    const at::Tensor attn_out = attn.view({batch, hq, n, d}).transpose(1, 2).reshape({batch, n, hq * d});
-    const at::Tensor attn_weights = weights.view({batch, hq, n, len});
     if (options.return_attentions) out.attentions.push_back(attn_weights);
 
     // --- the press: kvpress's forward hook runs here, after the attention used the full cache ---
@@ -270,21 +402,66 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
       in.hidden_states = h;
       in.q_proj = w.q_proj;
       in.k_proj = w.k_proj;
+      in.o_proj = w.o_proj;  // CriticalKVPress / CriticalAdaKVPress weigh values by it
       in.cos = rope_tables.cos;  // positions 0..S-1 (prefill starts at 0)
       in.sin = rope_tables.sin;
+      in.input_ids = input_ids;  // token text for presses that read it (QSMPress/CTRPress semantic weights)
       if (press_attentions) in.attentions = attn_weights;
       in.num_heads = hq;
       in.layer_idx = li;
       in.num_layers = c.num_layers;
       in.norm_eps = c.rms_norm_eps;
-      const KV kv = press->compress(in);
-      TORCH_CHECK(kv.keys.dim() == 4 && kv.keys.size(0) == batch && kv.keys.size(1) == hkv && kv.keys.size(3) == d &&
-                      kv.values.sizes() == kv.keys.sizes(),
-                  "LlamaModel: ", press->name(), " returned keys ", shape_str(kv.keys), " and values ",
-                  shape_str(kv.values), " for a cache of ", shape_str(keys));
-      cache.replace(li, kv.keys, kv.values);
-      out.kept_indices.push_back(kv.kept_indices);
-      if (prefill->on_compress) prefill->on_compress(in, kv);
+      if (press->head_ragged()) {
+        // Heads keep different numbers of tokens: store each head's kept tokens only (kPacked) or
+        // mask the evicted ones in the dense layer (kMasked).
+        const RaggedKV kv = press->compress_ragged(in);
+        TORCH_CHECK(kv.batch == batch && kv.kv_heads == hkv, "LlamaModel: ", press->name(), " returned ", kv.batch,
+                    " x ", kv.kv_heads, " heads for a cache of ", shape_str(keys));
+        HeadRaggedLayer layer = HeadRaggedLayer::from_ragged(kv, keys.size(2));
+        const at::Tensor keep_mask = kv.keep_mask.defined() ? kv.keep_mask : layer.keep_mask();
+        if (prefill->ragged_layout == PrefillOptions::RaggedLayout::kPacked)
+          cache.replace_ragged(li, std::move(layer));
+        else
+          cache.set_keep_mask(li, keep_mask);
+        out.keep_masks.push_back(keep_mask);
+        if (prefill->on_compress_ragged) prefill->on_compress_ragged(in, kv);
+      } else {
+        const KV kv = press->compress(in);
+        TORCH_CHECK(kv.keys.dim() == 4 && kv.keys.size(0) == batch && kv.keys.size(1) == hkv && kv.keys.size(3) == d &&
+                        kv.values.sizes() == kv.keys.sizes(),
+                    "LlamaModel: ", press->name(), " returned keys ", shape_str(kv.keys), " and values ",
+                    shape_str(kv.values), " for a cache of ", shape_str(keys));
+        cache.replace(li, kv.keys, kv.values);
+        out.kept_indices.push_back(kv.kept_indices);
+        if (prefill->on_compress) prefill->on_compress(in, kv);
+      }
+    }
+
+    // --- kvpress's DecodingPress hook: every decoding forward, after the attention ---------------
+    if (decoding) {
+      LayerInputs in;
+      in.keys = keys.contiguous();
+      in.values = values.contiguous();
+      in.hidden_states = h;  // this forward's attention input; the press buffers it
+      in.q_proj = w.q_proj;
+      in.k_proj = w.k_proj;
+      in.o_proj = w.o_proj;  // CriticalKVPress / CriticalAdaKVPress weigh values by it
+      in.cos = rope_tables.cos;  // this forward's positions start .. start + n - 1
+      in.sin = rope_tables.sin;
+      in.inv_freq = inv_freq_;
+      if (decoding_attentions) in.attentions = attn_weights;
+      in.num_heads = hq;
+      in.layer_idx = li;
+      in.num_layers = c.num_layers;
+      in.norm_eps = c.rms_norm_eps;
+      if (const std::optional<KV> kv = decoding->step(in, start + n, *options.decoding_state)) {
+        TORCH_CHECK(kv->keys.dim() == 4 && kv->keys.size(0) == batch && kv->keys.size(1) == hkv &&
+                        kv->keys.size(3) == d && kv->values.sizes() == kv->keys.sizes(),
+                    "LlamaModel: ", decoding->name(), " returned keys ", shape_str(kv->keys), " and values ",
+                    shape_str(kv->values), " for a cache of ", shape_str(keys));
+        cache.replace(li, kv->keys, kv->values);
+        if (options.on_decoding_compress) options.on_decoding_compress(in, *kv);
+      }
     }
 
     x = residual + at::linear(attn_out, w.o_proj);

@@ -1,10 +1,12 @@
 // RoPE, GQA reduction, query recomputation and window attention.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <limits>
 
 #include "checks.h"
+#include "score_kernels.h"
 #include "kvpress/ops.h"
 
 namespace kvpress::ops {
@@ -168,6 +170,18 @@ at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
                                 .triu(seq - window + 1);
   logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
   return at::softmax(logits, -1).narrow(-1, 0, seq - window).contiguous();
+}
+
+at::Tensor window_attention_mean_aten(const at::Tensor& queries, const at::Tensor& keys) {
+  checks::check_window_attention("window_attention_mean", queries, keys);
+  return window_attention(queries, keys).mean(2);
+}
+
+at::Tensor window_attention_mean(const at::Tensor& queries, const at::Tensor& keys) {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("kvpress::window_attention_mean", "")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return handle.call(queries, keys);
 }
 
 }  // namespace kvpress::ops

@@ -5,7 +5,9 @@
 
 #include "checks.h"
 #include "cpu/keydiff.h"
+#include "cuda/kernels.h"
 #include "kvpress/ops.h"
+#include "score_kernels.h"
 
 namespace kvpress::ops {
 namespace {
@@ -32,6 +34,31 @@ at::Tensor lag_relative_scores(const at::Tensor& partitions) {  // [B, H, P, lag
 
 }  // namespace
 
+at::Tensor lagkv_partition_scores_aten(const at::Tensor& keys, const at::Tensor& values, int64_t n_sink,
+                                       int64_t lag_size, bool cross_scoring) {
+  constexpr const char* op = "lagkv_partition_scores";
+  checks::check_lagkv(op, keys, values, n_sink, lag_size);
+  const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2), dim = keys.size(3);
+  TORCH_CHECK(seq >= n_sink + 2 * lag_size, op, ": seq_len must be >= n_sink + 2 * lag_size (",
+              n_sink + 2 * lag_size, "), got ", seq);
+  const checks::LagLayout layout = checks::lag_layout(seq, n_sink, lag_size);
+  const auto float_opts = keys.options().dtype(at::kFloat);
+  auto partitions = [&](const at::Tensor& x) {
+    return x.narrow(2, n_sink, layout.end - n_sink).to(at::kFloat).reshape({batch, heads, layout.n_parts, lag_size, dim});
+  };
+  at::Tensor scores = (lag_relative_scores(partitions(keys)) + lag_relative_scores(partitions(values))) / 2;
+  if (!cross_scoring) {
+    // Rank within each partition, scaled to [0, 1).
+    const at::Tensor order = scores.argsort(/*stable=*/true, -1);
+    scores = (order.argsort(/*stable=*/true, -1).to(at::kFloat) / static_cast<double>(lag_size))
+                 .to(keys.scalar_type())
+                 .to(at::kFloat);
+  }
+  return at::cat({at::ones({batch, heads, n_sink}, float_opts), scores.reshape({batch, heads, -1}),
+                  at::ones({batch, heads, layout.tail_len}, float_opts)},
+                 -1);
+}
+
 at::Tensor key_norm_scores(const at::Tensor& keys) {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("kvpress::key_norm_scores", "")
@@ -42,6 +69,7 @@ at::Tensor key_norm_scores(const at::Tensor& keys) {
 at::Tensor keydiff_scores(const at::Tensor& keys) {
   checks::check_keys("keydiff_scores", keys);
   if (keys.device().is_cpu()) return kernels::keydiff_scores_cpu(keys);
+  if (keys.is_cuda() && kernels::cuda_kernels_built()) return kernels::keydiff_scores_cuda(keys);
   const at::Tensor k = keys.to(at::kFloat);
   // F.normalize (eps 1e-12), sequence mean, then F.cosine_similarity (eps 1e-8).
   const at::Tensor unit = k / k.norm(2, -1, /*keepdim=*/true).clamp_min(1e-12);
@@ -82,7 +110,7 @@ at::Tensor lagkv_scores(const at::Tensor& keys, const at::Tensor& values, int64_
   checks::check_kv(op, keys, values);
   checks::check_non_negative(op, "n_sink", n_sink);
   checks::check_positive(op, "lag_size", lag_size);
-  const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2), dim = keys.size(3);
+  const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2);
   const auto float_opts = keys.options().dtype(at::kFloat);
   if (seq < n_sink + 2 * lag_size) {
     // Too short to compare partitions: keep sinks, then rank tokens by recency.
@@ -94,23 +122,11 @@ at::Tensor lagkv_scores(const at::Tensor& keys, const at::Tensor& values, int64_
     }
     return scores;
   }
-  const int64_t n_parts = (seq - n_sink) / lag_size;
-  const int64_t end = n_sink + n_parts * lag_size;
-  const int64_t tail = lag_size + seq - end;
-  auto partitions = [&](const at::Tensor& x) {
-    return x.narrow(2, n_sink, end - n_sink).to(at::kFloat).reshape({batch, heads, n_parts, lag_size, dim});
-  };
-  at::Tensor scores = (lag_relative_scores(partitions(keys)) + lag_relative_scores(partitions(values))) / 2;
-  if (!cross_scoring) {
-    // Rank within each partition, scaled to [0, 1).
-    const at::Tensor order = scores.argsort(/*stable=*/true, -1);
-    scores = (order.argsort(/*stable=*/true, -1).to(at::kFloat) / static_cast<double>(lag_size))
-                 .to(keys.scalar_type())
-                 .to(at::kFloat);
-  }
-  return at::cat({at::ones({batch, heads, n_sink}, float_opts), scores.reshape({batch, heads, -1}),
-                  at::ones({batch, heads, tail}, float_opts)},
-                 -1);
+  // The partition statistics run in one fused pass (kernels/cpu/lagkv.cpp, kernels/cuda/lagkv.cu).
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("kvpress::lagkv_partition_scores", "")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>();
+  return handle.call(keys, values, n_sink, lag_size, cross_scoring);
 }
 
 at::Tensor snapkv_scores(const at::Tensor& window_attn, int64_t num_kv_heads, int64_t kernel_size) {
@@ -120,13 +136,25 @@ at::Tensor snapkv_scores(const at::Tensor& window_attn, int64_t num_kv_heads, in
   checks::check_gqa(op, window_attn.size(1), num_kv_heads);
   TORCH_CHECK(kernel_size > 0 && kernel_size % 2 == 1, op, ": kernel_size must be a positive odd number, got ",
               kernel_size);
-  const int64_t window = window_attn.size(2);
-  // Mean over the window queries, then a zero-padded moving average that counts the padding.
-  at::Tensor scores = window_attn.to(at::kFloat).mean(2);
-  scores = at::avg_pool1d(scores, {kernel_size}, {1}, {kernel_size / 2}, /*ceil_mode=*/false,
-                          /*count_include_pad=*/true);
+  // Mean over the window queries first.
+  return snapkv_scores_from_mean(window_attn.to(at::kFloat).mean(2), num_kv_heads, kernel_size,
+                                 window_attn.size(2));
+}
+
+at::Tensor snapkv_scores_from_mean(const at::Tensor& mean_attn, int64_t num_kv_heads, int64_t kernel_size,
+                                   int64_t window_size) {
+  constexpr const char* op = "snapkv_scores_from_mean";
+  checks::check_rank(op, "mean_attn", mean_attn, 3, "[batch, num_heads, seq_len - window]");
+  checks::check_non_empty(op, "mean_attn", mean_attn);
+  checks::check_gqa(op, mean_attn.size(1), num_kv_heads);
+  checks::check_positive(op, "window_size", window_size);
+  TORCH_CHECK(kernel_size > 0 && kernel_size % 2 == 1, op, ": kernel_size must be a positive odd number, got ",
+              kernel_size);
+  // A zero-padded moving average that counts the padding.
+  at::Tensor scores = at::avg_pool1d(mean_attn.to(at::kFloat), {kernel_size}, {1}, {kernel_size / 2},
+                                     /*ceil_mode=*/false, /*count_include_pad=*/true);
   scores = group_mean(scores, num_kv_heads);
-  return pad_with_max_plus_one(scores, window);
+  return pad_with_max_plus_one(scores, window_size);
 }
 
 at::Tensor tova_scores(const at::Tensor& last_attn, int64_t num_kv_heads) {

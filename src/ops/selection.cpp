@@ -5,6 +5,7 @@
 
 #include "checks.h"
 #include "cpu/selection.h"
+#include "cuda/kernels.h"
 #include "kvpress/ops.h"
 
 namespace kvpress {
@@ -39,9 +40,11 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k) {
               ": scores must be a floating tensor, got ", scores.scalar_type());
   const int64_t seq_len = scores.size(2);
   TORCH_CHECK(k >= 1 && k <= seq_len, op, ": k must be in [1, seq_len (", seq_len, ")], got ", k);
-  if (scores.device().is_cpu()) {
+  if (scores.device().is_cpu() || (scores.is_cuda() && kernels::cuda_kernels_built())) {
     at::Tensor kept;
-    if (!kernels::topk_indices_cpu(scores, k, kept)) checks::check_finite_scores(op, scores);  // raises
+    const bool finite = scores.is_cuda() ? kernels::topk_indices_cuda(scores, k, kept)
+                                         : kernels::topk_indices_cpu(scores, k, kept);
+    if (!finite) checks::check_finite_scores(op, scores);  // raises
     return kept;
   }
   checks::check_finite_scores(op, scores);
@@ -61,12 +64,13 @@ KV gather_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor&
               ": indices must be [", keys.size(0), ", ", keys.size(1), ", n_kept], got ",
               checks::shape_str(indices));
   checks::check_same_device(op, "indices", indices, "keys", keys);
-  if (keys.device().is_cpu()) {
+  if (keys.device().is_cpu() || (keys.is_cuda() && kernels::cuda_kernels_built())) {
     at::Tensor keys_out, values_out;
-    const int64_t bad = kernels::gather_rows_cpu(keys, values, indices, keys_out, values_out);
+    const int64_t bad = keys.is_cuda() ? kernels::gather_rows_cuda(keys, values, indices, keys_out, values_out)
+                                       : kernels::gather_rows_cpu(keys, values, indices, keys_out, values_out);
     if (bad < 0) return KV{keys_out, values_out, indices.contiguous()};
   }
-  if (indices.numel() > 0) {  // on CPU only reached with an index out of range: name the range
+  if (indices.numel() > 0) {  // with a kernel, only reached with an index out of range: name the range
     const int64_t lo = indices.min().item<int64_t>();
     const int64_t hi = indices.max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < keys.size(2), op, ": indices must be in [0, seq_len (", keys.size(2),

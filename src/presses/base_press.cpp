@@ -4,6 +4,7 @@
 
 #include "checks.h"
 #include "cpu/selection.h"
+#include "cuda/kernels.h"
 #include "kvpress/ops.h"
 
 namespace kvpress {
@@ -50,10 +51,12 @@ KV ScorerPress::compress(const LayerInputs& inputs) const {
   TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
               scores.scalar_type());
   const int64_t k = ops::n_kept(seq, compression_ratio_);
-  if (scores.device().is_cpu()) {
-    // The fused CPU top-k checks finiteness on the way; only a failure pays for the named error.
+  if (scores.device().is_cpu() || (scores.is_cuda() && kernels::cuda_kernels_built())) {
+    // The fused top-k kernels check finiteness on the way; only a failure pays for the named error.
     at::Tensor kept;
-    if (!kernels::topk_indices_cpu(scores, k, kept)) checks::check_finite_scores(op.c_str(), scores);
+    const bool finite = scores.is_cuda() ? kernels::topk_indices_cuda(scores, k, kept)
+                                         : kernels::topk_indices_cpu(scores, k, kept);
+    if (!finite) checks::check_finite_scores(op.c_str(), scores);
     return ops::gather_kv(inputs.keys, inputs.values, kept);
   }
   checks::check_finite_scores(op.c_str(), scores);

@@ -13,9 +13,10 @@
 namespace kvpress {
 namespace {
 
-// The last `window` rows of the given attentions over the first S - window keys, or the window
-// attention recomputed from queries (given or rebuilt from hidden states).
-at::Tensor observation_attention(const LayerInputs& in, int64_t window, const char* op) {
+// The mean over the last `window` query rows of the attention paid to the first S - window keys
+// ([B, Hq, S - window] float32): from the given attentions, or recomputed from queries (given or
+// rebuilt from hidden states) by the fused window_attention_mean, which never holds all rows.
+at::Tensor observation_attention_mean(const LayerInputs& in, int64_t window, const char* op) {
   checks::check_kv(op, in.keys, in.values);
   const int64_t seq = in.keys.size(2);
   checks::check_window(op, "window_size", window, seq);
@@ -27,9 +28,9 @@ at::Tensor observation_attention(const LayerInputs& in, int64_t window, const ch
                 in.keys.size(0), ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
     TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window,
                 " query rows, got q_len ", a.size(2));
-    return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window);
+    return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window).to(at::kFloat).mean(2);
   }
-  return ops::window_attention(ops::window_queries(in, window, op), in.keys);
+  return ops::window_attention_mean(ops::window_queries(in, window, op), in.keys);
 }
 
 }  // namespace
@@ -53,12 +54,13 @@ SnapKVPress::SnapKVPress(double compression_ratio, int64_t window_size, int64_t 
 }
 
 at::Tensor SnapKVPress::score(const LayerInputs& inputs) const {
-  const at::Tensor attn = observation_attention(inputs, window_size_, "SnapKVPress");
-  return ops::snapkv_scores(attn, inputs.keys.size(1), kernel_size_);
+  const at::Tensor mean_attn = observation_attention_mean(inputs, window_size_, "SnapKVPress");
+  return ops::snapkv_scores_from_mean(mean_attn, inputs.keys.size(1), kernel_size_, window_size_);
 }
 
 at::Tensor TOVAPress::score(const LayerInputs& inputs) const {
-  const at::Tensor attn = observation_attention(inputs, 1, "TOVAPress");
+  // With one query row the mean is that row: [B, Hq, 1, S - 1] as tova_scores expects.
+  const at::Tensor attn = observation_attention_mean(inputs, 1, "TOVAPress").unsqueeze(2);
   return ops::tova_scores(attn, inputs.keys.size(1));
 }
 

@@ -71,6 +71,11 @@ save("hidden.safetensors", {"keys": keys, "values": values, "hidden_states": hid
                             "q_proj": q_proj, "k_proj": k_proj, "cos": cos, "sin": sin})
 save("full.safetensors", {"keys": keys, "values": values, "queries": queries,
                           "attentions": attentions})
+# RoPE's inverse frequencies given as such (KeyRerotationPress, ExpectedAttentionPress), instead of
+# being derived from cos/sin; and a wrong shape.
+save("kv_inv_freq.safetensors", {"keys": keys, "values": values, "inv_freq": inv_freq})
+save("kv_cos_sin.safetensors", {"keys": keys, "values": values, "cos": cos, "sin": sin})
+save("bad_inv_freq.safetensors", {"keys": keys, "values": values, "inv_freq": torch.cat([inv_freq, inv_freq])})
 # Compactor: post-RoPE queries of every position and the RoPE tables (pre-RoPE keys by inverse RoPE).
 save("compactor.safetensors", {"keys": keys, "values": values, "queries": queries, "cos": cos, "sin": sin})
 # Broken inputs.
@@ -129,7 +134,9 @@ fi
 
 presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
-         ChunkKVPress ChunkPress BlockPress ComposedPress)
+         ChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
+         PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
+         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"
@@ -180,8 +187,94 @@ expect_ok "compress ChunkKVPress(SnapKVPress)" compress --press ChunkKVPress --r
   --param press.window_size=8 --param chunk_length=4 --input "$tmp/queries.safetensors" --output "$tmp/chunkkv.st" --quiet
 expect_ok "compress ComposedPress" compress --press ComposedPress --ratio 0.5 --param presses=KnormPress,KeyDiffPress \
   --param presses.1.compression_ratio=0.25 --input "$tmp/kv.safetensors" --output "$tmp/composed.st" --quiet
+# CTR-Press (docs/PRESS_NOTES.md): QSMPress with an explicit query (its value merge on), CTRPress.
+expect_ok "compress QSMPress" compress --press QSMPress --ratio 0.5 --param sink_tokens=2 --param recent_tokens=4 \
+  --param query_length=6 --input "$tmp/compactor.safetensors" --output "$tmp/qsm.st" --quiet
+expect_ok "compress CTRPress" compress --press CTRPress --ratio 0.5 --param sink_tokens=2 --param entropy=reference \
+  --input "$tmp/compactor.safetensors" --output "$tmp/ctr.st" --quiet
+# inv_freq from the input file: KeyRerotationPress gives the keys it gives with cos/sin (from which it
+# would otherwise derive the frequencies), and fails without either.
+if expect_ok "compress KeyRerotationPress inv_freq" compress --press KeyRerotationPress --ratio 0.5 \
+    --input "$tmp/kv_inv_freq.safetensors" --output "$tmp/rerot_inv_freq.st" --quiet &&
+   expect_ok "compress KeyRerotationPress cos/sin" compress --press KeyRerotationPress --ratio 0.5 \
+    --input "$tmp/kv_cos_sin.safetensors" --output "$tmp/rerot_cos_sin.st" --quiet; then
+  checks=$((checks + 1))
+  "$python" - "$tmp" <<'EOF' || fail "KeyRerotationPress with inv_freq differs from cos/sin"
+import sys
+import torch
+from safetensors.torch import load_file
+a = load_file(f"{sys.argv[1]}/rerot_inv_freq.st")
+b = load_file(f"{sys.argv[1]}/rerot_cos_sin.st")
+assert a["keys"].shape == (2, 2, 20, 8), a["keys"].shape
+assert torch.equal(a["kept_indices"], b["kept_indices"]), "kept_indices differ"
+assert torch.allclose(a["keys"], b["keys"], atol=1e-5), (a["keys"] - b["keys"]).abs().max()
+EOF
+fi
+expect_error "KeyRerotationPress without inv_freq or cos/sin" "needs inv_freq" compress --press KeyRerotationPress \
+  --ratio 0.5 --input "$tmp/kv.safetensors" --output "$tmp/rerot.st"
+expect_error "inv_freq shape" "'inv_freq' must be [4] (head_dim / 2), got [8]" compress --press KeyRerotationPress \
+  --ratio 0.5 --input "$tmp/bad_inv_freq.safetensors" --output "$tmp/rerot.st"
 expect_ok "compress --quiet" compress --press KnormPress --ratio 0.5 --input "$tmp/kv.safetensors" \
   --output "$tmp/quiet.st" --quiet && { [ ! -s "$tmp/stdout" ] || fail "--quiet printed: $(cat "$tmp/stdout")"; }
+
+# Head-ragged press (docs/CLI.md, "Head-ragged output"): the paper's across-heads selection of
+# CompactorPress. Its kept set must be the 2 * 20 best (head, position) pairs of each batch row
+# under the scores that the per-head run (compactor.st, same seed and chunk_size) wrote.
+if expect_ok "compress head-ragged" compress --press CompactorPress --ratio 0.5 --param seed=1 --param chunk_size=16 \
+    --param selection=across_heads --input "$tmp/compactor.safetensors" --output "$tmp/ragged.st"; then
+  grep -Eq '^CompactorPress: ratio 0.5, 40 -> [0-9.]+ tokens per head on average \(min [0-9]+, max [0-9]+; head-ragged\)' \
+    "$tmp/stdout" || fail "compress head-ragged: summary line: $(cat "$tmp/stdout")"
+  checks=$((checks + 1))
+  "$python" - "$tmp" <<'EOF' || fail "head-ragged output checks (see above)"
+import sys
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+tmp = sys.argv[1]
+src, got, dense = (load_file(f"{tmp}/{n}") for n in ("compactor.safetensors", "ragged.st", "compactor.st"))
+with safe_open(f"{tmp}/ragged.st", "pt") as f:
+    meta = f.metadata()
+bad = 0
+def check(cond, what):
+    global bad
+    if not cond:
+        print(f"FAIL: head-ragged: {what}", file=sys.stderr)
+        bad += 1
+
+keys, values, scores = src["keys"], src["values"], dense["scores"]
+B, H, S, D = keys.shape
+n = int(S * 0.5)
+check(set(got) == {"keys", "values", "kept_indices", "lengths"}, f"tensors {sorted(got)}")
+lengths, idx = got["lengths"], got["kept_indices"]
+check(lengths.shape == (B, H) and lengths.dtype == torch.int64, f"lengths {lengths.dtype} {tuple(lengths.shape)}")
+T = int(lengths.sum())
+check(T == B * H * n, f"{T} tokens kept, expected {B * H * n}")
+check(got["keys"].shape == (T, D) and got["values"].shape == (T, D), f"keys {tuple(got['keys'].shape)}")
+check(idx.shape == (T,) and idx.dtype == torch.int64, f"kept_indices {idx.dtype} {tuple(idx.shape)}")
+check(len(set(lengths.flatten().tolist())) > 1, f"head budgets are all equal: {lengths.tolist()}")
+check(meta.get("layout") == "head_ragged" and meta.get("n_kept") == str(T), f"metadata {meta}")
+row = 0
+for b in range(B):
+    kept = set()
+    for h in range(H):
+        L = int(lengths[b, h])
+        i = idx[row:row + L]
+        check(bool((i[1:] > i[:-1]).all()) and bool((i >= 0).all() and (i < S).all()), f"[{b},{h}] indices {i.tolist()}")
+        check(torch.equal(got["keys"][row:row + L], keys[b, h, i]), f"[{b},{h}] keys are not keys[kept_indices]")
+        check(torch.equal(got["values"][row:row + L], values[b, h, i]), f"[{b},{h}] values are not values[kept_indices]")
+        kept |= {(h, p) for p in i.tolist()}
+        row += L
+    s = scores[b]
+    best = sorted(((h, p) for h in range(H) for p in range(S)), key=lambda hp: (-float(s[hp]), hp))[: H * n]
+    check(kept == set(best), f"row {b}: kept set is not the top-{H * n} (head, position) pairs")
+print("checked the head-ragged output", file=sys.stderr)
+sys.exit(1 if bad else 0)
+EOF
+fi
+expect_error "compress bad selection" "CompactorPress: parameter selection must be per_head or across_heads, got sideways" \
+  compress --press CompactorPress --ratio 0.5 --param selection=sideways --input "$tmp/compactor.safetensors" \
+  --output "$tmp/err_out.st"
 
 checks=$((checks + 1))
 "$python" - "$tmp" "${cases[@]}" <<'EOF' || fail "output checks (see above)"
@@ -262,6 +355,8 @@ expect_error "no command" "no command given"
 expect_error "unknown command" "unknown command 'squeeze'" squeeze
 expect_error "unknown option" "unknown option '--pres'" compress --pres KnormPress --ratio 0.5 --input "$in" --output "$out"
 expect_error "unknown press" "unknown press 'NopePress'" compress --press NopePress --ratio 0.5 --input "$in" --output "$out"
+# KVComposePress needs the engine's second pass (a model): compress on one layer refuses clearly.
+expect_error "KVComposePress needs a second pass" "needs the engine's second pass" compress --press KVComposePress --ratio 0.5 --input "$in" --output "$out"
 expect_error "unknown --param" "unknown parameter 'window'" compress --press SnapKVPress --ratio 0.5 --param window=8 --input "$in" --output "$out"
 expect_error "--param on a press without params" "unknown parameter 'n_sink'" compress --press KnormPress --ratio 0.5 --param n_sink=3 --input "$in" --output "$out"
 expect_error "malformed --param" "--param expects KEY=VALUE, got 'window_size'" compress --press SnapKVPress --ratio 0.5 --param window_size --input "$in" --output "$out"
@@ -320,6 +415,28 @@ expect_error "eval unknown press" "unknown press 'NopePress'" eval --press NopeP
 expect_error "eval bad ratio list" "--ratios must be a comma-separated list of numbers in [0, 1), got '0.5,x'" eval --press KnormPress --ratios 0.5,x
 expect_error "eval missing text" "$tmp/missing.txt" eval --press KnormPress --text "$tmp/missing.txt"
 expect_error "eval param before press" "must follow the --press it applies to" eval --param window_size=8 --press SnapKVPress
+expect_error "eval DecodingPress bad target" "DecodingPress: target_size" eval --press DecodingPress --param target_size=0
+expect_error "eval PrefillDecodingPress bad part" "decoding_press must be DecodingPress or CompressionRatioDecodingPress" \
+  eval --press PrefillDecodingPress --param decoding_press=KnormPress
+# Decoding presses in eval (docs/EVAL.md): the continuation is fed one token per forward; a
+# DecodingPress runs once (no ratio: JSON null), a CompressionRatioDecodingPress once per ratio.
+if expect_ok "eval decoding presses" eval --max-stories 1 --ratios 0.25,0.5 --quiet --json "$tmp/eval_decoding.json" \
+    --press DecodingPress --param press=SnapKVPress --param press.window_size=8 --param compression_interval=16 \
+    --param target_size=64 --press CompressionRatioDecodingPress --param press=KeyDiffPress --param compression_interval=8; then
+  checks=$((checks + 1))
+  "$python" - "$tmp/eval_decoding.json" <<'EOF' || fail "eval decoding presses: results (see above)"
+import json, math, sys
+j = json.load(open(sys.argv[1]))
+rows = [(r["press"], r["ratio"]) for r in j["results"]]
+assert rows == [("DecodingPress", None), ("CompressionRatioDecodingPress", 0.25),
+                ("CompressionRatioDecodingPress", 0.5)], rows
+full = j["full"]["mean_nll"]
+for r in j["results"]:
+    assert math.isfinite(r["mean_nll"]) and 0 <= r["greedy_agreement"] <= 1, r
+    # every press here compresses within the story's continuation: the NLL moves
+    assert r["mean_nll"] != full, (r["label"], full)
+EOF
+fi
 
 if [ "$failures" -ne 0 ]; then
   echo "test_cli.sh: $failures failure(s) in $checks checks" >&2

@@ -40,6 +40,22 @@ seeded = ops.random_scores(keys, 42)
 generator = torch.Generator().manual_seed(42)
 check("random_scores equals torch.rand", torch.equal(seeded, torch.rand(1, 2, 40, generator=generator)))
 
+# Head-ragged attention: head 0 keeps positions 0..9, head 1 keeps 20..39, then one new token
+# (the tail) attends; equals softmax attention over the kept positions and itself.
+packed_k = torch.cat([keys[0, 0, :10], keys[0, 1, 20:]])
+packed_v = torch.cat([values[0, 0, :10], values[0, 1, 20:]])
+offsets = torch.tensor([0, 10, 30])
+tail_k, tail_v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+q = torch.randn(1, 4, 1, 16)
+out = ops.ragged_attention(q, packed_k, packed_v, offsets, tail_k, tail_v)
+ref = []
+for qh in range(4):
+    h = qh // 2
+    kk = torch.cat([packed_k[offsets[h]:offsets[h + 1]], tail_k[0, h]])
+    vv = torch.cat([packed_v[offsets[h]:offsets[h + 1]], tail_v[0, h]])
+    ref.append(torch.softmax(q[0, qh] @ kk.T / 4.0, -1) @ vv)
+check("ragged_attention", torch.allclose(out[0, :, 0], torch.cat(ref), rtol=1e-5, atol=1e-5))
+
 try:
     ops.key_norm_scores(torch.randn(2, 8, 64))
     check("error message", False)

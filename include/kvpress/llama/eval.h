@@ -7,6 +7,10 @@
 //      prefix .. n-2, which predict tokens prefix+1 .. n-1 (the scored positions; token `prefix`
 //      itself is predicted by the uncompressed prefill and is left out, so every scored position
 //      reads the compressed cache);
+//      With a decoding press (a DecodingPress, or a PrefillDecodingPress with a decoding part) the
+//      prefill is compressed only by a prefilling press, and the tokens are fed ONE PER FORWARD with
+//      the decoding press in the loop (fresh state), so that it compresses at its interval while the
+//      continuation is read, as it would while generating it;
 //   3. record the mean negative log-likelihood of the scored tokens and, per position, the
 //      argmax token; the greedy agreement of a compressed run is the fraction of scored
 //      positions whose argmax equals the full-cache run's.

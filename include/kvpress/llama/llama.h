@@ -5,6 +5,7 @@
 #include "kvpress/llama/config.h"
 #include "kvpress/llama/eval.h"
 #include "kvpress/llama/generation.h"
+#include "kvpress/llama/kvcompose.h"
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/stories.h"
 #include "kvpress/llama/tokenizer.h"

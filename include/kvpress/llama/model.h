@@ -23,9 +23,15 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/cache.h"
 #include "kvpress/llama/config.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
+
+namespace kvpress {
+class DecodingPress;   // kvpress/presses/decoding_press.h
+struct DecodingState;
+}  // namespace kvpress
 
 namespace kvpress::llama {
 
@@ -43,6 +49,11 @@ std::string resolve_model_dir(const std::string& name_or_path);
 // Per-layer keys (post-RoPE) and values, [B, Hkv, length, D] each. After a press has compressed a
 // layer, length(layer) is smaller than position(): tokens keep attending over what is left, while
 // new tokens get the next ORIGINAL position ids (kvpress's protocol).
+//
+// A layer compressed by a head-ragged press (BasePress::head_ragged()) is stored either packed
+// (is_ragged(): a kvpress::HeadRaggedLayer holding each head's kept tokens only, attended with
+// ops::ragged_attention) or dense with a keep mask (keep_mask(): evicted positions masked to -inf,
+// kvpress's way, no memory saved). See PrefillOptions::ragged_layout.
 class KVCache {
  public:
   KVCache() = default;
@@ -51,25 +62,45 @@ class KVCache {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   // Tokens consumed so far: the position id the next token gets.
   int64_t position() const { return position_; }
-  // Tokens stored in `layer` (0 before the first forward).
+  // Tokens stored in `layer` (0 before the first forward); for a head-ragged layer, the longest
+  // head's count (HeadRaggedLayer::max_length()).
   int64_t length(int64_t layer) const;
   std::vector<int64_t> lengths() const;
-  // Views of the stored tokens, [B, Hkv, length, D]; undefined before the first forward.
+  // Views of the stored tokens, [B, Hkv, length, D]; undefined before the first forward. Raise for a
+  // head-ragged layer (use ragged()).
   at::Tensor keys(int64_t layer) const;
   at::Tensor values(int64_t layer) const;
+
+  // Head-ragged layers: is_ragged() when the layer is stored as a HeadRaggedLayer.
+  bool is_ragged(int64_t layer) const;
+  const HeadRaggedLayer& ragged(int64_t layer) const;  // raises unless is_ragged(layer)
+  // [B, Hkv, length] bool for a dense layer stored with a keep mask (RaggedLayout::kMasked): false =
+  // hidden from attention. Undefined when every stored token is visible.
+  at::Tensor keep_mask(int64_t layer) const;
+  // Bytes allocated by the cache: dense buffers (full capacity), keep masks, ragged layers'
+  // HeadRaggedLayer::bytes().
+  int64_t bytes() const;
 
   // Engine side (LlamaModel calls these; exposed for custom loops and tests).
   void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // [B, Hkv, n, D]
   void replace(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // e.g. a press's output
+  // Stores the layer head-ragged; later append() calls go to its tail.
+  void replace_ragged(int64_t layer, HeadRaggedLayer ragged);
+  // Keeps the dense tokens but hides those where keep_mask is false ([B, Hkv, length] bool);
+  // tokens appended later are visible.
+  void set_keep_mask(int64_t layer, const at::Tensor& keep_mask);
   void advance(int64_t n_tokens) { position_ += n_tokens; }
   // Drops everything stored after lengths[layer] in each layer and sets position (e.g. to remove a
   // generated answer and reuse a compressed context, as kvpress's pipeline does per question).
+  // A head-ragged layer can drop only appended tokens: max_length() - lengths[layer] of them.
   void truncate(const std::vector<int64_t>& lengths, int64_t position);
 
  private:
   struct Layer {
     at::Tensor key_buffer, value_buffer;  // [B, Hkv, capacity, D]; tokens [0, length) are valid
+    at::Tensor mask_buffer;               // [B, Hkv, capacity] bool, only with a keep mask
     int64_t length = 0;
+    HeadRaggedLayer ragged;               // defined() when the layer is stored head-ragged
   };
   std::vector<Layer> layers_;
   int64_t position_ = 0;
@@ -82,6 +113,20 @@ struct ForwardOptions {
   bool return_attentions = false;
   // Run lm_head on the last position only (kvpress/transformers' logits_to_keep=1).
   bool last_logits_only = false;
+
+  // kvpress's DecodingPress (a PrefillDecodingPress's decoding part: kvpress::decoding_press_of).
+  // In a forward that does not start at position 0, right after each layer's attention,
+  // decoding_press->step() records the layer's attention input and may replace the layer's cache
+  // by its compression (which the NEXT forward reads). decoding_state is required with it: the
+  // per-generation buffers, one per sequence, fresh for each generation. Ignored by prefill().
+  const DecodingPress* decoding_press = nullptr;
+  DecodingState* decoding_state = nullptr;
+  // Give the decoding press this forward's eager attention weights [B, Hq, n, length] (kvpress on an
+  // eager model does). Otherwise only when its inner press cannot work without them
+  // (press_needs_attentions); kvpress's default (sdpa) model gives none.
+  bool decoding_attentions = false;
+  // Called after each decoding compression with what the press saw and returned.
+  std::function<void(const LayerInputs&, const KV&)> on_decoding_compress;
 };
 
 // Whether a press gets the layer's eager attention weights in LayerInputs::attentions.
@@ -94,9 +139,18 @@ enum class PressAttentions {
 
 struct PrefillOptions : ForwardOptions {
   // Compresses each layer's cache right after that layer's attention (which used the full cache),
-  // exactly where kvpress's forward hook does. nullptr: no compression.
+  // exactly where kvpress's forward hook does. nullptr: no compression. A DecodingPress does nothing
+  // here and a PrefillDecodingPress applies its prefilling press (kvpress::prefill_press_of).
   const BasePress* press = nullptr;
   PressAttentions press_attentions = PressAttentions::kAuto;
+  // How the layers of a head-ragged press (press->head_ragged()) are stored.
+  enum class RaggedLayout {
+    kPacked,  // HeadRaggedLayer: each head's kept tokens only; attention by ops::ragged_attention
+    kMasked,  // the full dense layer with evicted positions masked to -inf (kvpress; the reference)
+  };
+  RaggedLayout ragged_layout = RaggedLayout::kPacked;
+  // Called after each head-ragged compression with what the press saw and returned.
+  std::function<void(const LayerInputs&, const RaggedKV&)> on_compress_ragged;
   // Called after each layer's compression with what the press saw and returned (tests, analysis).
   std::function<void(const LayerInputs&, const KV&)> on_compress;
 };
@@ -105,6 +159,8 @@ struct ForwardOutput {
   at::Tensor logits;                     // [B, n, vocab] (n = 1 with last_logits_only), model dtype
   std::vector<at::Tensor> attentions;    // per layer [B, Hq, n, length] when return_attentions
   std::vector<at::Tensor> kept_indices;  // prefill with a press: per layer [B, Hkv, n_kept], ascending
+  std::vector<at::Tensor> keep_masks;    // prefill with a head-ragged press: per layer [B, Hkv, S] bool
+                                         // (kept_indices stays empty then)
 };
 
 // RoPE tables in the model dtype: cos/sin [n, head_dim], each half repeating the frequencies.
@@ -138,7 +194,8 @@ class LlamaModel {
   // attention, where `inputs` holds the layer's keys/values, the attention input (hidden_states,
   // post input-layernorm), q_proj/k_proj weights, cos/sin of positions 0..S-1, the attention
   // weights (per press_attentions), num_heads, layer_idx and num_layers. The returned logits are
-  // the uncompressed forward's (the press acts after each layer's attention).
+  // the uncompressed forward's (the press acts after each layer's attention). A KVComposePress runs
+  // kvcompose_prefill instead (kvpress/llama/kvcompose.h: its second pass, then every layer).
   ForwardOutput prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options = {}) const;
 
   // Any later forward: input_ids [B, n] at positions cache.position() .. + n - 1, each attending
@@ -148,6 +205,20 @@ class LlamaModel {
   // cos/sin of positions [start, start + n), computed as transformers' LlamaRotaryEmbedding does
   // (float32 inverse frequencies and angles, then cast to the model dtype).
   RopeTables rope(int64_t start, int64_t n) const;
+
+  // ---- one decoder layer at a time, for engines that run a pass layer by layer (the second pass of
+  // kvcompose_prefill, kvpress/llama/kvcompose.h); the same operations as forward() -------------------
+  struct LayerQKV {
+    at::Tensor q;     // [B, Hq, n, D] post-RoPE
+    at::Tensor k, v;  // [B, Hkv, n, D], k post-RoPE
+  };
+  at::Tensor embed(const at::Tensor& input_ids) const;  // [B, n] int64 -> [B, n, hidden]
+  // Input RMSNorm, q/k/v projections and RoPE of the residual stream x [B, n, hidden] entering
+  // `layer`, at the positions of `rope_tables` ([n, D] each).
+  LayerQKV layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables) const;
+  // The rest of the layer: x + o_proj(attn), then the MLP with its residual. attn [B, n, Hq * D]
+  // (heads concatenated) -> [B, n, hidden].
+  at::Tensor layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const;
 
  private:
   struct Layer {
