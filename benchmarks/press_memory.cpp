@@ -160,6 +160,8 @@ kvpress::LayerInputs make_inputs(const Config& c, int64_t seq, at::ScalarType dt
   in.cos = at::cat({angles, angles}, -1).cos().to(dtype);
   in.sin = at::cat({angles, angles}, -1).sin().to(dtype);
   if (c.press == "LeverageScorePress" && !c.compress) return in;
+  // CriticalKVPress / CriticalAdaKVPress project the values through the layer's o_proj.
+  in.o_proj = at::randn({kHidden, kQHeads * kHeadDim}, opts).div_(std::sqrt(double(kQHeads * kHeadDim)));
   if (c.attentions) {
     in.attentions = at::softmax(at::randn({1, kQHeads, seq, seq}, f32), -1).tril_().to(dtype);
   }

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "kvpress/ops.h"
@@ -41,10 +42,9 @@ at::Tensor rope_inv_freq(const LayerInputs& in, int64_t head_dim, const char* op
   return at::atan2(s, c).to(in.keys.device());
 }
 
-// Pre-RoPE queries of positions [start, S), float32 [B, Hq, S - start, D].
-at::Tensor prerope_queries(const LayerInputs& in, int64_t start, const char* op) {
+// Pre-RoPE queries of positions [start, start + n), float32 [B, Hq, n, D].
+at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, const char* op) {
   const int64_t batch = in.keys.size(0), seq = in.keys.size(2), head_dim = in.keys.size(3);
-  const int64_t n = seq - start;
   if (in.hidden_states.defined() && in.q_proj.defined()) {
     const at::Tensor& h = in.hidden_states;
     checks::check_rank(op, "hidden_states", h, 3, "[batch, seq_len, hidden]");
@@ -149,12 +149,27 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
   const int64_t n = seq - n_sink_;
 
-  // Query statistics over positions n_sink..S-1 (biased covariance).
-  const at::Tensor q = prerope_queries(in, n_sink_, op);  // [B, Hq, n, D]
-  const int64_t heads = q.size(1);
+  // Query statistics over positions n_sink..S-1 (mean, biased covariance), accumulated over
+  // chunks of positions so that no more than one chunk of queries exists at a time (the queries
+  // of every position are Hq / Hkv times the size of K). Sums are shifted by the first chunk's
+  // mean, for accuracy, and carried in float64 across chunks.
+  const int64_t first_rows = std::min<int64_t>(n, 256);
+  const at::Tensor first = prerope_queries(in, n_sink_, first_rows, op);  // [B, Hq, first_rows, D]
+  const int64_t heads = first.size(1);
   checks::check_gqa(op, heads, kv_heads);
   const int64_t group = heads / kv_heads;
-  at::Tensor mu = q.mean(2);  // [B, Hq, D]
+  const at::Tensor shift = first.mean(2, true);  // [B, Hq, 1, D]
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, batch * heads * d * 4));
+  at::Tensor sum = at::zeros({batch, heads, d}, first.options().dtype(at::kDouble));
+  at::Tensor second = use_covariance_ ? at::zeros({batch, heads, d, d}, sum.options()) : at::Tensor();
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t rows = std::min(chunk, n - start);
+    const at::Tensor qc = prerope_queries(in, n_sink_ + start, rows, op) - shift;  // [B, Hq, rows, D]
+    sum += qc.sum(2).to(at::kDouble);
+    if (use_covariance_) second += at::matmul(qc.transpose(2, 3), qc).to(at::kDouble);
+  }
+  const at::Tensor mean_shifted = sum / static_cast<double>(n);               // [B, Hq, D] float64
+  at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
 
   // R̄ = mean over the future positions of cos_t·I + sin_t·P (P: rotate_half as a matrix).
   const at::Tensor inv_freq = rope_inv_freq(in, d, op);  // [D/2]
@@ -172,13 +187,18 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
   // Fold each group's query heads into a matmul with its KV head: [B, Hkv, n, G].
   at::Tensor z = at::matmul(k, mu.view({batch, kv_heads, group, d}).transpose(2, 3)) / std::sqrt(double(d));
   if (use_covariance_) {
-    const at::Tensor centered = q - q.mean(2, true);
-    at::Tensor cov = at::matmul(centered.transpose(2, 3), centered) / static_cast<double>(n);  // [B, Hq, D, D]
-    cov = at::matmul(R, at::matmul(cov, R.t()));
-    // k_iᵀ Σ'_h k_i for every query head h of the group.
-    const at::Tensor kc = at::matmul(k.unsqueeze(2), cov.view({batch, kv_heads, group, d, d}));  // [B,Hkv,G,n,D]
-    const at::Tensor quad = (kc * k.unsqueeze(2)).sum(-1);  // [B, Hkv, G, n]
-    z = z + quad.transpose(2, 3) / static_cast<double>(d) / 2.0;
+    const at::Tensor outer = mean_shifted.unsqueeze(-1) * mean_shifted.unsqueeze(-2);  // [B, Hq, D, D]
+    at::Tensor cov = (second / static_cast<double>(n) - outer).to(at::kFloat);
+    cov = at::matmul(R, at::matmul(cov, R.t())).view({batch, kv_heads, group, d, d});
+    // k_iᵀ Σ'_h k_i for every query head h of the group, one chunk of keys at a time
+    // ([B, Hkv, G, rows, D] per chunk, the size of a query chunk, instead of G times the keys).
+    std::vector<at::Tensor> quads;
+    for (int64_t start = 0; start < n; start += chunk) {
+      const int64_t rows = std::min(chunk, n - start);
+      const at::Tensor kc = k.narrow(2, start, rows).unsqueeze(2);           // [B, Hkv, 1, rows, D]
+      quads.push_back((at::matmul(kc, cov) * kc).sum(-1));                   // [B, Hkv, G, rows]
+    }
+    z = z + at::cat(quads, 3).transpose(2, 3) / static_cast<double>(d) / 2.0;
   }
   at::Tensor s = at::softmax(z, 2).mean(3);  // softmax over positions per query head, group mean -> [B, Hkv, n]
   if (use_vnorm_) s = (s + epsilon_) * at::linalg_vector_norm(in.values.narrow(2, n_sink_, n).to(at::kFloat), 2, {-1});
@@ -203,13 +223,20 @@ KV KeyRerotationPress::compress(const LayerInputs& in) const {
   const at::Tensor scores = inner_scores(*press_, in, op);
   KV kv = ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, press_->compression_ratio())));
   // Δ = new slot - old position, angles in float32; products in the cache dtype (as kvpress).
+  // One (batch row, KV head) at a time, in place: the temporaries stay a head's size instead of
+  // several float32 copies of all kept keys.
   const int64_t n = kv.kept_indices.size(2);
   const at::Tensor slot = at::arange(n, inv_freq.options());
-  const at::Tensor delta = slot - kv.kept_indices.to(at::kFloat);                // [B, Hkv, n]
-  const at::Tensor freqs = delta.unsqueeze(-1) * inv_freq;                       // [B, Hkv, n, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
   const auto dt = kv.keys.scalar_type();
-  kv.keys = (kv.keys * emb.cos().to(dt) + rotate_half(kv.keys) * emb.sin().to(dt)).contiguous();
+  for (int64_t b = 0; b < kv.keys.size(0); ++b) {
+    for (int64_t h = 0; h < kv.keys.size(1); ++h) {
+      at::Tensor head = kv.keys[b][h];                                             // [n, D] view
+      const at::Tensor delta = slot - kv.kept_indices[b][h].to(at::kFloat);         // [n]
+      const at::Tensor freqs = delta.unsqueeze(-1) * inv_freq;                      // [n, D/2]
+      const at::Tensor emb = at::cat({freqs, freqs}, -1);                           // [n, D]
+      head.copy_(head * emb.cos().to(dt) + rotate_half(head) * emb.sin().to(dt));
+    }
+  }
   return kv;
 }
 
