@@ -30,22 +30,16 @@ Cases (CPU, float32, fixed seeds):
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import os
 import sys
 from pathlib import Path
 
-PINNED_KVPRESS = "0.5.5"
-REFERENCE_COMMIT = "2f6ff3b"
+from pinned import PINNED_KVPRESS, require_pinned_kvpress  # noqa: E402
 
-try:
-    _kvpress_version = importlib.metadata.version("kvpress")
-except importlib.metadata.PackageNotFoundError:
-    sys.exit(f"make_ctr_fixtures.py: kvpress {PINNED_KVPRESS} is not installed in {sys.executable}")
-if _kvpress_version != PINNED_KVPRESS:
-    sys.exit(f"make_ctr_fixtures.py: needs kvpress {PINNED_KVPRESS}, {sys.executable} has {_kvpress_version}")
+REFERENCE_COMMIT = "2f6ff3b"
+_kvpress_version = require_pinned_kvpress("make_ctr_fixtures.py")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

@@ -29,7 +29,6 @@ CPU only, one thread, deterministic. Takes about 15 s.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import os
@@ -37,14 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-PINNED_KVPRESS = "0.5.5"
-try:
-    _kvpress_version = importlib.metadata.version("kvpress")
-except importlib.metadata.PackageNotFoundError:
-    sys.exit(f"make_decoding_fixtures.py: kvpress {PINNED_KVPRESS} is not installed in {sys.executable}")
-if _kvpress_version != PINNED_KVPRESS:
-    sys.exit(f"make_decoding_fixtures.py: the parity target is kvpress {PINNED_KVPRESS}, but {sys.executable} "
-             f"has kvpress {_kvpress_version}; run scripts/setup.sh and use its virtual environment")
+from pinned import require_pinned_kvpress  # noqa: E402
+
+_kvpress_version = require_pinned_kvpress("make_decoding_fixtures.py")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

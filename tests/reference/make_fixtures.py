@@ -14,24 +14,15 @@ CPU only, deterministic (fixed seeds), two threads.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-PINNED_KVPRESS = "0.5.5"
+from pinned import require_pinned_kvpress  # noqa: E402
 
-try:
-    _kvpress_version = importlib.metadata.version("kvpress")
-except importlib.metadata.PackageNotFoundError:
-    sys.exit(f"make_fixtures.py: kvpress {PINNED_KVPRESS} is not installed in {sys.executable}")
-if _kvpress_version != PINNED_KVPRESS:
-    sys.exit(
-        f"make_fixtures.py: the parity target is kvpress {PINNED_KVPRESS}, but {sys.executable} has "
-        f"kvpress {_kvpress_version}; run scripts/setup.sh and use its virtual environment"
-    )
+_kvpress_version = require_pinned_kvpress("make_fixtures.py")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

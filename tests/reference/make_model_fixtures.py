@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import math
 import os
@@ -41,14 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-PINNED_KVPRESS = "0.5.5"
-try:
-    _kvpress_version = importlib.metadata.version("kvpress")
-except importlib.metadata.PackageNotFoundError:
-    sys.exit(f"make_model_fixtures.py: kvpress {PINNED_KVPRESS} is not installed in {sys.executable}")
-if _kvpress_version != PINNED_KVPRESS:
-    sys.exit(f"make_model_fixtures.py: the parity target is kvpress {PINNED_KVPRESS}, but {sys.executable} "
-             f"has kvpress {_kvpress_version}; run scripts/setup.sh and use its virtual environment")
+from pinned import require_pinned_kvpress  # noqa: E402
+
+_kvpress_version = require_pinned_kvpress("make_model_fixtures.py")
 
 import tokenizers  # noqa: E402
 import torch  # noqa: E402
