@@ -357,6 +357,25 @@ TEST(QSMPress, StageOneScoresMatchTheFormula) {
   }
 }
 
+// Long contexts: the query rows are processed in chunks of at most 4M logits, and the mean/max
+// over the query span are accumulated across chunks (here 2 chunks: 174 + 26 rows).
+TEST(QSMPress, ChunkedQueryRowsMatchTheFormula) {
+  const int64_t seq = 12000, q_len = 200;
+  LayerInputs in = small_layer(4, 2, seq, 8, 21);
+  QSMOptions o;
+  o.pseudo_query_len = q_len;
+  o.pseudo_query_max_fraction = 1.0;
+  o.qa_alpha = 0.3;
+  const QSMScores st = QSMPress(0.5, o).stage_one_scores(in);
+  std::vector<bool> forced(seq);
+  for (int64_t p = 0; p < seq; ++p) forced[p] = p < o.sink_tokens || p >= seq - std::max(q_len, o.recent_tokens);
+  const auto expected = formula_scores(in.queries, in.keys, seq - q_len, 0.3, true, forced, {}, 0.3);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t p = 0; p < seq; p += 7)
+      ASSERT_NEAR(st.base[0][h][p].item<double>(), expected[h][p], 1e-5 * std::max(1.0, expected[h][p]))
+          << "head " << h << " position " << p;
+}
+
 // ---- merge against the formula ----------------------------------------------------------------
 
 TEST(QSMPress, MergeIntoNearestKeptPerHead) {

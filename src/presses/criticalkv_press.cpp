@@ -13,8 +13,8 @@
 namespace kvpress {
 namespace {
 
-// Rows of V·W_o evaluated at once: bounds the [rows, G·hidden] intermediate to 16M floats.
-constexpr int64_t kMaxProductElements = int64_t{1} << 24;
+// Rows of V·W_o evaluated at once: bounds the [rows, G·hidden] intermediate to 4M floats (16 MiB).
+constexpr int64_t kMaxProductElements = int64_t{1} << 22;
 
 }  // namespace
 

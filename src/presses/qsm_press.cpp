@@ -199,13 +199,30 @@ QSMScores QSMPress::stage_one_scores(const LayerInputs& in) const {
     checks::check_gqa(op, q.size(1), kv_heads);
     // The reference averages the QUERIES of a GQA group (not their attention) before the softmax.
     const at::Tensor grouped = q.reshape({batch, kv_heads, q.size(1) / kv_heads, q_len, head_dim}).mean(2);
-    at::Tensor logits = at::matmul(grouped, in.keys.to(at::kFloat).transpose(2, 3))
-                            .div_(std::sqrt(static_cast<double>(head_dim)));  // [B, Hkv, q, S]
-    // Query i sits at position start + i and sees keys 0 .. start + i.
-    const at::Tensor future = at::ones({q_len, seq}, in.keys.options().dtype(at::kBool)).triu(start + 1);
-    logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
-    const at::Tensor probs = at::softmax(logits, -1);
-    s = probs.mean(2).mul_(options_.qa_alpha).add_(std::get<0>(probs.max(2)), 1.0 - options_.qa_alpha);
+    const at::Tensor keys_t = in.keys.to(at::kFloat).transpose(2, 3);  // [B, Hkv, D, S]
+    // Query rows in chunks of at most 4M logits (16 MiB), so that long contexts never hold the
+    // [B, Hkv, q, S] logits and probabilities at once; one chunk whenever they fit.
+    const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(1, batch * kv_heads * seq));
+    at::Tensor prob_sum, prob_max;  // [B, Hkv, S]
+    for (int64_t r0 = 0; r0 < q_len; r0 += chunk) {
+      const int64_t rows = std::min(chunk, q_len - r0);
+      at::Tensor logits = at::matmul(grouped.narrow(2, r0, rows), keys_t)
+                              .div_(std::sqrt(static_cast<double>(head_dim)));  // [B, Hkv, rows, S]
+      // Query i sits at position start + i and sees keys 0 .. start + i.
+      const at::Tensor future = at::ones({rows, seq}, in.keys.options().dtype(at::kBool)).triu(start + r0 + 1);
+      logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
+      const at::Tensor probs = at::softmax(logits, -1);
+      if (rows == q_len) {  // everything in one chunk: the reference's mean and max as they are
+        s = probs.mean(2).mul_(options_.qa_alpha).add_(std::get<0>(probs.max(2)), 1.0 - options_.qa_alpha);
+        break;
+      }
+      const at::Tensor part_sum = probs.sum(2), part_max = std::get<0>(probs.max(2));
+      prob_sum = prob_sum.defined() ? prob_sum.add_(part_sum) : part_sum;
+      prob_max = prob_max.defined() ? at::maximum(prob_max, part_max) : part_max;
+    }
+    if (!s.defined()) {
+      s = prob_sum.div_(static_cast<double>(q_len)).mul_(options_.qa_alpha).add_(prob_max, 1.0 - options_.qa_alpha);
+    }
     s = at::nan_to_num(s, 0.0, 0.0, 0.0);
     if (options_.score_normalization) {
       const at::Tensor lo = s.amin(-1, true), hi = s.amax(-1, true);
