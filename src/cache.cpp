@@ -133,11 +133,7 @@ HeadRaggedLayer HeadRaggedLayer::from_mask(const at::Tensor& keys, const at::Ten
                                            const at::Tensor& keep_mask) {
   constexpr const char* op = "HeadRaggedLayer::from_mask";
   checks::check_kv(op, keys, values);
-  checks::check_rank(op, "keep_mask", keep_mask, 3, "[batch, kv_heads, seq_len]");
-  TORCH_CHECK(keep_mask.scalar_type() == at::kBool, op, ": keep_mask must be bool, got ", keep_mask.scalar_type());
-  TORCH_CHECK(keep_mask.sizes() == keys.sizes().slice(0, 3), op, ": keep_mask must be [", keys.size(0), ", ",
-              keys.size(1), ", ", keys.size(2), "], got ", checks::shape_str(keep_mask));
-  checks::check_same_device(op, "keep_mask", keep_mask, "keys", keys);
+  checks::check_keep_mask(op, keep_mask, keys);
   const int64_t b = keys.size(0), h = keys.size(1), s = keys.size(2), d = keys.size(3);
   HeadRaggedLayer layer;
   layer.batch_ = b;

@@ -64,6 +64,15 @@ inline void check_kv(const char* op, const at::Tensor& keys, const at::Tensor& v
   check_same_device(op, "values", values, "keys", keys);
 }
 
+// keep_mask: [B, Hkv, S] bool over the positions of keys [B, Hkv, S, D], on keys' device.
+inline void check_keep_mask(const char* op, const at::Tensor& keep_mask, const at::Tensor& keys) {
+  check_rank(op, "keep_mask", keep_mask, 3, "[batch, kv_heads, seq_len]");
+  TORCH_CHECK(keep_mask.scalar_type() == at::kBool, op, ": keep_mask must be bool, got ", keep_mask.scalar_type());
+  TORCH_CHECK(keep_mask.sizes() == keys.sizes().slice(0, 3), op, ": keep_mask must be [", keys.size(0), ", ",
+              keys.size(1), ", ", keys.size(2), "], got ", shape_str(keep_mask));
+  check_same_device(op, "keep_mask", keep_mask, "keys", keys);
+}
+
 inline void check_keys(const char* op, const at::Tensor& keys) {
   check_rank(op, "keys", keys, 4, "[batch, kv_heads, seq_len, head_dim]");
   check_float(op, "keys", keys);

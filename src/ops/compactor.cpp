@@ -329,11 +329,7 @@ at::Tensor topk_mask_across_heads(const at::Tensor& scores, int64_t n_total) {
 RaggedKV gather_ragged(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& keep_mask) {
   constexpr const char* op = "gather_ragged";
   checks::check_kv(op, keys, values);
-  checks::check_rank(op, "keep_mask", keep_mask, 3, "[batch, kv_heads, seq_len]");
-  TORCH_CHECK(keep_mask.scalar_type() == at::kBool, op, ": keep_mask must be bool, got ", keep_mask.scalar_type());
-  TORCH_CHECK(keep_mask.sizes() == keys.sizes().slice(0, 3), op, ": keep_mask must be [", keys.size(0), ", ",
-              keys.size(1), ", ", keys.size(2), "], got ", checks::shape_str(keep_mask));
-  checks::check_same_device(op, "keep_mask", keep_mask, "keys", keys);
+  checks::check_keep_mask(op, keep_mask, keys);
   RaggedKV out;
   out.batch = keys.size(0);
   out.kv_heads = keys.size(1);

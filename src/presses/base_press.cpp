@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
+#include "presses/budget_helpers.h"
 #include "cpu/selection.h"
 #include "cuda/kernels.h"
 #include "kvpress/ops.h"
@@ -40,11 +41,7 @@ KV ScorerPress::compress(const LayerInputs& inputs) const {
   const std::string op = name() + ".compress";
   checks::check_kv(op.c_str(), inputs.keys, inputs.values);
   const int64_t batch = inputs.keys.size(0), kv_heads = inputs.keys.size(1), seq = inputs.keys.size(2);
-  if (compression_ratio_ == 0.0) {
-    // kvpress returns the cache untouched; every position is kept.
-    const at::Tensor all = at::arange(seq, inputs.keys.options().dtype(at::kLong)).expand({batch, kv_heads, seq});
-    return KV{inputs.keys, inputs.values, all.contiguous()};
-  }
+  if (compression_ratio_ == 0.0) return budget::keep_all(inputs);  // kvpress returns the cache untouched
   const at::Tensor scores = score(inputs);
   TORCH_CHECK(scores.dim() == 3 && scores.size(0) == batch && scores.size(1) == kv_heads && scores.size(2) == seq,
               op, ": scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));

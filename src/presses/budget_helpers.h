@@ -1,5 +1,6 @@
-// Private helpers shared by the presses that give heads or layers their own budgets (AdaKVPress,
-// CriticalKVPress, CriticalAdaKVPress, PyramidKVPress, PerLayerCompressionPress).
+// Private helpers shared by press implementations: the wrappers' inner scores and ratio-0 result,
+// and the budgets of the presses that give heads or layers their own (AdaKVPress, CriticalKVPress,
+// CriticalAdaKVPress, PyramidKVPress, PerLayerCompressionPress).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +23,13 @@ inline at::Tensor inner_scores(const ScorerPress& press, const LayerInputs& in, 
               "], got ", checks::shape_str(scores));
   checks::check_finite_scores(op, scores);
   return scores.to(at::kFloat);
+}
+
+// Every position 0..S-1 of every head, the cache untouched (what kvpress returns at ratio 0).
+inline KV keep_all(const LayerInputs& in) {
+  const int64_t b = in.keys.size(0), h = in.keys.size(1), s = in.keys.size(2);
+  const at::Tensor all = at::arange(s, in.keys.options().dtype(at::kLong)).expand({b, h, s});
+  return KV{in.keys, in.values, all.contiguous()};
 }
 
 // AdaKV's safeguard count: int(n_kept * alpha), at least 1 when alpha > 0 and n_kept > 0.

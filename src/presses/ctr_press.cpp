@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 
+#include "budget_helpers.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 
@@ -113,11 +114,8 @@ int64_t CTRPress::adaptive_kept_count(const QSMScores& st) const {
 KV CTRPress::compress(const LayerInputs& inputs) const {
   const std::string op = name() + ".compress";
   checks::check_kv(op.c_str(), inputs.keys, inputs.values);
-  const int64_t batch = inputs.keys.size(0), kv_heads = inputs.keys.size(1), seq = inputs.keys.size(2);
-  if (compression_ratio() == 0.0) {  // the reference returns the cache untouched
-    const at::Tensor all = at::arange(seq, inputs.keys.options().dtype(at::kLong)).expand({batch, kv_heads, seq});
-    return KV{inputs.keys, inputs.values, all.contiguous()};
-  }
+  if (compression_ratio() == 0.0) return budget::keep_all(inputs);  // the reference returns the cache untouched
+  const int64_t seq = inputs.keys.size(2);
   const QSMScores st = stage_one_scores(inputs);
   const int64_t n_kept = adaptive_kept_count(st);
   KV kv = select_and_merge(inputs, st, n_kept);

@@ -10,6 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "budget_helpers.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 
@@ -284,11 +285,8 @@ KV QSMPress::select_and_merge(const LayerInputs& in, const QSMScores& st, int64_
 KV QSMPress::compress(const LayerInputs& inputs) const {
   const std::string op = name() + ".compress";
   checks::check_kv(op.c_str(), inputs.keys, inputs.values);
-  const int64_t batch = inputs.keys.size(0), kv_heads = inputs.keys.size(1), seq = inputs.keys.size(2);
-  if (compression_ratio() == 0.0) {  // the reference returns the cache untouched
-    const at::Tensor all = at::arange(seq, inputs.keys.options().dtype(at::kLong)).expand({batch, kv_heads, seq});
-    return KV{inputs.keys, inputs.values, all.contiguous()};
-  }
+  if (compression_ratio() == 0.0) return budget::keep_all(inputs);  // the reference returns the cache untouched
+  const int64_t seq = inputs.keys.size(2);
   return select_and_merge(inputs, stage_one_scores(inputs), kept_count(seq));
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "budget_helpers.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/block_press.h"
@@ -78,26 +79,8 @@ at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, cons
                           in.sin.narrow(0, start, n).to(at::kFloat));
 }
 
-// Positions 0..S-1 for every head (ratio 0: the cache is returned untouched).
-KV keep_all(const LayerInputs& in) {
-  const int64_t b = in.keys.size(0), h = in.keys.size(1), s = in.keys.size(2);
-  const at::Tensor all = at::arange(s, in.keys.options().dtype(at::kLong)).expand({b, h, s});
-  return KV{in.keys, in.values, all.contiguous()};
-}
-
 void check_inner(const char* op, const void* press) {
   TORCH_CHECK(press != nullptr, op, ": press must be a ScorerPress, got nullptr");
-}
-
-// Scores of the inner scorer, validated.
-at::Tensor inner_scores(const ScorerPress& press, const LayerInputs& in, const char* op) {
-  const at::Tensor scores = press.score(in);
-  TORCH_CHECK(scores.dim() == 3 && scores.size(0) == in.keys.size(0) && scores.size(1) == in.keys.size(1) &&
-                  scores.size(2) == in.keys.size(2),
-              op, ": inner scores must be [", in.keys.size(0), ", ", in.keys.size(1), ", ", in.keys.size(2),
-              "], got ", checks::shape_str(scores));
-  checks::check_finite_scores(op, scores);
-  return scores;
 }
 
 // Hq when it is known (num_heads, queries, attentions or q_proj), else 0 (infer later).
@@ -216,11 +199,11 @@ KeyRerotationPress::KeyRerotationPress(std::shared_ptr<const ScorerPress> press)
 KV KeyRerotationPress::compress(const LayerInputs& in) const {
   constexpr const char* op = "KeyRerotationPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (press_->compression_ratio() == 0.0) return keep_all(in);
+  if (press_->compression_ratio() == 0.0) return budget::keep_all(in);
   const int64_t seq = in.keys.size(2), d = in.keys.size(3);
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
   const at::Tensor inv_freq = rope_inv_freq(in, d, op);
-  const at::Tensor scores = inner_scores(*press_, in, op);
+  const at::Tensor scores = budget::inner_scores(*press_, in, op);
   KV kv = ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, press_->compression_ratio())));
   // Δ = new slot - old position, angles in float32; products in the cache dtype (as kvpress).
   // One (batch row, KV head) at a time, in place: the temporaries stay a head's size instead of
@@ -251,13 +234,13 @@ ChunkKVPress::ChunkKVPress(std::shared_ptr<const ScorerPress> press, int64_t chu
 KV ChunkKVPress::compress(const LayerInputs& in) const {
   constexpr const char* op = "ChunkKVPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (press_->compression_ratio() == 0.0) return keep_all(in);
+  if (press_->compression_ratio() == 0.0) return budget::keep_all(in);
   const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
   const int64_t n_full = seq / chunk_length_, rest = seq % chunk_length_;
   LayerInputs no_attn = in;
   no_attn.attentions = at::Tensor();  // kvpress refuses attentions; we do not pass them on
   if (n_full == 0) return press_->compress(no_attn);
-  const at::Tensor scores = inner_scores(*press_, no_attn, op).to(at::kFloat).sum(1);  // [B, S]
+  const at::Tensor scores = budget::inner_scores(*press_, no_attn, op).to(at::kFloat).sum(1);  // [B, S]
   std::vector<at::Tensor> chunk_scores{scores.narrow(1, 0, n_full * chunk_length_).view({batch, n_full, chunk_length_}).mean(-1)};
   if (rest > 0) chunk_scores.push_back(scores.narrow(1, seq - rest, rest).mean(-1, true));
   const at::Tensor per_chunk = at::cat(chunk_scores, 1).sum(0).view({1, 1, -1});  // summed over the batch
@@ -282,7 +265,7 @@ ChunkPress::ChunkPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_l
 KV ChunkPress::compress(const LayerInputs& in) const {
   constexpr const char* op = "ChunkPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (press_->compression_ratio() == 0.0) return keep_all(in);
+  if (press_->compression_ratio() == 0.0) return budget::keep_all(in);
   const int64_t seq = in.keys.size(2);
   std::vector<at::Tensor> kept;
   for (int64_t start = 0; start < seq; start += chunk_length_) {
@@ -302,7 +285,7 @@ KV ChunkPress::compress(const LayerInputs& in) const {
     // kvpress hands the full tables to the inner press, whose window reads their tail.
     if (in.cos.defined() && in.cos.dim() == 2 && in.cos.size(0) >= len) sub.cos = in.cos.narrow(0, in.cos.size(0) - len, len);
     if (in.sin.defined() && in.sin.dim() == 2 && in.sin.size(0) >= len) sub.sin = in.sin.narrow(0, in.sin.size(0) - len, len);
-    const at::Tensor scores = inner_scores(*press_, sub, op);
+    const at::Tensor scores = budget::inner_scores(*press_, sub, op);
     kept.push_back(ops::topk_indices(scores, ops::n_kept(len, press_->compression_ratio())) + start);
   }
   return ops::gather_kv(in.keys, in.values, at::cat(kept, -1).contiguous());
@@ -319,7 +302,7 @@ BlockPress::BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_s
 KV BlockPress::compress(const LayerInputs& in) const {
   constexpr const char* op = "BlockPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (press_->compression_ratio() == 0.0) return keep_all(in);
+  if (press_->compression_ratio() == 0.0) return budget::keep_all(in);
   const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
   const int64_t block = std::min(block_size_, seq);
   const int64_t n_kept = ops::n_kept(seq, press_->compression_ratio());
@@ -331,7 +314,7 @@ KV BlockPress::compress(const LayerInputs& in) const {
         at::cat({kept, at::arange(start, end, long_opts).expand({batch, kv_heads, end - start})}, -1).contiguous();
     const at::Tensor idx = cand.unsqueeze(-1).expand({-1, -1, -1, d});
     const LayerInputs sub = kv_only(in, in.keys.gather(2, idx), in.values.gather(2, idx));
-    const at::Tensor scores = inner_scores(*press_, sub, op);
+    const at::Tensor scores = budget::inner_scores(*press_, sub, op);
     kept = cand.gather(-1, ops::topk_indices(scores, n_kept));
   }
   return ops::gather_kv(in.keys, in.values, std::get<0>(kept.sort(-1)).contiguous());
