@@ -3,7 +3,6 @@
 #include "kvpress/cache.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -360,26 +359,6 @@ int64_t HeadRaggedCache::bytes() const {
 // ---- ragged attention over a layer ------------------------------------------------------------
 
 namespace ops {
-
-at::Tensor ragged_attention(const at::Tensor& queries, const at::Tensor& packed_keys, const at::Tensor& packed_values,
-                            const at::Tensor& offsets, const at::Tensor& tail_keys, const at::Tensor& tail_values,
-                            std::optional<double> scale) {
-  static const auto handle =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvpress::ragged_attention", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, std::optional<double>)>();
-  // The dispatcher picks the kernel from the tensors' device; undefined tensors would dispatch
-  // nowhere, so name them first.
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"queries", &queries},
-                                {"packed_keys", &packed_keys},
-                                {"packed_values", &packed_values},
-                                {"offsets", &offsets},
-                                {"tail_keys", &tail_keys},
-                                {"tail_values", &tail_values}})
-    checks::check_defined("ragged_attention", name, *t);
-  return handle.call(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, scale);
-}
 
 at::Tensor ragged_attention(const at::Tensor& queries, const HeadRaggedLayer& layer, std::optional<double> scale) {
   TORCH_CHECK(layer.defined(), "ragged_attention: layer is empty (no tokens were ever stored)");

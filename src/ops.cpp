@@ -11,16 +11,10 @@
 
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
-#include "score_kernels.h"
+#include "kernel_ops.h"
 
 namespace kvpress {
 namespace {
-
-std::tuple<at::Tensor, at::Tensor> gather_kv_op(const at::Tensor& keys, const at::Tensor& values,
-                                                const at::Tensor& indices) {
-  KV kv = ops::gather_kv(keys, values, indices);
-  return {kv.keys, kv.values};
-}
 
 at::Tensor random_scores_op(const at::Tensor& keys, int64_t seed) { return ops::random_scores(keys, seed); }
 
@@ -92,21 +86,23 @@ at::Tensor press_scores_op(const std::string& name, double ratio, const std::vec
 
 TORCH_LIBRARY(kvpress, m) {
   m.def("n_kept(int seq_len, float compression_ratio) -> int", &ops::n_kept);
-  m.def("topk_indices(Tensor scores, int k) -> Tensor", &ops::topk_indices);
-  m.def("gather_kv(Tensor keys, Tensor values, Tensor indices) -> (Tensor, Tensor)", &gather_kv_op);
+  // Ops with CPU and CUDA kernels (kernels/cpu, kernels/cuda) declare only their schema; their ATen
+  // composite is registered below for every other device (src/kernel_ops.h).
+  m.def("topk_indices(Tensor scores, int k) -> Tensor");
+  m.def("gather_kv(Tensor keys, Tensor values, Tensor indices) -> (Tensor, Tensor)");
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::apply_rope);
   m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::invert_rope);
   m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);
   m.def("window_attention(Tensor queries, Tensor keys) -> Tensor", &ops::window_attention);
-  m.def("window_attention_mean(Tensor queries, Tensor keys) -> Tensor");  // kernels/cpu, kernels/cuda
-  m.def("key_norm_scores(Tensor keys) -> Tensor");  // kernels/cpu/key_norm.cpp, kernels/cuda/key_norm.cu
-  m.def("keydiff_scores(Tensor keys) -> Tensor", &ops::keydiff_scores);
+  m.def("window_attention_mean(Tensor queries, Tensor keys) -> Tensor");  // kernels
+  m.def("key_norm_scores(Tensor keys) -> Tensor");                          // kernels
+  m.def("keydiff_scores(Tensor keys) -> Tensor");                           // kernels
   m.def("streaming_llm_scores(Tensor keys, int n_sink, float compression_ratio) -> Tensor",
         &ops::streaming_llm_scores);
   m.def("random_scores(Tensor keys, int seed=-1) -> Tensor", &random_scores_op);
   m.def("lagkv_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor",
         &ops::lagkv_scores);
-  // lagkv_scores' partition statistics for seq_len >= n_sink + 2 * lag_size (kernels/cpu/lagkv.cpp, kernels/cuda/lagkv.cu).
+  // lagkv_scores' partition statistics for seq_len >= n_sink + 2 * lag_size (kernels).
   m.def("lagkv_partition_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor");
   m.def("snapkv_scores(Tensor window_attn, int num_kv_heads, int kernel_size) -> Tensor", &ops::snapkv_scores);
   m.def("snapkv_scores_from_mean(Tensor mean_attn, int num_kv_heads, int kernel_size, int window_size) -> Tensor",
@@ -127,7 +123,7 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor", &noncausal_column_sums_op);
   m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
   m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
-  // Head-ragged attention (kernels/cpu/ragged_attention.cpp, kernels/cuda/ragged_attention.cu).
+  // Head-ragged attention (kernels).
   m.def("ragged_attention(Tensor queries, Tensor packed_keys, Tensor packed_values, Tensor offsets, "
         "Tensor tail_keys, Tensor tail_values, float? scale=None) -> Tensor");
   // Any registry press on one layer (benchmarks/compare_kvpress.py); params: ["window_size=32", ...].
@@ -141,10 +137,16 @@ TORCH_LIBRARY(kvpress, m) {
         &press_scores_op);
 }
 
-// Ops with CPU/CUDA kernels: the ATen versions serve every other device.
+// Ops with CPU/CUDA kernels: the ATen composites serve every other device, and CUDA tensors in a
+// build without CUDA kernels.
 TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
-  m.impl("window_attention_mean", &ops::window_attention_mean_aten);
-  m.impl("lagkv_partition_scores", &ops::lagkv_partition_scores_aten);
+  m.impl("topk_indices", &ops::composite::topk_indices);
+  m.impl("gather_kv", &ops::composite::gather_kv);
+  m.impl("key_norm_scores", &ops::composite::key_norm_scores);
+  m.impl("keydiff_scores", &ops::composite::keydiff_scores);
+  m.impl("window_attention_mean", &ops::composite::window_attention_mean);
+  m.impl("lagkv_partition_scores", &ops::composite::lagkv_partition_scores);
+  m.impl("ragged_attention", &ops::composite::ragged_attention);
 }
 
 }  // namespace kvpress

@@ -1,12 +1,13 @@
-// CPU vs CUDA parity of the score and selection kernels of issue 7 (kernels/cuda/*.cu). Skipped
-// where no GPU is present or the library was built without CUDA kernels.
+// CPU vs CUDA parity of every op with a CUDA kernel (kernels/cuda/*.cu), called through the
+// dispatcher as users call them. Skipped where no GPU is present or the library was built without
+// CUDA kernels (CUDA tensors then take the ATen composites).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 
 #include <limits>
 
-#include "cuda/kernels.h"
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
@@ -16,9 +17,28 @@ namespace {
 
 using testing::randn;
 
-#define KVPRESS_REQUIRE_CUDA_KERNELS()                                                  \
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine";                  \
-  if (!kernels::cuda_kernels_built()) GTEST_SKIP() << "libkvpress built without CUDA kernels"
+bool cuda_kernels_built() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("kvpress::topk_indices", "")
+      .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+}
+
+#define KVPRESS_REQUIRE_CUDA_KERNELS()                                   \
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine"; \
+  if (!cuda_kernels_built()) GTEST_SKIP() << "libkvpress built without CUDA kernels"
+
+TEST(CudaKernels, KeyNormScoresMatchCpu) {
+  KVPRESS_REQUIRE_CUDA_KERNELS();
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const at::Tensor keys = randn({2, 8, 1000, 128}, 1, dtype);
+    const at::Tensor cpu = ops::key_norm_scores(keys);
+    const at::Tensor gpu = ops::key_norm_scores(keys.to(at::kCUDA)).cpu();
+    EXPECT_TRUE(at::allclose(cpu, gpu, 1e-5, 1e-5)) << dtype;
+    // Non-contiguous input takes the same path after a copy.
+    const at::Tensor strided = keys.to(at::kCUDA).transpose(1, 2).contiguous().transpose(1, 2);
+    EXPECT_TRUE(at::allclose(cpu, ops::key_norm_scores(strided).cpu(), 1e-5, 1e-5)) << dtype;
+  }
+}
 
 TEST(CudaKernels, WindowAttentionMeanMatchesCpu) {
   KVPRESS_REQUIRE_CUDA_KERNELS();
@@ -56,10 +76,8 @@ TEST(CudaKernels, KeyDiffScoresMatchCpu) {
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     const at::Tensor keys = randn({2, 4, 3000, 128}, 5, dtype);
     const at::Tensor cpu = ops::keydiff_scores(keys);
-    const at::Tensor gpu = kernels::keydiff_scores_cuda(keys.cuda()).cpu();
+    const at::Tensor gpu = ops::keydiff_scores(keys.cuda()).cpu();
     EXPECT_TRUE(at::allclose(cpu, gpu, 1e-4, 1e-5)) << dtype;
-    // The public op gives the same on CUDA, whichever path it takes there.
-    EXPECT_TRUE(at::allclose(cpu, ops::keydiff_scores(keys.cuda()).cpu(), 1e-4, 1e-5)) << dtype;
   }
 }
 
@@ -71,18 +89,13 @@ TEST(CudaKernels, TopkMatchesCpuIncludingTiesAndSignedZeros) {
   scores.select(2, 11).fill_(0.0);
   for (int64_t k : {1, 17, 2049, 4098, 4099}) {
     const at::Tensor cpu = ops::topk_indices(scores, k);
-    at::Tensor gpu;
-    ASSERT_TRUE(kernels::topk_indices_cuda(scores.cuda(), k, gpu)) << k;
-    EXPECT_TRUE(at::equal(cpu, gpu.cpu())) << "k " << k;
     EXPECT_TRUE(at::equal(cpu, ops::topk_indices(scores.cuda(), k).cpu())) << "k " << k;
   }
   const at::Tensor distinct = randn({2, 3, 10000}, 7);
-  at::Tensor gpu;
-  ASSERT_TRUE(kernels::topk_indices_cuda(distinct.cuda(), 5000, gpu));
-  EXPECT_TRUE(at::equal(ops::topk_indices(distinct, 5000), gpu.cpu()));
-  // bfloat16 scores convert exactly.
-  ASSERT_TRUE(kernels::topk_indices_cuda(scores.to(at::kBFloat16).cuda(), 100, gpu));
-  EXPECT_TRUE(at::equal(ops::topk_indices(scores, 100), gpu.cpu()));
+  EXPECT_TRUE(at::equal(ops::topk_indices(distinct, 5000), ops::topk_indices(distinct.cuda(), 5000).cpu()));
+  // bfloat16 scores convert exactly; float64 ones take the composite.
+  EXPECT_TRUE(at::equal(ops::topk_indices(scores, 100), ops::topk_indices(scores.to(at::kBFloat16).cuda(), 100).cpu()));
+  EXPECT_TRUE(at::equal(ops::topk_indices(scores, 100), ops::topk_indices(scores.to(at::kDouble).cuda(), 100).cpu()));
 }
 
 TEST(CudaKernels, TopkRefusesNonFiniteScores) {
@@ -90,8 +103,7 @@ TEST(CudaKernels, TopkRefusesNonFiniteScores) {
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     at::Tensor scores = randn({1, 2, 100}, 8);
     scores[0][1][50] = bad;
-    at::Tensor out;
-    EXPECT_FALSE(kernels::topk_indices_cuda(scores.cuda(), 10, out)) << bad;
+    testing::expect_error([&] { ops::topk_indices(scores.cuda(), 10); }, {"topk_indices: scores must be finite, got 1 "});
   }
 }
 
@@ -105,18 +117,14 @@ TEST(CudaKernels, GatherRowsMatchesCpu) {
                                  .expand({2, 3, 123})
                                  .contiguous();
       const KV cpu = ops::gather_kv(keys, values, idx);
-      at::Tensor k_out, v_out;
-      EXPECT_EQ(kernels::gather_rows_cuda(keys.cuda(), values.cuda(), idx.cuda(), k_out, v_out), -1);
-      EXPECT_TRUE(at::equal(cpu.keys, k_out.cpu())) << dtype << " dim " << dim;
-      EXPECT_TRUE(at::equal(cpu.values, v_out.cpu())) << dtype << " dim " << dim;
-      const KV via_op = ops::gather_kv(keys.cuda(), values.cuda(), idx.cuda());
-      EXPECT_TRUE(at::equal(cpu.keys, via_op.keys.cpu()));
+      const KV gpu = ops::gather_kv(keys.cuda(), values.cuda(), idx.cuda());
+      EXPECT_TRUE(at::equal(cpu.keys, gpu.keys.cpu())) << dtype << " dim " << dim;
+      EXPECT_TRUE(at::equal(cpu.values, gpu.values.cpu())) << dtype << " dim " << dim;
     }
   }
-  const at::Tensor keys = randn({1, 1, 10, 4}, 11);
-  at::Tensor k_out, v_out;
-  EXPECT_GE(kernels::gather_rows_cuda(keys.cuda(), keys.cuda(), at::full({1, 1, 2}, 10, at::kLong).cuda(), k_out, v_out),
-            0);
+  const at::Tensor keys = randn({1, 1, 10, 4}, 11).cuda();
+  testing::expect_error([&] { ops::gather_kv(keys, keys, at::full({1, 1, 2}, 10, at::kLong).cuda()); },
+                        {"gather_kv: indices must be in [0, seq_len (10)), got values in [10, 10]"});
 }
 
 // Whole presses on CUDA tensors keep what they keep on CPU.

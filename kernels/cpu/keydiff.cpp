@@ -1,15 +1,18 @@
-// KeyDiff scores in two passes over each head's keys: the anchor (mean of unit keys), then the
-// cosine of every key to it. The ATen chain it replaces wrote three [B, H, S, D] temporaries.
-#include "cpu/keydiff.h"
-
+// CPU kernel of kvpress::keydiff_scores, in two passes over each head's keys: the anchor (mean of
+// unit keys), then the cosine of every key to it. float32 accumulation (double for double keys);
+// the same eps as kvpress: F.normalize 1e-12, cosine_similarity 1e-8 on each norm. The ATen
+// composite writes three [B, H, S, D] temporaries instead.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
+
+#include "checks.h"
 
 namespace kvpress::kernels {
 namespace {
@@ -44,9 +47,8 @@ void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, st
   }
 }
 
-}  // namespace
-
 at::Tensor keydiff_scores_cpu(const at::Tensor& keys_in) {
+  checks::check_keys("keydiff_scores", keys_in);
   const at::Tensor keys = keys_in.contiguous();
   const int64_t heads = keys.size(0) * keys.size(1), seq = keys.size(2), dim = keys.size(3);
   at::Tensor out = at::empty({keys.size(0), keys.size(1), seq}, keys.options().dtype(at::kFloat));
@@ -63,5 +65,9 @@ at::Tensor keydiff_scores_cpu(const at::Tensor& keys_in) {
   });
   return out;
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CPU, m) { m.impl("keydiff_scores", &keydiff_scores_cpu); }
 
 }  // namespace kvpress::kernels

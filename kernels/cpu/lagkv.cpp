@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "score_kernels.h"
+#include "kernel_ops.h"
 
 namespace kvpress::kernels {
 namespace {
@@ -158,10 +158,8 @@ void score_head_partitions(const scalar_t* k, const scalar_t* v, int64_t p_begin
 at::Tensor lagkv_partition_scores_cpu(const at::Tensor& keys_in, const at::Tensor& values_in, int64_t n_sink,
                                       int64_t lag_size, bool cross_scoring) {
   constexpr const char* op = "lagkv_partition_scores";
-  checks::check_lagkv(op, keys_in, values_in, n_sink, lag_size);
+  checks::check_lagkv_partitions(op, keys_in, values_in, n_sink, lag_size);
   const int64_t batch = keys_in.size(0), heads = keys_in.size(1), seq = keys_in.size(2), dim = keys_in.size(3);
-  TORCH_CHECK(seq >= n_sink + 2 * lag_size, op, ": seq_len must be >= n_sink + 2 * lag_size (",
-              n_sink + 2 * lag_size, "), got ", seq);
   const checks::LagLayout layout = checks::lag_layout(seq, n_sink, lag_size);
   const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
   // Ones everywhere (sinks, last partition and remainder); the scored partitions are overwritten.

@@ -17,7 +17,7 @@
 #include <limits>
 #include <vector>
 
-#include "ragged_attention_checks.h"
+#include "kernel_ops.h"
 
 namespace kvpress::kernels {
 namespace {

@@ -1,20 +1,24 @@
-// Fused CPU selection: top-k per row without a full sort, and the gather of kept K/V rows.
-#include "cpu/selection.h"
-
+// CPU kernels of kvpress::topk_indices (top-k per row without a full sort) and kvpress::gather_kv
+// (one memcpy per kept K/V row).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+
+#include "kernel_ops.h"
 
 namespace kvpress::kernels {
 namespace {
@@ -58,12 +62,15 @@ bool topk_row(const scalar_t* row, int64_t seq, int64_t k, std::vector<acc_t>& w
   return true;
 }
 
-}  // namespace
-
-bool topk_indices_cpu(const at::Tensor& scores_in, int64_t k, at::Tensor& out) {
+// The k highest scores of every row, ties to the lower position, returned in ascending position
+// order: the same set as a stable descending sort, in O(S) per row (nth_element on a copy, then one
+// ordered sweep). Finiteness is checked on the way; only a failure pays for the named error.
+at::Tensor topk_indices_cpu(const at::Tensor& scores_in, int64_t k) {
+  constexpr const char* op = "topk_indices";
+  checks::check_topk(op, scores_in, k);
   const at::Tensor scores = scores_in.contiguous();
   const int64_t rows = scores.size(0) * scores.size(1), seq = scores.size(2);
-  out = at::empty({scores.size(0), scores.size(1), k}, scores.options().dtype(at::kLong));
+  at::Tensor out = at::empty({scores.size(0), scores.size(1), k}, scores.options().dtype(at::kLong));
   int64_t* out_ptr = out.data_ptr<int64_t>();
   std::atomic<bool> all_finite{true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "topk_indices_cpu", [&] {
@@ -76,17 +83,22 @@ bool topk_indices_cpu(const at::Tensor& scores_in, int64_t k, at::Tensor& out) {
       }
     });
   });
-  return all_finite.load();
+  if (!all_finite.load()) checks::check_finite_scores(op, scores);  // raises, naming the bad values
+  return out;
 }
 
-int64_t gather_rows_cpu(const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& indices_in,
-                        at::Tensor& keys_out, at::Tensor& values_out) {
+// Copies the rows `indices` of keys and values into new contiguous tensors, parallel over the kept
+// rows of all heads. An index outside [0, S) raises once the copy is done.
+std::tuple<at::Tensor, at::Tensor> gather_kv_cpu(const at::Tensor& keys_in, const at::Tensor& values_in,
+                                                 const at::Tensor& indices_in) {
+  constexpr const char* op = "gather_kv";
+  checks::check_gather(op, keys_in, values_in, indices_in);
   const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous();
   const at::Tensor indices = indices_in.contiguous();
   const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2), dim = keys.size(3);
   const int64_t n = indices.size(2);
-  keys_out = at::empty({batch, heads, n, dim}, keys.options());
-  values_out = at::empty({batch, heads, n, dim}, values.options());
+  at::Tensor keys_out = at::empty({batch, heads, n, dim}, keys.options());
+  at::Tensor values_out = at::empty({batch, heads, n, dim}, values.options());
   advise_huge_pages(keys_out);
   advise_huge_pages(values_out);
   const size_t row_bytes = static_cast<size_t>(dim) * keys.element_size();
@@ -95,15 +107,14 @@ int64_t gather_rows_cpu(const at::Tensor& keys_in, const at::Tensor& values_in, 
   auto* k_dst = static_cast<char*>(keys_out.data_ptr());
   auto* v_dst = static_cast<char*>(values_out.data_ptr());
   const int64_t* idx = indices.data_ptr<int64_t>();
-  std::atomic<int64_t> first_bad{-1};
-  // Parallel over kept rows of all heads: each task copies a contiguous block of output rows.
+  std::atomic<bool> all_in_range{true};
+  // Each task copies a contiguous block of output rows.
   at::parallel_for(0, batch * heads * n, /*grain_size=*/256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t head = r / std::max<int64_t>(n, 1);
       const int64_t pos = idx[r];
       if (pos < 0 || pos >= seq) {
-        int64_t expected = -1;
-        first_bad.compare_exchange_strong(expected, r);
+        all_in_range = false;
         continue;
       }
       const size_t src = static_cast<size_t>(head * seq + pos) * row_bytes;
@@ -112,7 +123,15 @@ int64_t gather_rows_cpu(const at::Tensor& keys_in, const at::Tensor& values_in, 
       std::memcpy(v_dst + dst, v_src + src, row_bytes);
     }
   });
-  return first_bad.load();
+  if (!all_in_range.load()) checks::check_index_range(op, indices, seq);  // raises
+  return {keys_out, values_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CPU, m) {
+  m.impl("topk_indices", &topk_indices_cpu);
+  m.impl("gather_kv", &gather_kv_cpu);
 }
 
 }  // namespace kvpress::kernels

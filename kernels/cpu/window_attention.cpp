@@ -16,7 +16,7 @@
 #include <cmath>
 #include <limits>
 
-#include "score_kernels.h"
+#include "kernel_ops.h"
 
 namespace kvpress::kernels {
 namespace {

@@ -1,11 +1,12 @@
-// Bridge for kvpress::ragged_attention on CUDA: validation, dtype dispatch, stream.
+// Bridge of kvpress::ragged_attention on CUDA: validation, dtype dispatch, stream, registration.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "cuda/dispatch.cuh"
 #include "cuda/ragged_attention.cuh"
-#include "ragged_attention_checks.h"
+#include "kernel_ops.h"
 
 namespace kvpress::cuda {
 
@@ -35,7 +36,7 @@ void run(const at::Tensor& queries, const at::Tensor& packed_keys, const at::Ten
                                                      offsets.const_data_ptr<int64_t>(), ptr(tail_keys),
                                                      ptr(tail_values), reinterpret_cast<T*>(out.data_ptr()), shape,
                                                      stream);
-  TORCH_CHECK(err == cudaSuccess, "ragged_attention: CUDA launch failed: ", cudaGetErrorString(err));
+  check_launch(err, "ragged_attention");
 }
 
 at::Tensor ragged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& packed_keys_in,
@@ -55,14 +56,9 @@ at::Tensor ragged_attention_cuda(const at::Tensor& queries_in, const at::Tensor&
   const at::Tensor tail_values = tail_values_in.stride(3) == 1 ? tail_values_in : tail_values_in.contiguous();
   at::Tensor out = at::empty(queries.sizes(), queries.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  switch (queries.scalar_type()) {
-    case at::kFloat: run<float>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream); break;
-    case at::kHalf: run<__half>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream); break;
-    case at::kBFloat16:
-      run<__nv_bfloat16>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream);
-      break;
-    default: TORCH_CHECK(false, "ragged_attention: queries must be float32, float16 or bfloat16, got ", queries.scalar_type());
-  }
+  dispatch_float_types(queries.scalar_type(), "ragged_attention", "queries", [&](auto element) {
+    run<decltype(element)>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream);
+  });
   return out;
 }
 

@@ -5,26 +5,17 @@
 // through shared memory. GQA: query head q reads KV head q / G; nothing is repeated.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/key_norm.cuh"  // to_float
+#include "cuda/common.cuh"
 
 namespace kvpress::cuda {
 
 constexpr int kRaggedWarps = 8;
 constexpr int kRaggedMaxDimPerLane = 8;  // head_dim <= 256
 constexpr int kRaggedMaxDim = 32 * kRaggedMaxDimPerLane;
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 struct RaggedAttentionShape {
   int64_t batch, q_heads, kv_heads, n, m, dim, packed_tokens;

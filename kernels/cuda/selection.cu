@@ -1,180 +1,61 @@
-// CUDA selection kernels behind kernels::topk_indices_cuda and kernels::gather_rows_cuda.
-// Top-k: one block per row. Scores become order-preserving uint32 keys (-0 folded into +0, so
-// equal floats stay equal); four 8-bit radix passes find the k-th largest key T and how many of
-// the keys equal to T are kept (the k - #(> T) lowest positions among them). Each thread then
-// owns a contiguous run of positions: two block scans (ties before the run, kept before the run)
-// give every thread its output offset, and a last sweep writes the kept positions in ascending
-// order. The same set as a stable descending sort, without sorting.
+// Bridge of kvpress::topk_indices and kvpress::gather_kv on CUDA: validation, stream,
+// registration (kernels in selection.cuh).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cub/block/block_scan.cuh>
-#include <cuda_runtime.h>
+#include <torch/library.h>
 
-#include <cstdint>
+#include <tuple>
 
-#include "cuda/kernels.h"
+#include "cuda/dispatch.cuh"
+#include "cuda/selection.cuh"
+#include "kernel_ops.h"
 
-namespace kvpress::kernels {
+namespace kvpress::cuda {
 namespace {
 
-constexpr int kTopkThreads = 1024;
-
-__device__ __forceinline__ uint32_t order_key(float v) {
-  if (v == 0.f) v = 0.f;  // -0 == +0
-  const uint32_t bits = __float_as_uint(v);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-__global__ void __launch_bounds__(kTopkThreads)
-    topk_rows_kernel(const float* __restrict__ scores, int64_t seq, int64_t k, int64_t* __restrict__ out,
-                     int* __restrict__ not_finite) {
-  using Scan = cub::BlockScan<int64_t, kTopkThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ unsigned int hist[256];
-  __shared__ uint32_t prefix_sh;
-  __shared__ int64_t remaining_sh;
-  const float* row = scores + static_cast<int64_t>(blockIdx.x) * seq;
-  int64_t* dst = out + static_cast<int64_t>(blockIdx.x) * k;
-
-  bool finite = true;
-  for (int64_t i = threadIdx.x; i < seq; i += blockDim.x) finite &= isfinite(row[i]);
-  if (__syncthreads_or(!finite)) {
-    if (threadIdx.x == 0) atomicExch(not_finite, 1);
-    return;
-  }
-
-  // Radix select of the k-th largest key, most significant byte first.
-  uint32_t prefix = 0, mask = 0;
-  int64_t remaining = k;  // rank of the wanted key among the keys that match `prefix`
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < seq; i += blockDim.x) {
-      const uint32_t key = order_key(row[i]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int64_t above = 0;
-      int digit = 255;
-      for (; digit > 0; --digit) {
-        if (above + hist[digit] >= remaining) break;
-        above += hist[digit];
-      }
-      prefix_sh = prefix | (static_cast<uint32_t>(digit) << shift);
-      remaining_sh = remaining - above;
-    }
-    __syncthreads();
-    prefix = prefix_sh;
-    remaining = remaining_sh;
-    mask |= 0xffu << shift;
-  }
-  const uint32_t threshold = prefix;
-  const int64_t ties_kept = remaining;  // keys equal to the threshold that are kept, lowest first
-
-  // Contiguous run of positions per thread.
-  const int64_t per_thread = (seq + blockDim.x - 1) / blockDim.x;
-  const int64_t begin = min(seq, per_thread * threadIdx.x), end = min(seq, begin + per_thread);
-  int64_t greater = 0, equal = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    const uint32_t key = order_key(row[i]);
-    greater += key > threshold;
-    equal += key == threshold;
-  }
-  int64_t equal_before = 0;
-  Scan(scan_storage).ExclusiveSum(equal, equal_before);
-  __syncthreads();
-  int64_t ties_here = ties_kept - equal_before;
-  ties_here = ties_here < 0 ? 0 : (ties_here > equal ? equal : ties_here);
-  int64_t offset = 0;
-  Scan(scan_storage).ExclusiveSum(greater + ties_here, offset);
-  for (int64_t i = begin; i < end; ++i) {
-    const uint32_t key = order_key(row[i]);
-    if (key > threshold || (key == threshold && ties_here-- > 0)) dst[offset++] = i;
-  }
-}
-
-// out[row, j, :] = in[row, indices[row, j], :] for keys and values; bad indices raise a flag.
-template <typename word_t>
-__global__ void gather_rows_kernel(const word_t* __restrict__ keys, const word_t* __restrict__ values,
-                                   const int64_t* __restrict__ indices, int64_t seq, int64_t n, int64_t words,
-                                   int64_t total, word_t* __restrict__ keys_out, word_t* __restrict__ values_out,
-                                   int* __restrict__ bad) {
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t w = e % words, slot = e / words;  // slot = row * n + j
-    const int64_t row = slot / n;
-    const int64_t pos = indices[slot];
-    if (pos < 0 || pos >= seq) {
-      *bad = 1;
-      continue;
-    }
-    const int64_t src = (row * seq + pos) * words + w;
-    keys_out[e] = keys[src];
-    values_out[e] = values[src];
-  }
-}
-
-void check_launch(const char* op) {
-  const cudaError_t err = cudaGetLastError();
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
-}
-
-}  // namespace
-
-bool topk_indices_cuda(const at::Tensor& scores_in, int64_t k, at::Tensor& out) {
-  TORCH_CHECK(scores_in.is_cuda() && scores_in.dim() == 3, "topk_indices_cuda: scores must be a CUDA [B, H, S] tensor");
+at::Tensor topk_indices_cuda(const at::Tensor& scores_in, int64_t k) {
+  constexpr const char* op = "topk_indices";
+  checks::check_topk(op, scores_in, k);
+  // float16/bfloat16 convert to float32 exactly; float64 would lose order: the composite sorts it.
+  if (scores_in.scalar_type() == at::kDouble) return ops::composite::topk_indices(scores_in, k);
   const c10::cuda::CUDAGuard guard(scores_in.device());
-  // float16/bfloat16 convert exactly; double would lose order, so it is refused here.
-  TORCH_CHECK(scores_in.scalar_type() != at::kDouble, "topk_indices_cuda: float64 scores are not supported");
   const at::Tensor scores = scores_in.to(at::kFloat).contiguous();
-  const int64_t rows = scores.size(0) * scores.size(1), seq = scores.size(2);
-  TORCH_CHECK(k >= 1 && k <= seq, "topk_indices_cuda: k must be in [1, ", seq, "], got ", k);
-  out = at::empty({scores.size(0), scores.size(1), k}, scores.options().dtype(at::kLong));
-  at::Tensor flag = at::zeros({1}, scores.options().dtype(at::kInt));
-  if (rows == 0) return true;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  topk_rows_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, stream>>>(
-      scores.const_data_ptr<float>(), seq, k, out.data_ptr<int64_t>(), flag.data_ptr<int>());
-  check_launch("topk_indices");
-  return flag.item<int>() == 0;
+  at::Tensor out = at::empty({scores.size(0), scores.size(1), k}, scores.options().dtype(at::kLong));
+  at::Tensor not_finite = at::zeros({1}, scores.options().dtype(at::kInt));
+  check_launch(launch_topk_rows(scores.const_data_ptr<float>(), scores.size(0) * scores.size(1), scores.size(2), k,
+                                out.data_ptr<int64_t>(), not_finite.data_ptr<int>(),
+                                c10::cuda::getCurrentCUDAStream()),
+               op);
+  if (not_finite.item<int>() != 0) checks::check_finite_scores(op, scores_in);  // raises, naming the values
+  return out;
 }
 
-int64_t gather_rows_cuda(const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& indices_in,
-                         at::Tensor& keys_out, at::Tensor& values_out) {
-  TORCH_CHECK(keys_in.is_cuda() && keys_in.dim() == 4 && values_in.sizes() == keys_in.sizes() &&
-                  values_in.scalar_type() == keys_in.scalar_type() && indices_in.dim() == 3,
-              "gather_rows_cuda: keys/values must be CUDA [B, H, S, D] of one dtype, indices [B, H, n]");
+std::tuple<at::Tensor, at::Tensor> gather_kv_cuda(const at::Tensor& keys_in, const at::Tensor& values_in,
+                                                  const at::Tensor& indices_in) {
+  constexpr const char* op = "gather_kv";
+  checks::check_gather(op, keys_in, values_in, indices_in);
   const c10::cuda::CUDAGuard guard(keys_in.device());
   const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous(), indices = indices_in.contiguous();
   const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2), dim = keys.size(3);
   const int64_t n = indices.size(2);
-  keys_out = at::empty({batch, heads, n, dim}, keys.options());
-  values_out = at::empty({batch, heads, n, dim}, values.options());
-  at::Tensor flag = at::zeros({1}, keys.options().dtype(at::kInt));
-  const int64_t row_bytes = dim * static_cast<int64_t>(keys.element_size());
-  if (batch * heads * n == 0 || row_bytes == 0) return -1;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto word) {
-    using word_t = decltype(word);
-    const int64_t words = row_bytes / static_cast<int64_t>(sizeof(word_t));
-    const int64_t total = batch * heads * n * words;
-    const int64_t blocks = std::min<int64_t>((total + 255) / 256, 65535 * 4);
-    gather_rows_kernel<word_t><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        reinterpret_cast<const word_t*>(keys.const_data_ptr()), reinterpret_cast<const word_t*>(values.const_data_ptr()),
-        indices.const_data_ptr<int64_t>(), seq, n, words, total, reinterpret_cast<word_t*>(keys_out.data_ptr()),
-        reinterpret_cast<word_t*>(values_out.data_ptr()), flag.data_ptr<int>());
-  };
-  // Widest word that divides a row and every base address (views may start anywhere).
-  const auto address = [](const at::Tensor& t) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.const_data_ptr())); };
-  const int64_t align = row_bytes | address(keys) | address(values) | address(keys_out) | address(values_out);
-  if (align % 16 == 0) launch(uint4{});
-  else if (align % 8 == 0) launch(uint2{});
-  else if (align % 4 == 0) launch(uint32_t{});
-  else launch(uint16_t{});
-  check_launch("gather_kv");
-  return flag.item<int>() == 0 ? -1 : 0;
+  at::Tensor keys_out = at::empty({batch, heads, n, dim}, keys.options());
+  at::Tensor values_out = at::empty({batch, heads, n, dim}, values.options());
+  at::Tensor bad = at::zeros({1}, keys.options().dtype(at::kInt));
+  check_launch(launch_gather_rows(keys.const_data_ptr(), values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                                  batch * heads, seq, n, dim * static_cast<int64_t>(keys.element_size()),
+                                  keys_out.data_ptr(), values_out.data_ptr(), bad.data_ptr<int>(),
+                                  c10::cuda::getCurrentCUDAStream()),
+               op);
+  if (bad.item<int>() != 0) checks::check_index_range(op, indices, seq);  // raises
+  return {keys_out, values_out};
 }
 
-}  // namespace kvpress::kernels
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CUDA, m) {
+  m.impl("topk_indices", &topk_indices_cuda);
+  m.impl("gather_kv", &gather_kv_cuda);
+}
+
+}  // namespace kvpress::cuda

@@ -1,12 +1,11 @@
 // RoPE, GQA reduction, query recomputation and window attention.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <limits>
 
 #include "checks.h"
-#include "score_kernels.h"
+#include "kernel_ops.h"
 #include "kvpress/ops.h"
 
 namespace kvpress::ops {
@@ -172,16 +171,15 @@ at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
   return at::softmax(logits, -1).narrow(-1, 0, seq - window).contiguous();
 }
 
-at::Tensor window_attention_mean_aten(const at::Tensor& queries, const at::Tensor& keys) {
+at::Tensor composite::window_attention_mean(const at::Tensor& queries, const at::Tensor& keys) {
   checks::check_window_attention("window_attention_mean", queries, keys);
   return window_attention(queries, keys).mean(2);
 }
 
 at::Tensor window_attention_mean(const at::Tensor& queries, const at::Tensor& keys) {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kvpress::window_attention_mean", "")
-                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return handle.call(queries, keys);
+  static const auto op =
+      dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("kvpress::window_attention_mean");
+  return op.call(queries, keys);
 }
 
 }  // namespace kvpress::ops

@@ -1,13 +1,10 @@
 // Score ops of the first presses. Each follows kvpress 0.5.5's formula; see docs/PRESS_NOTES.md.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "checks.h"
-#include "cpu/keydiff.h"
-#include "cuda/kernels.h"
+#include "kernel_ops.h"
 #include "kvpress/ops.h"
-#include "score_kernels.h"
 
 namespace kvpress::ops {
 namespace {
@@ -34,13 +31,11 @@ at::Tensor lag_relative_scores(const at::Tensor& partitions) {  // [B, H, P, lag
 
 }  // namespace
 
-at::Tensor lagkv_partition_scores_aten(const at::Tensor& keys, const at::Tensor& values, int64_t n_sink,
-                                       int64_t lag_size, bool cross_scoring) {
+at::Tensor composite::lagkv_partition_scores(const at::Tensor& keys, const at::Tensor& values, int64_t n_sink,
+                                             int64_t lag_size, bool cross_scoring) {
   constexpr const char* op = "lagkv_partition_scores";
-  checks::check_lagkv(op, keys, values, n_sink, lag_size);
+  checks::check_lagkv_partitions(op, keys, values, n_sink, lag_size);
   const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2), dim = keys.size(3);
-  TORCH_CHECK(seq >= n_sink + 2 * lag_size, op, ": seq_len must be >= n_sink + 2 * lag_size (",
-              n_sink + 2 * lag_size, "), got ", seq);
   const checks::LagLayout layout = checks::lag_layout(seq, n_sink, lag_size);
   const auto float_opts = keys.options().dtype(at::kFloat);
   auto partitions = [&](const at::Tensor& x) {
@@ -60,16 +55,24 @@ at::Tensor lagkv_partition_scores_aten(const at::Tensor& keys, const at::Tensor&
 }
 
 at::Tensor key_norm_scores(const at::Tensor& keys) {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kvpress::key_norm_scores", "")
-                                 .typed<at::Tensor(const at::Tensor&)>();
-  return handle.call(keys);
+  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::key_norm_scores");
+  checks::check_defined("key_norm_scores", "keys", keys);  // an undefined tensor dispatches nowhere
+  return op.call(keys);
+}
+
+at::Tensor composite::key_norm_scores(const at::Tensor& keys) {
+  checks::check_keys("key_norm_scores", keys);
+  return -at::linalg_vector_norm(keys.to(at::kFloat), 2, {-1});
 }
 
 at::Tensor keydiff_scores(const at::Tensor& keys) {
+  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::keydiff_scores");
+  checks::check_defined("keydiff_scores", "keys", keys);  // an undefined tensor dispatches nowhere
+  return op.call(keys);
+}
+
+at::Tensor composite::keydiff_scores(const at::Tensor& keys) {
   checks::check_keys("keydiff_scores", keys);
-  if (keys.device().is_cpu()) return kernels::keydiff_scores_cpu(keys);
-  if (keys.is_cuda() && kernels::cuda_kernels_built()) return kernels::keydiff_scores_cuda(keys);
   const at::Tensor k = keys.to(at::kFloat);
   // F.normalize (eps 1e-12), sequence mean, then F.cosine_similarity (eps 1e-8).
   const at::Tensor unit = k / k.norm(2, -1, /*keepdim=*/true).clamp_min(1e-12);
@@ -123,10 +126,10 @@ at::Tensor lagkv_scores(const at::Tensor& keys, const at::Tensor& values, int64_
     return scores;
   }
   // The partition statistics run in one fused pass (kernels/cpu/lagkv.cpp, kernels/cuda/lagkv.cu).
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("kvpress::lagkv_partition_scores", "")
-                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>();
-  return handle.call(keys, values, n_sink, lag_size, cross_scoring);
+  static const auto partition_scores =
+      dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>(
+          "kvpress::lagkv_partition_scores");
+  return partition_scores.call(keys, values, n_sink, lag_size, cross_scoring);
 }
 
 at::Tensor snapkv_scores(const at::Tensor& window_attn, int64_t num_kv_heads, int64_t kernel_size) {

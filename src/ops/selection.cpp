@@ -1,11 +1,13 @@
-// Selection: n_kept, deterministic top-k, gather of kept K/V.
+// Selection: n_kept, deterministic top-k and the gather of kept K/V (their CPU/CUDA kernels are in
+// kernels/; the composites here serve other devices).
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 #include "checks.h"
-#include "cpu/selection.h"
-#include "cuda/kernels.h"
+#include "kernel_ops.h"
 #include "kvpress/ops.h"
 
 namespace kvpress {
@@ -33,20 +35,24 @@ int64_t n_kept(int64_t seq_len, double compression_ratio) {
 }
 
 at::Tensor topk_indices(const at::Tensor& scores, int64_t k) {
+  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&, int64_t)>("kvpress::topk_indices");
+  checks::check_defined("topk_indices", "scores", scores);  // an undefined tensor dispatches nowhere
+  return op.call(scores, k);
+}
+
+KV gather_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
+  static const auto op = dispatcher_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                          const at::Tensor&)>("kvpress::gather_kv");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"keys", &keys}, {"values", &values},
+                                {"indices", &indices}})
+    checks::check_defined("gather_kv", name, *t);  // an undefined tensor dispatches nowhere
+  auto [kept_keys, kept_values] = op.call(keys, values, indices);
+  return KV{std::move(kept_keys), std::move(kept_values), indices.contiguous()};
+}
+
+at::Tensor composite::topk_indices(const at::Tensor& scores, int64_t k) {
   constexpr const char* op = "topk_indices";
-  checks::check_rank(op, "scores", scores, 3, "[batch, heads, seq_len]");
-  checks::check_non_empty(op, "scores", scores);
-  TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op,
-              ": scores must be a floating tensor, got ", scores.scalar_type());
-  const int64_t seq_len = scores.size(2);
-  TORCH_CHECK(k >= 1 && k <= seq_len, op, ": k must be in [1, seq_len (", seq_len, ")], got ", k);
-  if (scores.device().is_cpu() || (scores.is_cuda() && kernels::cuda_kernels_built())) {
-    at::Tensor kept;
-    const bool finite = scores.is_cuda() ? kernels::topk_indices_cuda(scores, k, kept)
-                                         : kernels::topk_indices_cpu(scores, k, kept);
-    if (!finite) checks::check_finite_scores(op, scores);  // raises
-    return kept;
-  }
+  checks::check_topk(op, scores, k);
   checks::check_finite_scores(op, scores);
   // A stable descending sort keeps equal scores in position order, so ties go to the lower
   // position; the k winners are then put back in position order.
@@ -54,31 +60,13 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k) {
   return std::get<0>(at::sort(order.narrow(-1, 0, k), /*dim=*/-1)).contiguous();
 }
 
-KV gather_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
+std::tuple<at::Tensor, at::Tensor> composite::gather_kv(const at::Tensor& keys, const at::Tensor& values,
+                                                        const at::Tensor& indices) {
   constexpr const char* op = "gather_kv";
-  checks::check_kv(op, keys, values);
-  checks::check_rank(op, "indices", indices, 3, "[batch, kv_heads, n_kept]");
-  TORCH_CHECK(indices.scalar_type() == at::kLong, op, ": indices must be int64, got ",
-              indices.scalar_type());
-  TORCH_CHECK(indices.size(0) == keys.size(0) && indices.size(1) == keys.size(1), op,
-              ": indices must be [", keys.size(0), ", ", keys.size(1), ", n_kept], got ",
-              checks::shape_str(indices));
-  checks::check_same_device(op, "indices", indices, "keys", keys);
-  if (keys.device().is_cpu() || (keys.is_cuda() && kernels::cuda_kernels_built())) {
-    at::Tensor keys_out, values_out;
-    const int64_t bad = keys.is_cuda() ? kernels::gather_rows_cuda(keys, values, indices, keys_out, values_out)
-                                       : kernels::gather_rows_cpu(keys, values, indices, keys_out, values_out);
-    if (bad < 0) return KV{keys_out, values_out, indices.contiguous()};
-  }
-  if (indices.numel() > 0) {  // with a kernel, only reached with an index out of range: name the range
-    const int64_t lo = indices.min().item<int64_t>();
-    const int64_t hi = indices.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < keys.size(2), op, ": indices must be in [0, seq_len (", keys.size(2),
-                ")), got values in [", lo, ", ", hi, "]");
-  }
+  checks::check_gather(op, keys, values, indices);
+  checks::check_index_range(op, indices, keys.size(2));
   const at::Tensor expanded = indices.unsqueeze(-1).expand({-1, -1, -1, keys.size(3)});
-  return KV{keys.gather(2, expanded).contiguous(), values.gather(2, expanded).contiguous(),
-            indices.contiguous()};
+  return {keys.gather(2, expanded).contiguous(), values.gather(2, expanded).contiguous()};
 }
 
 }  // namespace ops

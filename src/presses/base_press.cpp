@@ -3,10 +3,8 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
-#include "presses/budget_helpers.h"
-#include "cpu/selection.h"
-#include "cuda/kernels.h"
 #include "kvpress/ops.h"
+#include "presses/budget_helpers.h"
 
 namespace kvpress {
 
@@ -47,17 +45,15 @@ KV ScorerPress::compress(const LayerInputs& inputs) const {
               op, ": scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));
   TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
               scores.scalar_type());
-  const int64_t k = ops::n_kept(seq, compression_ratio_);
-  if (scores.device().is_cpu() || (scores.is_cuda() && kernels::cuda_kernels_built())) {
-    // The fused top-k kernels check finiteness on the way; only a failure pays for the named error.
-    at::Tensor kept;
-    const bool finite = scores.is_cuda() ? kernels::topk_indices_cuda(scores, k, kept)
-                                         : kernels::topk_indices_cpu(scores, k, kept);
-    if (!finite) checks::check_finite_scores(op.c_str(), scores);
-    return ops::gather_kv(inputs.keys, inputs.values, kept);
+  at::Tensor kept;
+  try {
+    kept = ops::topk_indices(scores, ops::n_kept(seq, compression_ratio_));
+  } catch (const c10::Error&) {
+    // The top-k kernels check finiteness on the way; only a failure pays for naming this press.
+    checks::check_finite_scores(op.c_str(), scores);
+    throw;
   }
-  checks::check_finite_scores(op.c_str(), scores);
-  return ops::gather_kv(inputs.keys, inputs.values, ops::topk_indices(scores, k));
+  return ops::gather_kv(inputs.keys, inputs.values, kept);
 }
 
 }  // namespace kvpress

@@ -1,5 +1,6 @@
-// The fused CPU score kernels (kernels/cpu/window_attention.cpp, kernels/cpu/lagkv.cpp) against
-// their ATen versions (src/score_kernels.h), which follow kvpress's formulas op by op.
+// The CPU kernels of the ops that have them (kernels/cpu) against their ATen composites
+// (src/kernel_ops.h), which follow kvpress's formulas op by op, and the dispatch rule: an op on a
+// device without a kernel takes its composite.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
@@ -7,11 +8,12 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 
 #include "kvpress/ops.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
-#include "score_kernels.h"
+#include "kernel_ops.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -19,6 +21,81 @@ namespace {
 
 using testing::expect_error;
 using testing::randn;
+
+TEST(KernelOps, TopkKernelMatchesTheStableSortIncludingTies) {
+  at::Tensor scores = (randn({3, 5, 999}, 1) * 3).round();  // few distinct values: ties at every threshold
+  scores.select(2, 10).fill_(-0.0);
+  scores.select(2, 11).fill_(0.0);
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    for (int64_t k : {1, 17, 500, 998, 999}) {
+      const at::Tensor s = scores.to(dtype);
+      EXPECT_TRUE(at::equal(ops::topk_indices(s, k), ops::composite::topk_indices(s, k))) << dtype << " k " << k;
+    }
+  }
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    at::Tensor s = randn({1, 2, 100}, 2);
+    s[0][1][50] = bad;
+    for (const auto& run : {std::function<void()>([&] { ops::topk_indices(s, 10); }),
+                            std::function<void()>([&] { ops::composite::topk_indices(s, 10); })})
+      expect_error(run, {"topk_indices: scores must be finite, got 1 "});
+  }
+}
+
+TEST(KernelOps, GatherKernelMatchesTheComposite) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor keys = randn({2, 3, 50, 8}, 3, dtype), values = randn({2, 3, 50, 8}, 4, dtype);
+    const at::Tensor idx = std::get<0>(at::randperm(50, at::kLong).narrow(0, 0, 13).sort()).expand({2, 3, 13}).contiguous();
+    const KV kernel = ops::gather_kv(keys, values, idx);
+    const auto [k, v] = ops::composite::gather_kv(keys, values, idx);
+    EXPECT_TRUE(at::equal(kernel.keys, k)) << dtype;
+    EXPECT_TRUE(at::equal(kernel.values, v)) << dtype;
+  }
+  const at::Tensor keys = randn({1, 1, 10, 4}, 5);
+  const at::Tensor bad = at::tensor({3, 10}, at::kLong).view({1, 1, 2});
+  for (const auto& run : {std::function<void()>([&] { ops::gather_kv(keys, keys, bad); }),
+                          std::function<void()>([&] { ops::composite::gather_kv(keys, keys, bad); })})
+    expect_error(run, {"gather_kv: indices must be in [0, seq_len (10)), got values in [3, 10]"});
+}
+
+TEST(KernelOps, KeyScoreKernelsMatchTheComposites) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor keys = randn({2, 3, 70, 16}, 6, dtype);
+    EXPECT_TRUE(at::allclose(ops::key_norm_scores(keys), ops::composite::key_norm_scores(keys), 1e-5, 1e-6)) << dtype;
+    EXPECT_TRUE(at::allclose(ops::keydiff_scores(keys), ops::composite::keydiff_scores(keys), 1e-5, 1e-6)) << dtype;
+  }
+}
+
+TEST(KernelOps, RaggedAttentionKernelMatchesTheComposite) {
+  // Two batch rows x 2 KV heads keeping 0, 3, 17 and 40 packed tokens, 5 tail tokens, GQA 3.
+  const at::Tensor offsets = at::tensor({0, 0, 3, 20, 60}, at::kLong);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor pk = randn({60, 16}, 7, dtype), pv = randn({60, 16}, 8, dtype);
+    const at::Tensor tk = randn({2, 2, 5, 16}, 9, dtype), tv = randn({2, 2, 5, 16}, 10, dtype);
+    for (int64_t n : {1, 5}) {
+      const at::Tensor q = randn({2, 6, n, 16}, 11, dtype);
+      const at::Tensor kernel = ops::ragged_attention(q, pk, pv, offsets, tk, tv);
+      const at::Tensor composite = ops::composite::ragged_attention(q, pk, pv, offsets, tk, tv, std::nullopt);
+      const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+      EXPECT_TRUE(at::allclose(kernel.to(at::kFloat), composite.to(at::kFloat), tol, tol)) << dtype << " n " << n;
+    }
+  }
+}
+
+// A device with no kernel (here meta) is served by the composite instead of raising.
+TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
+  const at::Tensor keys = randn({1, 2, 30, 8}, 12).to(at::kMeta);
+  EXPECT_EQ(ops::key_norm_scores(keys).sizes(), (at::IntArrayRef{1, 2, 30}));
+  EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
+  EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
+            (at::IntArrayRef{1, 4, 27}));
+  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::key_norm_scores",
+                         "kvpress::keydiff_scores", "kvpress::window_attention_mean",
+                         "kvpress::lagkv_partition_scores", "kvpress::ragged_attention"}) {
+    const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
+    EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
+    EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;
+  }
+}
 
 TEST(WindowAttentionMean, MatchesWindowAttentionMeanForEveryDtype) {
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
@@ -36,13 +113,13 @@ TEST(WindowAttentionMean, SplitsLongSequencesIntoSlabsOfKvHeads) {
   // takes its 5 KV heads in slabs of 3 and 2 (32 MiB at most).
   const at::Tensor q = randn({1, 20, 32, 32}, 3);
   const at::Tensor k = randn({1, 5, 16400, 32}, 4);
-  EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::window_attention_mean_aten(q, k), 1e-5, 1e-9));
+  EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::composite::window_attention_mean(q, k), 1e-5, 1e-9));
 }
 
 TEST(WindowAttentionMean, AcceptsStridedInputsAndSingleQueryWindows) {
   const at::Tensor q = randn({1, 4, 6, 8}, 5).transpose(2, 3).contiguous().transpose(2, 3);  // strided view
   const at::Tensor k = randn({1, 30, 2, 8}, 6).transpose(1, 2);                              // [1, 2, 30, 8]
-  EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::window_attention_mean_aten(q, k), 1e-5, 1e-7));
+  EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::composite::window_attention_mean(q, k), 1e-5, 1e-7));
   const at::Tensor last = q.narrow(2, 5, 1);
   EXPECT_TRUE(at::allclose(ops::window_attention_mean(last, k), ops::window_attention(last, k).squeeze(2), 1e-5, 1e-7));
 }
@@ -86,7 +163,7 @@ TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
       // 4 sinks, lag 16, 7 partitions and 3 leftover tokens.
       const at::Tensor k = randn({2, 3, 4 + 7 * 16 + 3, 32}, 10, dtype);
       const at::Tensor v = randn({2, 3, 4 + 7 * 16 + 3, 32}, 11, dtype);
-      expect_same_lag_scores(ops::lagkv_scores(k, v, 4, 16, cross), ops::lagkv_partition_scores_aten(k, v, 4, 16, cross),
+      expect_same_lag_scores(ops::lagkv_scores(k, v, 4, 16, cross), ops::composite::lagkv_partition_scores(k, v, 4, 16, cross),
                              !cross, c10::toString(dtype));
     }
   }
@@ -95,7 +172,7 @@ TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
 TEST(LagKVKernel, HandlesNoSinksStridedInputsAndExactPartitions) {
   const at::Tensor k = randn({1, 40, 2, 8}, 12).transpose(1, 2);  // [1, 2, 40, 8], strided
   const at::Tensor v = randn({1, 2, 40, 8}, 13);
-  expect_same_lag_scores(ops::lagkv_scores(k, v, 0, 8, true), ops::lagkv_partition_scores_aten(k, v, 0, 8, true), false,
+  expect_same_lag_scores(ops::lagkv_scores(k, v, 0, 8, true), ops::composite::lagkv_partition_scores(k, v, 0, 8, true), false,
                          "strided");
   // Ranks of one partition are a permutation of 0 .. lag - 1, divided by lag.
   const at::Tensor s = ops::lagkv_scores(k, v, 0, 8, false);
@@ -123,7 +200,7 @@ TEST(LagKVKernel, RejectsShortSequences) {
                           .findSchemaOrThrow("kvpress::lagkv_partition_scores", "")
                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>();
   for (const auto& run : {std::function<void()>([&] { kernel.call(k, k, 4, 16, false); }),
-                          std::function<void()>([&] { ops::lagkv_partition_scores_aten(k, k, 4, 16, false); })}) {
+                          std::function<void()>([&] { ops::composite::lagkv_partition_scores(k, k, 4, 16, false); })}) {
     expect_error(run, {"lagkv_partition_scores: seq_len must be >= n_sink + 2 * lag_size (36), got 20"});
   }
 }

@@ -1,0 +1,95 @@
+// Torch-free CUDA kernels of KeyDiff: the anchor of every head (sequence mean of the
+// L2-normalised keys, eps 1e-12), then -cos(k_i, anchor) with eps 1e-8 on each norm, as
+// kernels/cpu/keydiff.cpp. float32 accumulation; the anchor sums are float atomics, so their order
+// (not the formula) differs from the CPU kernel's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace kvpress::cuda {
+
+constexpr int kKeyDiffThreads = 256;
+constexpr int kKeyDiffWarps = kKeyDiffThreads / kWarpSize;
+constexpr int kKeyDiffRowsPerBlock = 64;
+
+// grid: (row blocks of kKeyDiffRowsPerBlock tokens, heads). anchor_sum[h, d] += k[d] / max(||k||, 1e-12).
+// Shared: dim floats of block-local sums.
+template <typename T>
+__global__ void keydiff_anchor_sums(const T* __restrict__ keys,      // [heads, seq, dim]
+                                    int64_t seq, int dim,
+                                    float* __restrict__ anchor_sum) {  // [heads, dim], zeroed
+  extern __shared__ float local[];
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) local[d] = 0.f;
+  __syncthreads();
+  const int64_t head = blockIdx.y;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kKeyDiffRowsPerBlock;
+  const int64_t last = first + kKeyDiffRowsPerBlock < seq ? first + kKeyDiffRowsPerBlock : seq;
+  for (int64_t s = first + warp; s < last; s += kKeyDiffWarps) {
+    const T* k = keys + (head * seq + s) * dim;
+    float sq = 0.f;
+    for (int d = lane; d < dim; d += kWarpSize) {
+      const float v = to_float(k[d]);
+      sq += v * v;
+    }
+    const float inv = 1.f / fmaxf(sqrtf(warp_sum(sq)), 1e-12f);
+    for (int d = lane; d < dim; d += kWarpSize) atomicAdd(&local[d], to_float(k[d]) * inv);
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) atomicAdd(&anchor_sum[head * dim + d], local[d]);
+}
+
+// One warp per token: -dot(k, a) / (max(||k||, 1e-8) * max(||a||, 1e-8)), a = anchor_sum / seq.
+template <typename T>
+__global__ void keydiff_cosine_to_anchor(const T* __restrict__ keys,             // [rows, dim], rows = heads * seq
+                                         int64_t rows, int64_t seq, int dim,
+                                         const float* __restrict__ anchor_sum,  // [heads, dim]
+                                         float* __restrict__ out) {             // [rows]
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= rows) return;
+  const float* a = anchor_sum + (row / seq) * dim;
+  const T* k = keys + row * dim;
+  const float inv_seq = 1.f / static_cast<float>(seq);
+  float dot = 0.f, kk = 0.f, aa = 0.f;
+  for (int d = lane; d < dim; d += kWarpSize) {
+    const float v = to_float(k[d]), m = a[d] * inv_seq;
+    dot += v * m;
+    kk += v * v;
+    aa += m * m;
+  }
+  dot = warp_sum(dot);
+  kk = warp_sum(kk);
+  aa = warp_sum(aa);
+  if (lane == 0) out[row] = -dot / (fmaxf(sqrtf(kk), 1e-8f) * fmaxf(sqrtf(aa), 1e-8f));
+}
+
+// Largest head_dim whose block-local anchor fits the default 48 KiB of dynamic shared memory.
+constexpr int64_t kKeyDiffMaxDim = 48 * 1024 / sizeof(float);
+
+template <typename T>
+cudaError_t launch_keydiff_scores(const T* keys,      // [heads, seq, dim] contiguous
+                                  int64_t heads, int64_t seq, int dim,
+                                  float* anchor_sum,  // [heads, dim], zeroed
+                                  float* out,         // [heads, seq]
+                                  cudaStream_t stream) {
+  if (heads * seq == 0) return cudaSuccess;
+  if (dim > kKeyDiffMaxDim || heads > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((seq + kKeyDiffRowsPerBlock - 1) / kKeyDiffRowsPerBlock),
+                  static_cast<unsigned>(heads));
+  keydiff_anchor_sums<T><<<grid, kKeyDiffThreads, static_cast<size_t>(dim) * sizeof(float), stream>>>(keys, seq, dim,
+                                                                                                      anchor_sum);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t rows = heads * seq;
+  const int64_t blocks = (rows + kKeyDiffWarps - 1) / kKeyDiffWarps;
+  keydiff_cosine_to_anchor<T><<<static_cast<unsigned>(blocks), kKeyDiffThreads, 0, stream>>>(keys, rows, seq, dim,
+                                                                                             anchor_sum, out);
+  return cudaGetLastError();
+}
+
+}  // namespace kvpress::cuda

@@ -1,0 +1,127 @@
+// Torch-free CUDA kernel of kvpress::lagkv_partition_scores (LagKVPress): one block per (batch, head,
+// scored partition p) reads partition p + 1 of K and V for the per-channel min/max, normalises
+// partition p by it, takes each token's unbiased std over channels (one warp per token), the
+// softmax over the partition in shared memory, the K/V average and, unless cross_scoring, the
+// stable rank within the partition (ties to the lower position), rounded to the cache dtype as
+// kvpress does. float32 accumulation for every dtype; K and V are read once (plus the reference).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace kvpress::cuda {
+
+constexpr int kLagThreads = 256;
+constexpr int kLagWarps = kLagThreads / kWarpSize;
+// The kernel's static shared memory (scratch and a flag), which counts against the same limit as
+// the dynamic part.
+constexpr size_t kLagStaticShared = kWarpSize * sizeof(float) + sizeof(int);
+constexpr size_t kSharedLimit = 48 * 1024;
+
+// Dynamic shared memory of one block: lo[dim], inv[dim], soft_k[lag], soft_v[lag].
+inline size_t lagkv_shared_bytes(int64_t dim, int64_t lag) {
+  return static_cast<size_t>(2 * dim + 2 * lag) * sizeof(float);
+}
+
+// Softmax over the partition's lag per-token stds of one of K/V, into soft[0..lag).
+// Shared layout: lo[dim], inv[dim].
+template <typename T>
+__device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict__ ref, int lag, int dim,
+                                  float* lo, float* inv, float* soft, float* scratch) {
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    float mn = to_float(ref[d]), mx = mn;
+    for (int t = 1; t < lag; ++t) {
+      const float v = to_float(ref[static_cast<int64_t>(t) * dim + d]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    lo[d] = mn;
+    inv[d] = 1.f / (mx - mn);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  for (int t = warp; t < lag; t += kLagWarps) {
+    const T* x = cur + static_cast<int64_t>(t) * dim;
+    float s = 0.f;
+    for (int d = lane; d < dim; d += kWarpSize) s += (to_float(x[d]) - lo[d]) * inv[d];
+    const float mean = warp_sum(s) / static_cast<float>(dim);
+    float q = 0.f;
+    for (int d = lane; d < dim; d += kWarpSize) {
+      const float y = (to_float(x[d]) - lo[d]) * inv[d] - mean;
+      q += y * y;
+    }
+    q = warp_sum(q);
+    if (lane == 0) soft[t] = sqrtf(q / static_cast<float>(dim - 1));  // dim 1: NaN, as torch
+  }
+  __syncthreads();
+  float m = -INFINITY;
+  for (int t = threadIdx.x; t < lag; t += blockDim.x) m = fmaxf(m, soft[t]);
+  m = block_reduce(m, scratch, true);
+  float total = 0.f;
+  for (int t = threadIdx.x; t < lag; t += blockDim.x) {
+    soft[t] = expf(soft[t] - m);
+    total += soft[t];
+  }
+  total = block_reduce(total, scratch, false);
+  for (int t = threadIdx.x; t < lag; t += blockDim.x) soft[t] /= total;
+  __syncthreads();
+}
+
+// grid: (scored partitions, batch * heads). Shared: lo[dim], inv[dim], soft_k[lag], soft_v[lag].
+template <typename T>
+__global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __restrict__ values, int64_t seq,
+                                       int n_sink, int lag, int dim, bool cross_scoring, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  __shared__ float scratch[kWarpSize];
+  __shared__ int any_nan;
+  float* lo = smem;
+  float* inv = lo + dim;
+  float* soft_k = inv + dim;
+  float* soft_v = soft_k + lag;
+  const int64_t row = blockIdx.y, p = blockIdx.x;
+  const int64_t part = static_cast<int64_t>(lag) * dim;
+  const int64_t base = row * seq * dim + static_cast<int64_t>(n_sink) * dim + p * part;
+  if (threadIdx.x == 0) any_nan = 0;
+  partition_softmax<T>(keys + base, keys + base + part, lag, dim, lo, inv, soft_k, scratch);
+  partition_softmax<T>(values + base, values + base + part, lag, dim, lo, inv, soft_v, scratch);
+  for (int t = threadIdx.x; t < lag; t += blockDim.x) {
+    soft_k[t] = (soft_k[t] + soft_v[t]) / 2.f;
+    if (isnan(soft_k[t])) any_nan = 1;
+  }
+  __syncthreads();
+  float* dst = out + row * seq + n_sink + p * lag;
+  if (cross_scoring || any_nan) {  // NaN ranks would hide bad input from the selection's check
+    for (int t = threadIdx.x; t < lag; t += blockDim.x) dst[t] = soft_k[t];
+    return;
+  }
+  for (int t = threadIdx.x; t < lag; t += blockDim.x) {
+    const float s = soft_k[t];
+    int rank = 0;
+    for (int u = 0; u < lag; ++u) {
+      const float o = soft_k[u];
+      rank += (o < s) || (o == s && u < t);
+    }
+    dst[t] = round_to<T>(static_cast<float>(rank) / static_cast<float>(lag));
+  }
+}
+
+// grid (scored partitions, batch * heads); out [batch * heads, seq] holds ones where nothing is scored.
+template <typename T>
+cudaError_t launch_lagkv_partition_scores(const T* keys, const T* values,  // [batch * heads, seq, dim]
+                                          int64_t rows, int64_t seq, int64_t n_sink, int64_t lag, int64_t dim,
+                                          bool cross_scoring, int64_t scored, float* out, cudaStream_t stream) {
+  if (rows == 0 || scored == 0) return cudaSuccess;
+  const size_t shared = lagkv_shared_bytes(dim, lag);
+  if (shared + kLagStaticShared > kSharedLimit || rows > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(scored), static_cast<unsigned>(rows));
+  lagkv_partition_kernel<T><<<grid, kLagThreads, shared, stream>>>(keys, values, seq, static_cast<int>(n_sink),
+                                                                  static_cast<int>(lag), static_cast<int>(dim),
+                                                                  cross_scoring, out);
+  return cudaGetLastError();
+}
+
+}  // namespace kvpress::cuda

@@ -1,0 +1,178 @@
+// The ops that have dedicated CPU and CUDA kernels (private): their argument checks, shared by every
+// backend so all raise the same messages, and their ATen composites, registered as the
+// CompositeExplicitAutograd fallback (devices without a kernel, builds without CUDA kernels) and
+// used by the tests as the reference the kernels must match.
+//
+// The dispatch rule: the public function in kvpress/ops.h calls the dispatcher (dispatcher_op
+// below); the dispatcher picks the kernel registered for the tensors' device
+// (TORCH_LIBRARY_IMPL(kvpress, CPU | CUDA) in kernels/), else the composite. No code in src/
+// branches on the device.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "checks.h"
+
+namespace kvpress {
+
+// The typed dispatcher handle of kvpress::<name>, looked up once per call site:
+//   static const auto op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::key_norm_scores");
+//   return op.call(keys);
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> dispatcher_op(const char* qualified_name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified_name, "").typed<Signature>();
+}
+
+namespace checks {
+
+// topk_indices: scores [B, H, S] floating and non-empty, 1 <= k <= S.
+inline void check_topk(const char* op, const at::Tensor& scores, int64_t k) {
+  check_rank(op, "scores", scores, 3, "[batch, heads, seq_len]");
+  check_non_empty(op, "scores", scores);
+  TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
+              scores.scalar_type());
+  const int64_t seq_len = scores.size(2);
+  TORCH_CHECK(k >= 1 && k <= seq_len, op, ": k must be in [1, seq_len (", seq_len, ")], got ", k);
+}
+
+// gather_kv: K/V, indices [B, Hkv, n] int64 on their device. The range of the indices is checked by
+// the kernels while they copy (raise_bad_indices).
+inline void check_gather(const char* op, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
+  check_kv(op, keys, values);
+  check_rank(op, "indices", indices, 3, "[batch, kv_heads, n_kept]");
+  TORCH_CHECK(indices.scalar_type() == at::kLong, op, ": indices must be int64, got ", indices.scalar_type());
+  TORCH_CHECK(indices.size(0) == keys.size(0) && indices.size(1) == keys.size(1), op, ": indices must be [",
+              keys.size(0), ", ", keys.size(1), ", n_kept], got ", shape_str(indices));
+  check_same_device(op, "indices", indices, "keys", keys);
+}
+
+// Raises for indices outside [0, seq_len) when there are any (a kernel found one), naming the range.
+inline void check_index_range(const char* op, const at::Tensor& indices, int64_t seq_len) {
+  if (indices.numel() == 0) return;
+  const int64_t lo = indices.min().item<int64_t>();
+  const int64_t hi = indices.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < seq_len, op, ": indices must be in [0, seq_len (", seq_len, ")), got values in [", lo,
+              ", ", hi, "]");
+}
+
+// window_attention / window_attention_mean: queries [B, Hq, w, D] post-RoPE, keys [B, Hkv, S, D],
+// 0 < w < S, Hq a multiple of Hkv, same device.
+inline void check_window_attention(const char* op, const at::Tensor& queries, const at::Tensor& keys) {
+  check_keys(op, keys);
+  check_rank(op, "queries", queries, 4, "[batch, num_heads, window, head_dim]");
+  check_float(op, "queries", queries);
+  check_same_device(op, "queries", queries, "keys", keys);
+  TORCH_CHECK(queries.size(0) == keys.size(0) && queries.size(3) == keys.size(3), op, ": queries must be [",
+              keys.size(0), ", num_heads, window, ", keys.size(3), "] to match keys, got ", shape_str(queries));
+  check_gqa(op, queries.size(1), keys.size(1));
+  check_window(op, "window", queries.size(2), keys.size(2));
+}
+
+// lagkv_partition_scores: K/V, n_sink >= 0, lag_size > 0, S >= n_sink + 2 lag_size.
+inline void check_lagkv_partitions(const char* op, const at::Tensor& keys, const at::Tensor& values, int64_t n_sink,
+                                   int64_t lag_size) {
+  check_kv(op, keys, values);
+  check_non_negative(op, "n_sink", n_sink);
+  check_positive(op, "lag_size", lag_size);
+  TORCH_CHECK(keys.size(2) >= n_sink + 2 * lag_size, op, ": seq_len must be >= n_sink + 2 * lag_size (",
+              n_sink + 2 * lag_size, "), got ", keys.size(2));
+}
+
+// Partition layout of LagKV: P partitions of lag_size tokens after the sinks; partitions 0..P-2
+// are scored (each against the next), the sinks and the last partition plus the remainder
+// (tail_len tokens) score 1.
+struct LagLayout {
+  int64_t n_parts, end, tail_len;
+};
+inline LagLayout lag_layout(int64_t seq, int64_t n_sink, int64_t lag_size) {
+  const int64_t n_parts = (seq - n_sink) / lag_size;
+  const int64_t end = n_sink + n_parts * lag_size;
+  return {n_parts, end, lag_size + seq - end};
+}
+
+// ragged_attention's raw arguments (see kvpress/ops.h); returns the scale to use. Checks the
+// offsets' contents too (one small host copy), so a kernel never reads outside the packed rows.
+inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor& packed_keys,
+                                     const at::Tensor& packed_values, const at::Tensor& offsets,
+                                     const at::Tensor& tail_keys, const at::Tensor& tail_values,
+                                     std::optional<double> scale) {
+  constexpr const char* op = "ragged_attention";
+  check_rank(op, "queries", queries, 4, "[batch, q_heads, n, head_dim]");
+  check_float(op, "queries", queries);
+  check_rank(op, "packed_keys", packed_keys, 2, "[packed_tokens, head_dim]");
+  check_rank(op, "packed_values", packed_values, 2, "[packed_tokens, head_dim]");
+  check_rank(op, "offsets", offsets, 1, "[batch * kv_heads + 1]");
+  check_rank(op, "tail_keys", tail_keys, 4, "[batch, kv_heads, m, head_dim]");
+  check_rank(op, "tail_values", tail_values, 4, "[batch, kv_heads, m, head_dim]");
+  const at::ScalarType dtype = queries.scalar_type();
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"packed_keys", &packed_keys},
+                                {"packed_values", &packed_values},
+                                {"tail_keys", &tail_keys},
+                                {"tail_values", &tail_values}}) {
+    TORCH_CHECK(t->scalar_type() == dtype, op, ": ", name, " must have the dtype of queries (", dtype, "), got ",
+                t->scalar_type());
+    check_same_device(op, name, *t, "queries", queries);
+  }
+  TORCH_CHECK(offsets.scalar_type() == at::kLong, op, ": offsets must be int64, got ", offsets.scalar_type());
+  check_same_device(op, "offsets", offsets, "queries", queries);
+  const int64_t batch = queries.size(0), q_heads = queries.size(1), n = queries.size(2), dim = queries.size(3);
+  TORCH_CHECK(dim > 0, op, ": head_dim must be > 0, got queries ", shape_str(queries));
+  TORCH_CHECK(tail_keys.size(0) == batch && tail_keys.size(3) == dim, op, ": tail_keys must be [", batch,
+              ", kv_heads, m, ", dim, "] like queries, got ", shape_str(tail_keys));
+  TORCH_CHECK(tail_values.sizes() == tail_keys.sizes(), op, ": tail_values must have the shape of tail_keys ",
+              shape_str(tail_keys), ", got ", shape_str(tail_values));
+  const int64_t kv_heads = tail_keys.size(1), m = tail_keys.size(2);
+  check_gqa(op, q_heads, kv_heads);
+  TORCH_CHECK(n <= m, op, ": the queries must be those of the last n tail tokens, so n must be <= the tail length (",
+              m, "), got ", n);
+  TORCH_CHECK(packed_keys.size(1) == dim, op, ": packed_keys must be [packed_tokens, ", dim, "], got ",
+              shape_str(packed_keys));
+  TORCH_CHECK(packed_values.sizes() == packed_keys.sizes(), op, ": packed_values must have the shape of packed_keys ",
+              shape_str(packed_keys), ", got ", shape_str(packed_values));
+  TORCH_CHECK(offsets.size(0) == batch * kv_heads + 1, op, ": offsets must be [batch * kv_heads + 1] = [",
+              batch * kv_heads + 1, "], got ", shape_str(offsets));
+  const at::Tensor host = offsets.to(at::kCPU).contiguous();
+  const int64_t* o = host.const_data_ptr<int64_t>();
+  TORCH_CHECK(o[0] == 0, op, ": offsets[0] must be 0, got ", o[0]);
+  for (int64_t i = 0; i < batch * kv_heads; ++i)
+    TORCH_CHECK(o[i + 1] >= o[i], op, ": offsets must be non-decreasing, got offsets[", i, "] = ", o[i],
+                " > offsets[", i + 1, "] = ", o[i + 1]);
+  TORCH_CHECK(o[batch * kv_heads] == packed_keys.size(0), op, ": offsets[", batch * kv_heads,
+              "] must equal the packed token count ", packed_keys.size(0), ", got ", o[batch * kv_heads]);
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  TORCH_CHECK(std::isfinite(s) && s > 0.0, op, ": scale must be a finite positive number, got ", s);
+  return s;
+}
+
+}  // namespace checks
+
+// ---- ATen composites of the kernel ops (same contracts as kvpress/ops.h) ----------------------
+namespace ops::composite {
+
+at::Tensor topk_indices(const at::Tensor& scores,  // [B, H, S] floating
+                        int64_t k);                 // -> [B, H, k] int64, ascending
+std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& keys,      // [B, Hkv, S, D]
+                                             const at::Tensor& values,    // [B, Hkv, S, D]
+                                             const at::Tensor& indices);  // [B, Hkv, n] int64
+at::Tensor key_norm_scores(const at::Tensor& keys);  // [B, Hkv, S, D] -> [B, Hkv, S] float32
+at::Tensor keydiff_scores(const at::Tensor& keys);   // [B, Hkv, S, D] -> [B, Hkv, S] float32
+at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D]
+                                 const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, S - w] float32
+at::Tensor lagkv_partition_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
+                                  const at::Tensor& values,  // [B, Hkv, S, D]
+                                  int64_t n_sink, int64_t lag_size, bool cross_scoring);  // -> [B, Hkv, S] float32
+at::Tensor ragged_attention(const at::Tensor& queries,        // [B, Hq, n, D]
+                            const at::Tensor& packed_keys,    // [T, D]
+                            const at::Tensor& packed_values,  // [T, D]
+                            const at::Tensor& offsets,        // [B * Hkv + 1] int64
+                            const at::Tensor& tail_keys,      // [B, Hkv, m, D]
+                            const at::Tensor& tail_values,    // [B, Hkv, m, D]
+                            std::optional<double> scale);     // -> [B, Hq, n, D]
+
+}  // namespace ops::composite
+}  // namespace kvpress
