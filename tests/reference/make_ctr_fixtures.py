@@ -29,34 +29,31 @@ Cases (CPU, float32, fixed seeds):
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
-from pinned import PINNED_KVPRESS, require_pinned_kvpress  # noqa: E402
+# First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+from common import (PINNED_KVPRESS, REPO, SCRIPT, apply_rope, capture, first_story_with, load_model, load_stories,
+                    load_tokenizer, model_dir, parse_args, parse_value, save, setup, write_json)
+
+import torch
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+import kvpress.presses
 
 REFERENCE_COMMIT = "2f6ff3b"
-_kvpress_version = require_pinned_kvpress("make_ctr_fixtures.py")
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, rotate_half  # noqa: E402
-
-import kvpress.presses  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+# Float parameters of the reference presses (their text may have no ".").
+FLOAT_PARAMS = ("qa_alpha", "merge_count_power", "merge_min_score_ratio", "merge_score_power", "rescue_ratio")
 
 
 def import_reference(ctr_src: Path):
     presses = ctr_src / "kvpress" / "presses"
     for sub in ("qsm_press", "ctr_press"):
         if not (presses / sub / "__init__.py").exists():
-            sys.exit(f"make_ctr_fixtures.py: {presses / sub} not found; --ctr-src must be a CTRPress checkout")
+            sys.exit(f"{SCRIPT}: {presses / sub} not found; --ctr-src must be a CTRPress checkout")
     # Only the two missing subpackages resolve to the checkout; every other module stays kvpress 0.5.5's.
     kvpress.presses.__path__.append(str(presses))
     import kvpress.presses.ctr_press.ctr_press as ctr_module
@@ -119,7 +116,7 @@ def mqa_case(refs, tok, tensors: dict, runs: list):
     cos, sin = LlamaRotaryEmbedding(config)(hidden, position_ids)
     with torch.no_grad():
         k = attention.k_proj(hidden).view(1, seq, kv_heads, head_dim).transpose(1, 2)
-        keys = (k * cos[:, None] + rotate_half(k) * sin[:, None]).contiguous()
+        keys = apply_rope(k, cos, sin).contiguous()
     values = torch.randn(1, kv_heads, seq, head_dim)
     input_ids = torch.randint(3, 2048, (1, seq))
     tensors.update({"mqa.keys": keys, "mqa.values": values, "mqa.hidden_states": hidden.contiguous(),
@@ -146,19 +143,8 @@ def mqa_case(refs, tok, tensors: dict, runs: list):
     ]
     for name, cls_name, ratio, params, query_length in configs:
         cls = QSMPress if cls_name == "QSMPress" else CTRPress
-        kwargs = {}
-        for key, text in params.items():
-            if key in ("query_length", "entropy"):
-                continue  # runtime state / C++-only option
-            if key == "merge_weighting":
-                kwargs[key] = text
-            elif text in ("true", "false"):
-                kwargs[key] = text == "true"
-            elif "." in text or key in ("qa_alpha", "merge_count_power", "merge_min_score_ratio",
-                                        "merge_score_power", "rescue_ratio"):
-                kwargs[key] = float(text)
-            else:
-                kwargs[key] = int(text)
+        kwargs = {key: float(text) if key in FLOAT_PARAMS else parse_value(text) for key, text in params.items()
+                  if key not in ("query_length", "entropy")}  # runtime state / C++-only option
         press = cls(compression_ratio=ratio, **kwargs)
         scores, base, kept, new_values = run_press(press, module, hidden, keys, values, (cos, sin), input_ids, tok,
                                                     query_length)
@@ -168,30 +154,18 @@ def mqa_case(refs, tok, tensors: dict, runs: list):
                      "n_kept": int(kept.shape[-1])})
 
 
-def tiny_cases(refs, tok, model_dir: Path, stories: list[str], tensors: dict, runs: list):
+def tiny_cases(refs, tok, path: Path, stories: list[str], tensors: dict, runs: list):
     QSMPress, CTRPress, _, compute_score_entropy = refs
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", torch_dtype=torch.float32)
-    model.eval()
-    text = next(s for s in stories if len(tok(s).input_ids) >= 160)
-    ids = tok(text, return_tensors="pt").input_ids[:, :160]
+    model = load_model(path, "eager")
+    _, ids = first_story_with(tok, stories, min_tokens=160)
+    ids = ids[:, :160]
     tensors["tiny.input_ids"] = ids.contiguous()
-    captured = {}
-
-    def hook(module, args, kwargs, output):
-        captured[module.layer_idx] = (kwargs["hidden_states"].detach(), kwargs["position_embeddings"])
-
-    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.no_grad():
-        model.model(input_ids=ids, past_key_values=cache)
-    for h in handles:
-        h.remove()
-    for layer_idx, attn in enumerate(model.model.layers):
-        hidden, position_embeddings = captured[layer_idx]
-        keys, values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
-        module = attn.self_attn
+    with capture(model) as captured, torch.no_grad():
+        model.model(input_ids=ids, past_key_values=DynamicCache())
+    for layer_idx in range(len(model.model.layers)):
+        layer = captured[layer_idx]
+        hidden, position_embeddings = layer["hidden_states"], layer["position_embeddings"]
+        keys, values, module = layer["keys"], layer["values"], layer["module"]
         for name, cls, ratio in (("qsm", QSMPress, 0.5), ("ctr", CTRPress, 0.5), ("ctr", CTRPress, 0.25)):
             press = cls(compression_ratio=ratio)
             scores, base, kept, _ = run_press(press, module, hidden, keys, values, position_embeddings, ids, tok, 0)
@@ -207,35 +181,28 @@ def tiny_cases(refs, tok, model_dir: Path, stories: list[str], tensors: dict, ru
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ctr-src", type=Path, default=os.environ.get("CTRPRESS_SRC"))
-    parser.add_argument("--out", type=Path, default=REPO / "tests" / "data" / "ctr")
-    parser.add_argument("--models", type=Path, default=None)
-    parser.add_argument("--data", type=Path, default=None)
-    args = parser.parse_args()
+    args = parse_args(__doc__, lambda p: p.add_argument("--ctr-src", type=Path, default=os.environ.get("CTRPRESS_SRC")),
+                      out_default=REPO / "tests" / "data" / "ctr")
     if args.ctr_src is None:
-        sys.exit("make_ctr_fixtures.py: give --ctr-src (a checkout of xiyuanyang-code/CTRPress) or set CTRPRESS_SRC")
-    torch.set_num_threads(2)
-    transformers.utils.logging.disable_progress_bar()
+        sys.exit(f"{SCRIPT}: give --ctr-src (a checkout of xiyuanyang-code/CTRPress) or set CTRPRESS_SRC")
+    setup(threads=2)
     refs = import_reference(args.ctr_src.resolve())
-    models = args.models or Path(os.environ.get("KVPRESS_MODELS", REPO.parent / "shared" / "models"))
-    model_dir = models / "tinystories-656k"
-    data = args.data or models.parent / "data" / "tinystories_valid_100.txt"
-    stories = [s.strip() for s in data.read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    path = model_dir(args.models)
+    stories = load_stories(args.data)
+    tok = load_tokenizer(path)
 
     tensors: dict[str, torch.Tensor] = {}
     runs: list[dict] = []
     vocab = torch.arange(len(tok))[None]
     tensors["semantic_weights"] = refs[2](vocab, tok)[0].contiguous()
     mqa_case(refs, tok, tensors, runs)
-    tiny_cases(refs, tok, model_dir, stories, tensors, runs)
+    tiny_cases(refs, tok, path, stories, tensors, runs)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(args.out / "ctr_reference.safetensors"))
+    save(tensors, args.out / "ctr_reference.safetensors")
     manifest = {"reference": f"xiyuanyang-code/CTRPress@{REFERENCE_COMMIT}", "kvpress_version": PINNED_KVPRESS,
                 "torch_version": torch.__version__, "file": "ctr_reference.safetensors", "runs": runs}
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_json(args.out / "manifest.json", manifest)
     print(f"wrote {len(runs)} runs, {len(tensors)} tensors to {args.out}")
 
 

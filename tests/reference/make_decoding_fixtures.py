@@ -28,31 +28,21 @@ CPU only, one thread, deterministic. Takes about 15 s.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import sys
 import time
 from pathlib import Path
 
-from pinned import require_pinned_kvpress  # noqa: E402
+# First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+from common import (KVPRESS_VERSION, MODEL, continuation_nll, decode_tail, eval_prefix, kept_positions, load_model,
+                    load_stories, load_tokenizer, model_dir, parse_args, prepare_out, save, setup, token_ids,
+                    versions, write_json)
 
-_kvpress_version = require_pinned_kvpress("make_decoding_fixtures.py")
+import torch
+from transformers import DynamicCache
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM  # noqa: E402
-
-import kvpress  # noqa: E402
-from kvpress.utils import compute_n_kept  # noqa: E402
-from kvpress import (  # noqa: E402
+from kvpress.utils import compute_n_kept
+from kvpress import (
     BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CompressionRatioDecodingPress, DecodingPress,
     KeyDiffPress, KeyRerotationPress, PrefillDecodingPress, SnapKVPress, TOVAPress)
-
-REPO = Path(__file__).resolve().parents[2]
-MODEL = "tinystories-656k"
 
 # (name, story, context tokens incl. BOS, question tokens, max new tokens). The question is the
 # story's next tokens after the context.
@@ -118,7 +108,6 @@ WRAPPER_PROMPT = ("story1", 1, 140, 8, 8)
 
 # Eval runs: kvpress-cli eval's protocol with a decoding press, on EVAL_STORIES stories.
 EVAL_STORIES = [3]
-EVAL_PREFIX_FRACTION = 0.5
 EVAL_RUNS = [
     ("eval_decoding_snapkv", "DecodingPress",
      {"press": "SnapKVPress", "press.window_size": "4", "press.kernel_size": "1", "compression_interval": "8",
@@ -135,23 +124,6 @@ EVAL_RUNS = [
 def registry_ratio(cpp_name: str) -> float:
     """The ratio the C++ registry takes for a decoding run (a DecodingPress takes none)."""
     return 0.0 if cpp_name == "DecodingPress" else DECODING_RATIO
-
-
-def load_stories(data: Path) -> list[str]:
-    text = data.read_text(encoding="utf-8")
-    return [s.strip() for s in text.split("<|endoftext|>") if s.strip()]
-
-
-def kept_slots(keys: torch.Tensor, new_keys: torch.Tensor, values: torch.Tensor, new_values: torch.Tensor,
-               sort: bool = True):
-    """Where each kept key row sits in the cache it was selected from (keys are post-RoPE, so rows
-    of different positions differ): [B, H, n_kept] int64, sorted, or in the order kvpress left
-    them (topk's score order) with sort=False."""
-    match = (new_keys.unsqueeze(3) == keys.unsqueeze(2)).all(-1)  # [B, H, n_kept, S]
-    assert bool((match.sum(-1) == 1).all()), "a kept key matches no (or several) cached positions"
-    kept = match.to(torch.int64).argmax(-1)
-    assert torch.equal(values.gather(2, kept.unsqueeze(-1).expand_as(new_values)), new_values)
-    return kept.sort(-1).values.contiguous() if sort else kept.contiguous()
 
 
 class PositionTracker:
@@ -189,7 +161,7 @@ def spy_on_compress(press, tracker: PositionTracker, events: list | None, forwar
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         new_keys, new_values = original(module, hidden_states, keys, values, attentions, kwargs)
         tracker.sync(module.layer_idx, keys.shape[2])
-        kept = tracker.keep(module.layer_idx, kept_slots(keys, new_keys, values, new_values, sort=False))
+        kept = tracker.keep(module.layer_idx, kept_positions(keys, values, new_keys, new_values, sort=False))
         if events is not None:
             events.append({"forward": forward_index[0], "layer": module.layer_idx, "length": keys.shape[2],
                            "buffered": hidden_states.shape[1], "kept": kept})
@@ -202,7 +174,7 @@ def decoding_run(out: Path, models: dict, tok, stories, run) -> dict:
     name, cpp_name, cpp_params, factory, attn = run
     model = models[attn]
     _, story, context_len, question_len, max_new = PROMPT
-    ids = tok(stories[story], return_tensors="pt").input_ids
+    ids = token_ids(tok, stories[story])
     assert ids.shape[1] >= context_len + question_len
     context, question = ids[:, :context_len], ids[:, context_len:context_len + question_len]
     press = factory()
@@ -251,7 +223,7 @@ def decoding_run(out: Path, models: dict, tok, stories, run) -> dict:
         meta.append({"forward": e["forward"], "layer": e["layer"], "length": e["length"], "buffered": e["buffered"],
                      "kept": f"kept_{i}"})
     file = f"{name}.safetensors"
-    save_file(tensors, str(out / file))
+    save(tensors, out / file)
     return {"name": name, "press": cpp_name, "params": cpp_params, "compression_ratio": registry_ratio(cpp_name),
             "attn_implementation": attn, "file": file, "max_new_tokens": max_new, "eos_token_id": eos,
             "prefill_lengths": prefill_lengths, "final_lengths": final_lengths, "events": meta}
@@ -260,7 +232,7 @@ def decoding_run(out: Path, models: dict, tok, stories, run) -> dict:
 def wrapper_run(out: Path, model, tok, stories, run) -> dict:
     name, cpp_name, cpp_params, factory = run
     _, story, prefix_len, question_len, steps = WRAPPER_PROMPT
-    ids = tok(stories[story], return_tensors="pt").input_ids
+    ids = token_ids(tok, stories[story])
     prefix, question = ids[:, :prefix_len], ids[:, prefix_len:prefix_len + question_len]
     press = factory(WRAPPER_RATIO)
     record: dict[int, torch.Tensor] = {}
@@ -285,7 +257,7 @@ def wrapper_run(out: Path, model, tok, stories, run) -> dict:
             assert torch.equal(values.gather(2, kept.unsqueeze(-1).expand_as(new_values)), new_values)
             record[module.layer_idx] = kept.contiguous()
         else:
-            record[module.layer_idx] = kept_slots(keys, new_keys, values, new_values)
+            record[module.layer_idx] = kept_positions(keys, values, new_keys, new_values)
         return new_keys, new_values
 
     if isinstance(press, ComposedPress):
@@ -295,7 +267,7 @@ def wrapper_run(out: Path, model, tok, stories, run) -> dict:
             def sub_compress(module, hidden_states, keys, values, attentions, kwargs, _orig=sub.compress):
                 new_keys, new_values = _orig(module, hidden_states, keys, values, attentions, kwargs)
                 sub_kept.setdefault(module.layer_idx, []).append(
-                    kept_slots(keys, new_keys, values, new_values, sort=False))
+                    kept_positions(keys, values, new_keys, new_values, sort=False))
                 return new_keys, new_values
             sub.compress = sub_compress
     else:
@@ -314,22 +286,13 @@ def wrapper_run(out: Path, model, tok, stories, run) -> dict:
     with torch.no_grad():
         # kvpress's pipeline restarts the positions at the compressed length after KeyRerotationPress.
         start = cache.get_seq_length() if isinstance(press, KeyRerotationPress) else prefix_len
-        position_ids = torch.arange(start, start + question_len).unsqueeze(0)
-        q_logits = model(input_ids=question, past_key_values=cache, position_ids=position_ids).logits[0]
-        fed, logits = [], []
-        next_id = q_logits[-1].argmax()
-        for i in range(steps):
-            fed.append(next_id)
-            step = model(input_ids=next_id.view(1, 1), past_key_values=cache,
-                         position_ids=torch.tensor([[start + question_len + i]]))
-            logits.append(step.logits[0, -1])
-            next_id = step.logits[0, -1].argmax()
-    tensors = {"input_ids": ids[:, :prefix_len + question_len].contiguous(), "question_logits": q_logits.contiguous(),
-               "decode_tokens": torch.stack(fed).to(torch.int64), "decode_logits": torch.stack(logits).contiguous()}
+        q_logits, fed, d_logits = decode_tail(model, cache, question, start, steps)
+    tensors = {"input_ids": ids[:, :prefix_len + question_len].contiguous(), "question_logits": q_logits,
+               "decode_tokens": fed, "decode_logits": d_logits}
     for layer, kept in record.items():
         tensors[f"kept_l{layer}"] = kept
     file = f"{name}.safetensors"
-    save_file(tensors, str(out / file))
+    save(tensors, out / file)
     return {"name": name, "press": cpp_name, "params": cpp_params, "compression_ratio": WRAPPER_RATIO, "file": file,
             "prefix_len": prefix_len, "question_len": question_len, "decode_steps": steps,
             "position_after_prefill": start}
@@ -340,9 +303,9 @@ def eval_run(model, tok, stories, run) -> dict:
     name, cpp_name, cpp_params, factory = run
     results = []
     for index in EVAL_STORIES:
-        ids = tok(stories[index], return_tensors="pt").input_ids
+        ids = token_ids(tok, stories[index])
         n = ids.shape[1]
-        prefix = int(math.floor(EVAL_PREFIX_FRACTION * n))
+        prefix = eval_prefix(n)
         press = factory()
         with torch.no_grad():
             cache = DynamicCache()
@@ -353,8 +316,7 @@ def eval_run(model, tok, stories, run) -> dict:
                     logits.append(model(input_ids=ids[:, p:p + 1], past_key_values=cache,
                                         position_ids=torch.tensor([[p]])).logits[0, -1].float())
             logits = torch.stack(logits)
-        targets = ids[0, prefix + 1:]
-        nll = -logits.log_softmax(-1).gather(1, targets[:, None]).mean().item()
+        nll = continuation_nll(logits, ids, prefix)
         results.append({"story": index, "ids": ids[0].tolist(), "tokens": n, "prefix": prefix, "nll": nll,
                         "argmax": logits.argmax(-1).tolist(),
                         "final_lengths": [cache.get_seq_length(l) for l in range(len(cache))]})
@@ -363,51 +325,29 @@ def eval_run(model, tok, stories, run) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--models", type=Path,
-                        default=Path(os.environ.get("KVPRESS_MODELS", REPO.parent / "shared" / "models")))
-    parser.add_argument("--data", type=Path, default=None,
-                        help="stories file (default: <models>/../data/tinystories_valid_100.txt)")
-    args = parser.parse_args()
-    data = args.data or args.models.parent / "data" / "tinystories_valid_100.txt"
-    model_dir = args.models / MODEL
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"make_decoding_fixtures.py: model not found at {model_dir} (use --models or KVPRESS_MODELS)")
+    args = parse_args(__doc__)
+    path = model_dir(args.models)
+    start = setup(threads=1)  # the model is tiny: a second thread only waits (12 ms per matmul on a busy machine)
+    out = prepare_out(args.out)
 
-    torch.set_num_threads(1)  # the model is tiny: a second thread only waits (12 ms per matmul on a busy machine)
-    torch.manual_seed(0)
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    kvpress.presses.decoding_press.logger.setLevel("ERROR")  # "compression_ratio is overridden" warnings
-    start = time.time()
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("*.safetensors"), *out.glob("*.json")]:
-        stale.unlink()
-
-    stories = load_stories(data)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    models = {impl: LlamaForCausalLM.from_pretrained(str(model_dir), attn_implementation=impl,
-                                                     dtype=torch.float32).eval()
-              for impl in ("sdpa", "eager")}
+    stories = load_stories(args.data)
+    tok = load_tokenizer(path)
+    models = {impl: load_model(path, impl) for impl in ("sdpa", "eager")}
     decoding = [decoding_run(out, models, tok, stories, run) for run in DECODING_RUNS]
     wrappers = [wrapper_run(out, models["sdpa"], tok, stories, run) for run in WRAPPER_RUNS]
     evals = [eval_run(models["sdpa"], tok, stories, run) for run in EVAL_RUNS]
     manifest = {
-        "kvpress_version": _kvpress_version,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        **versions(),
         "model": MODEL,
         "dtype": "float32",
-        "stories_file": data.name,
+        "stories_file": args.data.name,
         "decoding_runs": decoding,
         "wrapper_runs": wrappers,
         "eval_runs": evals,
     }
-    (out / "decoding_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_json(out / "decoding_manifest.json", manifest)
     n_events = sum(len(r["events"]) for r in decoding)
-    print(f"make_decoding_fixtures: kvpress {_kvpress_version}: {len(decoding)} decoding runs ({n_events} "
+    print(f"make_decoding_fixtures: kvpress {KVPRESS_VERSION}: {len(decoding)} decoding runs ({n_events} "
           f"compressions), {len(wrappers)} wrapper runs, {len(evals)} eval runs in {out} "
           f"({time.time() - start:.0f} s)")
 

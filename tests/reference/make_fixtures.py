@@ -13,27 +13,20 @@ CPU only, deterministic (fixed seeds), two threads.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
 from pathlib import Path
 
-from pinned import require_pinned_kvpress  # noqa: E402
+# First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+from common import (DTYPE_NAMES, KVPRESS_VERSION, MODEL, SHORT_DTYPE, apply_rope, build_press, capture,
+                    first_story_with, inv_freq, kept_positions, load_model, load_stories, load_tokenizer,
+                    model_dir, parse_args, prepare_out, random_llama, save, setup, split_seed, versions,
+                    write_json)
 
-_kvpress_version = require_pinned_kvpress("make_fixtures.py")
+import torch
+from transformers import DynamicCache
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.models.llama.modeling_llama import rotate_half  # noqa: E402
-
-import kvpress  # noqa: E402
-from kvpress.utils import compute_n_kept, get_prerope_query_states  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+import kvpress
+from kvpress.utils import compute_n_kept, get_prerope_query_states
 
 # Attention weights are stored only when B * Hq * S * S * 4 bytes stays below this.
 MAX_ATTENTION_BYTES = 40 * 1024 * 1024
@@ -108,8 +101,6 @@ PRESSES = [
     ("ComposedPress", {"presses": "SnapKVPress,KnormPress", "presses.0.window_size": "16"}, ("hidden_states",), ()),
 ]
 WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress")
-# Parameters only the C++ presses have (see above).
-SEEDED_SKETCH = ("LeverageScorePress", "CompactorPress")
 BASE_RATIO = 0.5
 
 # Random-weight Llama cases: (head_dim, dtype, seq_len, store attentions). 8 query heads,
@@ -124,18 +115,6 @@ RANDOM_CASES = [
     (128, torch.float32, 3000),
     (64, torch.bfloat16, 2900),
 ]
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-SHORT_DTYPE = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-def parse_value(text: str):
-    if text in ("True", "False"):
-        return text == "True"
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
 
 
 def param_tag(params: dict[str, str]) -> str:
@@ -153,41 +132,21 @@ def param_tag(params: dict[str, str]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Capture
 # ---------------------------------------------------------------------------------------------
-def capture_layers(model: LlamaForCausalLM, input_ids: torch.Tensor) -> list[dict]:
+def capture_layers(model, input_ids: torch.Tensor) -> list[dict]:
     """Runs a prefill and records, for every layer, what kvpress's forward hook receives."""
-    captured: dict[int, dict] = {}
-
-    def hook(module, args, kwargs, output):
-        cache = kwargs["past_key_values"]
-        layer = cache.layers[module.layer_idx]
-        module.rotary_emb = model.model.rotary_emb  # what kvpress's post_init_from_model sets
-        captured[module.layer_idx] = {
-            "module": module,
-            "hidden_states": kwargs["hidden_states"].detach().clone(),
-            "keys": layer.keys.detach().clone(),
-            "values": layer.values.detach().clone(),
-            "attentions": None if output[1] is None else output[1].detach().clone(),
-            "kwargs": {
-                "position_embeddings": tuple(t.detach().clone() for t in kwargs["position_embeddings"]),
-                "cache_position": kwargs["cache_position"],
-            },
-        }
-        return output
-
-    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, past_key_values=DynamicCache(), use_cache=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [captured[i] for i in sorted(captured)]
+    with capture(model) as captured, torch.no_grad():
+        model(input_ids=input_ids, past_key_values=DynamicCache(), use_cache=True)
+    layers = [captured[i] for i in sorted(captured)]
+    for layer in layers:
+        layer["module"].rotary_emb = model.model.rotary_emb  # what kvpress's post_init_from_model sets
+        # The kwargs kvpress's score()/compress() get.
+        layer["kwargs"] = {k: layer.pop(k) for k in ("position_embeddings", "cache_position")}
+    return layers
 
 
 def post_rope_queries(module, hidden_states, cos, sin) -> torch.Tensor:
     """Post-RoPE queries of all positions, computed the way kvpress's SnapKV/TOVA do."""
-    q = get_prerope_query_states(module, hidden_states)
-    return (q * cos.unsqueeze(1)) + (rotate_half(q) * sin.unsqueeze(1))
+    return apply_rope(get_prerope_query_states(module, hidden_states), cos, sin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,38 +175,6 @@ def run_press(press, layer: dict, source: str, seed: int | None = None):
     return scores.to(torch.float32).contiguous(), kept, n_kept
 
 
-def build_press(name: str, params: dict[str, str], ratio: float):
-    """A kvpress press from the C++ registry's parameter syntax (nested presses included)."""
-    if name == "ComposedPress":
-        inner = []
-        for i, sub in enumerate(params["presses"].split(",")):
-            prefix = f"presses.{i}."
-            sub_params = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
-            inner.append(build_press(sub, sub_params, ratio))
-        return kvpress.ComposedPress(presses=inner)
-    if name in WRAPPERS:
-        sub_params = {k[len("press."):]: v for k, v in params.items() if k.startswith("press.")}
-        inner = build_press(params["press"], sub_params, ratio)
-        rest = {k: parse_value(v) for k, v in params.items() if k != "press" and not k.startswith("press.")}
-        return getattr(kvpress, name)(press=inner, **rest)
-    return getattr(kvpress, name)(compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
-
-
-def positions_of(keys: torch.Tensor, values: torch.Tensor, kept_keys: torch.Tensor,
-                 kept_values: torch.Tensor) -> torch.Tensor:
-    """Original positions of the returned (key, value) rows (distinct per position: post-RoPE keys)."""
-    b, h, _, _ = keys.shape
-    kv = torch.cat([keys, values], -1).to(torch.float32)
-    kept_kv = torch.cat([kept_keys, kept_values], -1).to(torch.float32)
-    out = torch.empty(kept_keys.shape[:3], dtype=torch.int64)
-    for bi in range(b):
-        for hi in range(h):
-            rows = {kv[bi, hi, i].numpy().tobytes(): i for i in range(keys.shape[2])}
-            assert len(rows) == keys.shape[2], "duplicate keys: cannot recover positions"
-            out[bi, hi] = torch.tensor([rows[k.numpy().tobytes()] for k in kept_kv[bi, hi]])
-    return out
-
-
 def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
     """Runs a wrapper like kvpress's hook does; returns the run file's tensors."""
     attentions = layer["attentions"] if source == "attentions" else None
@@ -268,7 +195,7 @@ def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
             out["scores"] = scores.to(torch.float32).contiguous()
             out["keys"] = new_keys.contiguous()
         else:
-            kept = positions_of(keys, values, new_keys, new_values)  # in the order kvpress left them
+            kept = kept_positions(keys, values, new_keys, new_values, sort=False)  # in the order kvpress left them
     gathered_v = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
     assert torch.equal(gathered_v, new_values), type(press).__name__
     out["kept_indices"] = kept.sort(dim=-1).values.to(torch.int64).contiguous()
@@ -320,13 +247,12 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
         "sin": sin[0],
         "queries": queries,
     }
-    inv_freq = module.rotary_emb.inv_freq.detach().to(torch.float32).contiguous()
     if has_attn:
         tensors["attentions"] = layer["attentions"]
     for key, t in tensors.items():
         assert t.dtype == dtype, (key, t.dtype, dtype)
-    tensors["inv_freq"] = inv_freq  # float32 whatever the cache dtype (HF keeps it in float32)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{name}.inputs.safetensors"))
+    tensors["inv_freq"] = inv_freq(module.rotary_emb)  # float32 whatever the cache dtype
+    save(tensors, out / f"{name}.inputs.safetensors")
 
     case = {
         "name": name,
@@ -345,10 +271,7 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
     }
     stats = {"runs": 0, "ties": 0}
     for press_name, params, sources, extra in PRESSES:
-        kv_params = dict(params)
-        seed = None
-        if press_name in SEEDED_SKETCH and "seed" in kv_params:
-            seed = int(kv_params.pop("seed"))
+        kv_params, seed = split_seed(press_name, params)
         for ratio in (BASE_RATIO, *extra):
             press = build_press(press_name, kv_params, ratio)
             # Extra ratios only for the first available source.
@@ -364,7 +287,7 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
                     file = files[kv_run]
                 elif press_name in WRAPPERS:
                     file = f"{run_name}.safetensors"
-                    save_file(run_wrapper(press, layer, source), str(out / file))
+                    save(run_wrapper(press, layer, source), out / file)
                     files[kv_run] = file
                 else:
                     scores, kept, n_kept = run_press(press, layer, source, seed)
@@ -372,7 +295,7 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
                     tensors = {"scores": scores, "kept_indices": kept}
                     if press_name == "LagKVPress" and not press.cross_scoring:
                         tensors["statistic"] = lagkv_statistic(press, layer)
-                    save_file(tensors, str(out / file))
+                    save(tensors, out / file)
                     files[kv_run] = file
                     stats["ties"] += straddling_tie(scores, n_kept)
                 stats["runs"] += 1
@@ -390,34 +313,20 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
 # ---------------------------------------------------------------------------------------------
 # Families
 # ---------------------------------------------------------------------------------------------
-def first_long_story(data: Path, tokenizer, min_tokens: int = 300, max_tokens: int = 511) -> tuple[int, torch.Tensor]:
-    """The first story of at least min_tokens tokens (LagKV's default lag needs S >= 260),
-    truncated to max_tokens (the model's context is 512)."""
-    text = data.read_text(encoding="utf-8")
-    for index, story in enumerate(text.split("<|endoftext|>")):
-        story = story.strip()
-        if not story:
-            continue
-        ids = tokenizer(story, return_tensors="pt").input_ids
-        if ids.shape[1] >= min_tokens:
-            return index, ids[:, :max_tokens]
-    raise SystemExit(f"make_fixtures.py: no story with >= {min_tokens} tokens in {data}")
-
-
 def real_family(out: Path, models: Path, data: Path):
-    model_dir = models / "tinystories-656k"
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"make_fixtures.py: model not found at {model_dir} (use --models or KVPRESS_MODELS)")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    story, input_ids = first_long_story(data, tokenizer)
+    path = model_dir(models)
+    tokenizer = load_tokenizer(path)
+    # The first story long enough for LagKV's default lag (S >= 260), truncated to the model's
+    # context (512).
+    story, input_ids = first_story_with(tokenizer, load_stories(data), min_tokens=300)
+    input_ids = input_ids[:, :511]
     cases, stats = [], []
     for dtype in (torch.float32, torch.bfloat16):
-        model = LlamaForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=dtype)
-        model.eval()
+        model = load_model(path, "eager", dtype)
         layers = capture_layers(model, input_ids)
         for layer in layers:
             name = f"real_{SHORT_DTYPE[dtype]}_l{layer['module'].layer_idx}"
-            description = (f"tinystories-656k ({DTYPE_NAMES[dtype]}, eager attention), layer {layer['module'].layer_idx} "
+            description = (f"{MODEL} ({DTYPE_NAMES[dtype]}, eager attention), layer {layer['module'].layer_idx} "
                            f"of {len(layers)}, story {story} of {data.name}, {input_ids.shape[1]} tokens")
             case, st = write_case(out, name, "real", description, model.config, layer, len(layers),
                                   keep_attentions=True)
@@ -426,35 +335,14 @@ def real_family(out: Path, models: Path, data: Path):
     return cases, stats
 
 
-def random_model(head_dim: int, attn_implementation: str) -> LlamaForCausalLM:
-    torch.manual_seed(1234 + head_dim)
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=8 * head_dim,
-        intermediate_size=16 * head_dim,
-        num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        # Larger than the default 0.02 so that attention is peaked rather than near-uniform
-        # (near-uniform attention makes attention-based scores near-ties everywhere).
-        initializer_range=0.08,
-        tie_word_embeddings=False,
-        attn_implementation=attn_implementation,
-    )
-    model = LlamaForCausalLM(config)
-    model.eval()
-    return model
-
-
 def random_family(out: Path):
     cases, stats = [], []
     for head_dim, dtype, seq_len in RANDOM_CASES:
         keep_attn = 1 * 8 * seq_len * seq_len * 4 <= MAX_ATTENTION_BYTES
         # Same weights for every case of a head_dim (fixed seed), cast to the case dtype.
-        model = random_model(head_dim, "eager" if keep_attn else "sdpa").to(dtype)
+        model = random_llama(1234 + head_dim, head_dim, num_layers=1, hidden_size=8 * head_dim,
+                             intermediate_size=16 * head_dim,
+                             attn_implementation="eager" if keep_attn else "sdpa").to(dtype)
         gen = torch.Generator().manual_seed(seq_len * 7 + head_dim)
         input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=gen)
         layers = capture_layers(model, input_ids)
@@ -471,31 +359,14 @@ def random_family(out: Path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", choices=("real", "random"))
-    parser.add_argument("--models", type=Path,
-                        default=Path(os.environ.get("KVPRESS_MODELS", REPO.parent / "shared" / "models")))
-    parser.add_argument("--data", type=Path, default=None,
-                        help="stories file (default: <models>/../data/tinystories_valid_100.txt)")
-    args = parser.parse_args()
-    data = args.data or args.models.parent / "data" / "tinystories_valid_100.txt"
-
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    start = time.time()
-
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("*.safetensors"), out / "manifest.json"]:
-        if stale.exists():
-            stale.unlink()
+    args = parse_args(__doc__, lambda p: p.add_argument("--only", choices=("real", "random")))
+    start = setup(threads=2)
+    # The other scripts write into sub-folders of this one: only its own files are stale.
+    out = prepare_out(args.out, stale=("*.safetensors", "manifest.json"))
 
     cases, stats = [], []
     if args.only in (None, "real"):
-        c, s = real_family(out, args.models, data)
+        c, s = real_family(out, args.models, args.data)
         cases += c
         stats += s
     if args.only in (None, "random"):
@@ -503,17 +374,11 @@ def main():
         cases += c
         stats += s
 
-    manifest = {
-        "kvpress_version": _kvpress_version,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "cases": cases,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    write_json(out / "manifest.json", {**versions(), "cases": cases})
     n_runs = sum(s["runs"] for s in stats)
     n_ties = sum(s["ties"] for s in stats)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    print(f"make_fixtures: kvpress {_kvpress_version}: {len(cases)} cases, {n_runs} runs "
+    print(f"make_fixtures: kvpress {KVPRESS_VERSION}: {len(cases)} cases, {n_runs} runs "
           f"({n_ties} with a score tie at the threshold), {size / 2**20:.1f} MiB in {out} "
           f"({time.time() - start:.0f} s)")
 

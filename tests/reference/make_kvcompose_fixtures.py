@@ -30,26 +30,18 @@ CPU only, two threads, float32. Takes a few seconds.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
-from pinned import require_pinned_kvpress  # noqa: E402
+# First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+from common import (KVPRESS_VERSION, MODEL, greedy_steps, kept_mask, kept_positions, load_model, load_stories,
+                    load_tokenizer, model_dir, parse_args, parse_value, prepare_out, save, setup, token_ids,
+                    versions, write_json)
 
-_kvpress_version = require_pinned_kvpress("make_kvcompose_fixtures.py")
+import torch
+from transformers import DynamicCache
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM  # noqa: E402
+from kvpress import KVComposePress
 
-from kvpress import KVComposePress  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-MODEL = "tinystories-656k"
 STORY = 2          # held-out story index
 CONTEXT_LEN = 256  # N, BOS included
 DECODE_STEPS = 4   # the story's next token, then 3 greedy tokens
@@ -73,37 +65,8 @@ RUNS = [
 ]
 
 
-def parse(text: str):
-    if text in ("true", "false"):
-        return text == "true"
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-
-
-def load_stories(data: Path) -> list[str]:
-    text = data.read_text(encoding="utf-8")
-    return [s.strip() for s in text.split("<|endoftext|>") if s.strip()]
-
-
-def decode(model, cache, first: torch.Tensor, start: int, steps: int):
-    """One token per forward at positions start, start+1, ...: the given first token, then greedy."""
-    fed, logits = [], []
-    token = first
-    for i in range(steps):
-        fed.append(token)
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[start + i]]))
-        logits.append(out.logits[0, -1])
-        token = out.logits[0, -1].argmax()
-    return torch.stack(fed).to(torch.int64), torch.stack(logits).contiguous()
-
-
 def run_press(model, context, first_token, params: dict, prompt):
-    kwargs = {k: parse(v) for k, v in params.items()}
+    kwargs = {k: parse_value(v) for k, v in params.items()}
     press = KVComposePress(**kwargs)
     n = context.shape[1]
     record = {}
@@ -131,10 +94,8 @@ def run_press(model, context, first_token, params: dict, prompt):
         for li, layer in enumerate(m.model.layers):
             if press.structured:
                 # The compressed cache's rows: find each kept key among the context's keys.
-                kept = press.cache.layers[li].keys  # [1, Hkv, k_l, D]
-                match = (kept.unsqueeze(3) == full_keys[li].unsqueeze(2)).all(-1)  # [1, Hkv, k_l, N]
-                assert bool((match.sum(-1) == 1).all()), "a kept key matches no (or several) context positions"
-                masks.append(match.any(2)[0])
+                kept = kept_positions(full_keys[li], None, press.cache.layers[li].keys, None)  # [1, Hkv, k_l]
+                masks.append(kept_mask(kept, n)[0])
             else:
                 b, h, s = layer.self_attn.masked_key_indices
                 assert bool((b == 0).all()) and bool((s < n).all())
@@ -159,69 +120,47 @@ def run_press(model, context, first_token, params: dict, prompt):
         else:
             assert lengths == [2 * n if prompt is None else n + prompt.shape[1]] * len(lengths), lengths
             untruncated = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-            _, tensors["decode_logits_untruncated"] = decode(model, cache, first_token, n, DECODE_STEPS)
+            _, tensors["decode_logits_untruncated"] = greedy_steps(model, cache, first_token, n, DECODE_STEPS)
             for layer, (k, v) in zip(cache.layers, untruncated):
                 layer.keys, layer.values = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
-        tensors["decode_tokens"], tensors["decode_logits"] = decode(model, cache, first_token, n, DECODE_STEPS)
+        tensors["decode_tokens"], tensors["decode_logits"] = greedy_steps(model, cache, first_token, n, DECODE_STEPS)
     return tensors, record["cache_lengths"]
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--models", type=Path,
-                        default=Path(os.environ.get("KVPRESS_MODELS", REPO.parent / "shared" / "models")))
-    parser.add_argument("--data", type=Path, default=None)
-    args = parser.parse_args()
-    data = args.data or args.models.parent / "data" / "tinystories_valid_100.txt"
-    model_dir = args.models / MODEL
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"make_kvcompose_fixtures.py: model not found at {model_dir} (use --models or KVPRESS_MODELS)")
+    args = parse_args(__doc__)
+    path = model_dir(args.models)
+    start = setup(threads=2)
+    out = prepare_out(args.out)
 
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    import logging
-    logging.getLogger("kvpress").setLevel(logging.ERROR)  # the "~2x the context" warning, every run
-    start = time.time()
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("*.safetensors"), *out.glob("*.json")]:
-        stale.unlink()
-
-    stories = load_stories(data)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    stories = load_stories(args.data)
+    tok = load_tokenizer(path)
     # sdpa outside the press (kvpress switches to eager for its own pass): kvpress's attention patch,
     # which applies the unstructured variant's masks, wraps the non-eager attention functions only.
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa", dtype=torch.float32)
-    model.eval()
-    ids = tok(stories[STORY], return_tensors="pt").input_ids
+    model = load_model(path, "sdpa")
+    ids = token_ids(tok, stories[STORY])
     assert ids.shape[1] > CONTEXT_LEN, ids.shape
     context, first_token = ids[:, :CONTEXT_LEN].contiguous(), ids[0, CONTEXT_LEN]
-    prompt = tok(stories[PROMPT_STORY], return_tensors="pt").input_ids[:, :PROMPT_LEN].contiguous()
+    prompt = token_ids(tok, stories[PROMPT_STORY])[:, :PROMPT_LEN].contiguous()
     assert prompt.shape[1] == PROMPT_LEN
 
     with torch.no_grad():
         cache = DynamicCache()
         model.model(input_ids=context, past_key_values=cache)
-        _, full_logits = decode(model, cache, first_token, CONTEXT_LEN, DECODE_STEPS)
-    save_file({"context_ids": context, "prompt_ids": prompt, "full_decode_logits": full_logits},
-              str(out / "inputs.safetensors"))
+        _, full_logits = greedy_steps(model, cache, first_token, CONTEXT_LEN, DECODE_STEPS)
+    save({"context_ids": context, "prompt_ids": prompt, "full_decode_logits": full_logits}, out / "inputs.safetensors")
 
     runs = []
     for name, params, custom_prompt in RUNS:
         tensors, cache_lengths = run_press(model, context, first_token, params, prompt if custom_prompt else None)
-        save_file(tensors, str(out / f"{name}.safetensors"))
+        save(tensors, out / f"{name}.safetensors")
         runs.append({"name": name, "file": f"{name}.safetensors",
                      "params": {k: v for k, v in params.items() if k != "compression_ratio"},
                      "compression_ratio": float(params["compression_ratio"]), "custom_prompt": custom_prompt,
                      "cache_lengths_before_compression": cache_lengths})
 
     manifest = {
-        "kvpress_version": _kvpress_version,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        **versions(),
         "model": MODEL,
         "dtype": "float32",
         "story": STORY,
@@ -230,8 +169,8 @@ def main():
         "inputs": "inputs.safetensors",
         "runs": runs,
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"make_kvcompose_fixtures: kvpress {_kvpress_version}: {len(runs)} runs in {out} "
+    write_json(out / "manifest.json", manifest)
+    print(f"make_kvcompose_fixtures: kvpress {KVPRESS_VERSION}: {len(runs)} runs in {out} "
           f"({time.time() - start:.0f} s)")
 
 
