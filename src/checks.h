@@ -84,6 +84,15 @@ inline void check_ratio(const char* op, double compression_ratio) {
               op, ": compression_ratio must be in [0, 1), got ", compression_ratio);
 }
 
+// A fraction such as alpha_safeguard or first_stage_ratio: finite and in [0, 1].
+inline void check_fraction(const char* op, const char* name, double v) {
+  TORCH_CHECK(std::isfinite(v) && v >= 0.0 && v <= 1.0, op, ": ", name, " must be in [0, 1], got ", v);
+}
+
+inline void check_finite(const char* op, const char* name, double v) {
+  TORCH_CHECK(std::isfinite(v), op, ": ", name, " must be finite, got ", v);
+}
+
 inline void check_positive(const char* op, const char* name, int64_t v) {
   TORCH_CHECK(v > 0, op, ": ", name, " must be > 0, got ", v);
 }

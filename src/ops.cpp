@@ -90,6 +90,7 @@ TORCH_LIBRARY(kvpress, m) {
   // composite is registered below for every other device (src/kernel_ops.h).
   m.def("topk_indices(Tensor scores, int k) -> Tensor");
   m.def("gather_kv(Tensor keys, Tensor values, Tensor indices) -> (Tensor, Tensor)");
+  m.def("rotate_half(Tensor x) -> Tensor", &ops::rotate_half);
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::apply_rope);
   m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::invert_rope);
   m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);

@@ -345,7 +345,7 @@ TEST(Compactor, AcrossHeadsKeepsTheGlobalTopK) {
     EXPECT_TRUE(at::equal(head.values, in.values[0][h].index_select(0, head.kept_indices)));
   }
   EXPECT_EQ(total, 2 * ops::n_kept(seq, 0.5));
-  expect_error([&] { across.compress(in); }, {"CompactorPress.compress: selection across_heads", "compress_ragged()"});
+  expect_error([&] { across.compress(in); }, {"CompactorPress.compress: CompactorPress keeps a different number of tokens per KV head", "compress_ragged()"});
   // Per-head selection: compress_ragged equals compress.
   const KV kv = per_head.compress(in);
   const RaggedKV same = per_head.compress_ragged(in);

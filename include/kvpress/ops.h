@@ -31,7 +31,10 @@ KV gather_kv(const at::Tensor& keys,      // [B, Hkv, S, D]
              const at::Tensor& values,    // [B, Hkv, S, D]
              const at::Tensor& indices);  // [B, Hkv, n] int64
 
-// ---- RoPE and heads ---------------------------------------------------------------------
+// ---- RoPE and heads (kvpress's utils.py) -------------------------------------------------
+
+// [x1, x2] -> [-x2, x1] along the last dim (HF rotate_half).
+at::Tensor rotate_half(const at::Tensor& x);  // [..., D] -> [..., D]
 
 // x * cos + rotate_half(x) * sin (HF convention).
 at::Tensor apply_rope(const at::Tensor& x,     // [B, H, n, D]
@@ -59,6 +62,20 @@ at::Tensor window_queries(const LayerInputs& inputs, int64_t n_last, const char*
 // from hidden_states + k_proj (+ k_norm).
 at::Tensor prerope_keys(const LayerInputs& inputs, const char* op);  // -> [B, Hkv, S, D]
 
+// Pre-RoPE queries of `hidden` through the layer's q_proj, RMS-normed per head by q_norm when the
+// inputs have one (Qwen3). Hq is num_query_heads(inputs), D the keys' head_dim. float32.
+at::Tensor project_queries(const at::Tensor& hidden,      // [B, n, hidden], attention input
+                           const LayerInputs& inputs, const char* op);  // -> [B, Hq, n, D]
+
+// Pre-RoPE queries of positions [start, start + n): projected from hidden_states + q_proj
+// (+ q_norm), else the given post-RoPE queries of all S positions with RoPE inverted by cos/sin.
+at::Tensor prerope_queries(const LayerInputs& inputs, int64_t start, int64_t n,
+                           const char* op);  // -> [B, Hq, n, D] float32
+
+// RoPE inverse frequencies: inputs.inv_freq, else derived from row 1 of cos/sin (atan2; exact for
+// float32 tables, since every HF frequency is below pi).
+at::Tensor rope_inv_freq(const LayerInputs& inputs, const char* op);  // -> [D / 2] float32
+
 // Causal softmax attention of the last w positions (queries) over the first S - w keys.
 // Query i sits at position S - w + i. Softmax over all S keys in float32; GQA without
 // repeat_kv.
@@ -69,6 +86,11 @@ at::Tensor window_attention(const at::Tensor& queries,  // [B, Hq, w, D] post-Ro
 // [B, Hq, w, S] tensor (kernels/cpu/window_attention.cpp, kernels/cuda/window_attention.cu).
 at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D] post-RoPE
                                  const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, S - w] float32
+
+// The same for a layer's inputs (SnapKVPress, TOVAPress): the mean of the last `window` rows of the
+// given attentions, else window_attention_mean over window_queries(inputs, window).
+at::Tensor window_attention_mean(const LayerInputs& inputs, int64_t window,
+                                 const char* op);  // -> [B, Hq, S - window] float32
 
 // ---- scores -----------------------------------------------------------------------------
 

@@ -11,12 +11,6 @@
 namespace kvpress::ops {
 namespace {
 
-// [x1, x2] -> [-x2, x1] along the last dim (HF rotate_half).
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 void check_rope_args(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   checks::check_rank(op, "x", x, 4, "[batch, heads, seq_len, head_dim]");
   checks::check_float(op, "x", x);
@@ -39,17 +33,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   return x * at::rsqrt(variance + eps) * weight.to(at::kFloat);
 }
 
-// hidden[:, -n:] @ proj^T -> [B, heads, n, D] in float32.
-at::Tensor project_heads(const at::Tensor& hidden, const at::Tensor& proj, int64_t heads,
-                         int64_t head_dim, int64_t n_last, const char* op, const char* proj_name) {
+// hidden [B, n, hidden] @ proj^T -> [B, heads, n, D] in float32, RMS-normed per head by `norm`
+// when it is defined (Qwen3-style q_norm / k_norm).
+at::Tensor project_heads(const at::Tensor& hidden, const at::Tensor& proj, const at::Tensor& norm, double eps,
+                         int64_t heads, int64_t head_dim, const char* op, const char* proj_name,
+                         const char* norm_name) {
   checks::check_rank(op, proj_name, proj, 2, "[heads * head_dim, hidden]");
   TORCH_CHECK(proj.size(0) == heads * head_dim && proj.size(1) == hidden.size(2), op, ": ",
               proj_name, " must be [", heads * head_dim, ", ", hidden.size(2), "], got ",
               checks::shape_str(proj));
   checks::check_same_device(op, proj_name, proj, "hidden_states", hidden);
-  const int64_t batch = hidden.size(0), seq = hidden.size(1);
-  const at::Tensor h = hidden.narrow(1, seq - n_last, n_last).to(at::kFloat);
-  return at::matmul(h, proj.to(at::kFloat).t()).view({batch, n_last, heads, head_dim}).transpose(1, 2);
+  const int64_t batch = hidden.size(0), n = hidden.size(1);
+  at::Tensor x = at::matmul(hidden.to(at::kFloat), proj.to(at::kFloat).t()).view({batch, n, heads, head_dim}).transpose(1, 2);
+  return norm.defined() ? rms_norm(x, norm, eps, op, norm_name) : x;
 }
 
 void check_hidden(const char* op, const LayerInputs& in) {
@@ -61,6 +57,11 @@ void check_hidden(const char* op, const LayerInputs& in) {
 }
 
 }  // namespace
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rope_args("apply_rope", x, cos, sin);
@@ -116,10 +117,8 @@ at::Tensor window_queries(const LayerInputs& in, int64_t n_last, const char* op)
   TORCH_CHECK(in.hidden_states.defined() && in.q_proj.defined(), op,
               ": needs attentions, queries, or hidden_states + q_proj + cos/sin; got none of them");
   check_hidden(op, in);
-  const int64_t heads = num_query_heads(in);
-  checks::check_gqa(op, heads, kv_heads);
-  at::Tensor q = project_heads(in.hidden_states, in.q_proj, heads, head_dim, n_last, op, "q_proj");
-  if (in.q_norm.defined()) q = rms_norm(q, in.q_norm, in.norm_eps, op, "q_norm");
+  checks::check_gqa(op, num_query_heads(in), kv_heads);
+  const at::Tensor q = project_queries(in.hidden_states.narrow(1, seq - n_last, n_last), in, op);
   checks::check_defined(op, "cos", in.cos);
   checks::check_defined(op, "sin", in.sin);
   TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) == seq, op, ": cos must be [", seq, ", ", head_dim,
@@ -138,10 +137,74 @@ at::Tensor prerope_keys(const LayerInputs& in, const char* op) {
   TORCH_CHECK(in.hidden_states.defined() && in.k_proj.defined(), op,
               ": needs cos/sin (to invert RoPE on the cached keys) or hidden_states + k_proj");
   check_hidden(op, in);
-  at::Tensor k = project_heads(in.hidden_states, in.k_proj, in.keys.size(1), in.keys.size(3),
-                               in.keys.size(2), op, "k_proj");
-  if (in.k_norm.defined()) k = rms_norm(k, in.k_norm, in.norm_eps, op, "k_norm");
-  return k;
+  return project_heads(in.hidden_states, in.k_proj, in.k_norm, in.norm_eps, in.keys.size(1), in.keys.size(3), op,
+                       "k_proj", "k_norm");
+}
+
+at::Tensor project_queries(const at::Tensor& hidden, const LayerInputs& in, const char* op) {
+  checks::check_rank(op, "hidden_states", hidden, 3, "[batch, n, hidden]");
+  checks::check_keys(op, in.keys);
+  checks::check_defined(op, "q_proj", in.q_proj);
+  return project_heads(hidden, in.q_proj, in.q_norm, in.norm_eps, num_query_heads(in), in.keys.size(3), op, "q_proj",
+                       "q_norm");
+}
+
+at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, const char* op) {
+  checks::check_keys(op, in.keys);
+  const int64_t batch = in.keys.size(0), seq = in.keys.size(2), head_dim = in.keys.size(3);
+  TORCH_CHECK(start >= 0 && n >= 0 && start + n <= seq, op, ": positions [", start, ", ", start + n,
+              ") must lie in [0, seq_len (", seq, "))");
+  if (in.hidden_states.defined() && in.q_proj.defined()) {
+    check_hidden(op, in);
+    return project_queries(in.hidden_states.narrow(1, start, n), in, op);
+  }
+  TORCH_CHECK(in.queries.defined() && in.cos.defined() && in.sin.defined(), op,
+              ": needs hidden_states + q_proj, or queries of all positions + cos/sin; got neither");
+  checks::check_rank(op, "queries", in.queries, 4, "[batch, num_heads, seq_len, head_dim]");
+  TORCH_CHECK(in.queries.size(0) == batch && in.queries.size(2) == seq && in.queries.size(3) == head_dim, op,
+              ": queries must cover all positions, [", batch, ", num_heads, ", seq, ", ", head_dim, "], got ",
+              checks::shape_str(in.queries));
+  TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) == seq && in.sin.sizes() == in.cos.sizes(), op,
+              ": cos/sin must be [", seq, ", ", head_dim, "], got ", checks::shape_str(in.cos));
+  return invert_rope(in.queries.narrow(2, start, n).to(at::kFloat), in.cos.narrow(0, start, n).to(at::kFloat),
+                     in.sin.narrow(0, start, n).to(at::kFloat));
+}
+
+at::Tensor rope_inv_freq(const LayerInputs& in, const char* op) {
+  checks::check_keys(op, in.keys);
+  const int64_t head_dim = in.keys.size(3);
+  TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even for RoPE, got ", head_dim);
+  if (in.inv_freq.defined()) {
+    TORCH_CHECK(in.inv_freq.dim() == 1 && in.inv_freq.size(0) == head_dim / 2, op, ": inv_freq must be [",
+                head_dim / 2, "] ([head_dim / 2]), got ", checks::shape_str(in.inv_freq));
+    return in.inv_freq.to(in.keys.device(), at::kFloat);
+  }
+  TORCH_CHECK(in.cos.defined() && in.sin.defined(), op,
+              ": needs inv_freq (RoPE inverse frequencies) or cos/sin to derive them; got neither");
+  TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) >= 2 && in.cos.size(1) == head_dim && in.sin.sizes() == in.cos.sizes(),
+              op, ": cos and sin must be [seq_len >= 2, ", head_dim, "] to derive inv_freq, got ",
+              checks::shape_str(in.cos), " and ", checks::shape_str(in.sin));
+  // Every HF frequency is below pi, so the angle at position 1 is the frequency itself.
+  const at::Tensor c = in.cos[1].narrow(0, 0, head_dim / 2).to(at::kFloat);
+  const at::Tensor s = in.sin[1].narrow(0, 0, head_dim / 2).to(at::kFloat);
+  return at::atan2(s, c).to(in.keys.device());
+}
+
+at::Tensor window_attention_mean(const LayerInputs& in, int64_t window, const char* op) {
+  checks::check_kv(op, in.keys, in.values);
+  const int64_t seq = in.keys.size(2);
+  checks::check_window(op, "window_size", window, seq);
+  if (in.attentions.defined()) {
+    const at::Tensor& a = in.attentions;
+    checks::check_rank(op, "attentions", a, 4, "[batch, num_heads, q_len, seq_len]");
+    checks::check_same_device(op, "attentions", a, "keys", in.keys);
+    TORCH_CHECK(a.size(0) == in.keys.size(0) && a.size(3) == seq, op, ": attentions must be [",
+                in.keys.size(0), ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
+    TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window,
+                " query rows, got q_len ", a.size(2));
+    return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window).to(at::kFloat).mean(2);
+  }
+  return window_attention_mean(window_queries(in, window, op), in.keys);
 }
 
 at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {

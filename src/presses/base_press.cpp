@@ -2,21 +2,29 @@
 
 #include <ATen/ATen.h>
 
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
-#include "presses/budget_helpers.h"
 
 namespace kvpress {
 
-RaggedKV BasePress::compress_ragged(const LayerInputs& inputs) const {
+// ---- BasePress ------------------------------------------------------------------------------
+
+at::Tensor BasePress::keep_mask(const LayerInputs& inputs) const {
   const KV kv = compress(inputs);
-  const at::Tensor keep_mask = at::zeros({kv.keys.size(0), kv.keys.size(1), inputs.keys.size(2)},
-                                         inputs.keys.options().dtype(at::kBool));
-  keep_mask.scatter_(2, kv.kept_indices, true);
+  at::Tensor mask = at::zeros({kv.keys.size(0), kv.keys.size(1), inputs.keys.size(2)},
+                              inputs.keys.options().dtype(at::kBool));
+  return mask.scatter_(2, kv.kept_indices, true);
+}
+
+RaggedKV BasePress::compress_ragged(const LayerInputs& inputs) const {
+  if (head_ragged()) return ops::gather_ragged(inputs.keys, inputs.values, keep_mask(inputs));
+  const KV kv = compress(inputs);
   RaggedKV out;
   out.batch = kv.keys.size(0);
   out.kv_heads = kv.keys.size(1);
-  out.keep_mask = keep_mask;
+  out.keep_mask = at::zeros({out.batch, out.kv_heads, inputs.keys.size(2)}, inputs.keys.options().dtype(at::kBool))
+                      .scatter_(2, kv.kept_indices, true);
   out.heads.reserve(static_cast<size_t>(out.batch * out.kv_heads));
   for (int64_t b = 0; b < out.batch; ++b) {
     for (int64_t h = 0; h < out.kv_heads; ++h) {
@@ -25,6 +33,14 @@ RaggedKV BasePress::compress_ragged(const LayerInputs& inputs) const {
   }
   return out;
 }
+
+void BasePress::refuse_uniform_compress() const {
+  TORCH_CHECK(false, name(), ".compress: ", name(),
+              " keeps a different number of tokens per KV head, which a [B, Hkv, n_kept, D] cache cannot hold; "
+              "use compress_ragged() (head_ragged() is true)");
+}
+
+// ---- ScorerPress ----------------------------------------------------------------------------
 
 ScorerPress::ScorerPress(double compression_ratio) : compression_ratio_(compression_ratio) {
   checks::check_ratio("ScorerPress", compression_ratio);
@@ -55,5 +71,30 @@ KV ScorerPress::compress(const LayerInputs& inputs) const {
   }
   return ops::gather_kv(inputs.keys, inputs.values, kept);
 }
+
+// ---- ScorerWrapperPress ---------------------------------------------------------------------
+
+ScorerWrapperPress::ScorerWrapperPress(std::shared_ptr<const ScorerPress> press, const char* wrapper_name)
+    : press_(std::move(press)) {
+  TORCH_CHECK(press_ != nullptr, wrapper_name, ": press must be a ScorerPress, got nullptr");
+}
+
+at::Tensor ScorerWrapperPress::inner_scores(const LayerInputs& inputs, const char* op) const {
+  return budget::inner_scores(*press_, inputs, op);
+}
+
+ChunkedWrapperPress::ChunkedWrapperPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length,
+                                         const char* wrapper_name)
+    : ScorerWrapperPress(std::move(press), wrapper_name), chunk_length_(chunk_length) {
+  checks::check_positive(wrapper_name, "chunk_length", chunk_length);
+}
+
+LayerInputs ChunkedWrapperPress::without_attentions(const LayerInputs& inputs) {
+  LayerInputs out = inputs;
+  out.attentions = at::Tensor();
+  return out;
+}
+
+KV HeadRaggedWrapperPress::compress(const LayerInputs&) const { refuse_uniform_compress(); }
 
 }  // namespace kvpress

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "budget_helpers.h"
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/criticalkv_press.h"
@@ -14,22 +14,13 @@ namespace kvpress {
 
 CriticalAdaKVPress::CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard,
                                        double epsilon, double first_stage_ratio)
-    : press_(std::move(press)),
+    : HeadRaggedWrapperPress(std::move(press), "CriticalAdaKVPress"),
       alpha_safeguard_(alpha_safeguard),
       epsilon_(epsilon),
       first_stage_ratio_(first_stage_ratio) {
-  TORCH_CHECK(press_ != nullptr, "CriticalAdaKVPress: press must be a ScorerPress, got nullptr");
-  TORCH_CHECK(std::isfinite(alpha_safeguard) && alpha_safeguard >= 0.0 && alpha_safeguard <= 1.0,
-              "CriticalAdaKVPress: alpha_safeguard must be in [0, 1], got ", alpha_safeguard);
-  TORCH_CHECK(std::isfinite(epsilon), "CriticalAdaKVPress: epsilon must be finite, got ", epsilon);
-  TORCH_CHECK(std::isfinite(first_stage_ratio) && first_stage_ratio >= 0.0 && first_stage_ratio <= 1.0,
-              "CriticalAdaKVPress: first_stage_ratio must be in [0, 1], got ", first_stage_ratio);
-}
-
-KV CriticalAdaKVPress::compress(const LayerInputs&) const {
-  TORCH_CHECK(false,
-              "CriticalAdaKVPress.compress: CriticalAdaKVPress keeps a different number of tokens per KV head, "
-              "which a [B, Hkv, n_kept, D] cache cannot hold; use compress_ragged() (head_ragged() is true)");
+  checks::check_fraction("CriticalAdaKVPress", "alpha_safeguard", alpha_safeguard);
+  checks::check_finite("CriticalAdaKVPress", "epsilon", epsilon);
+  checks::check_fraction("CriticalAdaKVPress", "first_stage_ratio", first_stage_ratio);
 }
 
 at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
@@ -42,7 +33,7 @@ at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
   constexpr float kMax = std::numeric_limits<float>::max();
 
   // AdaKV's safeguard, then each head's budget: its share of the layer's Hkv·n_kept best pairs.
-  at::Tensor scores = budget::force_top_per_head(budget::inner_scores(*press_, in, op),
+  at::Tensor scores = budget::force_top_per_head(inner_scores(in, op),
                                                  budget::safeguard_count(n_kept, alpha_safeguard_));
   const at::Tensor budgets = ops::topk_mask_across_heads(scores, kv_heads * n_kept).sum(-1);  // [B, Hkv] int64
 
@@ -55,10 +46,6 @@ at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
   // forces these to max and masks the Hkv·(S - n_kept) lowest of the row, which are exactly the rest.
   const at::Tensor norms = CriticalKVPress::output_projected_value_norms(in, op);
   return budget::keep_top_per_row((scores + epsilon_) * norms, budgets);
-}
-
-RaggedKV CriticalAdaKVPress::compress_ragged(const LayerInputs& in) const {
-  return ops::gather_ragged(in.keys, in.values, keep_mask(in));
 }
 
 }  // namespace kvpress

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "budget_helpers.h"
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 
@@ -24,9 +24,8 @@ CriticalKVPress::CriticalKVPress(std::shared_ptr<const ScorerPress> press, doubl
       epsilon_(epsilon),
       first_stage_ratio_(first_stage_ratio) {
   TORCH_CHECK(press_ != nullptr, "CriticalKVPress: press must be a ScorerPress, got nullptr");
-  TORCH_CHECK(std::isfinite(epsilon), "CriticalKVPress: epsilon must be finite, got ", epsilon);
-  TORCH_CHECK(std::isfinite(first_stage_ratio) && first_stage_ratio >= 0.0 && first_stage_ratio <= 1.0,
-              "CriticalKVPress: first_stage_ratio must be in [0, 1], got ", first_stage_ratio);
+  checks::check_finite("CriticalKVPress", "epsilon", epsilon);
+  checks::check_fraction("CriticalKVPress", "first_stage_ratio", first_stage_ratio);
 }
 
 at::Tensor CriticalKVPress::output_projected_value_norms(const LayerInputs& in, const char* op) {

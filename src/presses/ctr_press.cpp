@@ -8,7 +8,7 @@
 #include <cmath>
 #include <limits>
 
-#include "budget_helpers.h"
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 

@@ -6,17 +6,13 @@
 #include <algorithm>
 #include <string>
 
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "layer_slices.h"
 
 namespace kvpress {
 namespace {
-
-// [x1, x2] -> [-x2, x1] along the last dim (HF rotate_half).
-at::Tensor rotate_half(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
 
 // Post-RoPE float32 queries [B, Hq, m, D] of the buffered hidden states, rotated as kvpress's
 // window attention rotates them during decoding: with the latest forward's cos/sin [n, D] aligned
@@ -28,13 +24,8 @@ at::Tensor buffered_queries(const LayerInputs& in, const char* op) {
   TORCH_CHECK(h.size(0) == in.keys.size(0) && h.size(1) > 0, op, ": hidden_states must be [", in.keys.size(0),
               ", buffered > 0, hidden], got ", checks::shape_str(h));
   checks::check_same_device(op, "hidden_states", h, "keys", in.keys);
-  const int64_t batch = h.size(0), b = h.size(1), d = in.keys.size(3);
+  const int64_t b = h.size(1), d = in.keys.size(3);
   TORCH_CHECK(in.q_proj.defined(), op, ": needs q_proj with hidden_states (to rebuild the buffered queries)");
-  const int64_t heads = ops::num_query_heads(in);
-  checks::check_rank(op, "q_proj", in.q_proj, 2, "[heads * head_dim, hidden]");
-  TORCH_CHECK(in.q_proj.size(0) == heads * d && in.q_proj.size(1) == h.size(2), op, ": q_proj must be [", heads * d,
-              ", ", h.size(2), "], got ", checks::shape_str(in.q_proj));
-  checks::check_same_device(op, "q_proj", in.q_proj, "hidden_states", h);
   TORCH_CHECK(in.cos.defined() && in.sin.defined(), op,
               ": needs cos/sin of the latest forward ([n, head_dim]) with hidden_states");
   TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) > 0 && in.cos.size(1) == d && in.sin.sizes() == in.cos.sizes(), op,
@@ -43,17 +34,10 @@ at::Tensor buffered_queries(const LayerInputs& in, const char* op) {
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
   const int64_t n = in.cos.size(0);
   const int64_t m = n == 1 ? b : std::min(n, b);
-  at::Tensor q = at::matmul(h.narrow(1, b - m, m).to(at::kFloat), in.q_proj.to(h.device(), at::kFloat).t())
-                     .view({batch, m, heads, d})
-                     .transpose(1, 2);
-  if (in.q_norm.defined()) {
-    TORCH_CHECK(in.q_norm.dim() == 1 && in.q_norm.size(0) == d, op, ": q_norm must be [", d, "] ([head_dim]), got ",
-                checks::shape_str(in.q_norm));
-    q = q * at::rsqrt(q.pow(2).mean(-1, true) + in.norm_eps) * in.q_norm.to(q.device(), at::kFloat);
-  }
+  const at::Tensor q = ops::project_queries(h.narrow(1, b - m, m), in, op);  // [B, Hq, m, D]
   const at::Tensor cos = (n == 1 ? in.cos : in.cos.narrow(0, n - m, m)).to(q.device(), at::kFloat);
   const at::Tensor sin = (n == 1 ? in.sin : in.sin.narrow(0, n - m, m)).to(q.device(), at::kFloat);
-  return q * cos + rotate_half(q) * sin;  // [m, D] or [1, D] broadcast over the m positions
+  return q * cos + ops::rotate_half(q) * sin;  // [m, D] or [1, D] broadcast over the m positions
 }
 
 }  // namespace
@@ -111,21 +95,14 @@ KV DecodingPress::compress_to(const LayerInputs& in, int64_t target) const {
   const char* op = op_name.c_str();
   checks::check_kv(op, in.keys, in.values);
   checks::check_positive(op, "target_size", target);
-  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
+  const int64_t seq = in.keys.size(2);
   const double ratio = find_target_compression_ratio(seq, target);
-  if (ratio == 0.0) {  // kvpress's ScorerPress.compress returns the cache untouched at ratio 0
-    const at::Tensor all = at::arange(seq, in.keys.options().dtype(at::kLong)).expand({batch, kv_heads, seq});
-    return KV{in.keys, in.values, all.contiguous()};
-  }
-  LayerInputs inner;
-  inner.keys = in.keys;
-  inner.values = in.values;
+  if (ratio == 0.0) return budget::keep_all(in);  // kvpress's ScorerPress.compress returns the cache untouched
+  // The inner press sees the cache, the latest attentions and the buffered queries; hidden_states
+  // and cos/sin describe only the latest forward.
+  LayerInputs inner = kv_only(in, in.keys, in.values);
   inner.attentions = in.attentions;
   inner.q_proj = in.q_proj;
-  inner.num_heads = in.num_heads;
-  inner.layer_idx = in.layer_idx;
-  inner.num_layers = in.num_layers;
-  inner.inv_freq = in.inv_freq;
   inner.norm_eps = in.norm_eps;
   if (in.hidden_states.defined()) inner.queries = buffered_queries(in, op);
   // kvpress sets the inner press's ratio before scoring (StreamingLLM's scores depend on it).
@@ -140,9 +117,7 @@ KV DecodingPress::compress_to(const LayerInputs& in, int64_t target) const {
                 "attentions; no hidden_states or cos/sin): ",
                 e.what_without_backtrace());
   }
-  TORCH_CHECK(scores.dim() == 3 && scores.size(0) == batch && scores.size(1) == kv_heads && scores.size(2) == seq, op,
-              ": inner scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));
-  checks::check_finite_scores(op, scores);
+  scores = budget::checked_inner_scores(scores, in, op);
   return ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, ratio)));
 }
 

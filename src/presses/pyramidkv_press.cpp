@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 
@@ -46,11 +47,8 @@ int64_t PyramidKVPress::layer_budget(int64_t seq_len, int64_t layer_idx, int64_t
 KV PyramidKVPress::compress(const LayerInputs& in) const {
   const std::string op = name() + ".compress";
   checks::check_kv(op.c_str(), in.keys, in.values);
-  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
-  if (compression_ratio() == 0.0) {
-    const at::Tensor all = at::arange(seq, in.keys.options().dtype(at::kLong)).expand({batch, kv_heads, seq});
-    return KV{in.keys, in.values, all.contiguous()};
-  }
+  const int64_t seq = in.keys.size(2);
+  if (compression_ratio() == 0.0) return budget::keep_all(in);
   const int64_t n = layer_budget(seq, in.layer_idx, in.num_layers);
   const at::Tensor scores = score(in);
   checks::check_finite_scores(op.c_str(), scores);

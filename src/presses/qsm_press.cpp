@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "budget_helpers.h"
+#include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
 

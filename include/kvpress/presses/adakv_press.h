@@ -16,27 +16,22 @@ namespace kvpress {
 // (attention_patch); here the heads are stored head-ragged, so compress() raises and
 // compress_ragged() returns the per-head kept tokens. Ties go to the lower head, then the lower
 // position. The compression ratio is the inner press's.
-class AdaKVPress : public BasePress {
+class AdaKVPress : public HeadRaggedWrapperPress {
  public:
+  static constexpr double kDefaultAlphaSafeguard = 0.20;
+
   // Raises unless press is non-null and 0 <= alpha_safeguard <= 1 (kvpress's range).
-  explicit AdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = 0.20);
+  explicit AdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = kDefaultAlphaSafeguard);
 
   std::string name() const override { return "AdaKVPress"; }
-  double compression_ratio() const override { return press_->compression_ratio(); }
 
-  bool head_ragged() const override { return true; }
-  // Raises: heads keep different numbers of tokens; use compress_ragged().
-  KV compress(const LayerInputs& inputs) const override;
-  RaggedKV compress_ragged(const LayerInputs& inputs) const override;
+  // [B, Hkv, S] bool: the kept positions (the complement of kvpress's masked_key_indices);
+  // compress_ragged() gathers them, compress() raises.
+  at::Tensor keep_mask(const LayerInputs& inputs) const override;
 
-  // [B, Hkv, S] bool: the kept positions (the complement of kvpress's masked_key_indices).
-  at::Tensor keep_mask(const LayerInputs& inputs) const;
-
-  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
   double alpha_safeguard() const { return alpha_safeguard_; }
 
  private:
-  std::shared_ptr<const ScorerPress> press_;
   double alpha_safeguard_;
 };
 

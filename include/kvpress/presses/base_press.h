@@ -1,9 +1,10 @@
-// The press contract. A press holds only its parameters; compress() and score() are const and
-// keep no state between calls.
+// The press contract and the base classes of the repeated press shapes. A press holds only its
+// parameters; compress() and score() are const and keep no state between calls.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 
 #include "kvpress/types.h"
@@ -26,12 +27,24 @@ class BasePress {
   // (kvpress/cache.h) and call compress_ragged().
   virtual bool head_ragged() const { return false; }
 
-  // Compresses one layer into per-head kept tokens. The default wraps compress(), so every
-  // press can be called this way.
+  // [B, Hkv, S] bool: the positions each head keeps. Head-ragged presses define it; the default
+  // derives it from compress().
+  virtual at::Tensor keep_mask(const LayerInputs& inputs) const;
+
+  // Compresses one layer into per-head kept tokens: the gather of keep_mask() for head-ragged
+  // presses, else per-head views of compress(), so every press can be called this way.
   virtual RaggedKV compress_ragged(const LayerInputs& inputs) const;
+
+  // True when compress() re-rotates the kept keys to the positions 0..n_kept-1 (KeyRerotationPress):
+  // the engine then continues at position n_kept instead of S, as kvpress's pipeline does.
+  virtual bool rerotates_keys() const { return false; }
 
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;
+
+ protected:
+  // What compress() of a head-ragged press does: raises, pointing to compress_ragged().
+  [[noreturn]] void refuse_uniform_compress() const;
 };
 
 // A press that scores every cached token and keeps the int(S * (1 - ratio)) best per KV head
@@ -51,6 +64,56 @@ class ScorerPress : public BasePress {
 
  private:
   double compression_ratio_;
+};
+
+// A press built around an inner ScorerPress (kvpress's wrappers: KeyRerotationPress,
+// ChunkKVPress, ChunkPress, BlockPress, AdaKVPress, CriticalAdaKVPress). Its compression ratio is
+// the inner press's.
+class ScorerWrapperPress : public BasePress {
+ public:
+  double compression_ratio() const override { return press_->compression_ratio(); }
+  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+
+ protected:
+  // Raises "<wrapper_name>: press must be a ScorerPress, got nullptr" for a null press.
+  ScorerWrapperPress(std::shared_ptr<const ScorerPress> press, const char* wrapper_name);
+
+  // The inner press's scores, checked to be [B, Hkv, S] and finite, as float32. `op` prefixes
+  // error messages.
+  at::Tensor inner_scores(const LayerInputs& inputs, const char* op) const;
+
+ private:
+  std::shared_ptr<const ScorerPress> press_;
+};
+
+// A wrapper that cuts the sequence into chunks of chunk_length positions, the last one possibly
+// shorter (ChunkPress, ChunkKVPress). Attentions are not passed on to the inner press (kvpress
+// refuses them: they would not match a chunk).
+class ChunkedWrapperPress : public ScorerWrapperPress {
+ public:
+  int64_t chunk_length() const { return chunk_length_; }
+
+ protected:
+  // Raises unless press is non-null and chunk_length > 0.
+  ChunkedWrapperPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length, const char* wrapper_name);
+
+  // `inputs` without attentions.
+  static LayerInputs without_attentions(const LayerInputs& inputs);
+
+ private:
+  int64_t chunk_length_;
+};
+
+// A wrapper whose KV heads keep different numbers of tokens (AdaKVPress, CriticalAdaKVPress): it
+// defines keep_mask(); compress() raises and compress_ragged() gathers the mask.
+class HeadRaggedWrapperPress : public ScorerWrapperPress {
+ public:
+  bool head_ragged() const final { return true; }
+  KV compress(const LayerInputs& inputs) const final;  // raises: use compress_ragged()
+  at::Tensor keep_mask(const LayerInputs& inputs) const override = 0;
+
+ protected:
+  using ScorerWrapperPress::ScorerWrapperPress;
 };
 
 }  // namespace kvpress

@@ -12,18 +12,18 @@ namespace kvpress {
 // with the inner scorer and keep the n_kept best. The inner scorer sees only the candidates' keys
 // and values (kvpress's gathered hidden states are meaningless for query-based presses), so use a
 // key/value scorer (KeyDiff, Knorm, ...). Attentions are not passed on (kvpress refuses them). The ratio is the inner press's.
-class BlockPress : public BasePress {
+class BlockPress : public ScorerWrapperPress {
  public:
-  explicit BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_size = 128);
+  static constexpr int64_t kDefaultBlockSize = 128;
+
+  // Raises unless press is non-null and block_size > 0.
+  explicit BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_size = kDefaultBlockSize);
 
   std::string name() const override { return "BlockPress"; }
   KV compress(const LayerInputs& inputs) const override;
-  double compression_ratio() const override { return press_->compression_ratio(); }
   int64_t block_size() const { return block_size_; }
-  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
 
  private:
-  std::shared_ptr<const ScorerPress> press_;
   int64_t block_size_;
 };
 

@@ -13,19 +13,15 @@ namespace kvpress {
 // per head. Like kvpress, cos/sin are not the chunk's: the inner press gets the LAST len rows of the
 // tables (kvpress passes the full tables, and window presses read their tail). Attentions are not passed on (kvpress refuses them).
 // The compression ratio is the inner press's.
-class ChunkPress : public BasePress {
+class ChunkPress : public ChunkedWrapperPress {
  public:
-  explicit ChunkPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = 1024);
+  static constexpr int64_t kDefaultChunkLength = 1024;
+
+  explicit ChunkPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = kDefaultChunkLength)
+      : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkPress") {}
 
   std::string name() const override { return "ChunkPress"; }
   KV compress(const LayerInputs& inputs) const override;
-  double compression_ratio() const override { return press_->compression_ratio(); }
-  int64_t chunk_length() const { return chunk_length_; }
-  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
-
- private:
-  std::shared_ptr<const ScorerPress> press_;
-  int64_t chunk_length_;
 };
 
 }  // namespace kvpress

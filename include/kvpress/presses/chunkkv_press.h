@@ -13,19 +13,15 @@ namespace kvpress {
 // back to the inner press. kvpress picks the chunks of batch row 0 for every row; we pick them by
 // the scores summed over the batch too (identical for B = 1). Ties go to the earlier chunk.
 // Attentions are not passed on (kvpress refuses them). The compression ratio is the inner press's.
-class ChunkKVPress : public BasePress {
+class ChunkKVPress : public ChunkedWrapperPress {
  public:
-  explicit ChunkKVPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = 20);
+  static constexpr int64_t kDefaultChunkLength = 20;
+
+  explicit ChunkKVPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = kDefaultChunkLength)
+      : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkKVPress") {}
 
   std::string name() const override { return "ChunkKVPress"; }
   KV compress(const LayerInputs& inputs) const override;
-  double compression_ratio() const override { return press_->compression_ratio(); }
-  int64_t chunk_length() const { return chunk_length_; }
-  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
-
- private:
-  std::shared_ptr<const ScorerPress> press_;
-  int64_t chunk_length_;
 };
 
 }  // namespace kvpress

@@ -20,8 +20,14 @@ namespace kvpress {
 // the pre-RoPE keys (cos/sin, or hidden_states + k_proj). `seed` seeds the leverage sketch.
 class CompactorPress : public ScoreBlendPress {
  public:
-  explicit CompactorPress(double compression_ratio = 0.0, int64_t sink_size_start = 8, int64_t sink_size_end = 4,
-                          int64_t chunk_size = 256, int64_t sketch_dimension = 48,
+  static constexpr int64_t kDefaultSinkSizeStart = 8;
+  static constexpr int64_t kDefaultSinkSizeEnd = 4;
+  static constexpr int64_t kDefaultChunkSize = 256;
+  static constexpr int64_t kDefaultSketchDimension = 48;
+
+  explicit CompactorPress(double compression_ratio = 0.0, int64_t sink_size_start = kDefaultSinkSizeStart,
+                          int64_t sink_size_end = kDefaultSinkSizeEnd, int64_t chunk_size = kDefaultChunkSize,
+                          int64_t sketch_dimension = kDefaultSketchDimension,
                           std::optional<double> blending = std::nullopt, std::optional<int64_t> seed = std::nullopt,
                           TokenSelection selection = TokenSelection::kPerHead);
 

@@ -14,9 +14,12 @@ namespace kvpress {
 class CompressionRatioDecodingPress : public DecodingPress {
  public:
   // Raises c10::Error unless 0 <= target_compression_ratio < 1 (and DecodingPress's conditions).
+  static constexpr double kDefaultTargetCompressionRatio = 0.5;
+
   explicit CompressionRatioDecodingPress(ScorerFactory make_press,
-                                         double target_compression_ratio = 0.5, int64_t compression_interval = 512,
-                                         int64_t hidden_states_buffer_size = 256);
+                                         double target_compression_ratio = kDefaultTargetCompressionRatio,
+                                         int64_t compression_interval = kDefaultCompressionInterval,
+                                         int64_t hidden_states_buffer_size = kDefaultHiddenStatesBufferSize);
 
   std::string name() const override { return "CompressionRatioDecodingPress"; }
   int64_t target_size(int64_t tokens_seen) const override;

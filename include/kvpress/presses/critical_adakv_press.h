@@ -18,31 +18,29 @@ namespace kvpress {
 // head-ragged, so compress() raises and compress_ragged() returns the per-head kept tokens.
 // Budgets are counted per batch row (kvpress sums them over the batch; identical for B = 1).
 // The compression ratio is the inner press's.
-class CriticalAdaKVPress : public BasePress {
+class CriticalAdaKVPress : public HeadRaggedWrapperPress {
  public:
   // Raises unless press is non-null, 0 <= alpha_safeguard <= 1, epsilon is finite and
   // 0 <= first_stage_ratio <= 1.
-  explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = 0.20,
-                              double epsilon = 1e-4, double first_stage_ratio = 0.5);
+  static constexpr double kDefaultAlphaSafeguard = 0.20;
+  static constexpr double kDefaultEpsilon = 1e-4;
+  static constexpr double kDefaultFirstStageRatio = 0.5;
+
+  explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press,
+                              double alpha_safeguard = kDefaultAlphaSafeguard, double epsilon = kDefaultEpsilon,
+                              double first_stage_ratio = kDefaultFirstStageRatio);
 
   std::string name() const override { return "CriticalAdaKVPress"; }
-  double compression_ratio() const override { return press_->compression_ratio(); }
 
-  bool head_ragged() const override { return true; }
-  // Raises: heads keep different numbers of tokens; use compress_ragged().
-  KV compress(const LayerInputs& inputs) const override;
-  RaggedKV compress_ragged(const LayerInputs& inputs) const override;
+  // [B, Hkv, S] bool: the kept positions (the complement of kvpress's masked_key_indices);
+  // compress_ragged() gathers them, compress() raises.
+  at::Tensor keep_mask(const LayerInputs& inputs) const override;
 
-  // [B, Hkv, S] bool: the kept positions (the complement of kvpress's masked_key_indices).
-  at::Tensor keep_mask(const LayerInputs& inputs) const;
-
-  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
   double alpha_safeguard() const { return alpha_safeguard_; }
   double epsilon() const { return epsilon_; }
   double first_stage_ratio() const { return first_stage_ratio_; }
 
  private:
-  std::shared_ptr<const ScorerPress> press_;
   double alpha_safeguard_;
   double epsilon_;
   double first_stage_ratio_;

@@ -21,8 +21,11 @@ namespace kvpress {
 class CriticalKVPress : public ScorerPress {
  public:
   // Raises unless press is non-null, epsilon is finite and 0 <= first_stage_ratio <= 1.
-  explicit CriticalKVPress(std::shared_ptr<const ScorerPress> press, double epsilon = 1e-4,
-                           double first_stage_ratio = 0.5);
+  static constexpr double kDefaultEpsilon = 1e-4;
+  static constexpr double kDefaultFirstStageRatio = 0.5;
+
+  explicit CriticalKVPress(std::shared_ptr<const ScorerPress> press, double epsilon = kDefaultEpsilon,
+                           double first_stage_ratio = kDefaultFirstStageRatio);
 
   std::string name() const override { return "CriticalKVPress"; }
   at::Tensor score(const LayerInputs& inputs) const override;

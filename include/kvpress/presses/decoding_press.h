@@ -65,8 +65,13 @@ class DecodingPress : public BasePress {
   //   [](double r) { return std::make_shared<SnapKVPress>(r, 8, 5); }
   // Raises c10::Error unless it builds a non-null ScorerPress keeping equal counts per head,
   // compression_interval > 0, target_size > 0 and hidden_states_buffer_size >= 0.
-  explicit DecodingPress(ScorerFactory make_press, int64_t compression_interval = 512, int64_t target_size = 2048,
-                         int64_t hidden_states_buffer_size = 256);
+  static constexpr int64_t kDefaultCompressionInterval = 512;
+  static constexpr int64_t kDefaultTargetSize = 2048;
+  static constexpr int64_t kDefaultHiddenStatesBufferSize = 256;
+
+  explicit DecodingPress(ScorerFactory make_press, int64_t compression_interval = kDefaultCompressionInterval,
+                         int64_t target_size = kDefaultTargetSize,
+                         int64_t hidden_states_buffer_size = kDefaultHiddenStatesBufferSize);
 
   std::string name() const override { return "DecodingPress"; }
 

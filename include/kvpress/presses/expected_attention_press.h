@@ -18,9 +18,15 @@ namespace kvpress {
 // is derived from cos/sin (see LayerInputs::inv_freq). Computed in float32.
 class ExpectedAttentionPress : public ScorerPress {
  public:
-  explicit ExpectedAttentionPress(double compression_ratio = 0.0, int64_t n_future_positions = 512,
-                                  int64_t n_sink = 4, bool use_covariance = true, bool use_vnorm = true,
-                                  double epsilon = 0.0);
+  static constexpr int64_t kDefaultNFuturePositions = 512;
+  static constexpr int64_t kDefaultNSink = 4;
+  static constexpr bool kDefaultUseCovariance = true;
+  static constexpr bool kDefaultUseVnorm = true;
+  static constexpr double kDefaultEpsilon = 0.0;
+
+  explicit ExpectedAttentionPress(double compression_ratio = 0.0, int64_t n_future_positions = kDefaultNFuturePositions,
+                                  int64_t n_sink = kDefaultNSink, bool use_covariance = kDefaultUseCovariance,
+                                  bool use_vnorm = kDefaultUseVnorm, double epsilon = kDefaultEpsilon);
 
   std::string name() const override { return "ExpectedAttentionPress"; }
   int64_t n_future_positions() const { return n_future_positions_; }

@@ -13,17 +13,14 @@ namespace kvpress {
 // had been encoded at positions 0..n_kept-1, so the engine continues at position n_kept.
 // kept_indices still hold the ORIGINAL positions. Needs inv_freq (or float32 cos/sin to derive it).
 // The compression ratio is the inner press's.
-class KeyRerotationPress : public BasePress {
+class KeyRerotationPress : public ScorerWrapperPress {
  public:
-  explicit KeyRerotationPress(std::shared_ptr<const ScorerPress> press);
+  explicit KeyRerotationPress(std::shared_ptr<const ScorerPress> press)
+      : ScorerWrapperPress(std::move(press), "KeyRerotationPress") {}
 
   std::string name() const override { return "KeyRerotationPress"; }
   KV compress(const LayerInputs& inputs) const override;
-  double compression_ratio() const override { return press_->compression_ratio(); }
-  const std::shared_ptr<const ScorerPress>& press() const { return press_; }
-
- private:
-  std::shared_ptr<const ScorerPress> press_;
+  bool rerotates_keys() const override { return true; }
 };
 
 }  // namespace kvpress

@@ -12,8 +12,12 @@ namespace kvpress {
 // shorter than n_sink + 2 * lag_size get a ramp that keeps sinks and the most recent tokens.
 class LagKVPress : public ScorerPress {
  public:
-  explicit LagKVPress(double compression_ratio = 0.0, int64_t n_sink = 4, int64_t lag_size = 128,
-                      bool cross_scoring = false);
+  static constexpr int64_t kDefaultNSink = 4;
+  static constexpr int64_t kDefaultLagSize = 128;
+  static constexpr bool kDefaultCrossScoring = false;
+
+  explicit LagKVPress(double compression_ratio = 0.0, int64_t n_sink = kDefaultNSink, int64_t lag_size = kDefaultLagSize,
+                      bool cross_scoring = kDefaultCrossScoring);
 
   std::string name() const override { return "LagKVPress"; }
   int64_t n_sink() const { return n_sink_; }

@@ -17,7 +17,9 @@ namespace kvpress {
 // cache), or from the default CPU generator when no seed is set.
 class LeverageScorePress : public ScorerPress {
  public:
-  explicit LeverageScorePress(double compression_ratio = 0.0, int64_t sketch_dimension = 48,
+  static constexpr int64_t kDefaultSketchDimension = 48;
+
+  explicit LeverageScorePress(double compression_ratio = 0.0, int64_t sketch_dimension = kDefaultSketchDimension,
                               std::optional<int64_t> seed = std::nullopt);
 
   std::string name() const override { return "LeverageScorePress"; }

@@ -14,7 +14,9 @@ namespace kvpress {
 // one chunk at a time). Peak extra memory is one chunk's logits, O(Hq * chunk_size^2).
 class NonCausalAttnPress : public ScorerPress {
  public:
-  explicit NonCausalAttnPress(double compression_ratio = 0.0, int64_t chunk_size = 256);
+  static constexpr int64_t kDefaultChunkSize = 256;
+
+  explicit NonCausalAttnPress(double compression_ratio = 0.0, int64_t chunk_size = kDefaultChunkSize);
 
   std::string name() const override { return "NonCausalAttnPress"; }
   int64_t chunk_size() const { return chunk_size_; }

@@ -15,8 +15,10 @@ namespace kvpress {
 class PyramidKVPress : public SnapKVPress {
  public:
   // Raises unless 0 <= ratio < 1, window_size > 0, kernel_size odd and > 0, beta >= 1.
-  explicit PyramidKVPress(double compression_ratio = 0.0, int64_t window_size = 64, int64_t kernel_size = 5,
-                          int64_t beta = 20);
+  static constexpr int64_t kDefaultBeta = 20;
+
+  explicit PyramidKVPress(double compression_ratio = 0.0, int64_t window_size = kDefaultWindowSize,
+                          int64_t kernel_size = kDefaultKernelSize, int64_t beta = kDefaultBeta);
 
   std::string name() const override { return "PyramidKVPress"; }
   int64_t beta() const { return beta_; }

@@ -44,11 +44,8 @@ class ScoreBlendPress : public ScorerPress {
   // keep different numbers of tokens: use compress_ragged() there.
   KV compress(const LayerInputs& inputs) const override;
 
-  // [B, Hkv, S] bool: the kept positions under options().selection.
-  at::Tensor keep_mask(const LayerInputs& inputs) const;
-
-  // The kept keys/values of every head under options().selection (equal counts for kPerHead).
-  RaggedKV compress_ragged(const LayerInputs& inputs) const override;
+  // [B, Hkv, S] bool: the kept positions under options().selection (compress_ragged() gathers them).
+  at::Tensor keep_mask(const LayerInputs& inputs) const override;
   bool head_ragged() const override { return options_.selection == TokenSelection::kAcrossHeads; }
 
   const std::vector<std::shared_ptr<const ScorerPress>>& scorers() const { return scorers_; }

@@ -12,8 +12,11 @@ namespace kvpress {
 // last window_size rows), inputs.queries, or queries recomputed from hidden_states + q_proj.
 class SnapKVPress : public ScorerPress {
  public:
-  explicit SnapKVPress(double compression_ratio = 0.0, int64_t window_size = 64,
-                       int64_t kernel_size = 5);
+  static constexpr int64_t kDefaultWindowSize = 64;
+  static constexpr int64_t kDefaultKernelSize = 5;
+
+  explicit SnapKVPress(double compression_ratio = 0.0, int64_t window_size = kDefaultWindowSize,
+                       int64_t kernel_size = kDefaultKernelSize);
 
   std::string name() const override { return "SnapKVPress"; }
   int64_t window_size() const { return window_size_; }

@@ -11,7 +11,9 @@ namespace kvpress {
 // Positions are not re-rotated (kvpress's KeyRerotationPress does that).
 class StreamingLLMPress : public ScorerPress {
  public:
-  explicit StreamingLLMPress(double compression_ratio = 0.0, int64_t n_sink = 4);
+  static constexpr int64_t kDefaultNSink = 4;
+
+  explicit StreamingLLMPress(double compression_ratio = 0.0, int64_t n_sink = kDefaultNSink);
 
   std::string name() const override { return "StreamingLLMPress"; }
   int64_t n_sink() const { return n_sink_; }

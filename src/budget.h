@@ -14,15 +14,19 @@
 
 namespace kvpress::budget {
 
-// The inner scorer's scores, checked for shape and finiteness, as float32 [B, Hkv, S].
-inline at::Tensor inner_scores(const ScorerPress& press, const LayerInputs& in, const char* op) {
-  const at::Tensor scores = press.score(in);
+// `scores` of an inner scorer, checked to be [B, Hkv, S] like in.keys and finite, as float32.
+inline at::Tensor checked_inner_scores(const at::Tensor& scores, const LayerInputs& in, const char* op) {
   TORCH_CHECK(scores.dim() == 3 && scores.size(0) == in.keys.size(0) && scores.size(1) == in.keys.size(1) &&
                   scores.size(2) == in.keys.size(2),
               op, ": inner scores must be [", in.keys.size(0), ", ", in.keys.size(1), ", ", in.keys.size(2),
               "], got ", checks::shape_str(scores));
   checks::check_finite_scores(op, scores);
   return scores.to(at::kFloat);
+}
+
+// The inner scorer's scores, checked for shape and finiteness, as float32 [B, Hkv, S].
+inline at::Tensor inner_scores(const ScorerPress& press, const LayerInputs& in, const char* op) {
+  return checked_inner_scores(press.score(in), in, op);
 }
 
 // Every position 0..S-1 of every head, the cache untouched (what kvpress returns at ratio 0).

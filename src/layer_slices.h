@@ -1,0 +1,26 @@
+// Views of a layer's inputs that wrappers hand to their inner presses (private): the inputs
+// restricted to a range of positions, or to new keys/values only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "kvpress/types.h"
+
+namespace kvpress {
+
+// Hq when it is known (num_heads, or queries, attentions or q_proj to infer it from), else 0.
+int64_t known_num_heads(const LayerInputs& inputs);
+
+// The inputs restricted to positions [begin, end): keys, values, hidden_states and cos/sin are
+// cut; queries and attention rows cover the last q_len positions, and only those inside the range
+// are kept (none left: the tensor is dropped); attention columns are cut, not renormalised.
+// num_heads is set when known, so it survives a dropped tensor.
+LayerInputs slice_positions(const LayerInputs& inputs, int64_t begin, int64_t end);
+
+// Only `keys` / `values` ([B, Hkv, n, D], e.g. a subset of the layer's tokens) and what does not
+// depend on positions: num_heads (when known), layer_idx, num_layers, inv_freq.
+LayerInputs kv_only(const LayerInputs& inputs, const at::Tensor& keys, const at::Tensor& values);
+
+}  // namespace kvpress

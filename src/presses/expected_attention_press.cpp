@@ -1,0 +1,93 @@
+#include "kvpress/presses/expected_attention_press.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress {
+
+ExpectedAttentionPress::ExpectedAttentionPress(double compression_ratio, int64_t n_future_positions, int64_t n_sink,
+                                               bool use_covariance, bool use_vnorm, double epsilon)
+    : ScorerPress(compression_ratio),
+      n_future_positions_(n_future_positions),
+      n_sink_(n_sink),
+      use_covariance_(use_covariance),
+      use_vnorm_(use_vnorm),
+      epsilon_(epsilon) {
+  checks::check_positive("ExpectedAttentionPress", "n_future_positions", n_future_positions);
+  checks::check_non_negative("ExpectedAttentionPress", "n_sink", n_sink);
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, "ExpectedAttentionPress: epsilon must be >= 0, got ", epsilon);
+}
+
+at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
+  constexpr const char* op = "ExpectedAttentionPress";
+  checks::check_kv(op, in.keys, in.values);
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
+  TORCH_CHECK(seq > n_sink_, op, ": seq_len must be > n_sink (", n_sink_, "), got ", seq);
+  TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
+  const int64_t n = seq - n_sink_;
+
+  // Query statistics over positions n_sink..S-1 (mean, biased covariance), accumulated over
+  // chunks of positions so that no more than one chunk of queries exists at a time (the queries
+  // of every position are Hq / Hkv times the size of K). Sums are shifted by the first chunk's
+  // mean, for accuracy, and carried in float64 across chunks.
+  const int64_t first_rows = std::min<int64_t>(n, 256);
+  const at::Tensor first = ops::prerope_queries(in, n_sink_, first_rows, op);  // [B, Hq, first_rows, D]
+  const int64_t heads = first.size(1);
+  checks::check_gqa(op, heads, kv_heads);
+  const int64_t group = heads / kv_heads;
+  const at::Tensor shift = first.mean(2, true);  // [B, Hq, 1, D]
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, batch * heads * d * 4));
+  at::Tensor sum = at::zeros({batch, heads, d}, first.options().dtype(at::kDouble));
+  at::Tensor second = use_covariance_ ? at::zeros({batch, heads, d, d}, sum.options()) : at::Tensor();
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t rows = std::min(chunk, n - start);
+    const at::Tensor qc = ops::prerope_queries(in, n_sink_ + start, rows, op) - shift;  // [B, Hq, rows, D]
+    sum += qc.sum(2).to(at::kDouble);
+    if (use_covariance_) second += at::matmul(qc.transpose(2, 3), qc).to(at::kDouble);
+  }
+  const at::Tensor mean_shifted = sum / static_cast<double>(n);               // [B, Hq, D] float64
+  at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
+
+  // R̄ = mean over the future positions of cos_t·I + sin_t·P (P: rotate_half as a matrix).
+  const at::Tensor inv_freq = ops::rope_inv_freq(in, op);  // [D/2]
+  const at::Tensor pos = at::arange(seq, seq + n_future_positions_, inv_freq.options());
+  const at::Tensor angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
+  const at::Tensor cbar = at::cat({angles.cos(), angles.cos()}, 1).mean(0);  // [D]
+  const at::Tensor sbar = at::cat({angles.sin(), angles.sin()}, 1).mean(0);
+  // R̄x = x·c̄ + rotate_half(x)·s̄, so R̄ = diag(c̄) + diag(s̄)·P with P the matrix of rotate_half.
+  const at::Tensor eye = at::eye(d, inv_freq.options());
+  const at::Tensor P = ops::rotate_half(eye).t();  // P[:, j] = rotate_half(e_j)
+  const at::Tensor R = at::diag(cbar) + sbar.unsqueeze(1) * P;  // [D, D]
+
+  mu = at::matmul(mu, R.t());  // [B, Hq, D]
+  const at::Tensor k = in.keys.narrow(2, n_sink_, n).to(at::kFloat);  // [B, Hkv, n, D]
+  // Fold each group's query heads into a matmul with its KV head: [B, Hkv, n, G].
+  at::Tensor z = at::matmul(k, mu.view({batch, kv_heads, group, d}).transpose(2, 3)) / std::sqrt(double(d));
+  if (use_covariance_) {
+    const at::Tensor outer = mean_shifted.unsqueeze(-1) * mean_shifted.unsqueeze(-2);  // [B, Hq, D, D]
+    at::Tensor cov = (second / static_cast<double>(n) - outer).to(at::kFloat);
+    cov = at::matmul(R, at::matmul(cov, R.t())).view({batch, kv_heads, group, d, d});
+    // k_iᵀ Σ'_h k_i for every query head h of the group, one chunk of keys at a time
+    // ([B, Hkv, G, rows, D] per chunk, the size of a query chunk, instead of G times the keys).
+    std::vector<at::Tensor> quads;
+    for (int64_t start = 0; start < n; start += chunk) {
+      const int64_t rows = std::min(chunk, n - start);
+      const at::Tensor kc = k.narrow(2, start, rows).unsqueeze(2);           // [B, Hkv, 1, rows, D]
+      quads.push_back((at::matmul(kc, cov) * kc).sum(-1));                   // [B, Hkv, G, rows]
+    }
+    z = z + at::cat(quads, 3).transpose(2, 3) / static_cast<double>(d) / 2.0;
+  }
+  at::Tensor s = at::softmax(z, 2).mean(3);  // softmax over positions per query head, group mean -> [B, Hkv, n]
+  if (use_vnorm_) s = (s + epsilon_) * at::linalg_vector_norm(in.values.narrow(2, n_sink_, n).to(at::kFloat), 2, {-1});
+  if (n_sink_ == 0) return s.contiguous();
+  const double pad = s.max().item<double>() + 1.0;
+  return at::cat({at::full({batch, kv_heads, n_sink_}, pad, s.options()), s}, 2).contiguous();
+}
+
+}  // namespace kvpress

@@ -1,0 +1,22 @@
+#include "kvpress/presses/non_causal_attn_press.h"
+
+#include <ATen/ATen.h>
+
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress {
+
+NonCausalAttnPress::NonCausalAttnPress(double compression_ratio, int64_t chunk_size)
+    : ScorerPress(compression_ratio), chunk_size_(chunk_size) {
+  checks::check_positive("NonCausalAttnPress", "chunk_size", chunk_size);
+}
+
+at::Tensor NonCausalAttnPress::score(const LayerInputs& inputs) const {
+  constexpr const char* op = "NonCausalAttnPress";
+  checks::check_kv(op, inputs.keys, inputs.values);
+  const at::Tensor sums = ops::noncausal_column_sums(inputs, chunk_size_, op);
+  return ops::noncausal_attention_scores(sums, inputs.values);
+}
+
+}  // namespace kvpress
