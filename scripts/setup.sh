@@ -2,7 +2,8 @@
 # Installs everything kvpress-cpp needs to build and test; idempotent and fast when already done.
 #   - Debian -dev packages (fmt, nlohmann-json, GoogleTest, Google Benchmark, cmake)
 #   - a Python venv with the pinned torch wheel (provides libtorch + its CMake config) and the
-#     pinned reference stack used only by tests (kvpress 0.5.5 + transformers)
+#     pinned reference stack used only by tests (kvpress 0.5.5 + transformers), and matplotlib
+#     for the charts (scripts/plot.py: kvpress-cli eval --png, benchmarks/compare_kvpress.py)
 # The venv lives outside the source tree so fresh clones reuse it: $KVPRESS_VENV or
 # ~/.cache/kvpress-cpp/venv. Prints the venv path on its last line.
 set -euo pipefail
