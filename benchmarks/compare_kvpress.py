@@ -25,23 +25,30 @@ kept positions are compared once, untimed, with kvpress's top-k ("agree" = share
 common).
 
     ~/.cache/kvpress-cpp/venv/bin/python benchmarks/compare_kvpress.py --lib build/libkvpress.so
-    ... --seq 4096 --presses KnormPress,SnapKVPress --repeats 3 --png /tmp/compare.png
+    ... --seq 4096 --presses KnormPress,SnapKVPress --repeats 3 --png /tmp/compare.png --csv /tmp/compare.csv
 
+--json/--csv write the rows of both tables (columns: scripts/plot.py's COMPARE_COLUMNS); the chart
+(--png) is scripts/plot.py's `compare` chart, which redraws such a file:
+`scripts/plot.py compare /tmp/compare.csv --out /tmp/compare.png`.
 The last line reads `min speedup A, median speedup B over N presses` for table (a).
 See docs/PERFORMANCE.md.
 """
 import argparse
+import csv
 import gc
+import json
 import math
 import os
 import statistics
-import struct
 import sys
 import time
 import types
-import zlib
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+import plot  # noqa: E402 (scripts/plot.py: the chart and its file format)
 
 ALL_PRESSES = [
     "RandomPress", "KnormPress", "StreamingLLMPress", "KeyDiffPress", "SnapKVPress", "LagKVPress",
@@ -52,24 +59,6 @@ PROJECTION_PRESSES = ["SnapKVPress", "TOVAPress", "LeverageScorePress", "NonCaus
 RANDOMISED = {"RandomPress", "LeverageScorePress", "CompactorPress"}  # no agreement check
 WINDOW = 64  # SnapKVPress's default window_size
 ROPE_THETA = 500000.0  # Llama-3.1
-
-# 5x7 glyphs from tools/chart.cpp: 35 bits, row-major, most significant bit = top-left.
-_FONT = {'A': 0x3a31fc631, 'B': 0x7a31f463e, 'C': 0x3a308422e, 'D': 0x7a318c63e, 'E': 0x7e10f421f,
-    'F': 0x7e10f4210, 'G': 0x3a30bc62f, 'H': 0x4631fc631, 'I': 0x38842108e, 'J': 0x1c4210a4c,
-    'K': 0x4654c5251, 'L': 0x42108421f, 'M': 0x4775ac631, 'N': 0x4639ace31, 'O': 0x3a318c62e,
-    'P': 0x7a31f4210, 'Q': 0x3a318d64d, 'R': 0x7a31f5251, 'S': 0x3e107043e, 'T': 0x7c8421084,
-    'U': 0x46318c62e, 'V': 0x46318c544, 'W': 0x4631ad6aa, 'X': 0x462a22a31, 'Y': 0x462a21084,
-    'Z': 0x7c222221f, 'a': 0x000e0be2f, 'b': 0x4216cc63e, 'c': 0x000e8422e, 'd': 0x042d9c62f,
-    'e': 0x000e8fe0e, 'f': 0x1928e2108, 'g': 0x01f18bc2e, 'h': 0x4216cc631, 'i': 0x100c2108e,
-    'j': 0x080610a4c, 'k': 0x4212a6292, 'l': 0x30842108e, 'm': 0x001aad631, 'n': 0x0016cc631,
-    'o': 0x000e8c62e, 'p': 0x03d18fa10, 'q': 0x01b38bc21, 'r': 0x0016cc210, 's': 0x000e8383e,
-    't': 0x211c42126, 'u': 0x00118c66d, 'v': 0x00118c544, 'w': 0x00118d6aa, 'x': 0x001151151,
-    'y': 0x02318bc2e, 'z': 0x001f1111f, '0': 0x3a33ae62e, '1': 0x11842108e, '2': 0x3a211111f,
-    '3': 0x78217043e, '4': 0x08ca97c42, '5': 0x7e1e0862e, '6': 0x1910f462e, '7': 0x7c2222108,
-    '8': 0x3a317462e, '9': 0x3a317844c, '.': 0x00000018c, ',': 0x000003088, '-': 0x000070000,
-    '+': 0x0084f9080, '(': 0x088842082, ')': 0x208210888, '=': 0x001f07c00, '_': 0x00000001f,
-    '/': 0x042222210, ':': 0x018c03180, '%': 0x672222273,}
-
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -259,79 +248,35 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
     return rows
 
 
-# ----------------------------------------------------------------------------- chart (no plotting dependency)
+# ----------------------------------------------------------------------------- files
 
 
-def write_png(path, title, rows_a, rows_b):
-    """Horizontal bars of the speedup per press on a log scale: table (a) blue, table (b) orange.
+def file_rows(rows_a, rows_b):
+    """Both tables' rows in scripts/plot.py's compare format (milliseconds; agree a fraction)."""
+    out = []
+    for table, rows in (("a", rows_a), ("b", rows_b)):
+        for r in rows:
+            out.append(dict(table=table, press=r["press"], kvpress_ms=round(r["kv"] * 1e3, 3),
+                            kvpress_cpp_ms=round(r["ours"] * 1e3, 3), agree=r["agree"],
+                            floor_ms=None if r["floor"] is None else round(r["floor"] * 1e3, 3)))
+    return out
 
-    A small rasteriser (the 5x7 font of tools/chart.cpp, zlib) so the chart needs nothing beyond
-    the project's venv."""
-    scale = 2  # font pixel size
-    names = [r["press"] for r in rows_a] + [r["press"] for r in rows_b if r["press"] not in {x["press"] for x in rows_a}]
-    sa = {r["press"]: r["speedup"] for r in rows_a}
-    sb = {r["press"]: r["speedup"] for r in rows_b}
-    values = list(sa.values()) + list(sb.values()) + [1.0]
-    lo = math.floor(math.log10(min(values)))
-    hi = max(lo + 1, math.ceil(math.log10(max(values) * 1.05)))
-    left, right, top, row_h, bar_h = 24 + 6 * scale * 24, 140, 70, 40, 14
-    W = 1100
-    H = top + row_h * len(names) + 70
-    img = bytearray(b"\xff" * (W * H * 3))
 
-    def rect(x0, y0, x1, y1, rgb):
-        x0, x1 = max(0, int(x0)), min(W, int(x1))
-        for y in range(max(0, int(y0)), min(H, int(y1))):
-            img[(y * W + x0) * 3:(y * W + x1) * 3] = bytes(rgb) * (x1 - x0)
-
-    def text(x, y, s, rgb=(0, 0, 0)):
-        for ch in s:
-            bits = _FONT.get(ch)
-            if bits is not None:
-                for i in range(35):
-                    if bits >> (34 - i) & 1:
-                        rect(x + (i % 5) * scale, y + (i // 5) * scale, x + (i % 5 + 1) * scale, y + (i // 5 + 1) * scale, rgb)
-            x += 6 * scale
-
-    plot_w = W - left - right
-
-    def xpos(v):
-        return left + (math.log10(v) - lo) / (hi - lo) * plot_w
-
-    text(24, 16, title)
-    text(24, 40, "speedup of kvpress-cpp over kvpress 0.5.5 (log scale)", (90, 90, 90))
-    blue, orange = (31, 119, 180), (255, 127, 14)
-    y_axis_end = top + row_h * len(names)
-    for d in range(lo, hi + 1):
-        x = xpos(10.0 ** d)
-        rect(x, top - 6, x + 1, y_axis_end, (200, 200, 200) if d != 0 else (0, 0, 0))
-        label = f"{10.0 ** d:g}x"
-        text(x - len(label) * 3 * scale, y_axis_end + 8, label)
-    for i, name in enumerate(names):
-        y = top + i * row_h
-        text(24, y + row_h // 2 - 7, name)
-        for j, (series, rgb) in enumerate(((sa, blue), (sb, orange))):
-            if name in series:
-                v = series[name]
-                yb = y + 4 + j * (bar_h + 2)
-                x0, x1 = sorted((xpos(1.0), xpos(v)))
-                rect(x0, yb, max(x1, x0 + 1), yb + bar_h, rgb)
-                text(max(xpos(1.0), xpos(v)) + 6, yb, f"{v:.1f}x", rgb)
-    rect(24, H - 30, 44, H - 16, blue)
-    text(50, H - 30, "(a) projections excluded", blue)
-    if rows_b:
-        rect(420, H - 30, 440, H - 16, orange)
-        text(446, H - 30, "(b) full path from hidden states", orange)
-
-    raw = b"".join(b"\x00" + bytes(img[y * W * 3:(y + 1) * W * 3]) for y in range(H))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    with open(path, "wb") as f:
-        f.write(png)
+def write_results(args, title, rows):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "rows": rows}, f, indent=1)
+            f.write("\n")
+        print(f"json: {args.json}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=plot.COMPARE_COLUMNS)
+            writer.writeheader()
+            writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+        print(f"csv: {args.csv}")
+    if args.png:
+        plot.plot_compare(rows, args.png, title)
+        print(f"chart: {args.png}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -357,6 +302,8 @@ def main():
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per side first")
     p.add_argument("--ratio", type=float, default=0.5, help="compression ratio")
     p.add_argument("--png", default="compare_kvpress.png", help="chart path ('' for none)")
+    p.add_argument("--json", help="also write both tables' rows as JSON ({title, rows})")
+    p.add_argument("--csv", help="also write both tables' rows as CSV (scripts/plot.py compare reads either)")
     p.add_argument("--table", choices=["a", "b", "both"], default="both", help="which tables to run")
     p.add_argument("--attn-budget-gib", type=float, default=2.0,
                    help="largest [B,Hq,S,S] attention tensor to build for ObservedAttentionPress")
@@ -415,10 +362,10 @@ def main():
             rows_a = run_table(f"Table (a): same inputs, projections excluded ({shape})", a_presses, layer, args,
                                False, kvpress_mod)
 
-    if args.png:
-        write_png(args.png, f"kvpress-cpp vs kvpress 0.5.5: {shape}, {torch.get_num_threads()} threads",
-                  rows_a, rows_b)
-        print(f"chart: {args.png}")
+    rows = file_rows(rows_a, rows_b)
+    if not rows:
+        sys.exit("compare_kvpress: every press failed, nothing to report")
+    write_results(args, f"kvpress-cpp vs kvpress 0.5.5: {shape}, {torch.get_num_threads()} threads", rows)
     rows = rows_a or rows_b
     speedups = [r["speedup"] for r in rows]
     if not rows_a:

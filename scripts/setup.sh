@@ -2,7 +2,8 @@
 # Installs everything kvpress-cpp needs to build and test; idempotent and fast when already done.
 #   - Debian -dev packages (fmt, nlohmann-json, GoogleTest, Google Benchmark, cmake)
 #   - a Python venv with the pinned torch wheel (provides libtorch + its CMake config) and the
-#     pinned reference stack used only by tests (kvpress 0.5.5 + transformers)
+#     pinned reference stack used only by tests (kvpress 0.5.5 + transformers), and matplotlib
+#     for the charts (scripts/plot.py: kvpress-cli eval --png, benchmarks/compare_kvpress.py)
 # The venv lives outside the source tree so fresh clones reuse it: $KVPRESS_VENV or
 # ~/.cache/kvpress-cpp/venv. Prints the venv path on its last line.
 set -euo pipefail
@@ -11,7 +12,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVPRESS_VENV:-$HOME/.cache/kvpress-cpp/venv}"
 requirements="$here/scripts/requirements.txt"
 
-apt_packages=(cmake g++ make libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev)
+apt_packages=(cmake g++ make libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

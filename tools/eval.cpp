@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,10 +24,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "chart.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/registry.h"
+#include "plot_runner.h"
 
 namespace kvpress_cli {
 namespace {
@@ -272,6 +273,26 @@ void write_text(const std::string& path, const std::string& text, const char* op
   TORCH_CHECK(std::fclose(f) == 0, option, " ", path, ": write failed");
 }
 
+// A file in $TMPDIR (else /tmp), removed when this goes out of scope.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& suffix) {
+    const char* dir = std::getenv("TMPDIR");
+    std::string pattern = std::string(dir != nullptr && *dir != '\0' ? dir : "/tmp") + "/kvpress-eval-XXXXXX" + suffix;
+    const int fd = mkstemps(pattern.data(), static_cast<int>(suffix.size()));
+    TORCH_CHECK(fd >= 0, "cannot create a temporary file ", pattern, ": ", std::strerror(errno));
+    close(fd);
+    path_ = pattern;
+  }
+  ~TempFile() { std::remove(path_.c_str()); }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 }  // namespace
 
 int run_eval(const std::vector<std::string>& argv) {
@@ -285,6 +306,9 @@ int run_eval(const std::vector<std::string>& argv) {
   }
   // Presses first: an unknown press or parameter fails before the model is read.
   for (const auto& p : args.presses) kvpress::make_press(p.name, fixed_budget(p) ? 0.0 : 0.5, p.params);
+  // --png needs Python with matplotlib: find out now rather than after the whole evaluation.
+  std::optional<Plotter> plotter;
+  if (!args.png.empty()) plotter = find_plotter("--png");
 
   at::set_num_threads(static_cast<int>(args.threads));
   // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global
@@ -405,8 +429,9 @@ int run_eval(const std::vector<std::string>& argv) {
   }
 
   // ---- files --------------------------------------------------------------------------------
-  if (!args.json.empty()) {
-    nlohmann::json j;
+  // The chart (last) is scripts/plot.py's, drawn from this JSON: --json's file, or a temporary one.
+  nlohmann::json j;
+  if (!args.json.empty() || plotter) {
     j["model"] = dir;
     j["text"] = text_path;
     j["prefix_tokens"] = args.prefix_tokens > 0 ? nlohmann::json(args.prefix_tokens) : nlohmann::json(nullptr);
@@ -433,7 +458,7 @@ int run_eval(const std::vector<std::string>& argv) {
                     {"agreement", r.agreement}});
     }
     j["results"] = jr;
-    write_text(args.json, j.dump(1) + "\n", "--json");
+    if (!args.json.empty()) write_text(args.json, j.dump(1) + "\n", "--json");
   }
   if (!args.csv.empty()) {
     std::string csv = "press,ratio,mean_nll,delta_nll,greedy_agreement,stories\n";
@@ -449,27 +474,13 @@ int run_eval(const std::vector<std::string>& argv) {
     }
     write_text(args.csv, csv, "--csv");
   }
-  if (!args.png.empty()) {
-    Chart chart;
-    chart.title = fmt::format("Continuation NLL under compression ({} stories, prefix {})", stories.size(),
-                              args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
-                                                     : fmt::format("{:g}", args.prefix_fraction));
-    chart.x_label = "compression ratio";
-    chart.y_label = "mean NLL (nats/token)";
-    chart.has_reference = true;
-    chart.reference = full_mean;
-    chart.reference_label = "full cache";
-    for (const auto& p : args.presses) {
-      if (fixed_budget(p)) continue;  // no ratio to plot it at
-      ChartSeries series{p.label, {0.0}, {full_mean}};
-      for (const auto& r : results) {
-        if (r.press != &p || r.ratio == 0.0 || std::isnan(r.ratio)) continue;  // NaN: DecodingPress
-        series.x.push_back(r.ratio);
-        series.y.push_back(mean(r.nll));
-      }
-      chart.series.push_back(std::move(series));
+  if (plotter) {
+    std::optional<TempFile> temp;
+    if (args.json.empty()) {
+      temp.emplace(".json");
+      write_text(temp->path(), j.dump() + "\n", "--png (its temporary JSON)");
     }
-    write_chart_png(chart, args.png);
+    run_plotter(*plotter, {"eval", temp ? temp->path() : args.json, "--out", args.png}, "--png " + args.png);
   }
   return 0;
 }

@@ -122,7 +122,9 @@ eval options (perplexity under compression with the kvpress::llama runner):
   --threads N              intra-op threads (default 1: faster on small models)
   --json OUT               per-story and mean figures
   --csv OUT                the table (mean figures)
-  --png OUT                chart of mean NLL against ratio, one curve per press
+  --png OUT                chart of mean NLL against ratio, one curve per press, drawn by
+                           scripts/plot.py: needs Python with matplotlib ($KVPRESS_PYTHON,
+                           else the build's Python, else python3; docs/CLI.md)
   --no-progress, --quiet   no progress bar (shown only on a terminal) / also no table
 
 list options:

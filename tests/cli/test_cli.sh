@@ -438,6 +438,39 @@ for r in j["results"]:
 EOF
 fi
 
+# ---- eval --png: scripts/plot.py run by a Python with matplotlib (docs/CLI.md) ---------------
+# KVPRESS_PYTHON= (empty counts as unset): the CLI's own choice, the Python it was built with.
+if KVPRESS_PYTHON= expect_ok "eval --png" eval --max-stories 1 --press KnormPress --ratios 0.5 --quiet --png "$tmp/eval.png"; then
+  checks=$((checks + 1))
+  [ "$(head -c 8 "$tmp/eval.png" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
+    fail "eval --png: $tmp/eval.png does not start with the PNG signature"
+fi
+# Checked before the evaluation: the missing --text would fail first otherwise.
+KVPRESS_PYTHON="$tmp/no-such-python" expect_error "eval --png without a Python" \
+  "--png needs Python with matplotlib: $tmp/no-such-python (from KVPRESS_PYTHON) cannot be run" \
+  eval --press KnormPress --text "$tmp/missing.txt" --png "$tmp/never.png"
+python_without_mpl=""
+for candidate in /usr/bin/python3 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 && ! "$candidate" -c 'import matplotlib' 2>/dev/null; then
+    python_without_mpl="$(command -v "$candidate")"
+    break
+  fi
+done
+if [ -n "$python_without_mpl" ]; then
+  KVPRESS_PYTHON="$python_without_mpl" expect_error "eval --png without matplotlib" \
+    "--png needs Python with matplotlib: $python_without_mpl (from KVPRESS_PYTHON) cannot import matplotlib" \
+    eval --press KnormPress --text "$tmp/missing.txt" --png "$tmp/never.png"
+else
+  echo "test_cli.sh: note: every Python found has matplotlib; the missing-matplotlib error is not checked"
+fi
+checks=$((checks + 1))
+[ -e "$tmp/never.png" ] && fail "eval --png errors: $tmp/never.png was written"
+# plot.py failing after the evaluation (the PNG's folder does not exist): its message on one line.
+KVPRESS_PYTHON= expect_error "eval --png into a missing folder" "--png $tmp/nope/eval.png: " \
+  eval --max-stories 1 --press KnormPress --ratios 0.5 --quiet --png "$tmp/nope/eval.png"
+checks=$((checks + 1))
+ls -a "$tmp" | grep -q '^\.plot-' && fail "eval --png: plot.py left a temporary file in $tmp"
+
 if [ "$failures" -ne 0 ]; then
   echo "test_cli.sh: $failures failure(s) in $checks checks" >&2
   exit 1
