@@ -93,9 +93,9 @@ int main(int argc, char** argv) {
   std::printf("%-36s %10s %10s\n", "press", "ms", "x floor");
   int status = 0;
   for (const auto& info : kvpress::list_presses()) {
-    if (kvpress::is_decoding_press(info) || kvpress::needs_second_pass(info)) continue;
+    if (info.kind == kvpress::PressKind::kDecoding || info.kind == kvpress::PressKind::kSecondPass) continue;
     kvpress::LayerInputs layer = in;
-    if (info.needs.rfind("attentions", 0) == 0) {
+    if (kvpress::needs_attentions(info.name)) {
       if (attn_bytes > (int64_t{4} << 30)) {
         std::printf("%-36s skipped: attentions [1, %lld, S, S] would take %.1f GiB\n", info.name.c_str(),
                     (long long)kQHeads, attn_bytes / double(int64_t{1} << 30));

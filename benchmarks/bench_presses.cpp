@@ -13,6 +13,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -113,19 +114,29 @@ ShapeData& shape_data(int64_t S, at::ScalarType dtype) {
   return data;
 }
 
-// Which optional inputs a press gets, read from PressInfo::needs ("attentions | queries | ...").
-// Preference: post-RoPE queries (what an engine has; of every position when the press says
-// "queries (all positions)", with cos/sin when it names them), then full attentions, then the
-// hidden_states + projections path; presses whose first choice is "cos+sin" get only the RoPE tables.
+// Which optional inputs a press gets, from its registry inputs (PressInfo::inputs). Preference:
+// post-RoPE queries (what an engine has; of every position when the press needs them all, with
+// cos/sin when it names them), then full attentions, then the hidden_states + projections path;
+// presses whose first choice is cos+sin get only the RoPE tables.
 enum class Feed { kNone, kQueries, kAllQueries, kRope, kAttentions, kHidden };
 
 Feed feed_for(const kvpress::PressInfo& info) {
-  const std::string& n = info.needs;
-  if (n.find("queries (all positions)") != std::string::npos) return Feed::kAllQueries;
-  if (n.rfind("cos+sin", 0) == 0) return Feed::kRope;
-  if (n.find("queries") != std::string::npos) return Feed::kQueries;
-  if (n.find("attentions") != std::string::npos) return Feed::kAttentions;
-  if (n.find("hidden_states") != std::string::npos) return Feed::kHidden;
+  const auto& alternatives = info.inputs.alternatives;
+  const auto has = [](const kvpress::InputSet& set, const char* field) {
+    return std::find(set.fields.begin(), set.fields.end(), field) != set.fields.end();
+  };
+  const auto any = [&](const char* field, bool all_positions) {
+    return std::any_of(alternatives.begin(), alternatives.end(), [&](const kvpress::InputSet& set) {
+      return has(set, field) && set.all_positions == all_positions;
+    });
+  };
+  if (any("queries", true)) return Feed::kAllQueries;
+  if (!alternatives.empty() && has(alternatives.front(), "cos") && !has(alternatives.front(), "hidden_states"))
+    return Feed::kRope;
+  if (any("queries", false)) return Feed::kQueries;
+  if (any("attentions", false) || any("attentions", true)) return Feed::kAttentions;
+  if (std::any_of(alternatives.begin(), alternatives.end(), [&](const auto& set) { return has(set, "hidden_states"); }))
+    return Feed::kHidden;
   return Feed::kNone;
 }
 
@@ -266,7 +277,7 @@ void register_all() {
     for (at::ScalarType dtype : kDTypes) {
       const std::string suffix = std::string("/") + dtype_name(dtype) + "/S:" + std::to_string(S);
       for (const auto& info : presses) {
-        if (kvpress::needs_second_pass(info)) continue;  // no layer-level compress (KVComposePress)
+        if (info.kind == kvpress::PressKind::kSecondPass) continue;  // no layer-level compress (KVComposePress)
         const Feed feed = feed_for(info);
         if (feed == Feed::kAttentions && attention_gib(S, dtype) > g_attn_budget_gib) {
           skipped.push_back(info.name + suffix);

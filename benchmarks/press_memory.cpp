@@ -290,9 +290,9 @@ int measure_all(int64_t seq, const std::string& dtype_name, int64_t elem) {
   int status = 0;
   const std::string path = self_path("kvpress_memory");
   for (const auto& info : kvpress::list_presses()) {
-    if (kvpress::is_decoding_press(info) || kvpress::needs_second_pass(info)) continue;
+    if (info.kind == kvpress::PressKind::kDecoding || info.kind == kvpress::PressKind::kSecondPass) continue;
     // Attentions only for presses that take nothing else (ObservedAttentionPress).
-    Config c{info.name, false, true, info.needs.rfind("attentions", 0) == 0 && info.needs.find('|') == std::string::npos};
+    Config c{info.name, false, true, kvpress::needs_attentions(info.name)};
     if (c.attentions && kQHeads * seq * seq * elem > (int64_t{2} << 30)) {
       std::printf("%-36s skipped: its attentions [1, %lld, S, S] take %s (> 2 GiB); rerun with a smaller --seq\n",
                   info.name.c_str(), (long long)kQHeads, mib(kQHeads * seq * seq * elem).c_str());

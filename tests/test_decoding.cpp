@@ -221,8 +221,7 @@ TEST(Decoding, RegistryBuildsTheDecodingPresses) {
   for (const auto& info : kvpress::list_presses()) {
     const bool decoding = info.name == "DecodingPress" || info.name == "CompressionRatioDecodingPress" ||
                           info.name == "PrefillDecodingPress";
-    EXPECT_EQ(kvpress::is_decoding_press(info), decoding) << info.name;
-    if (decoding) EXPECT_TRUE(kvpress::is_wrapper(info)) << info.name;
+    EXPECT_EQ(info.kind == kvpress::PressKind::kDecoding, decoding) << info.name;
   }
 }
 

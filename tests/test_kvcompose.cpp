@@ -244,12 +244,11 @@ TEST(KVCompose, Registry) {
   for (const auto& info : kvpress::list_presses()) {
     if (info.name != "KVComposePress") continue;
     listed = true;
-    EXPECT_TRUE(kvpress::needs_second_pass(info));
-    EXPECT_FALSE(kvpress::is_wrapper(info));
+    EXPECT_EQ(info.kind, kvpress::PressKind::kSecondPass);
   }
   EXPECT_TRUE(listed);
   for (const auto& info : kvpress::list_presses())
-    if (info.name != "KVComposePress") EXPECT_FALSE(kvpress::needs_second_pass(info)) << info.name;
+    if (info.name != "KVComposePress") EXPECT_NE(info.kind, kvpress::PressKind::kSecondPass) << info.name;
   const auto p = kvpress::make_press("KVComposePress", 0.4,
                                      {{"structured", "false"}, {"agg_task", "mean"}, {"agg_group", "max"},
                                       {"agg_head", "max"}, {"add_v_norm", "true"}, {"add_mean_across_heads", "false"},

@@ -271,9 +271,10 @@ TEST(Llama, BatchedForwardMatchesSingleSequences) {
 }
 
 TEST(Llama, PressNeedsAttentions) {
-  EXPECT_TRUE(kvpress::llama::press_needs_attentions(*kvpress::make_press("ObservedAttentionPress", 0.5)));
-  EXPECT_FALSE(kvpress::llama::press_needs_attentions(*kvpress::make_press("SnapKVPress", 0.5)));
-  EXPECT_FALSE(kvpress::llama::press_needs_attentions(*kvpress::make_press("KnormPress", 0.5)));
+  EXPECT_TRUE(kvpress::needs_attentions("ObservedAttentionPress"));
+  EXPECT_FALSE(kvpress::needs_attentions("SnapKVPress"));
+  EXPECT_FALSE(kvpress::needs_attentions("KnormPress"));
+  EXPECT_FALSE(kvpress::needs_attentions("AdaKVPress"));  // its inner press decides
 }
 
 // bfloat16 weights and activations (the casts follow transformers'): same greedy choices as float32
@@ -307,8 +308,8 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
   const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + s));
   for (const kvpress::PressInfo& info : kvpress::list_presses()) {
     SCOPED_TRACE(info.name);
-    if (kvpress::is_decoding_press(info)) continue;  // they compress while decoding: tests/test_decoding.cpp
-    if (kvpress::needs_second_pass(info)) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
+    if (info.kind == kvpress::PressKind::kDecoding) continue;    // they compress while decoding: tests/test_decoding.cpp
+    if (info.kind == kvpress::PressKind::kSecondPass) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
     const auto press = kvpress::make_press(info.name, 0.5);
     KVCache cache = model.new_cache();
     PrefillOptions opt;
@@ -354,10 +355,13 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
       EXPECT_EQ(cache.length(l), n_l);
       EXPECT_EQ(out.kept_indices[l].sizes(), at::IntArrayRef({1, 4, n_l}));
     }
-    EXPECT_EQ(cache.position(), s);
+    // After KeyRerotationPress the keys sit at positions 0..n_kept-1 and decoding continues at n_kept
+    // (kvpress's pipeline); after every other press, at s.
+    const int64_t next_position = press->rerotates_keys() ? n_kept : s;
+    EXPECT_EQ(cache.position(), next_position);
     const at::Tensor next = model.forward(ids_tensor({ids[s], ids[s + 1]}), cache).logits;
     EXPECT_TRUE(at::isfinite(next).all().item<bool>());
-    EXPECT_EQ(cache.position(), s + 2);
+    EXPECT_EQ(cache.position(), next_position + 2);
     EXPECT_EQ(cache.length(0), n_kept + 2);
 
     kvpress::llama::GenerationOptions g;
@@ -593,7 +597,7 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
                                               "PerLayerCompressionPress"};
   for (const auto& info : kvpress::list_presses())
     // KVComposePress has its own fixtures (tests/reference/make_kvcompose_fixtures.py).
-    if (!wrappers.count(info.name) && !not_in_kvpress.count(info.name) && !ragged_fixtures.count(info.name) && !kvpress::is_decoding_press(info) && !kvpress::needs_second_pass(info)) EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
+    if (!wrappers.count(info.name) && !not_in_kvpress.count(info.name) && !ragged_fixtures.count(info.name) && info.kind != kvpress::PressKind::kDecoding && info.kind != kvpress::PressKind::kSecondPass) EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
 }
 
 // ---- per press ---------------------------------------------------------------------------------------
@@ -752,7 +756,7 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
 
   // 4. Presses that can do without attention weights (they recompute queries from hidden_states +
   //    q_proj + RoPE, kvpress's path on non-eager models) keep the same tokens.
-  if (!kvpress::llama::press_needs_attentions(*press)) {
+  if (!kvpress::needs_attentions(press->name())) {
     KVCache c2 = model.new_cache();
     const auto out2 = run_prefill(PressAttentions::kNever, c2, false);
     for (int64_t l = 0; l < num_layers; ++l)

@@ -2,12 +2,17 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <set>
+#include <string>
+#include <vector>
+
 #include "kvpress/kvpress.h"
 #include "test_util.h"
 
 namespace kvpress {
 namespace {
 
+using testing::expect_error;
 using testing::randn;
 
 LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16) {
@@ -34,8 +39,8 @@ bool strictly_ascending(const at::Tensor& idx) {
 TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
   const LayerInputs in = random_layer(300, 1);
   for (const PressInfo& info : list_presses()) {
-    if (is_decoding_press(info)) continue;  // no prefill ratio: tests/test_decoding.cpp
-    if (needs_second_pass(info)) continue;  // KVComposePress: tests/test_kvcompose.cpp
+    if (info.kind == PressKind::kDecoding) continue;    // no prefill ratio: tests/test_decoding.cpp
+    if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
     if (info.name == "CTRPress") continue;  // adaptive budget, rescued values: tests/test_ctr.cpp
     for (double ratio : {0.25, 0.5, 0.75}) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
@@ -71,7 +76,7 @@ TEST(EveryPress, RatioZeroReturnsTheCacheUntouched) {
   const LayerInputs in = random_layer(100, 2);
   for (const PressInfo& info : list_presses()) {
     SCOPED_TRACE(info.name);
-    if (needs_second_pass(info)) continue;  // KVComposePress: tests/test_kvcompose.cpp
+    if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
     if (make_press(info.name, 0.0)->head_ragged()) {
       const RaggedKV kv = make_press(info.name, 0.0)->compress_ragged(in);
       EXPECT_TRUE(kv.keep_mask.all().item<bool>());
@@ -143,15 +148,69 @@ TEST(LagKVPress, KeepsSinksAndTheTailPartition) {
   EXPECT_TRUE(at::equal(kept.narrow(0, kept.size(0) - 138, 138), at::arange(4 + 256, 4 + 384 + 10)));
 }
 
-TEST(Registry, TellsWrappersFromScorers) {
+TEST(Registry, KindsMatchTheBuiltPresses) {
+  const std::set<std::string> wrappers{"KeyRerotationPress", "ChunkKVPress",     "ChunkPress",
+                                       "BlockPress",         "ComposedPress",    "AdaKVPress",
+                                       "CriticalKVPress",    "CriticalAdaKVPress", "PerLayerCompressionPress"};
+  const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
-    const bool wrapper = info.name == "KeyRerotationPress" || info.name == "ChunkKVPress" || info.name == "ChunkPress" ||
-                         info.name == "BlockPress" || info.name == "ComposedPress" || info.name == "DecodingPress" ||
-                         info.name == "CompressionRatioDecodingPress" || info.name == "PrefillDecodingPress" ||
-                         info.name == "AdaKVPress" || info.name == "CriticalKVPress" || info.name == "CriticalAdaKVPress" ||
-                         info.name == "PerLayerCompressionPress";
-    EXPECT_EQ(is_wrapper(info), wrapper) << info.name;
+    const PressKind expected = wrappers.count(info.name)   ? PressKind::kWrapper
+                               : decoding.count(info.name) ? PressKind::kDecoding
+                               : info.name == "KVComposePress" ? PressKind::kSecondPass
+                                                               : PressKind::kScorer;
+    EXPECT_EQ(info.kind, expected) << info.name;
+    // Scorers are ScorerPresses (CriticalKVPress is one too, around its inner press).
+    const auto press = make_press(info.name, 0.0);
+    if (info.kind == PressKind::kScorer) EXPECT_NE(dynamic_cast<const ScorerPress*>(press.get()), nullptr) << info.name;
   }
+}
+
+TEST(Registry, ListsEveryParameterWithItsTypedDefault) {
+  const PressInfo* snap = find_press("SnapKVPress");
+  ASSERT_NE(snap, nullptr);
+  ASSERT_EQ(snap->params.size(), 2u);
+  EXPECT_EQ(snap->params[0].name, "window_size");
+  EXPECT_EQ(snap->params[0].type, "int");
+  EXPECT_EQ(snap->params[0].default_value, std::to_string(SnapKVPress::kDefaultWindowSize));
+  const PressInfo* ada = find_press("AdaKVPress");
+  ASSERT_NE(ada, nullptr);
+  EXPECT_EQ(ada->params[0].name, "press");
+  EXPECT_EQ(ada->params[0].default_value, "KnormPress");
+  EXPECT_EQ(ada->params[1].default_value, "0.2");
+  const PressInfo* compactor = find_press("CompactorPress");
+  ASSERT_NE(compactor, nullptr);
+  EXPECT_EQ(compactor->params.back().type, "str");
+  EXPECT_EQ(compactor->params.back().default_value, "per_head");
+  EXPECT_EQ(find_press("NoSuchPress"), nullptr);
+  // Every input a press declares is a LayerInputs field.
+  std::set<std::string> fields;
+  for (const LayerInputField& f : layer_input_fields()) fields.insert(f.name);
+  for (const PressInfo& info : list_presses()) {
+    std::vector<std::string> names = info.inputs.required;
+    names.insert(names.end(), info.inputs.optional.begin(), info.inputs.optional.end());
+    for (const InputSet& set : info.inputs.alternatives) names.insert(names.end(), set.fields.begin(), set.fields.end());
+    for (const std::string& name : names) EXPECT_TRUE(fields.count(name)) << info.name << ": " << name;
+  }
+  EXPECT_EQ(describe_inputs(*snap), "attentions | queries | hidden_states+q_proj+cos+sin");
+  EXPECT_EQ(describe_inputs(*find_press("KnormPress")), "keys, values");
+}
+
+TEST(Registry, ParsesNumbersInOnePlace) {
+  EXPECT_EQ(parse_int("42"), 42);
+  EXPECT_EQ(parse_int("+7"), 7);
+  EXPECT_EQ(parse_int("-3"), -3);
+  EXPECT_FALSE(parse_int("12x"));
+  EXPECT_FALSE(parse_int(""));
+  EXPECT_FALSE(parse_int(" 1"));
+  EXPECT_FALSE(parse_int("99999999999999999999"));
+  EXPECT_EQ(parse_double("0.25"), 0.25);
+  EXPECT_EQ(parse_double("1e-4"), 1e-4);
+  EXPECT_FALSE(parse_double("inf"));
+  EXPECT_FALSE(parse_double("nan"));
+  EXPECT_FALSE(parse_double("1e999"));
+  EXPECT_FALSE(parse_double("0.5 "));
+  expect_error([] { make_press("ComposedPress", 0.5, {{"presses", "KnormPress"}, {"presses.0.compression_ratio", "x"}}); },
+               {"ComposedPress: parameter presses.0.compression_ratio must be a number, got 'x'"});
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {

@@ -236,9 +236,9 @@ TEST(RaggedPresses, RegistryBuildsThemWithTheirParameters) {
   for (const auto& info : list_presses())
     if (info.name == "AdaKVPress" || info.name == "CriticalKVPress" || info.name == "CriticalAdaKVPress" ||
         info.name == "PerLayerCompressionPress")
-      EXPECT_TRUE(is_wrapper(info)) << info.name;
+      EXPECT_EQ(info.kind, PressKind::kWrapper) << info.name;
     else if (info.name == "PyramidKVPress")
-      EXPECT_FALSE(is_wrapper(info));
+      EXPECT_EQ(info.kind, PressKind::kScorer);
 }
 
 TEST(RaggedPresses, Errors) {

@@ -58,37 +58,11 @@ struct EvalArgs {
   bool quiet = false;
 };
 
-std::optional<double> to_double(const std::string& text) {
-  if (text.empty()) return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const double v = std::strtod(text.c_str(), &end);
-  if (end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(v)) return std::nullopt;
-  return v;
-}
-
-std::optional<int64_t> to_int(const std::string& text) {
-  if (text.empty()) return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (end != text.c_str() + text.size() || errno == ERANGE) return std::nullopt;
-  return v;
-}
-
 std::vector<double> parse_ratios(const std::string& text) {
-  std::vector<double> out;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    const auto r = to_double(item);
-    TORCH_CHECK(r && *r >= 0.0 && *r < 1.0, "--ratios must be a comma-separated list of numbers in [0, 1), got '",
-                text, "'");
-    out.push_back(*r);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
+  std::optional<std::vector<double>> list = kvpress::parse_double_list(text);
+  const bool ok = list && std::all_of(list->begin(), list->end(), [](double r) { return r >= 0.0 && r < 1.0; });
+  TORCH_CHECK(ok, "--ratios must be a comma-separated list of numbers in [0, 1), got '", text, "'");
+  std::vector<double> out = *list;
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
@@ -131,28 +105,28 @@ EvalArgs parse_eval_args(const std::vector<std::string>& args) {
       out.ratios = parse_ratios(take());
     } else if (key == "--prefix-tokens") {
       const std::string v = take();
-      const auto n = to_int(v);
+      const auto n = kvpress::parse_int(v);
       TORCH_CHECK(n && *n >= 1, "--prefix-tokens must be an integer >= 1, got '", v, "'");
       out.prefix_tokens = *n;
     } else if (key == "--prefix-fraction") {
       const std::string v = take();
-      const auto f = to_double(v);
+      const auto f = kvpress::parse_double(v);
       TORCH_CHECK(f && *f > 0.0 && *f < 1.0, "--prefix-fraction must be a number in (0, 1), got '", v, "'");
       out.prefix_fraction = *f;
       fraction_given = true;
     } else if (key == "--min-prefix") {
       const std::string v = take();
-      const auto n = to_int(v);
+      const auto n = kvpress::parse_int(v);
       TORCH_CHECK(n && *n >= 1, "--min-prefix must be an integer >= 1, got '", v, "'");
       out.min_prefix = *n;
     } else if (key == "--max-stories") {
       const std::string v = take();
-      const auto n = to_int(v);
+      const auto n = kvpress::parse_int(v);
       TORCH_CHECK(n && *n >= 1, "--max-stories must be an integer >= 1, got '", v, "'");
       out.max_stories = *n;
     } else if (key == "--threads") {
       const std::string v = take();
-      const auto n = to_int(v);
+      const auto n = kvpress::parse_int(v);
       TORCH_CHECK(n && *n >= 1 && *n <= 1024, "--threads must be an integer >= 1, got '", v, "'");
       out.threads = *n;
     } else if (key == "--json") {
@@ -220,8 +194,8 @@ class Progress {
 bool fixed_budget(const PressSpec& p) { return p.name == "DecodingPress"; }
 
 // The wrappers with head or layer budgets join the default press list configured as kvpress's
-// evaluation uses them (is_wrapper() leaves the other wrappers out: built by name alone they only
-// wrap KnormPress): AdaKV over ExpectedAttention with epsilon 1e-2 (kvpress's leaderboard
+// evaluation uses them (the other wrappers are left out: built by name alone they only wrap
+// KnormPress): AdaKV over ExpectedAttention with epsilon 1e-2 (kvpress's leaderboard
 // "expected_attention"), CriticalKV and CriticalAdaKV over ExpectedAttention without its ||v||
 // rescaling (kvpress's advice), PerLayerCompression over SnapKV with a per-layer ramp, and the
 // three decoding presses over KnormPress (PrefillDecodingPress: SnapKV at prefill).
@@ -298,10 +272,11 @@ class TempFile {
 int run_eval(const std::vector<std::string>& argv) {
   EvalArgs args = parse_eval_args(argv);
   if (args.presses.empty()) {
-    // Every press with its defaults. KVComposePress (needs_second_pass) is included: the runner's
-    // prefill runs its second pass (kvpress::llama::kvcompose_prefill) inside score_continuation.
+    // Every scorer with its defaults, and KVComposePress (kSecondPass): the runner's prefill runs its
+    // second pass (kvpress::llama::kvcompose_prefill) inside score_continuation.
     for (const auto& info : kvpress::list_presses())
-      if (!kvpress::is_wrapper(info)) args.presses.push_back({info.name, {}, info.name});
+      if (info.kind == kvpress::PressKind::kScorer || info.kind == kvpress::PressKind::kSecondPass)
+        args.presses.push_back({info.name, {}, info.name});
     for (const auto& p : default_budget_wrappers()) args.presses.push_back(p);
   }
   // Presses first: an unknown press or parameter fails before the model is read.

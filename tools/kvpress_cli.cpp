@@ -2,7 +2,7 @@
 // the registry, and list the presses. See docs/CLI.md.
 //
 //   kvpress-cli compress --press NAME --ratio R [--param KEY=VALUE ...] --input IN --output OUT
-//   kvpress-cli list [--names]
+//   kvpress-cli list [--names | --json]
 //   kvpress-cli --help | --version
 //
 // Exit codes: 0 success; 2 bad usage or bad input (one line on stderr starting with
@@ -30,6 +30,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -77,7 +78,7 @@ Usage:
   kvpress-cli eval [--model DIR] [--text FILE] [--press NAME [--param KEY=VALUE ...]]...
                    [--ratios LIST] [--prefix-tokens P | --prefix-fraction F] [--min-prefix N]
                    [--max-stories N] [--threads N] [--json OUT] [--csv OUT] [--png OUT]
-  kvpress-cli list [--names]
+  kvpress-cli list [--names | --json]
   kvpress-cli --help
   kvpress-cli --version
 
@@ -86,9 +87,10 @@ compress options:
   --ratio R                compression ratio in [0, 1): the fraction of tokens removed
   --param KEY=VALUE        a press parameter, e.g. --param window_size=32 (repeatable)
   --input PATH, -i PATH    safetensors with keys, values [B, Hkv, S, D] and, as the press
-                           needs them: queries, attentions, cos, sin, hidden_states,
-                           q_proj, k_proj, q_norm, k_norm; metadata num_heads, layer_idx,
-                           num_layers, norm_eps
+                           needs them, any other input by its name (queries, attentions,
+                           hidden_states, q_proj, k_proj, o_proj, q_norm, k_norm, cos, sin,
+                           inv_freq, input_ids); metadata num_heads, layer_idx, num_layers,
+                           norm_eps (docs/CLI.md; `kvpress-cli list --json` lists them)
   --output PATH, -o PATH   written with keys, values [B, Hkv, n_kept, D], scores [B, Hkv, S]
                            float32, kept_indices [B, Hkv, n_kept] int64 (ascending); for a
                            head-ragged press (e.g. CompactorPress selection=across_heads):
@@ -129,31 +131,16 @@ eval options (perplexity under compression with the kvpress::llama runner):
 
 list options:
   --names                  print only the press names, one per line
+  --json                   every press (kind, inputs, parameters) and every input field as JSON
 
 Errors print one line "kvpress-cli: error: ..." on stderr and exit with code 2.
 Full reference: docs/CLI.md.
 )";
 
-// ---- small parsers ----------------------------------------------------------------------
+// ---- small helpers -----------------------------------------------------------------------
 
-std::optional<int64_t> parse_int(std::string_view text) {
-  int64_t value = 0;
-  const char* first = text.data();
-  const char* last = text.data() + text.size();
-  if (first != last && *first == '+') ++first;
-  const auto [ptr, ec] = std::from_chars(first, last, value);
-  if (ec != std::errc() || ptr != last || first == last) return std::nullopt;
-  return value;
-}
-
-std::optional<double> parse_double(const std::string& text) {
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const double value = std::strtod(text.c_str(), &end);
-  if (end != text.c_str() + text.size() || errno == ERANGE) return std::nullopt;
-  return value;
-}
+using kvpress::parse_double;
+using kvpress::parse_int;
 
 std::string shape_str(at::IntArrayRef sizes) {
   std::string out = "[";
@@ -264,185 +251,59 @@ c10::Device parse_device(const std::string& text) {
   }
 }
 
-// Tensors an input file may hold, in LayerInputs order.
-const std::vector<std::string>& known_tensors() {
-  static const std::vector<std::string> names = {
-      "keys",   "values", "queries", "hidden_states", "q_proj", "k_proj",
-      "q_norm", "k_norm", "attentions", "cos",        "sin",    "inv_freq"};
-  return names;
-}
-
 std::string join(const std::vector<std::string>& items, const char* sep) {
   std::string out;
   for (const auto& s : items) out += (out.empty() ? "" : sep) + s;
   return out;
 }
 
-int64_t metadata_int(const kvpress::io::SafetensorsFile& file, const std::string& path,
-                     const char* key, int64_t fallback) {
-  const auto it = file.metadata.find(key);
-  if (it == file.metadata.end()) return fallback;
-  const auto v = parse_int(it->second);
-  TORCH_CHECK(v.has_value(), "input ", path, ": metadata ", key, " must be an integer, got '",
-              it->second, "'");
-  return *v;
+// The value of a scalar LayerInputs field given as file metadata.
+template <typename T>
+T metadata_value(const std::string& path, const char* key, const std::string& text) {
+  if constexpr (std::is_same_v<T, int64_t>) {
+    const auto v = parse_int(text);
+    TORCH_CHECK(v.has_value(), "input ", path, ": metadata ", key, " must be an integer, got '", text, "'");
+    return *v;
+  } else {
+    const auto v = parse_double(text);
+    TORCH_CHECK(v.has_value(), "input ", path, ": metadata ", key, " must be a number, got '", text, "'");
+    return *v;
+  }
 }
 
-// Builds LayerInputs from the file and checks the shapes against each other, naming the tensor.
-kvpress::LayerInputs layer_inputs(kvpress::io::SafetensorsFile& file, const std::string& path,
+// LayerInputs from a safetensors file: every tensor field by its name, every scalar field from the
+// metadata (docs/CLI.md lists them), checked against each other by kvpress::validate_layer_inputs.
+// A tensor that is no field is refused, or ignored with a warning when allow_unknown.
+kvpress::LayerInputs layer_inputs(const kvpress::io::SafetensorsFile& file, const std::string& path,
                                   bool allow_unknown) {
-  const auto& known = known_tensors();
-  for (const auto& [name, t] : file.tensors) {
-    (void)t;
-    if (std::find(known.begin(), known.end(), name) == known.end()) {
-      if (!allow_unknown) {
-        TORCH_CHECK(false, "input ", path, ": unknown tensor '", name, "' (expected ",
-                    join(known, ", "), "; --allow-unknown-tensors ignores it)");
-      }
-      fmt::print(stderr, "{}: warning: input {}: ignoring unknown tensor '{}'\n", kProg, path,
-                 name);
-    }
-  }
-  auto take = [&](const char* name) {
-    const auto it = file.tensors.find(name);
-    if (it == file.tensors.end()) return at::Tensor();
-    at::Tensor t = it->second;
-    TORCH_CHECK(at::isFloatingType(t.scalar_type()), "input ", path, ": '", name,
-                "' must be a floating-point tensor, got ", t.scalar_type());
-    return t;
-  };
-
   kvpress::LayerInputs in;
-  in.keys = take("keys");
-  in.values = take("values");
-  in.queries = take("queries");
-  in.hidden_states = take("hidden_states");
-  in.q_proj = take("q_proj");
-  in.k_proj = take("k_proj");
-  in.q_norm = take("q_norm");
-  in.k_norm = take("k_norm");
-  in.attentions = take("attentions");
-  in.cos = take("cos");
-  in.sin = take("sin");
-  in.inv_freq = take("inv_freq");
-
-  TORCH_CHECK(in.keys.defined(), "input ", path, ": missing tensor 'keys' [batch, kv_heads, seq_len, head_dim]");
-  TORCH_CHECK(in.values.defined(), "input ", path, ": missing tensor 'values' [batch, kv_heads, seq_len, head_dim]");
-  TORCH_CHECK(in.keys.dim() == 4 && in.keys.size(2) > 0 && in.keys.size(3) > 0, "input ", path,
-              ": 'keys' must be [batch, kv_heads, seq_len, head_dim] with seq_len, head_dim > 0, got ",
-              shape_str(in.keys.sizes()));
-  const int64_t B = in.keys.size(0), Hkv = in.keys.size(1), S = in.keys.size(2), D = in.keys.size(3);
-  TORCH_CHECK(in.values.sizes() == in.keys.sizes(), "input ", path,
-              ": 'values' must have the shape of 'keys' ", shape_str(in.keys.sizes()), ", got ",
-              shape_str(in.values.sizes()));
-  TORCH_CHECK(in.values.scalar_type() == in.keys.scalar_type(), "input ", path,
-              ": 'values' must have the dtype of 'keys' (", in.keys.scalar_type(), "), got ",
-              in.values.scalar_type());
-
-  in.num_heads = metadata_int(file, path, "num_heads", 0);
-  TORCH_CHECK(in.num_heads > 0 || !file.metadata.count("num_heads"), "input ", path,
-              ": metadata num_heads must be positive, got ", in.num_heads);
-  int64_t hq = in.num_heads;
-  std::string hq_from = "metadata num_heads";
-  auto agree_hq = [&](int64_t h, const std::string& from) {
-    if (hq == 0) {
-      hq = h;
-      hq_from = from;
-    } else {
-      TORCH_CHECK(h == hq, "input ", path, ": ", from, " implies ", h, " query heads but ",
-                  hq_from, " implies ", hq);
+  std::vector<std::string> tensor_fields;
+  kvpress::for_each_field(in, [&](const kvpress::LayerInputField& field, auto& member) {
+    using T = std::decay_t<decltype(member)>;
+    if constexpr (std::is_same_v<T, at::Tensor>) {
+      tensor_fields.push_back(field.name);
+      if (const auto it = file.tensors.find(field.name); it != file.tensors.end()) member = it->second;
+    } else if (const auto it = file.metadata.find(field.name); it != file.metadata.end()) {
+      member = metadata_value<T>(path, field.name, it->second);
     }
-  };
-
-  if (in.queries.defined()) {
-    const auto& q = in.queries;
-    TORCH_CHECK(q.dim() == 4 && q.size(0) == B && q.size(2) >= 1 && q.size(2) <= S &&
-                    q.size(3) == D,
-                "input ", path, ": 'queries' must be [", B, ", num_heads, Sq, ", D,
-                "] with 1 <= Sq <= ", S, ", got ", shape_str(q.sizes()));
-    agree_hq(q.size(1), "'queries' " + shape_str(q.sizes()));
+  });
+  for (const auto& [name, tensor] : file.tensors) {
+    if (std::find(tensor_fields.begin(), tensor_fields.end(), name) != tensor_fields.end()) continue;
+    TORCH_CHECK(allow_unknown, "input ", path, ": unknown tensor '", name, "' (expected ", join(tensor_fields, ", "),
+                "; --allow-unknown-tensors ignores it)");
+    fmt::print(stderr, "{}: warning: input {}: ignoring unknown tensor '{}'\n", kProg, path, name);
   }
-  if (in.attentions.defined()) {
-    const auto& a = in.attentions;
-    TORCH_CHECK(a.dim() == 4 && a.size(0) == B && a.size(2) >= 1 && a.size(2) <= S &&
-                    a.size(3) == S,
-                "input ", path, ": 'attentions' must be [", B, ", num_heads, Sq, ", S,
-                "] with 1 <= Sq <= ", S, ", got ", shape_str(a.sizes()));
-    agree_hq(a.size(1), "'attentions' " + shape_str(a.sizes()));
-  }
-  TORCH_CHECK(in.cos.defined() == in.sin.defined(), "input ", path, ": 'cos' and 'sin' come together; only '",
-              in.cos.defined() ? "cos" : "sin", "' was given");
-  for (const auto* name : {"cos", "sin"}) {
-    const auto& t = std::string(name) == "cos" ? in.cos : in.sin;
-    TORCH_CHECK(!t.defined() || (t.dim() == 2 && t.size(0) == S && t.size(1) == D), "input ",
-                path, ": '", name, "' must be [", S, ", ", D, "] (seq_len, head_dim), got ",
-                shape_str(t.sizes()));
-  }
-  TORCH_CHECK(!in.inv_freq.defined() || (D % 2 == 0 && in.inv_freq.dim() == 1 && in.inv_freq.size(0) == D / 2),
-              "input ", path, ": 'inv_freq' must be [", D / 2, "] (head_dim / 2), got ",
-              shape_str(in.inv_freq.sizes()));
-  int64_t hidden = -1;
-  if (in.hidden_states.defined()) {
-    const auto& h = in.hidden_states;
-    TORCH_CHECK(h.dim() == 3 && h.size(0) == B && h.size(1) == S && h.size(2) > 0, "input ",
-                path, ": 'hidden_states' must be [", B, ", ", S, ", hidden_size], got ",
-                shape_str(h.sizes()));
-    hidden = h.size(2);
-  }
-  if (in.q_proj.defined()) {
-    const auto& w = in.q_proj;
-    TORCH_CHECK(w.dim() == 2 && w.size(0) > 0 && w.size(0) % D == 0 &&
-                    (hidden < 0 || w.size(1) == hidden),
-                "input ", path, ": 'q_proj' must be [num_heads * ", D, ", ",
-                hidden < 0 ? std::string("hidden_size") : std::to_string(hidden), "], got ",
-                shape_str(w.sizes()));
-    agree_hq(w.size(0) / D, "'q_proj' " + shape_str(w.sizes()));
-  }
-  if (in.k_proj.defined()) {
-    const auto& w = in.k_proj;
-    TORCH_CHECK(w.dim() == 2 && w.size(0) == Hkv * D && (hidden < 0 || w.size(1) == hidden),
-                "input ", path, ": 'k_proj' must be [", Hkv * D, ", ",
-                hidden < 0 ? std::string("hidden_size") : std::to_string(hidden), "], got ",
-                shape_str(w.sizes()));
-  }
-  for (const auto* name : {"q_norm", "k_norm"}) {
-    const auto& t = std::string(name) == "q_norm" ? in.q_norm : in.k_norm;
-    TORCH_CHECK(!t.defined() || (t.dim() == 1 && t.size(0) == D), "input ", path, ": '", name,
-                "' must be [", D, "] (head_dim), got ", shape_str(t.sizes()));
-  }
-  TORCH_CHECK(hq == 0 || hq % Hkv == 0, "input ", path, ": ", hq_from, " gives ", hq,
-              " query heads, not a multiple of the ", Hkv, " KV heads of 'keys'");
-
-  in.num_layers = metadata_int(file, path, "num_layers", 1);
-  in.layer_idx = metadata_int(file, path, "layer_idx", 0);
-  TORCH_CHECK(in.num_layers >= 1, "input ", path, ": metadata num_layers must be >= 1, got ",
-              in.num_layers);
-  TORCH_CHECK(in.layer_idx >= 0 && in.layer_idx < in.num_layers, "input ", path,
-              ": metadata layer_idx must be in [0, ", in.num_layers, "), got ", in.layer_idx);
-  if (const auto it = file.metadata.find("norm_eps"); it != file.metadata.end()) {
-    const auto eps = parse_double(it->second);
-    TORCH_CHECK(eps && std::isfinite(*eps) && *eps >= 0, "input ", path,
-                ": metadata norm_eps must be a non-negative number, got '", it->second, "'");
-    in.norm_eps = *eps;
-  }
+  kvpress::validate_layer_inputs(in, "input " + path);
   return in;
 }
 
-kvpress::LayerInputs to_device(const kvpress::LayerInputs& in, const c10::Device& device) {
-  kvpress::LayerInputs out = in;
-  for (at::Tensor* t : {&out.keys, &out.values, &out.queries, &out.hidden_states, &out.q_proj,
-                        &out.k_proj, &out.q_norm, &out.k_norm, &out.attentions, &out.cos,
-                        &out.sin, &out.inv_freq}) {
-    if (t->defined()) *t = t->to(device);
-  }
-  return out;
-}
-
-const kvpress::PressInfo* find_info(const std::string& name) {
-  for (const auto& info : kvpress::list_presses()) {
-    if (info.name == name) return &info;
-  }
-  return nullptr;
+kvpress::LayerInputs to_device(kvpress::LayerInputs in, const c10::Device& device) {
+  kvpress::for_each_field(in, [&](const kvpress::LayerInputField&, auto& member) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(member)>, at::Tensor>) {
+      if (member.defined()) member = member.to(device);
+    }
+  });
+  return in;
 }
 
 int run_compress(const std::vector<std::string>& argv) {
@@ -481,20 +342,11 @@ int run_compress(const std::vector<std::string>& argv) {
     summary_kept = fmt::format("{} tokens per head on average (min {}, max {}; head-ragged)",
                                fmt::format("{:.1f}", static_cast<double>(n_kept) / static_cast<double>(B * Hkv)),
                                layer.min_length(), layer.max_length());
-  } else if (const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get())) {
-    // Score once and select from exactly these scores, so the file's scores explain its
-    // kept_indices.
-    scores = scorer->score(inputs);
-    TORCH_CHECK(scores.defined() && scores.dim() == 3 && scores.size(0) == B &&
-                    scores.size(1) == Hkv && scores.size(2) == S,
-                press->name(), ": score() returned ", scores.defined() ? shape_str(scores.sizes()) : "nothing",
-                ", expected [", B, ", ", Hkv, ", ", S, "]");
-    const int64_t n = kvpress::ops::n_kept(S, ratio);
-    const at::Tensor indices = kvpress::ops::topk_indices(scores, n);
-    kv = kvpress::ops::gather_kv(inputs.keys, inputs.values, indices);
-    kv.kept_indices = indices;
   } else {
     kv = press->compress(inputs);
+    // A scorer's scores too, for inspection. Most scorers keep the top n_kept of them; QSMPress and
+    // CTRPress add forced tokens and adapt budgets, PyramidKVPress keeps its layer budget.
+    if (const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get())) scores = scorer->score(inputs);
   }
   if (!press->head_ragged()) {
     TORCH_CHECK(kv.keys.defined() && kv.values.defined() && kv.kept_indices.defined(),
@@ -514,7 +366,7 @@ int run_compress(const std::vector<std::string>& argv) {
 
   // Effective parameters (defaults overridden by --param), as text.
   nlohmann::json params = nlohmann::json::object();
-  if (const auto* info = find_info(args.press)) {
+  if (const auto* info = kvpress::find_press(args.press)) {
     for (const auto& p : info->params) params[p.name] = p.default_value;
   }
   for (const auto& [key, value] : args.params) params[key] = value;
@@ -632,14 +484,62 @@ int run_calibrate(const std::vector<std::string>& argv) {
 
 // ---- list -------------------------------------------------------------------------------
 
+const char* kind_name(kvpress::PressKind kind) {
+  switch (kind) {
+    case kvpress::PressKind::kScorer: return "scorer";
+    case kvpress::PressKind::kWrapper: return "wrapper";
+    case kvpress::PressKind::kDecoding: return "decoding";
+    case kvpress::PressKind::kSecondPass: return "second_pass";
+  }
+  return "unknown";
+}
+
+// The registry and the LayerInputs fields as JSON, for scripts (tests/python/test_every_press.py).
+nlohmann::json registry_json() {
+  nlohmann::json presses = nlohmann::json::array();
+  for (const auto& p : kvpress::list_presses()) {
+    nlohmann::json alternatives = nlohmann::json::array();
+    for (const auto& set : p.inputs.alternatives)
+      alternatives.push_back({{"fields", set.fields}, {"all_positions", set.all_positions}});
+    nlohmann::json params = nlohmann::json::array();
+    for (const auto& q : p.params)
+      params.push_back({{"name", q.name}, {"type", q.type}, {"default", q.default_value}, {"help", q.help}});
+    presses.push_back({{"name", p.name},
+                       {"kind", kind_name(p.kind)},
+                       {"summary", p.summary},
+                       {"needs", kvpress::describe_inputs(p)},
+                       {"inputs",
+                        {{"alternatives", alternatives},
+                         {"required", p.inputs.required},
+                         {"optional", p.inputs.optional},
+                         {"note", p.inputs.note}}},
+                       {"params", params}});
+  }
+  nlohmann::json fields = nlohmann::json::array();
+  for (const auto& f : kvpress::layer_input_fields()) {
+    fields.push_back({{"name", f.name},
+                      {"shape", f.shape},
+                      {"help", f.help},
+                      {"required", f.required},
+                      {"integer", f.integer}});
+  }
+  return {{"presses", presses}, {"layer_inputs", fields}};
+}
+
 int run_list(const std::vector<std::string>& args) {
-  bool names_only = false;
+  bool names_only = false, json = false;
   for (const auto& a : args) {
     if (a == "--names") {
       names_only = true;
+    } else if (a == "--json") {
+      json = true;
     } else {
       usage_error("list: unknown argument '{}' (see kvpress-cli --help)", a);
     }
+  }
+  if (json) {
+    fmt::print("{}\n", registry_json().dump(2));
+    return 0;
   }
   const auto& presses = kvpress::list_presses();
   std::string out;
@@ -650,8 +550,8 @@ int run_list(const std::vector<std::string>& args) {
       continue;
     }
     if (i) out += "\n";
-    out += fmt::format("{}\n  {}\n  needs: {}\n", p.name, p.summary,
-                       p.needs.empty() ? "keys, values" : p.needs);
+    out += fmt::format("{}\n  {}\n  kind: {}\n  needs: {}\n", p.name, p.summary, kind_name(p.kind),
+                       kvpress::describe_inputs(p));
     if (p.params.empty()) {
       out += "  params: none\n";
       continue;
@@ -664,8 +564,8 @@ int run_list(const std::vector<std::string>& args) {
       wd = std::max(wd, q.default_value.size());
     }
     for (const auto& q : p.params) {
-      out += fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}\n", q.name, wn, q.type, wt,
-                         q.default_value, wd, q.help);
+      out += fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}\n", q.name, wn, q.type, wt, q.default_value, wd,
+                         q.help);
     }
   }
   fmt::print("{}", out);

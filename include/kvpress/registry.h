@@ -1,10 +1,13 @@
 // Build presses by their kvpress class name and string parameters (used by kvpress-cli, the
-// demo, benchmarks and tests).
+// demo, benchmarks, tests and torch.ops.kvpress.press_compress).
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvpress/presses/base_press.h"
@@ -13,40 +16,68 @@ namespace kvpress {
 
 struct PressParam {
   std::string name;           // kvpress's parameter name, e.g. "window_size"
-  std::string type;           // "int", "float", "bool", "int?" or "float?" (optional: "None" unsets)
+  std::string type;           // "int", "float", "bool", "str", "int?" or "float?" (optional: "None" unsets)
   std::string default_value;  // as text, "None" for an unset optional
   std::string help;
 };
 
+enum class PressKind {
+  kScorer,      // a ScorerPress: scores the tokens of one layer (compress() keeps the best per head)
+  kWrapper,     // builds on the presses its "press" / "presses" parameters name; by name alone it
+                // wraps KnormPress, so default press lists (demo, eval) leave it out
+  kDecoding,    // compresses while the model generates (kvpress::decoding_press_of); its compress()
+                // is not a prefill compression at the registry ratio, so layer loops leave it out
+  kSecondPass,  // needs the engine's second pass over the context (KVComposePress); its compress()
+                // raises and kvpress::llama's runner runs it at prefill
+};
+
+// A set of LayerInputs fields a press can work from, all needed together.
+struct InputSet {
+  std::vector<std::string> fields;  // LayerInputs field names (for_each_field), e.g. {"queries"}
+  bool all_positions = false;       // queries / attentions must cover every position, not only the
+                                    // last rows a window needs
+};
+
+// The LayerInputs a press reads beyond keys and values.
+struct PressInputs {
+  std::vector<InputSet> alternatives;  // any one suffices; none: keys and values are enough
+  std::vector<std::string> required;   // needed whichever alternative is used (o_proj of CriticalKV)
+  std::vector<std::string> optional;   // read when given (e.g. layer_idx, input_ids)
+  std::string note;                    // what the fields do not say
+};
+
 struct PressInfo {
-  std::string name;          // kvpress class name
-  std::string summary;       // one line
-  std::string needs;         // inputs beyond keys/values, e.g. "attentions | queries | hidden_states+q_proj+cos+sin"
+  std::string name;     // kvpress class name
+  PressKind kind;
+  std::string summary;  // one line
+  PressInputs inputs;   // its own; wrappers and decoding presses also read their inner presses' inputs
   std::vector<PressParam> params;
 };
 
 // Every press the registry can build, in a stable order.
 const std::vector<PressInfo>& list_presses();
 
-// True for wrappers (a "press", "presses", "prefilling_press" or "decoding_press" parameter names
-// the inner press). Built by name alone they wrap KnormPress (PrefillDecodingPress: nothing), so
-// default press lists (demo, eval) leave them out.
-bool is_wrapper(const PressInfo& info);
+// The entry named `name`, or nullptr.
+const PressInfo* find_press(const std::string& name);
 
-// True for presses that compress during decoding (DecodingPress, CompressionRatioDecodingPress,
-// PrefillDecodingPress: `needs` starts with "during decoding"). Engines run them through
-// kvpress::decoding_press_of; their compress() is not a prefill compression at the registry ratio
-// (a DecodingPress refuses any ratio but 0), so generic press loops leave them out.
-bool is_decoding_press(const PressInfo& info);
+// What a press reads, as one line ("attentions | queries | hidden_states+q_proj+cos+sin"), for
+// `kvpress-cli list` and the docs.
+std::string describe_inputs(const PressInfo& info);
 
-// True for presses that cannot compress a layer on its own because they need the engine's second
-// pass over the context (KVComposePress: its `needs` starts with "second pass"). Their compress()
-// raises; kvpress::llama's runner runs them in prefill. Layer-level loops leave them out.
-bool needs_second_pass(const PressInfo& info);
+// True when the press named `name` can only work from attentions (every alternative holds them:
+// ObservedAttentionPress), so a runner must compute eager attention weights for it.
+bool needs_attentions(const std::string& name);
 
 // Builds `name` with `compression_ratio` and parameters given as text ("window_size" -> "32").
 // Raises c10::Error for an unknown press, an unknown parameter or an unparsable value.
 std::unique_ptr<BasePress> make_press(const std::string& name, double compression_ratio,
                                       const std::map<std::string, std::string>& params = {});
+
+// The one parser of numbers given as text (press parameters, ratios, CLI options, file metadata):
+// the whole text must be the number; a leading '+' is accepted; doubles must be finite.
+std::optional<int64_t> parse_int(std::string_view text);
+std::optional<double> parse_double(std::string_view text);
+// Comma-separated doubles ("0.25,0.5"), each as parse_double.
+std::optional<std::vector<double>> parse_double_list(std::string_view text);
 
 }  // namespace kvpress

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kvpress {
@@ -51,6 +53,58 @@ struct LayerInputs {
   int64_t layer_idx = 0;   // for layer-aware budgets
   int64_t num_layers = 1;
 };
+
+// One field of LayerInputs, for code that handles every field by name: the CLI's input files,
+// torch.ops.kvpress.press_compress, the registry's input lists, the runner's hooks.
+struct LayerInputField {
+  const char* name;   // the member's name, e.g. "queries"
+  const char* shape;  // e.g. "[B, Hq, Sq, D]"; "" for scalars
+  const char* help;   // one line
+  bool required;      // keys and values: every press needs them
+  bool integer;       // an integer tensor (input_ids); the other tensors are floating
+};
+
+// Calls visit(field, member) for every field of `inputs`, in declaration order. `member` is an
+// at::Tensor&, int64_t& or double& (const for a const LayerInputs), so one generic lambda handles
+// tensors and scalars with `if constexpr`. This list is the one place the fields are enumerated.
+template <typename Inputs, typename Visitor>
+void for_each_field(Inputs& in, Visitor&& visit) {
+  static_assert(std::is_same_v<std::remove_const_t<Inputs>, LayerInputs>, "for_each_field visits a LayerInputs");
+  visit(LayerInputField{"keys", "[B, Hkv, S, D]", "as cached: post-RoPE", true, false}, in.keys);
+  visit(LayerInputField{"values", "[B, Hkv, S, D]", "as cached", true, false}, in.values);
+  visit(LayerInputField{"queries", "[B, Hq, Sq, D]", "post-RoPE queries of the last Sq positions", false, false},
+        in.queries);
+  visit(LayerInputField{"hidden_states", "[B, S, hidden]", "attention input (after the input layernorm)", false, false},
+        in.hidden_states);
+  visit(LayerInputField{"q_proj", "[Hq * D, hidden]", "query projection weight", false, false}, in.q_proj);
+  visit(LayerInputField{"k_proj", "[Hkv * D, hidden]", "key projection weight", false, false}, in.k_proj);
+  visit(LayerInputField{"o_proj", "[hidden, Hq * D]", "output projection weight", false, false}, in.o_proj);
+  visit(LayerInputField{"q_norm", "[D]", "per-head RMSNorm weight of the queries (Qwen3)", false, false}, in.q_norm);
+  visit(LayerInputField{"k_norm", "[D]", "per-head RMSNorm weight of the keys (Qwen3)", false, false}, in.k_norm);
+  visit(LayerInputField{"norm_eps", "", "eps of q_norm / k_norm", false, false}, in.norm_eps);
+  visit(LayerInputField{"attentions", "[B, Hq, Sq, S]", "eager attention weights of the last Sq positions", false,
+                        false},
+        in.attentions);
+  visit(LayerInputField{"cos", "[S, D]", "RoPE cosines of positions 0..S-1 (HF layout)", false, false}, in.cos);
+  visit(LayerInputField{"sin", "[S, D]", "RoPE sines of positions 0..S-1", false, false}, in.sin);
+  visit(LayerInputField{"inv_freq", "[D / 2]", "RoPE inverse frequencies", false, false}, in.inv_freq);
+  visit(LayerInputField{"input_ids", "[B, S]", "token ids of the cached positions (int64)", false, true}, in.input_ids);
+  visit(LayerInputField{"num_heads", "", "Hq; 0 = infer from queries, attentions, q_proj or o_proj", false, false},
+        in.num_heads);
+  visit(LayerInputField{"layer_idx", "", "index of this layer", false, false}, in.layer_idx);
+  visit(LayerInputField{"num_layers", "", "layers in the model", false, false}, in.num_layers);
+}
+
+// Every field, in the order of for_each_field.
+std::vector<LayerInputField> layer_input_fields();
+
+// Checks the fields against each other: keys/values [B, Hkv, S, D] with S, D > 0, one dtype; every
+// other tensor floating (input_ids: integer), on the keys' device and of the shape above; cos and
+// sin together; every source of Hq (num_heads, queries, attentions, q_proj, o_proj) agreeing and a
+// multiple of Hkv; 0 <= layer_idx < num_layers; norm_eps >= 0. Raises a c10::Error
+// "<op>: <field> must be <expected>, got <actual>". For inputs at prefill (S positions 0..S-1); a
+// decoding step's inputs (hidden_states and cos/sin of the latest forward only) do not pass.
+void validate_layer_inputs(const LayerInputs& inputs, const std::string& op);
 
 // A compressed layer. Every KV head keeps the same number of tokens here; head-ragged caches
 // are the business of cache-level presses.

@@ -23,6 +23,7 @@
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
+#include "kvpress/cache.h"
 
 namespace kvpress::llama {
 namespace {
@@ -170,6 +171,11 @@ int64_t KVCache::bytes() const {
   return total;
 }
 
+void KVCache::set_position(int64_t position) {
+  TORCH_CHECK(position >= 0, "KVCache::set_position: position must be >= 0, got ", position);
+  position_ = position;
+}
+
 void KVCache::truncate(const std::vector<int64_t>& lengths, int64_t position) {
   TORCH_CHECK(static_cast<int64_t>(lengths.size()) == num_layers(), "KVCache::truncate: expected ", num_layers(),
               " lengths, got ", lengths.size());
@@ -193,24 +199,6 @@ void KVCache::truncate(const std::vector<int64_t>& lengths, int64_t position) {
 }
 
 // ---- model ---------------------------------------------------------------------------------------
-
-bool press_needs_attentions(const BasePress& press) {
-  // The registry's `needs` lists alternatives separated by '|'; attentions are required when every
-  // alternative starts with them ("attentions (all rows)").
-  for (const PressInfo& info : list_presses()) {
-    if (info.name != press.name()) continue;
-    std::stringstream ss(info.needs);
-    std::string alternative;
-    bool all = true, any = false;
-    while (std::getline(ss, alternative, '|')) {
-      const size_t first = alternative.find_first_not_of(' ');
-      any = true;
-      all = all && first != std::string::npos && alternative.compare(first, 10, "attentions") == 0;
-    }
-    return any && all;
-  }
-  return false;
-}
 
 LlamaModel LlamaModel::load(const std::string& dir, at::ScalarType dtype) {
   LlamaConfig config = LlamaConfig::load(dir + "/config.json");
@@ -266,15 +254,7 @@ LlamaModel::LayerQKV LlamaModel::layer_qkv(int64_t layer, const at::Tensor& x, c
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_qkv: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  const int64_t batch = x.size(0), n = x.size(1), d = config_.head_dim;
-  const at::Tensor h = rms_norm(x, w.input_norm);
-  LayerQKV out;
-  out.q = ops::apply_rope(at::linear(h, w.q_proj).view({batch, n, config_.num_heads, d}).transpose(1, 2),
-                          rope_tables.cos, rope_tables.sin);
-  out.k = ops::apply_rope(at::linear(h, w.k_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2),
-                          rope_tables.cos, rope_tables.sin);
-  out.v = at::linear(h, w.v_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2);
-  return out;
+  return project_qkv(w, rms_norm(x, w.input_norm), rope_tables);
 }
 
 at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const {
@@ -313,169 +293,182 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
               input_ids.scalar_type());
   TORCH_CHECK(cache.num_layers() == c.num_layers, "LlamaModel: the cache has ", cache.num_layers(),
               " layers, the model ", c.num_layers, " (use new_cache())");
-  const int64_t batch = input_ids.size(0), n = input_ids.size(1);
-  const int64_t hq = c.num_heads, hkv = c.num_kv_heads, d = c.head_dim, groups = hq / hkv;
-  const double scaling = 1.0 / std::sqrt(static_cast<double>(d));  // head_dim ** -0.5
+  const int64_t n = input_ids.size(1);
   const int64_t start = cache.position();
 
   // A DecodingPress does nothing at prefill (kvpress's hook skips it); a PrefillDecodingPress
   // applies its prefilling press.
   const BasePress* press = prefill ? prefill_press_of(prefill->press) : nullptr;
-  bool press_attentions = false;
-  if (press) {
-    switch (prefill->press_attentions) {
-      case PressAttentions::kAlways: press_attentions = true; break;
-      case PressAttentions::kNever: press_attentions = false; break;
-      // Computed anyway when the caller asked for them (kvpress on an eager model passes them too).
-      case PressAttentions::kAuto:
-        press_attentions = options.return_attentions || press_needs_attentions(*press);
-        break;
-    }
-  }
-
+  const bool press_attentions = press && wants_attentions(prefill->press_attentions, options, press->name());
   // kvpress's is_prefilling: a forward starting at position 0 is a prefill, so decoding presses skip it.
   const DecodingPress* decoding = start > 0 ? options.decoding_press : nullptr;
   TORCH_CHECK(decoding == nullptr || options.decoding_state != nullptr, "LlamaModel: ", decoding->name(),
               " needs a decoding_state (one per generation), got nullptr");
   const bool decoding_attentions =
-      decoding && (options.decoding_attentions || press_needs_attentions(*decoding->press()));
+      decoding && (options.decoding_attentions || needs_attentions(decoding->press()->name()));
 
   ForwardOutput out;
   const RopeTables rope_tables = rope(start, n);
   at::Tensor x = at::embedding(embed_tokens_, input_ids);  // [B, n, hidden]
-
   for (int64_t li = 0; li < c.num_layers; ++li) {
     const Layer& w = layers_[static_cast<size_t>(li)];
-
-    // --- self-attention -------------------------------------------------------------------------
-    const at::Tensor residual = x;
     const at::Tensor h = rms_norm(x, w.input_norm);  // the attention input kvpress calls hidden_states
-    at::Tensor q = at::linear(h, w.q_proj).view({batch, n, hq, d}).transpose(1, 2);   // [B, Hq, n, D]
-    at::Tensor k = at::linear(h, w.k_proj).view({batch, n, hkv, d}).transpose(1, 2);  // [B, Hkv, n, D]
-    const at::Tensor v = at::linear(h, w.v_proj).view({batch, n, hkv, d}).transpose(1, 2);
-    q = ops::apply_rope(q, rope_tables.cos, rope_tables.sin);
-    k = ops::apply_rope(k, rope_tables.cos, rope_tables.sin);
-    cache.append(li, k, v);
-    at::Tensor keys, values, attn_out, attn_weights;  // keys/values [B, Hkv, L, D] of a dense layer
+    const LayerQKV qkv = project_qkv(w, h, rope_tables);
+    cache.append(li, qkv.k, qkv.v);
+    at::Tensor attn_out, attn_weights;  // [B, n, Hq * D]; [B, Hq, n, L] of a dense layer
     if (cache.is_ragged(li)) {
-      // Head-ragged layer (compressed by a head-ragged press): fused attention over each head's kept
-      // tokens and the new ones, no dense K/V and no weight matrix.
       TORCH_CHECK(!options.return_attentions, "LlamaModel: return_attentions is not available for layer ", li,
                   ", stored head-ragged (prefill with ragged_layout = kMasked to get dense weights)");
       TORCH_CHECK(decoding == nullptr, "LlamaModel: ", decoding ? decoding->name() : std::string(),
                   " cannot compress layer ", li, ", stored head-ragged");
-      attn_out = ops::ragged_attention(q, cache.ragged(li), scaling).transpose(1, 2).reshape({batch, n, hq * d});
+      attn_out = ragged_attention(qkv.q, cache.ragged(li));
     } else {
-      keys = cache.keys(li);
-      values = cache.values(li);
-      const int64_t len = keys.size(2);
-
-      // GQA without repeating K/V: the G query heads of a KV head become extra rows of one matmul.
-      // Query head j*G + g uses KV head j, as repeat_kv does.
-      const at::Tensor qg = q.reshape({batch, hkv, groups * n, d});
-      at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * scaling;  // [B, Hkv, G*n, L]
-      scores = scores.view({batch, hkv, groups, n, len});
-      if (n > 1) {
-        // New token i sits in cache slot len - n + i and sees slots <= that one; everything before
-        // the new tokens (the possibly compressed past) is visible.
-        const at::Tensor row = at::arange(n, at::kLong).unsqueeze(1) + (len - n);
-        const at::Tensor col = at::arange(len, at::kLong).unsqueeze(0);
-        scores = scores.masked_fill(col > row, -std::numeric_limits<double>::infinity());
-      }
-      // A head-ragged selection kept densely (RaggedLayout::kMasked): evicted tokens get -inf.
-      const at::Tensor keep = cache.keep_mask(li);  // [B, Hkv, L] bool or undefined
-      if (keep.defined())
-        scores = scores.masked_fill(keep.logical_not().view({batch, hkv, 1, 1, len}),
-                                    -std::numeric_limits<double>::infinity());
-      const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());  // [B, Hkv, G, n, L]
-      const at::Tensor attn = at::matmul(weights.view({batch, hkv, groups * n, len}), values);  // [B, Hkv, G*n, D]
-      attn_out = attn.view({batch, hq, n, d}).transpose(1, 2).reshape({batch, n, hq * d});
-      attn_weights = weights.view({batch, hq, n, len});
+      attn_out = dense_attention(qkv.q, cache.keys(li), cache.values(li), cache.keep_mask(li), attn_weights);
     }
     if (options.return_attentions) out.attentions.push_back(attn_weights);
 
-    // --- the press: kvpress's forward hook runs here, after the attention used the full cache ---
-    if (press) {
-      LayerInputs in;
-      in.keys = keys.contiguous();
-      in.values = values.contiguous();
-      in.hidden_states = h;
-      in.q_proj = w.q_proj;
-      in.k_proj = w.k_proj;
-      in.o_proj = w.o_proj;  // CriticalKVPress / CriticalAdaKVPress weigh values by it
-      in.cos = rope_tables.cos;  // positions 0..S-1 (prefill starts at 0)
-      in.sin = rope_tables.sin;
-      in.input_ids = input_ids;  // token text for presses that read it (QSMPress/CTRPress semantic weights)
-      if (press_attentions) in.attentions = attn_weights;
-      in.num_heads = hq;
-      in.layer_idx = li;
-      in.num_layers = c.num_layers;
-      in.norm_eps = c.rms_norm_eps;
-      if (press->head_ragged()) {
-        // Heads keep different numbers of tokens: store each head's kept tokens only (kPacked) or
-        // mask the evicted ones in the dense layer (kMasked).
-        const RaggedKV kv = press->compress_ragged(in);
-        TORCH_CHECK(kv.batch == batch && kv.kv_heads == hkv, "LlamaModel: ", press->name(), " returned ", kv.batch,
-                    " x ", kv.kv_heads, " heads for a cache of ", shape_str(keys));
-        HeadRaggedLayer layer = HeadRaggedLayer::from_ragged(kv, keys.size(2));
-        const at::Tensor keep_mask = kv.keep_mask.defined() ? kv.keep_mask : layer.keep_mask();
-        if (prefill->ragged_layout == PrefillOptions::RaggedLayout::kPacked)
-          cache.replace_ragged(li, std::move(layer));
-        else
-          cache.set_keep_mask(li, keep_mask);
-        out.keep_masks.push_back(keep_mask);
-        if (prefill->on_compress_ragged) prefill->on_compress_ragged(in, kv);
+    // The presses' hooks run here, after the attention used the full cache, as kvpress's forward hook.
+    if (press || decoding) {
+      LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, cache);
+      if (press) {
+        if (press_attentions) in.attentions = attn_weights;
+        compress_at_prefill(*press, *prefill, li, std::move(in), cache, out);
       } else {
-        const KV kv = press->compress(in);
-        TORCH_CHECK(kv.keys.dim() == 4 && kv.keys.size(0) == batch && kv.keys.size(1) == hkv && kv.keys.size(3) == d &&
-                        kv.values.sizes() == kv.keys.sizes(),
-                    "LlamaModel: ", press->name(), " returned keys ", shape_str(kv.keys), " and values ",
-                    shape_str(kv.values), " for a cache of ", shape_str(keys));
-        cache.replace(li, kv.keys, kv.values);
-        out.kept_indices.push_back(kv.kept_indices);
-        if (prefill->on_compress) prefill->on_compress(in, kv);
+        if (decoding_attentions) in.attentions = attn_weights;
+        compress_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
       }
     }
 
-    // --- kvpress's DecodingPress hook: every decoding forward, after the attention ---------------
-    if (decoding) {
-      LayerInputs in;
-      in.keys = keys.contiguous();
-      in.values = values.contiguous();
-      in.hidden_states = h;  // this forward's attention input; the press buffers it
-      in.q_proj = w.q_proj;
-      in.k_proj = w.k_proj;
-      in.o_proj = w.o_proj;  // CriticalKVPress / CriticalAdaKVPress weigh values by it
-      in.cos = rope_tables.cos;  // this forward's positions start .. start + n - 1
-      in.sin = rope_tables.sin;
-      in.inv_freq = inv_freq_;
-      if (decoding_attentions) in.attentions = attn_weights;
-      in.num_heads = hq;
-      in.layer_idx = li;
-      in.num_layers = c.num_layers;
-      in.norm_eps = c.rms_norm_eps;
-      if (const std::optional<KV> kv = decoding->step(in, start + n, *options.decoding_state)) {
-        TORCH_CHECK(kv->keys.dim() == 4 && kv->keys.size(0) == batch && kv->keys.size(1) == hkv &&
-                        kv->keys.size(3) == d && kv->values.sizes() == kv->keys.sizes(),
-                    "LlamaModel: ", decoding->name(), " returned keys ", shape_str(kv->keys), " and values ",
-                    shape_str(kv->values), " for a cache of ", shape_str(keys));
-        cache.replace(li, kv->keys, kv->values);
-        if (options.on_decoding_compress) options.on_decoding_compress(in, *kv);
-      }
-    }
-
-    x = residual + at::linear(attn_out, w.o_proj);
-
-    // --- MLP ----------------------------------------------------------------------------------------
+    x = x + at::linear(attn_out, w.o_proj);
     const at::Tensor m = rms_norm(x, w.post_norm);
     x = x + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
   }
-  cache.advance(n);
+  // After a press that re-rotates the kept keys to positions 0..n_kept-1 (KeyRerotationPress), the
+  // next token continues at n_kept, as in kvpress's pipeline; otherwise after the last input token.
+  cache.set_position(press && press->rerotates_keys() ? cache.length(0) : start + n);
 
   x = rms_norm(x, norm_);
   if (options.last_logits_only) x = x.narrow(1, n - 1, 1);
   out.logits = at::linear(x, lm_head_);
   return out;
+}
+
+bool LlamaModel::wants_attentions(PressAttentions mode, const ForwardOptions& options,
+                                  const std::string& press_name) {
+  switch (mode) {
+    case PressAttentions::kAlways: return true;
+    case PressAttentions::kNever: return false;
+    // Computed anyway when the caller asked for them (kvpress on an eager model passes them too).
+    case PressAttentions::kAuto: return options.return_attentions || needs_attentions(press_name);
+  }
+  return false;
+}
+
+LlamaModel::LayerQKV LlamaModel::project_qkv(const Layer& w, const at::Tensor& h, const RopeTables& rope_tables) const {
+  const int64_t batch = h.size(0), n = h.size(1), d = config_.head_dim;
+  LayerQKV out;
+  out.q = ops::apply_rope(at::linear(h, w.q_proj).view({batch, n, config_.num_heads, d}).transpose(1, 2),
+                          rope_tables.cos, rope_tables.sin);
+  out.k = ops::apply_rope(at::linear(h, w.k_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2),
+                          rope_tables.cos, rope_tables.sin);
+  out.v = at::linear(h, w.v_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2);
+  return out;
+}
+
+at::Tensor LlamaModel::dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                                       const at::Tensor& keep_mask, at::Tensor& weights_out) const {
+  const int64_t batch = q.size(0), n = q.size(2), len = keys.size(2);
+  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim, groups = hq / hkv;
+  const double scaling = 1.0 / std::sqrt(static_cast<double>(d));  // head_dim ** -0.5
+  // GQA without repeating K/V: the G query heads of a KV head become extra rows of one matmul.
+  // Query head j*G + g uses KV head j, as repeat_kv does.
+  const at::Tensor qg = q.reshape({batch, hkv, groups * n, d});
+  at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * scaling;  // [B, Hkv, G*n, L]
+  scores = scores.view({batch, hkv, groups, n, len});
+  if (n > 1) {
+    // New token i sits in cache slot len - n + i and sees slots <= that one; everything before
+    // the new tokens (the possibly compressed past) is visible.
+    const at::Tensor row = at::arange(n, at::kLong).unsqueeze(1) + (len - n);
+    const at::Tensor col = at::arange(len, at::kLong).unsqueeze(0);
+    scores = scores.masked_fill(col > row, -std::numeric_limits<double>::infinity());
+  }
+  // A head-ragged selection kept densely (RaggedLayout::kMasked): evicted tokens get -inf.
+  if (keep_mask.defined())
+    scores = scores.masked_fill(keep_mask.logical_not().view({batch, hkv, 1, 1, len}),
+                                -std::numeric_limits<double>::infinity());
+  const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());  // [B, Hkv, G, n, L]
+  const at::Tensor attn = at::matmul(weights.view({batch, hkv, groups * n, len}), values);  // [B, Hkv, G*n, D]
+  weights_out = weights.view({batch, hq, n, len});
+  return attn.view({batch, hq, n, d}).transpose(1, 2).reshape({batch, n, hq * d});
+}
+
+at::Tensor LlamaModel::ragged_attention(const at::Tensor& q, const HeadRaggedLayer& layer) const {
+  // Fused attention over each head's kept tokens and the new ones: no dense K/V, no weight matrix.
+  const int64_t batch = q.size(0), n = q.size(2);
+  const double scaling = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
+  return ops::ragged_attention(q, layer, scaling).transpose(1, 2).reshape({batch, n, config_.num_heads * config_.head_dim});
+}
+
+LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, const at::Tensor& h,
+                                    const RopeTables& rope_tables, const KVCache& cache) const {
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  LayerInputs in;
+  in.keys = cache.keys(layer).contiguous();
+  in.values = cache.values(layer).contiguous();
+  in.hidden_states = h;  // this forward's attention input
+  in.q_proj = w.q_proj;
+  in.k_proj = w.k_proj;
+  in.o_proj = w.o_proj;          // CriticalKVPress / CriticalAdaKVPress weigh values by it
+  in.cos = rope_tables.cos;      // this forward's positions (0..S-1 at prefill)
+  in.sin = rope_tables.sin;
+  in.inv_freq = inv_freq_;       // ExpectedAttentionPress's future positions, KeyRerotationPress
+  in.input_ids = input_ids;      // token text (QSMPress/CTRPress semantic weights)
+  in.num_heads = config_.num_heads;
+  in.layer_idx = layer;
+  in.num_layers = config_.num_layers;
+  in.norm_eps = config_.rms_norm_eps;
+  return in;
+}
+
+void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer,
+                                     LayerInputs in, KVCache& cache, ForwardOutput& out) const {
+  const int64_t batch = in.keys.size(0), hkv = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
+  if (press.head_ragged()) {
+    // Heads keep different numbers of tokens: store each head's kept tokens only (kPacked) or
+    // mask the evicted ones in the dense layer (kMasked).
+    const RaggedKV kv = press.compress_ragged(in);
+    TORCH_CHECK(kv.batch == batch && kv.kv_heads == hkv, "LlamaModel: ", press.name(), " returned ", kv.batch, " x ",
+                kv.kv_heads, " heads for a cache of ", shape_str(in.keys));
+    HeadRaggedLayer ragged = HeadRaggedLayer::from_ragged(kv, seq);
+    const at::Tensor keep_mask = kv.keep_mask.defined() ? kv.keep_mask : ragged.keep_mask();
+    if (options.ragged_layout == PrefillOptions::RaggedLayout::kPacked)
+      cache.replace_ragged(layer, std::move(ragged));
+    else
+      cache.set_keep_mask(layer, keep_mask);
+    out.keep_masks.push_back(keep_mask);
+    if (options.on_compress_ragged) options.on_compress_ragged(in, kv);
+    return;
+  }
+  const KV kv = press.compress(in);
+  TORCH_CHECK(kv.keys.dim() == 4 && kv.keys.size(0) == batch && kv.keys.size(1) == hkv && kv.keys.size(3) == d &&
+                  kv.values.sizes() == kv.keys.sizes(),
+              "LlamaModel: ", press.name(), " returned keys ", shape_str(kv.keys), " and values ", shape_str(kv.values),
+              " for a cache of ", shape_str(in.keys));
+  cache.replace(layer, kv.keys, kv.values);
+  out.kept_indices.push_back(kv.kept_indices);
+  if (options.on_compress) options.on_compress(in, kv);
+}
+
+void LlamaModel::compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer,
+                                         LayerInputs in, int64_t tokens_seen, KVCache& cache) const {
+  const std::optional<KV> kv = press.step(in, tokens_seen, *options.decoding_state);
+  if (!kv) return;
+  TORCH_CHECK(kv->keys.dim() == 4 && kv->keys.size(0) == in.keys.size(0) && kv->keys.size(1) == in.keys.size(1) &&
+                  kv->keys.size(3) == in.keys.size(3) && kv->values.sizes() == kv->keys.sizes(),
+              "LlamaModel: ", press.name(), " returned keys ", shape_str(kv->keys), " and values ",
+              shape_str(kv->values), " for a cache of ", shape_str(in.keys));
+  cache.replace(layer, kv->keys, kv->values);
+  if (options.on_decoding_compress) options.on_decoding_compress(in, *kv);
 }
 
 }  // namespace kvpress::llama

@@ -212,7 +212,7 @@ EOF
 fi
 expect_error "KeyRerotationPress without inv_freq or cos/sin" "needs inv_freq" compress --press KeyRerotationPress \
   --ratio 0.5 --input "$tmp/kv.safetensors" --output "$tmp/rerot.st"
-expect_error "inv_freq shape" "'inv_freq' must be [4] (head_dim / 2), got [8]" compress --press KeyRerotationPress \
+expect_error "inv_freq shape" "inv_freq must be [4] (head_dim / 2), got [8]" compress --press KeyRerotationPress \
   --ratio 0.5 --input "$tmp/bad_inv_freq.safetensors" --output "$tmp/rerot.st"
 expect_ok "compress --quiet" compress --press KnormPress --ratio 0.5 --input "$tmp/kv.safetensors" \
   --output "$tmp/quiet.st" --quiet && { [ ! -s "$tmp/stdout" ] || fail "--quiet printed: $(cat "$tmp/stdout")"; }
@@ -272,7 +272,7 @@ print("checked the head-ragged output", file=sys.stderr)
 sys.exit(1 if bad else 0)
 EOF
 fi
-expect_error "compress bad selection" "CompactorPress: parameter selection must be per_head or across_heads, got sideways" \
+expect_error "compress bad selection" "CompactorPress: parameter selection must be per_head or across_heads, got 'sideways'" \
   compress --press CompactorPress --ratio 0.5 --param selection=sideways --input "$tmp/compactor.safetensors" \
   --output "$tmp/err_out.st"
 
@@ -374,11 +374,11 @@ expect_error "SnapKV without attentions/queries/hidden_states" "SnapKVPress" com
 expect_error "NonCausalAttn with window queries only" "queries must cover every position" compress --press NonCausalAttnPress --ratio 0.5 --input "$tmp/queries.safetensors" --output "$out"
 expect_error "Compactor without cos/sin" "LeverageScorePress: needs cos/sin" compress --press CompactorPress --ratio 0.5 --input "$tmp/full.safetensors" --output "$out"
 expect_error "ObservedAttention without attentions" "attentions" compress --press ObservedAttentionPress --ratio 0.5 --input "$tmp/queries.safetensors" --output "$out"
-expect_error "keys not 4-D" "'keys' must be [batch, kv_heads, seq_len, head_dim]" compress --press KnormPress --ratio 0.5 --input "$tmp/keys_3d.safetensors" --output "$out"
-expect_error "values shape" "'values' must have the shape of 'keys'" compress --press KnormPress --ratio 0.5 --input "$tmp/values_mismatch.safetensors" --output "$out"
-expect_error "missing keys" "missing tensor 'keys'" compress --press KnormPress --ratio 0.5 --input "$tmp/no_keys.safetensors" --output "$out"
+expect_error "keys not 4-D" "keys must be [batch, kv_heads, seq_len, head_dim]" compress --press KnormPress --ratio 0.5 --input "$tmp/keys_3d.safetensors" --output "$out"
+expect_error "values shape" "values must have the shape of keys" compress --press KnormPress --ratio 0.5 --input "$tmp/values_mismatch.safetensors" --output "$out"
+expect_error "missing keys" "keys [batch, kv_heads, seq_len, head_dim] are required but were not given" compress --press KnormPress --ratio 0.5 --input "$tmp/no_keys.safetensors" --output "$out"
 expect_error "unknown tensor" "unknown tensor 'querys'" compress --press KnormPress --ratio 0.5 --input "$tmp/typo.safetensors" --output "$out"
-expect_error "queries head_dim" "'queries' must be [2, num_heads, Sq, 8]" compress --press SnapKVPress --ratio 0.5 --input "$tmp/bad_queries.safetensors" --output "$out"
+expect_error "queries head_dim" "queries must be [2, num_heads, Sq, 8]" compress --press SnapKVPress --ratio 0.5 --input "$tmp/bad_queries.safetensors" --output "$out"
 expect_error "bad metadata" "metadata num_heads must be an integer, got 'four'" compress --press KnormPress --ratio 0.5 --input "$tmp/bad_meta.safetensors" --output "$out"
 expect_error "bad device" "--device must be a torch device such as cpu, cuda or cuda:1, got 'warp9'" compress --press KnormPress --ratio 0.5 --device warp9 --input "$in" --output "$out"
 expect_error "unwritable output" "No such file or directory" compress --press KnormPress --ratio 0.5 --input "$in" --output "$tmp/no/such/dir/out.st"

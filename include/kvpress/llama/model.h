@@ -90,6 +90,8 @@ class KVCache {
   // tokens appended later are visible.
   void set_keep_mask(int64_t layer, const at::Tensor& keep_mask);
   void advance(int64_t n_tokens) { position_ += n_tokens; }
+  // The position id the next token gets (after a KeyRerotationPress, the compressed length).
+  void set_position(int64_t position);
   // Drops everything stored after lengths[layer] in each layer and sets position (e.g. to remove a
   // generated answer and reuse a compressed context, as kvpress's pipeline does per question).
   // A head-ragged layer can drop only appended tokens: max_length() - lengths[layer] of them.
@@ -123,7 +125,7 @@ struct ForwardOptions {
   DecodingState* decoding_state = nullptr;
   // Give the decoding press this forward's eager attention weights [B, Hq, n, length] (kvpress on an
   // eager model does). Otherwise only when its inner press cannot work without them
-  // (press_needs_attentions); kvpress's default (sdpa) model gives none.
+  // (kvpress::needs_attentions); kvpress's default (sdpa) model gives none.
   bool decoding_attentions = false;
   // Called after each decoding compression with what the press saw and returned.
   std::function<void(const LayerInputs&, const KV&)> on_decoding_compress;
@@ -132,7 +134,7 @@ struct ForwardOptions {
 // Whether a press gets the layer's eager attention weights in LayerInputs::attentions.
 enum class PressAttentions {
   kAuto,    // when return_attentions is set, or the press cannot work without them
-            // (press_needs_attentions); otherwise the press recomputes what it needs
+            // (kvpress::needs_attentions); otherwise the press recomputes what it needs
   kAlways,  // always, as kvpress on a model loaded with attn_implementation="eager"
   kNever,
 };
@@ -167,10 +169,6 @@ struct ForwardOutput {
 struct RopeTables {
   at::Tensor cos, sin;
 };
-
-// True when a press cannot run without attention weights: its registry entry lists attentions as
-// the only input it accepts (ObservedAttentionPress). Presses unknown to the registry: false.
-bool press_needs_attentions(const BasePress& press);
 
 class LlamaModel {
  public:
@@ -225,8 +223,29 @@ class LlamaModel {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, down_proj;
   };
 
+  // One forward pass (prefill when `prefill` is given): per layer, the projections, the attention
+  // over the cache (dense or head-ragged), the presses' hooks, the MLP.
   ForwardOutput run(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options,
                     const PrefillOptions* prefill) const;
+  // Whether the prefill press gets the layer's attention weights.
+  static bool wants_attentions(PressAttentions mode, const ForwardOptions& options, const std::string& press_name);
+  LayerQKV project_qkv(const Layer& w, const at::Tensor& h,  // h: [B, n, hidden] after the input norm
+                       const RopeTables& rope_tables) const;
+  // Causal attention of q [B, Hq, n, D] over a dense layer's keys/values [B, Hkv, L, D] (the last n
+  // are the new tokens), hiding positions where keep_mask [B, Hkv, L] (if defined) is false.
+  // -> [B, n, Hq * D]; weights_out: [B, Hq, n, L] in the model dtype.
+  at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& keep_mask, at::Tensor& weights_out) const;
+  at::Tensor ragged_attention(const at::Tensor& q, const HeadRaggedLayer& layer) const;  // -> [B, n, Hq * D]
+  // What both presses' hooks see of one layer in this forward (all but the attention weights).
+  LayerInputs hook_inputs(int64_t layer, const at::Tensor& input_ids, const at::Tensor& h,
+                          const RopeTables& rope_tables, const KVCache& cache) const;
+  // kvpress's forward hook at prefill: compress the layer, store it dense or head-ragged.
+  void compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer, LayerInputs in,
+                           KVCache& cache, ForwardOutput& out) const;
+  // kvpress's DecodingPress hook in a decoding forward.
+  void compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer,
+                               LayerInputs in, int64_t tokens_seen, KVCache& cache) const;
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
 
   LlamaConfig config_;
