@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "fixtures.h"
@@ -311,6 +312,43 @@ TEST(Decoding, GenerationCompressesWhileDecoding) {
   EXPECT_TRUE(std::isfinite(pressed.mean_nll));
   // Up to the first compression (after the 4th fed token) both read the same cache.
   EXPECT_TRUE(at::equal(pressed.argmax.narrow(0, 0, 4), full.argmax.narrow(0, 0, 4)));
+}
+
+// The runner's two hooks hand presses the same fields (one builder, LlamaModel::hook_inputs): every
+// field the model has is defined in both, so a press sees the same kind of inputs at prefill and
+// while decoding. Only queries (the press recomputes them), q_norm/k_norm (Llama has none) and
+// attentions (given on demand) stay empty.
+TEST(Decoding, PrefillAndDecodingHooksFillTheSameFields) {
+  const LlamaModel& model = tiny_model();
+  std::vector<int64_t> context{1};
+  for (int64_t i = 0; i < 39; ++i) context.push_back(300 + (i * 37) % 200);
+  const at::Tensor prompt = at::tensor(at::ArrayRef<int64_t>(context), at::kLong).unsqueeze(0);
+  const auto defined_fields = [](const LayerInputs& in) {
+    std::vector<std::string> names;
+    kvpress::for_each_field(in, [&](const kvpress::LayerInputField& field, const auto& member) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(member)>, at::Tensor>)
+        if (member.defined()) names.push_back(field.name);
+    });
+    return names;
+  };
+  std::vector<std::string> at_prefill, while_decoding;
+  const auto knorm = kvpress::make_press("KnormPress", 0.5);
+  KVCache cache = model.new_cache();
+  PrefillOptions p;
+  p.press = knorm.get();
+  p.on_compress = [&](const LayerInputs& in, const kvpress::KV&) { at_prefill = defined_fields(in); };
+  model.prefill(prompt, cache, p);
+  const auto decoding = kvpress::make_press("DecodingPress", 0.0, {{"compression_interval", "1"}, {"target_size", "8"}});
+  kvpress::DecodingState state;
+  kvpress::llama::ForwardOptions step;
+  step.decoding_press = kvpress::decoding_press_of(decoding.get());
+  step.decoding_state = &state;
+  step.on_decoding_compress = [&](const LayerInputs& in, const kvpress::KV&) { while_decoding = defined_fields(in); };
+  model.forward(at::tensor({400L}, at::kLong).unsqueeze(0), cache, step);
+  const std::vector<std::string> expected{"keys",   "values", "hidden_states", "q_proj",   "k_proj",   "o_proj",
+                                          "cos",    "sin",    "inv_freq",      "input_ids"};
+  EXPECT_EQ(at_prefill, expected);
+  EXPECT_EQ(while_decoding, expected);
 }
 
 // ---- fixtures ------------------------------------------------------------------------------------

@@ -147,6 +147,53 @@ TEST(Errors, MissingInputs) {
                {"attentions must cover every query position ([batch, num_heads, 32, 32]), got [1, 4, 8, 32]"});
 }
 
+// validate_layer_inputs (the CLI, torch.ops.kvpress.press_compress): every cross-field check names
+// the field, the expected and the actual value.
+TEST(Errors, LayerInputsThatDoNotFitTogether) {
+  const auto expect_invalid = [](const LayerInputs& in, const std::string& message) {
+    expect_error([&] { validate_layer_inputs(in, "check"); }, {"check: " + message});
+  };
+  expect_invalid(LayerInputs{}, "keys [batch, kv_heads, seq_len, head_dim] are required but were not given");
+  LayerInputs in = small_layer();  // [1, 2, 32, 8]
+  validate_layer_inputs(in, "check");
+  LayerInputs bad = in;
+  bad.queries = randn({1, 4, 40, 8}, 3);
+  expect_invalid(bad, "queries must be [1, num_heads, Sq, 8] with 1 <= Sq <= 32, got [1, 4, 40, 8]");
+  bad = in;
+  bad.queries = randn({1, 4, 4, 8}, 3);
+  bad.num_heads = 8;
+  expect_invalid(bad, "queries [1, 4, 4, 8] implies 4 query heads but num_heads implies 8");
+  bad = in;
+  bad.o_proj = randn({16, 5 * 8}, 4);
+  expect_invalid(bad, "o_proj [16, 40] gives 5 query heads, not a multiple of the 2 KV heads of keys");
+  bad.o_proj = randn({16, 4 * 8}, 4);
+  bad.hidden_states = randn({1, 32, 12}, 5);
+  expect_invalid(bad, "o_proj must be [12, num_heads * 8], got [16, 32]");
+  bad = in;
+  bad.cos = at::ones({32, 8});
+  expect_invalid(bad, "cos and sin come together; only cos was given");
+  bad.sin = at::ones({31, 8});
+  expect_invalid(bad, "sin must be [32, 8] (seq_len, head_dim), got [31, 8]");
+  bad = in;
+  bad.input_ids = at::zeros({1, 32});
+  expect_invalid(bad, "input_ids must be an integer tensor, got Float");
+  bad.input_ids = at::zeros({1, 31}, at::kLong);
+  expect_invalid(bad, "input_ids must be [1, 32] (batch, seq_len), got [1, 31]");
+  bad = in;
+  bad.q_norm = at::ones({8}, at::kInt);
+  expect_invalid(bad, "q_norm must be a floating-point tensor, got Int");
+  bad = in;
+  bad.layer_idx = 2;
+  bad.num_layers = 2;
+  expect_invalid(bad, "layer_idx must be in [0, 2), got 2");
+  bad = in;
+  bad.norm_eps = -1;
+  expect_invalid(bad, "norm_eps must be a finite number >= 0, got -1");
+  bad = in;
+  bad.attentions = at::rand({1, 4, 8, 32}).to(at::kMeta);
+  expect_invalid(bad, "attentions must be on the same device as keys (cpu), got meta");
+}
+
 TEST(Errors, BadParameters) {
   expect_error([] { make_press("SnapKV", 0.5); }, {"make_press: unknown press 'SnapKV' (known: RandomPress, KnormPress"});
   expect_error([] { make_press("SnapKVPress", 0.5, {{"window", "8"}}); },

@@ -148,6 +148,19 @@ if expect_ok "list --names" list --names; then
   [ "$(sort "$tmp/stdout")" = "$(printf '%s\n' "${presses[@]}" | sort)" ] ||
     fail "list --names: got $(tr '\n' ' ' <"$tmp/stdout")"
 fi
+# list --json: the same presses, and every LayerInputs field, each documented in docs/CLI.md.
+if expect_ok "list --json" list --json; then
+  "$python" - "$tmp/stdout" "$(dirname "$0")/../../docs/CLI.md" "${presses[@]}" <<'PY' || fail "list --json: see above"
+import json, sys
+listing = json.load(open(sys.argv[1]))
+doc = open(sys.argv[2]).read()
+names = sorted(p["name"] for p in listing["presses"])
+assert names == sorted(sys.argv[3:]), names
+assert all(p["kind"] in ("scorer", "wrapper", "decoding", "second_pass") for p in listing["presses"])
+missing = [f["name"] for f in listing["layer_inputs"] if f"`{f['name']}`" not in doc]
+assert not missing, f"docs/CLI.md does not describe the input fields {missing}"
+PY
+fi
 
 # ---- compress: successes ------------------------------------------------------------------
 # Each case: output name, input name, press, ratio, extra args. Checked below in one Python run.
