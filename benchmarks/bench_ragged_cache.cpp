@@ -29,17 +29,16 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/ops.h"
+#include "kvpress/registry.h"
 
 namespace {
 
 constexpr int64_t kBatch = 1, kKvHeads = 8, kQHeads = 32, kDim = 128;
 
 std::vector<double> parse_list(const char* text) {
-  std::vector<double> out;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stod(item));
-  return out;
+  const auto list = kvpress::parse_double_list(text);
+  TORCH_CHECK(list, "kvpress_bench_ragged: expected comma-separated numbers, got '", text, "'");
+  return *list;
 }
 
 double median_ms(const std::function<void()>& fn, int repeats) {

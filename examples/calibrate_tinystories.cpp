@@ -79,14 +79,20 @@ int main(int argc, char** argv) {
   double tau = 0.9;
   size_t n_train = 50;
   cal::FitOptions fit_options;
+  bool bad_argument = false;
+  const auto number = [&](auto parsed) {  // the library's parser: "0.9x" is refused
+    bad_argument = bad_argument || !parsed;
+    return parsed.value_or(0);
+  };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--press") press_name = v;
-    else if (k == "--tau") tau = std::stod(v);
-    else if (k == "--train") n_train = std::stoul(v);
+    else if (k == "--tau") tau = number(kvpress::parse_double(v));
+    else if (k == "--train") n_train = static_cast<size_t>(number(kvpress::parse_int(v)));
     else if (k == "--stories") stories_path = v;
-    else if (k == "--overestimate-weight") fit_options.overestimate_weight = std::stod(v);
-    else {
+    else if (k == "--overestimate-weight") fit_options.overestimate_weight = number(kvpress::parse_double(v));
+    else bad_argument = true;
+    if (bad_argument) {
       std::fprintf(stderr, "usage: %s [--press NAME] [--tau T] [--train N] [--stories FILE] [--overestimate-weight W]\n", argv[0]);
       return 2;
     }

@@ -54,14 +54,22 @@ Args parse(int argc, char** argv) {
       }
       return argv[++i];
     };
+    // Numbers through the library's parser (kvpress/registry.h), so "0.5x" is refused.
+    auto number = [&](auto parsed) {
+      if (!parsed) {
+        std::cerr << "kvpress_generate: " << k << " wants a number, got " << argv[i] << "\n";
+        std::exit(2);
+      }
+      return *parsed;
+    };
     if (k == "--model") a.model = value();
     else if (k == "--text") a.text = value();
     else if (k == "--prompt") a.prompt = value();
-    else if (k == "--story") a.story = std::stoi(value());
-    else if (k == "--prefix-tokens") a.prefix_tokens = std::stoi(value());
+    else if (k == "--story") a.story = static_cast<int>(number(kvpress::parse_int(value())));
+    else if (k == "--prefix-tokens") a.prefix_tokens = static_cast<int>(number(kvpress::parse_int(value())));
     else if (k == "--press") a.press = value();
-    else if (k == "--ratio") a.ratio = std::stod(value());
-    else if (k == "--max-new-tokens") a.max_new_tokens = std::stoi(value());
+    else if (k == "--ratio") a.ratio = number(kvpress::parse_double(value()));
+    else if (k == "--max-new-tokens") a.max_new_tokens = static_cast<int>(number(kvpress::parse_int(value())));
     else if (k == "--param") {
       const std::string kv = value();
       const size_t eq = kv.find('=');

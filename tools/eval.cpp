@@ -267,6 +267,196 @@ class TempFile {
   std::string path_;
 };
 
+// ---- running -----------------------------------------------------------------------------
+
+struct Story {
+  int64_t index = 0;
+  std::vector<int64_t> ids;
+  int64_t prefix = 0;
+  llama::ContinuationScore full;  // with the full cache
+};
+
+struct Result {
+  const PressSpec* press;
+  double ratio;  // NaN for a fixed budget
+  std::vector<double> nll, agreement;  // per story
+};
+
+// Everything an evaluation measured, for the table and the files.
+struct Evaluation {
+  std::string model_dir, text_path;
+  std::vector<Story> stories;
+  int64_t skipped = 0;  // stories whose prefix was too short
+  std::vector<Result> results;
+  double seconds = 0.0;
+  int64_t runs = 0;
+  std::vector<double> full_nll;  // per story
+  double full_mean = 0.0;
+};
+
+// The stories long enough for the prefix (at most --max-stories), tokenized.
+std::vector<Story> select_stories(const EvalArgs& args, const std::vector<std::string>& texts,
+                                  const llama::Tokenizer& tokenizer, int64_t& skipped) {
+  std::vector<Story> stories;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    if (args.max_stories > 0 && static_cast<int64_t>(stories.size()) >= args.max_stories) break;
+    Story s;
+    s.index = static_cast<int64_t>(i);
+    s.ids = tokenizer.encode(texts[i]);
+    s.prefix = llama::prefix_length(static_cast<int64_t>(s.ids.size()), args.prefix_tokens, args.prefix_fraction);
+    if (s.prefix < args.min_prefix) {  // also -1: too short for any prefix
+      ++skipped;
+      continue;
+    }
+    stories.push_back(std::move(s));
+  }
+  return stories;
+}
+
+// Every press at every ratio on every story, after the full-cache run of each story.
+Evaluation evaluate(const EvalArgs& args) {
+  at::set_num_threads(static_cast<int>(args.threads));
+  // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global
+  // generator: seed it so that a run is reproducible.
+  at::manual_seed(0);
+  const auto start = Clock::now();
+  Evaluation e;
+  // The text first (cheap), then the model.
+  e.text_path = args.text.empty() ? llama::default_stories_path() : args.text;
+  const std::vector<std::string> texts = llama::read_stories(e.text_path);
+  TORCH_CHECK(!texts.empty(), "--text ", e.text_path, ": no stories (stories are separated by <|endoftext|> lines)");
+  e.model_dir = llama::resolve_model_dir(args.model);
+  const llama::LlamaModel model = llama::LlamaModel::load(e.model_dir);
+  const llama::Tokenizer tokenizer = llama::Tokenizer::load(e.model_dir + "/tokenizer.json");
+  e.stories = select_stories(args, texts, tokenizer, e.skipped);
+  TORCH_CHECK(!e.stories.empty(), "--text ", e.text_path, ": no story is long enough for the prefix (",
+              args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
+                                     : fmt::format("fraction {}", args.prefix_fraction),
+              ", at least --min-prefix ", args.min_prefix, " tokens) plus 2 tokens");
+
+  size_t press_runs = 0;
+  for (const auto& p : args.presses) press_runs += fixed_budget(p) ? 1 : args.ratios.size();
+  e.runs = static_cast<int64_t>(e.stories.size() * (1 + press_runs));
+  Progress progress(e.runs, args.progress && !args.quiet);
+  int64_t done = 0;
+  for (auto& s : e.stories) {
+    s.full = llama::score_continuation(model, s.ids, s.prefix, nullptr);
+    e.full_nll.push_back(s.full.mean_nll);
+    progress.step(++done);
+  }
+  e.full_mean = mean(e.full_nll);
+
+  for (const auto& p : args.presses) {
+    for (double ratio : fixed_budget(p) ? std::vector<double>{0.0} : args.ratios) {
+      Result r{&p, fixed_budget(p) ? std::nan("") : ratio, {}, {}};
+      std::map<std::string, std::string> params = p.params;
+      if (p.per_layer_ramp) params["compression_ratios"] = per_layer_ramp(ratio, model.config().num_layers);
+      const auto press = kvpress::make_press(p.name, ratio, params);
+      // QSMPress/CTRPress weigh tokens by their text: give them the tokenizer's (one id decoded alone).
+      if (auto* qsm = dynamic_cast<kvpress::QSMPress*>(press.get()))
+        qsm->set_token_text([&tokenizer](int64_t id) { return tokenizer.decode({id}, /*skip_special_tokens=*/false); });
+      for (const auto& s : e.stories) {
+        llama::ContinuationScore c;
+        try {
+          c = llama::score_continuation(model, s.ids, s.prefix, press.get());
+        } catch (const c10::Error& error) {
+          progress.finish();
+          TORCH_CHECK(false, p.label, " at ratio ", ratio, " on story ", s.index, " (prefix ", s.prefix,
+                      " tokens): ", error.what_without_backtrace());
+        }
+        r.nll.push_back(c.mean_nll);
+        r.agreement.push_back(llama::greedy_agreement(c, s.full));
+        progress.step(++done);
+      }
+      e.results.push_back(std::move(r));
+    }
+  }
+  progress.finish();
+  e.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return e;
+}
+
+// ---- reporting ---------------------------------------------------------------------------
+
+void print_table(const EvalArgs& args, const Evaluation& e) {
+  double prefix_sum = 0, scored_sum = 0;
+  for (const auto& s : e.stories) {
+    prefix_sum += static_cast<double>(s.prefix);
+    scored_sum += static_cast<double>(s.full.scored);
+  }
+  const double n_stories = static_cast<double>(e.stories.size());
+  size_t w = std::string("full cache").size();
+  for (const auto& p : args.presses) w = std::max(w, p.label.size());
+  fmt::print("model: {}\n", e.model_dir);
+  fmt::print("stories: {} from {}{}; prefix {} (mean {:.1f} tokens), scored tokens per story: mean {:.1f}\n",
+             e.stories.size(), e.text_path,
+             e.skipped ? fmt::format(" ({} with a prefix under {} tokens skipped)", e.skipped, args.min_prefix) : "",
+             args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
+                                    : fmt::format("{:g} of each story", args.prefix_fraction),
+             prefix_sum / n_stories, scored_sum / n_stories);
+  fmt::print("NLL: mean over stories of the mean NLL (nats/token) of the teacher-forced continuation; agree: "
+             "fraction of positions whose argmax matches the full cache's\n\n");
+  fmt::print("{:<{}}  {:>5}  {:>8}  {:>8}  {:>6}\n", "press", w, "ratio", "NLL", "dNLL", "agree");
+  fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>8}  {:>6.3f}\n", "full cache", w, "-", e.full_mean, "-", 1.0);
+  for (const auto& r : e.results) {
+    const double m = mean(r.nll);
+    fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>+8.4f}  {:>6.3f}\n", r.press->label, w,
+               std::isnan(r.ratio) ? std::string("-") : fmt::format("{:.2f}", r.ratio), m, m - e.full_mean,
+               mean(r.agreement));
+  }
+  const size_t press_runs = e.results.size();
+  fmt::print("\n{} runs ({} stories x (1 + {} press runs: {} presses x {} ratios{})) in {}\n", e.runs,
+             e.stories.size(), press_runs, args.presses.size(), args.ratios.size(),
+             press_runs == args.presses.size() * args.ratios.size() ? "" : ", DecodingPress once",
+             fmt_duration(e.seconds));
+}
+
+nlohmann::json to_json(const EvalArgs& args, const Evaluation& e) {
+  nlohmann::json j;
+  j["model"] = e.model_dir;
+  j["text"] = e.text_path;
+  j["prefix_tokens"] = args.prefix_tokens > 0 ? nlohmann::json(args.prefix_tokens) : nlohmann::json(nullptr);
+  j["prefix_fraction"] = args.prefix_tokens > 0 ? nlohmann::json(nullptr) : nlohmann::json(args.prefix_fraction);
+  j["min_prefix"] = args.min_prefix;
+  j["skipped_stories"] = e.skipped;
+  j["seconds"] = e.seconds;
+  nlohmann::json stories = nlohmann::json::array();
+  for (const auto& s : e.stories)
+    stories.push_back({{"index", s.index}, {"tokens", s.ids.size()}, {"prefix", s.prefix}, {"scored", s.full.scored}});
+  j["stories"] = stories;
+  j["full"] = {{"mean_nll", e.full_mean}, {"nll", e.full_nll}};
+  nlohmann::json results = nlohmann::json::array();
+  for (const auto& r : e.results) {
+    const double m = mean(r.nll);
+    results.push_back({{"press", r.press->name},
+                       {"params", r.press->params},
+                       {"label", r.press->label},
+                       {"ratio", std::isnan(r.ratio) ? nlohmann::json(nullptr) : nlohmann::json(r.ratio)},
+                       {"mean_nll", m},
+                       {"delta_nll", m - e.full_mean},
+                       {"greedy_agreement", mean(r.agreement)},
+                       {"nll", r.nll},
+                       {"agreement", r.agreement}});
+  }
+  j["results"] = results;
+  return j;
+}
+
+std::string to_csv(const Evaluation& e) {
+  std::string csv = "press,ratio,mean_nll,delta_nll,greedy_agreement,stories\n";
+  auto quoted = [](const std::string& s) {
+    return s.find_first_of(",\"") == std::string::npos ? s : "\"" + s + "\"";  // labels have no quotes
+  };
+  csv += fmt::format("full cache,0,{:.6f},0,1,{}\n", e.full_mean, e.stories.size());
+  for (const auto& r : e.results) {
+    const double m = mean(r.nll);
+    csv += fmt::format("{},{},{:.6f},{:.6f},{:.6f},{}\n", quoted(r.press->label),
+                       std::isnan(r.ratio) ? std::string() : fmt::format("{:g}", r.ratio), m, m - e.full_mean,
+                       mean(r.agreement), e.stories.size());
+  }
+  return csv;
+}
+
 }  // namespace
 
 int run_eval(const std::vector<std::string>& argv) {
@@ -285,175 +475,16 @@ int run_eval(const std::vector<std::string>& argv) {
   std::optional<Plotter> plotter;
   if (!args.png.empty()) plotter = find_plotter("--png");
 
-  at::set_num_threads(static_cast<int>(args.threads));
-  // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global
-  // generator: seed it so that a run is reproducible.
-  at::manual_seed(0);
-  const auto start = Clock::now();
-  // Then the text (cheap), then the model.
-  const std::string text_path = args.text.empty() ? llama::default_stories_path() : args.text;
-  const std::vector<std::string> texts = llama::read_stories(text_path);
-  TORCH_CHECK(!texts.empty(), "--text ", text_path, ": no stories (stories are separated by <|endoftext|> lines)");
-  const std::string dir = llama::resolve_model_dir(args.model);
-  const llama::LlamaModel model = llama::LlamaModel::load(dir);
-  const llama::Tokenizer tokenizer = llama::Tokenizer::load(dir + "/tokenizer.json");
-
-  struct Story {
-    int64_t index = 0;
-    std::vector<int64_t> ids;
-    int64_t prefix = 0;
-    llama::ContinuationScore full;
-  };
-  std::vector<Story> stories;
-  int64_t skipped = 0;
-  for (size_t i = 0; i < texts.size(); ++i) {
-    if (args.max_stories > 0 && static_cast<int64_t>(stories.size()) >= args.max_stories) break;
-    Story s;
-    s.index = static_cast<int64_t>(i);
-    s.ids = tokenizer.encode(texts[i]);
-    s.prefix = llama::prefix_length(static_cast<int64_t>(s.ids.size()), args.prefix_tokens, args.prefix_fraction);
-    if (s.prefix < args.min_prefix) {  // also -1: too short for any prefix
-      ++skipped;
-      continue;
-    }
-    stories.push_back(std::move(s));
-  }
-  TORCH_CHECK(!stories.empty(), "--text ", text_path, ": no story is long enough for the prefix (",
-              args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
-                                     : fmt::format("fraction {}", args.prefix_fraction),
-              ", at least --min-prefix ", args.min_prefix, " tokens) plus 2 tokens");
-
-  size_t press_runs = 0;
-  for (const auto& p : args.presses) press_runs += fixed_budget(p) ? 1 : args.ratios.size();
-  const int64_t n_runs = static_cast<int64_t>(stories.size() * (1 + press_runs));
-  Progress progress(n_runs, args.progress && !args.quiet);
-  int64_t done = 0;
-  for (auto& s : stories) {
-    s.full = llama::score_continuation(model, s.ids, s.prefix, nullptr);
-    progress.step(++done);
-  }
-
-  struct Result {
-    const PressSpec* press;
-    double ratio;
-    std::vector<double> nll, agreement;
-  };
-  std::vector<Result> results;
-  for (const auto& p : args.presses) {
-    for (double ratio : fixed_budget(p) ? std::vector<double>{0.0} : args.ratios) {
-      Result r{&p, fixed_budget(p) ? std::nan("") : ratio, {}, {}};
-      std::map<std::string, std::string> params = p.params;
-      if (p.per_layer_ramp) params["compression_ratios"] = per_layer_ramp(ratio, model.config().num_layers);
-      const auto press = kvpress::make_press(p.name, ratio, params);
-      // QSMPress/CTRPress weigh tokens by their text: give them the tokenizer's (one id decoded alone).
-      if (auto* qsm = dynamic_cast<kvpress::QSMPress*>(press.get()))
-        qsm->set_token_text([&tokenizer](int64_t id) { return tokenizer.decode({id}, /*skip_special_tokens=*/false); });
-      for (const auto& s : stories) {
-        llama::ContinuationScore c;
-        try {
-          c = llama::score_continuation(model, s.ids, s.prefix, press.get());
-        } catch (const c10::Error& e) {
-          progress.finish();
-          TORCH_CHECK(false, p.label, " at ratio ", ratio, " on story ", s.index, " (prefix ", s.prefix,
-                      " tokens): ", e.what_without_backtrace());
-        }
-        r.nll.push_back(c.mean_nll);
-        r.agreement.push_back(llama::greedy_agreement(c, s.full));
-        progress.step(++done);
-      }
-      results.push_back(std::move(r));
-    }
-  }
-  progress.finish();
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-
-  std::vector<double> full_nll;
-  double prefix_sum = 0, scored_sum = 0;
-  for (const auto& s : stories) {
-    full_nll.push_back(s.full.mean_nll);
-    prefix_sum += static_cast<double>(s.prefix);
-    scored_sum += static_cast<double>(s.full.scored);
-  }
-  const double full_mean = mean(full_nll);
-  const double n_stories = static_cast<double>(stories.size());
-
-  // ---- table --------------------------------------------------------------------------------
-  if (!args.quiet) {
-    size_t w = std::string("full cache").size();
-    for (const auto& p : args.presses) w = std::max(w, p.label.size());
-    fmt::print("model: {}\n", dir);
-    fmt::print("stories: {} from {}{}; prefix {} (mean {:.1f} tokens), scored tokens per story: mean {:.1f}\n",
-               stories.size(), text_path, skipped ? fmt::format(" ({} with a prefix under {} tokens skipped)", skipped, args.min_prefix) : "",
-               args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
-                                      : fmt::format("{:g} of each story", args.prefix_fraction),
-               prefix_sum / n_stories, scored_sum / n_stories);
-    fmt::print("NLL: mean over stories of the mean NLL (nats/token) of the teacher-forced continuation; agree: "
-               "fraction of positions whose argmax matches the full cache's\n\n");
-    fmt::print("{:<{}}  {:>5}  {:>8}  {:>8}  {:>6}\n", "press", w, "ratio", "NLL", "dNLL", "agree");
-    fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>8}  {:>6.3f}\n", "full cache", w, "-", full_mean, "-", 1.0);
-    for (const auto& r : results) {
-      const double m = mean(r.nll);
-      fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>+8.4f}  {:>6.3f}\n", r.press->label, w,
-                 std::isnan(r.ratio) ? std::string("-") : fmt::format("{:.2f}", r.ratio), m, m - full_mean,
-                 mean(r.agreement));
-    }
-    fmt::print("\n{} runs ({} stories x (1 + {} press runs: {} presses x {} ratios{})) in {}\n", n_runs,
-               stories.size(), press_runs, args.presses.size(), args.ratios.size(),
-               press_runs == args.presses.size() * args.ratios.size() ? "" : ", DecodingPress once",
-               fmt_duration(seconds));
-  }
-
-  // ---- files --------------------------------------------------------------------------------
-  // The chart (last) is scripts/plot.py's, drawn from this JSON: --json's file, or a temporary one.
-  nlohmann::json j;
-  if (!args.json.empty() || plotter) {
-    j["model"] = dir;
-    j["text"] = text_path;
-    j["prefix_tokens"] = args.prefix_tokens > 0 ? nlohmann::json(args.prefix_tokens) : nlohmann::json(nullptr);
-    j["prefix_fraction"] = args.prefix_tokens > 0 ? nlohmann::json(nullptr) : nlohmann::json(args.prefix_fraction);
-    j["min_prefix"] = args.min_prefix;
-    j["skipped_stories"] = skipped;
-    j["seconds"] = seconds;
-    nlohmann::json js = nlohmann::json::array();
-    for (const auto& s : stories)
-      js.push_back({{"index", s.index}, {"tokens", s.ids.size()}, {"prefix", s.prefix}, {"scored", s.full.scored}});
-    j["stories"] = js;
-    j["full"] = {{"mean_nll", full_mean}, {"nll", full_nll}};
-    nlohmann::json jr = nlohmann::json::array();
-    for (const auto& r : results) {
-      const double m = mean(r.nll);
-      jr.push_back({{"press", r.press->name},
-                    {"params", r.press->params},
-                    {"label", r.press->label},
-                    {"ratio", std::isnan(r.ratio) ? nlohmann::json(nullptr) : nlohmann::json(r.ratio)},
-                    {"mean_nll", m},
-                    {"delta_nll", m - full_mean},
-                    {"greedy_agreement", mean(r.agreement)},
-                    {"nll", r.nll},
-                    {"agreement", r.agreement}});
-    }
-    j["results"] = jr;
-    if (!args.json.empty()) write_text(args.json, j.dump(1) + "\n", "--json");
-  }
-  if (!args.csv.empty()) {
-    std::string csv = "press,ratio,mean_nll,delta_nll,greedy_agreement,stories\n";
-    auto quoted = [](const std::string& s) {
-      return s.find_first_of(",\"") == std::string::npos ? s : "\"" + s + "\"";  // labels have no quotes
-    };
-    csv += fmt::format("full cache,0,{:.6f},0,1,{}\n", full_mean, stories.size());
-    for (const auto& r : results) {
-      const double m = mean(r.nll);
-      csv += fmt::format("{},{},{:.6f},{:.6f},{:.6f},{}\n", quoted(r.press->label),
-                         std::isnan(r.ratio) ? std::string() : fmt::format("{:g}", r.ratio), m, m - full_mean,
-                         mean(r.agreement), stories.size());
-    }
-    write_text(args.csv, csv, "--csv");
-  }
+  const Evaluation e = evaluate(args);
+  if (!args.quiet) print_table(args, e);
+  // The chart (last) is scripts/plot.py's, drawn from the JSON: --json's file, or a temporary one.
+  if (!args.json.empty()) write_text(args.json, to_json(args, e).dump(1) + "\n", "--json");
+  if (!args.csv.empty()) write_text(args.csv, to_csv(e), "--csv");
   if (plotter) {
     std::optional<TempFile> temp;
     if (args.json.empty()) {
       temp.emplace(".json");
-      write_text(temp->path(), j.dump() + "\n", "--png (its temporary JSON)");
+      write_text(temp->path(), to_json(args, e).dump() + "\n", "--png (its temporary JSON)");
     }
     run_plotter(*plotter, {"eval", temp ? temp->path() : args.json, "--out", args.png}, "--png " + args.png);
   }

@@ -130,6 +130,14 @@ std::string byte_token(unsigned char b) {
   return buf;
 }
 
+bool has(const json& object, const char* key) { return object.contains(key) && !object[key].is_null(); }
+
+// The steps of a normalizer/decoder: its `list_key` array when it is a Sequence, else itself.
+std::vector<json> sequence_steps(const json& step, const char* list_key) {
+  if (step.value("type", "") != "Sequence") return {step};
+  return step.at(list_key).get<std::vector<json>>();
+}
+
 }  // namespace
 
 struct Tokenizer::Impl {
@@ -330,6 +338,131 @@ struct Tokenizer::Impl {
     }
     return tokens;
   }
+
+  // ---- loading tokenizer.json, one section at a time --------------------------------------------
+
+  [[noreturn]] void unsupported(const char* what, const json& value) const {
+    TORCH_CHECK(false, "Tokenizer: ", origin, ": unsupported ", what, " ", value.dump().substr(0, 200));
+  }
+
+  // Model: BPE (vocabulary, merges, unknown-token and byte-fallback options). Ids run up to the
+  // largest of the vocabulary and the added tokens.
+  void load_model(const json& model, const json& added_tokens) {
+    if (model.value("type", "") != "BPE") unsupported("model type", model.value("type", json()));
+    if (has(model, "continuing_subword_prefix") || has(model, "end_of_word_suffix"))
+      unsupported("BPE option (continuing_subword_prefix / end_of_word_suffix)", model["continuing_subword_prefix"]);
+    if (has(model, "dropout") && model["dropout"].get<double>() != 0.0) unsupported("BPE dropout", model["dropout"]);
+    fuse_unk = model.value("fuse_unk", false);
+    byte_fallback = model.value("byte_fallback", false);
+    ignore_merges = model.value("ignore_merges", false);
+    int64_t max_id = -1;
+    for (const auto& [token, id] : model.at("vocab").items()) {
+      vocab[token] = id.get<int32_t>();
+      max_id = std::max<int64_t>(max_id, id.get<int64_t>());
+    }
+    for (const auto& a : added_tokens) max_id = std::max(max_id, a.at("id").get<int64_t>());
+    id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
+    special.assign(static_cast<size_t>(max_id + 1), false);
+    for (const auto& [token, id] : vocab) id_to_token[static_cast<size_t>(id)] = token;
+    if (has(model, "unk_token")) {
+      const auto it = vocab.find(model["unk_token"].get<std::string>());
+      TORCH_CHECK(it != vocab.end(), "Tokenizer: ", origin, ": unk_token is not in the vocabulary");
+      unk_id = it->second;
+    }
+    int32_t rank = 0;
+    for (const auto& m : model.at("merges")) {
+      std::string left, right;
+      if (m.is_string()) {  // "left right"
+        const std::string s = m.get<std::string>();
+        const size_t space = s.find(' ');
+        TORCH_CHECK(space != std::string::npos, "Tokenizer: ", origin, ": malformed merge '", s, "'");
+        left = s.substr(0, space);
+        right = s.substr(space + 1);
+      } else {  // ["left", "right"]
+        left = m.at(0).get<std::string>();
+        right = m.at(1).get<std::string>();
+      }
+      const auto l = vocab.find(left), r = vocab.find(right), merged = vocab.find(left + right);
+      TORCH_CHECK(l != vocab.end() && r != vocab.end() && merged != vocab.end(), "Tokenizer: ", origin, ": merge '",
+                  left, " ", right, "' uses tokens missing from the vocabulary");
+      merges.emplace(pair_key(l->second, r->second), Merge{rank++, merged->second});
+    }
+  }
+
+  // Normalizer: Prepend / Replace(String), alone or in a Sequence.
+  void load_normalizer(const json& n) {
+    for (const json& s : sequence_steps(n, "normalizers")) {
+      const std::string type = s.value("type", "");
+      if (type == "Prepend") {
+        normalizer.push_back({NormalizerStep::kPrepend, s.at("prepend").get<std::string>(), ""});
+      } else if (type == "Replace") {
+        normalizer.push_back({NormalizerStep::kReplace, string_pattern(s, origin), s.at("content").get<std::string>()});
+      } else {
+        unsupported("normalizer", s);
+      }
+    }
+  }
+
+  // Added tokens keep their own ids; special ones are dropped by decode(skip_special_tokens). They
+  // split the text before BPE: raw ones as written, normalized ones in their normalized form.
+  void load_added_tokens(const json& added_tokens) {
+    for (const auto& a : added_tokens) {
+      AddedToken t;
+      t.id = a.at("id").get<int64_t>();
+      t.content = a.at("content").get<std::string>();
+      t.normalized = a.value("normalized", false);
+      t.special = a.value("special", false);
+      if (a.value("single_word", false) || a.value("lstrip", false) || a.value("rstrip", false))
+        unsupported("added token option (single_word / lstrip / rstrip)", a);
+      id_to_token[static_cast<size_t>(t.id)] = t.content;
+      special[static_cast<size_t>(t.id)] = t.special;
+      added.push_back(t);
+      if (t.normalized) {
+        normalized_patterns.emplace_back(normalize(t.content), t.id);
+      } else {
+        raw_patterns.emplace_back(t.content, t.id);
+      }
+    }
+  }
+
+  // Post-processor: TemplateProcessing of a single sequence (ids before and after the text).
+  void load_post_processor(const json& p) {
+    if (p.value("type", "") != "TemplateProcessing") unsupported("post_processor", p);
+    bool after = false;
+    for (const auto& item : p.at("single")) {
+      if (item.contains("Sequence")) {
+        TORCH_CHECK(!after, "Tokenizer: ", origin, ": post_processor template with two sequences");
+        after = true;
+      } else if (item.contains("SpecialToken")) {
+        const std::string name = item["SpecialToken"].at("id").get<std::string>();
+        for (const auto& id : p.at("special_tokens").at(name).at("ids"))
+          (after ? suffix_ids : prefix_ids).push_back(id.get<int64_t>());
+      } else {
+        unsupported("post_processor template item", item);
+      }
+    }
+  }
+
+  // Decoder: Replace(String) / ByteFallback / Fuse / Strip, alone or in a Sequence.
+  void load_decoder(const json& d) {
+    for (const json& s : sequence_steps(d, "decoders")) {
+      const std::string type = s.value("type", "");
+      DecoderStep step{DecoderStep::kFuse, "", "", 0, 0};
+      if (type == "Replace") {
+        step = {DecoderStep::kReplace, string_pattern(s, origin), s.at("content").get<std::string>(), 0, 0};
+      } else if (type == "ByteFallback") {
+        step.kind = DecoderStep::kByteFallback;
+      } else if (type == "Fuse") {
+        step.kind = DecoderStep::kFuse;
+      } else if (type == "Strip") {
+        step = {DecoderStep::kStrip, s.at("content").get<std::string>(), "", s.value("start", size_t{0}),
+                s.value("stop", size_t{0})};
+      } else {
+        unsupported("decoder", s);
+      }
+      decoder.push_back(step);
+    }
+  }
 };
 
 Tokenizer::Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
@@ -351,144 +484,14 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   }
   auto impl = std::make_shared<Impl>();
   impl->origin = origin;
-  auto unsupported = [&](const char* what, const json& v) {
-    TORCH_CHECK(false, "Tokenizer: ", origin, ": unsupported ", what, " ", v.dump().substr(0, 200));
-  };
-  auto has = [](const json& o, const char* key) { return o.contains(key) && !o[key].is_null(); };
-
-  // Model: BPE.
   TORCH_CHECK(j.contains("model") && j["model"].is_object(), "Tokenizer: ", origin, ": no model");
-  const json& model = j["model"];
-  if (model.value("type", "") != "BPE") unsupported("model type", model.value("type", json()));
-  if (has(model, "continuing_subword_prefix") || has(model, "end_of_word_suffix"))
-    unsupported("BPE option (continuing_subword_prefix / end_of_word_suffix)", model["continuing_subword_prefix"]);
-  if (has(model, "dropout") && model["dropout"].get<double>() != 0.0) unsupported("BPE dropout", model["dropout"]);
-  impl->fuse_unk = model.value("fuse_unk", false);
-  impl->byte_fallback = model.value("byte_fallback", false);
-  impl->ignore_merges = model.value("ignore_merges", false);
-  int64_t max_id = -1;
-  for (const auto& [token, id] : model.at("vocab").items()) {
-    impl->vocab[token] = id.get<int32_t>();
-    max_id = std::max<int64_t>(max_id, id.get<int64_t>());
-  }
-  for (const auto& a : j.value("added_tokens", json::array())) max_id = std::max(max_id, a.at("id").get<int64_t>());
-  impl->id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
-  impl->special.assign(static_cast<size_t>(max_id + 1), false);
-  for (const auto& [token, id] : impl->vocab) impl->id_to_token[static_cast<size_t>(id)] = token;
-  if (has(model, "unk_token")) {
-    const auto it = impl->vocab.find(model["unk_token"].get<std::string>());
-    TORCH_CHECK(it != impl->vocab.end(), "Tokenizer: ", origin, ": unk_token is not in the vocabulary");
-    impl->unk_id = it->second;
-  }
-  int32_t rank = 0;
-  for (const auto& m : model.at("merges")) {
-    std::string left, right;
-    if (m.is_string()) {  // "left right"
-      const std::string s = m.get<std::string>();
-      const size_t space = s.find(' ');
-      TORCH_CHECK(space != std::string::npos, "Tokenizer: ", origin, ": malformed merge '", s, "'");
-      left = s.substr(0, space);
-      right = s.substr(space + 1);
-    } else {  // ["left", "right"]
-      left = m.at(0).get<std::string>();
-      right = m.at(1).get<std::string>();
-    }
-    const auto l = impl->vocab.find(left), r = impl->vocab.find(right), merged = impl->vocab.find(left + right);
-    TORCH_CHECK(l != impl->vocab.end() && r != impl->vocab.end() && merged != impl->vocab.end(), "Tokenizer: ",
-                origin, ": merge '", left, " ", right, "' uses tokens missing from the vocabulary");
-    impl->merges.emplace(pair_key(l->second, r->second), Merge{rank++, merged->second});
-  }
-
-  // Normalizer: Prepend / Replace(String), alone or in a Sequence.
-  if (has(j, "normalizer")) {
-    const json& n = j["normalizer"];
-    std::vector<json> steps;
-    if (n.value("type", "") == "Sequence") {
-      for (const auto& s : n.at("normalizers")) steps.push_back(s);
-    } else {
-      steps.push_back(n);
-    }
-    for (const auto& s : steps) {
-      const std::string type = s.value("type", "");
-      if (type == "Prepend") {
-        impl->normalizer.push_back({NormalizerStep::kPrepend, s.at("prepend").get<std::string>(), ""});
-      } else if (type == "Replace") {
-        impl->normalizer.push_back({NormalizerStep::kReplace, string_pattern(s, origin), s.at("content").get<std::string>()});
-      } else {
-        unsupported("normalizer", s);
-      }
-    }
-  }
-  if (has(j, "pre_tokenizer")) unsupported("pre_tokenizer (only none)", j["pre_tokenizer"]);
-
-  // Added tokens (they keep their own ids; special ones are dropped by decode(skip_special_tokens)).
-  for (const auto& a : j.value("added_tokens", json::array())) {
-    AddedToken t;
-    t.id = a.at("id").get<int64_t>();
-    t.content = a.at("content").get<std::string>();
-    t.normalized = a.value("normalized", false);
-    t.special = a.value("special", false);
-    if (a.value("single_word", false) || a.value("lstrip", false) || a.value("rstrip", false))
-      unsupported("added token option (single_word / lstrip / rstrip)", a);
-    impl->id_to_token[static_cast<size_t>(t.id)] = t.content;
-    impl->special[static_cast<size_t>(t.id)] = t.special;
-    impl->added.push_back(t);
-  }
-
-  for (const auto& a : impl->added) {
-    if (a.normalized) {
-      impl->normalized_patterns.emplace_back(impl->normalize(a.content), a.id);
-    } else {
-      impl->raw_patterns.emplace_back(a.content, a.id);
-    }
-  }
-
-  // Post-processor: TemplateProcessing of a single sequence.
-  if (has(j, "post_processor")) {
-    const json& p = j["post_processor"];
-    if (p.value("type", "") != "TemplateProcessing") unsupported("post_processor", p);
-    bool after = false;
-    for (const auto& item : p.at("single")) {
-      if (item.contains("Sequence")) {
-        TORCH_CHECK(!after, "Tokenizer: ", origin, ": post_processor template with two sequences");
-        after = true;
-      } else if (item.contains("SpecialToken")) {
-        const std::string name = item["SpecialToken"].at("id").get<std::string>();
-        const json& special = p.at("special_tokens").at(name);
-        for (const auto& id : special.at("ids")) (after ? impl->suffix_ids : impl->prefix_ids).push_back(id.get<int64_t>());
-      } else {
-        unsupported("post_processor template item", item);
-      }
-    }
-  }
-
-  // Decoder: Replace(String) / ByteFallback / Fuse / Strip, alone or in a Sequence.
-  if (has(j, "decoder")) {
-    const json& d = j["decoder"];
-    std::vector<json> steps;
-    if (d.value("type", "") == "Sequence") {
-      for (const auto& s : d.at("decoders")) steps.push_back(s);
-    } else {
-      steps.push_back(d);
-    }
-    for (const auto& s : steps) {
-      const std::string type = s.value("type", "");
-      DecoderStep step{DecoderStep::kFuse, "", "", 0, 0};
-      if (type == "Replace") {
-        step = {DecoderStep::kReplace, string_pattern(s, origin), s.at("content").get<std::string>(), 0, 0};
-      } else if (type == "ByteFallback") {
-        step.kind = DecoderStep::kByteFallback;
-      } else if (type == "Fuse") {
-        step.kind = DecoderStep::kFuse;
-      } else if (type == "Strip") {
-        step = {DecoderStep::kStrip, s.at("content").get<std::string>(), "", s.value("start", size_t{0}),
-                s.value("stop", size_t{0})};
-      } else {
-        unsupported("decoder", s);
-      }
-      impl->decoder.push_back(step);
-    }
-  }
+  const json added_tokens = j.value("added_tokens", json::array());
+  impl->load_model(j["model"], added_tokens);
+  if (has(j, "normalizer")) impl->load_normalizer(j["normalizer"]);
+  if (has(j, "pre_tokenizer")) impl->unsupported("pre_tokenizer (only none)", j["pre_tokenizer"]);
+  impl->load_added_tokens(added_tokens);  // after the normalizer: normalized ones match normalized text
+  if (has(j, "post_processor")) impl->load_post_processor(j["post_processor"]);
+  if (has(j, "decoder")) impl->load_decoder(j["decoder"]);
   return Tokenizer(std::move(impl));
 }
 
