@@ -70,10 +70,7 @@ HeadRaggedLayer HeadRaggedLayer::from_ragged(const RaggedKV& kv, int64_t seq_len
     offsets.push_back(offsets.back() + head.keys.size(0));
   }
 
-  HeadRaggedLayer layer;
-  layer.batch_ = kv.batch;
-  layer.kv_heads_ = kv.kv_heads;
-  layer.head_dim_ = dim;
+  HeadRaggedLayer layer(kv.batch, kv.kv_heads, dim);
   // One allocation of exactly T rows each: the memory the layer keeps.
   layer.packed_keys_ = at::cat(keys, 0);
   layer.packed_values_ = at::cat(values, 0);
@@ -111,10 +108,7 @@ HeadRaggedLayer HeadRaggedLayer::from_dense(const at::Tensor& keys, const at::Te
   constexpr const char* op = "HeadRaggedLayer::from_dense";
   checks::check_kv(op, keys, values);
   const int64_t b = keys.size(0), h = keys.size(1), s = keys.size(2), d = keys.size(3);
-  HeadRaggedLayer layer;
-  layer.batch_ = b;
-  layer.kv_heads_ = h;
-  layer.head_dim_ = d;
+  HeadRaggedLayer layer(b, h, d);
   // Row-major [B, Hkv, S, D] is already the packed layout.
   layer.packed_keys_ = keys.contiguous().view({b * h * s, d});
   layer.packed_values_ = values.contiguous().view({b * h * s, d});
@@ -134,10 +128,7 @@ HeadRaggedLayer HeadRaggedLayer::from_mask(const at::Tensor& keys, const at::Ten
   checks::check_kv(op, keys, values);
   checks::check_keep_mask(op, keep_mask, keys);
   const int64_t b = keys.size(0), h = keys.size(1), s = keys.size(2), d = keys.size(3);
-  HeadRaggedLayer layer;
-  layer.batch_ = b;
-  layer.kv_heads_ = h;
-  layer.head_dim_ = d;
+  HeadRaggedLayer layer(b, h, d);
   // Boolean indexing walks [B, Hkv, S] row-major: head after head, positions ascending, which is
   // exactly the packed order.
   const at::Tensor flat_mask = keep_mask.reshape({b * h * s});

@@ -108,6 +108,10 @@ class HeadRaggedLayer {
   const std::vector<int64_t>& tail_positions() const { return tail_positions_; }
 
  private:
+  // An empty layer of this shape; the factories fill it.
+  HeadRaggedLayer(int64_t batch, int64_t kv_heads, int64_t head_dim)
+      : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim) {}
+
   int64_t batch_ = 0, kv_heads_ = 0, head_dim_ = 0;
   at::Tensor packed_keys_, packed_values_;  // [T, D]
   at::Tensor packed_positions_;             // [T] int64
