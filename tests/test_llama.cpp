@@ -12,9 +12,10 @@
 //     eager) within 1e-4, attention weights within 1e-5;
 //   * for every press (ratio 0.5): the kept positions of every layer after prefill equal kvpress's
 //     pipeline (exactly, or modulo near-ties at the selection threshold, as tests/test_parity.cpp
-//     argues), and the logits of the question and decode steps over the compressed cache equal
-//     kvpress's within 1e-4. Where a tie made the kept sets differ, the logits are compared by
-//     replaying kvpress's kept positions through the runner.
+//     argues), the position the question gets equals the pipeline's (the compressed length after
+//     KeyRerotationPress, else the prefix length), and the logits of the question and decode steps
+//     over the compressed cache equal kvpress's within 1e-4. Where a tie made the kept sets differ,
+//     the logits are compared by replaying kvpress's kept positions through the runner.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -37,6 +38,7 @@
 #include "fixtures.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/ops.h"
+#include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
 
@@ -587,8 +589,8 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
   // These wrappers (configured with an inner scorer) and the decoding presses have their
   // model-loop runs against kvpress's pipeline in tests/reference/make_decoding_fixtures.py
   // (tests/test_decoding.cpp, DecodingParity.*), besides layer-level runs (tests/test_parity.cpp).
-  const std::set<std::string> wrappers{"KeyRerotationPress", "ChunkKVPress", "ChunkPress", "BlockPress",
-                                       "ComposedPress"};
+  // KeyRerotationPress has runs here too (it moves the positions the question continues at).
+  const std::set<std::string> wrappers{"ChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress"};
   // Not in kvpress 0.5.5: QSMPress/CTRPress are checked against the CTRPress fork (tests/test_ctr.cpp).
   const std::set<std::string> not_in_kvpress{"QSMPress", "CTRPress"};
   // Presses with head/layer budgets: their model-loop runs are in tests/reference/make_ragged_fixtures.py
@@ -619,6 +621,37 @@ class ReplayPress : public kvpress::BasePress {
  private:
   std::vector<at::Tensor> kept_;
 };
+
+// Scores 1 at kvpress's kept positions and 0 elsewhere: inside a KeyRerotationPress it replays
+// kvpress's selection through our re-rotation.
+class ReplayScorer : public kvpress::ScorerPress {
+ public:
+  ReplayScorer(std::vector<at::Tensor> kept, double compression_ratio)
+      : ScorerPress(compression_ratio), kept_(std::move(kept)) {}
+  std::string name() const override { return "ReplayScorer"; }
+  at::Tensor score(const kvpress::LayerInputs& in) const override {
+    const at::Tensor& idx = kept_.at(static_cast<size_t>(in.layer_idx));
+    return at::zeros({in.keys.size(0), in.keys.size(1), in.keys.size(2)}, at::kFloat).scatter_(2, idx, 1.0);
+  }
+
+ private:
+  std::vector<at::Tensor> kept_;
+};
+
+// The press that replays kvpress's kept positions `ref_kept` in place of `press`.
+std::unique_ptr<kvpress::BasePress> replay_of(const kvpress::BasePress& press, std::vector<at::Tensor> ref_kept) {
+  if (press.rerotates_keys())
+    return std::make_unique<kvpress::KeyRerotationPress>(
+        std::make_shared<ReplayScorer>(std::move(ref_kept), press.compression_ratio()));
+  return std::make_unique<ReplayPress>(std::move(ref_kept));
+}
+
+// The scorer whose scores select the kept positions: the press itself, or KeyRerotationPress's
+// inner press (kvpress's fixtures record the inner press's scores for it).
+const kvpress::ScorerPress* selection_scorer(const kvpress::BasePress& press) {
+  if (const auto* rerotation = dynamic_cast<const kvpress::KeyRerotationPress*>(&press)) return rerotation->press().get();
+  return dynamic_cast<const kvpress::ScorerPress*>(&press);
+}
 
 // Kept sets equal, or differing only at positions whose kvpress score is within `allowed` of the
 // selection threshold (the argument of tests/test_parity.cpp's KeptSetsAgreeModuloNearTies: if we keep
@@ -681,7 +714,7 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
     GTEST_SKIP() << press_name << " is not in the C++ registry yet";
   const auto press = kvpress::make_press(press_name, jr.at("compression_ratio").get<double>(),
                                          jr.at("params").get<std::map<std::string, std::string>>());
-  const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get());
+  const kvpress::ScorerPress* scorer = selection_scorer(*press);
   const LlamaModel& model = tiny_model();
   const int64_t num_layers = model.config().num_layers;
   RunFigures fig;
@@ -699,6 +732,9 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
   };
   KVCache cache = model.new_cache();
   const auto out = run_prefill(PressAttentions::kAlways, cache, true);
+  // Where kvpress's pipeline puts the question: the compressed length after KeyRerotationPress.
+  const int64_t context_length = jr.at("context_length").get<int64_t>();
+  EXPECT_EQ(cache.position(), context_length) << "position after prefill";
 
   // 2. Kept positions per layer.
   const bool has_scores = jr.at("has_scores").get<bool>();
@@ -742,11 +778,14 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
   if (n_diff == 0) {
     std::tie(q, d) = continue_decoding(model, cache, p, tokens);
   } else {
-    const ReplayPress replay(ref_kept);
+    const auto replay = replay_of(*press, ref_kept);
     KVCache replay_cache = model.new_cache();
     PrefillOptions opt;
-    opt.press = &replay;
-    model.prefill(p.prefix, replay_cache, opt);
+    opt.press = replay.get();
+    const auto replayed = model.prefill(p.prefix, replay_cache, opt);
+    for (int64_t l = 0; l < num_layers; ++l)
+      EXPECT_TRUE(at::equal(replayed.kept_indices[l], ref_kept[l])) << "replayed layer " << l;
+    EXPECT_EQ(replay_cache.position(), context_length) << "position after the replayed prefill";
     std::tie(q, d) = continue_decoding(model, replay_cache, p, tokens);
     fig.replayed = true;
   }

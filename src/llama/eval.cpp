@@ -25,7 +25,8 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
   prefill.press = press;  // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part
   prefill.last_logits_only = true;  // token `prefix` is not scored
   model.prefill(all.narrow(1, 0, prefix), cache, prefill);
-  // Feed tokens prefix .. n-2 at positions prefix .. n-2; they predict tokens prefix+1 .. n-1.
+  // Feed tokens prefix .. n-2 at positions cache.position() on (prefix .. n-2, or from n_kept after
+  // KeyRerotationPress); they predict tokens prefix+1 .. n-1.
   at::Tensor logits;
   if (const DecodingPress* decoding = decoding_press_of(press)) {
     // A decoding press compresses while tokens are generated: feed them one per forward, as

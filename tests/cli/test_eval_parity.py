@@ -4,8 +4,10 @@
     test_eval_parity.py <kvpress-cli> <llama-fixtures-dir>
 
 The fixtures' eval.json (tests/reference/make_model_fixtures.py) holds, for a few stories and
-presses, the per-story mean NLL of the teacher-forced continuation after a compressed prefix and
-the greedy agreement with the full cache. The CLI runs the same stories and presses with --json;
+presses (with their parameters: a wrapper's inner press), the per-story mean NLL of the
+teacher-forced continuation after a compressed prefix and the greedy agreement with the full
+cache (after KeyRerotationPress the continuation starts at the compressed length, as kvpress's
+pipeline puts a question there). The CLI runs the same stories and presses with --json;
 NLLs must agree within 1e-3 and agreements within one flipped position per story (a near-tie
 argmax may fall either way under float32 rounding).
 """
@@ -28,6 +30,8 @@ with tempfile.TemporaryDirectory() as tmp:
            "--max-stories", str(ref["max_stories"]), "--ratios", str(ref["ratio"]), "--json", str(out), "--quiet"]
     for r in ref["results"]:
         cmd += ["--press", r["press"]]
+        for key, value in r.get("params", {}).items():
+            cmd += ["--param", f"{key}={value}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"test_eval_parity: {' '.join(cmd)} failed ({proc.returncode}): {proc.stderr}")
@@ -46,19 +50,27 @@ def close(what, a, b, tol):
 
 for i, (a, b) in enumerate(zip(ref["full"]["nll"], got["full"]["nll"])):
     close(f"full cache, story {ref_stories[i][0]}: NLL", a, b, 1e-3)
-got_results = {(r["press"], r["ratio"]): r for r in got["results"]}
+def run_key(r):
+    return r["press"], json.dumps(r.get("params", {}), sort_keys=True), r["ratio"]
+
+def run_label(r):
+    params = r.get("params", {})
+    return r["press"] + ("(" + ",".join(f"{k}={v}" for k, v in sorted(params.items())) + ")" if params else "")
+
+got_results = {run_key(r): r for r in got["results"]}
 worst = 0.0
 for r in ref["results"]:
-    g = got_results.get((r["press"], r["ratio"]))
+    label = run_label(r)
+    g = got_results.get(run_key(r))
     if g is None:
-        failures.append(f"{r['press']} at {r['ratio']}: missing from the CLI's JSON")
+        failures.append(f"{label} at {r['ratio']}: missing from the CLI's JSON")
         continue
     for i in range(len(ref_stories)):
-        close(f"{r['press']}, story {ref_stories[i][0]}: NLL", r["nll"][i], g["nll"][i], 1e-3)
-        close(f"{r['press']}, story {ref_stories[i][0]}: greedy agreement", r["agreement"][i], g["agreement"][i],
+        close(f"{label}, story {ref_stories[i][0]}: NLL", r["nll"][i], g["nll"][i], 1e-3)
+        close(f"{label}, story {ref_stories[i][0]}: greedy agreement", r["agreement"][i], g["agreement"][i],
               1.0 / scored[i] + 1e-9)
         worst = max(worst, abs(r["nll"][i] - g["nll"][i]))
-    close(f"{r['press']}: mean NLL", r["mean_nll"], g["mean_nll"], 1e-3)
+    close(f"{label}: mean NLL", r["mean_nll"], g["mean_nll"], 1e-3)
 
 if failures:
     print("\n".join("FAIL: " + f for f in failures), file=sys.stderr)

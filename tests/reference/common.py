@@ -15,8 +15,8 @@ It then holds:
 * what kvpress's forward hook receives (`capture`), RoPE (`apply_rope`, `inv_freq`), the kept
   positions of a compressed cache (`kept_positions`, `kept_mask`);
 * presses from the C++ registry's parameter syntax (`parse_value`, `build_press`, `split_seed`);
-* kvpress's pipeline after the prefill (`decode_tail`, `greedy_steps`) and kvpress-cli eval's
-  continuation NLL (`eval_prefix`, `continuation_nll`).
+* kvpress's pipeline after the prefill (`pipeline_context_length`, `decode_tail`, `greedy_steps`)
+  and kvpress-cli eval's continuation NLL (`eval_prefix`, `continuation_nll`).
 """
 
 from __future__ import annotations
@@ -324,6 +324,17 @@ def split_seed(name: str, params: dict[str, str]) -> tuple[dict[str, str], int |
 # ---------------------------------------------------------------------------------------------
 # After the prefill: kvpress's pipeline and kvpress-cli eval's protocol
 # ---------------------------------------------------------------------------------------------
+def pipeline_context_length(press, cache, context_length: int) -> int:
+    """The position kvpress's pipeline (KVPressTextGenerationPipeline._forward) gives the question
+    after a prefill of context_length tokens with `press`: the compressed length
+    (cache.get_seq_length()) after a press that re-rotates the kept keys to 0..n_kept-1
+    (KeyRerotationPress, FinchPress with rerotate_keys) or RestoreKVPress, else context_length."""
+    if (isinstance(press, (kvpress.KeyRerotationPress, kvpress.RestoreKVPress))
+            or (isinstance(press, kvpress.FinchPress) and press.rerotate_keys)):
+        return cache.get_seq_length()
+    return context_length
+
+
 def greedy_steps(model, cache, first: torch.Tensor, start: int, steps: int):
     """One token per forward at positions start, start+1, ...: `first`, then greedy tokens.
     Returns the tokens fed [steps] int64 and their logits [steps, V]."""

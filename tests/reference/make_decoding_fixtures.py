@@ -33,8 +33,8 @@ from pathlib import Path
 
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
 from common import (KVPRESS_VERSION, MODEL, continuation_nll, decode_tail, eval_prefix, kept_positions, load_model,
-                    load_stories, load_tokenizer, model_dir, parse_args, prepare_out, save, setup, token_ids,
-                    versions, write_json)
+                    load_stories, load_tokenizer, model_dir, parse_args, pipeline_context_length, prepare_out, save,
+                    setup, token_ids, versions, write_json)
 
 import torch
 from transformers import DynamicCache
@@ -285,7 +285,7 @@ def wrapper_run(out: Path, model, tok, stories, run) -> dict:
     assert sorted(record) == list(range(model.config.num_hidden_layers)), (name, sorted(record))
     with torch.no_grad():
         # kvpress's pipeline restarts the positions at the compressed length after KeyRerotationPress.
-        start = cache.get_seq_length() if isinstance(press, KeyRerotationPress) else prefix_len
+        start = pipeline_context_length(press, cache, prefix_len)
         q_logits, fed, d_logits = decode_tail(model, cache, question, start, steps)
     tensors = {"input_ids": ids[:, :prefix_len + question_len].contiguous(), "question_logits": q_logits,
                "decode_tokens": fed, "decode_logits": d_logits}

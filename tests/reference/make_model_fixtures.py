@@ -5,7 +5,8 @@
 
 Runs transformers (float32, eager attention) on TinyStories-656K and kvpress's own mechanism
 (`with press(model): model.model(prefix, past_key_values=cache)`, then the question and greedy
-decode tokens at the ORIGINAL position ids, as kvpress's pipeline does) and writes:
+decode tokens at kvpress's pipeline positions: from the ORIGINAL context length, or from the
+compressed length after KeyRerotationPress, common.pipeline_context_length) and writes:
 
 * tokenizer_cases.json   token ids (transformers' tokenizer) of all held-out stories and of a few
                          edge-case strings, with their decodes (skip_special_tokens True/False);
@@ -17,9 +18,10 @@ decode tokens at the ORIGINAL position ids, as kvpress's pipeline does) and writ
                          every layer, and the uncompressed question/decode logits;
 * <prompt>__<press>.safetensors
                          per press (ratio 0.5): the kept positions and scores of every layer after
-                         prefill, and the question/decode logits over the compressed cache;
+                         prefill (KeyRerotationPress: the positions it re-rotates and its inner
+                         press's scores), and the question/decode logits over the compressed cache;
 * eval.json              the protocol of `kvpress-cli eval` (prefill the first half of a story,
-                         with kvpress's press in the hook, teacher-force the rest at the original
+                         with kvpress's press in the hook, teacher-force the rest at the pipeline's
                          positions) on the first EVAL_STORIES stories with a prefix of at least
                          EVAL_MIN_PREFIX tokens, for EVAL_PRESSES at EVAL_RATIO: per-story mean NLL
                          and greedy agreement with the full cache. tests/cli/test_eval_parity.py
@@ -37,19 +39,21 @@ from pathlib import Path
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
 from common import (EVAL_PREFIX_FRACTION, KVPRESS_VERSION, MODEL, PROMPTS, build_press, continuation_nll, decode_tail,
                     eval_prefix, kept_positions, load_model, load_stories, load_tokenizer, model_dir, parse_args,
-                    prepare_out, save, setup, split_seed, token_ids, versions, write_json)
+                    pipeline_context_length, prepare_out, save, setup, split_seed, token_ids, versions, write_json)
 
 import tokenizers
 import torch
 from transformers import DynamicCache
 
 import kvpress
+from kvpress import KeyRerotationPress
 from kvpress.presses.scorer_press import ScorerPress
 
 # Every press of the C++ registry (kvpress class name, parameters as text, named as kvpress
 # names them). "seed" on a press whose kvpress class has no seed field (its sketch comes from
 # the global generator) means: the global CPU generator is reseeded with it right before each
-# layer's compression, which is what the C++ press does with that seed.
+# layer's compression, which is what the C++ press does with that seed. A wrapper names its inner
+# press with "press" (common.build_press).
 PRESSES = [
     ("RandomPress", {"seed": "42"}),
     ("KnormPress", {}),
@@ -63,6 +67,9 @@ PRESSES = [
     ("NonCausalAttnPress", {}),
     ("CompactorPress", {"seed": "0"}),
     ("ExpectedAttentionPress", {}),
+    # The question and decode steps continue at the compressed length (kvpress's pipeline).
+    ("KeyRerotationPress", {"press": "KnormPress"}),
+    ("KeyRerotationPress", {"press": "SnapKVPress"}),
 ]
 RATIO = 0.5
 
@@ -75,7 +82,9 @@ RATIO = 0.5
 EVAL_MIN_PREFIX = 128
 EVAL_STORIES = 3
 # Not KnormPress: layer 0's keys of equal tokens have equal norms (RoPE keeps norms), ties again.
-EVAL_PRESSES = ["SnapKVPress", "TOVAPress", "StreamingLLMPress"]
+# (name, parameters as text); KeyRerotationPress's continuation starts at the compressed length.
+EVAL_PRESSES = [("SnapKVPress", {}), ("TOVAPress", {}), ("StreamingLLMPress", {}),
+                ("KeyRerotationPress", {"press": "SnapKVPress"})]
 EVAL_RATIO = 0.5
 
 # Tokenizer edge cases besides the stories.
@@ -175,20 +184,38 @@ def synthetic_tokenizer(out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 def spy_on(press, reseed: int | None):
     """Wraps press.compress (the call kvpress's forward_hook makes) to record, per layer, the
-    kept positions and, for ScorerPresses, the scores of the very same call."""
+    kept positions and, for ScorerPresses, the scores of the very same call. KeyRerotationPress's
+    re-rotated keys match no cached row (and layer 0's values repeat with the token): its kept
+    positions are the indices it re-rotates, its scores its inner press's."""
     record: dict[int, dict[str, torch.Tensor]] = {}
     original = press.compress
+    scorer = press.press if isinstance(press, KeyRerotationPress) else press
+    rerotated: list[torch.Tensor] = []
+    if isinstance(press, KeyRerotationPress):
+        rerotate_keys = press.rerotate_keys  # a staticmethod: the instance attribute shadows it
+
+        def spy_rerotate_keys(module, indices, keys):
+            rerotated.append(indices.clone())
+            return rerotate_keys(module, indices, keys)
+
+        press.rerotate_keys = spy_rerotate_keys
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         if reseed is not None:
             torch.manual_seed(reseed)
         scores = None
-        if isinstance(press, ScorerPress):
+        if isinstance(scorer, ScorerPress):
             state = torch.random.get_rng_state()
-            scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
+            scores = scorer.score(module, hidden_states, keys, values, attentions, kwargs)
             torch.random.set_rng_state(state)
         new_keys, new_values = original(module, hidden_states, keys, values, attentions, kwargs)
-        entry = {"kept": kept_positions(keys, values, new_keys, new_values)}
+        if isinstance(press, KeyRerotationPress):
+            kept = rerotated.pop()
+            assert not rerotated and torch.equal(kept, kept.sort(-1).values), "one ascending selection per layer"
+            assert torch.equal(values.gather(2, kept.unsqueeze(-1).expand_as(new_values)), new_values)
+            entry = {"kept": kept.contiguous()}
+        else:
+            entry = {"kept": kept_positions(keys, values, new_keys, new_values)}
         if scores is not None:
             entry["scores"] = scores.to(torch.float32).contiguous()
         record[module.layer_idx] = entry
@@ -235,7 +262,8 @@ def prompt_fixture(out: Path, model, tok, stories, prompt) -> tuple[dict, dict]:
             cache = DynamicCache()
             with press(model):
                 model.model(input_ids=prefix, past_key_values=cache)
-            q_logits, fed, d_logits = decode_tail(model, cache, question, prefix_len, n_decode)
+            context_length = pipeline_context_length(press, cache, prefix_len)
+            q_logits, fed, d_logits = decode_tail(model, cache, question, context_length, n_decode)
         assert sorted(record) == list(range(num_layers)), (press_name, sorted(record))
         tensors = {"question_logits": q_logits, "decode_tokens": fed, "decode_logits": d_logits}
         for layer, rec in record.items():
@@ -246,14 +274,15 @@ def prompt_fixture(out: Path, model, tok, stories, prompt) -> tuple[dict, dict]:
         save(tensors, out / f"{run}.safetensors")
         entry["runs"].append({"name": run, "press": press_name, "params": dict(params),
                               "compression_ratio": RATIO, "file": f"{run}.safetensors",
-                              "has_scores": "scores" in record[0]})
+                              "has_scores": "scores" in record[0], "context_length": context_length})
         stats["runs"] += 1
     return entry, stats
 
 
 def eval_fixture(out: Path, model, tok, stories, path: Path, data: Path) -> str:
     """Mean NLL and greedy agreement of the teacher-forced continuation after a compressed prefix,
-    as kvpress-cli eval computes them (kvpress::llama::score_continuation)."""
+    as kvpress-cli eval computes them (kvpress::llama::score_continuation). The continuation starts
+    where kvpress's pipeline would put a question (pipeline_context_length)."""
     chosen = []
     for index, text in enumerate(stories):
         ids = token_ids(tok, text)
@@ -273,21 +302,23 @@ def eval_fixture(out: Path, model, tok, stories, path: Path, data: Path) -> str:
             else:
                 with press(model):
                     model.model(input_ids=ids[:, :prefix], past_key_values=cache)
-            position_ids = torch.arange(prefix, n - 1).unsqueeze(0)
+            start = pipeline_context_length(press, cache, prefix)
+            position_ids = torch.arange(start, start + n - 1 - prefix).unsqueeze(0)
             logits = model(input_ids=ids[:, prefix:n - 1], past_key_values=cache,
                            position_ids=position_ids).logits[0].float()
         return continuation_nll(logits, ids, prefix), logits.argmax(-1)
 
     full = [score(ids, prefix, None) for _, ids, prefix in chosen]
     results = []
-    for name in EVAL_PRESSES:
+    for name, params in EVAL_PRESSES:
         nll, agreement = [], []
         for (_, ids, prefix), (_, full_argmax) in zip(chosen, full):
-            x, argmax = score(ids, prefix, getattr(kvpress, name)(compression_ratio=EVAL_RATIO))
+            x, argmax = score(ids, prefix, build_press(name, params, EVAL_RATIO))
             nll.append(x)
             agreement.append((argmax == full_argmax).double().mean().item())
-        results.append({"press": name, "ratio": EVAL_RATIO, "nll": nll, "agreement": agreement,
-                        "mean_nll": sum(nll) / len(nll), "greedy_agreement": sum(agreement) / len(agreement)})
+        results.append({"press": name, "params": dict(params), "ratio": EVAL_RATIO, "nll": nll,
+                        "agreement": agreement, "mean_nll": sum(nll) / len(nll),
+                        "greedy_agreement": sum(agreement) / len(agreement)})
     record = {
         "model": str(path), "text": str(data), "prefix_fraction": EVAL_PREFIX_FRACTION,
         "min_prefix": EVAL_MIN_PREFIX, "max_stories": EVAL_STORIES, "ratio": EVAL_RATIO,

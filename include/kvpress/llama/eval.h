@@ -3,10 +3,11 @@
 //
 //   1. prefill the first `prefix` tokens of a story (BOS included); with a press, every layer's
 //      cache is compressed right after that layer's prefill attention (kvpress's protocol);
-//   2. teacher-force the rest over that cache at the original position ids: feed tokens
-//      prefix .. n-2, which predict tokens prefix+1 .. n-1 (the scored positions; token `prefix`
-//      itself is predicted by the uncompressed prefill and is left out, so every scored position
-//      reads the compressed cache);
+//   2. teacher-force the rest over that cache at the original position ids (after
+//      KeyRerotationPress, from the compressed length, where kvpress's pipeline puts a question):
+//      feed tokens prefix .. n-2, which predict tokens prefix+1 .. n-1 (the scored positions;
+//      token `prefix` itself is predicted by the uncompressed prefill and is left out, so every
+//      scored position reads the compressed cache);
 //      With a decoding press (a DecodingPress, or a PrefillDecodingPress with a decoding part) the
 //      prefill is compressed only by a prefilling press, and the tokens are fed ONE PER FORWARD with
 //      the decoding press in the loop (fresh state), so that it compresses at its interval while the

@@ -1,6 +1,7 @@
 // Greedy generation with an optional press, following kvpress's pipeline: the context is
 // prefilled (and compressed by the press), the question (if any) runs over the compressed cache
-// at the original positions, then tokens are generated one at a time. A DecodingPress (or a
+// at the original positions (after KeyRerotationPress: from the compressed length, as kvpress's
+// pipeline), then tokens are generated one at a time. A DecodingPress (or a
 // PrefillDecodingPress's decoding part) compresses while the question and the generated tokens
 // are fed, as kvpress's pipeline does; a DecodingPress does not compress the context.
 #pragma once

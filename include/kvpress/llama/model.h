@@ -48,7 +48,9 @@ std::string resolve_model_dir(const std::string& name_or_path);
 
 // Per-layer keys (post-RoPE) and values, [B, Hkv, length, D] each. After a press has compressed a
 // layer, length(layer) is smaller than position(): tokens keep attending over what is left, while
-// new tokens get the next ORIGINAL position ids (kvpress's protocol).
+// new tokens get the next ORIGINAL position ids (kvpress's protocol; after a press that re-rotates
+// the kept keys, KeyRerotationPress, the next position is the compressed length, as in kvpress's
+// pipeline).
 //
 // A layer compressed by a head-ragged press (BasePress::head_ragged()) is stored either packed
 // (is_ragged(): a kvpress::HeadRaggedLayer holding each head's kept tokens only, attended with
