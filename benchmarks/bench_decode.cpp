@@ -131,8 +131,8 @@ void BM_Decode(benchmark::State& state, const llama::LlamaModel* (*get_model)())
     benchmark::DoNotOptimize(logits.data_ptr());
     cache.truncate(lengths, context);  // roll back: every step decodes over the same cache
   }
-  state.counters["tokens_per_second"] = benchmark::Counter(static_cast<double>(state.iterations()),
-                                                           benchmark::Counter::kIsRate);
+  state.counters["tokens_per_second"] =
+      benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
   state.counters["cache_tokens"] = static_cast<double>(lengths[0]);
 }
 

@@ -50,9 +50,12 @@ int main(int argc, char** argv) {
   std::string dtype_name = "fp32";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (i + 1 < argc && a == "--seq") seq = std::atoll(argv[++i]);
-    else if (i + 1 < argc && a == "--repeats") repeats = std::atoi(argv[++i]);
-    else if (i + 1 < argc && a == "--dtype") dtype_name = argv[++i];
+    if (i + 1 < argc && a == "--seq")
+      seq = std::atoll(argv[++i]);
+    else if (i + 1 < argc && a == "--repeats")
+      repeats = std::atoi(argv[++i]);
+    else if (i + 1 < argc && a == "--dtype")
+      dtype_name = argv[++i];
     else {
       std::fprintf(stderr, "usage: kvpress_bench_gpu [--seq S] [--dtype fp32|bf16|fp16] [--repeats N]\n");
       return 2;
@@ -85,10 +88,11 @@ int main(int argc, char** argv) {
         kept.copy_(kv.narrow(2, 0, seq / 2));
       },
       2, repeats);
-  std::printf("kvpress %s on CUDA: compress() of one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, ratio 0.5, "
-              "median of %d\n",
-              KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads,
-              (long long)seq, (long long)kHeadDim, dtype_name.c_str(), repeats);
+  std::printf(
+      "kvpress %s on CUDA: compress() of one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, ratio 0.5, "
+      "median of %d\n",
+      KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim, dtype_name.c_str(),
+      repeats);
   std::printf("bandwidth floor (copy K+V, then the kept half): %.3f ms\n\n", floor_ms);
   std::printf("%-36s %10s %10s\n", "press", "ms", "x floor");
   int status = 0;

@@ -76,7 +76,7 @@ struct ShapeData {
     auto f = at::TensorOptions().dtype(at::kFloat).device(g_device);
     auto inv_freq = at::pow(kRopeTheta, -at::arange(0, kHeadDim, 2, f) / double(kHeadDim));
     auto angles = at::outer(at::arange(S, f), inv_freq);  // [S, D/2]
-    auto emb = at::cat({angles, angles}, -1);              // [S, D] (HF layout)
+    auto emb = at::cat({angles, angles}, -1);             // [S, D] (HF layout)
     cos = emb.cos().to(dtype);
     sin = emb.sin().to(dtype);
   }
@@ -152,8 +152,7 @@ void finish(benchmark::State& state, int64_t S, int64_t bytes_per_iter) {
   state.SetItemsProcessed(state.iterations() * kBatch * S);
 }
 
-void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S,
-                 at::ScalarType dtype) {
+void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S, at::ScalarType dtype) {
   ShapeData& d = shape_data(S, dtype);
   std::unique_ptr<kvpress::BasePress> press;
   try {
@@ -171,8 +170,7 @@ void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S
   in.num_layers = 32;
   int64_t bytes = nbytes(d.keys) + nbytes(d.values);
   switch (feed) {
-    case Feed::kNone:
-      break;
+    case Feed::kNone: break;
     case Feed::kQueries:
       d.ensure_queries();
       in.queries = d.queries;
@@ -204,8 +202,7 @@ void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S
       in.k_proj = d.k_proj;
       in.cos = d.cos;
       in.sin = d.sin;
-      bytes += nbytes(d.hidden_states) + nbytes(d.q_proj) + nbytes(d.k_proj) + nbytes(d.cos) +
-               nbytes(d.sin);
+      bytes += nbytes(d.hidden_states) + nbytes(d.q_proj) + nbytes(d.k_proj) + nbytes(d.cos) + nbytes(d.sin);
       break;
   }
   sync();
@@ -239,8 +236,7 @@ void bench_selection_gather(benchmark::State& state, int64_t S, at::ScalarType d
       break;
     }
   }
-  if (!state.error_occurred())
-    finish(state, S, nbytes(d.keys) + nbytes(d.values) + nbytes(d.scores));
+  if (!state.error_occurred()) finish(state, S, nbytes(d.keys) + nbytes(d.values) + nbytes(d.scores));
 }
 
 // Strips our own flags from argv (Google Benchmark rejects flags it does not know) and returns
@@ -283,13 +279,11 @@ void register_all() {
           skipped.push_back(info.name + suffix);
           continue;
         }
-        benchmark::RegisterBenchmark((info.name + suffix).c_str(), bench_press, info.name, feed, S,
-                                     dtype)
+        benchmark::RegisterBenchmark((info.name + suffix).c_str(), bench_press, info.name, feed, S, dtype)
             ->UseRealTime()
             ->Unit(benchmark::kMillisecond);
       }
-      benchmark::RegisterBenchmark(("SelectionGather" + suffix).c_str(), bench_selection_gather, S,
-                                   dtype)
+      benchmark::RegisterBenchmark(("SelectionGather" + suffix).c_str(), bench_selection_gather, S, dtype)
           ->UseRealTime()
           ->Unit(benchmark::kMillisecond);
     }
@@ -299,8 +293,9 @@ void register_all() {
   benchmark::AddCustomContext("device", g_device.str());
   benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
   benchmark::AddCustomContext(
-      "shape", "B=1 Hq=32 Hkv=8 D=128 (Llama-3.1-8B layer), ratio 0.5, queries [1,32,64,128] "
-               "(NonCausalAttnPress, CompactorPress: [1,32,S,128] + cos/sin; LeverageScorePress: cos/sin)");
+      "shape",
+      "B=1 Hq=32 Hkv=8 D=128 (Llama-3.1-8B layer), ratio 0.5, queries [1,32,64,128] "
+      "(NonCausalAttnPress, CompactorPress: [1,32,S,128] + cos/sin; LeverageScorePress: cos/sin)");
   if (!skipped.empty()) {
     std::string list;
     for (const auto& s : skipped) list += (list.empty() ? "" : ", ") + s;

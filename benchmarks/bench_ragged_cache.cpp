@@ -89,9 +89,12 @@ int main(int argc, char** argv) {
   std::vector<double> seq_lens{4096, 32768}, ratios{0.5, 0.75};
   int repeats = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--seq-lens")) seq_lens = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--ratios")) ratios = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--seq-lens"))
+      seq_lens = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--ratios"))
+      ratios = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--repeats"))
+      repeats = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: %s [--seq-lens 4096,32768] [--ratios 0.5,0.75] [--repeats 20]\n", argv[0]);
       return 2;
@@ -100,8 +103,9 @@ int main(int argc, char** argv) {
   std::printf("B=%lld Hkv=%lld Hq=%lld D=%lld float32, %d threads, median of %d decode calls (n=1)\n\n",
               static_cast<long long>(kBatch), static_cast<long long>(kKvHeads), static_cast<long long>(kQHeads),
               static_cast<long long>(kDim), at::get_num_threads(), repeats);
-  std::printf("| S | r | head budgets (min-max) | full cache MiB | ragged MiB | (1-r) full + index MiB | diff | "
-              "ragged attn ms | dense, same kernel ms | dense ATen ms | dense ATen + mask ms |\n");
+  std::printf(
+      "| S | r | head budgets (min-max) | full cache MiB | ragged MiB | (1-r) full + index MiB | diff | "
+      "ragged attn ms | dense, same kernel ms | dense ATen ms | dense ATen + mask ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   bool ok = true;
   for (double s_value : seq_lens) {
@@ -109,7 +113,8 @@ int main(int argc, char** argv) {
     at::manual_seed(0);
     const at::Tensor keys = at::randn({kBatch, kKvHeads, seq_len + 1, kDim});
     const at::Tensor values = at::randn({kBatch, kKvHeads, seq_len + 1, kDim});
-    const at::Tensor past_k = keys.narrow(2, 0, seq_len).contiguous(), past_v = values.narrow(2, 0, seq_len).contiguous();
+    const at::Tensor past_k = keys.narrow(2, 0, seq_len).contiguous(),
+                     past_v = values.narrow(2, 0, seq_len).contiguous();
     const at::Tensor new_k = keys.narrow(2, seq_len, 1), new_v = values.narrow(2, seq_len, 1);
     const at::Tensor q = at::randn({kBatch, kQHeads, 1, kDim});
     const double full_bytes = 2.0 * static_cast<double>(past_k.nbytes());

@@ -83,9 +83,7 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   int64_t live() const { return live_.load(); }
   int64_t peak() const { return peak_.load(); }
@@ -137,14 +135,15 @@ bool reset_peak_rss() {
 
 struct Config {
   std::string press;
-  bool hidden = false;    // recompute queries from hidden states instead of giving them
-  bool compress = false;  // --all: time compress() and give every input a press may read
+  bool hidden = false;      // recompute queries from hidden states instead of giving them
+  bool compress = false;    // --all: time compress() and give every input a press may read
   bool attentions = false;  // --all: give the full attentions (ObservedAttentionPress)
 };
 
 std::string label(const Config& c) {
-  return c.press + (c.press == "LeverageScorePress" ? " (cos/sin)" : c.hidden ? " (hidden_states + q_proj + cos/sin)"
-                                                                               : " (queries of all S positions + cos/sin)");
+  return c.press + (c.press == "LeverageScorePress" ? " (cos/sin)"
+                    : c.hidden                      ? " (hidden_states + q_proj + cos/sin)"
+                                                    : " (queries of all S positions + cos/sin)");
 }
 
 kvpress::LayerInputs make_inputs(const Config& c, int64_t seq, at::ScalarType dtype) {
@@ -280,10 +279,11 @@ std::string self_path(const char* argv0) {
 // --all: compress() of every registry press that compresses a layer on its own.
 int measure_all(int64_t seq, const std::string& dtype_name, int64_t elem) {
   const int64_t kv_bytes = 2 * kKVHeads * seq * kHeadDim * elem;
-  std::printf("kvpress %s: peak extra host memory of compress(), one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, "
-              "ratio 0.5, %d torch threads\n",
-              KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim,
-              dtype_name.c_str(), at::get_num_threads());
+  std::printf(
+      "kvpress %s: peak extra host memory of compress(), one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, "
+      "ratio 0.5, %d torch threads\n",
+      KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim, dtype_name.c_str(),
+      at::get_num_threads());
   std::printf("inputs: keys, values, queries of all positions, cos/sin (not counted); K + V = %s\n\n",
               mib(kv_bytes).c_str());
   std::printf("%-36s %12s %12s %12s %8s  %s\n", "press", "peak", "output", "peak RSS", "time s", "peak <= K+V?");
@@ -311,9 +311,10 @@ int measure_all(int64_t seq, const std::string& dtype_name, int64_t elem) {
     if (!ok) status = 1;
     std::fflush(stdout);
   }
-  std::printf("\npeak: bytes live in libtorch's CPU allocator during compress() minus those live before, the\n"
-              "returned kept keys/values included (output: their size with the indices); peak RSS: VmHWM minus\n"
-              "VmRSS before (also counts memory BLAS/OpenMP take outside the allocator).\n");
+  std::printf(
+      "\npeak: bytes live in libtorch's CPU allocator during compress() minus those live before, the\n"
+      "returned kept keys/values included (output: their size with the indices); peak RSS: VmHWM minus\n"
+      "VmRSS before (also counts memory BLAS/OpenMP take outside the allocator).\n");
   return status;
 }
 
@@ -351,8 +352,9 @@ int main(int argc, char** argv) {
     } else if (a == "--attentions") {  // internal (child of --all)
       attentions = true;
     } else if (a == "-h" || a == "--help") {
-      std::printf("usage: kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]\n"
-                  "       kvpress_memory --all [--seq S] [--dtype fp32|bf16]\n");
+      std::printf(
+          "usage: kvpress_memory [--seq S] [--dtype fp32|bf16] [--press NAME]... [--hidden]\n"
+          "       kvpress_memory --all [--seq S] [--dtype fp32|bf16]\n");
       return 0;
     } else {
       std::fprintf(stderr, "kvpress_memory: unknown argument '%s'\n", a.c_str());
@@ -385,15 +387,17 @@ int main(int argc, char** argv) {
   const int64_t keys_bytes = kKVHeads * seq * kHeadDim * elem;
   const int64_t chunk = 256;
   const int64_t padded = (seq + chunk - 1) / chunk * chunk;
-  std::printf("kvpress %s: peak extra host memory of score(), one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, "
-              "%d torch threads\n",
-              KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim,
-              dtype_name.c_str(), at::get_num_threads());
+  std::printf(
+      "kvpress %s: peak extra host memory of score(), one layer B=1 Hq=%lld Hkv=%lld S=%lld D=%lld %s, "
+      "%d torch threads\n",
+      KVPRESS_VERSION, (long long)kQHeads, (long long)kKVHeads, (long long)seq, (long long)kHeadDim, dtype_name.c_str(),
+      at::get_num_threads());
   std::printf("layer keys Hkv*S*D*%lld B: %s\n", (long long)elem, mib(keys_bytes).c_str());
-  std::printf("for comparison, kvpress 0.5.5's NonCausalAttnPress materialises its logits for all chunks at once,\n"
-              "[B, Hq, S_pad, chunk] in the cache dtype plus a float32 softmax copy: %s + %s, and repeat_kv keys %s\n\n",
-              mib(kQHeads * padded * chunk * elem).c_str(), mib(kQHeads * padded * chunk * 4).c_str(),
-              mib(kQHeads * seq * kHeadDim * elem).c_str());
+  std::printf(
+      "for comparison, kvpress 0.5.5's NonCausalAttnPress materialises its logits for all chunks at once,\n"
+      "[B, Hq, S_pad, chunk] in the cache dtype plus a float32 softmax copy: %s + %s, and repeat_kv keys %s\n\n",
+      mib(kQHeads * padded * chunk * elem).c_str(), mib(kQHeads * padded * chunk * 4).c_str(),
+      mib(kQHeads * seq * kHeadDim * elem).c_str());
   const std::string self = "/proc/self/exe";
   char exe[4096];
   const ssize_t len = readlink(self.c_str(), exe, sizeof exe - 1);
@@ -414,9 +418,10 @@ int main(int argc, char** argv) {
                 below ? "yes" : "no");
     if (c.press == "NonCausalAttnPress" && !below) status = 1;
   }
-  std::printf("\nallocator: peak bytes live in libtorch's CPU allocator during score(), minus those live before;\n"
-              "peak RSS: VmHWM during score() minus VmRSS before (each in a fresh process after a warm-up).\n"
-              "Only NonCausalAttnPress is required to stay below the keys (issue 3). LeverageScorePress holds the\n"
-              "float32 sketch X [B, Hkv, S, 48] plus one KV head's float32 pre-RoPE keys and RoPE temporaries.\n");
+  std::printf(
+      "\nallocator: peak bytes live in libtorch's CPU allocator during score(), minus those live before;\n"
+      "peak RSS: VmHWM during score() minus VmRSS before (each in a fresh process after a warm-up).\n"
+      "Only NonCausalAttnPress is required to stay below the keys (issue 3). LeverageScorePress holds the\n"
+      "float32 sketch X [B, Hkv, S, 48] plus one KV head's float32 pre-RoPE keys and RoPE temporaries.\n");
   return status;
 }

@@ -86,14 +86,22 @@ int main(int argc, char** argv) {
   };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--press") press_name = v;
-    else if (k == "--tau") tau = number(kvpress::parse_double(v));
-    else if (k == "--train") n_train = static_cast<size_t>(number(kvpress::parse_int(v)));
-    else if (k == "--stories") stories_path = v;
-    else if (k == "--overestimate-weight") fit_options.overestimate_weight = number(kvpress::parse_double(v));
-    else bad_argument = true;
+    if (k == "--press")
+      press_name = v;
+    else if (k == "--tau")
+      tau = number(kvpress::parse_double(v));
+    else if (k == "--train")
+      n_train = static_cast<size_t>(number(kvpress::parse_int(v)));
+    else if (k == "--stories")
+      stories_path = v;
+    else if (k == "--overestimate-weight")
+      fit_options.overestimate_weight = number(kvpress::parse_double(v));
+    else
+      bad_argument = true;
     if (bad_argument) {
-      std::fprintf(stderr, "usage: %s [--press NAME] [--tau T] [--train N] [--stories FILE] [--overestimate-weight W]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--press NAME] [--tau T] [--train N] [--stories FILE] [--overestimate-weight W]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -158,10 +166,10 @@ int main(int argc, char** argv) {
       kept_calibrated += r;
     }
     kept_calibrated /= static_cast<double>(n_test);
-    std::printf("calibrated: mean retention %.3f, quality >= tau on %zu/%zu test stories (%.0f%%)\n",
-                kept_calibrated, met_calibrated, n_test, 100.0 * met_calibrated / n_test);
-    std::printf("fixed:      retention %.3f,      quality >= tau on %zu/%zu test stories (%.0f%%)\n", fixed,
-                met_fixed, n_test, 100.0 * met_fixed / n_test);
+    std::printf("calibrated: mean retention %.3f, quality >= tau on %zu/%zu test stories (%.0f%%)\n", kept_calibrated,
+                met_calibrated, n_test, 100.0 * met_calibrated / n_test);
+    std::printf("fixed:      retention %.3f,      quality >= tau on %zu/%zu test stories (%.0f%%)\n", fixed, met_fixed,
+                n_test, 100.0 * met_fixed / n_test);
     std::printf("cache kept by calibration relative to the fixed ratio: %.1f%% (%.1f%% saved)\n",
                 100.0 * kept_calibrated / fixed, 100.0 * (1.0 - kept_calibrated / fixed));
   } catch (const c10::Error& e) {

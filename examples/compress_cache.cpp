@@ -15,8 +15,8 @@ int main() {
   // KnormPress needs nothing but the keys: it drops the half with the largest L2 norm.
   kvpress::KnormPress knorm(/*compression_ratio=*/0.5);
   kvpress::KV small = knorm.compress(layer);
-  std::cout << "KnormPress:  keys " << small.keys.sizes() << ", values " << small.values.sizes()
-            << ", kept_indices " << small.kept_indices.sizes() << "\n";
+  std::cout << "KnormPress:  keys " << small.keys.sizes() << ", values " << small.values.sizes() << ", kept_indices "
+            << small.kept_indices.sizes() << "\n";
 
   // SnapKVPress looks at how the last window_size queries attend to the rest of the cache.
   // An engine already has these post-RoPE queries: hand over the last 64 positions.
@@ -29,7 +29,7 @@ int main() {
 
   // The same presses by name, as kvpress-cli and the benchmarks build them.
   auto press = kvpress::make_press("SnapKVPress", 0.75, {{"window_size", "32"}});
-  std::cout << press->name() << " (window 32): keeps " << press->compress(layer).keys.size(2)
-            << " of " << layer.keys.size(2) << " tokens per head\n";
+  std::cout << press->name() << " (window 32): keeps " << press->compress(layer).keys.size(2) << " of "
+            << layer.keys.size(2) << " tokens per head\n";
   return 0;
 }

@@ -30,10 +30,10 @@ namespace {
 
 namespace llama = kvpress::llama;
 
-constexpr int kStory = 2;            // a 432-token held-out story
+constexpr int kStory = 2;  // a 432-token held-out story
 constexpr size_t kContextTokens = 200;
 constexpr int64_t kNewTokens = 60;
-constexpr int64_t kMinPrefix = 65;   // kvpress-cli eval's default (SnapKVPress observes 64 tokens)
+constexpr int64_t kMinPrefix = 65;  // kvpress-cli eval's default (SnapKVPress observes 64 tokens)
 const double kRatios[] = {0.25, 0.5, 0.75};
 
 // The last `max_chars` bytes of `text`, cut at a space, with a leading ellipsis.
@@ -57,9 +57,12 @@ int main(int argc, char** argv) {
   int max_stories = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--model" && i + 1 < argc) model_name = argv[++i];
-    else if (a == "--text" && i + 1 < argc) text_path = argv[++i];
-    else if (a == "--stories" && i + 1 < argc) max_stories = std::max(1, std::atoi(argv[++i]));
+    if (a == "--model" && i + 1 < argc)
+      model_name = argv[++i];
+    else if (a == "--text" && i + 1 < argc)
+      text_path = argv[++i];
+    else if (a == "--stories" && i + 1 < argc)
+      max_stories = std::max(1, std::atoi(argv[++i]));
     else {
       std::printf("usage: kvpress_demo [--model NAME|DIR] [--text FILE] [--stories N]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
@@ -84,9 +87,10 @@ int main(int argc, char** argv) {
     TORCH_CHECK(static_cast<int>(stories.size()) > kStory, text_path, ": needs more than ", kStory, " stories");
     std::vector<int64_t> context = tokenizer.encode(stories[kStory]);
     if (context.size() > kContextTokens) context.resize(kContextTokens);
-    std::printf("\n1. Story continuation: held-out story %d, its first %zu tokens prefilled, then up to %lld "
-                "tokens generated greedily (a run stops at the end-of-story token)\n\n",
-                kStory, context.size(), (long long)kNewTokens);
+    std::printf(
+        "\n1. Story continuation: held-out story %d, its first %zu tokens prefilled, then up to %lld "
+        "tokens generated greedily (a run stops at the end-of-story token)\n\n",
+        kStory, context.size(), (long long)kNewTokens);
     std::printf("context: %s\n", tail(tokenizer.decode(context), 360).c_str());
 
     llama::GenerationOptions options;
@@ -98,10 +102,11 @@ int main(int argc, char** argv) {
       const auto press = kvpress::make_press(name, ratio);
       options.press = press.get();
       const llama::Generation g = llama::generate_greedy(model, context, {}, options);
-      std::printf("\n[%s, compression ratio %g: %lld tokens per layer; same as the full cache for the first %zu of "
-                  "%zu tokens]\n%s\n",
-                  name, ratio, (long long)g.cache_lengths[0], common_prefix(g.tokens, full.tokens), full.tokens.size(),
-                  tokenizer.decode(g.tokens).c_str());
+      std::printf(
+          "\n[%s, compression ratio %g: %lld tokens per layer; same as the full cache for the first %zu of "
+          "%zu tokens]\n%s\n",
+          name, ratio, (long long)g.cache_lengths[0], common_prefix(g.tokens, full.tokens), full.tokens.size(),
+          tokenizer.decode(g.tokens).c_str());
     }
 
     // ---- 2. quality table ---------------------------------------------------------------------
@@ -124,11 +129,12 @@ int main(int argc, char** argv) {
     double full_nll = 0.0;
     for (const auto& s : eval) full_nll += s.full.mean_nll / static_cast<double>(eval.size());
 
-    std::printf("\n2. Quality under compression: the first %zu held-out stories of >= %lld tokens; the first half of "
-                "each prefilled and compressed, the rest teacher-forced\n"
-                "   NLL: mean over stories of the continuation's mean NLL (nats/token); dNLL: minus the full cache's; "
-                "agree: fraction of positions whose argmax is the full cache's\n\n",
-                eval.size(), (long long)(2 * kMinPrefix));
+    std::printf(
+        "\n2. Quality under compression: the first %zu held-out stories of >= %lld tokens; the first half of "
+        "each prefilled and compressed, the rest teacher-forced\n"
+        "   NLL: mean over stories of the continuation's mean NLL (nats/token); dNLL: minus the full cache's; "
+        "agree: fraction of positions whose argmax is the full cache's\n\n",
+        eval.size(), (long long)(2 * kMinPrefix));
     std::printf("%-24s %6s %8s %8s %7s\n", "press", "ratio", "NLL", "dNLL", "agree");
     std::printf("%-24s %6s %8.4f %8s %7.3f\n", "full cache", "-", full_nll, "-", 1.0);
     for (const auto& info : kvpress::list_presses()) {

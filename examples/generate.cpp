@@ -62,14 +62,22 @@ Args parse(int argc, char** argv) {
       }
       return *parsed;
     };
-    if (k == "--model") a.model = value();
-    else if (k == "--text") a.text = value();
-    else if (k == "--prompt") a.prompt = value();
-    else if (k == "--story") a.story = static_cast<int>(number(kvpress::parse_int(value())));
-    else if (k == "--prefix-tokens") a.prefix_tokens = static_cast<int>(number(kvpress::parse_int(value())));
-    else if (k == "--press") a.press = value();
-    else if (k == "--ratio") a.ratio = number(kvpress::parse_double(value()));
-    else if (k == "--max-new-tokens") a.max_new_tokens = static_cast<int>(number(kvpress::parse_int(value())));
+    if (k == "--model")
+      a.model = value();
+    else if (k == "--text")
+      a.text = value();
+    else if (k == "--prompt")
+      a.prompt = value();
+    else if (k == "--story")
+      a.story = static_cast<int>(number(kvpress::parse_int(value())));
+    else if (k == "--prefix-tokens")
+      a.prefix_tokens = static_cast<int>(number(kvpress::parse_int(value())));
+    else if (k == "--press")
+      a.press = value();
+    else if (k == "--ratio")
+      a.ratio = number(kvpress::parse_double(value()));
+    else if (k == "--max-new-tokens")
+      a.max_new_tokens = static_cast<int>(number(kvpress::parse_int(value())));
     else if (k == "--param") {
       const std::string kv = value();
       const size_t eq = kv.find('=');
@@ -103,16 +111,15 @@ int main(int argc, char** argv) {
     const auto model = kvpress::llama::LlamaModel::load(dir);
     const auto tokenizer = kvpress::llama::Tokenizer::load(dir + "/tokenizer.json");
     const auto& c = model.config();
-    std::cout << "model: " << dir << " (" << c.num_layers << " layers, " << c.num_heads << " query / "
-              << c.num_kv_heads << " KV heads, head_dim " << c.head_dim << ")\n";
+    std::cout << "model: " << dir << " (" << c.num_layers << " layers, " << c.num_heads << " query / " << c.num_kv_heads
+              << " KV heads, head_dim " << c.head_dim << ")\n";
 
     // 2. The context: a prompt, or the first tokens of a held-out story.
     std::vector<int64_t> context;
     if (!args.prompt.empty()) {
       context = tokenizer.encode(args.prompt);
     } else {
-      const std::string text =
-          args.text.empty() ? kvpress::llama::default_stories_path() : args.text;
+      const std::string text = args.text.empty() ? kvpress::llama::default_stories_path() : args.text;
       const std::vector<std::string> stories = kvpress::llama::read_stories(text);
       TORCH_CHECK(args.story >= 0 && args.story < static_cast<int>(stories.size()), "--story must be in [0, ",
                   stories.size(), ")");
@@ -131,8 +138,8 @@ int main(int argc, char** argv) {
 
     std::cout << "\n--- full cache (" << full.cache_lengths[0] << " tokens per layer) ---\n"
               << tokenizer.decode(full.tokens) << "\n";
-    std::cout << "\n--- " << press->name() << ", compression_ratio " << args.ratio << " (" << compressed.cache_lengths[0]
-              << " tokens per layer) ---\n"
+    std::cout << "\n--- " << press->name() << ", compression_ratio " << args.ratio << " ("
+              << compressed.cache_lengths[0] << " tokens per layer) ---\n"
               << tokenizer.decode(compressed.tokens) << "\n";
 
     size_t same = 0;

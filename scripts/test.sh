@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs, builds and runs every test: unit, parity against the pinned kvpress, CLI, and a
-# consumer project built against the installed package.
+# Installs, builds and runs every test: the C++/CUDA format check, unit, parity against the pinned
+# kvpress, CLI, Python, and a consumer project built against the installed package.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+"$root/scripts/check_format.sh"
 kvpress_build
 kvpress_fixtures
 # One intra-op thread per test process: ctest already runs $jobs of them side by side.

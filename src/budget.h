@@ -18,8 +18,8 @@ namespace kvpress::budget {
 inline at::Tensor checked_inner_scores(const at::Tensor& scores, const LayerInputs& in, const char* op) {
   TORCH_CHECK(scores.dim() == 3 && scores.size(0) == in.keys.size(0) && scores.size(1) == in.keys.size(1) &&
                   scores.size(2) == in.keys.size(2),
-              op, ": inner scores must be [", in.keys.size(0), ", ", in.keys.size(1), ", ", in.keys.size(2),
-              "], got ", checks::shape_str(scores));
+              op, ": inner scores must be [", in.keys.size(0), ", ", in.keys.size(1), ", ", in.keys.size(2), "], got ",
+              checks::shape_str(scores));
   checks::check_finite_scores(op, scores);
   return scores.to(at::kFloat);
 }
@@ -45,7 +45,7 @@ inline int64_t safeguard_count(int64_t n_kept, double alpha_safeguard) {
 
 // [B, H, S] bool: per row (b, h) the counts[b, h] highest scores. Ties go to the lower position
 // (stable descending sort). Scores may hold +Inf (CriticalAdaKV's rescaled float-max entries).
-inline at::Tensor keep_top_per_row(const at::Tensor& scores,   // [B, H, S] float
+inline at::Tensor keep_top_per_row(const at::Tensor& scores,    // [B, H, S] float
                                    const at::Tensor& counts) {  // [B, H] int64, each in [0, S]
   const int64_t seq = scores.size(2);
   const at::Tensor order = std::get<1>(at::sort(scores, /*stable=*/true, /*dim=*/-1, /*descending=*/true));

@@ -29,10 +29,10 @@ std::vector<int64_t> to_host_vector(const at::Tensor& t) {
 // ---- construction -------------------------------------------------------------------------------
 
 HeadRaggedLayer HeadRaggedLayer::from_ragged(const RaggedKV& kv, int64_t seq_len) {
-  TORCH_CHECK(kv.batch > 0 && kv.kv_heads > 0, kFromRagged, ": batch and kv_heads must be > 0, got ", kv.batch,
-              " and ", kv.kv_heads);
-  TORCH_CHECK(static_cast<int64_t>(kv.heads.size()) == kv.batch * kv.kv_heads, kFromRagged, ": heads must hold batch * kv_heads = ",
-              kv.batch * kv.kv_heads, " entries, got ", kv.heads.size());
+  TORCH_CHECK(kv.batch > 0 && kv.kv_heads > 0, kFromRagged, ": batch and kv_heads must be > 0, got ", kv.batch, " and ",
+              kv.kv_heads);
+  TORCH_CHECK(static_cast<int64_t>(kv.heads.size()) == kv.batch * kv.kv_heads, kFromRagged,
+              ": heads must hold batch * kv_heads = ", kv.batch * kv.kv_heads, " entries, got ", kv.heads.size());
   const HeadKV& first = kv.heads.front();
   checks::check_rank(kFromRagged, "heads[0].keys", first.keys, 2, "[n_kept, head_dim]");
   checks::check_float(kFromRagged, "heads[0].keys", first.keys);
@@ -53,8 +53,9 @@ HeadRaggedLayer HeadRaggedLayer::from_ragged(const RaggedKV& kv, int64_t seq_len
                 " must have keys, values and kept_indices");
     TORCH_CHECK(head.keys.dim() == 2 && head.keys.size(1) == dim, kFromRagged, ": ", where, ".keys must be [n_kept, ",
                 dim, "], got ", checks::shape_str(head.keys));
-    TORCH_CHECK(head.values.sizes() == head.keys.sizes(), kFromRagged, ": ", where, ".values must have the shape of its keys ",
-                checks::shape_str(head.keys), ", got ", checks::shape_str(head.values));
+    TORCH_CHECK(head.values.sizes() == head.keys.sizes(), kFromRagged, ": ", where,
+                ".values must have the shape of its keys ", checks::shape_str(head.keys), ", got ",
+                checks::shape_str(head.values));
     TORCH_CHECK(head.keys.scalar_type() == dtype && head.values.scalar_type() == dtype, kFromRagged, ": ", where,
                 " keys and values must be ", dtype, " like heads[0], got ", head.keys.scalar_type(), " and ",
                 head.values.scalar_type());
@@ -205,8 +206,7 @@ at::Tensor HeadRaggedLayer::values(int64_t b, int64_t h) const {
 at::Tensor HeadRaggedLayer::kept_indices(int64_t b, int64_t h) const {
   length(b, h);
   const size_t bh = static_cast<size_t>(b * kv_heads_ + h);
-  const at::Tensor packed =
-      packed_positions_.narrow(0, offsets_host_[bh], offsets_host_[bh + 1] - offsets_host_[bh]);
+  const at::Tensor packed = packed_positions_.narrow(0, offsets_host_[bh], offsets_host_[bh + 1] - offsets_host_[bh]);
   if (tail_length_ == 0) return packed.clone();
   const at::Tensor tail = at::tensor(tail_positions_, at::TensorOptions().dtype(at::kLong)).to(packed.device());
   return at::cat({packed, tail}, 0);
@@ -247,9 +247,10 @@ void HeadRaggedLayer::append(const at::Tensor& keys, const at::Tensor& values) {
   constexpr const char* op = "HeadRaggedLayer::append";
   TORCH_CHECK(defined(), op, ": the layer is empty (build it with from_ragged, from_dense or from_mask)");
   checks::check_kv(op, keys, values);
-  TORCH_CHECK(keys.size(0) == batch_ && keys.size(1) == kv_heads_ && keys.size(3) == head_dim_, op,
-              ": keys must be [", batch_, ", ", kv_heads_, ", n, ", head_dim_, "], got ", checks::shape_str(keys));
-  TORCH_CHECK(keys.scalar_type() == dtype(), op, ": keys must be ", dtype(), " like the layer, got ", keys.scalar_type());
+  TORCH_CHECK(keys.size(0) == batch_ && keys.size(1) == kv_heads_ && keys.size(3) == head_dim_, op, ": keys must be [",
+              batch_, ", ", kv_heads_, ", n, ", head_dim_, "], got ", checks::shape_str(keys));
+  TORCH_CHECK(keys.scalar_type() == dtype(), op, ": keys must be ", dtype(), " like the layer, got ",
+              keys.scalar_type());
   TORCH_CHECK(keys.device() == device(), op, ": keys must be on ", device(), " like the layer, got ", keys.device());
   const int64_t n = keys.size(2);
   const int64_t capacity = tail_key_buffer_.defined() ? tail_key_buffer_.size(2) : 0;

@@ -26,8 +26,8 @@ at::Tensor attention_output(const at::Tensor& queries, const at::Tensor& query_p
   TORCH_CHECK(query_positions.dim() == 1 && query_positions.size(0) == n, op, ": query_positions must be [", n,
               "], got ", checks::shape_str(query_positions));
   TORCH_CHECK((key_positions.dim() == 1 && key_positions.size(0) == m) ||
-                  (key_positions.dim() == 3 && key_positions.size(0) == batch &&
-                   key_positions.size(1) == kv_heads && key_positions.size(2) == m),
+                  (key_positions.dim() == 3 && key_positions.size(0) == batch && key_positions.size(1) == kv_heads &&
+                   key_positions.size(2) == m),
               op, ": key_positions must be [", m, "] or [", batch, ", ", kv_heads, ", ", m, "], got ",
               checks::shape_str(key_positions));
   const int64_t group = heads / kv_heads;
@@ -56,8 +56,8 @@ double quality_against(const std::vector<ObservedLayer>& layers, const std::vect
   double err2 = 0.0, ref2 = 0.0;
   for (size_t i = 0; i < layers.size(); ++i) {
     const KV kv = press.compress(layers[i].inputs);
-    const at::Tensor out = attention_output(layers[i].queries, layers[i].query_positions, kv.keys, kv.values,
-                                            kv.kept_indices);
+    const at::Tensor out =
+        attention_output(layers[i].queries, layers[i].query_positions, kv.keys, kv.values, kv.kept_indices);
     err2 += (out - full[i]).pow(2).sum().item<double>();
     ref2 += full[i].pow(2).sum().item<double>();
   }
@@ -122,14 +122,14 @@ SearchResult search_max_ratio(const QualityFn& quality, double tolerance, const 
 }
 
 SearchResult search_max_ratio(const std::vector<ObservedLayer>& layers,
-                              const std::function<std::unique_ptr<BasePress>(double)>& make_press,
-                              double tolerance, const SearchOptions& options) {
+                              const std::function<std::unique_ptr<BasePress>(double)>& make_press, double tolerance,
+                              const SearchOptions& options) {
   TORCH_CHECK(!layers.empty(), "search_max_ratio: layers must be non-empty");
   std::vector<at::Tensor> full;
   for (const auto& layer : layers) full.push_back(full_output(layer));
   return search_max_ratio(
-      [&](double ratio) { return ratio == 0.0 ? 1.0 : quality_against(layers, full, *make_press(ratio)); },
-      tolerance, options);
+      [&](double ratio) { return ratio == 0.0 ? 1.0 : quality_against(layers, full, *make_press(ratio)); }, tolerance,
+      options);
 }
 
 double curve(double retention, double b) {
@@ -217,7 +217,8 @@ CalibrationFit fit_calibration(const std::vector<CalibrationSample>& samples, co
   CalibrationFit best;
   best.loss = std::numeric_limits<double>::infinity();
   // The loss is not convex in (alpha, beta): start from several shapes and keep the best.
-  for (const auto& start : std::vector<std::array<double, 2>>{{0, 1}, {0, 5}, {1, 0}, {-1, 5}, {2, 2}, {0, 15}, {5, -5}}) {
+  for (const auto& start :
+       std::vector<std::array<double, 2>>{{0, 1}, {0, 5}, {1, 0}, {-1, 5}, {2, 2}, {0, 15}, {5, -5}}) {
     const auto found = nelder_mead(loss, start[0], start[1], 1.0, options.max_iterations);
     if (found[2] < best.loss) best = CalibrationFit{found[0], found[1], found[2]};
   }

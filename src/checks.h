@@ -18,9 +18,7 @@ inline std::string shape_str(const at::Tensor& t) {
   return os.str();
 }
 
-inline bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
-}
+inline bool is_supported_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 // `t` is defined (present).
 inline void check_defined(const char* op, const char* name, const at::Tensor& t) {
@@ -28,21 +26,20 @@ inline void check_defined(const char* op, const char* name, const at::Tensor& t)
 }
 
 // Rank `dims`, `layout` spells the dimension names for the message, e.g. "[batch, kv_heads, seq_len, head_dim]".
-inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t dims,
-                       const char* layout) {
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t dims, const char* layout) {
   check_defined(op, name, t);
   TORCH_CHECK(t.dim() == dims, op, ": ", name, " must be ", layout, ", got ", shape_str(t));
 }
 
 inline void check_float(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name,
-              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", name, " must be float32, float16 or bfloat16, got ",
+              t.scalar_type());
 }
 
-inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
-                              const char* ref_name, const at::Tensor& ref) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",
-              ref_name, " (", ref.device(), "), got ", t.device());
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                              const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ", ref_name, " (",
+              ref.device(), "), got ", t.device());
 }
 
 inline void check_non_empty(const char* op, const char* name, const at::Tensor& t) {
@@ -56,11 +53,10 @@ inline void check_kv(const char* op, const at::Tensor& keys, const at::Tensor& v
   check_non_empty(op, "keys", keys);
   check_rank(op, "values", values, 4, "[batch, kv_heads, seq_len, head_dim]");
   check_float(op, "values", values);
-  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ",
-              shape_str(keys), ", got ", shape_str(values));
-  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op,
-              ": values must have the dtype of keys (", keys.scalar_type(), "), got ",
-              values.scalar_type());
+  TORCH_CHECK(values.sizes() == keys.sizes(), op, ": values must have the shape of keys ", shape_str(keys), ", got ",
+              shape_str(values));
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": values must have the dtype of keys (",
+              keys.scalar_type(), "), got ", values.scalar_type());
   check_same_device(op, "values", values, "keys", keys);
 }
 
@@ -80,8 +76,8 @@ inline void check_keys(const char* op, const at::Tensor& keys) {
 }
 
 inline void check_ratio(const char* op, double compression_ratio) {
-  TORCH_CHECK(std::isfinite(compression_ratio) && compression_ratio >= 0.0 && compression_ratio < 1.0,
-              op, ": compression_ratio must be in [0, 1), got ", compression_ratio);
+  TORCH_CHECK(std::isfinite(compression_ratio) && compression_ratio >= 0.0 && compression_ratio < 1.0, op,
+              ": compression_ratio must be in [0, 1), got ", compression_ratio);
 }
 
 // A fraction such as alpha_safeguard or first_stage_ratio: finite and in [0, 1].
@@ -109,8 +105,7 @@ inline void check_window(const char* op, const char* name, int64_t window, int64
 
 inline void check_gqa(const char* op, int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0, op,
-              ": num_heads must be a positive multiple of num_kv_heads (", num_kv_heads, "), got ",
-              num_heads);
+              ": num_heads must be a positive multiple of num_kv_heads (", num_kv_heads, "), got ", num_heads);
 }
 
 // NaN or Inf scores would make top-k selection meaningless; refuse them.

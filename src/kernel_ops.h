@@ -128,8 +128,8 @@ inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor
               shape_str(tail_keys), ", got ", shape_str(tail_values));
   const int64_t kv_heads = tail_keys.size(1), m = tail_keys.size(2);
   check_gqa(op, q_heads, kv_heads);
-  TORCH_CHECK(n <= m, op, ": the queries must be those of the last n tail tokens, so n must be <= the tail length (",
-              m, "), got ", n);
+  TORCH_CHECK(n <= m, op, ": the queries must be those of the last n tail tokens, so n must be <= the tail length (", m,
+              "), got ", n);
   TORCH_CHECK(packed_keys.size(1) == dim, op, ": packed_keys must be [packed_tokens, ", dim, "], got ",
               shape_str(packed_keys));
   TORCH_CHECK(packed_values.sizes() == packed_keys.sizes(), op, ": packed_values must have the shape of packed_keys ",
@@ -140,8 +140,8 @@ inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor
   const int64_t* o = host.const_data_ptr<int64_t>();
   TORCH_CHECK(o[0] == 0, op, ": offsets[0] must be 0, got ", o[0]);
   for (int64_t i = 0; i < batch * kv_heads; ++i)
-    TORCH_CHECK(o[i + 1] >= o[i], op, ": offsets must be non-decreasing, got offsets[", i, "] = ", o[i],
-                " > offsets[", i + 1, "] = ", o[i + 1]);
+    TORCH_CHECK(o[i + 1] >= o[i], op, ": offsets must be non-decreasing, got offsets[", i, "] = ", o[i], " > offsets[",
+                i + 1, "] = ", o[i + 1]);
   TORCH_CHECK(o[batch * kv_heads] == packed_keys.size(0), op, ": offsets[", batch * kv_heads,
               "] must equal the packed token count ", packed_keys.size(0), ", got ", o[batch * kv_heads]);
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
@@ -154,25 +154,25 @@ inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor
 // ---- ATen composites of the kernel ops (same contracts as kvpress/ops.h) ----------------------
 namespace ops::composite {
 
-at::Tensor topk_indices(const at::Tensor& scores,  // [B, H, S] floating
-                        int64_t k);                 // -> [B, H, k] int64, ascending
+at::Tensor topk_indices(const at::Tensor& scores,                         // [B, H, S] floating
+                        int64_t k);                                       // -> [B, H, k] int64, ascending
 std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& keys,      // [B, Hkv, S, D]
                                              const at::Tensor& values,    // [B, Hkv, S, D]
                                              const at::Tensor& indices);  // [B, Hkv, n] int64
-at::Tensor key_norm_scores(const at::Tensor& keys);  // [B, Hkv, S, D] -> [B, Hkv, S] float32
-at::Tensor keydiff_scores(const at::Tensor& keys);   // [B, Hkv, S, D] -> [B, Hkv, S] float32
-at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D]
-                                 const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, S - w] float32
-at::Tensor lagkv_partition_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
-                                  const at::Tensor& values,  // [B, Hkv, S, D]
+at::Tensor key_norm_scores(const at::Tensor& keys);                       // [B, Hkv, S, D] -> [B, Hkv, S] float32
+at::Tensor keydiff_scores(const at::Tensor& keys);                        // [B, Hkv, S, D] -> [B, Hkv, S] float32
+at::Tensor window_attention_mean(const at::Tensor& queries,               // [B, Hq, w, D]
+                                 const at::Tensor& keys);                 // [B, Hkv, S, D] -> [B, Hq, S - w] float32
+at::Tensor lagkv_partition_scores(const at::Tensor& keys,                 // [B, Hkv, S, D]
+                                  const at::Tensor& values,               // [B, Hkv, S, D]
                                   int64_t n_sink, int64_t lag_size, bool cross_scoring);  // -> [B, Hkv, S] float32
-at::Tensor ragged_attention(const at::Tensor& queries,        // [B, Hq, n, D]
-                            const at::Tensor& packed_keys,    // [T, D]
-                            const at::Tensor& packed_values,  // [T, D]
-                            const at::Tensor& offsets,        // [B * Hkv + 1] int64
-                            const at::Tensor& tail_keys,      // [B, Hkv, m, D]
-                            const at::Tensor& tail_values,    // [B, Hkv, m, D]
-                            std::optional<double> scale);     // -> [B, Hq, n, D]
+at::Tensor ragged_attention(const at::Tensor& queries,                                    // [B, Hq, n, D]
+                            const at::Tensor& packed_keys,                                // [T, D]
+                            const at::Tensor& packed_values,                              // [T, D]
+                            const at::Tensor& offsets,                                    // [B * Hkv + 1] int64
+                            const at::Tensor& tail_keys,                                  // [B, Hkv, m, D]
+                            const at::Tensor& tail_values,                                // [B, Hkv, m, D]
+                            std::optional<double> scale);                                 // -> [B, Hq, n, D]
 
 }  // namespace ops::composite
 }  // namespace kvpress

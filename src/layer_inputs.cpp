@@ -48,8 +48,7 @@ class QueryHeads {
 void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
   const char* op = op_name.c_str();
   TORCH_CHECK(in.keys.defined(), op, ": keys [batch, kv_heads, seq_len, head_dim] are required but were not given");
-  TORCH_CHECK(in.values.defined(), op,
-              ": values [batch, kv_heads, seq_len, head_dim] are required but were not given");
+  TORCH_CHECK(in.values.defined(), op, ": values [batch, kv_heads, seq_len, head_dim] are required but were not given");
   TORCH_CHECK(in.keys.dim() == 4 && in.keys.size(2) > 0 && in.keys.size(3) > 0, op,
               ": keys must be [batch, kv_heads, seq_len, head_dim] with seq_len, head_dim > 0, got ",
               checks::shape_str(in.keys));
@@ -91,14 +90,14 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
   TORCH_CHECK(in.cos.defined() == in.sin.defined(), op, ": cos and sin come together; only ",
               in.cos.defined() ? "cos" : "sin", " was given");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &in.cos}, {"sin", &in.sin}}) {
-    TORCH_CHECK(!t->defined() || (t->dim() == 2 && t->size(0) == S && t->size(1) == D), op, ": ", name, " must be [",
-                S, ", ", D, "] (seq_len, head_dim), got ", checks::shape_str(*t));
+    TORCH_CHECK(!t->defined() || (t->dim() == 2 && t->size(0) == S && t->size(1) == D), op, ": ", name, " must be [", S,
+                ", ", D, "] (seq_len, head_dim), got ", checks::shape_str(*t));
   }
   TORCH_CHECK(!in.inv_freq.defined() || (D % 2 == 0 && in.inv_freq.dim() == 1 && in.inv_freq.size(0) == D / 2), op,
               ": inv_freq must be [", D / 2, "] (head_dim / 2), got ", checks::shape_str(in.inv_freq));
-  TORCH_CHECK(!in.input_ids.defined() ||
-                  (in.input_ids.dim() == 2 && in.input_ids.size(0) == B && in.input_ids.size(1) == S),
-              op, ": input_ids must be [", B, ", ", S, "] (batch, seq_len), got ", checks::shape_str(in.input_ids));
+  TORCH_CHECK(
+      !in.input_ids.defined() || (in.input_ids.dim() == 2 && in.input_ids.size(0) == B && in.input_ids.size(1) == S),
+      op, ": input_ids must be [", B, ", ", S, "] (batch, seq_len), got ", checks::shape_str(in.input_ids));
   int64_t hidden = -1;
   if (in.hidden_states.defined()) {
     const at::Tensor& h = in.hidden_states;
@@ -123,11 +122,12 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
   if (in.o_proj.defined()) {
     const at::Tensor& w = in.o_proj;
     TORCH_CHECK(w.dim() == 2 && w.size(1) > 0 && w.size(1) % D == 0 && (hidden < 0 || w.size(0) == hidden), op,
-                ": o_proj must be [", hidden < 0 ? hidden_text : std::to_string(hidden), ", num_heads * ", D,
-                "], got ", checks::shape_str(w));
+                ": o_proj must be [", hidden < 0 ? hidden_text : std::to_string(hidden), ", num_heads * ", D, "], got ",
+                checks::shape_str(w));
     hq.add(w.size(1) / D, "o_proj " + checks::shape_str(w));
   }
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q_norm", &in.q_norm}, {"k_norm", &in.k_norm}}) {
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor*>{"q_norm", &in.q_norm}, {"k_norm", &in.k_norm}}) {
     TORCH_CHECK(!t->defined() || (t->dim() == 1 && t->size(0) == D), op, ": ", name, " must be [", D,
                 "] (head_dim), got ", checks::shape_str(*t));
   }

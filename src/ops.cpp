@@ -14,11 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include "kernel_ops.h"
 #include "kvpress/cache.h"
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
 #include "kvpress/types.h"
-#include "kernel_ops.h"
 
 namespace kvpress {
 namespace {
@@ -139,10 +139,9 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);
   m.def("window_attention(Tensor queries, Tensor keys) -> Tensor", &ops::window_attention);
   m.def("window_attention_mean(Tensor queries, Tensor keys) -> Tensor");  // kernels
-  m.def("key_norm_scores(Tensor keys) -> Tensor");                          // kernels
-  m.def("keydiff_scores(Tensor keys) -> Tensor");                           // kernels
-  m.def("streaming_llm_scores(Tensor keys, int n_sink, float compression_ratio) -> Tensor",
-        &ops::streaming_llm_scores);
+  m.def("key_norm_scores(Tensor keys) -> Tensor");                        // kernels
+  m.def("keydiff_scores(Tensor keys) -> Tensor");                         // kernels
+  m.def("streaming_llm_scores(Tensor keys, int n_sink, float compression_ratio) -> Tensor", &ops::streaming_llm_scores);
   m.def("random_scores(Tensor keys, int seed=-1) -> Tensor", &random_scores_op);
   m.def("lagkv_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor",
         &ops::lagkv_scores);
@@ -152,14 +151,14 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("snapkv_scores_from_mean(Tensor mean_attn, int num_kv_heads, int kernel_size, int window_size) -> Tensor",
         &ops::snapkv_scores_from_mean);
   m.def("tova_scores(Tensor last_attn, int num_kv_heads) -> Tensor", &ops::tova_scores);
-  m.def("observed_attention_scores(Tensor attentions, int num_kv_heads) -> Tensor",
-        &ops::observed_attention_scores);
+  m.def("observed_attention_scores(Tensor attentions, int num_kv_heads) -> Tensor", &ops::observed_attention_scores);
   // Compactor (src/ops/compactor.cpp).
   m.def("zscore(Tensor scores) -> Tensor", &ops::zscore);
   m.def("blend_scores(Tensor[] scores, float[] weights, bool normalize=True) -> Tensor", &ops::blend_scores);
-  m.def("gaussian_sketch(int batch, int heads, int head_dim, int sketch_dimension, ScalarType dtype, Device device, "
-        "int seed=-1) -> Tensor",
-        &ops::gaussian_sketch);
+  m.def(
+      "gaussian_sketch(int batch, int heads, int head_dim, int sketch_dimension, ScalarType dtype, Device device, "
+      "int seed=-1) -> Tensor",
+      &ops::gaussian_sketch);
   m.def("sketch_keys(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketch_keys);
   m.def("ridge_leverage(Tensor sketched) -> Tensor", &ops::ridge_leverage);
   m.def("sketched_leverage(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketched_leverage);
@@ -168,8 +167,9 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
   m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
   // Head-ragged attention (kernels).
-  m.def("ragged_attention(Tensor queries, Tensor packed_keys, Tensor packed_values, Tensor offsets, "
-        "Tensor tail_keys, Tensor tail_values, float? scale=None) -> Tensor");
+  m.def(
+      "ragged_attention(Tensor queries, Tensor packed_keys, Tensor packed_values, Tensor offsets, "
+      "Tensor tail_keys, Tensor tail_values, float? scale=None) -> Tensor");
   // Any registry press on one layer; params: ["window_size=32", ...]; every LayerInputs field by name.
   const std::string press_arguments = press_op_arguments();
   m.def(("press_compress" + press_arguments + " -> (Tensor, Tensor, Tensor)").c_str(),

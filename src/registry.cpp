@@ -239,8 +239,7 @@ ScorerFactory scorer_factory(Params& p, const char* help) {
 
 // A press named by parameter `key` ("None" or empty: none), `<key>.<param>` its parameters and
 // `<key>.compression_ratio` its ratio (default: `ratio`).
-std::shared_ptr<const BasePress> named_press(Params& p, const std::string& key, const std::string& name,
-                                             double ratio) {
+std::shared_ptr<const BasePress> named_press(Params& p, const std::string& key, const std::string& name, double ratio) {
   std::map<std::string, std::string> params = p.take_prefixed(key + ".");
   if (name.empty() || is_none(name)) {
     TORCH_CHECK(params.empty(), p.press_name(), ": parameters ", key, ".* given without ", key);
@@ -288,11 +287,13 @@ std::vector<double> ratio_list(Params& p, double ratio) {
 QSMOptions qsm_options(Params& p) {
   QSMOptions o;
   SemanticWeightOptions& w = o.semantic;
-  o.query_length = p.get("query_length", o.query_length, "explicit query: the last query_length tokens (0: the pseudo-query)");
+  o.query_length =
+      p.get("query_length", o.query_length, "explicit query: the last query_length tokens (0: the pseudo-query)");
   o.pseudo_query_len = p.get("pseudo_query_len", o.pseudo_query_len, "longest pseudo-query (the last prompt tokens)");
   o.pseudo_query_max_fraction = p.get("pseudo_query_max_fraction", o.pseudo_query_max_fraction,
                                       "longest pseudo-query as a fraction of the prompt");
-  o.qa_alpha = p.get("qa_alpha", o.qa_alpha, "weight of the mean (1 - qa_alpha: of the max) attention over the query span");
+  o.qa_alpha =
+      p.get("qa_alpha", o.qa_alpha, "weight of the mean (1 - qa_alpha: of the max) attention over the query span");
   o.sink_tokens = p.get("sink_tokens", o.sink_tokens, "first tokens always kept");
   o.recent_tokens = p.get("recent_tokens", o.recent_tokens, "last context tokens always kept");
   o.keep_pseudo_query = p.get("keep_pseudo_query", o.keep_pseudo_query, "always keep the pseudo-query span");
@@ -303,14 +304,16 @@ QSMOptions qsm_options(Params& p) {
   o.lambda_sem = p.get("lambda_sem", o.lambda_sem, "strength of the semantic factor");
   w.digit_weight = p.get("digit_weight", w.digit_weight, "w: token has a digit");
   w.capital_weight = p.get("capital_weight", w.capital_weight, "w: token has an uppercase letter");
-  w.rare_weight = p.get("rare_weight", w.rare_weight, "w: token has >= rare_min_chars characters (or id >= rare_token_id_threshold)");
+  w.rare_weight = p.get("rare_weight", w.rare_weight,
+                        "w: token has >= rare_min_chars characters (or id >= rare_token_id_threshold)");
   w.punctuation_weight = p.get("punctuation_weight", w.punctuation_weight, "w: token has one of .!?;: or a newline");
   w.code_weight = p.get("code_weight", w.code_weight, "w: token has a code symbol");
   w.stopword_weight = p.get("stopword_weight", w.stopword_weight, "w: minus, token is a stopword");
   w.whitespace_weight = p.get("whitespace_weight", w.whitespace_weight, "w: minus, token is blank");
   w.rare_min_chars = p.get("rare_min_chars", w.rare_min_chars, "length of a rare token");
   w.rare_token_id_threshold = p.get_optional_int("rare_token_id_threshold", "ids from this one up count as rare");
-  o.use_merge = p.get("use_merge", o.use_merge, "merge evicted values into the nearest kept token (explicit query only)");
+  o.use_merge =
+      p.get("use_merge", o.use_merge, "merge evicted values into the nearest kept token (explicit query only)");
   o.merge_in_pseudo_query = p.get("merge_in_pseudo_query", o.merge_in_pseudo_query, "merge with the pseudo-query too");
   o.merge_alpha = p.get("merge_alpha", o.merge_alpha, "gamma: strength of the value merge");
   p.get_choice("merge_target", {"nearest"}, "merge target (only nearest)");
@@ -318,7 +321,8 @@ QSMOptions qsm_options(Params& p) {
                           ? MergeWeighting::kScore
                           : MergeWeighting::kUniform;
   o.merge_score_power = p.get("merge_score_power", o.merge_score_power, "exponent of the relative score weights");
-  o.merge_min_score_ratio = p.get("merge_min_score_ratio", o.merge_min_score_ratio, "relative scores below this do not merge");
+  o.merge_min_score_ratio =
+      p.get("merge_min_score_ratio", o.merge_min_score_ratio, "relative scores below this do not merge");
   o.merge_count_power = p.get("merge_count_power", o.merge_count_power, "p: merged mass m enters as m^(1 - p)");
   return o;
 }
@@ -350,7 +354,8 @@ struct Entry {
 };
 
 // Where attention-based presses take their attention from (ops::window_attention_mean).
-const PressInputs kWindowAttentionInputs{{{{"attentions"}}, {{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
+const PressInputs kWindowAttentionInputs{
+    {{{"attentions"}}, {{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
 // Presses that need the queries of every position (non-causal attention).
 const PressInputs kAllQueriesInputs{{{{"queries"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
 constexpr const char* kSemanticNote = "input_ids and a token-text callback on the press enable its semantic weights";
@@ -358,28 +363,44 @@ constexpr const char* kSemanticNote = "input_ids and a token-text callback on th
 const std::vector<Entry>& entries() {
   using K = PressKind;
   static const std::vector<Entry> table = {
-      {"RandomPress", K::kScorer, "uniform random scores (baseline)", {},
+      {"RandomPress",
+       K::kScorer,
+       "uniform random scores (baseline)",
+       {},
        [](double r, Params& p) {
          return std::make_unique<RandomPress>(
              r, p.get_optional_int("seed", "seed of the CPU generator; unset draws fresh scores each call"));
        }},
-      {"KnormPress", K::kScorer, "keep keys of smallest L2 norm", {},
+      {"KnormPress",
+       K::kScorer,
+       "keep keys of smallest L2 norm",
+       {},
        [](double r, Params&) { return std::make_unique<KnormPress>(r); }},
-      {"StreamingLLMPress", K::kScorer, "keep n_sink first and the most recent tokens", {},
+      {"StreamingLLMPress",
+       K::kScorer,
+       "keep n_sink first and the most recent tokens",
+       {},
        [](double r, Params& p) {
          return std::make_unique<StreamingLLMPress>(
              r, p.get("n_sink", StreamingLLMPress::kDefaultNSink, "number of initial tokens always kept"));
        }},
-      {"KeyDiffPress", K::kScorer, "keep keys least similar to the mean key direction", {},
+      {"KeyDiffPress",
+       K::kScorer,
+       "keep keys least similar to the mean key direction",
+       {},
        [](double r, Params&) { return std::make_unique<KeyDiffPress>(r); }},
       {"SnapKVPress", K::kScorer, "attention of the last window_size queries, pooled", kWindowAttentionInputs,
        [](double r, Params& p) {
-         const int64_t window = p.get("window_size", SnapKVPress::kDefaultWindowSize,
-                                      "number of trailing queries observed (always kept)");
-         const int64_t kernel = p.get("kernel_size", SnapKVPress::kDefaultKernelSize, "odd width of the average pooling");
+         const int64_t window =
+             p.get("window_size", SnapKVPress::kDefaultWindowSize, "number of trailing queries observed (always kept)");
+         const int64_t kernel =
+             p.get("kernel_size", SnapKVPress::kDefaultKernelSize, "odd width of the average pooling");
          return std::make_unique<SnapKVPress>(r, window, kernel);
        }},
-      {"LagKVPress", K::kScorer, "lag-relative K/V statistics per partition", {},
+      {"LagKVPress",
+       K::kScorer,
+       "lag-relative K/V statistics per partition",
+       {},
        [](double r, Params& p) {
          const int64_t n_sink = p.get("n_sink", LagKVPress::kDefaultNSink, "number of initial tokens always kept");
          const int64_t lag = p.get("lag_size", LagKVPress::kDefaultLagSize, "partition length");
@@ -389,16 +410,22 @@ const std::vector<Entry>& entries() {
        }},
       {"TOVAPress", K::kScorer, "last query's attention, averaged over all heads", kWindowAttentionInputs,
        [](double r, Params&) { return std::make_unique<TOVAPress>(r); }},
-      {"ObservedAttentionPress", K::kScorer, "mean attention received (H2O-like)", {{{{"attentions"}, true}}},
+      {"ObservedAttentionPress",
+       K::kScorer,
+       "mean attention received (H2O-like)",
+       {{{{"attentions"}, true}}},
        [](double r, Params&) { return std::make_unique<ObservedAttentionPress>(r); }},
-      {"LeverageScorePress", K::kScorer, "ridge leverage of the pre-RoPE keys (Gaussian sketch), z-scored",
+      {"LeverageScorePress",
+       K::kScorer,
+       "ridge leverage of the pre-RoPE keys (Gaussian sketch), z-scored",
        {{{{"cos", "sin"}}, {{"hidden_states", "k_proj"}}}},
        [](double r, Params& p) {
          const int64_t sketch = p.get("sketch_dimension", LeverageScorePress::kDefaultSketchDimension,
                                       "columns of the right Gaussian sketch");
          return std::make_unique<LeverageScorePress>(
              r, sketch,
-             p.get_optional_int("seed", "seed of the sketch's CPU generator (kvpress: torch.manual_seed before score)"));
+             p.get_optional_int("seed",
+                                "seed of the sketch's CPU generator (kvpress: torch.manual_seed before score)"));
        }},
       {"NonCausalAttnPress", K::kScorer, "chunked non-causal attention received, x ||v||, pooled, z-scored",
        kAllQueriesInputs,
@@ -406,10 +433,13 @@ const std::vector<Entry>& entries() {
          return std::make_unique<NonCausalAttnPress>(
              r, p.get("chunk_size", NonCausalAttnPress::kDefaultChunkSize, "positions per non-causal attention chunk"));
        }},
-      {"CompactorPress", K::kScorer, "blending * z(leverage) + z(non-causal attention), sinks kept",
+      {"CompactorPress",
+       K::kScorer,
+       "blending * z(leverage) + z(non-causal attention), sinks kept",
        {{{{"queries", "cos", "sin"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}},
        [](double r, Params& p) {
-         const int64_t start = p.get("sink_size_start", CompactorPress::kDefaultSinkSizeStart, "first tokens always kept");
+         const int64_t start =
+             p.get("sink_size_start", CompactorPress::kDefaultSinkSizeStart, "first tokens always kept");
          const int64_t end = p.get("sink_size_end", CompactorPress::kDefaultSinkSizeEnd, "last tokens always kept");
          const int64_t chunk =
              p.get("chunk_size", CompactorPress::kDefaultChunkSize, "positions per non-causal attention chunk");
@@ -425,25 +455,32 @@ const std::vector<Entry>& entries() {
              r, start, end, chunk, sketch, blending, seed,
              selection == "per_head" ? TokenSelection::kPerHead : TokenSelection::kAcrossHeads);
        }},
-      {"ExpectedAttentionPress", K::kScorer,
+      {"ExpectedAttentionPress",
+       K::kScorer,
        "expected attention of future queries (query mean/covariance, averaged RoPE)",
-       {{{{"hidden_states", "q_proj", "inv_freq"}}, {{"hidden_states", "q_proj", "cos", "sin"}}, {{"queries", "cos", "sin"}, true}}},
+       {{{{"hidden_states", "q_proj", "inv_freq"}},
+         {{"hidden_states", "q_proj", "cos", "sin"}},
+         {{"queries", "cos", "sin"}, true}}},
        [](double r, Params& p) {
          const int64_t n_future = p.get("n_future_positions", ExpectedAttentionPress::kDefaultNFuturePositions,
                                         "future positions the RoPE is averaged over");
          const int64_t n_sink = p.get("n_sink", ExpectedAttentionPress::kDefaultNSink,
                                       "first tokens always kept and left out of the query statistics");
-         const bool cov = p.get("use_covariance", ExpectedAttentionPress::kDefaultUseCovariance,
-                                "add the query covariance term");
+         const bool cov =
+             p.get("use_covariance", ExpectedAttentionPress::kDefaultUseCovariance, "add the query covariance term");
          const bool vnorm = p.get("use_vnorm", ExpectedAttentionPress::kDefaultUseVnorm, "rescale by ||v||");
          const double eps = p.get("epsilon", ExpectedAttentionPress::kDefaultEpsilon,
                                   "added to the scores before the ||v|| rescaling");
          return std::make_unique<ExpectedAttentionPress>(r, n_future, n_sink, cov, vnorm, eps);
        }},
-      {"KVComposePress", K::kSecondPass,
+      {"KVComposePress",
+       K::kSecondPass,
        "global per-layer (structured) or per-head (unstructured) budgets from a second pass's attention",
-       {{}, {}, {}, "a task prompt's attention to the context in every layer (kvpress::llama::kvcompose_prefill, "
-                     "or KVComposePress::start_session)"},
+       {{},
+        {},
+        {},
+        "a task prompt's attention to the context in every layer (kvpress::llama::kvcompose_prefill, "
+        "or KVComposePress::start_session)"},
        [](double r, Params& p) {
          KVComposeOptions o;
          o.structured = p.get("structured", o.structured,
@@ -454,82 +491,113 @@ const std::vector<Entry>& entries() {
          o.add_v_norm = p.get("add_v_norm", o.add_v_norm, "multiply scores by ||v||");
          o.add_mean_across_heads = p.get("add_mean_across_heads", o.add_mean_across_heads,
                                          "add the mean over KV heads to every head's scores");
-         o.keep_token_lower_bound = p.get("keep_token_lower_bound", o.keep_token_lower_bound, "minimum tokens per layer");
+         o.keep_token_lower_bound =
+             p.get("keep_token_lower_bound", o.keep_token_lower_bound, "minimum tokens per layer");
          return std::make_unique<KVComposePress>(r, std::move(o));
        }},
-      {"KeyRerotationPress", K::kWrapper, "inner scorer's selection, kept keys re-rotated to positions 0..n_kept-1",
+      {"KeyRerotationPress",
+       K::kWrapper,
+       "inner scorer's selection, kept keys re-rotated to positions 0..n_kept-1",
        {{{{"inv_freq"}}, {{"cos", "sin"}}}},
        [](double r, Params& p) { return std::make_unique<KeyRerotationPress>(inner_scorer(p, r)); }},
-      {"ChunkKVPress", K::kWrapper, "inner scores averaged per chunk, best chunks kept whole",
+      {"ChunkKVPress",
+       K::kWrapper,
+       "inner scores averaged per chunk, best chunks kept whole",
        {{}, {}, {}, "no attentions (kvpress refuses them)"},
        [](double r, Params& p) {
          auto inner = inner_scorer(p, r);
-         return std::make_unique<ChunkKVPress>(inner,
-                                               p.get("chunk_length", ChunkKVPress::kDefaultChunkLength, "tokens per chunk"));
+         return std::make_unique<ChunkKVPress>(
+             inner, p.get("chunk_length", ChunkKVPress::kDefaultChunkLength, "tokens per chunk"));
        }},
-      {"ChunkPress", K::kWrapper, "inner press applied to each chunk independently",
+      {"ChunkPress",
+       K::kWrapper,
+       "inner press applied to each chunk independently",
        {{}, {}, {}, "no attentions (kvpress refuses them)"},
        [](double r, Params& p) {
          auto inner = inner_scorer(p, r);
-         return std::make_unique<ChunkPress>(inner,
-                                             p.get("chunk_length", ChunkPress::kDefaultChunkLength, "tokens per chunk"));
+         return std::make_unique<ChunkPress>(
+             inner, p.get("chunk_length", ChunkPress::kDefaultChunkLength, "tokens per chunk"));
        }},
-      {"BlockPress", K::kWrapper, "block-iterative selection with the inner scorer",
+      {"BlockPress",
+       K::kWrapper,
+       "block-iterative selection with the inner scorer",
        {{}, {}, {}, "the inner press sees keys and values only"},
        [](double r, Params& p) {
          auto inner = inner_scorer(p, r);
-         return std::make_unique<BlockPress>(inner, p.get("block_size", BlockPress::kDefaultBlockSize, "tokens per block"));
+         return std::make_unique<BlockPress>(inner,
+                                             p.get("block_size", BlockPress::kDefaultBlockSize, "tokens per block"));
        }},
-      {"ComposedPress", K::kWrapper, "presses applied in order", {{}, {}, {}, "later presses see keys and values only"},
+      {"ComposedPress",
+       K::kWrapper,
+       "presses applied in order",
+       {{}, {}, {}, "later presses see keys and values only"},
        [](double r, Params& p) { return std::make_unique<ComposedPress>(composed_presses(p, r)); }},
-      {"DecodingPress", K::kDecoding, "compresses during decoding: every compression_interval steps, to target_size tokens",
+      {"DecodingPress",
+       K::kDecoding,
+       "compresses during decoding: every compression_interval steps, to target_size tokens",
        {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
        [](double r, Params& p) {
-         TORCH_CHECK(r == 0.0, "DecodingPress: compression_ratio must be 0 (the budget is target_size; "
-                               "CompressionRatioDecodingPress keeps a fraction), got ", r);
-         ScorerFactory inner = scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
+         TORCH_CHECK(r == 0.0,
+                     "DecodingPress: compression_ratio must be 0 (the budget is target_size; "
+                     "CompressionRatioDecodingPress keeps a fraction), got ",
+                     r);
+         ScorerFactory inner =
+             scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
          const int64_t interval = p.get("compression_interval", DecodingPress::kDefaultCompressionInterval,
                                         "decoding steps between compressions");
-         const int64_t target = p.get("target_size", DecodingPress::kDefaultTargetSize,
-                                      "tokens kept per layer after a compression");
+         const int64_t target =
+             p.get("target_size", DecodingPress::kDefaultTargetSize, "tokens kept per layer after a compression");
          const int64_t buffer = p.get("hidden_states_buffer_size", DecodingPress::kDefaultHiddenStatesBufferSize,
                                       "decoding steps of hidden states kept for the inner press");
          return std::make_unique<DecodingPress>(inner, interval, target, buffer);
        }},
-      {"CompressionRatioDecodingPress", K::kDecoding,
+      {"CompressionRatioDecodingPress",
+       K::kDecoding,
        "compresses during decoding: every compression_interval steps, to (1 - ratio) of the tokens seen",
        {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
        [](double r, Params& p) {
-         ScorerFactory inner = scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
+         ScorerFactory inner =
+             scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
          const int64_t interval = p.get("compression_interval", DecodingPress::kDefaultCompressionInterval,
                                         "decoding steps between compressions");
          const int64_t buffer = p.get("hidden_states_buffer_size", DecodingPress::kDefaultHiddenStatesBufferSize,
                                       "decoding steps of hidden states kept for the inner press");
          return std::make_unique<CompressionRatioDecodingPress>(inner, r, interval, buffer);
        }},
-      {"PrefillDecodingPress", K::kDecoding, "a prefill press and a decoding press under one name",
+      {"PrefillDecodingPress",
+       K::kDecoding,
+       "a prefill press and a decoding press under one name",
        {{}, {}, {}, "at prefill: the prefilling press's; while decoding: the decoding press's"},
        [](double r, Params& p) {
          const std::string prefilling_name =
              p.get_text("prefilling_press", "None", "press applied at prefill (parameters as prefilling_press.<name>)");
          auto prefilling = named_press(p, "prefilling_press", prefilling_name, r);
-         const std::string decoding_name = p.get_text(
-             "decoding_press", "None", "DecodingPress or CompressionRatioDecodingPress (parameters as decoding_press.<name>)");
+         const std::string decoding_name =
+             p.get_text("decoding_press", "None",
+                        "DecodingPress or CompressionRatioDecodingPress (parameters as decoding_press.<name>)");
          // A DecodingPress's budget is its target_size: it gets ratio 0 unless told otherwise.
-         auto decoding_part =
-             named_press(p, "decoding_press", decoding_name, decoding_name == "CompressionRatioDecodingPress" ? r : 0.0);
+         auto decoding_part = named_press(p, "decoding_press", decoding_name,
+                                          decoding_name == "CompressionRatioDecodingPress" ? r : 0.0);
          auto decoding = std::dynamic_pointer_cast<const DecodingPress>(decoding_part);
-         TORCH_CHECK(!decoding_part || decoding, "PrefillDecodingPress: decoding_press must be DecodingPress or "
-                                                 "CompressionRatioDecodingPress, got ", decoding_part->name());
+         TORCH_CHECK(!decoding_part || decoding,
+                     "PrefillDecodingPress: decoding_press must be DecodingPress or "
+                     "CompressionRatioDecodingPress, got ",
+                     decoding_part->name());
          return std::make_unique<PrefillDecodingPress>(prefilling, decoding);
        }},
-      {"AdaKVPress", K::kWrapper, "inner scores, safeguarded, kept across heads (head budgets vary; head-ragged)", {},
+      {"AdaKVPress",
+       K::kWrapper,
+       "inner scores, safeguarded, kept across heads (head budgets vary; head-ragged)",
+       {},
        [](double r, Params& p) {
          auto inner = inner_scorer(p, r);
          return std::make_unique<AdaKVPress>(inner, p.get("alpha_safeguard", AdaKVPress::kDefaultAlphaSafeguard,
                                                           "fraction of n_kept every head keeps at least"));
        }},
-      {"CriticalKVPress", K::kWrapper, "inner scores x ||v W_o||_1, the first stage's winners kept", {{}, {"o_proj"}},
+      {"CriticalKVPress",
+       K::kWrapper,
+       "inner scores x ||v W_o||_1, the first stage's winners kept",
+       {{}, {"o_proj"}},
        [](double r, Params& p) {
          auto inner = inner_scorer(p, r);
          const double eps =
@@ -538,7 +606,9 @@ const std::vector<Entry>& entries() {
                                     "fraction of the budget chosen by the inner scores alone");
          return std::make_unique<CriticalKVPress>(inner, eps, first);
        }},
-      {"CriticalAdaKVPress", K::kWrapper, "AdaKV head budgets with CriticalKV's two stages per head (head-ragged)",
+      {"CriticalAdaKVPress",
+       K::kWrapper,
+       "AdaKV head budgets with CriticalKV's two stages per head (head-ragged)",
        {{}, {"o_proj"}},
        [](double r, Params& p) {
          auto inner = inner_scorer(p, r);
@@ -550,25 +620,34 @@ const std::vector<Entry>& entries() {
                                     "fraction of each head's budget chosen by the inner scores alone");
          return std::make_unique<CriticalAdaKVPress>(inner, alpha, eps, first);
        }},
-      {"PyramidKVPress", K::kScorer, "SnapKV scores, budgets shrinking linearly from the first layer to the last",
+      {"PyramidKVPress",
+       K::kScorer,
+       "SnapKV scores, budgets shrinking linearly from the first layer to the last",
        {kWindowAttentionInputs.alternatives, {}, {"layer_idx", "num_layers"}},
        [](double r, Params& p) {
          const int64_t window = p.get("window_size", PyramidKVPress::kDefaultWindowSize,
                                       "number of trailing queries observed (always kept)");
-         const int64_t kernel = p.get("kernel_size", PyramidKVPress::kDefaultKernelSize, "odd width of the average pooling");
+         const int64_t kernel =
+             p.get("kernel_size", PyramidKVPress::kDefaultKernelSize, "odd width of the average pooling");
          const int64_t beta = p.get("beta", PyramidKVPress::kDefaultBeta, "steepness of the pyramid (>= 1)");
          return std::make_unique<PyramidKVPress>(r, window, kernel, beta);
        }},
-      {"PerLayerCompressionPress", K::kWrapper, "inner press with its own compression ratio in every layer",
+      {"PerLayerCompressionPress",
+       K::kWrapper,
+       "inner press with its own compression ratio in every layer",
        {{}, {}, {"layer_idx", "num_layers"}},
        [](double r, Params& p) {
          ScorerFactory make = scorer_factory(p, kInnerPressHelp);
          return std::make_unique<PerLayerCompressionPress>(make, ratio_list(p, r));
        }},
-      {"QSMPress", K::kScorer, "CTR-Press stage I: query-span attention x semantic factor, forced keeps, value merge",
+      {"QSMPress",
+       K::kScorer,
+       "CTR-Press stage I: query-span attention x semantic factor, forced keeps, value merge",
        {{{{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}, {}, {"input_ids"}, kSemanticNote},
        [](double r, Params& p) { return std::make_unique<QSMPress>(r, qsm_options(p)); }},
-      {"CTRPress", K::kScorer, "CTR-Press: QSMPress with an entropy-adaptive budget and rescue merge of evicted tokens",
+      {"CTRPress",
+       K::kScorer,
+       "CTR-Press: QSMPress with an entropy-adaptive budget and rescue merge of evicted tokens",
        {{{{"queries"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}, {}, {"input_ids"}, kSemanticNote},
        [](double r, Params& p) {
          QSMOptions qsm = qsm_options(p);

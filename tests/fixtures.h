@@ -23,8 +23,8 @@ namespace kvpress::testing {
 
 // One kvpress run on one captured layer.
 struct FixtureRun {
-  std::string name;    // unique, e.g. "real_f32_l0__SnapKVPress_w16_k3_r0.5_attentions"
-  std::string press;   // kvpress class name
+  std::string name;   // unique, e.g. "real_f32_l0__SnapKVPress_w16_k3_r0.5_attentions"
+  std::string press;  // kvpress class name
   double compression_ratio = 0.0;
   std::map<std::string, std::string> params;  // kvpress parameter names, values as text
   // Inputs the C++ press gets besides keys/values:

@@ -82,7 +82,12 @@ TEST(Fit, AsymmetricLossPrefersUnderEstimatingQuality) {
 TEST(Search, FindsTheThresholdOfAMonotoneCurve) {
   // quality = 1 - r^2, tolerance 0.25 -> largest ratio 0.5.
   int calls = 0;
-  const SearchResult res = search_max_ratio([&](double r) { ++calls; return 1.0 - r * r; }, 0.25);
+  const SearchResult res = search_max_ratio(
+      [&](double r) {
+        ++calls;
+        return 1.0 - r * r;
+      },
+      0.25);
   EXPECT_NEAR(res.ratio, 0.5, 1e-3);
   EXPECT_LE(res.ratio, 0.5);
   EXPECT_GE(res.quality, 0.75);
@@ -109,12 +114,18 @@ TEST(Search, ReturnsMaxRatioWhenEverythingPassesAndZeroWhenNothingDoes) {
 }
 
 TEST(Search, Validation) {
-  expect_error([] { search_max_ratio([](double) { return 1.0; }, -0.1); }, {"search_max_ratio: tolerance must be >= 0, got -0.1"});
+  expect_error([] { search_max_ratio([](double) { return 1.0; }, -0.1); },
+               {"search_max_ratio: tolerance must be >= 0, got -0.1"});
   SearchOptions bad;
   bad.max_ratio = 1.0;
   expect_error([&] { search_max_ratio([](double) { return 1.0; }, 0.1, bad); }, {"max_ratio must be in (0, 1), got 1"});
-  expect_error([] { search_max_ratio([](double) { return std::nan(""); }, 0.1); }, {"search_max_ratio: quality(0) is NaN"});
-  expect_error([] { fit_calibration({{0.5, 1.0, 0.9}}); }, {"fit_calibration: samples must hold at least 2 samples, got 1"});
+  expect_error([] { search_max_ratio([](double) { return std::nan(""); }, 0.1); },
+               {"search_max_ratio: quality(0) is NaN"});
+  expect_error(
+      [] {
+        fit_calibration({{0.5, 1.0, 0.9}});
+      },
+      {"fit_calibration: samples must hold at least 2 samples, got 1"});
   expect_error([] { retention_for_target(1.5, 1.0); }, {"retention_for_target: tau must be in [0, 1], got 1.5"});
 }
 

@@ -345,15 +345,17 @@ TEST(Compactor, AcrossHeadsKeepsTheGlobalTopK) {
     EXPECT_TRUE(at::equal(head.values, in.values[0][h].index_select(0, head.kept_indices)));
   }
   EXPECT_EQ(total, 2 * ops::n_kept(seq, 0.5));
-  expect_error([&] { across.compress(in); }, {"CompactorPress.compress: CompactorPress keeps a different number of tokens per KV head", "compress_ragged()"});
+  expect_error(
+      [&] { across.compress(in); },
+      {"CompactorPress.compress: CompactorPress keeps a different number of tokens per KV head", "compress_ragged()"});
   // Per-head selection: compress_ragged equals compress.
   const KV kv = per_head.compress(in);
   const RaggedKV same = per_head.compress_ragged(in);
   for (int64_t h = 0; h < 2; ++h) EXPECT_TRUE(at::equal(same.at(0, h).kept_indices, kv.kept_indices[0][h]));
   // Ties across heads go to the lower head, then the lower position.
   const at::Tensor tied = at::ones({1, 2, 3});
-  EXPECT_TRUE(at::equal(ops::topk_mask_across_heads(tied, 4),
-                        at::tensor({1, 1, 1, 1, 0, 0}).to(at::kBool).view({1, 2, 3})));
+  EXPECT_TRUE(
+      at::equal(ops::topk_mask_across_heads(tied, 4), at::tensor({1, 1, 1, 1, 0, 0}).to(at::kBool).view({1, 2, 3})));
 }
 
 TEST(Compactor, RegistryBuildsKvpressParameters) {
@@ -379,17 +381,26 @@ TEST(Compactor, RegistryBuildsKvpressParameters) {
 
 TEST(CompactorErrors, Messages) {
   expect_error([] { NonCausalAttnPress(0.5, 0); }, {"NonCausalAttnPress: chunk_size must be > 0, got 0"});
-  expect_error([] { ops::noncausal_column_sums(randn({1, 2, 8, 4}, 1), randn({1, 1, 8, 4}, 2), -1); },
-               {"noncausal_column_sums: chunk_size must be > 0, got -1"});
+  expect_error(
+      [] {
+        ops::noncausal_column_sums(randn({1, 2, 8, 4}, 1), randn({1, 1, 8, 4}, 2), -1);
+      },
+      {"noncausal_column_sums: chunk_size must be > 0, got -1"});
   expect_error([] { CompactorPress(0.5, 8, 4, 0); }, {"CompactorPress: chunk_size must be > 0, got 0"});
   expect_error([] { LeverageScorePress(0.5, 0); }, {"LeverageScorePress: sketch_dimension must be > 0, got 0"});
-  expect_error([] { ops::leverage_scores(randn({1, 1, 8, 4}, 3), -3); },
-               {"leverage_scores: sketch_dimension must be > 0, got -3"});
+  expect_error(
+      [] {
+        ops::leverage_scores(randn({1, 1, 8, 4}, 3), -3);
+      },
+      {"leverage_scores: sketch_dimension must be > 0, got -3"});
   expect_error([] { CompactorPress(0.5, 8, 4, 256, -2); }, {"CompactorPress: sketch_dimension must be > 0, got -2"});
   expect_error([] { CompactorPress(0.5, -1); }, {"CompactorPress: sink_size_start must be >= 0, got -1"});
   expect_error([] { CompactorPress(0.5, 8, 4, 256, 48, std::nan("")); }, {"CompactorPress: blending must be finite"});
-  expect_error([] { make_press("CompactorPress", 0.5, {{"blending", "lots"}}); },
-               {"CompactorPress: parameter blending must be a number or None, got 'lots'"});
+  expect_error(
+      [] {
+        make_press("CompactorPress", 0.5, {{"blending", "lots"}});
+      },
+      {"CompactorPress: parameter blending must be a number or None, got 'lots'"});
 
   // Missing or partial queries.
   LayerInputs in;
@@ -423,17 +434,30 @@ TEST(CompactorErrors, Messages) {
   nan_keys[0][0][3][2] = std::numeric_limits<float>::quiet_NaN();
   expect_error([&] { ops::leverage_scores(nan_keys, 48, 0); },
                {"sketched_leverage: the Cholesky factorisation of the sketched Gram matrix failed 5 times"});
-  expect_error([] { ops::sketched_leverage(randn({1, 1, 16, 8}, 14), at::eye(4)); },
-               {"sketched_leverage: sketch must be [8, k] or [1, 1, 8, k], got [4, 4]"});
+  expect_error(
+      [] {
+        ops::sketched_leverage(randn({1, 1, 16, 8}, 14), at::eye(4));
+      },
+      {"sketched_leverage: sketch must be [8, k] or [1, 1, 8, k], got [4, 4]"});
 
   // Blending.
-  expect_error([] { ScoreBlendPress(0.5, {}, {}); }, {"ScoreBlendPress: scorers must hold at least one press, got none"});
-  expect_error([] { ScoreBlendPress(0.5, {std::make_shared<KnormPress>()}, {1.0, 2.0}); },
-               {"ScoreBlendPress: weights must hold one weight per scorer (1), got 2"});
-  expect_error([] { ops::blend_scores({at::zeros({1, 1, 4}), at::zeros({1, 1, 5})}, {1.0, 1.0}, true); },
-               {"blend_scores: every scores tensor must have the shape [1, 1, 4], got [1, 1, 5]"});
-  expect_error([] { ops::topk_mask_across_heads(at::zeros({1, 2, 3}), 7); },
-               {"topk_mask_across_heads: n_total must be in [1, heads * seq_len (6)], got 7"});
+  expect_error([] { ScoreBlendPress(0.5, {}, {}); },
+               {"ScoreBlendPress: scorers must hold at least one press, got none"});
+  expect_error(
+      [] {
+        ScoreBlendPress(0.5, {std::make_shared<KnormPress>()}, {1.0, 2.0});
+      },
+      {"ScoreBlendPress: weights must hold one weight per scorer (1), got 2"});
+  expect_error(
+      [] {
+        ops::blend_scores({at::zeros({1, 1, 4}), at::zeros({1, 1, 5})}, {1.0, 1.0}, true);
+      },
+      {"blend_scores: every scores tensor must have the shape [1, 1, 4], got [1, 1, 5]"});
+  expect_error(
+      [] {
+        ops::topk_mask_across_heads(at::zeros({1, 2, 3}), 7);
+      },
+      {"topk_mask_across_heads: n_total must be in [1, heads * seq_len (6)], got 7"});
 }
 
 }  // namespace

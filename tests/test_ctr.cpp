@@ -62,15 +62,15 @@ kvpress::TokenTextFn token_text() {
 
 TEST(CTRSemantic, RulesOneByOne) {
   using kvpress::semantic_weight;
-  EXPECT_DOUBLE_EQ(semantic_weight("2024", 5), 1.0);                // digit
-  EXPECT_DOUBLE_EQ(semantic_weight(" Tom", 5), 0.5);                // capital
-  EXPECT_DOUBLE_EQ(semantic_weight(" the", 5), -0.3);               // stopword (stripped, lowercased)
-  EXPECT_DOUBLE_EQ(semantic_weight("The", 5), 0.5 - 0.3);           // capital and stopword
-  EXPECT_DOUBLE_EQ(semantic_weight("   ", 5), -0.3);                // blank
-  EXPECT_DOUBLE_EQ(semantic_weight("\n", 5), 0.2 - 0.3);            // punctuation and blank
-  EXPECT_DOUBLE_EQ(semantic_weight("wonderful", 5), 0.3);           // 9 characters: rare
-  EXPECT_DOUBLE_EQ(semantic_weight("foo_bar()", 5), 0.3 + 0.4);     // rare and code symbols
-  EXPECT_DOUBLE_EQ(semantic_weight("a.b", 5), 0.2 + 0.4);           // '.' is punctuation and code
+  EXPECT_DOUBLE_EQ(semantic_weight("2024", 5), 1.0);             // digit
+  EXPECT_DOUBLE_EQ(semantic_weight(" Tom", 5), 0.5);             // capital
+  EXPECT_DOUBLE_EQ(semantic_weight(" the", 5), -0.3);            // stopword (stripped, lowercased)
+  EXPECT_DOUBLE_EQ(semantic_weight("The", 5), 0.5 - 0.3);        // capital and stopword
+  EXPECT_DOUBLE_EQ(semantic_weight("   ", 5), -0.3);             // blank
+  EXPECT_DOUBLE_EQ(semantic_weight("\n", 5), 0.2 - 0.3);         // punctuation and blank
+  EXPECT_DOUBLE_EQ(semantic_weight("wonderful", 5), 0.3);        // 9 characters: rare
+  EXPECT_DOUBLE_EQ(semantic_weight("foo_bar()", 5), 0.3 + 0.4);  // rare and code symbols
+  EXPECT_DOUBLE_EQ(semantic_weight("a.b", 5), 0.2 + 0.4);        // '.' is punctuation and code
   EXPECT_DOUBLE_EQ(semantic_weight("!", 5), 0.2);
   EXPECT_DOUBLE_EQ(semantic_weight("", 5), -0.3);
   // Length in code points: 7 two-byte characters are not rare, 8 are.
@@ -220,7 +220,8 @@ TEST(CTRReference, TinyStoriesStageOneScoresAndKept) {
       ASSERT_EQ(layers.inputs.size(), 2u);
       for (int layer = 0; layer < 2; ++layer) {
         const std::string tag = "tiny_l" + std::to_string(layer) + ".";
-        const std::string run = std::string(press_name) == "QSMPress" ? "qsm_r0.5" : "ctr_r" + std::string(ratio == 0.5 ? "0.5" : "0.25");
+        const std::string run =
+            std::string(press_name) == "QSMPress" ? "qsm_r0.5" : "ctr_r" + std::string(ratio == 0.5 ? "0.5" : "0.25");
         const at::Tensor ref_scores = ref.get(tag + "qsm_r0.5.scores");
         const at::Tensor ours = dynamic_cast<QSMPress&>(*press).score(layers.inputs[layer]);
         EXPECT_TRUE(at::allclose(ours, ref_scores, 1e-4, 1e-5)) << (ours - ref_scores).abs().max().item<float>();
@@ -332,7 +333,9 @@ TEST(QSMPress, StageOneScoresMatchTheFormula) {
     o.pseudo_query_max_fraction = 1.0;
     o.qa_alpha = 0.3;
     // Token text: ids divisible by 3 are digits (+1), by 4 stopwords (-0.3).
-    auto text = [](int64_t id) { return id % 3 == 0 ? std::string("7") : id % 4 == 0 ? std::string(" the") : std::string("x"); };
+    auto text = [](int64_t id) {
+      return id % 3 == 0 ? std::string("7") : id % 4 == 0 ? std::string(" the") : std::string("x");
+    };
     QSMPress press(0.5, o, text);
     const QSMScores st = press.stage_one_scores(in);
     std::vector<bool> forced(seq);
@@ -381,7 +384,8 @@ TEST(QSMPress, ChunkedQueryRowsMatchTheFormula) {
 TEST(QSMPress, MergeIntoNearestKeptPerHead) {
   // Head 0 keeps {1, 4}; head 1 keeps {0, 3}: position 2 is equidistant from 1 and 3... for head 1
   // it sits between 0 and 3 (nearer 3); position 5 of head 1 goes to 3.
-  const at::Tensor values = at::tensor({1.f, 2.f, 7.f, 4.f, 5.f, 9.f, 3.f, 8.f, 6.f, 2.f, 4.f, 10.f}).view({1, 2, 6, 1});
+  const at::Tensor values =
+      at::tensor({1.f, 2.f, 7.f, 4.f, 5.f, 9.f, 3.f, 8.f, 6.f, 2.f, 4.f, 10.f}).view({1, 2, 6, 1});
   const at::Tensor kept = at::tensor({1L, 4L, 0L, 3L}).view({1, 2, 2});
   at::Tensor w = at::ones({1, 2, 6});
   w[0][1][1] = 0.5;
@@ -404,7 +408,8 @@ TEST(QSMPress, MergeIntoNearestKeptPerHead) {
   const at::Tensor k1 = at::tensor({1L, 3L}).view({1, 1, 2});
   at::Tensor w1 = at::zeros({1, 1, 6});
   w1[0][0][2] = 1.0;
-  const at::Tensor tie = kvpress::merge_into_nearest_kept(kvpress::ops::gather_kv(v1, v1, k1).values, v1, k1, w1, alpha, p);
+  const at::Tensor tie =
+      kvpress::merge_into_nearest_kept(kvpress::ops::gather_kv(v1, v1, k1).values, v1, k1, w1, alpha, p);
   EXPECT_NEAR(tie[0][0][0][0].item<double>(), blend(2, 1, 7), 1e-6);
   EXPECT_NEAR(tie[0][0][1][0].item<double>(), 4.0, 1e-6);
 }
@@ -426,7 +431,8 @@ TEST(QSMPress, ScoreMergeWeights) {
   EXPECT_NEAR(w2[0][0][1].item<double>(), 0.4 * 0.4, 1e-6);
   EXPECT_NEAR(w2[0][0][3].item<double>(), 0.2 * 0.2, 1e-6);
   o.merge_weighting = kvpress::MergeWeighting::kUniform;
-  EXPECT_TRUE(at::equal(QSMPress(0.5, o).merge_weights(st, kept), at::tensor({0.f, 1.f, 1.f, 1.f, 0.f, 0.f}).view({1, 1, 6})));
+  EXPECT_TRUE(
+      at::equal(QSMPress(0.5, o).merge_weights(st, kept), at::tensor({0.f, 1.f, 1.f, 1.f, 0.f, 0.f}).view({1, 1, 6})));
 }
 
 TEST(QSMPress, CompressMergesValuesWithAnExplicitQuery) {
@@ -472,7 +478,8 @@ TEST(CTRPress, EntropyBothModes) {
   // One KV head: the forced tokens take all the mass, E = ln(#forced).
   const at::Tensor one = at::tensor({kFloatMax, 0.2f, kFloatMax, 0.9f}).view({1, 1, 4});
   const at::Tensor forced2 = mask({1, 0, 1, 0});
-  EXPECT_NEAR(kvpress::ctr_normalized_entropy(one, forced2, CTREntropy::kReference), std::log(2.0) / std::log(4.0), 1e-6);
+  EXPECT_NEAR(kvpress::ctr_normalized_entropy(one, forced2, CTREntropy::kReference), std::log(2.0) / std::log(4.0),
+              1e-6);
   // Nothing to spread.
   EXPECT_LT(kvpress::ctr_normalized_entropy(one, mask({1, 1, 1, 0}), CTREntropy::kNonForced), 0.0);
 }
@@ -576,8 +583,11 @@ TEST(CTRPress, RegistryParametersAndDefaults) {
   EXPECT_DOUBLE_EQ(o.lambda_sem, 0.3);
   EXPECT_DOUBLE_EQ(o.merge_count_power, 0.75);
   auto ctr = kvpress::make_press("CTRPress", 0.3,
-                                 {{"entropy", "reference"}, {"rescue_ratio", "0.2"}, {"merge_weighting", "uniform"},
-                                  {"rare_token_id_threshold", "1000"}, {"query_length", "16"}});
+                                 {{"entropy", "reference"},
+                                  {"rescue_ratio", "0.2"},
+                                  {"merge_weighting", "uniform"},
+                                  {"rare_token_id_threshold", "1000"},
+                                  {"query_length", "16"}});
   const auto& c = dynamic_cast<CTRPress&>(*ctr);
   EXPECT_EQ(c.ctr_options().entropy, CTREntropy::kReference);
   EXPECT_DOUBLE_EQ(c.ctr_options().rescue_ratio, 0.2);
@@ -599,12 +609,21 @@ TEST(CTRPress, Errors) {
   CTROptions c;
   c.rescue_ratio = 1.5;
   expect_error([&] { CTRPress(0.5, {}, c); }, {"CTRPress: rescue_ratio must be in [0, 1], got 1.5"});
-  expect_error([&] { kvpress::make_press("CTRPress", 0.5, {{"entropy", "gpu"}}); },
-               {"entropy must be non_forced or reference, got 'gpu'"});
-  expect_error([&] { kvpress::make_press("QSMPress", 0.5, {{"merge_weighting", "max"}}); },
-               {"merge_weighting must be score or uniform, got 'max'"});
-  expect_error([&] { kvpress::make_press("QSMPress", 0.5, {{"merge_target", "mean"}}); },
-               {"merge_target must be nearest, got 'mean'"});
+  expect_error(
+      [&] {
+        kvpress::make_press("CTRPress", 0.5, {{"entropy", "gpu"}});
+      },
+      {"entropy must be non_forced or reference, got 'gpu'"});
+  expect_error(
+      [&] {
+        kvpress::make_press("QSMPress", 0.5, {{"merge_weighting", "max"}});
+      },
+      {"merge_weighting must be score or uniform, got 'max'"});
+  expect_error(
+      [&] {
+        kvpress::make_press("QSMPress", 0.5, {{"merge_target", "mean"}});
+      },
+      {"merge_target must be nearest, got 'mean'"});
   expect_error([&] { kvpress::make_press("QSMPress", 0.5, {{"bogus", "1"}}); }, {"unknown parameter 'bogus'"});
 
   LayerInputs in = small_layer(2, 2, 16, 4, 5);
@@ -618,14 +637,18 @@ TEST(CTRPress, Errors) {
   expect_error([&] { QSMPress(0.5).compress(in); }, {"QSMPress.score", "needs attentions, queries, or hidden_states"});
 
   const at::Tensor v = at::zeros({1, 1, 4, 2});
-  expect_error([&] {
-    kvpress::merge_into_nearest_kept(at::zeros({1, 1, 2, 2}), v, at::tensor({2L, 1L}).view({1, 1, 2}), at::ones({1, 1, 4}),
-                                     0.2, 0.75);
-  }, {"kept_indices must be strictly ascending"});
-  expect_error([&] {
-    kvpress::merge_into_nearest_kept(at::zeros({1, 1, 2, 2}), v, at::tensor({0L, 1L}).view({1, 1, 2}), at::ones({1, 1, 5}),
-                                     0.2, 0.75);
-  }, {"weights must be [1, 1, 4], got [1, 1, 5]"});
+  expect_error(
+      [&] {
+        kvpress::merge_into_nearest_kept(at::zeros({1, 1, 2, 2}), v, at::tensor({2L, 1L}).view({1, 1, 2}),
+                                         at::ones({1, 1, 4}), 0.2, 0.75);
+      },
+      {"kept_indices must be strictly ascending"});
+  expect_error(
+      [&] {
+        kvpress::merge_into_nearest_kept(at::zeros({1, 1, 2, 2}), v, at::tensor({0L, 1L}).view({1, 1, 2}),
+                                         at::ones({1, 1, 5}), 0.2, 0.75);
+      },
+      {"weights must be [1, 1, 4], got [1, 1, 5]"});
 }
 
 // ---- CUDA ----------------------------------------------------------------------------------------

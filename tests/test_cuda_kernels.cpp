@@ -23,7 +23,7 @@ bool cuda_kernels_built() {
       .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
 }
 
-#define KVPRESS_REQUIRE_CUDA_KERNELS()                                   \
+#define KVPRESS_REQUIRE_CUDA_KERNELS()                                  \
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine"; \
   if (!cuda_kernels_built()) GTEST_SKIP() << "libkvpress built without CUDA kernels"
 
@@ -103,7 +103,8 @@ TEST(CudaKernels, TopkRefusesNonFiniteScores) {
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     at::Tensor scores = randn({1, 2, 100}, 8);
     scores[0][1][50] = bad;
-    testing::expect_error([&] { ops::topk_indices(scores.cuda(), 10); }, {"topk_indices: scores must be finite, got 1 "});
+    testing::expect_error([&] { ops::topk_indices(scores.cuda(), 10); },
+                          {"topk_indices: scores must be finite, got 1 "});
   }
 }
 
@@ -113,9 +114,8 @@ TEST(CudaKernels, GatherRowsMatchesCpu) {
     for (int64_t dim : {128, 7}) {  // 7 * 2 bytes: the narrowest copy word
       const at::Tensor keys = randn({2, 3, 500, dim}, 9, dtype);
       const at::Tensor values = randn({2, 3, 500, dim}, 10, dtype);
-      const at::Tensor idx = std::get<0>(at::randperm(500, at::kLong).narrow(0, 0, 123).sort())
-                                 .expand({2, 3, 123})
-                                 .contiguous();
+      const at::Tensor idx =
+          std::get<0>(at::randperm(500, at::kLong).narrow(0, 0, 123).sort()).expand({2, 3, 123}).contiguous();
       const KV cpu = ops::gather_kv(keys, values, idx);
       const KV gpu = ops::gather_kv(keys.cuda(), values.cuda(), idx.cuda());
       EXPECT_TRUE(at::equal(cpu.keys, gpu.keys.cpu())) << dtype << " dim " << dim;
@@ -123,8 +123,11 @@ TEST(CudaKernels, GatherRowsMatchesCpu) {
     }
   }
   const at::Tensor keys = randn({1, 1, 10, 4}, 11).cuda();
-  testing::expect_error([&] { ops::gather_kv(keys, keys, at::full({1, 1, 2}, 10, at::kLong).cuda()); },
-                        {"gather_kv: indices must be in [0, seq_len (10)), got values in [10, 10]"});
+  testing::expect_error(
+      [&] {
+        ops::gather_kv(keys, keys, at::full({1, 1, 2}, 10, at::kLong).cuda());
+      },
+      {"gather_kv: indices must be in [0, seq_len (10)), got values in [10, 10]"});
 }
 
 // Whole presses on CUDA tensors keep what they keep on CPU.

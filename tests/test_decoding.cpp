@@ -187,8 +187,11 @@ TEST(Decoding, InnerScorerGetsTheBufferedQueriesWithTheLatestRopeRow) {
 
 TEST(Decoding, RegistryBuildsTheDecodingPresses) {
   const auto d = kvpress::make_press("DecodingPress", 0.0,
-                                     {{"press", "SnapKVPress"}, {"press.window_size", "8"}, {"compression_interval", "16"},
-                                      {"target_size", "128"}, {"hidden_states_buffer_size", "32"}});
+                                     {{"press", "SnapKVPress"},
+                                      {"press.window_size", "8"},
+                                      {"compression_interval", "16"},
+                                      {"target_size", "128"},
+                                      {"hidden_states_buffer_size", "32"}});
   const auto& dp = dynamic_cast<const DecodingPress&>(*d);
   EXPECT_EQ(dp.press()->name(), "SnapKVPress");
   EXPECT_EQ(dp.compression_interval(), 16);
@@ -240,21 +243,42 @@ TEST(Decoding, BadInputIsRefusedWithAClearMessage) {
                {"CompressionRatioDecodingPress", "press must be a ScorerPress"});
   expect_error([&] { kvpress::make_press("DecodingPress", 0.5); },
                {"DecodingPress", "compression_ratio must be 0", "target_size", "0.5"});
-  expect_error([&] { kvpress::make_press("DecodingPress", 0.0, {{"press", ""}}); },
-               {"DecodingPress", "press", "must not be empty"});
-  expect_error([&] { kvpress::make_press("DecodingPress", 0.0, {{"press", "ChunkKVPress"}}); },
-               {"DecodingPress", "press must be a ScorerPress", "ChunkKVPress"});
-  expect_error([&] { kvpress::make_press("DecodingPress", 0.0, {{"target_size", "-3"}}); },
-               {"DecodingPress", "target_size", "-3"});
-  expect_error([&] { kvpress::make_press("DecodingPress", 0.0, {{"compression_interval", "x"}}); },
-               {"DecodingPress", "compression_interval", "integer", "x"});
-  expect_error([&] { kvpress::make_press("PrefillDecodingPress", 0.5, {{"decoding_press", "KnormPress"}}); },
-               {"PrefillDecodingPress", "decoding_press must be DecodingPress", "KnormPress"});
-  expect_error([&] { kvpress::make_press("PrefillDecodingPress", 0.5, {{"prefilling_press", "DecodingPress"},
-                                                                      {"prefilling_press.compression_ratio", "0"}}); },
-               {"PrefillDecodingPress", "prefilling_press must be a prefill press", "DecodingPress"});
-  expect_error([&] { kvpress::make_press("PrefillDecodingPress", 0.5, {{"decoding_press.target_size", "4"}}); },
-               {"PrefillDecodingPress", "decoding_press.*", "without decoding_press"});
+  expect_error(
+      [&] {
+        kvpress::make_press("DecodingPress", 0.0, {{"press", ""}});
+      },
+      {"DecodingPress", "press", "must not be empty"});
+  expect_error(
+      [&] {
+        kvpress::make_press("DecodingPress", 0.0, {{"press", "ChunkKVPress"}});
+      },
+      {"DecodingPress", "press must be a ScorerPress", "ChunkKVPress"});
+  expect_error(
+      [&] {
+        kvpress::make_press("DecodingPress", 0.0, {{"target_size", "-3"}});
+      },
+      {"DecodingPress", "target_size", "-3"});
+  expect_error(
+      [&] {
+        kvpress::make_press("DecodingPress", 0.0, {{"compression_interval", "x"}});
+      },
+      {"DecodingPress", "compression_interval", "integer", "x"});
+  expect_error(
+      [&] {
+        kvpress::make_press("PrefillDecodingPress", 0.5, {{"decoding_press", "KnormPress"}});
+      },
+      {"PrefillDecodingPress", "decoding_press must be DecodingPress", "KnormPress"});
+  expect_error(
+      [&] {
+        kvpress::make_press("PrefillDecodingPress", 0.5,
+                            {{"prefilling_press", "DecodingPress"}, {"prefilling_press.compression_ratio", "0"}});
+      },
+      {"PrefillDecodingPress", "prefilling_press must be a prefill press", "DecodingPress"});
+  expect_error(
+      [&] {
+        kvpress::make_press("PrefillDecodingPress", 0.5, {{"decoding_press.target_size", "4"}});
+      },
+      {"PrefillDecodingPress", "decoding_press.*", "without decoding_press"});
   // An inner press that needs every position's query cannot score a decoding cache.
   const DecodingPress expected(scorer("ExpectedAttentionPress"), 1, 10, 4);
   DecodingState state;
@@ -275,8 +299,11 @@ TEST(Decoding, BadInputIsRefusedWithAClearMessage) {
   model.prefill(at::arange(1, 20).unsqueeze(0), cache);
   ForwardOptions opt;
   opt.decoding_press = &snap;
-  expect_error([&] { model.forward(at::ones({1, 1}, at::kLong), cache, opt); },
-               {"LlamaModel", "DecodingPress", "decoding_state"});
+  expect_error(
+      [&] {
+        model.forward(at::ones({1, 1}, at::kLong), cache, opt);
+      },
+      {"LlamaModel", "DecodingPress", "decoding_state"});
 }
 
 // ---- in the Llama runner -------------------------------------------------------------------------
@@ -285,8 +312,8 @@ TEST(Decoding, GenerationCompressesWhileDecoding) {
   const LlamaModel& model = tiny_model();
   std::vector<int64_t> context{1};
   for (int64_t i = 0; i < 59; ++i) context.push_back(300 + (i * 37) % 200);
-  const auto press = kvpress::make_press("DecodingPress", 0.0,
-                                         {{"press", "KeyDiffPress"}, {"compression_interval", "4"}, {"target_size", "32"}});
+  const auto press = kvpress::make_press(
+      "DecodingPress", 0.0, {{"press", "KeyDiffPress"}, {"compression_interval", "4"}, {"target_size", "32"}});
   kvpress::llama::GenerationOptions opt;
   opt.max_new_tokens = 10;
   opt.stop_at_eos = false;
@@ -338,15 +365,16 @@ TEST(Decoding, PrefillAndDecodingHooksFillTheSameFields) {
   p.press = knorm.get();
   p.on_compress = [&](const LayerInputs& in, const kvpress::KV&) { at_prefill = defined_fields(in); };
   model.prefill(prompt, cache, p);
-  const auto decoding = kvpress::make_press("DecodingPress", 0.0, {{"compression_interval", "1"}, {"target_size", "8"}});
+  const auto decoding =
+      kvpress::make_press("DecodingPress", 0.0, {{"compression_interval", "1"}, {"target_size", "8"}});
   kvpress::DecodingState state;
   kvpress::llama::ForwardOptions step;
   step.decoding_press = kvpress::decoding_press_of(decoding.get());
   step.decoding_state = &state;
   step.on_decoding_compress = [&](const LayerInputs& in, const kvpress::KV&) { while_decoding = defined_fields(in); };
   model.forward(at::tensor({400L}, at::kLong).unsqueeze(0), cache, step);
-  const std::vector<std::string> expected{"keys",   "values", "hidden_states", "q_proj",   "k_proj",   "o_proj",
-                                          "cos",    "sin",    "inv_freq",      "input_ids"};
+  const std::vector<std::string> expected{"keys",   "values", "hidden_states", "q_proj",   "k_proj",
+                                          "o_proj", "cos",    "sin",           "inv_freq", "input_ids"};
   EXPECT_EQ(at_prefill, expected);
   EXPECT_EQ(while_decoding, expected);
 }
@@ -370,8 +398,10 @@ const DecodingFixtures& decoding_fixtures() {
     out.dir = base + "/decoding";
     std::ifstream in(out.dir + "/decoding_manifest.json");
     if (!in) {
-      out.error = "no manifest at " + out.dir + "/decoding_manifest.json; generate it with "
-                  "tests/reference/make_decoding_fixtures.py --out " + out.dir + " (scripts/test.sh does)";
+      out.error = "no manifest at " + out.dir +
+                  "/decoding_manifest.json; generate it with "
+                  "tests/reference/make_decoding_fixtures.py --out " +
+                  out.dir + " (scripts/test.sh does)";
       return out;
     }
     try {
@@ -384,9 +414,9 @@ const DecodingFixtures& decoding_fixtures() {
   return f;
 }
 
-#define REQUIRE_DECODING_FIXTURES()                                          \
-  const DecodingFixtures& fx = decoding_fixtures();                          \
-  ASSERT_TRUE(fx.error.empty()) << fx.error;                                 \
+#define REQUIRE_DECODING_FIXTURES()                                        \
+  const DecodingFixtures& fx = decoding_fixtures();                        \
+  ASSERT_TRUE(fx.error.empty()) << fx.error;                               \
   ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5") \
       << "fixtures in " << fx.dir << " were made with another kvpress; regenerate them"
 

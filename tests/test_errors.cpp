@@ -26,8 +26,11 @@ TEST(Errors, WrongRank) {
   in.keys = randn({2, 8, 64}, 3);
   expect_error([&] { KnormPress(0.5).compress(in); },
                {"KnormPress.compress: keys must be [batch, kv_heads, seq_len, head_dim], got [2, 8, 64]"});
-  expect_error([&] { ops::topk_indices(at::rand({4, 5}), 2); },
-               {"topk_indices: scores must be [batch, heads, seq_len], got [4, 5]"});
+  expect_error(
+      [&] {
+        ops::topk_indices(at::rand({4, 5}), 2);
+      },
+      {"topk_indices: scores must be [batch, heads, seq_len], got [4, 5]"});
 }
 
 TEST(Errors, WrongDtype) {
@@ -40,8 +43,11 @@ TEST(Errors, WrongDtype) {
   in = small_layer();
   in.values = in.values.to(at::kHalf);
   expect_error([&] { KnormPress(0.5).compress(in); }, {"values must have the dtype of keys (Float), got Half"});
-  expect_error([&] { ops::gather_kv(in.keys, in.keys, at::zeros({1, 2, 3}, at::kInt)); },
-               {"gather_kv: indices must be int64, got Int"});
+  expect_error(
+      [&] {
+        ops::gather_kv(in.keys, in.keys, at::zeros({1, 2, 3}, at::kInt));
+      },
+      {"gather_kv: indices must be int64, got Int"});
 }
 
 TEST(Errors, DeviceMismatch) {
@@ -75,7 +81,8 @@ TEST(Errors, WindowNotSmallerThanSequence) {
   expect_error([&] { SnapKVPress(0.5, 64).compress(in); }, {"SnapKVPress: window_size must be < seq_len (64), got 64"});
   expect_error([&] { SnapKVPress(0.5, 100).compress(in); }, {"window_size must be < seq_len (64), got 100"});
   in.queries = randn({1, 4, 10, 8}, 5);
-  expect_error([&] { SnapKVPress(0.5, 16).compress(in); }, {"queries must hold at least the last 16 positions, got q_len 10"});
+  expect_error([&] { SnapKVPress(0.5, 16).compress(in); },
+               {"queries must hold at least the last 16 positions, got q_len 10"});
   expect_error([&] { StreamingLLMPress(0.5, 64).compress(in); }, {"n_sink must be < seq_len (64), got 64"});
 }
 
@@ -90,16 +97,22 @@ TEST(Errors, QueryHeadsNotAMultipleOfKvHeads) {
   in.attentions = at::rand({1, 6, 32, 32});
   expect_error([&] { ObservedAttentionPress(0.5).compress(in); },
                {"num_heads must be a positive multiple of num_kv_heads (4), got 6"});
-  expect_error([&] { ops::group_mean(at::rand({1, 6, 3}), 4); },
-               {"group_mean: num_heads must be a positive multiple of num_kv_heads (4), got 6"});
+  expect_error(
+      [&] {
+        ops::group_mean(at::rand({1, 6, 3}), 4);
+      },
+      {"group_mean: num_heads must be a positive multiple of num_kv_heads (4), got 6"});
 }
 
 TEST(Errors, NaNAndInfScores) {
   LayerInputs in = small_layer();
   in.keys[0][1][3][2] = std::numeric_limits<float>::quiet_NaN();
   expect_error([&] { KnormPress(0.5).compress(in); }, {"KnormPress.compress: scores must be finite, got 1 NaN"});
-  expect_error([] { ops::topk_indices(at::full({1, 1, 4}, std::numeric_limits<float>::infinity()), 2); },
-               {"topk_indices: scores must be finite, got 4 Inf"});
+  expect_error(
+      [] {
+        ops::topk_indices(at::full({1, 1, 4}, std::numeric_limits<float>::infinity()), 2);
+      },
+      {"topk_indices: scores must be finite, got 4 Inf"});
 }
 
 TEST(Errors, EmptyInput) {
@@ -107,17 +120,20 @@ TEST(Errors, EmptyInput) {
   in.keys = at::empty({1, 2, 0, 8});
   in.values = at::empty({1, 2, 0, 8});
   expect_error([&] { KnormPress(0.5).compress(in); }, {"keys must be non-empty, got [1, 2, 0, 8]"});
-  expect_error([&] { KnormPress(0.5).compress(LayerInputs{}); }, {"KnormPress.compress: keys is required but was not given"});
+  expect_error([&] { KnormPress(0.5).compress(LayerInputs{}); },
+               {"KnormPress.compress: keys is required but was not given"});
   expect_error([] { ops::topk_indices(at::empty({1, 1, 0}), 1); }, {"scores must be non-empty, got [1, 1, 0]"});
 }
 
 TEST(Errors, ShapeMismatches) {
   LayerInputs in = small_layer();
   in.values = randn({1, 2, 31, 8}, 9);
-  expect_error([&] { KeyDiffPress(0.5).compress(in); }, {"values must have the shape of keys [1, 2, 32, 8], got [1, 2, 31, 8]"});
+  expect_error([&] { KeyDiffPress(0.5).compress(in); },
+               {"values must have the shape of keys [1, 2, 32, 8], got [1, 2, 31, 8]"});
   in = small_layer();
   in.attentions = at::rand({1, 4, 32, 31});
-  expect_error([&] { TOVAPress(0.5).compress(in); }, {"attentions must be [1, num_heads, q_len, 32] to match keys, got [1, 4, 32, 31]"});
+  expect_error([&] { TOVAPress(0.5).compress(in); },
+               {"attentions must be [1, num_heads, q_len, 32] to match keys, got [1, 4, 32, 31]"});
   in = small_layer();
   in.hidden_states = randn({1, 32, 16}, 10);
   in.q_proj = randn({4 * 8, 12}, 11);
@@ -127,9 +143,16 @@ TEST(Errors, ShapeMismatches) {
   in.q_proj = randn({4 * 8, 16}, 12);
   in.cos = at::ones({31, 8});
   expect_error([&] { SnapKVPress(0.5, 8).compress(in); }, {"cos must be [32, 8] ([seq_len, head_dim]), got [31, 8]"});
-  expect_error([] { ops::gather_kv(at::zeros({1, 1, 4, 2}), at::zeros({1, 1, 4, 2}), at::tensor({0L, 4L}).view({1, 1, 2})); },
-               {"gather_kv: indices must be in [0, seq_len (4)), got values in [0, 4]"});
-  expect_error([] { ops::topk_indices(at::rand({1, 1, 4}), 5); }, {"topk_indices: k must be in [1, seq_len (4)], got 5"});
+  expect_error(
+      [] {
+        ops::gather_kv(at::zeros({1, 1, 4, 2}), at::zeros({1, 1, 4, 2}), at::tensor({0L, 4L}).view({1, 1, 2}));
+      },
+      {"gather_kv: indices must be in [0, seq_len (4)), got values in [0, 4]"});
+  expect_error(
+      [] {
+        ops::topk_indices(at::rand({1, 1, 4}), 5);
+      },
+      {"topk_indices: k must be in [1, seq_len (4)], got 5"});
 }
 
 TEST(Errors, MissingInputs) {
@@ -195,12 +218,28 @@ TEST(Errors, LayerInputsThatDoNotFitTogether) {
 }
 
 TEST(Errors, BadParameters) {
-  expect_error([] { make_press("SnapKV", 0.5); }, {"make_press: unknown press 'SnapKV' (known: RandomPress, KnormPress"});
-  expect_error([] { make_press("SnapKVPress", 0.5, {{"window", "8"}}); },
-               {"SnapKVPress: unknown parameter 'window' (known: window_size, kernel_size)"});
-  expect_error([] { make_press("KnormPress", 0.5, {{"n_sink", "8"}}); }, {"KnormPress: unknown parameter 'n_sink' (known: none)"});
-  expect_error([] { make_press("LagKVPress", 0.5, {{"lag_size", "12x"}}); }, {"LagKVPress: parameter lag_size must be an integer, got '12x'"});
-  expect_error([] { make_press("LagKVPress", 0.5, {{"cross_scoring", "maybe"}}); }, {"parameter cross_scoring must be true or false, got 'maybe'"});
+  expect_error([] { make_press("SnapKV", 0.5); },
+               {"make_press: unknown press 'SnapKV' (known: RandomPress, KnormPress"});
+  expect_error(
+      [] {
+        make_press("SnapKVPress", 0.5, {{"window", "8"}});
+      },
+      {"SnapKVPress: unknown parameter 'window' (known: window_size, kernel_size)"});
+  expect_error(
+      [] {
+        make_press("KnormPress", 0.5, {{"n_sink", "8"}});
+      },
+      {"KnormPress: unknown parameter 'n_sink' (known: none)"});
+  expect_error(
+      [] {
+        make_press("LagKVPress", 0.5, {{"lag_size", "12x"}});
+      },
+      {"LagKVPress: parameter lag_size must be an integer, got '12x'"});
+  expect_error(
+      [] {
+        make_press("LagKVPress", 0.5, {{"cross_scoring", "maybe"}});
+      },
+      {"parameter cross_scoring must be true or false, got 'maybe'"});
   expect_error([] { SnapKVPress(0.5, 64, 4); }, {"SnapKVPress: kernel_size must be a positive odd number, got 4"});
   expect_error([] { LagKVPress(0.5, 4, 0); }, {"LagKVPress: lag_size must be > 0, got 0"});
   expect_error([] { StreamingLLMPress(0.5, -1); }, {"StreamingLLMPress: n_sink must be >= 0, got -1"});

@@ -10,10 +10,10 @@
 #include <limits>
 #include <optional>
 
+#include "kernel_ops.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
-#include "kernel_ops.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -44,7 +44,8 @@ TEST(KernelOps, TopkKernelMatchesTheStableSortIncludingTies) {
 TEST(KernelOps, GatherKernelMatchesTheComposite) {
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     const at::Tensor keys = randn({2, 3, 50, 8}, 3, dtype), values = randn({2, 3, 50, 8}, 4, dtype);
-    const at::Tensor idx = std::get<0>(at::randperm(50, at::kLong).narrow(0, 0, 13).sort()).expand({2, 3, 13}).contiguous();
+    const at::Tensor idx =
+        std::get<0>(at::randperm(50, at::kLong).narrow(0, 0, 13).sort()).expand({2, 3, 13}).contiguous();
     const KV kernel = ops::gather_kv(keys, values, idx);
     const auto [k, v] = ops::composite::gather_kv(keys, values, idx);
     EXPECT_TRUE(at::equal(kernel.keys, k)) << dtype;
@@ -88,9 +89,9 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
   EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
             (at::IntArrayRef{1, 4, 27}));
-  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::key_norm_scores",
-                         "kvpress::keydiff_scores", "kvpress::window_attention_mean",
-                         "kvpress::lagkv_partition_scores", "kvpress::ragged_attention"}) {
+  for (const char* op :
+       {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::key_norm_scores", "kvpress::keydiff_scores",
+        "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores", "kvpress::ragged_attention"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;
@@ -134,14 +135,26 @@ TEST(WindowAttentionMean, SnapKVScoresFromMeanEqualScoresFromFullAttention) {
 
 TEST(WindowAttentionMean, RejectsBadArguments) {
   const at::Tensor k = randn({1, 2, 20, 8}, 9);
-  expect_error([&] { ops::window_attention_mean(randn({1, 3, 4, 8}, 1), k); },
-               {"window_attention_mean: num_heads must be a positive multiple of num_kv_heads (2), got 3"});
-  expect_error([&] { ops::window_attention_mean(randn({1, 4, 20, 8}, 1), k); },
-               {"window_attention_mean: window must be < seq_len (20), got 20"});
-  expect_error([&] { ops::window_attention_mean(randn({1, 4, 4, 6}, 1), k); },
-               {"window_attention_mean: queries must be [1, num_heads, window, 8] to match keys, got [1, 4, 4, 6]"});
-  expect_error([&] { ops::snapkv_scores_from_mean(randn({1, 4, 10}, 1), 2, 4, 3); },
-               {"snapkv_scores_from_mean: kernel_size must be a positive odd number, got 4"});
+  expect_error(
+      [&] {
+        ops::window_attention_mean(randn({1, 3, 4, 8}, 1), k);
+      },
+      {"window_attention_mean: num_heads must be a positive multiple of num_kv_heads (2), got 3"});
+  expect_error(
+      [&] {
+        ops::window_attention_mean(randn({1, 4, 20, 8}, 1), k);
+      },
+      {"window_attention_mean: window must be < seq_len (20), got 20"});
+  expect_error(
+      [&] {
+        ops::window_attention_mean(randn({1, 4, 4, 6}, 1), k);
+      },
+      {"window_attention_mean: queries must be [1, num_heads, window, 8] to match keys, got [1, 4, 4, 6]"});
+  expect_error(
+      [&] {
+        ops::snapkv_scores_from_mean(randn({1, 4, 10}, 1), 2, 4, 3);
+      },
+      {"snapkv_scores_from_mean: kernel_size must be a positive odd number, got 4"});
 }
 
 // The kernel's ranks may differ from the ATen ranks only where two statistics of a partition are
@@ -163,8 +176,8 @@ TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
       // 4 sinks, lag 16, 7 partitions and 3 leftover tokens.
       const at::Tensor k = randn({2, 3, 4 + 7 * 16 + 3, 32}, 10, dtype);
       const at::Tensor v = randn({2, 3, 4 + 7 * 16 + 3, 32}, 11, dtype);
-      expect_same_lag_scores(ops::lagkv_scores(k, v, 4, 16, cross), ops::composite::lagkv_partition_scores(k, v, 4, 16, cross),
-                             !cross, c10::toString(dtype));
+      expect_same_lag_scores(ops::lagkv_scores(k, v, 4, 16, cross),
+                             ops::composite::lagkv_partition_scores(k, v, 4, 16, cross), !cross, c10::toString(dtype));
     }
   }
 }
@@ -172,8 +185,8 @@ TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
 TEST(LagKVKernel, HandlesNoSinksStridedInputsAndExactPartitions) {
   const at::Tensor k = randn({1, 40, 2, 8}, 12).transpose(1, 2);  // [1, 2, 40, 8], strided
   const at::Tensor v = randn({1, 2, 40, 8}, 13);
-  expect_same_lag_scores(ops::lagkv_scores(k, v, 0, 8, true), ops::composite::lagkv_partition_scores(k, v, 0, 8, true), false,
-                         "strided");
+  expect_same_lag_scores(ops::lagkv_scores(k, v, 0, 8, true), ops::composite::lagkv_partition_scores(k, v, 0, 8, true),
+                         false, "strided");
   // Ranks of one partition are a permutation of 0 .. lag - 1, divided by lag.
   const at::Tensor s = ops::lagkv_scores(k, v, 0, 8, false);
   for (int64_t p = 0; p < 4; ++p) {

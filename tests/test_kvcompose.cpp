@@ -159,8 +159,8 @@ TEST(KVCompose, AggregationsGroupsAndValueNorms) {
   KVComposeSession s = KVComposePress(0.5, o).start_session(1, 4, 2, 2);
   s.observe(0, at::cat({a, b}, 2));
   // ||v||: head 0 [5, 1], head 1 [2, 0.5]; batch row 1 (ignored) would give other norms.
-  const at::Tensor v = at::tensor({3.f, 4.f, 0.f, 1.f, 2.f, 0.f, 0.f, .5f, 9.f, 9.f, 9.f, 9.f, 9.f, 9.f, 9.f, 9.f})
-                           .view({2, 2, 2, 2});
+  const at::Tensor v =
+      at::tensor({3.f, 4.f, 0.f, 1.f, 2.f, 0.f, 0.f, .5f, 9.f, 9.f, 9.f, 9.f, 9.f, 9.f, 9.f, 9.f}).view({2, 2, 2, 2});
   s.observe_values(0, v);
   s.budgets();
   EXPECT_TRUE(at::equal(s.scores(), at::tensor({2.5f, .5f, 1.f, .25f}).view({1, 2, 2})));
@@ -180,7 +180,8 @@ TEST(KVCompose, Errors) {
   expect_error([] { KVComposePress(-0.1); }, {"compression_ratio must be in [0, 1)"});
   KVComposeOptions bad;
   bad.agg_task = "median";
-  expect_error([&] { KVComposePress(0.5, bad); }, {"KVComposePress: agg_task must be \"max\" or \"mean\", got \"median\""});
+  expect_error([&] { KVComposePress(0.5, bad); },
+               {"KVComposePress: agg_task must be \"max\" or \"mean\", got \"median\""});
   bad = {};
   bad.agg_head = "sum";
   expect_error([&] { KVComposePress(0.5, bad); }, {"agg_head must be \"max\" or \"mean\", got \"sum\""});
@@ -196,15 +197,19 @@ TEST(KVCompose, Errors) {
   expect_error([&] { press.compress(in); }, {"KVComposePress.compress", "second pass", "kvcompose_prefill"});
   expect_error([&] { KVComposePress(0.5, KVComposeOptions{false}).compress_ragged(in); }, {"second pass"});
 
-  expect_error([&] { press.start_session(2, 6, 4, 8); }, {"num_heads must be a positive multiple of num_kv_heads (4), got 6"});
+  expect_error([&] { press.start_session(2, 6, 4, 8); },
+               {"num_heads must be a positive multiple of num_kv_heads (4), got 6"});
   expect_error([&] { press.start_session(2, 4, 2, 0); }, {"context_len must be > 0, got 0"});
   expect_error([&] { press.start_session(0, 4, 2, 8); }, {"num_layers must be > 0, got 0"});
 
   KVComposeSession s = press.start_session(2, 4, 2, 8);
   const at::Tensor ok = at::rand({1, 4, 3, 8});
   expect_error([&] { s.observe(2, ok); }, {"KVComposeSession.observe: layer must be in [0, 2), got 2"});
-  expect_error([&] { s.observe(0, at::rand({1, 3, 3, 8})); },
-               {"attentions must be [batch, 4, q_len, seq_len >= 8] (non-empty), got [1, 3, 3, 8]"});
+  expect_error(
+      [&] {
+        s.observe(0, at::rand({1, 3, 3, 8}));
+      },
+      {"attentions must be [batch, 4, q_len, seq_len >= 8] (non-empty), got [1, 3, 3, 8]"});
   expect_error([&] { s.observe(0, at::rand({1, 4, 3, 7})); }, {"seq_len >= 8", "got [1, 4, 3, 7]"});
   expect_error([&] { s.observe(0, at::rand({4, 3, 8})); }, {"attentions must be [batch, num_heads, q_len, seq_len]"});
   expect_error([&] { s.observe_statistics(0, at::rand({4, 7}), 1); }, {"statistics must be [4, 8], got [4, 7]"});
@@ -217,8 +222,11 @@ TEST(KVCompose, Errors) {
   s.observe(1, ok);
   s.budgets();
   expect_error([&] { s.observe(0, ok); }, {"the budgets were already computed"});
-  expect_error([&] { s.compress(0, at::rand({1, 2, 7, 4}), at::rand({1, 2, 7, 4})); },
-               {"keys must be [batch, 2, 8, head_dim] (the context's cache), got [1, 2, 7, 4]"});
+  expect_error(
+      [&] {
+        s.compress(0, at::rand({1, 2, 7, 4}), at::rand({1, 2, 7, 4}));
+      },
+      {"keys must be [batch, 2, 8, head_dim] (the context's cache), got [1, 2, 7, 4]"});
   expect_error([&] { s.compress(0, keys, at::rand({1, 2, 8, 5})); }, {"values must have the shape of keys"});
 
   KVComposeSession u = KVComposePress(0.5, KVComposeOptions{false}).start_session(2, 4, 2, 8);
@@ -232,7 +240,11 @@ TEST(KVCompose, Errors) {
   KVComposeSession v = KVComposePress(0.5, vn).start_session(1, 4, 2, 8);
   v.observe(0, ok);
   expect_error([&] { v.budgets(); }, {"add_v_norm needs layer 0's values (observe_values)"});
-  expect_error([&] { v.observe_values(0, at::rand({1, 3, 8, 4})); }, {"values must be [batch, 2, seq_len >= 8, head_dim]"});
+  expect_error(
+      [&] {
+        v.observe_values(0, at::rand({1, 3, 8, 4}));
+      },
+      {"values must be [batch, 2, seq_len >= 8, head_dim]"});
 
   KVComposeSession nan = press.start_session(1, 4, 2, 8);
   nan.observe(0, at::full({1, 4, 1, 8}, NAN));
@@ -250,8 +262,12 @@ TEST(KVCompose, Registry) {
   for (const auto& info : kvpress::list_presses())
     if (info.name != "KVComposePress") EXPECT_NE(info.kind, kvpress::PressKind::kSecondPass) << info.name;
   const auto p = kvpress::make_press("KVComposePress", 0.4,
-                                     {{"structured", "false"}, {"agg_task", "mean"}, {"agg_group", "max"},
-                                      {"agg_head", "max"}, {"add_v_norm", "true"}, {"add_mean_across_heads", "false"},
+                                     {{"structured", "false"},
+                                      {"agg_task", "mean"},
+                                      {"agg_group", "max"},
+                                      {"agg_head", "max"},
+                                      {"add_v_norm", "true"},
+                                      {"add_mean_across_heads", "false"},
                                       {"keep_token_lower_bound", "3"}});
   const auto& k = dynamic_cast<const KVComposePress&>(*p);
   EXPECT_DOUBLE_EQ(k.compression_ratio(), 0.4);
@@ -310,8 +326,8 @@ TEST(KVCompose, RunnerCompressesEveryLayerToItsBudget) {
   EXPECT_LT(r.memory.peak_bytes, r.memory.kvpress_bytes);
   std::cout << "[ kvcompose ] second pass, N = P = 96, chunk 32: peak " << r.memory.peak_bytes << " B (hidden "
             << r.memory.hidden_bytes << ", prompt K/V " << r.memory.prompt_kv_bytes << ", attention "
-            << r.memory.attention_bytes << ", statistics " << r.memory.statistics_bytes << "); kvpress >= "
-            << r.memory.kvpress_bytes << " B\n";
+            << r.memory.attention_bytes << ", statistics " << r.memory.statistics_bytes
+            << "); kvpress >= " << r.memory.kvpress_bytes << " B\n";
   // Decoding continues at the original positions.
   const auto next = model.forward(ids.narrow(1, 95, 1), cache);
   EXPECT_EQ(cache.length(0), r.budgets.per_layer[0] + 1);
@@ -395,8 +411,11 @@ TEST(KVCompose, RunnerErrors) {
   run.task_prompts = {at::ones({2, 4}, at::kLong)};
   expect_error([&] { kvpress::llama::kvcompose_prefill(model, story_ids(8), cache, press, run); },
                {"task_prompts[0] must be a non-empty int64 [1, P] tensor, got [2, 4]"});
-  expect_error([&] { kvpress::llama::kvcompose_prefill(model, at::ones({1, 4}), cache, press); },
-               {"context_ids must be a non-empty int64 [batch, n] tensor"});
+  expect_error(
+      [&] {
+        kvpress::llama::kvcompose_prefill(model, at::ones({1, 4}), cache, press);
+      },
+      {"context_ids must be a non-empty int64 [batch, n] tensor"});
 }
 
 // ---- parity with kvpress 0.5.5 ----------------------------------------------------------------------
@@ -445,7 +464,8 @@ std::map<std::string, std::string>& parity_summary() {
 class KVComposeSummary : public ::testing::Environment {
  public:
   void TearDown() override {
-    for (const auto& [name, line] : parity_summary()) std::cout << "[ kvcompose ] " << std::left << std::setw(28) << name << line << "\n";
+    for (const auto& [name, line] : parity_summary())
+      std::cout << "[ kvcompose ] " << std::left << std::setw(28) << name << line << "\n";
   }
 };
 [[maybe_unused]] ::testing::Environment* const kSummary = ::testing::AddGlobalTestEnvironment(new KVComposeSummary);
@@ -477,8 +497,8 @@ TEST(KVComposeParity, MatchesKvpress) {
 
     // 1. Budgets: kvpress's exactly.
     const at::Tensor ref_per_layer = fixture(file, "per_layer"), ref_per_head = fixture(file, "per_head");
-    EXPECT_EQ(r.budgets.per_layer, std::vector<int64_t>(ref_per_layer.data_ptr<int64_t>(),
-                                                        ref_per_layer.data_ptr<int64_t>() + num_layers));
+    EXPECT_EQ(r.budgets.per_layer,
+              std::vector<int64_t>(ref_per_layer.data_ptr<int64_t>(), ref_per_layer.data_ptr<int64_t>() + num_layers));
     EXPECT_TRUE(at::equal(r.budgets.per_head, ref_per_head)) << r.budgets.per_head << "\nkvpress:\n" << ref_per_head;
 
     // 2. Scores within float32 noise (our second pass chunks the queries and splits the attention

@@ -30,8 +30,8 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -107,14 +107,17 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
       R"("vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
          "num_attention_heads": 2, "num_key_value_heads": 1)";
   EXPECT_NO_THROW(LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + "}"));
-  const LlamaConfig v5 = LlamaConfig::from_json(
-      "{\"model_type\": \"llama\", " + base + R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
+  const LlamaConfig v5 =
+      LlamaConfig::from_json("{\"model_type\": \"llama\", " + base +
+                             R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
   EXPECT_DOUBLE_EQ(v5.rope_theta, 500000.0);
   EXPECT_EQ(v5.head_dim, 4);
   expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + "}", "x.json"); },
                {"LlamaConfig: x.json: unsupported model_type 'mistral'"});
   expect_error(
-      [&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "rope_scaling": {"rope_type": "llama3"}})"); },
+      [&] {
+        LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "rope_scaling": {"rope_type": "llama3"}})");
+      },
       {"unsupported RoPE scaling 'llama3'"});
   expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "hidden_act": "gelu"})"); },
                {"unsupported hidden_act 'gelu'"});
@@ -122,7 +125,8 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
                {"attention_bias is not supported"});
   expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\"}"); }, {"vocab_size must be an integer"});
   expect_error([&] { LlamaConfig::from_json("{not json"); }, {"not valid JSON"});
-  expect_error([&] { kvpress::llama::resolve_model_dir("/nonexistent/model"); }, {"no config.json in '/nonexistent/model'"});
+  expect_error([&] { kvpress::llama::resolve_model_dir("/nonexistent/model"); },
+               {"no config.json in '/nonexistent/model'"});
   EXPECT_EQ(kvpress::llama::resolve_model_dir(model_dir()), model_dir());
 }
 
@@ -310,7 +314,7 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
   const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + s));
   for (const kvpress::PressInfo& info : kvpress::list_presses()) {
     SCOPED_TRACE(info.name);
-    if (info.kind == kvpress::PressKind::kDecoding) continue;    // they compress while decoding: tests/test_decoding.cpp
+    if (info.kind == kvpress::PressKind::kDecoding) continue;  // they compress while decoding: tests/test_decoding.cpp
     if (info.kind == kvpress::PressKind::kSecondPass) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
     const auto press = kvpress::make_press(info.name, 0.5);
     KVCache cache = model.new_cache();
@@ -338,7 +342,8 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     if (press->head_ragged()) {
       // Heads keep different numbers of tokens; the layer keeps Hkv * n_kept (tests/test_ragged_presses.cpp).
       ASSERT_EQ(out.keep_masks.size(), 2u);
-      for (const at::Tensor& mask : out.keep_masks) EXPECT_EQ(mask.sum().item<int64_t>(), 4 * kvpress::ops::n_kept(s, 0.5));
+      for (const at::Tensor& mask : out.keep_masks)
+        EXPECT_EQ(mask.sum().item<int64_t>(), 4 * kvpress::ops::n_kept(s, 0.5));
       EXPECT_TRUE(at::isfinite(model.forward(ids_tensor({ids[s], ids[s + 1]}), cache).logits).all().item<bool>());
       continue;
     }
@@ -465,15 +470,15 @@ class LlamaSummary : public ::testing::Environment {
     for (const auto& [name, f] : figures())
       std::cout << "[ llama    ] " << std::left << std::setw(44) << name << std::right << " kept " << std::setw(22)
                 << f.kept << "  max |d logits| " << std::setprecision(3) << std::setw(9) << f.logits
-                << (f.replayed ? " (kvpress's kept positions replayed)" : "") << "  max rel |d score| "
-                << f.scores_rel << "\n";
+                << (f.replayed ? " (kvpress's kept positions replayed)" : "") << "  max rel |d score| " << f.scores_rel
+                << "\n";
   }
 };
 [[maybe_unused]] ::testing::Environment* const kLlamaSummary = ::testing::AddGlobalTestEnvironment(new LlamaSummary);
 
-#define REQUIRE_FIXTURES()                                                   \
-  const LlamaFixtures& fx = llama_fixtures();                                \
-  ASSERT_TRUE(fx.error.empty()) << fx.error;                                 \
+#define REQUIRE_FIXTURES()                                                 \
+  const LlamaFixtures& fx = llama_fixtures();                              \
+  ASSERT_TRUE(fx.error.empty()) << fx.error;                               \
   ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5") \
       << "fixtures in " << fx.dir << " were made with another kvpress; regenerate them"
 
@@ -599,7 +604,9 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
                                               "PerLayerCompressionPress"};
   for (const auto& info : kvpress::list_presses())
     // KVComposePress has its own fixtures (tests/reference/make_kvcompose_fixtures.py).
-    if (!wrappers.count(info.name) && !not_in_kvpress.count(info.name) && !ragged_fixtures.count(info.name) && info.kind != kvpress::PressKind::kDecoding && info.kind != kvpress::PressKind::kSecondPass) EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
+    if (!wrappers.count(info.name) && !not_in_kvpress.count(info.name) && !ragged_fixtures.count(info.name) &&
+        info.kind != kvpress::PressKind::kDecoding && info.kind != kvpress::PressKind::kSecondPass)
+      EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
 }
 
 // ---- per press ---------------------------------------------------------------------------------------
@@ -649,7 +656,8 @@ std::unique_ptr<kvpress::BasePress> replay_of(const kvpress::BasePress& press, s
 // The scorer whose scores select the kept positions: the press itself, or KeyRerotationPress's
 // inner press (kvpress's fixtures record the inner press's scores for it).
 const kvpress::ScorerPress* selection_scorer(const kvpress::BasePress& press) {
-  if (const auto* rerotation = dynamic_cast<const kvpress::KeyRerotationPress*>(&press)) return rerotation->press().get();
+  if (const auto* rerotation = dynamic_cast<const kvpress::KeyRerotationPress*>(&press))
+    return rerotation->press().get();
   return dynamic_cast<const kvpress::ScorerPress*>(&press);
 }
 
@@ -659,9 +667,8 @@ const kvpress::ScorerPress* selection_scorer(const kvpress::BasePress& press) {
 // Returns the number of positions kept by one side only; adds a failure for any other difference.
 int64_t compare_kept(const at::Tensor& ours, const at::Tensor& ref, const at::Tensor& ref_scores,
                      const at::Tensor& allowed, const std::string& what) {
-  const int64_t seq = ref_scores.defined()
-                          ? ref_scores.size(-1)
-                          : std::max(ours.max().item<int64_t>(), ref.max().item<int64_t>()) + 1;
+  const int64_t seq =
+      ref_scores.defined() ? ref_scores.size(-1) : std::max(ours.max().item<int64_t>(), ref.max().item<int64_t>()) + 1;
   auto mask = [&](const at::Tensor& kept) {
     const at::Tensor rows = kept.reshape({-1, kept.size(-1)});
     return at::zeros({rows.size(0), seq}, at::kBool).scatter_(1, rows, true);

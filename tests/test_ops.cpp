@@ -225,8 +225,7 @@ TEST(SnapKVScores, PoolsGroupsAndPadsTheWindow) {
   const at::Tensor s = ops::snapkv_scores(attn, 1, 3).view({7});
   const at::Tensor mean = attn.mean(2).mean(1).view({5});  // pooling is linear: order does not matter
   const at::Tensor padded = at::constant_pad_nd(mean, {1, 1});
-  for (int64_t i = 0; i < 5; ++i)
-    EXPECT_NEAR(s[i].item<float>(), padded.narrow(0, i, 3).sum().item<float>() / 3, 1e-6);
+  for (int64_t i = 0; i < 5; ++i) EXPECT_NEAR(s[i].item<float>(), padded.narrow(0, i, 3).sum().item<float>() / 3, 1e-6);
   const float window_score = s.narrow(0, 0, 5).max().item<float>() + 1;
   EXPECT_FLOAT_EQ(s[5].item<float>(), window_score);
   EXPECT_FLOAT_EQ(s[6].item<float>(), window_score);

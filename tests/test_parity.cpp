@@ -252,8 +252,8 @@ at::Tensor allowed_error(const FixtureCase& c, const FixtureRun& r, const kvpres
   if (lagkv_ranked(c, r)) {
     const at::Tensor stat = kvpress::testing::fixture_tensor(ref_file, "statistic", r.file);
     const auto [begin, end] = scored_range(c, r);
-    const at::Tensor slack = lagkv_rank_slack(stat.narrow(-1, begin, end - begin), param_int(r, "lag_size", 128),
-                                              tolerance_for(c, r, stat));
+    const at::Tensor slack =
+        lagkv_rank_slack(stat.narrow(-1, begin, end - begin), param_int(r, "lag_size", 128), tolerance_for(c, r, stat));
     allowed.narrow(-1, begin, end - begin).copy_(at::maximum(allowed.narrow(-1, begin, end - begin), slack));
   }
   return allowed;
@@ -288,11 +288,13 @@ std::string index_str(int64_t flat, const at::IntArrayRef sizes) {
   if (n_bad == 0) return ::testing::AssertionSuccess();
   const at::Tensor ratio = (err / allowed.clamp_min(1e-30)).flatten().nan_to_num(1e30);
   const int64_t worst = ratio.argmax().item<int64_t>();
-  return ::testing::AssertionFailure()
-         << n_bad << " of " << ref.numel() << " scores differ by more than allowed; worst at "
-         << index_str(worst, ref.sizes()) << ": ours " << std::setprecision(9) << ours.flatten()[worst].item<double>()
-         << ", kvpress " << ref.flatten()[worst].item<double>() << ", |diff| " << err.flatten()[worst].item<double>()
-         << " > allowed " << allowed.flatten()[worst].item<double>();
+  return ::testing::AssertionFailure() << n_bad << " of " << ref.numel()
+                                       << " scores differ by more than allowed; worst at "
+                                       << index_str(worst, ref.sizes()) << ": ours " << std::setprecision(9)
+                                       << ours.flatten()[worst].item<double>() << ", kvpress "
+                                       << ref.flatten()[worst].item<double>() << ", |diff| "
+                                       << err.flatten()[worst].item<double>() << " > allowed "
+                                       << allowed.flatten()[worst].item<double>();
 }
 
 // Kept positions as a [rows, S] boolean mask.
@@ -360,8 +362,8 @@ bool reference_tie_free(const at::Tensor& ref_scores, const at::Tensor& ref_kept
 // ---- statistics over the process ------------------------------------------------------------
 
 struct GroupStats {
-  int asserted_exact = 0;  // tie-free reference: kept sets asserted equal
-  int modulo_ties = 0;     // reference has near-ties at the threshold
+  int asserted_exact = 0;    // tie-free reference: kept sets asserted equal
+  int modulo_ties = 0;       // reference has near-ties at the threshold
   int identical_anyway = 0;  // ... and the kept sets came out identical nonetheless
 };
 struct Stats {
@@ -384,9 +386,9 @@ class ParitySummary : public ::testing::Environment {
               << " compared modulo near-ties at the threshold (" << s.total.identical_anyway
               << " of them identical anyway)\n";
     for (const auto& [group, g] : s.by_group)
-      std::cout << "[ parity   ]   " << std::left << std::setw(40) << group << std::right << " exact "
-                << std::setw(3) << g.asserted_exact << ", modulo ties " << std::setw(3) << g.modulo_ties << " ("
-                << g.identical_anyway << " identical)\n";
+      std::cout << "[ parity   ]   " << std::left << std::setw(40) << group << std::right << " exact " << std::setw(3)
+                << g.asserted_exact << ", modulo ties " << std::setw(3) << g.modulo_ties << " (" << g.identical_anyway
+                << " identical)\n";
   }
 };
 [[maybe_unused]] ::testing::Environment* const kSummary = ::testing::AddGlobalTestEnvironment(new ParitySummary);
@@ -500,13 +502,17 @@ void check_wrapper_run(const FixtureCase& c, const FixtureRun& r, const kvpress:
     for (int64_t row = 0; row < ours_m.size(0) && paired; ++row) {
       const at::Tensor only_ours = (ours_m[row] & ~ref_m[row]).nonzero().flatten();
       const at::Tensor only_ref = (ref_m[row] & ~ours_m[row]).nonzero().flatten();
-      if (only_ours.numel() != only_ref.numel()) { paired = false; break; }
+      if (only_ours.numel() != only_ref.numel()) {
+        paired = false;
+        break;
+      }
       std::vector<bool> used(only_ref.numel(), false);
       for (int64_t i = 0; i < only_ours.numel() && paired; ++i) {
         bool found = false;
         for (int64_t j = 0; j < only_ref.numel() && !found; ++j) {
           if (used[j]) continue;
-          if (at::equal(vals[row][only_ours[i].item<int64_t>()], vals[row][only_ref[j].item<int64_t>()])) found = used[j] = true;
+          if (at::equal(vals[row][only_ours[i].item<int64_t>()], vals[row][only_ref[j].item<int64_t>()]))
+            found = used[j] = true;
         }
         paired = found;
       }
@@ -624,7 +630,9 @@ TEST_P(ParityRun, MatchesKvpress) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kvpress, ParityRun, ::testing::ValuesIn(all_runs()),
-                         [](const ::testing::TestParamInfo<ParityParam>& info) { return test_name(info.param.r->name); });
+                         [](const ::testing::TestParamInfo<ParityParam>& info) {
+                           return test_name(info.param.r->name);
+                         });
 // Without fixtures there are no instances; Parity.FixturesPresent fails and says how to make them.
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ParityRun);
 

@@ -33,7 +33,8 @@ LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t 
 }
 
 bool strictly_ascending(const at::Tensor& idx) {
-  return idx.size(-1) < 2 || (idx.narrow(-1, 1, idx.size(-1) - 1) > idx.narrow(-1, 0, idx.size(-1) - 1)).all().item<bool>();
+  return idx.size(-1) < 2 ||
+         (idx.narrow(-1, 1, idx.size(-1) - 1) > idx.narrow(-1, 0, idx.size(-1) - 1)).all().item<bool>();
 }
 
 TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
@@ -41,7 +42,7 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
   for (const PressInfo& info : list_presses()) {
     if (info.kind == PressKind::kDecoding) continue;    // no prefill ratio: tests/test_decoding.cpp
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
-    if (info.name == "CTRPress") continue;  // adaptive budget, rescued values: tests/test_ctr.cpp
+    if (info.name == "CTRPress") continue;              // adaptive budget, rescued values: tests/test_ctr.cpp
     for (double ratio : {0.25, 0.5, 0.75}) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
       // Presses with a random draw get a seed, so that the same call gives the same answer.
@@ -56,9 +57,10 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
       const KV kv = press->compress(in);
       // ChunkKVPress keeps whole chunks of 20: int(15 * (1 - ratio)) of the 15. PyramidKVPress: its
       // layer budget.
-      const int64_t n = info.name == "ChunkKVPress"     ? 20 * static_cast<int64_t>(15 * (1 - ratio))
-                        : info.name == "PyramidKVPress" ? dynamic_cast<const PyramidKVPress&>(*press).layer_budget(300, 0, 1)
-                                                        : ops::n_kept(300, ratio);
+      const int64_t n = info.name == "ChunkKVPress" ? 20 * static_cast<int64_t>(15 * (1 - ratio))
+                        : info.name == "PyramidKVPress"
+                            ? dynamic_cast<const PyramidKVPress&>(*press).layer_budget(300, 0, 1)
+                            : ops::n_kept(300, ratio);
       ASSERT_EQ(kv.kept_indices.sizes(), (at::IntArrayRef{1, 2, n}));
       ASSERT_EQ(kv.keys.sizes(), (at::IntArrayRef{1, 2, n, 16}));
       EXPECT_TRUE(strictly_ascending(kv.kept_indices));
@@ -149,13 +151,13 @@ TEST(LagKVPress, KeepsSinksAndTheTailPartition) {
 }
 
 TEST(Registry, KindsMatchTheBuiltPresses) {
-  const std::set<std::string> wrappers{"KeyRerotationPress", "ChunkKVPress",     "ChunkPress",
-                                       "BlockPress",         "ComposedPress",    "AdaKVPress",
+  const std::set<std::string> wrappers{"KeyRerotationPress", "ChunkKVPress",       "ChunkPress",
+                                       "BlockPress",         "ComposedPress",      "AdaKVPress",
                                        "CriticalKVPress",    "CriticalAdaKVPress", "PerLayerCompressionPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
-    const PressKind expected = wrappers.count(info.name)   ? PressKind::kWrapper
-                               : decoding.count(info.name) ? PressKind::kDecoding
+    const PressKind expected = wrappers.count(info.name)       ? PressKind::kWrapper
+                               : decoding.count(info.name)     ? PressKind::kDecoding
                                : info.name == "KVComposePress" ? PressKind::kSecondPass
                                                                : PressKind::kScorer;
     EXPECT_EQ(info.kind, expected) << info.name;
@@ -188,7 +190,8 @@ TEST(Registry, ListsEveryParameterWithItsTypedDefault) {
   for (const PressInfo& info : list_presses()) {
     std::vector<std::string> names = info.inputs.required;
     names.insert(names.end(), info.inputs.optional.begin(), info.inputs.optional.end());
-    for (const InputSet& set : info.inputs.alternatives) names.insert(names.end(), set.fields.begin(), set.fields.end());
+    for (const InputSet& set : info.inputs.alternatives)
+      names.insert(names.end(), set.fields.begin(), set.fields.end());
     for (const std::string& name : names) EXPECT_TRUE(fields.count(name)) << info.name << ": " << name;
   }
   EXPECT_EQ(describe_inputs(*snap), "attentions | queries | hidden_states+q_proj+cos+sin");
@@ -209,8 +212,11 @@ TEST(Registry, ParsesNumbersInOnePlace) {
   EXPECT_FALSE(parse_double("nan"));
   EXPECT_FALSE(parse_double("1e999"));
   EXPECT_FALSE(parse_double("0.5 "));
-  expect_error([] { make_press("ComposedPress", 0.5, {{"presses", "KnormPress"}, {"presses.0.compression_ratio", "x"}}); },
-               {"ComposedPress: parameter presses.0.compression_ratio must be a number, got 'x'"});
+  expect_error(
+      [] {
+        make_press("ComposedPress", 0.5, {{"presses", "KnormPress"}, {"presses.0.compression_ratio", "x"}});
+      },
+      {"ComposedPress: parameter presses.0.compression_ratio must be a number, got 'x'"});
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {

@@ -44,7 +44,8 @@ at::Tensor uneven_mask(int64_t batch, int64_t kv_heads, int64_t seq_len, uint64_
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t slot = b * kv_heads + h;
-      const double keep = slot == 0 ? 1.0 : (slot == batch * kv_heads - 1 ? 0.0 : 0.05 + 0.9 * ((slot * 37) % 11) / 10.0);
+      const double keep =
+          slot == 0 ? 1.0 : (slot == batch * kv_heads - 1 ? 0.0 : 0.05 + 0.9 * ((slot * 37) % 11) / 10.0);
       mask[b][h].copy_(at::rand({seq_len}) < keep);
     }
   }
@@ -62,7 +63,8 @@ void check_case(const Case& c, at::ScalarType dtype, double atol, double rtol, u
   const at::Tensor queries = testing::randn({c.batch, c.q_heads, c.n_new, c.dim}, seed + 2, dtype);
   const at::Tensor mask = uneven_mask(c.batch, c.kv_heads, c.seq_len, seed + 3);
 
-  HeadRaggedLayer layer = HeadRaggedLayer::from_mask(keys.narrow(2, 0, c.seq_len), values.narrow(2, 0, c.seq_len), mask);
+  HeadRaggedLayer layer =
+      HeadRaggedLayer::from_mask(keys.narrow(2, 0, c.seq_len), values.narrow(2, 0, c.seq_len), mask);
   layer.append(keys.narrow(2, c.seq_len, c.n_new), values.narrow(2, c.seq_len, c.n_new));
   const at::Tensor out = ops::ragged_attention(queries, layer);
   ASSERT_EQ(out.sizes(), queries.sizes());
@@ -77,8 +79,8 @@ void check_case(const Case& c, at::ScalarType dtype, double atol, double rtol, u
 TEST(RaggedAttention, MatchesMaskedDenseFloat32) {
   // GQA (G = 4 and 1), decode (n = 1) and continuation (n > 1), several key blocks (S > 64),
   // a head dimension that is not a multiple of 8.
-  for (const Case& c : {Case{2, 2, 8, 150, 1, 64}, Case{2, 2, 8, 150, 7, 64}, Case{1, 4, 4, 300, 3, 40},
-                        Case{1, 3, 6, 20, 70, 16}})
+  for (const Case& c :
+       {Case{2, 2, 8, 150, 1, 64}, Case{2, 2, 8, 150, 7, 64}, Case{1, 4, 4, 300, 3, 40}, Case{1, 3, 6, 20, 70, 16}})
     check_case(c, at::kFloat, 1e-5, 1e-5, 11);
 }
 
@@ -208,33 +210,59 @@ TEST(RaggedAttention, Errors) {
   HeadRaggedLayer layer = HeadRaggedLayer::from_dense(keys, values);
   const at::Tensor q = testing::randn({1, 4, 1, 8}, 3);
   // Nothing appended yet: the queries must belong to appended tokens.
-  expect_error([&] { ops::ragged_attention(q, layer); }, {"ragged_attention: the queries must be those of the last n tail tokens", "got 1"});
+  expect_error([&] { ops::ragged_attention(q, layer); },
+               {"ragged_attention: the queries must be those of the last n tail tokens", "got 1"});
   layer.append(keys.narrow(2, 0, 1), values.narrow(2, 0, 1));
-  expect_error([&] { ops::ragged_attention(q.view({4, 1, 8}), layer); },
-               {"ragged_attention: queries must be [batch, q_heads, n, head_dim], got [4, 1, 8]"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(q.view({4, 1, 8}), layer);
+      },
+      {"ragged_attention: queries must be [batch, q_heads, n, head_dim], got [4, 1, 8]"});
   expect_error([&] { ops::ragged_attention(q.to(at::kHalf), layer); },
                {"ragged_attention: packed_keys must have the dtype of queries (Half), got Float"});
   expect_error([&] { ops::ragged_attention(q.to(at::kInt), layer); },
                {"ragged_attention: queries must be float32, float16 or bfloat16, got Int"});
-  expect_error([&] { ops::ragged_attention(testing::randn({1, 3, 1, 8}, 4), layer); },
-               {"num_heads must be a positive multiple of num_kv_heads (2), got 3"});
-  expect_error([&] { ops::ragged_attention(testing::randn({1, 4, 1, 16}, 4), layer); },
-               {"ragged_attention: tail_keys must be [1, kv_heads, m, 16] like queries, got [1, 2, 1, 8]"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(testing::randn({1, 3, 1, 8}, 4), layer);
+      },
+      {"num_heads must be a positive multiple of num_kv_heads (2), got 3"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(testing::randn({1, 4, 1, 16}, 4), layer);
+      },
+      {"ragged_attention: tail_keys must be [1, kv_heads, m, 16] like queries, got [1, 2, 1, 8]"});
   expect_error([&] { ops::ragged_attention(testing::randn({2, 4, 1, 8}, 4), layer); }, {"tail_keys must be [2, "});
-  expect_error([&] { ops::ragged_attention(q, layer, -1.0); }, {"ragged_attention: scale must be a finite positive number, got -1"});
+  expect_error([&] { ops::ragged_attention(q, layer, -1.0); },
+               {"ragged_attention: scale must be a finite positive number, got -1"});
 
   const at::Tensor pk = layer.packed_keys(), pv = layer.packed_values();
   const at::Tensor tk = layer.tail_keys(), tv = layer.tail_values();
-  expect_error([&] { ops::ragged_attention(q, pk, pv, at::tensor({0, 10}, at::kLong), tk, tv); },
-               {"ragged_attention: offsets must be [batch * kv_heads + 1] = [3], got [2]"});
-  expect_error([&] { ops::ragged_attention(q, pk, pv, at::tensor({0, 12, 10}, at::kLong), tk, tv); },
-               {"offsets must be non-decreasing, got offsets[1] = 12 > offsets[2] = 10"});
-  expect_error([&] { ops::ragged_attention(q, pk, pv, at::tensor({0, 10, 19}, at::kLong), tk, tv); },
-               {"offsets[2] must equal the packed token count 20, got 19"});
-  expect_error([&] { ops::ragged_attention(q, pk, pv, at::tensor({1, 10, 20}, at::kLong), tk, tv); },
-               {"offsets[0] must be 0, got 1"});
-  expect_error([&] { ops::ragged_attention(q, pk, pv, at::tensor({0, 10, 20}, at::kInt), tk, tv); },
-               {"ragged_attention: offsets must be int64, got Int"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(q, pk, pv, at::tensor({0, 10}, at::kLong), tk, tv);
+      },
+      {"ragged_attention: offsets must be [batch * kv_heads + 1] = [3], got [2]"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(q, pk, pv, at::tensor({0, 12, 10}, at::kLong), tk, tv);
+      },
+      {"offsets must be non-decreasing, got offsets[1] = 12 > offsets[2] = 10"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(q, pk, pv, at::tensor({0, 10, 19}, at::kLong), tk, tv);
+      },
+      {"offsets[2] must equal the packed token count 20, got 19"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(q, pk, pv, at::tensor({1, 10, 20}, at::kLong), tk, tv);
+      },
+      {"offsets[0] must be 0, got 1"});
+  expect_error(
+      [&] {
+        ops::ragged_attention(q, pk, pv, at::tensor({0, 10, 20}, at::kInt), tk, tv);
+      },
+      {"ragged_attention: offsets must be int64, got Int"});
   expect_error([&] { ops::ragged_attention(q, pk, pv.narrow(0, 0, 19), layer.offsets(), tk, tv); },
                {"packed_values must have the shape of packed_keys [20, 8], got [19, 8]"});
   expect_error([&] { ops::ragged_attention(q, pk, pv, layer.offsets(), tk, at::Tensor()); },
@@ -267,7 +295,8 @@ TEST(HeadRaggedLayer, Errors) {
                {"HeadRaggedLayer::from_ragged: heads[1].keys must be [n_kept, 8], got [10, 4]"});
   RaggedKV bad_dtype = kv;
   bad_dtype.heads[1].values = bad_dtype.heads[1].values.to(at::kHalf);
-  expect_error([&] { HeadRaggedLayer::from_ragged(bad_dtype); }, {"heads[1] keys and values must be Float like heads[0]"});
+  expect_error([&] { HeadRaggedLayer::from_ragged(bad_dtype); },
+               {"heads[1] keys and values must be Float like heads[0]"});
   expect_error([&] { HeadRaggedLayer::from_ragged(kv, 5); },
                {"seq_len must be greater than every kept index (9), got 5"});
 
@@ -276,8 +305,10 @@ TEST(HeadRaggedLayer, Errors) {
                {"HeadRaggedLayer::append: keys must be [1, 2, n, 8], got [1, 1, 10, 8]"});
   expect_error([&] { layer.append(keys.to(at::kHalf), values.to(at::kHalf)); },
                {"HeadRaggedLayer::append: keys must be Float like the layer, got Half"});
-  expect_error([&] { layer.truncate_appended(1, 11); }, {"HeadRaggedLayer::truncate_appended: n_keep must be in [0, 0], got 1"});
-  expect_error([&] { layer.truncate_appended(0, 9); }, {"next_position must be greater than the last position kept (9), got 9"});
+  expect_error([&] { layer.truncate_appended(1, 11); },
+               {"HeadRaggedLayer::truncate_appended: n_keep must be in [0, 0], got 1"});
+  expect_error([&] { layer.truncate_appended(0, 9); },
+               {"next_position must be greater than the last position kept (9), got 9"});
   expect_error([&] { HeadRaggedLayer().append(keys, values); }, {"HeadRaggedLayer::append: the layer is empty"});
   expect_error([&] { layer.length(0, 2); }, {"HeadRaggedLayer: head (0, 2) out of range for batch 1 and kv_heads 2"});
 }
@@ -300,8 +331,8 @@ TEST(CudaParity, RaggedAttention) {
       const at::Tensor a = ops::ragged_attention(q, cpu).to(at::kFloat);
       const at::Tensor b = ops::ragged_attention(q.cuda(), gpu).cpu().to(at::kFloat);
       const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
-      EXPECT_TRUE(at::allclose(a, b, tol, tol)) << dtype << " n=" << n_new << " max diff "
-                                                << (a - b).abs().max().item<double>();
+      EXPECT_TRUE(at::allclose(a, b, tol, tol))
+          << dtype << " n=" << n_new << " max diff " << (a - b).abs().max().item<double>();
       const at::Tensor ref = masked_dense_attention(q, keys, values, mask, 1.0 / std::sqrt(128.0)).to(at::kFloat);
       EXPECT_TRUE(at::allclose(b, ref, tol * 2, tol * 2)) << dtype << " n=" << n_new;
     }

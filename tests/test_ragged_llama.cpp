@@ -42,11 +42,10 @@ std::vector<std::shared_ptr<const BasePress>> ragged_presses() {
   ScoreBlendOptions blend;
   blend.sink_size_start = 2;
   blend.selection = TokenSelection::kAcrossHeads;
-  return {std::make_shared<ScoreBlendPress>(
-              0.6,
-              std::vector<std::shared_ptr<const ScorerPress>>{std::make_shared<KnormPress>(0.6),
-                                                              std::make_shared<KeyDiffPress>(0.6)},
-              std::vector<double>{1.0, 0.5}, blend),
+  return {std::make_shared<ScoreBlendPress>(0.6,
+                                            std::vector<std::shared_ptr<const ScorerPress>>{
+                                                std::make_shared<KnormPress>(0.6), std::make_shared<KeyDiffPress>(0.6)},
+                                            std::vector<double>{1.0, 0.5}, blend),
           std::make_shared<CompactorPress>(0.5, 4, 2, 32, 16, std::nullopt, /*seed=*/0, TokenSelection::kAcrossHeads)};
 }
 

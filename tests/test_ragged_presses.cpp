@@ -71,7 +71,8 @@ TEST(AdaKVPress, KeepsTheLayersBudgetAcrossHeadsWithTheSafeguard) {
   const at::Tensor scores = -in.keys.norm(2, -1);
   for (int64_t b = 0; b < 2; ++b) {
     at::Tensor s = scores[b].clone();  // [Hkv, S]
-    for (int64_t h = 0; h < 2; ++h) s[h].index_fill_(0, std::get<1>(s[h].topk(n_safe)), std::numeric_limits<float>::max());
+    for (int64_t h = 0; h < 2; ++h)
+      s[h].index_fill_(0, std::get<1>(s[h].topk(n_safe)), std::numeric_limits<float>::max());
     const at::Tensor top = std::get<1>(s.flatten().topk(2 * n_kept));
     const at::Tensor want = at::zeros({2 * 200}, at::kBool).index_fill_(0, top, true).view({2, 200});
     EXPECT_TRUE(at::equal(mask[b], want)) << "batch row " << b;
@@ -215,8 +216,8 @@ TEST(PerLayerCompressionPress, AppliesEachLayersRatio) {
 // ---- registry and errors ------------------------------------------------------------------------
 
 TEST(RaggedPresses, RegistryBuildsThemWithTheirParameters) {
-  const auto ada = make_press("AdaKVPress", 0.5, {{"press", "SnapKVPress"}, {"press.window_size", "16"},
-                                                   {"alpha_safeguard", "0.3"}});
+  const auto ada = make_press("AdaKVPress", 0.5,
+                              {{"press", "SnapKVPress"}, {"press.window_size", "16"}, {"alpha_safeguard", "0.3"}});
   const auto& a = dynamic_cast<const AdaKVPress&>(*ada);
   EXPECT_DOUBLE_EQ(a.alpha_safeguard(), 0.3);
   EXPECT_EQ(dynamic_cast<const SnapKVPress&>(*a.press()).window_size(), 16);
@@ -224,7 +225,8 @@ TEST(RaggedPresses, RegistryBuildsThemWithTheirParameters) {
   const auto crit = make_press("CriticalAdaKVPress", 0.4, {{"first_stage_ratio", "0.25"}, {"epsilon", "0.001"}});
   EXPECT_DOUBLE_EQ(dynamic_cast<const CriticalAdaKVPress&>(*crit).first_stage_ratio(), 0.25);
   EXPECT_DOUBLE_EQ(crit->compression_ratio(), 0.4);
-  const auto ckv = make_press("CriticalKVPress", 0.3, {{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}});
+  const auto ckv =
+      make_press("CriticalKVPress", 0.3, {{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}});
   EXPECT_DOUBLE_EQ(ckv->compression_ratio(), 0.3);
   EXPECT_FALSE(ckv->head_ragged());
   const auto pyr = make_press("PyramidKVPress", 0.5, {{"beta", "5"}});
@@ -247,25 +249,39 @@ TEST(RaggedPresses, Errors) {
   expect_error([&] { AdaKVPress(knorm, 1.5); }, {"AdaKVPress: alpha_safeguard must be in [0, 1], got 1.5"});
   expect_error([&] { AdaKVPress(knorm, -0.1); }, {"AdaKVPress: alpha_safeguard must be in [0, 1], got -0.1"});
   expect_error([&] { AdaKVPress(nullptr); }, {"AdaKVPress: press must be a ScorerPress, got nullptr"});
-  expect_error([&] { CriticalAdaKVPress(knorm, std::nan("")); }, {"CriticalAdaKVPress: alpha_safeguard must be in [0, 1]"});
-  expect_error([&] { CriticalKVPress(knorm, 1e-4, 1.5); }, {"CriticalKVPress: first_stage_ratio must be in [0, 1], got 1.5"});
-  expect_error([&] { CriticalAdaKVPress(knorm, 0.2, INFINITY); }, {"CriticalAdaKVPress: epsilon must be finite, got inf"});
+  expect_error([&] { CriticalAdaKVPress(knorm, std::nan("")); },
+               {"CriticalAdaKVPress: alpha_safeguard must be in [0, 1]"});
+  expect_error([&] { CriticalKVPress(knorm, 1e-4, 1.5); },
+               {"CriticalKVPress: first_stage_ratio must be in [0, 1], got 1.5"});
+  expect_error([&] { CriticalAdaKVPress(knorm, 0.2, INFINITY); },
+               {"CriticalAdaKVPress: epsilon must be finite, got inf"});
   expect_error([&] { AdaKVPress(std::make_shared<KnormPress>(1.0)); }, {"compression_ratio must be in [0, 1), got 1"});
   expect_error([&] { PyramidKVPress(1.2); }, {"compression_ratio must be in [0, 1), got 1.2"});
   expect_error([&] { PyramidKVPress(0.5, 64, 5, 0); }, {"PyramidKVPress: beta must be >= 1, got 0"});
   const ScorerFactory make = [](double r) { return std::make_shared<KnormPress>(r); };
-  expect_error([&] { PerLayerCompressionPress(make, {0.5, 1.0}); },
-               {"PerLayerCompressionPress: compression_ratios[1] must be in [0, 1), got 1"});
+  expect_error(
+      [&] {
+        PerLayerCompressionPress(make, {0.5, 1.0});
+      },
+      {"PerLayerCompressionPress: compression_ratios[1] must be in [0, 1), got 1"});
   expect_error([&] { PerLayerCompressionPress(make, {}); }, {"compression_ratios must hold one ratio per layer"});
-  expect_error([&] { PerLayerCompressionPress(ScorerFactory(), {0.5}); }, {"make_press (the inner press's factory) must be set"});
-  expect_error([&] { make_press("PerLayerCompressionPress", 0.5, {{"compression_ratios", "0.5,x"}}); },
-               {"compression_ratios must be comma-separated numbers (one per layer), got '0.5,x'"});
-  expect_error([&] { make_press("AdaKVPress", 0.5, {{"press", "ChunkKVPress"}}); },
-               {"AdaKVPress: press must be a ScorerPress, got ChunkKVPress"});
+  expect_error([&] { PerLayerCompressionPress(ScorerFactory(), {0.5}); },
+               {"make_press (the inner press's factory) must be set"});
+  expect_error(
+      [&] {
+        make_press("PerLayerCompressionPress", 0.5, {{"compression_ratios", "0.5,x"}});
+      },
+      {"compression_ratios must be comma-separated numbers (one per layer), got '0.5,x'"});
+  expect_error(
+      [&] {
+        make_press("AdaKVPress", 0.5, {{"press", "ChunkKVPress"}});
+      },
+      {"AdaKVPress: press must be a ScorerPress, got ChunkKVPress"});
 
   // compress() on a head-ragged press points at compress_ragged().
   expect_error([&] { AdaKVPress(knorm).compress(in); }, {"AdaKVPress.compress", "use compress_ragged()"});
-  expect_error([&] { CriticalAdaKVPress(knorm).compress(in); }, {"CriticalAdaKVPress.compress", "use compress_ragged()"});
+  expect_error([&] { CriticalAdaKVPress(knorm).compress(in); },
+               {"CriticalAdaKVPress.compress", "use compress_ragged()"});
 
   // Missing inputs.
   LayerInputs no_o = in;
@@ -273,11 +289,12 @@ TEST(RaggedPresses, Errors) {
   expect_error([&] { CriticalKVPress(knorm).compress(no_o); },
                {"CriticalKVPress: needs o_proj (the layer's output projection weight [hidden, num_heads * head_dim]); "
                 "none was given"});
-  expect_error([&] { CriticalAdaKVPress(knorm).compress_ragged(no_o); }, {"CriticalAdaKVPress.compress_ragged: needs o_proj"});
+  expect_error([&] { CriticalAdaKVPress(knorm).compress_ragged(no_o); },
+               {"CriticalAdaKVPress.compress_ragged: needs o_proj"});
   LayerInputs bad_o = in;
   bad_o.o_proj = at::zeros({64, 100});
-  expect_error([&] { CriticalKVPress(knorm).compress(bad_o); }, {"CriticalKVPress: o_proj must be [hidden, 128]",
-                                                                  "got [64, 100]"});
+  expect_error([&] { CriticalKVPress(knorm).compress(bad_o); },
+               {"CriticalKVPress: o_proj must be [hidden, 128]", "got [64, 100]"});
   LayerInputs no_hidden = in;
   no_hidden.hidden_states = at::Tensor();
   expect_error([&] { AdaKVPress(std::make_shared<SnapKVPress>(0.5, 16)).compress_ragged(no_hidden); }, {"SnapKVPress"});
@@ -288,9 +305,12 @@ TEST(RaggedPresses, Errors) {
                {"PyramidKVPress: layer_idx must be in [0, num_layers (3)), got 3"});
   bad_layer.layer_idx = 0;
   bad_layer.num_layers = 2;
-  expect_error([&] { PerLayerCompressionPress(make, {0.1, 0.2, 0.3}).compress(bad_layer); },
-               {"PerLayerCompressionPress: compression_ratios must hold one ratio per layer (num_layers = 2) or a single "
-                "ratio for all, got 3"});
+  expect_error(
+      [&] {
+        PerLayerCompressionPress(make, {0.1, 0.2, 0.3}).compress(bad_layer);
+      },
+      {"PerLayerCompressionPress: compression_ratios must hold one ratio per layer (num_layers = 2) or a single "
+       "ratio for all, got 3"});
 }
 
 // ---- parity with kvpress (fixtures) ---------------------------------------------------------------
@@ -347,7 +367,9 @@ LayerInputs case_layer(const json& c, int64_t l) {
   return in;
 }
 
-std::map<std::string, std::string> params_of(const json& r) { return r.at("params").get<std::map<std::string, std::string>>(); }
+std::map<std::string, std::string> params_of(const json& r) {
+  return r.at("params").get<std::map<std::string, std::string>>();
+}
 
 // [B, Hkv, S] bool kept mask of any press (head-ragged or not).
 at::Tensor our_keep_mask(const BasePress& press, const LayerInputs& in) {
@@ -357,9 +379,9 @@ at::Tensor our_keep_mask(const BasePress& press, const LayerInputs& in) {
   return mask.scatter_(2, kv.kept_indices, true);
 }
 
-#define REQUIRE_RAGGED_FIXTURES()                                     \
-  const RaggedFixtures& fx = ragged_fixtures();                       \
-  ASSERT_TRUE(fx.error.empty()) << fx.error;                          \
+#define REQUIRE_RAGGED_FIXTURES()               \
+  const RaggedFixtures& fx = ragged_fixtures(); \
+  ASSERT_TRUE(fx.error.empty()) << fx.error;    \
   ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5")
 
 // Kept sets must be equal in float32. In bfloat16 kvpress computes every score in bf16 (8-bit
@@ -383,7 +405,8 @@ TEST(RaggedParity, LayerRuns) {
     for (const json& r : c.at("runs")) {
       const std::string run = r.at("name").get<std::string>(), file = r.at("file").get<std::string>();
       SCOPED_TRACE(run);
-      const auto press = make_press(r.at("press").get<std::string>(), r.at("compression_ratio").get<double>(), params_of(r));
+      const auto press =
+          make_press(r.at("press").get<std::string>(), r.at("compression_ratio").get<double>(), params_of(r));
       EXPECT_EQ(press->head_ragged(), r.at("masked").get<bool>());
       double worst_diff = 0.0, worst_attn = 0.0;
       for (int64_t l = 0; l < num_layers; ++l) {
@@ -415,7 +438,8 @@ TEST(RaggedParity, LayerRuns) {
         worst_attn = std::max(worst_attn, err);
         EXPECT_LE(err, bf16 ? kAttentionTolBf16 : kAttentionTolF32) << "layer " << l << ": attention output";
       }
-      std::cout << "[ragged parity] " << run << ": kept differ " << worst_diff << ", attention rel " << worst_attn << "\n";
+      std::cout << "[ragged parity] " << run << ": kept differ " << worst_diff << ", attention rel " << worst_attn
+                << "\n";
       ++runs;
     }
   }
@@ -438,12 +462,14 @@ TEST(RaggedParity, ModelRuns) {
     for (const json& r : p.at("runs")) {
       const std::string run = r.at("name").get<std::string>(), file = r.at("file").get<std::string>();
       SCOPED_TRACE(run);
-      const auto press = make_press(r.at("press").get<std::string>(), r.at("compression_ratio").get<double>(), params_of(r));
+      const auto press =
+          make_press(r.at("press").get<std::string>(), r.at("compression_ratio").get<double>(), params_of(r));
       KVCache cache = model.new_cache();
       PrefillOptions opt;
       opt.press = press.get();
       const auto out = model.prefill(prefix, cache, opt);
-      ASSERT_EQ(press->head_ragged() ? out.keep_masks.size() : out.kept_indices.size(), static_cast<size_t>(num_layers));
+      ASSERT_EQ(press->head_ragged() ? out.keep_masks.size() : out.kept_indices.size(),
+                static_cast<size_t>(num_layers));
       for (int64_t l = 0; l < num_layers; ++l) {
         at::Tensor ours = press->head_ragged() ? out.keep_masks[static_cast<size_t>(l)]
                                                : at::zeros({1, model.config().num_kv_heads, prefix_len}, at::kBool)

@@ -5,11 +5,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <cstdint>
-#include <cstring>
 #include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -31,8 +31,9 @@ bool file_exists(const std::string& p) {
 }
 
 void remove_tree(const std::string& dir) {
-  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-         FTW_DEPTH | FTW_PHYS);
+  ::nftw(
+      dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+      FTW_DEPTH | FTW_PHYS);
 }
 
 // A fresh directory per test, removed afterwards.
@@ -48,8 +49,8 @@ class Safetensors : public ::testing::Test {
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
 
   // Writes an 8-byte length + `header` + `body` file and returns its path.
-  std::string write_raw(const std::string& name, const std::string& header,
-                        const std::string& body = "", int64_t declared_len = -1) const {
+  std::string write_raw(const std::string& name, const std::string& header, const std::string& body = "",
+                        int64_t declared_len = -1) const {
     const std::string p = path(name);
     std::ofstream out(p, std::ios::binary);
     uint64_t n = declared_len < 0 ? header.size() : static_cast<uint64_t>(declared_len);
@@ -91,9 +92,8 @@ at::Tensor sample(at::ScalarType dtype, at::IntArrayRef shape) {
 }  // namespace
 
 TEST_F(Safetensors, RoundTripsEveryDtype) {
-  const std::vector<at::ScalarType> dtypes = {at::kDouble, at::kFloat, at::kHalf,  at::kBFloat16,
-                                              at::kLong,   at::kInt,   at::kShort, at::kChar,
-                                              at::kByte,   at::kBool};
+  const std::vector<at::ScalarType> dtypes = {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong,
+                                              at::kInt,    at::kShort, at::kChar, at::kByte,     at::kBool};
   std::map<std::string, at::Tensor> tensors;
   for (auto dtype : dtypes) {
     tensors[std::string("t_") + c10::toString(dtype)] = sample(dtype, {2, 3, 5});
@@ -134,8 +134,7 @@ TEST_F(Safetensors, RoundTripsScalarsEmptyAndNonContiguous) {
 
 TEST_F(Safetensors, RoundTripsMetadata) {
   const std::map<std::string, std::string> metadata = {
-      {"press", "SnapKVPress"}, {"params", "{\"window_size\": \"8\"}"}, {"unicode", "déjà vu"},
-      {"empty", ""}};
+      {"press", "SnapKVPress"}, {"params", "{\"window_size\": \"8\"}"}, {"unicode", "déjà vu"}, {"empty", ""}};
   const std::string p = path("meta.safetensors");
   save_safetensors(p, {{"x", at::ones({2}, at::kFloat)}}, metadata);
   const auto loaded = load_safetensors(p);
@@ -183,27 +182,24 @@ TEST_F(Safetensors, OverwritesAnExistingFile) {
 // metadata={"format": "pt", "note": "hi"}) with safetensors 0.7.0.
 TEST_F(Safetensors, ReadsAFileWrittenByPythonSafetensors) {
   static const unsigned char kBytes[] = {
-    0x10, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x7b, 0x22, 0x5f, 0x5f, 0x6d, 0x65, 0x74, 0x61,
-    0x64, 0x61, 0x74, 0x61, 0x5f, 0x5f, 0x22, 0x3a, 0x7b, 0x22, 0x6e, 0x6f, 0x74, 0x65, 0x22, 0x3a,
-    0x22, 0x68, 0x69, 0x22, 0x2c, 0x22, 0x66, 0x6f, 0x72, 0x6d, 0x61, 0x74, 0x22, 0x3a, 0x22, 0x70,
-    0x74, 0x22, 0x7d, 0x2c, 0x22, 0x63, 0x22, 0x3a, 0x7b, 0x22, 0x64, 0x74, 0x79, 0x70, 0x65, 0x22,
-    0x3a, 0x22, 0x49, 0x36, 0x34, 0x22, 0x2c, 0x22, 0x73, 0x68, 0x61, 0x70, 0x65, 0x22, 0x3a, 0x5b,
-    0x32, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61, 0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73,
-    0x22, 0x3a, 0x5b, 0x30, 0x2c, 0x31, 0x36, 0x5d, 0x7d, 0x2c, 0x22, 0x61, 0x22, 0x3a, 0x7b, 0x22,
-    0x64, 0x74, 0x79, 0x70, 0x65, 0x22, 0x3a, 0x22, 0x46, 0x33, 0x32, 0x22, 0x2c, 0x22, 0x73, 0x68,
-    0x61, 0x70, 0x65, 0x22, 0x3a, 0x5b, 0x32, 0x2c, 0x33, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61,
-    0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73, 0x22, 0x3a, 0x5b, 0x31, 0x36, 0x2c, 0x34, 0x30,
-    0x5d, 0x7d, 0x2c, 0x22, 0x64, 0x22, 0x3a, 0x7b, 0x22, 0x64, 0x74, 0x79, 0x70, 0x65, 0x22, 0x3a,
-    0x22, 0x42, 0x46, 0x31, 0x36, 0x22, 0x2c, 0x22, 0x73, 0x68, 0x61, 0x70, 0x65, 0x22, 0x3a, 0x5b,
-    0x32, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61, 0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73,
-    0x22, 0x3a, 0x5b, 0x34, 0x30, 0x2c, 0x34, 0x34, 0x5d, 0x7d, 0x2c, 0x22, 0x62, 0x22, 0x3a, 0x7b,
-    0x22, 0x64, 0x74, 0x79, 0x70, 0x65, 0x22, 0x3a, 0x22, 0x42, 0x4f, 0x4f, 0x4c, 0x22, 0x2c, 0x22,
-    0x73, 0x68, 0x61, 0x70, 0x65, 0x22, 0x3a, 0x5b, 0x33, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61,
-    0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73, 0x22, 0x3a, 0x5b, 0x34, 0x34, 0x2c, 0x34, 0x37,
-    0x5d, 0x7d, 0x7d, 0x20, 0x20, 0x20, 0x20, 0x20, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
-    0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80, 0x3e,
-    0x00, 0x00, 0x00, 0x3f, 0x00, 0x00, 0x40, 0x3f, 0x00, 0x00, 0x80, 0x3f, 0x00, 0x00, 0xa0, 0x3f,
-    0xc0, 0x3f, 0x10, 0xc0, 0x01, 0x00, 0x01,
+      0x10, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x7b, 0x22, 0x5f, 0x5f, 0x6d, 0x65, 0x74, 0x61, 0x64, 0x61, 0x74,
+      0x61, 0x5f, 0x5f, 0x22, 0x3a, 0x7b, 0x22, 0x6e, 0x6f, 0x74, 0x65, 0x22, 0x3a, 0x22, 0x68, 0x69, 0x22, 0x2c, 0x22,
+      0x66, 0x6f, 0x72, 0x6d, 0x61, 0x74, 0x22, 0x3a, 0x22, 0x70, 0x74, 0x22, 0x7d, 0x2c, 0x22, 0x63, 0x22, 0x3a, 0x7b,
+      0x22, 0x64, 0x74, 0x79, 0x70, 0x65, 0x22, 0x3a, 0x22, 0x49, 0x36, 0x34, 0x22, 0x2c, 0x22, 0x73, 0x68, 0x61, 0x70,
+      0x65, 0x22, 0x3a, 0x5b, 0x32, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61, 0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74,
+      0x73, 0x22, 0x3a, 0x5b, 0x30, 0x2c, 0x31, 0x36, 0x5d, 0x7d, 0x2c, 0x22, 0x61, 0x22, 0x3a, 0x7b, 0x22, 0x64, 0x74,
+      0x79, 0x70, 0x65, 0x22, 0x3a, 0x22, 0x46, 0x33, 0x32, 0x22, 0x2c, 0x22, 0x73, 0x68, 0x61, 0x70, 0x65, 0x22, 0x3a,
+      0x5b, 0x32, 0x2c, 0x33, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61, 0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73,
+      0x22, 0x3a, 0x5b, 0x31, 0x36, 0x2c, 0x34, 0x30, 0x5d, 0x7d, 0x2c, 0x22, 0x64, 0x22, 0x3a, 0x7b, 0x22, 0x64, 0x74,
+      0x79, 0x70, 0x65, 0x22, 0x3a, 0x22, 0x42, 0x46, 0x31, 0x36, 0x22, 0x2c, 0x22, 0x73, 0x68, 0x61, 0x70, 0x65, 0x22,
+      0x3a, 0x5b, 0x32, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61, 0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73, 0x22,
+      0x3a, 0x5b, 0x34, 0x30, 0x2c, 0x34, 0x34, 0x5d, 0x7d, 0x2c, 0x22, 0x62, 0x22, 0x3a, 0x7b, 0x22, 0x64, 0x74, 0x79,
+      0x70, 0x65, 0x22, 0x3a, 0x22, 0x42, 0x4f, 0x4f, 0x4c, 0x22, 0x2c, 0x22, 0x73, 0x68, 0x61, 0x70, 0x65, 0x22, 0x3a,
+      0x5b, 0x33, 0x5d, 0x2c, 0x22, 0x64, 0x61, 0x74, 0x61, 0x5f, 0x6f, 0x66, 0x66, 0x73, 0x65, 0x74, 0x73, 0x22, 0x3a,
+      0x5b, 0x34, 0x34, 0x2c, 0x34, 0x37, 0x5d, 0x7d, 0x7d, 0x20, 0x20, 0x20, 0x20, 0x20, 0xff, 0xff, 0xff, 0xff, 0xff,
+      0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80, 0x3e,
+      0x00, 0x00, 0x00, 0x3f, 0x00, 0x00, 0x40, 0x3f, 0x00, 0x00, 0x80, 0x3f, 0x00, 0x00, 0xa0, 0x3f, 0xc0, 0x3f, 0x10,
+      0xc0, 0x01, 0x00, 0x01,
   };
   const std::string p = path("python.safetensors");
   {
@@ -215,12 +211,9 @@ TEST_F(Safetensors, ReadsAFileWrittenByPythonSafetensors) {
   EXPECT_EQ(f.metadata, metadata);
   ASSERT_EQ(f.tensors.size(), 4u);
   EXPECT_TRUE(at::equal(f.tensors.at("a"), at::arange(6, at::kFloat).reshape({2, 3}) / 4));
-  EXPECT_TRUE(at::equal(f.tensors.at("b"),
-                        at::tensor(std::vector<int64_t>{1, 0, 1}, at::kLong).to(at::kBool)));
-  EXPECT_TRUE(at::equal(f.tensors.at("c"),
-                        at::tensor(std::vector<int64_t>{-1, int64_t{1} << 40}, at::kLong)));
-  EXPECT_TRUE(at::equal(f.tensors.at("d"),
-                        at::tensor(std::vector<double>{1.5, -2.25}, at::kDouble).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(f.tensors.at("b"), at::tensor(std::vector<int64_t>{1, 0, 1}, at::kLong).to(at::kBool)));
+  EXPECT_TRUE(at::equal(f.tensors.at("c"), at::tensor(std::vector<int64_t>{-1, int64_t{1} << 40}, at::kLong)));
+  EXPECT_TRUE(at::equal(f.tensors.at("d"), at::tensor(std::vector<double>{1.5, -2.25}, at::kDouble).to(at::kBFloat16)));
 }
 
 // ---- load errors ------------------------------------------------------------------------
@@ -238,14 +231,12 @@ TEST_F(Safetensors, Directory) {
 TEST_F(Safetensors, TooShortForTheLength) {
   const std::string p = path("short.st");
   std::ofstream(p, std::ios::binary) << "abc";
-  expect_error([&] { load_safetensors(p); },
-               {"load_safetensors: " + p + ": truncated file: 3 bytes, too short"});
+  expect_error([&] { load_safetensors(p); }, {"load_safetensors: " + p + ": truncated file: 3 bytes, too short"});
 }
 
 TEST_F(Safetensors, HeaderLongerThanTheFile) {
   const std::string p = write_raw("long.st", "{}", "", 100);
-  expect_error([&] { load_safetensors(p); },
-               {p, "truncated file: header length 100 but only 2 bytes follow"});
+  expect_error([&] { load_safetensors(p); }, {p, "truncated file: header length 100 but only 2 bytes follow"});
 }
 
 TEST_F(Safetensors, HugeHeaderLength) {
@@ -264,47 +255,40 @@ TEST_F(Safetensors, HeaderNotAnObject) {
 }
 
 TEST_F(Safetensors, OffsetsDoNotMatchShape) {
-  const std::string p = write_raw(
-      "mismatch.st", R"({"keys":{"dtype":"F32","shape":[2,3],"data_offsets":[0,100]}})",
-      std::string(100, '\0'));
-  expect_error([&] { load_safetensors(p); },
-               {"load_safetensors: " + p +
-                ": tensor 'keys' data_offsets [0, 100] do not match shape [2, 3] of F32 (24 bytes)"});
+  const std::string p = write_raw("mismatch.st", R"({"keys":{"dtype":"F32","shape":[2,3],"data_offsets":[0,100]}})",
+                                  std::string(100, '\0'));
+  expect_error(
+      [&] { load_safetensors(p); },
+      {"load_safetensors: " + p + ": tensor 'keys' data_offsets [0, 100] do not match shape [2, 3] of F32 (24 bytes)"});
 }
 
 TEST_F(Safetensors, OffsetsOutOfRange) {
   // A truncated body: the header promises 24 bytes, 10 are there.
-  const std::string p = write_raw(
-      "trunc.st", R"({"keys":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}})",
-      std::string(10, '\0'));
+  const std::string p =
+      write_raw("trunc.st", R"({"keys":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}})", std::string(10, '\0'));
   expect_error([&] { load_safetensors(p); },
                {p, "tensor 'keys' data_offsets [0, 24] lie outside the 10-byte data buffer"});
 }
 
 TEST_F(Safetensors, OffsetsReversed) {
-  const std::string p = write_raw(
-      "rev.st", R"({"v":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", std::string(4, '\0'));
-  expect_error([&] { load_safetensors(p); },
-               {p, "tensor 'v' data_offsets [4, 0] are not an ordered pair"});
+  const std::string p =
+      write_raw("rev.st", R"({"v":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", std::string(4, '\0'));
+  expect_error([&] { load_safetensors(p); }, {p, "tensor 'v' data_offsets [4, 0] are not an ordered pair"});
 }
 
 TEST_F(Safetensors, UnsupportedDtype) {
-  const std::string p = write_raw(
-      "dtype.st", R"({"v":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'));
-  expect_error([&] { load_safetensors(p); },
-               {p, "tensor 'v' has unsupported dtype 'C64' (supported: F64, F32"});
+  const std::string p =
+      write_raw("dtype.st", R"({"v":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'));
+  expect_error([&] { load_safetensors(p); }, {p, "tensor 'v' has unsupported dtype 'C64' (supported: F64, F32"});
 }
 
 TEST_F(Safetensors, MalformedEntries) {
   const std::string body(8, '\0');
-  expect_error([&] { load_safetensors(write_raw("a.st", R"({"v":3})", body)); },
-               {"tensor 'v' must be an object"});
-  expect_error(
-      [&] { load_safetensors(write_raw("b.st", R"({"v":{"shape":[2],"data_offsets":[0,8]}})", body)); },
-      {"tensor 'v' needs a string 'dtype'"});
-  expect_error(
-      [&] { load_safetensors(write_raw("c.st", R"({"v":{"dtype":"F32","data_offsets":[0,8]}})", body)); },
-      {"tensor 'v' needs an array 'shape'"});
+  expect_error([&] { load_safetensors(write_raw("a.st", R"({"v":3})", body)); }, {"tensor 'v' must be an object"});
+  expect_error([&] { load_safetensors(write_raw("b.st", R"({"v":{"shape":[2],"data_offsets":[0,8]}})", body)); },
+               {"tensor 'v' needs a string 'dtype'"});
+  expect_error([&] { load_safetensors(write_raw("c.st", R"({"v":{"dtype":"F32","data_offsets":[0,8]}})", body)); },
+               {"tensor 'v' needs an array 'shape'"});
   expect_error(
       [&] { load_safetensors(write_raw("d.st", R"({"v":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", body)); },
       {"tensor 'v' needs 'data_offsets' [begin, end]"});
@@ -315,19 +299,21 @@ TEST_F(Safetensors, MalformedEntries) {
       [&] { load_safetensors(write_raw("f.st", R"({"v":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", body)); },
       {"tensor 'v' shape entry must be an integer, got 2.5"});
   expect_error(
-      [&] { load_safetensors(write_raw("g.st", R"({"v":{"dtype":"F32","shape":[4611686018427387904, 8],"data_offsets":[0,8]}})", body)); },
+      [&] {
+        load_safetensors(
+            write_raw("g.st", R"({"v":{"dtype":"F32","shape":[4611686018427387904, 8],"data_offsets":[0,8]}})", body));
+      },
       {"tensor 'v' shape [4611686018427387904, 8] is too large"});
 }
 
 TEST_F(Safetensors, MetadataMustBeStrings) {
   const std::string p = write_raw("meta.st", R"({"__metadata__":{"n":3}})");
-  expect_error([&] { load_safetensors(p); },
-               {p, "__metadata__ value of 'n' must be a string, got 3"});
+  expect_error([&] { load_safetensors(p); }, {p, "__metadata__ value of 'n' must be a string, got 3"});
 }
 
 TEST_F(Safetensors, BoolBytesMustBeZeroOrOne) {
-  const std::string p = write_raw(
-      "bool.st", R"({"b":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", std::string("\x01\x07", 2));
+  const std::string p =
+      write_raw("bool.st", R"({"b":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", std::string("\x01\x07", 2));
   expect_error([&] { load_safetensors(p); }, {p, "tensor 'b' is BOOL but byte 1 holds 7"});
 }
 
@@ -335,20 +321,33 @@ TEST_F(Safetensors, BoolBytesMustBeZeroOrOne) {
 
 TEST_F(Safetensors, SaveErrors) {
   const std::string p = path("out.st");
-  expect_error([&] { save_safetensors(p, {{"z", at::zeros({2}, at::kComplexFloat)}}); },
-               {"save_safetensors: " + p + ": tensor 'z' has unsupported dtype ComplexFloat"});
-  expect_error([&] { save_safetensors(p, {{"u", at::Tensor()}}); },
-               {"save_safetensors: " + p + ": tensor 'u' is undefined"});
-  expect_error([&] { save_safetensors(p, {{"__metadata__", at::zeros({1})}}); },
-               {"'__metadata__' is reserved"});
-  expect_error([&] { save_safetensors(p, {{"", at::zeros({1})}}); },
-               {"tensor names must not be empty"});
-  expect_error([&] { save_safetensors(p, {{"x", at::zeros({1})}}, {{"bad", std::string("\xff\xfe", 2)}}); },
-               {"cannot encode the header"});
+  expect_error(
+      [&] {
+        save_safetensors(p, {{"z", at::zeros({2}, at::kComplexFloat)}});
+      },
+      {"save_safetensors: " + p + ": tensor 'z' has unsupported dtype ComplexFloat"});
+  expect_error(
+      [&] {
+        save_safetensors(p, {{"u", at::Tensor()}});
+      },
+      {"save_safetensors: " + p + ": tensor 'u' is undefined"});
+  expect_error([&] { save_safetensors(p, {{"__metadata__", at::zeros({1})}}); }, {"'__metadata__' is reserved"});
+  expect_error([&] { save_safetensors(p, {{"", at::zeros({1})}}); }, {"tensor names must not be empty"});
+  expect_error(
+      [&] {
+        save_safetensors(p, {{"x", at::zeros({1})}}, {{"bad", std::string("\xff\xfe", 2)}});
+      },
+      {"cannot encode the header"});
   EXPECT_FALSE(file_exists(p));
-  expect_error([&] { save_safetensors(dir_, {{"x", at::zeros({1})}}); },
-               {"save_safetensors: " + dir_ + ": is a directory"});
+  expect_error(
+      [&] {
+        save_safetensors(dir_, {{"x", at::zeros({1})}});
+      },
+      {"save_safetensors: " + dir_ + ": is a directory"});
   const std::string missing_dir = path("no/such/dir/out.st");
-  expect_error([&] { save_safetensors(missing_dir, {{"x", at::zeros({1})}}); },
-               {"save_safetensors: " + missing_dir + ": cannot create file (No such file or directory)"});
+  expect_error(
+      [&] {
+        save_safetensors(missing_dir, {{"x", at::zeros({1})}});
+      },
+      {"save_safetensors: " + missing_dir + ": cannot create file (No such file or directory)"});
 }

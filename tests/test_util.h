@@ -23,8 +23,7 @@ inline void expect_error(const std::function<void()>& fn, std::initializer_list<
   ADD_FAILURE() << "expected a c10::Error";
 }
 
-inline at::Tensor randn(std::initializer_list<int64_t> shape, uint64_t seed,
-                        at::ScalarType dtype = at::kFloat) {
+inline at::Tensor randn(std::initializer_list<int64_t> shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
   at::manual_seed(seed);
   return at::randn(shape, at::TensorOptions().dtype(at::kFloat)).to(dtype);
 }

@@ -62,9 +62,9 @@ at::Tensor expected_attention_reference(const Layer& l, int64_t n_future, int64_
   const int64_t seq = l.in.keys.size(2), d = l.in.keys.size(3), kv = l.in.keys.size(1);
   const int64_t heads = l.prerope_q.size(1), g = heads / kv, n = seq - n_sink;
   const at::Tensor q = l.prerope_q.narrow(2, n_sink, n).to(at::kDouble)[0];  // [H, n, D]
-  const at::Tensor mu = q.mean(1);                                             // [H, D]
+  const at::Tensor mu = q.mean(1);                                           // [H, D]
   const at::Tensor c = q - mu.unsqueeze(1);
-  const at::Tensor sigma = at::matmul(c.transpose(1, 2), c) / double(n);        // [H, D, D]
+  const at::Tensor sigma = at::matmul(c.transpose(1, 2), c) / double(n);  // [H, D, D]
   // R̄ = mean_t R_t with R_t x = rope(x, t).
   const auto [cos, sin] = rope_tables(seq, n_future, d);
   const at::Tensor eye = at::eye(d, at::kDouble);
@@ -201,24 +201,30 @@ TEST(ComposedPress, AppliesPressesInOrder) {
 }
 
 TEST(Registry, BuildsNestedPresses) {
-  const auto chunkkv = make_press("ChunkKVPress", 0.4,
-                                  {{"press", "SnapKVPress"}, {"press.window_size", "16"}, {"chunk_length", "10"}});
+  const auto chunkkv =
+      make_press("ChunkKVPress", 0.4, {{"press", "SnapKVPress"}, {"press.window_size", "16"}, {"chunk_length", "10"}});
   const auto& c = dynamic_cast<const ChunkKVPress&>(*chunkkv);
   EXPECT_EQ(c.chunk_length(), 10);
   EXPECT_EQ(dynamic_cast<const SnapKVPress&>(*c.press()).window_size(), 16);
   EXPECT_DOUBLE_EQ(chunkkv->compression_ratio(), 0.4);
-  const auto composed = make_press("ComposedPress", 0.5,
-                                   {{"presses", "KnormPress,SnapKVPress"}, {"presses.1.window_size", "8"},
-                                    {"presses.1.compression_ratio", "0.2"}});
+  const auto composed = make_press(
+      "ComposedPress", 0.5,
+      {{"presses", "KnormPress,SnapKVPress"}, {"presses.1.window_size", "8"}, {"presses.1.compression_ratio", "0.2"}});
   const auto& cp = dynamic_cast<const ComposedPress&>(*composed);
   ASSERT_EQ(cp.presses().size(), 2u);
   EXPECT_EQ(dynamic_cast<const SnapKVPress&>(*cp.presses()[1]).window_size(), 8);
   EXPECT_DOUBLE_EQ(composed->compression_ratio(), 1 - 0.5 * 0.8);
   EXPECT_EQ(make_press("KeyRerotationPress", 0.5)->name(), "KeyRerotationPress");  // inner defaults to KnormPress
-  expect_error([] { make_press("ChunkPress", 0.5, {{"press", "SnapKVPress"}, {"press.windows", "3"}}); },
-               {"SnapKVPress: unknown parameter 'windows'"});
-  expect_error([] { make_press("BlockPress", 0.5, {{"press", "ComposedPress"}}); },
-               {"BlockPress: press must be a ScorerPress, got ComposedPress"});
+  expect_error(
+      [] {
+        make_press("ChunkPress", 0.5, {{"press", "SnapKVPress"}, {"press.windows", "3"}});
+      },
+      {"SnapKVPress: unknown parameter 'windows'"});
+  expect_error(
+      [] {
+        make_press("BlockPress", 0.5, {{"press", "ComposedPress"}});
+      },
+      {"BlockPress: press must be a ScorerPress, got ComposedPress"});
   const auto ea = make_press("ExpectedAttentionPress", 0.5, {{"n_sink", "2"}, {"use_covariance", "false"}});
   EXPECT_EQ(dynamic_cast<const ExpectedAttentionPress&>(*ea).n_sink(), 2);
   EXPECT_FALSE(dynamic_cast<const ExpectedAttentionPress&>(*ea).use_covariance());

@@ -200,17 +200,22 @@ bool fixed_budget(const PressSpec& p) { return p.name == "DecodingPress"; }
 // rescaling (kvpress's advice), PerLayerCompression over SnapKV with a per-layer ramp, and the
 // three decoding presses over KnormPress (PrefillDecodingPress: SnapKV at prefill).
 std::vector<PressSpec> default_budget_wrappers() {
-  const std::map<std::string, std::string> ea_no_vnorm{{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}};
+  const std::map<std::string, std::string> ea_no_vnorm{{"press", "ExpectedAttentionPress"},
+                                                       {"press.use_vnorm", "false"}};
   return {
-      {"AdaKVPress", {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}}, "AdaKVPress(ExpectedAttentionPress)"},
+      {"AdaKVPress",
+       {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}},
+       "AdaKVPress(ExpectedAttentionPress)"},
       {"CriticalKVPress", ea_no_vnorm, "CriticalKVPress(ExpectedAttentionPress)"},
       {"CriticalAdaKVPress", ea_no_vnorm, "CriticalAdaKVPress(ExpectedAttentionPress)"},
       {"PerLayerCompressionPress", {{"press", "SnapKVPress"}}, "PerLayerCompressionPress(SnapKVPress, ramp)", true},
       // kvpress's decoding defaults (every 512 steps) never fire on stories this short: compress
       // every 16 continuation tokens instead, so that the decoding presses are measured.
-      {"DecodingPress", {{"press", "KnormPress"}, {"compression_interval", "16"}, {"target_size", "64"}},
+      {"DecodingPress",
+       {{"press", "KnormPress"}, {"compression_interval", "16"}, {"target_size", "64"}},
        "DecodingPress(KnormPress, every 16, 64 tokens)"},
-      {"CompressionRatioDecodingPress", {{"press", "KnormPress"}, {"compression_interval", "16"}},
+      {"CompressionRatioDecodingPress",
+       {{"press", "KnormPress"}, {"compression_interval", "16"}},
        "CompressionRatioDecodingPress(KnormPress, every 16)"},
       {"PrefillDecodingPress",
        {{"prefilling_press", "SnapKVPress"},
@@ -278,7 +283,7 @@ struct Story {
 
 struct Result {
   const PressSpec* press;
-  double ratio;  // NaN for a fixed budget
+  double ratio;                        // NaN for a fixed budget
   std::vector<double> nll, agreement;  // per story
 };
 
@@ -394,8 +399,9 @@ void print_table(const EvalArgs& args, const Evaluation& e) {
              args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)
                                     : fmt::format("{:g} of each story", args.prefix_fraction),
              prefix_sum / n_stories, scored_sum / n_stories);
-  fmt::print("NLL: mean over stories of the mean NLL (nats/token) of the teacher-forced continuation; agree: "
-             "fraction of positions whose argmax matches the full cache's\n\n");
+  fmt::print(
+      "NLL: mean over stories of the mean NLL (nats/token) of the teacher-forced continuation; agree: "
+      "fraction of positions whose argmax matches the full cache's\n\n");
   fmt::print("{:<{}}  {:>5}  {:>8}  {:>8}  {:>6}\n", "press", w, "ratio", "NLL", "dNLL", "agree");
   fmt::print("{:<{}}  {:>5}  {:>8.4f}  {:>8}  {:>6.3f}\n", "full cache", w, "-", e.full_mean, "-", 1.0);
   for (const auto& r : e.results) {
@@ -405,8 +411,8 @@ void print_table(const EvalArgs& args, const Evaluation& e) {
                mean(r.agreement));
   }
   const size_t press_runs = e.results.size();
-  fmt::print("\n{} runs ({} stories x (1 + {} press runs: {} presses x {} ratios{})) in {}\n", e.runs,
-             e.stories.size(), press_runs, args.presses.size(), args.ratios.size(),
+  fmt::print("\n{} runs ({} stories x (1 + {} press runs: {} presses x {} ratios{})) in {}\n", e.runs, e.stories.size(),
+             press_runs, args.presses.size(), args.ratios.size(),
              press_runs == args.presses.size() * args.ratios.size() ? "" : ", DecodingPress once",
              fmt_duration(e.seconds));
 }

@@ -170,8 +170,8 @@ struct CompressArgs {
 };
 
 // Reads "--name VALUE" or "--name=VALUE"; returns true and advances i if argv[i] is `name`.
-bool take_value(const std::vector<std::string>& args, size_t& i, std::string_view name,
-                std::string_view short_name, std::string& out) {
+bool take_value(const std::vector<std::string>& args, size_t& i, std::string_view name, std::string_view short_name,
+                std::string& out) {
   const std::string& a = args[i];
   if (a == name || (!short_name.empty() && a == short_name)) {
     if (i + 1 >= args.size()) usage_error("option {} needs a value", a);
@@ -315,8 +315,7 @@ int run_compress(const std::vector<std::string>& argv) {
   std::unique_ptr<kvpress::BasePress> press = kvpress::make_press(args.press, ratio, args.params);
 
   auto file = kvpress::io::load_safetensors(args.input);
-  const kvpress::LayerInputs inputs =
-      to_device(layer_inputs(file, args.input, args.allow_unknown_tensors), device);
+  const kvpress::LayerInputs inputs = to_device(layer_inputs(file, args.input, args.allow_unknown_tensors), device);
   const int64_t B = inputs.keys.size(0), Hkv = inputs.keys.size(1), S = inputs.keys.size(2);
 
   const auto start = std::chrono::steady_clock::now();
@@ -349,8 +348,8 @@ int run_compress(const std::vector<std::string>& argv) {
     if (const auto* scorer = dynamic_cast<const kvpress::ScorerPress*>(press.get())) scores = scorer->score(inputs);
   }
   if (!press->head_ragged()) {
-    TORCH_CHECK(kv.keys.defined() && kv.values.defined() && kv.kept_indices.defined(),
-                press->name(), ": compress() returned an incomplete result");
+    TORCH_CHECK(kv.keys.defined() && kv.values.defined() && kv.kept_indices.defined(), press->name(),
+                ": compress() returned an incomplete result");
     // Copying back to the CPU synchronises, so the time covers the device work.
     out = {
         {"keys", kv.keys.to(at::kCPU).contiguous()},
@@ -361,8 +360,7 @@ int run_compress(const std::vector<std::string>& argv) {
     n_kept = kv.kept_indices.size(-1);
     summary_kept = fmt::format("{} tokens per head", n_kept);
   }
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 
   // Effective parameters (defaults overridden by --param), as text.
   nlohmann::json params = nlohmann::json::object();
@@ -371,23 +369,18 @@ int run_compress(const std::vector<std::string>& argv) {
   }
   for (const auto& [key, value] : args.params) params[key] = value;
   std::map<std::string, std::string> metadata = {
-      {"press", press->name()},
-      {"ratio", fmt::format("{}", ratio)},
-      {"params", params.dump()},
-      {"seq_len", std::to_string(S)},
-      {"n_kept", std::to_string(n_kept)},
-      {"kvpress_version", KVPRESS_VERSION},
+      {"press", press->name()},       {"ratio", fmt::format("{}", ratio)}, {"params", params.dump()},
+      {"seq_len", std::to_string(S)}, {"n_kept", std::to_string(n_kept)},  {"kvpress_version", KVPRESS_VERSION},
   };
   if (press->head_ragged()) metadata["layout"] = "head_ragged";  // n_kept is then the total
   kvpress::io::save_safetensors(args.output, out, metadata);
 
   if (!args.quiet) {
-    fmt::print("{}: ratio {}, {} -> {} (batch {}, {} KV heads) in {:.2f} ms on {}; wrote {}\n",
-               press->name(), ratio, S, summary_kept, B, Hkv, ms, device.str(), args.output);
+    fmt::print("{}: ratio {}, {} -> {} (batch {}, {} KV heads) in {:.2f} ms on {}; wrote {}\n", press->name(), ratio, S,
+               summary_kept, B, Hkv, ms, device.str(), args.output);
   }
   return 0;
 }
-
 
 // ---- calibrate ----------------------------------------------------------------------------
 
@@ -449,10 +442,11 @@ int run_calibrate(const std::vector<std::string>& argv) {
     kvpress::calibration::ObservedLayer layer;
     layer.inputs = layer_inputs(file, path, /*allow_unknown=*/false);
     const at::Tensor& q = layer.inputs.queries;
-    TORCH_CHECK(q.defined(), "input ", path, ": calibrate needs queries [B, Hq, Sq, D] (the observation queries "
+    TORCH_CHECK(q.defined(), "input ", path,
+                ": calibrate needs queries [B, Hq, Sq, D] (the observation queries "
                 "are their last --observe rows)");
-    TORCH_CHECK(q.size(2) >= args.observe, "input ", path, ": queries must hold at least --observe (",
-                args.observe, ") rows, got ", q.size(2));
+    TORCH_CHECK(q.size(2) >= args.observe, "input ", path, ": queries must hold at least --observe (", args.observe,
+                ") rows, got ", q.size(2));
     const int64_t seq = layer.inputs.keys.size(2);
     layer.queries = q.narrow(2, q.size(2) - args.observe, args.observe);
     layer.query_positions = at::arange(seq - args.observe, seq, at::TensorOptions().dtype(at::kLong));
@@ -467,12 +461,15 @@ int run_calibrate(const std::vector<std::string>& argv) {
              args.observe, layers.size(), args.tolerance);
   fmt::print("{:>8}  {:>8}\n", "ratio", "quality");
   for (const auto& [ratio, quality] : result.evaluations) fmt::print("{:>8.4f}  {:>8.4f}\n", ratio, quality);
-  fmt::print("largest ratio within tolerance: {:.4f} (quality {:.4f}, {} evaluations)\n", result.ratio,
-             result.quality, result.evaluations.size());
+  fmt::print("largest ratio within tolerance: {:.4f} (quality {:.4f}, {} evaluations)\n", result.ratio, result.quality,
+             result.evaluations.size());
   if (!args.json.empty()) {
-    nlohmann::json j = {{"press", args.press},         {"params", args.params},
-                        {"tolerance", args.tolerance}, {"observe", args.observe},
-                        {"ratio", result.ratio},       {"quality", result.quality},
+    nlohmann::json j = {{"press", args.press},
+                        {"params", args.params},
+                        {"tolerance", args.tolerance},
+                        {"observe", args.observe},
+                        {"ratio", result.ratio},
+                        {"quality", result.quality},
                         {"evaluations", result.evaluations}};
     std::FILE* f = std::fopen(args.json.c_str(), "w");
     TORCH_CHECK(f != nullptr, "--json ", args.json, ": cannot create file");
@@ -517,11 +514,8 @@ nlohmann::json registry_json() {
   }
   nlohmann::json fields = nlohmann::json::array();
   for (const auto& f : kvpress::layer_input_fields()) {
-    fields.push_back({{"name", f.name},
-                      {"shape", f.shape},
-                      {"help", f.help},
-                      {"required", f.required},
-                      {"integer", f.integer}});
+    fields.push_back(
+        {{"name", f.name}, {"shape", f.shape}, {"help", f.help}, {"required", f.required}, {"integer", f.integer}});
   }
   return {{"presses", presses}, {"layer_inputs", fields}};
 }
@@ -564,8 +558,8 @@ int run_list(const std::vector<std::string>& args) {
       wd = std::max(wd, q.default_value.size());
     }
     for (const auto& q : p.params) {
-      out += fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}\n", q.name, wn, q.type, wt, q.default_value, wd,
-                         q.help);
+      out +=
+          fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}\n", q.name, wn, q.type, wt, q.default_value, wd, q.help);
     }
   }
   fmt::print("{}", out);
@@ -577,9 +571,8 @@ int run(int argc, char** argv) {
   if (args.empty()) usage_error("no command given (see kvpress-cli --help)");
   const std::string command = args.front();
   const std::vector<std::string> rest(args.begin() + 1, args.end());
-  const bool wants_help = std::find_if(rest.begin(), rest.end(), [](const std::string& a) {
-                            return a == "--help" || a == "-h";
-                          }) != rest.end();
+  const bool wants_help = std::find_if(rest.begin(), rest.end(),
+                                       [](const std::string& a) { return a == "--help" || a == "-h"; }) != rest.end();
   if (command == "--help" || command == "-h" || command == "help" || wants_help) {
     fmt::print("{}", kHelp);
     return 0;

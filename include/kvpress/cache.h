@@ -65,9 +65,9 @@ class HeadRaggedLayer {
   at::Tensor lengths() const;                  // [B, Hkv] int64 on CPU
   int64_t max_length() const;                  // max over heads of length(b, h)
   int64_t min_length() const;
-  int64_t total_tokens() const;                // sum over heads of length(b, h)
+  int64_t total_tokens() const;  // sum over heads of length(b, h)
   int64_t packed_tokens() const { return static_cast<int64_t>(offsets_host_.back()); }  // T
-  int64_t appended() const { return tail_length_; }  // tokens added by append(), every head
+  int64_t appended() const { return tail_length_; }         // tokens added by append(), every head
   int64_t next_position() const { return next_position_; }  // position the next appended token gets
 
   // ---- contents (copies, for inspection, tests and serialisation) ------------------------------
@@ -113,10 +113,10 @@ class HeadRaggedLayer {
       : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim) {}
 
   int64_t batch_ = 0, kv_heads_ = 0, head_dim_ = 0;
-  at::Tensor packed_keys_, packed_values_;  // [T, D]
-  at::Tensor packed_positions_;             // [T] int64
-  at::Tensor offsets_;                      // [B * Hkv + 1] int64, device
-  std::vector<int64_t> offsets_host_{0};    // the same on the host
+  at::Tensor packed_keys_, packed_values_;          // [T, D]
+  at::Tensor packed_positions_;                     // [T] int64
+  at::Tensor offsets_;                              // [B * Hkv + 1] int64, device
+  std::vector<int64_t> offsets_host_{0};            // the same on the host
   at::Tensor tail_key_buffer_, tail_value_buffer_;  // [B, Hkv, capacity, D], undefined until append
   int64_t tail_length_ = 0;
   std::vector<int64_t> tail_positions_;

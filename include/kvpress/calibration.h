@@ -37,9 +37,9 @@ at::Tensor attention_output(const at::Tensor& queries,          // [B, Hq, n, D]
 
 // One layer's full cache and the observation queries that judge a compression of it.
 struct ObservedLayer {
-  LayerInputs inputs;         // what a press needs (keys, values, queries/attentions/...)
-  at::Tensor queries;         // [B, Hq, n, D] post-RoPE observation queries
-  at::Tensor query_positions; // [n] int64, usually the last n positions
+  LayerInputs inputs;          // what a press needs (keys, values, queries/attentions/...)
+  at::Tensor queries;          // [B, Hq, n, D] post-RoPE observation queries
+  at::Tensor query_positions;  // [n] int64, usually the last n positions
 };
 
 // Compresses every layer with `press` and returns 1 − E, E = ||O_c − O_f||_F / ||O_f||_F with
@@ -53,10 +53,10 @@ double attention_output_quality(const std::vector<ObservedLayer>& layers, const 
 using QualityFn = std::function<double(double compression_ratio)>;
 
 struct SearchOptions {
-  double max_ratio = 0.95;    // never return more than this
-  int grid_points = 8;        // coarse scan: ratios max_ratio * i / grid_points, i = 1..grid_points
-  double resolution = 1e-3;   // bisection stops when the bracket is narrower than this
-  int max_evaluations = 40;   // hard cap on quality evaluations
+  double max_ratio = 0.95;   // never return more than this
+  int grid_points = 8;       // coarse scan: ratios max_ratio * i / grid_points, i = 1..grid_points
+  double resolution = 1e-3;  // bisection stops when the bracket is narrower than this
+  int max_evaluations = 40;  // hard cap on quality evaluations
 };
 
 struct SearchResult {
@@ -77,8 +77,8 @@ SearchResult search_max_ratio(const QualityFn& quality, double tolerance, const 
 
 // Convenience: default quality (attention_output_quality) of presses built by `make_press`.
 SearchResult search_max_ratio(const std::vector<ObservedLayer>& layers,
-                              const std::function<std::unique_ptr<BasePress>(double)>& make_press,
-                              double tolerance, const SearchOptions& options = {});
+                              const std::function<std::unique_ptr<BasePress>(double)>& make_press, double tolerance,
+                              const SearchOptions& options = {});
 
 // ---- the context-calibrated curve -----------------------------------------------------------
 
@@ -100,9 +100,7 @@ struct CalibrationFit {
   double loss = 0.0;  // asymmetric loss at the optimum
   double b(double context_nll) const { return alpha * context_nll + beta; }
   // Retention predicted for a context with this NLL to reach quality tau.
-  double predict_retention(double context_nll, double tau) const {
-    return retention_for_target(tau, b(context_nll));
-  }
+  double predict_retention(double context_nll, double tau) const { return retention_for_target(tau, b(context_nll)); }
 };
 
 struct FitOptions {

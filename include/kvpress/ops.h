@@ -24,7 +24,7 @@ int64_t n_kept(int64_t seq_len, double compression_ratio);
 // Positions of the k highest scores per row, ascending. Ties go to the lower position.
 // Raises on NaN scores.
 at::Tensor topk_indices(const at::Tensor& scores,  // [B, H, S] float
-                        int64_t k);                 // -> [B, H, k] int64
+                        int64_t k);                // -> [B, H, k] int64
 
 // keys/values at `indices`, contiguous.
 KV gather_kv(const at::Tensor& keys,      // [B, Hkv, S, D]
@@ -49,7 +49,7 @@ at::Tensor invert_rope(const at::Tensor& x,     // [B, H, n, D]
 // Mean over each group of Hq / num_kv_heads consecutive query heads (kvpress's GQA rule),
 // without materialising repeated keys.
 at::Tensor group_mean(const at::Tensor& per_query_head,  // [B, Hq, ...]
-                      int64_t num_kv_heads);              // -> [B, Hkv, ...]
+                      int64_t num_kv_heads);             // -> [B, Hkv, ...]
 
 // Number of query heads: inputs.num_heads, else inferred from queries, attentions or q_proj.
 int64_t num_query_heads(const LayerInputs& inputs);
@@ -64,7 +64,7 @@ at::Tensor prerope_keys(const LayerInputs& inputs, const char* op);  // -> [B, H
 
 // Pre-RoPE queries of `hidden` through the layer's q_proj, RMS-normed per head by q_norm when the
 // inputs have one (Qwen3). Hq is num_query_heads(inputs), D the keys' head_dim. float32.
-at::Tensor project_queries(const at::Tensor& hidden,      // [B, n, hidden], attention input
+at::Tensor project_queries(const at::Tensor& hidden,                    // [B, n, hidden], attention input
                            const LayerInputs& inputs, const char* op);  // -> [B, Hq, n, D]
 
 // Pre-RoPE queries of positions [start, start + n): projected from hidden_states + q_proj
@@ -116,24 +116,24 @@ at::Tensor lagkv_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
 
 // SnapKV: mean over the window queries, avg-pool (zero padded, padding counted), group mean,
 // then the last `window_size` positions get max + 1 so the window is always kept.
-at::Tensor snapkv_scores(const at::Tensor& window_attn,  // [B, Hq, w, S - w] float
+at::Tensor snapkv_scores(const at::Tensor& window_attn,               // [B, Hq, w, S - w] float
                          int64_t num_kv_heads, int64_t kernel_size);  // -> [B, Hkv, S]
 
 // The same from the window attention already averaged over its `window_size` queries
 // (window_attention_mean), so the window attention itself never has to exist.
 at::Tensor snapkv_scores_from_mean(const at::Tensor& mean_attn,  // [B, Hq, S - w] float
                                    int64_t num_kv_heads, int64_t kernel_size,
-                                   int64_t window_size);          // -> [B, Hkv, S]
+                                   int64_t window_size);  // -> [B, Hkv, S]
 
 // TOVA: last query's attention averaged over ALL query heads, same for every KV head; the last
 // position gets max + 1.
 at::Tensor tova_scores(const at::Tensor& last_attn,  // [B, Hq, 1, S - 1] float
-                       int64_t num_kv_heads);          // -> [B, Hkv, S]
+                       int64_t num_kv_heads);        // -> [B, Hkv, S]
 
 // ObservedAttention: attention received by key i summed over the queries, divided by the
 // number of queries that can see it (S - i), then group mean.
 at::Tensor observed_attention_scores(const at::Tensor& attentions,  // [B, Hq, S, S]
-                                     int64_t num_kv_heads);          // -> [B, Hkv, S]
+                                     int64_t num_kv_heads);         // -> [B, Hkv, S]
 
 // ---- Compactor: leverage, non-causal chunked attention, z-score blending ------------------
 
@@ -145,7 +145,7 @@ at::Tensor zscore(const at::Tensor& scores);  // any shape -> same shape, float3
 // sum_i weights[i] * s_i, each s_i first z-scored (zscore above) when `normalize`. Summed left to
 // right (weights[0] * s_0 + weights[1] * s_1 + ...), so CompactorPress's blending * lev + attn is
 // reproduced bit for bit with weights {blending, 1}.
-at::Tensor blend_scores(at::TensorList scores,      // each [B, H, S], same shape
+at::Tensor blend_scores(at::TensorList scores,         // each [B, H, S], same shape
                         at::ArrayRef<double> weights,  // one per score tensor
                         bool normalize);               // -> [B, H, S] float32
 
@@ -175,7 +175,7 @@ at::Tensor sketched_leverage(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
 // dtype (kvpress draws it in the dtype of its pre-RoPE keys, the model dtype).
 at::Tensor leverage_scores(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
                            int64_t sketch_dimension,
-                           int64_t seed = -1);               // -> [B, Hkv, S] float32
+                           int64_t seed = -1);  // -> [B, Hkv, S] float32
 
 // The same from a layer's inputs, with the pre-RoPE keys of prerope_keys() rounded to the cache
 // dtype. With cos/sin, RoPE is inverted one KV head at a time, so the extra memory stays below the
@@ -206,7 +206,7 @@ at::Tensor noncausal_attention_scores(const at::Tensor& column_sums,  // [B, Hq,
 // pairs of each batch row. Ties go to the lower head, then the lower position. Heads may keep
 // different numbers of tokens, so the result is a mask, not indices.
 at::Tensor topk_mask_across_heads(const at::Tensor& scores,  // [B, H, S] float
-                                  int64_t n_total);           // -> [B, H, S] bool
+                                  int64_t n_total);          // -> [B, H, S] bool
 
 // The kept keys/values of every (batch row, KV head) under `keep_mask`, for selections that keep
 // a different number of tokens per head.
@@ -221,12 +221,12 @@ RaggedKV gather_ragged(const at::Tensor& keys,        // [B, Hkv, S, D]
 // The queries are those of the last n tail tokens: new token i sees every packed token of its
 // head and tail tokens 0 .. m - n + i. float32 accumulation, GQA without repeat_kv, scale
 // defaults to 1 / sqrt(D). CPU and CUDA kernels (torch.ops.kvpress.ragged_attention).
-at::Tensor ragged_attention(const at::Tensor& queries,        // [B, Hq, n, D]
-                            const at::Tensor& packed_keys,    // [T, D]
-                            const at::Tensor& packed_values,  // [T, D]
-                            const at::Tensor& offsets,        // [B * Hkv + 1] int64, same device
-                            const at::Tensor& tail_keys,      // [B, Hkv, m, D], m >= n, last dim contiguous
-                            const at::Tensor& tail_values,    // [B, Hkv, m, D]
+at::Tensor ragged_attention(const at::Tensor& queries,                    // [B, Hq, n, D]
+                            const at::Tensor& packed_keys,                // [T, D]
+                            const at::Tensor& packed_values,              // [T, D]
+                            const at::Tensor& offsets,                    // [B * Hkv + 1] int64, same device
+                            const at::Tensor& tail_keys,                  // [B, Hkv, m, D], m >= n, last dim contiguous
+                            const at::Tensor& tail_values,                // [B, Hkv, m, D]
                             std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
 
 }  // namespace kvpress::ops

@@ -47,7 +47,7 @@ struct PressInputs {
 };
 
 struct PressInfo {
-  std::string name;     // kvpress class name
+  std::string name;  // kvpress class name
   PressKind kind;
   std::string summary;  // one line
   PressInputs inputs;   // its own; wrappers and decoding presses also read their inner presses' inputs

@@ -26,10 +26,10 @@ struct LayerInputs {
   at::Tensor k_proj;         // optional [Hkv * D, hidden]
   // The layer's output projection weight, for presses that weigh values by their effect on the
   // attention output (CriticalKVPress, CriticalAdaKVPress).
-  at::Tensor o_proj;         // optional [hidden, Hq * D] (nn.Linear weight layout, no bias)
-  at::Tensor q_norm;         // optional [D] RMSNorm weight applied per head (Qwen3-style)
-  at::Tensor k_norm;         // optional [D]
-  double norm_eps = 1e-6;    // eps of q_norm / k_norm
+  at::Tensor o_proj;       // optional [hidden, Hq * D] (nn.Linear weight layout, no bias)
+  at::Tensor q_norm;       // optional [D] RMSNorm weight applied per head (Qwen3-style)
+  at::Tensor k_norm;       // optional [D]
+  double norm_eps = 1e-6;  // eps of q_norm / k_norm
 
   // Eager attention weights of the last Sq query positions over all S keys.
   at::Tensor attentions;  // optional [B, Hq, Sq, S]
@@ -50,7 +50,7 @@ struct LayerInputs {
   // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.
   int64_t num_heads = 0;
 
-  int64_t layer_idx = 0;   // for layer-aware budgets
+  int64_t layer_idx = 0;  // for layer-aware budgets
   int64_t num_layers = 1;
 };
 
@@ -82,9 +82,9 @@ void for_each_field(Inputs& in, Visitor&& visit) {
   visit(LayerInputField{"q_norm", "[D]", "per-head RMSNorm weight of the queries (Qwen3)", false, false}, in.q_norm);
   visit(LayerInputField{"k_norm", "[D]", "per-head RMSNorm weight of the keys (Qwen3)", false, false}, in.k_norm);
   visit(LayerInputField{"norm_eps", "", "eps of q_norm / k_norm", false, false}, in.norm_eps);
-  visit(LayerInputField{"attentions", "[B, Hq, Sq, S]", "eager attention weights of the last Sq positions", false,
-                        false},
-        in.attentions);
+  visit(
+      LayerInputField{"attentions", "[B, Hq, Sq, S]", "eager attention weights of the last Sq positions", false, false},
+      in.attentions);
   visit(LayerInputField{"cos", "[S, D]", "RoPE cosines of positions 0..S-1 (HF layout)", false, false}, in.cos);
   visit(LayerInputField{"sin", "[S, D]", "RoPE sines of positions 0..S-1", false, false}, in.sin);
   visit(LayerInputField{"inv_freq", "[D / 2]", "RoPE inverse frequencies", false, false}, in.inv_freq);

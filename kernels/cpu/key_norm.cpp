@@ -34,9 +34,8 @@ at::Tensor key_norm_scores_cpu(const at::Tensor& keys_in) {
   float* out_ptr = out.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "key_norm_scores_cpu", [&] {
     const scalar_t* k = keys.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, /*grain_size=*/2048, [&](int64_t begin, int64_t end) {
-      key_norm_rows<scalar_t>(k, out_ptr, begin, end, dim);
-    });
+    at::parallel_for(0, rows, /*grain_size=*/2048,
+                     [&](int64_t begin, int64_t end) { key_norm_rows<scalar_t>(k, out_ptr, begin, end, dim); });
   });
   return out;
 }

@@ -178,8 +178,8 @@ at::Tensor lagkv_partition_scores_cpu(const at::Tensor& keys_in, const at::Tenso
         const int64_t row = task / runs, run = task % runs;
         const int64_t head_offset = row * seq * dim + n_sink * dim;
         score_head_partitions<scalar_t>(k + head_offset, v + head_offset, run * kPartsPerTask,
-                                        std::min(scored, (run + 1) * kPartsPerTask), lag_size, dim,
-                                        cross_scoring, scratch, out_ptr + row * seq + n_sink);
+                                        std::min(scored, (run + 1) * kPartsPerTask), lag_size, dim, cross_scoring,
+                                        scratch, out_ptr + row * seq + n_sink);
       }
     });
   });

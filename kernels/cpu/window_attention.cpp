@@ -27,8 +27,7 @@ constexpr int64_t kSlabBytes = int64_t{32} << 20;
 at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Tensor& keys_in) {
   constexpr const char* op = "window_attention_mean";
   checks::check_window_attention(op, queries_in, keys_in);
-  const int64_t batch = keys_in.size(0), kv_heads = keys_in.size(1), seq = keys_in.size(2),
-                dim = keys_in.size(3);
+  const int64_t batch = keys_in.size(0), kv_heads = keys_in.size(1), seq = keys_in.size(2), dim = keys_in.size(3);
   const int64_t heads = queries_in.size(1), window = queries_in.size(2), group = heads / kv_heads;
   const int64_t rows = group * window;  // logits rows of one KV head
   // Scaling the (small) queries once replaces a pass over every logit.
@@ -55,7 +54,7 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
         }
       });
       at::_softmax_out(logits, logits, /*dim=*/2, /*half_to_float=*/false);  // in place, row by row
-      at::Tensor dst = out.select(0, b).narrow(0, h0 * group, nh * group);  // [nh * group, S - w]
+      at::Tensor dst = out.select(0, b).narrow(0, h0 * group, nh * group);   // [nh * group, S - w]
       at::mean_out(dst, logits.view({nh * group, window, seq}).narrow(2, 0, seq - window), at::IntArrayRef{1});
     }
   }

@@ -13,22 +13,36 @@ namespace kvpress::cuda {
 constexpr int kWarpSize = 32;
 
 template <typename T>
-__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(T v) {
+  return static_cast<float>(v);
+}
 template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float<__half>(__half v) {
+  return __half2float(v);
+}
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 
 template <typename T>
-__device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
+__device__ __forceinline__ T from_float(float v) {
+  return static_cast<T>(v);
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half(v);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
 
 // v as it reads once stored in the element type T (kvpress rounds some scores to the cache dtype).
 template <typename T>
-__device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
 
 // Sum / max over a warp; every lane gets the result.
 __device__ __forceinline__ float warp_sum(float v) {

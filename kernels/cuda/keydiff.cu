@@ -27,10 +27,10 @@ at::Tensor keydiff_scores_cuda(const at::Tensor& keys_in) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_types(keys.scalar_type(), op, "keys", [&](auto element) {
     using T = decltype(element);
-    check_launch(launch_keydiff_scores<T>(static_cast<const T*>(keys.const_data_ptr()), heads, seq,
-                                          static_cast<int>(dim), anchor.data_ptr<float>(), out.data_ptr<float>(),
-                                          stream),
-                 op);
+    check_launch(
+        launch_keydiff_scores<T>(static_cast<const T*>(keys.const_data_ptr()), heads, seq, static_cast<int>(dim),
+                                 anchor.data_ptr<float>(), out.data_ptr<float>(), stream),
+        op);
   });
   return out;
 }

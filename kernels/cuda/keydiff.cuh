@@ -19,7 +19,7 @@ constexpr int kKeyDiffRowsPerBlock = 64;
 // grid: (row blocks of kKeyDiffRowsPerBlock tokens, heads). anchor_sum[h, d] += k[d] / max(||k||, 1e-12).
 // Shared: dim floats of block-local sums.
 template <typename T>
-__global__ void keydiff_anchor_sums(const T* __restrict__ keys,      // [heads, seq, dim]
+__global__ void keydiff_anchor_sums(const T* __restrict__ keys,  // [heads, seq, dim]
                                     int64_t seq, int dim,
                                     float* __restrict__ anchor_sum) {  // [heads, dim], zeroed
   extern __shared__ float local[];
@@ -45,7 +45,7 @@ __global__ void keydiff_anchor_sums(const T* __restrict__ keys,      // [heads, 
 
 // One warp per token: -dot(k, a) / (max(||k||, 1e-8) * max(||a||, 1e-8)), a = anchor_sum / seq.
 template <typename T>
-__global__ void keydiff_cosine_to_anchor(const T* __restrict__ keys,             // [rows, dim], rows = heads * seq
+__global__ void keydiff_cosine_to_anchor(const T* __restrict__ keys,  // [rows, dim], rows = heads * seq
                                          int64_t rows, int64_t seq, int dim,
                                          const float* __restrict__ anchor_sum,  // [heads, dim]
                                          float* __restrict__ out) {             // [rows]
@@ -72,7 +72,7 @@ __global__ void keydiff_cosine_to_anchor(const T* __restrict__ keys,            
 constexpr int64_t kKeyDiffMaxDim = 48 * 1024 / sizeof(float);
 
 template <typename T>
-cudaError_t launch_keydiff_scores(const T* keys,      // [heads, seq, dim] contiguous
+cudaError_t launch_keydiff_scores(const T* keys,  // [heads, seq, dim] contiguous
                                   int64_t heads, int64_t seq, int dim,
                                   float* anchor_sum,  // [heads, dim], zeroed
                                   float* out,         // [heads, seq]
@@ -81,14 +81,14 @@ cudaError_t launch_keydiff_scores(const T* keys,      // [heads, seq, dim] conti
   if (dim > kKeyDiffMaxDim || heads > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((seq + kKeyDiffRowsPerBlock - 1) / kKeyDiffRowsPerBlock),
                   static_cast<unsigned>(heads));
-  keydiff_anchor_sums<T><<<grid, kKeyDiffThreads, static_cast<size_t>(dim) * sizeof(float), stream>>>(keys, seq, dim,
-                                                                                                      anchor_sum);
+  keydiff_anchor_sums<T>
+      <<<grid, kKeyDiffThreads, static_cast<size_t>(dim) * sizeof(float), stream>>>(keys, seq, dim, anchor_sum);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t rows = heads * seq;
   const int64_t blocks = (rows + kKeyDiffWarps - 1) / kKeyDiffWarps;
-  keydiff_cosine_to_anchor<T><<<static_cast<unsigned>(blocks), kKeyDiffThreads, 0, stream>>>(keys, rows, seq, dim,
-                                                                                             anchor_sum, out);
+  keydiff_cosine_to_anchor<T>
+      <<<static_cast<unsigned>(blocks), kKeyDiffThreads, 0, stream>>>(keys, rows, seq, dim, anchor_sum, out);
   return cudaGetLastError();
 }
 

@@ -28,10 +28,9 @@ at::Tensor lagkv_partition_scores_cuda(const at::Tensor& keys_in, const at::Tens
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_types(keys.scalar_type(), op, "keys", [&](auto element) {
     using T = decltype(element);
-    check_launch(launch_lagkv_partition_scores<T>(static_cast<const T*>(keys.const_data_ptr()),
-                                                  static_cast<const T*>(values.const_data_ptr()), rows, seq, n_sink,
-                                                  lag_size, dim, cross_scoring, layout.n_parts - 1,
-                                                  out.data_ptr<float>(), stream),
+    check_launch(launch_lagkv_partition_scores<T>(
+                     static_cast<const T*>(keys.const_data_ptr()), static_cast<const T*>(values.const_data_ptr()), rows,
+                     seq, n_sink, lag_size, dim, cross_scoring, layout.n_parts - 1, out.data_ptr<float>(), stream),
                  op);
   });
   return out;

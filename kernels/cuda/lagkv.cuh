@@ -30,8 +30,8 @@ inline size_t lagkv_shared_bytes(int64_t dim, int64_t lag) {
 // Softmax over the partition's lag per-token stds of one of K/V, into soft[0..lag).
 // Shared layout: lo[dim], inv[dim].
 template <typename T>
-__device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict__ ref, int lag, int dim,
-                                  float* lo, float* inv, float* soft, float* scratch) {
+__device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict__ ref, int lag, int dim, float* lo,
+                                  float* inv, float* soft, float* scratch) {
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
     float mn = to_float(ref[d]), mx = mn;
     for (int t = 1; t < lag; ++t) {
@@ -118,9 +118,8 @@ cudaError_t launch_lagkv_partition_scores(const T* keys, const T* values,  // [b
   const size_t shared = lagkv_shared_bytes(dim, lag);
   if (shared + kLagStaticShared > kSharedLimit || rows > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(scored), static_cast<unsigned>(rows));
-  lagkv_partition_kernel<T><<<grid, kLagThreads, shared, stream>>>(keys, values, seq, static_cast<int>(n_sink),
-                                                                  static_cast<int>(lag), static_cast<int>(dim),
-                                                                  cross_scoring, out);
+  lagkv_partition_kernel<T><<<grid, kLagThreads, shared, stream>>>(
+      keys, values, seq, static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), cross_scoring, out);
   return cudaGetLastError();
 }
 

@@ -32,10 +32,9 @@ void run(const at::Tensor& queries, const at::Tensor& packed_keys, const at::Ten
   shape.tv_s = tail_values.stride(2);
   shape.scale = static_cast<float>(scale);
   const auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); };
-  const cudaError_t err = launch_ragged_attention<T>(ptr(queries), ptr(packed_keys), ptr(packed_values),
-                                                     offsets.const_data_ptr<int64_t>(), ptr(tail_keys),
-                                                     ptr(tail_values), reinterpret_cast<T*>(out.data_ptr()), shape,
-                                                     stream);
+  const cudaError_t err =
+      launch_ragged_attention<T>(ptr(queries), ptr(packed_keys), ptr(packed_values), offsets.const_data_ptr<int64_t>(),
+                                 ptr(tail_keys), ptr(tail_values), reinterpret_cast<T*>(out.data_ptr()), shape, stream);
   check_launch(err, "ragged_attention");
 }
 

@@ -24,8 +24,7 @@ at::Tensor topk_indices_cuda(const at::Tensor& scores_in, int64_t k) {
   at::Tensor out = at::empty({scores.size(0), scores.size(1), k}, scores.options().dtype(at::kLong));
   at::Tensor not_finite = at::zeros({1}, scores.options().dtype(at::kInt));
   check_launch(launch_topk_rows(scores.const_data_ptr<float>(), scores.size(0) * scores.size(1), scores.size(2), k,
-                                out.data_ptr<int64_t>(), not_finite.data_ptr<int>(),
-                                c10::cuda::getCurrentCUDAStream()),
+                                out.data_ptr<int64_t>(), not_finite.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
                op);
   if (not_finite.item<int>() != 0) checks::check_finite_scores(op, scores_in);  // raises, naming the values
   return out;
@@ -42,11 +41,11 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_cuda(const at::Tensor& keys_in, con
   at::Tensor keys_out = at::empty({batch, heads, n, dim}, keys.options());
   at::Tensor values_out = at::empty({batch, heads, n, dim}, values.options());
   at::Tensor bad = at::zeros({1}, keys.options().dtype(at::kInt));
-  check_launch(launch_gather_rows(keys.const_data_ptr(), values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
-                                  batch * heads, seq, n, dim * static_cast<int64_t>(keys.element_size()),
-                                  keys_out.data_ptr(), values_out.data_ptr(), bad.data_ptr<int>(),
-                                  c10::cuda::getCurrentCUDAStream()),
-               op);
+  check_launch(
+      launch_gather_rows(keys.const_data_ptr(), values.const_data_ptr(), indices.const_data_ptr<int64_t>(),
+                         batch * heads, seq, n, dim * static_cast<int64_t>(keys.element_size()), keys_out.data_ptr(),
+                         values_out.data_ptr(), bad.data_ptr<int>(), c10::cuda::getCurrentCUDAStream()),
+      op);
   if (bad.item<int>() != 0) checks::check_index_range(op, indices, seq);  // raises
   return {keys_out, values_out};
 }

@@ -7,8 +7,8 @@
 // order. The same set as a stable descending sort, without sorting.
 #pragma once
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
+#include <cub/block/block_scan.cuh>
 
 #include <cstdint>
 
@@ -116,7 +116,7 @@ __global__ void gather_rows_kernel(const word_t* __restrict__ keys, const word_t
 // One block per row of `scores` [rows, seq] float32: out [rows, k] gets each row's kept positions in
 // ascending order; *not_finite (zeroed by the caller) is set when a row holds NaN or Inf.
 inline cudaError_t launch_topk_rows(const float* scores, int64_t rows, int64_t seq, int64_t k, int64_t* out,
-                                   int* not_finite, cudaStream_t stream) {
+                                    int* not_finite, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (rows > 2147483647) return cudaErrorInvalidValue;  // gridDim.x
   topk_rows_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, stream>>>(scores, seq, k, out, not_finite);
@@ -127,8 +127,8 @@ inline cudaError_t launch_topk_rows(const float* scores, int64_t rows, int64_t s
 // [rows, seq, row_bytes]; *bad (zeroed by the caller) is set for an index outside [0, seq). Copies
 // in the widest word that divides a row and every base address (views may start anywhere).
 inline cudaError_t launch_gather_rows(const void* keys, const void* values, const int64_t* indices, int64_t rows,
-                                     int64_t seq, int64_t n, int64_t row_bytes, void* keys_out, void* values_out,
-                                     int* bad, cudaStream_t stream) {
+                                      int64_t seq, int64_t n, int64_t row_bytes, void* keys_out, void* values_out,
+                                      int* bad, cudaStream_t stream) {
   if (rows * n == 0 || row_bytes == 0) return cudaSuccess;
   auto launch = [&](auto word) {
     using word_t = decltype(word);
@@ -141,10 +141,14 @@ inline cudaError_t launch_gather_rows(const void* keys, const void* values, cons
   };
   const auto address = [](const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); };
   const int64_t align = row_bytes | address(keys) | address(values) | address(keys_out) | address(values_out);
-  if (align % 16 == 0) launch(uint4{});
-  else if (align % 8 == 0) launch(uint2{});
-  else if (align % 4 == 0) launch(uint32_t{});
-  else launch(uint16_t{});
+  if (align % 16 == 0)
+    launch(uint4{});
+  else if (align % 8 == 0)
+    launch(uint2{});
+  else if (align % 4 == 0)
+    launch(uint32_t{});
+  else
+    launch(uint16_t{});
   return cudaGetLastError();
 }
 

@@ -18,7 +18,7 @@ constexpr int kWindowThreads = 256;
 // One block per logits row r: window query i = r % window sees keys [0, seq - window + i].
 __global__ void window_causal_row_stats(const float* __restrict__ logits,  // [rows, seq]
                                         int64_t seq, int64_t window,
-                                        float* __restrict__ row_max,       // [rows]
+                                        float* __restrict__ row_max,        // [rows]
                                         float* __restrict__ row_inv_sum) {  // [rows]
   __shared__ float scratch[kWarpSize];
   const int64_t r = blockIdx.x;
@@ -42,7 +42,7 @@ __global__ void window_column_mean(const float* __restrict__ logits,       // [g
                                    const float* __restrict__ row_max,      // [group * window]
                                    const float* __restrict__ row_inv_sum,  // [group * window]
                                    int64_t seq, int64_t window,
-                                   float* __restrict__ out,                // [group, out_row_stride]
+                                   float* __restrict__ out,  // [group, out_row_stride]
                                    int64_t out_row_stride) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t h = blockIdx.y;
@@ -56,9 +56,8 @@ __global__ void window_column_mean(const float* __restrict__ logits,       // [g
 }
 
 // The two kernels over one KV head's logits (group query heads of `window` rows each).
-inline cudaError_t launch_window_mean(const float* logits, int64_t group, int64_t seq, int64_t window,
-                                      float* row_max, float* row_inv_sum, float* out, int64_t out_row_stride,
-                                      cudaStream_t stream) {
+inline cudaError_t launch_window_mean(const float* logits, int64_t group, int64_t seq, int64_t window, float* row_max,
+                                      float* row_inv_sum, float* out, int64_t out_row_stride, cudaStream_t stream) {
   const int64_t rows = group * window;
   if (rows == 0 || seq == window) return cudaSuccess;
   if (group > 65535) return cudaErrorInvalidValue;  // gridDim.y

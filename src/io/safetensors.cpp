@@ -5,12 +5,12 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <sys/stat.h>
 #include <limits>
 #include <memory>
 #include <string>
@@ -39,9 +39,8 @@ struct DtypeInfo {
 };
 
 constexpr DtypeInfo kDtypes[] = {
-    {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16},
-    {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
-    {"U8", at::kByte},    {"BOOL", at::kBool},
+    {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf}, {"BF16", at::kBFloat16}, {"I64", at::kLong},
+    {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},  {"U8", at::kByte},       {"BOOL", at::kBool},
 };
 
 std::string supported_dtypes() {
@@ -90,8 +89,7 @@ int64_t json_int(const json& v, const std::string& path, const std::string& what
   ST_LOAD_CHECK(v.is_number_integer(), what, " must be an integer, got ", v.dump());
   if (v.is_number_unsigned()) {
     const auto u = v.get<uint64_t>();
-    ST_LOAD_CHECK(u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), what,
-                  " is too large: ", u);
+    ST_LOAD_CHECK(u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), what, " is too large: ", u);
     return static_cast<int64_t>(u);
   }
   return v.get<int64_t>();
@@ -120,16 +118,15 @@ SafetensorsFile load_safetensors(const std::string& path) {
   ST_LOAD_CHECK(fseeko(f, 0, SEEK_SET) == 0, "cannot seek (", std::strerror(errno), ")");
   const auto file_size = static_cast<uint64_t>(end);
 
-  ST_LOAD_CHECK(file_size >= 8, "truncated file: ", file_size,
-                " bytes, too short for the 8-byte header length");
+  ST_LOAD_CHECK(file_size >= 8, "truncated file: ", file_size, " bytes, too short for the 8-byte header length");
   uint8_t len_bytes[8];
   read_exact(f, len_bytes, 8, path, "the header length");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
-  ST_LOAD_CHECK(header_len <= kMaxHeaderSize, "header length ", header_len,
-                " exceeds the limit of ", kMaxHeaderSize, " bytes (not a safetensors file?)");
-  ST_LOAD_CHECK(header_len <= file_size - 8, "truncated file: header length ", header_len,
-                " but only ", file_size - 8, " bytes follow");
+  ST_LOAD_CHECK(header_len <= kMaxHeaderSize, "header length ", header_len, " exceeds the limit of ", kMaxHeaderSize,
+                " bytes (not a safetensors file?)");
+  ST_LOAD_CHECK(header_len <= file_size - 8, "truncated file: header length ", header_len, " but only ", file_size - 8,
+                " bytes follow");
   ST_LOAD_CHECK(header_len >= 2, "header length ", header_len, " is too short for a JSON object");
 
   std::string header(static_cast<size_t>(header_len), '\0');
@@ -152,32 +149,28 @@ SafetensorsFile load_safetensors(const std::string& path) {
   SafetensorsFile out;
   for (const auto& [name, entry] : doc.items()) {
     if (name == "__metadata__") {
-      ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ",
-                    entry.type_name());
+      ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ", entry.type_name());
       for (const auto& [key, value] : entry.items()) {
-        ST_LOAD_CHECK(value.is_string(), "__metadata__ value of '", key,
-                      "' must be a string, got ", value.dump());
+        ST_LOAD_CHECK(value.is_string(), "__metadata__ value of '", key, "' must be a string, got ", value.dump());
         out.metadata.emplace(key, value.get<std::string>());
       }
       continue;
     }
     const std::string what = "tensor '" + name + "'";
     ST_LOAD_CHECK(entry.is_object(), what, " must be an object with dtype, shape and data_offsets");
-    ST_LOAD_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), what,
-                  " needs a string 'dtype'");
-    ST_LOAD_CHECK(entry.contains("shape") && entry["shape"].is_array(), what,
-                  " needs an array 'shape'");
-    ST_LOAD_CHECK(entry.contains("data_offsets") && entry["data_offsets"].is_array() &&
-                      entry["data_offsets"].size() == 2,
-                  what, " needs 'data_offsets' [begin, end]");
+    ST_LOAD_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), what, " needs a string 'dtype'");
+    ST_LOAD_CHECK(entry.contains("shape") && entry["shape"].is_array(), what, " needs an array 'shape'");
+    ST_LOAD_CHECK(
+        entry.contains("data_offsets") && entry["data_offsets"].is_array() && entry["data_offsets"].size() == 2, what,
+        " needs 'data_offsets' [begin, end]");
 
     const std::string dtype_name = entry["dtype"].get<std::string>();
     const DtypeInfo* dtype = nullptr;
     for (const auto& d : kDtypes) {
       if (dtype_name == d.name) dtype = &d;
     }
-    ST_LOAD_CHECK(dtype != nullptr, what, " has unsupported dtype '", dtype_name,
-                  "' (supported: ", supported_dtypes(), ")");
+    ST_LOAD_CHECK(dtype != nullptr, what, " has unsupported dtype '", dtype_name, "' (supported: ", supported_dtypes(),
+                  ")");
 
     std::vector<int64_t> shape;
     uint64_t numel = 1;
@@ -198,27 +191,25 @@ SafetensorsFile load_safetensors(const std::string& path) {
 
     const int64_t begin = json_int(entry["data_offsets"][0], path, what + " data_offsets begin");
     const int64_t end_off = json_int(entry["data_offsets"][1], path, what + " data_offsets end");
-    const std::string offsets =
-        "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
+    const std::string offsets = "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
     ST_LOAD_CHECK(begin >= 0 && begin <= end_off, what, " data_offsets ", offsets,
                   " are not an ordered pair of non-negative offsets");
-    ST_LOAD_CHECK(static_cast<uint64_t>(end_off) <= body_size, what, " data_offsets ", offsets,
-                  " lie outside the ", body_size, "-byte data buffer (truncated file?)");
-    ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ",
-                  offsets, " do not match shape ", shape_str(shape), " of ", dtype->name, " (",
-                  nbytes, " bytes)");
+    ST_LOAD_CHECK(static_cast<uint64_t>(end_off) <= body_size, what, " data_offsets ", offsets, " lie outside the ",
+                  body_size, "-byte data buffer (truncated file?)");
+    ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ", offsets,
+                  " do not match shape ", shape_str(shape), " of ", dtype->name, " (", nbytes, " bytes)");
 
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype->type));
     if (nbytes > 0) {
-      ST_LOAD_CHECK(fseeko(f, static_cast<off_t>(body_start + begin), SEEK_SET) == 0,
-                    "cannot seek to ", what, " (", std::strerror(errno), ")");
+      ST_LOAD_CHECK(fseeko(f, static_cast<off_t>(body_start + begin), SEEK_SET) == 0, "cannot seek to ", what, " (",
+                    std::strerror(errno), ")");
       read_exact(f, t.data_ptr(), nbytes, path, what.c_str());
     }
     if (dtype->type == at::kBool && nbytes > 0) {
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
       for (uint64_t i = 0; i < nbytes; ++i) {
-        ST_LOAD_CHECK(bytes[i] <= 1, what, " is BOOL but byte ", i, " holds ",
-                      static_cast<int>(bytes[i]), " (must be 0 or 1)");
+        ST_LOAD_CHECK(bytes[i] <= 1, what, " is BOOL but byte ", i, " holds ", static_cast<int>(bytes[i]),
+                      " (must be 0 or 1)");
       }
     }
     out.tensors.emplace(name, std::move(t));
@@ -243,16 +234,15 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
     for (const auto& d : kDtypes) {
       if (tensor.scalar_type() == d.type) dtype = &d;
     }
-    ST_SAVE_CHECK(dtype != nullptr, "tensor '", name, "' has unsupported dtype ",
-                  tensor.scalar_type(), " (supported: ", supported_dtypes(), ")");
+    ST_SAVE_CHECK(dtype != nullptr, "tensor '", name, "' has unsupported dtype ", tensor.scalar_type(),
+                  " (supported: ", supported_dtypes(), ")");
     items.push_back({&name, dtype, tensor.to(at::kCPU).contiguous()});
   }
   // Data layout as the reference writer does it: wider dtypes first, then by name. With the
   // header padded to 8 bytes every tensor's data is aligned to its element size. The result
   // depends only on the names, dtypes and shapes, so equal inputs give identical files.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    return a.tensor.element_size() > b.tensor.element_size();
-  });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.tensor.element_size() > b.tensor.element_size(); });
   json header = json::object();  // keys sorted by name
   uint64_t offset = 0;
   for (const auto& item : items) {
@@ -274,8 +264,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   try {
     text = header.dump();
   } catch (const json::exception& e) {
-    ST_SAVE_CHECK(false, "cannot encode the header: ", e.what(),
-                  " (names and metadata must be valid UTF-8)");
+    ST_SAVE_CHECK(false, "cannot encode the header: ", e.what(), " (names and metadata must be valid UTF-8)");
   }
   // The spec allows trailing spaces; padding to a multiple of 8 keeps the data aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -293,8 +282,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
     File file(std::fopen(tmp.c_str(), "wb"));
     ST_SAVE_CHECK(file != nullptr, "cannot create file (", std::strerror(errno), ")");
     std::FILE* f = file.get();
-    bool ok = std::fwrite(len_bytes, 1, 8, f) == 8 &&
-              std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    bool ok = std::fwrite(len_bytes, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
     for (const auto& item : items) {
       if (!ok) break;
       const auto& t = item.tensor;
@@ -312,8 +300,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int rename_errno = errno;
     std::remove(tmp.c_str());
-    ST_SAVE_CHECK(false, "cannot move the written file into place (", std::strerror(rename_errno),
-                  ")");
+    ST_SAVE_CHECK(false, "cannot move the written file into place (", std::strerror(rename_errno), ")");
   }
 }
 

@@ -2,8 +2,8 @@
 #include "kvpress/llama/config.h"
 
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
 #include <sys/stat.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdlib>
 #include <fstream>
@@ -62,8 +62,8 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
   c.num_layers = get_int("num_hidden_layers");
   c.num_heads = get_int("num_attention_heads");
   c.num_kv_heads = opt_int("num_key_value_heads", c.num_heads);
-  TORCH_CHECK(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0, "LlamaConfig: ",
-              origin, ": num_attention_heads (", c.num_heads, ") must be a positive multiple of num_key_value_heads (",
+  TORCH_CHECK(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0, "LlamaConfig: ", origin,
+              ": num_attention_heads (", c.num_heads, ") must be a positive multiple of num_key_value_heads (",
               c.num_kv_heads, ")");
   c.head_dim = j.contains("head_dim") && j["head_dim"].is_number_integer() ? j["head_dim"].get<int64_t>()
                                                                            : c.hidden_size / c.num_heads;
@@ -89,9 +89,7 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
   return c;
 }
 
-LlamaConfig LlamaConfig::load(const std::string& path) {
-  return from_json(read_text_file(path, "LlamaConfig"), path);
-}
+LlamaConfig LlamaConfig::load(const std::string& path) { return from_json(read_text_file(path, "LlamaConfig"), path); }
 
 std::string default_models_dir() {
   if (const char* env = std::getenv("KVPRESS_MODELS"); env && *env) return env;

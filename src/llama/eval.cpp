@@ -16,13 +16,13 @@ namespace kvpress::llama {
 ContinuationScore score_continuation(const LlamaModel& model, const std::vector<int64_t>& ids, int64_t prefix,
                                      const BasePress* press) {
   const int64_t n = static_cast<int64_t>(ids.size());
-  TORCH_CHECK(prefix >= 1 && prefix <= n - 2, "score_continuation: prefix must be in [1, ", n - 2,
-              "] for a story of ", n, " tokens, got ", prefix);
+  TORCH_CHECK(prefix >= 1 && prefix <= n - 2, "score_continuation: prefix must be in [1, ", n - 2, "] for a story of ",
+              n, " tokens, got ", prefix);
   c10::InferenceMode guard;
   const at::Tensor all = at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);
   KVCache cache = model.new_cache();
   PrefillOptions prefill;
-  prefill.press = press;  // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part
+  prefill.press = press;            // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part
   prefill.last_logits_only = true;  // token `prefix` is not scored
   model.prefill(all.narrow(1, 0, prefix), cache, prefill);
   // Feed tokens prefix .. n-2 at positions cache.position() on (prefix .. n-2, or from n_kept after
@@ -36,7 +36,8 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
     step.decoding_press = decoding;
     step.decoding_state = &state;
     std::vector<at::Tensor> rows;
-    for (int64_t p = prefix; p < n - 1; ++p) rows.push_back(model.forward(all.narrow(1, p, 1), cache, step).logits[0][0]);
+    for (int64_t p = prefix; p < n - 1; ++p)
+      rows.push_back(model.forward(all.narrow(1, p, 1), cache, step).logits[0][0]);
     logits = at::stack(rows).to(at::kFloat);
   } else {
     logits = model.forward(all.narrow(1, prefix, n - 1 - prefix), cache).logits[0].to(at::kFloat);
@@ -51,15 +52,14 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
 }
 
 double greedy_agreement(const ContinuationScore& a, const ContinuationScore& b) {
-  TORCH_CHECK(a.argmax.defined() && b.argmax.defined() && a.argmax.numel() == b.argmax.numel() &&
-                  a.argmax.numel() > 0,
+  TORCH_CHECK(a.argmax.defined() && b.argmax.defined() && a.argmax.numel() == b.argmax.numel() && a.argmax.numel() > 0,
               "greedy_agreement: both scores must cover the same non-empty positions");
   return a.argmax.eq(b.argmax).to(at::kDouble).mean().item<double>();
 }
 
 int64_t prefix_length(int64_t n, int64_t prefix_tokens, double prefix_fraction) {
-  const int64_t p = prefix_tokens > 0 ? prefix_tokens
-                                      : static_cast<int64_t>(std::floor(prefix_fraction * static_cast<double>(n)));
+  const int64_t p =
+      prefix_tokens > 0 ? prefix_tokens : static_cast<int64_t>(std::floor(prefix_fraction * static_cast<double>(n)));
   return (p >= 1 && p <= n - 2) ? p : -1;
 }
 

@@ -83,7 +83,8 @@ void second_pass(const LlamaModel& model, const at::Tensor& prompt, const KVCach
       at::Tensor weights = probs.to(qkv.q.scalar_type());            // eager attention's dtype
       const int64_t hidden_now = bytes_of({&x});
       const int64_t kv_now = bytes_of({&prompt_keys, &prompt_values, &qkv.q});
-      record_peak(memory, hidden_now, kv_now, bytes_of({&scores, &probs}) + (weights.is_same(probs) ? 0 : static_cast<int64_t>(weights.nbytes())),
+      record_peak(memory, hidden_now, kv_now,
+                  bytes_of({&scores, &probs}) + (weights.is_same(probs) ? 0 : static_cast<int64_t>(weights.nbytes())),
                   session.statistics_bytes());
       scores.reset();
       session.observe(li, weights.view({batch, hq, rows, n + seen}));
@@ -121,8 +122,9 @@ KVComposeResult kvcompose_prefill(const LlamaModel& model, const at::Tensor& con
                 t.defined() ? shape_str(t) : std::string("undefined"));
   }
   const int64_t batch = context_ids.size(0), n = context_ids.size(1), hkv = c.num_kv_heads;
-  TORCH_CHECK(press.options().structured || batch == 1 || prefill.ragged_layout == PrefillOptions::RaggedLayout::kPacked,
-              op, ": batch must be 1 for the unstructured variant with the masked layout, got ", batch);
+  TORCH_CHECK(
+      press.options().structured || batch == 1 || prefill.ragged_layout == PrefillOptions::RaggedLayout::kPacked, op,
+      ": batch must be 1 for the unstructured variant with the masked layout, got ", batch);
 
   // 1. The context's prefill, uncompressed (kvpress's hook skips the square attention).
   PrefillOptions plain;
@@ -134,7 +136,8 @@ KVComposeResult kvcompose_prefill(const LlamaModel& model, const at::Tensor& con
 
   // 2. The second pass.
   KVComposeSession session = press.start_session(c.num_layers, c.num_heads, hkv, n, cache.keys(0).device());
-  const std::vector<at::Tensor> prompts = run.task_prompts.empty() ? std::vector<at::Tensor>{context_ids} : run.task_prompts;
+  const std::vector<at::Tensor> prompts =
+      run.task_prompts.empty() ? std::vector<at::Tensor>{context_ids} : run.task_prompts;
   for (const at::Tensor& prompt : prompts)
     second_pass(model, prompt, cache, n, run.query_chunk, session, result.memory);
   for (int64_t li = 0; li < c.num_layers; ++li) session.observe_values(li, cache.values(li));

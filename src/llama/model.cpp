@@ -17,13 +17,13 @@
 #include <optional>
 #include <sstream>
 
+#include "kvpress/cache.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/llama/kvcompose.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
-#include "kvpress/cache.h"
 
 namespace kvpress::llama {
 namespace {
@@ -144,7 +144,8 @@ void KVCache::set_keep_mask(int64_t layer, const at::Tensor& keep_mask) {
                   keep_mask.size(2) == l.length,
               "KVCache::set_keep_mask: keep_mask must be bool [", keys.size(0), ", ", keys.size(1), ", ", l.length,
               "], got ", keep_mask.defined() ? shape_str(keep_mask) : std::string("undefined"));
-  l.mask_buffer = at::ones({keys.size(0), keys.size(1), l.key_buffer.size(2)}, keep_mask.options().device(keys.device()));
+  l.mask_buffer =
+      at::ones({keys.size(0), keys.size(1), l.key_buffer.size(2)}, keep_mask.options().device(keys.device()));
   l.mask_buffer.narrow(2, 0, l.length).copy_(keep_mask);
 }
 
@@ -244,7 +245,7 @@ RopeTables LlamaModel::rope(int64_t start, int64_t n) const {
   // single product per entry, so it is this product exactly).
   const at::Tensor positions = at::arange(start, start + n, at::kLong).to(at::kFloat);
   const at::Tensor angles = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [n, D/2]
-  const at::Tensor emb = at::cat({angles, angles}, -1);                         // [n, D]
+  const at::Tensor emb = at::cat({angles, angles}, -1);                       // [n, D]
   return {emb.cos().to(dtype_), emb.sin().to(dtype_)};
 }
 
@@ -353,8 +354,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
   return out;
 }
 
-bool LlamaModel::wants_attentions(PressAttentions mode, const ForwardOptions& options,
-                                  const std::string& press_name) {
+bool LlamaModel::wants_attentions(PressAttentions mode, const ForwardOptions& options, const std::string& press_name) {
   switch (mode) {
     case PressAttentions::kAlways: return true;
     case PressAttentions::kNever: return false;
@@ -396,7 +396,7 @@ at::Tensor LlamaModel::dense_attention(const at::Tensor& q, const at::Tensor& ke
   if (keep_mask.defined())
     scores = scores.masked_fill(keep_mask.logical_not().view({batch, hkv, 1, 1, len}),
                                 -std::numeric_limits<double>::infinity());
-  const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());  // [B, Hkv, G, n, L]
+  const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());       // [B, Hkv, G, n, L]
   const at::Tensor attn = at::matmul(weights.view({batch, hkv, groups * n, len}), values);  // [B, Hkv, G*n, D]
   weights_out = weights.view({batch, hq, n, len});
   return attn.view({batch, hq, n, d}).transpose(1, 2).reshape({batch, n, hq * d});
@@ -406,7 +406,9 @@ at::Tensor LlamaModel::ragged_attention(const at::Tensor& q, const HeadRaggedLay
   // Fused attention over each head's kept tokens and the new ones: no dense K/V, no weight matrix.
   const int64_t batch = q.size(0), n = q.size(2);
   const double scaling = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
-  return ops::ragged_attention(q, layer, scaling).transpose(1, 2).reshape({batch, n, config_.num_heads * config_.head_dim});
+  return ops::ragged_attention(q, layer, scaling)
+      .transpose(1, 2)
+      .reshape({batch, n, config_.num_heads * config_.head_dim});
 }
 
 LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, const at::Tensor& h,
@@ -418,11 +420,11 @@ LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, 
   in.hidden_states = h;  // this forward's attention input
   in.q_proj = w.q_proj;
   in.k_proj = w.k_proj;
-  in.o_proj = w.o_proj;          // CriticalKVPress / CriticalAdaKVPress weigh values by it
-  in.cos = rope_tables.cos;      // this forward's positions (0..S-1 at prefill)
+  in.o_proj = w.o_proj;      // CriticalKVPress / CriticalAdaKVPress weigh values by it
+  in.cos = rope_tables.cos;  // this forward's positions (0..S-1 at prefill)
   in.sin = rope_tables.sin;
-  in.inv_freq = inv_freq_;       // ExpectedAttentionPress's future positions, KeyRerotationPress
-  in.input_ids = input_ids;      // token text (QSMPress/CTRPress semantic weights)
+  in.inv_freq = inv_freq_;   // ExpectedAttentionPress's future positions, KeyRerotationPress
+  in.input_ids = input_ids;  // token text (QSMPress/CTRPress semantic weights)
   in.num_heads = config_.num_heads;
   in.layer_idx = layer;
   in.num_layers = config_.num_layers;

@@ -89,8 +89,8 @@ std::string replace_all(const std::string& s, const std::string& from, const std
 // supported.
 std::string string_pattern(const json& step, const std::string& origin) {
   const json& p = step.at("pattern");
-  TORCH_CHECK(p.is_object() && p.contains("String"), "Tokenizer: ", origin,
-              ": unsupported Replace pattern ", p.dump(), " (only {\"String\": ...})");
+  TORCH_CHECK(p.is_object() && p.contains("String"), "Tokenizer: ", origin, ": unsupported Replace pattern ", p.dump(),
+              " (only {\"String\": ...})");
   return p["String"].get<std::string>();
 }
 
@@ -103,7 +103,7 @@ struct NormalizerStep {
 
 struct DecoderStep {
   enum Kind { kReplace, kByteFallback, kFuse, kStrip } kind;
-  std::string a, b;         // replace: a -> b; strip: a = the (one-character) content
+  std::string a, b;            // replace: a -> b; strip: a = the (one-character) content
   size_t start = 0, stop = 0;  // strip
 };
 

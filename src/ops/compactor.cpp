@@ -62,9 +62,8 @@ void check_sketch(const char* op, const at::Tensor& keys, const at::Tensor& sket
   checks::check_float(op, "sketch", sketch);
   checks::check_same_device(op, "sketch", sketch, "prerope_keys", keys);
   const int64_t dim = keys.size(3);
-  TORCH_CHECK((sketch.dim() == 2 && sketch.size(0) == dim) ||
-                  (sketch.dim() == 4 && sketch.size(0) == keys.size(0) && sketch.size(1) == keys.size(1) &&
-                   sketch.size(2) == dim),
+  TORCH_CHECK((sketch.dim() == 2 && sketch.size(0) == dim) || (sketch.dim() == 4 && sketch.size(0) == keys.size(0) &&
+                                                               sketch.size(1) == keys.size(1) && sketch.size(2) == dim),
               op, ": sketch must be [", dim, ", k] or [", keys.size(0), ", ", keys.size(1), ", ", dim, ", k], got ",
               checks::shape_str(sketch));
   checks::check_non_empty(op, "sketch", sketch);
@@ -139,8 +138,8 @@ at::Tensor zscore(const at::Tensor& scores) {
 at::Tensor blend_scores(at::TensorList scores, at::ArrayRef<double> weights, bool normalize) {
   constexpr const char* op = "blend_scores";
   TORCH_CHECK(!scores.empty(), op, ": scores must hold at least one tensor, got none");
-  TORCH_CHECK(scores.size() == weights.size(), op, ": weights must hold one weight per score tensor (",
-              scores.size(), "), got ", weights.size());
+  TORCH_CHECK(scores.size() == weights.size(), op, ": weights must hold one weight per score tensor (", scores.size(),
+              "), got ", weights.size());
   at::Tensor out;
   for (size_t i = 0; i < scores.size(); ++i) {
     checks::check_rank(op, "scores", scores[i], 3, "[batch, heads, seq_len]");
@@ -207,8 +206,7 @@ at::Tensor leverage_scores(const at::Tensor& prerope_keys, int64_t sketch_dimens
   checks::check_keys(op, prerope_keys);
   checks::check_positive(op, "sketch_dimension", sketch_dimension);
   const at::Tensor phi = gaussian_sketch(prerope_keys.size(0), prerope_keys.size(1), prerope_keys.size(3),
-                                         sketch_dimension, prerope_keys.scalar_type(), prerope_keys.device(),
-                                         seed);
+                                         sketch_dimension, prerope_keys.scalar_type(), prerope_keys.device(), seed);
   return sketched_leverage(prerope_keys, phi);
 }
 
@@ -267,8 +265,8 @@ at::Tensor noncausal_column_sums(const LayerInputs& in, int64_t chunk_size, cons
               checks::shape_str(in.hidden_states));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", in.cos}, {"sin", in.sin}}) {
     checks::check_defined(op, name, t);
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == seq && t.size(1) == in.keys.size(3), op, ": ", name, " must be [",
-                seq, ", ", in.keys.size(3), "] ([seq_len, head_dim]), got ", checks::shape_str(t));
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == seq && t.size(1) == in.keys.size(3), op, ": ", name, " must be [", seq,
+                ", ", in.keys.size(3), "] ([seq_len, head_dim]), got ", checks::shape_str(t));
   }
   const int64_t heads = num_query_heads(in);
   checks::check_gqa(op, heads, in.keys.size(1));
@@ -314,8 +312,8 @@ at::Tensor topk_mask_across_heads(const at::Tensor& scores, int64_t n_total) {
   TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
               scores.scalar_type());
   const int64_t batch = scores.size(0), per_row = scores.size(1) * scores.size(2);
-  TORCH_CHECK(n_total >= 1 && n_total <= per_row, op, ": n_total must be in [1, heads * seq_len (", per_row,
-              ")], got ", n_total);
+  TORCH_CHECK(n_total >= 1 && n_total <= per_row, op, ": n_total must be in [1, heads * seq_len (", per_row, ")], got ",
+              n_total);
   checks::check_finite_scores(op, scores);
   // Stable descending sort of each batch row flattened head-major: ties go to the lower head,
   // then the lower position.

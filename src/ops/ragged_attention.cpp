@@ -18,7 +18,8 @@ at::Tensor ragged_attention(const at::Tensor& queries, const at::Tensor& packed_
                             std::optional<double> scale) {
   static const auto op =
       dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, std::optional<double>)>("kvpress::ragged_attention");
+                               const at::Tensor&, const at::Tensor&, std::optional<double>)>(
+          "kvpress::ragged_attention");
   // The dispatcher routes by the tensors' device and an undefined tensor routes nowhere: name it first.
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"queries", &queries},
                                 {"packed_keys", &packed_keys},
@@ -34,8 +35,8 @@ at::Tensor composite::ragged_attention(const at::Tensor& queries, const at::Tens
                                        const at::Tensor& packed_values, const at::Tensor& offsets,
                                        const at::Tensor& tail_keys, const at::Tensor& tail_values,
                                        std::optional<double> scale) {
-  const double s = checks::check_ragged_attention(queries, packed_keys, packed_values, offsets, tail_keys,
-                                                  tail_values, scale);
+  const double s =
+      checks::check_ragged_attention(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, scale);
   const int64_t batch = queries.size(0), q_heads = queries.size(1), n = queries.size(2);
   const int64_t kv_heads = tail_keys.size(1), m = tail_keys.size(2), group = q_heads / kv_heads;
   const at::Tensor host = offsets.to(at::kCPU).contiguous();

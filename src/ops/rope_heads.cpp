@@ -18,17 +18,16 @@ void check_rope_args(const char* op, const at::Tensor& x, const at::Tensor& cos,
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
     checks::check_defined(op, name, t);
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == d, op, ": ", name, " must be [", n,
-                ", ", d, "] ([seq_len, head_dim]), got ", checks::shape_str(t));
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == d, op, ": ", name, " must be [", n, ", ", d,
+                "] ([seq_len, head_dim]), got ", checks::shape_str(t));
     checks::check_same_device(op, name, t, "x", x);
   }
 }
 
 // RMSNorm over the last dim with weight [D] (Qwen3-style q_norm/k_norm), in float32.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const char* op,
-                    const char* name) {
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": ", name, " must be [",
-              x.size(-1), "] ([head_dim]), got ", checks::shape_str(weight));
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const char* op, const char* name) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": ", name, " must be [", x.size(-1),
+              "] ([head_dim]), got ", checks::shape_str(weight));
   const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
   return x * at::rsqrt(variance + eps) * weight.to(at::kFloat);
 }
@@ -39,20 +38,20 @@ at::Tensor project_heads(const at::Tensor& hidden, const at::Tensor& proj, const
                          int64_t heads, int64_t head_dim, const char* op, const char* proj_name,
                          const char* norm_name) {
   checks::check_rank(op, proj_name, proj, 2, "[heads * head_dim, hidden]");
-  TORCH_CHECK(proj.size(0) == heads * head_dim && proj.size(1) == hidden.size(2), op, ": ",
-              proj_name, " must be [", heads * head_dim, ", ", hidden.size(2), "], got ",
-              checks::shape_str(proj));
+  TORCH_CHECK(proj.size(0) == heads * head_dim && proj.size(1) == hidden.size(2), op, ": ", proj_name, " must be [",
+              heads * head_dim, ", ", hidden.size(2), "], got ", checks::shape_str(proj));
   checks::check_same_device(op, proj_name, proj, "hidden_states", hidden);
   const int64_t batch = hidden.size(0), n = hidden.size(1);
-  at::Tensor x = at::matmul(hidden.to(at::kFloat), proj.to(at::kFloat).t()).view({batch, n, heads, head_dim}).transpose(1, 2);
+  at::Tensor x =
+      at::matmul(hidden.to(at::kFloat), proj.to(at::kFloat).t()).view({batch, n, heads, head_dim}).transpose(1, 2);
   return norm.defined() ? rms_norm(x, norm, eps, op, norm_name) : x;
 }
 
 void check_hidden(const char* op, const LayerInputs& in) {
   checks::check_rank(op, "hidden_states", in.hidden_states, 3, "[batch, seq_len, hidden]");
-  TORCH_CHECK(in.hidden_states.size(0) == in.keys.size(0) && in.hidden_states.size(1) == in.keys.size(2),
-              op, ": hidden_states must be [", in.keys.size(0), ", ", in.keys.size(2),
-              ", hidden] to match keys, got ", checks::shape_str(in.hidden_states));
+  TORCH_CHECK(in.hidden_states.size(0) == in.keys.size(0) && in.hidden_states.size(1) == in.keys.size(2), op,
+              ": hidden_states must be [", in.keys.size(0), ", ", in.keys.size(2), ", hidden] to match keys, got ",
+              checks::shape_str(in.hidden_states));
   checks::check_same_device(op, "hidden_states", in.hidden_states, "keys", in.keys);
 }
 
@@ -80,8 +79,7 @@ at::Tensor group_mean(const at::Tensor& per_query_head, int64_t num_kv_heads) {
   TORCH_CHECK(per_query_head.dim() >= 2, op, ": per_query_head must be [batch, heads, ...], got ",
               checks::shape_str(per_query_head));
   checks::check_gqa(op, per_query_head.size(1), num_kv_heads);
-  std::vector<int64_t> grouped{per_query_head.size(0), num_kv_heads,
-                               per_query_head.size(1) / num_kv_heads};
+  std::vector<int64_t> grouped{per_query_head.size(0), num_kv_heads, per_query_head.size(1) / num_kv_heads};
   for (int64_t d = 2; d < per_query_head.dim(); ++d) grouped.push_back(per_query_head.size(d));
   return per_query_head.reshape(grouped).mean(2);
 }
@@ -90,25 +88,24 @@ int64_t num_query_heads(const LayerInputs& in) {
   if (in.num_heads > 0) return in.num_heads;
   if (in.queries.defined() && in.queries.dim() == 4) return in.queries.size(1);
   if (in.attentions.defined() && in.attentions.dim() == 4) return in.attentions.size(1);
-  if (in.q_proj.defined() && in.q_proj.dim() == 2 && in.keys.defined() && in.keys.dim() == 4 &&
-      in.keys.size(3) > 0 && in.q_proj.size(0) % in.keys.size(3) == 0)
+  if (in.q_proj.defined() && in.q_proj.dim() == 2 && in.keys.defined() && in.keys.dim() == 4 && in.keys.size(3) > 0 &&
+      in.q_proj.size(0) % in.keys.size(3) == 0)
     return in.q_proj.size(0) / in.keys.size(3);
-  TORCH_CHECK(false, "num_query_heads: the number of query heads is unknown: set num_heads or give "
-                     "queries, attentions or q_proj");
+  TORCH_CHECK(false,
+              "num_query_heads: the number of query heads is unknown: set num_heads or give "
+              "queries, attentions or q_proj");
 }
 
 at::Tensor window_queries(const LayerInputs& in, int64_t n_last, const char* op) {
   checks::check_keys(op, in.keys);
-  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2),
-                head_dim = in.keys.size(3);
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), head_dim = in.keys.size(3);
   checks::check_window(op, "window_size", n_last, seq + 1);
   if (in.queries.defined()) {
     checks::check_rank(op, "queries", in.queries, 4, "[batch, num_heads, q_len, head_dim]");
     checks::check_float(op, "queries", in.queries);
     checks::check_same_device(op, "queries", in.queries, "keys", in.keys);
-    TORCH_CHECK(in.queries.size(0) == batch && in.queries.size(3) == head_dim, op,
-                ": queries must be [", batch, ", num_heads, q_len, ", head_dim,
-                "] to match keys, got ", checks::shape_str(in.queries));
+    TORCH_CHECK(in.queries.size(0) == batch && in.queries.size(3) == head_dim, op, ": queries must be [", batch,
+                ", num_heads, q_len, ", head_dim, "] to match keys, got ", checks::shape_str(in.queries));
     TORCH_CHECK(in.queries.size(2) >= n_last, op, ": queries must hold at least the last ", n_last,
                 " positions, got q_len ", in.queries.size(2));
     checks::check_gqa(op, in.queries.size(1), kv_heads);
@@ -164,8 +161,8 @@ at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, cons
   TORCH_CHECK(in.queries.size(0) == batch && in.queries.size(2) == seq && in.queries.size(3) == head_dim, op,
               ": queries must cover all positions, [", batch, ", num_heads, ", seq, ", ", head_dim, "], got ",
               checks::shape_str(in.queries));
-  TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) == seq && in.sin.sizes() == in.cos.sizes(), op,
-              ": cos/sin must be [", seq, ", ", head_dim, "], got ", checks::shape_str(in.cos));
+  TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) == seq && in.sin.sizes() == in.cos.sizes(), op, ": cos/sin must be [",
+              seq, ", ", head_dim, "], got ", checks::shape_str(in.cos));
   return invert_rope(in.queries.narrow(2, start, n).to(at::kFloat), in.cos.narrow(0, start, n).to(at::kFloat),
                      in.sin.narrow(0, start, n).to(at::kFloat));
 }
@@ -175,15 +172,16 @@ at::Tensor rope_inv_freq(const LayerInputs& in, const char* op) {
   const int64_t head_dim = in.keys.size(3);
   TORCH_CHECK(head_dim % 2 == 0, op, ": head_dim must be even for RoPE, got ", head_dim);
   if (in.inv_freq.defined()) {
-    TORCH_CHECK(in.inv_freq.dim() == 1 && in.inv_freq.size(0) == head_dim / 2, op, ": inv_freq must be [",
-                head_dim / 2, "] ([head_dim / 2]), got ", checks::shape_str(in.inv_freq));
+    TORCH_CHECK(in.inv_freq.dim() == 1 && in.inv_freq.size(0) == head_dim / 2, op, ": inv_freq must be [", head_dim / 2,
+                "] ([head_dim / 2]), got ", checks::shape_str(in.inv_freq));
     return in.inv_freq.to(in.keys.device(), at::kFloat);
   }
   TORCH_CHECK(in.cos.defined() && in.sin.defined(), op,
               ": needs inv_freq (RoPE inverse frequencies) or cos/sin to derive them; got neither");
-  TORCH_CHECK(in.cos.dim() == 2 && in.cos.size(0) >= 2 && in.cos.size(1) == head_dim && in.sin.sizes() == in.cos.sizes(),
-              op, ": cos and sin must be [seq_len >= 2, ", head_dim, "] to derive inv_freq, got ",
-              checks::shape_str(in.cos), " and ", checks::shape_str(in.sin));
+  TORCH_CHECK(
+      in.cos.dim() == 2 && in.cos.size(0) >= 2 && in.cos.size(1) == head_dim && in.sin.sizes() == in.cos.sizes(), op,
+      ": cos and sin must be [seq_len >= 2, ", head_dim, "] to derive inv_freq, got ", checks::shape_str(in.cos),
+      " and ", checks::shape_str(in.sin));
   // Every HF frequency is below pi, so the angle at position 1 is the frequency itself.
   const at::Tensor c = in.cos[1].narrow(0, 0, head_dim / 2).to(at::kFloat);
   const at::Tensor s = in.sin[1].narrow(0, 0, head_dim / 2).to(at::kFloat);
@@ -198,10 +196,10 @@ at::Tensor window_attention_mean(const LayerInputs& in, int64_t window, const ch
     const at::Tensor& a = in.attentions;
     checks::check_rank(op, "attentions", a, 4, "[batch, num_heads, q_len, seq_len]");
     checks::check_same_device(op, "attentions", a, "keys", in.keys);
-    TORCH_CHECK(a.size(0) == in.keys.size(0) && a.size(3) == seq, op, ": attentions must be [",
-                in.keys.size(0), ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
-    TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window,
-                " query rows, got q_len ", a.size(2));
+    TORCH_CHECK(a.size(0) == in.keys.size(0) && a.size(3) == seq, op, ": attentions must be [", in.keys.size(0),
+                ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
+    TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window, " query rows, got q_len ",
+                a.size(2));
     return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window).to(at::kFloat).mean(2);
   }
   return window_attention_mean(window_queries(in, window, op), in.keys);
@@ -213,12 +211,10 @@ at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
   checks::check_rank(op, "queries", queries, 4, "[batch, num_heads, window, head_dim]");
   checks::check_float(op, "queries", queries);
   checks::check_same_device(op, "queries", queries, "keys", keys);
-  const int64_t batch = keys.size(0), kv_heads = keys.size(1), seq = keys.size(2),
-                head_dim = keys.size(3);
+  const int64_t batch = keys.size(0), kv_heads = keys.size(1), seq = keys.size(2), head_dim = keys.size(3);
   const int64_t heads = queries.size(1), window = queries.size(2);
-  TORCH_CHECK(queries.size(0) == batch && queries.size(3) == head_dim, op, ": queries must be [",
-              batch, ", num_heads, window, ", head_dim, "] to match keys, got ",
-              checks::shape_str(queries));
+  TORCH_CHECK(queries.size(0) == batch && queries.size(3) == head_dim, op, ": queries must be [", batch,
+              ", num_heads, window, ", head_dim, "] to match keys, got ", checks::shape_str(queries));
   checks::check_gqa(op, heads, kv_heads);
   checks::check_window(op, "window", window, seq);
   const int64_t group = heads / kv_heads;
@@ -228,8 +224,7 @@ at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
                           .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)))
                           .view({batch, heads, window, seq});
   // Query i sits at position seq - window + i and sees keys 0..seq - window + i.
-  const at::Tensor future = at::ones({window, seq}, keys.options().dtype(at::kBool))
-                                .triu(seq - window + 1);
+  const at::Tensor future = at::ones({window, seq}, keys.options().dtype(at::kBool)).triu(seq - window + 1);
   logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
   return at::softmax(logits, -1).narrow(-1, 0, seq - window).contiguous();
 }

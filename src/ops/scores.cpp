@@ -39,7 +39,9 @@ at::Tensor composite::lagkv_partition_scores(const at::Tensor& keys, const at::T
   const checks::LagLayout layout = checks::lag_layout(seq, n_sink, lag_size);
   const auto float_opts = keys.options().dtype(at::kFloat);
   auto partitions = [&](const at::Tensor& x) {
-    return x.narrow(2, n_sink, layout.end - n_sink).to(at::kFloat).reshape({batch, heads, layout.n_parts, lag_size, dim});
+    return x.narrow(2, n_sink, layout.end - n_sink)
+        .to(at::kFloat)
+        .reshape({batch, heads, layout.n_parts, lag_size, dim});
   };
   at::Tensor scores = (lag_relative_scores(partitions(keys)) + lag_relative_scores(partitions(values))) / 2;
   if (!cross_scoring) {
@@ -87,8 +89,7 @@ at::Tensor streaming_llm_scores(const at::Tensor& keys, int64_t n_sink, double c
   checks::check_non_negative(op, "n_sink", n_sink);
   const int64_t seq = keys.size(2);
   TORCH_CHECK(n_sink < seq, op, ": n_sink must be < seq_len (", seq, "), got ", n_sink);
-  const int64_t n_pruned =
-      seq - static_cast<int64_t>(static_cast<double>(seq) * (1.0 - compression_ratio));
+  const int64_t n_pruned = seq - static_cast<int64_t>(static_cast<double>(seq) * (1.0 - compression_ratio));
   at::Tensor scores = at::ones({keys.size(0), keys.size(1), seq}, keys.options().dtype(at::kFloat));
   scores.narrow(2, n_sink, std::min(n_pruned, seq - n_sink)).zero_();
   return scores;
@@ -107,8 +108,8 @@ at::Tensor random_scores(const at::Tensor& keys, int64_t seed) {
   return scores.to(keys.device(), at::kFloat);
 }
 
-at::Tensor lagkv_scores(const at::Tensor& keys, const at::Tensor& values, int64_t n_sink,
-                        int64_t lag_size, bool cross_scoring) {
+at::Tensor lagkv_scores(const at::Tensor& keys, const at::Tensor& values, int64_t n_sink, int64_t lag_size,
+                        bool cross_scoring) {
   constexpr const char* op = "lagkv_scores";
   checks::check_kv(op, keys, values);
   checks::check_non_negative(op, "n_sink", n_sink);
@@ -140,8 +141,7 @@ at::Tensor snapkv_scores(const at::Tensor& window_attn, int64_t num_kv_heads, in
   TORCH_CHECK(kernel_size > 0 && kernel_size % 2 == 1, op, ": kernel_size must be a positive odd number, got ",
               kernel_size);
   // Mean over the window queries first.
-  return snapkv_scores_from_mean(window_attn.to(at::kFloat).mean(2), num_kv_heads, kernel_size,
-                                 window_attn.size(2));
+  return snapkv_scores_from_mean(window_attn.to(at::kFloat).mean(2), num_kv_heads, kernel_size, window_attn.size(2));
 }
 
 at::Tensor snapkv_scores_from_mean(const at::Tensor& mean_attn, int64_t num_kv_heads, int64_t kernel_size,
@@ -164,8 +164,7 @@ at::Tensor tova_scores(const at::Tensor& last_attn, int64_t num_kv_heads) {
   constexpr const char* op = "tova_scores";
   checks::check_rank(op, "last_attn", last_attn, 4, "[batch, num_heads, 1, seq_len - 1]");
   checks::check_non_empty(op, "last_attn", last_attn);
-  TORCH_CHECK(last_attn.size(2) == 1, op, ": last_attn must hold one query row, got ",
-              checks::shape_str(last_attn));
+  TORCH_CHECK(last_attn.size(2) == 1, op, ": last_attn must hold one query row, got ", checks::shape_str(last_attn));
   checks::check_gqa(op, last_attn.size(1), num_kv_heads);
   // One score row for all KV heads: the mean over every query head.
   const at::Tensor scores = last_attn.to(at::kFloat).mean(1).expand({-1, num_kv_heads, -1});
@@ -177,9 +176,8 @@ at::Tensor observed_attention_scores(const at::Tensor& attentions, int64_t num_k
   checks::check_rank(op, "attentions", attentions, 4, "[batch, num_heads, seq_len, seq_len]");
   checks::check_non_empty(op, "attentions", attentions);
   const int64_t seq = attentions.size(3);
-  TORCH_CHECK(attentions.size(2) == seq, op,
-              ": attentions must cover every query position ([batch, num_heads, ", seq, ", ", seq,
-              "]), got ", checks::shape_str(attentions));
+  TORCH_CHECK(attentions.size(2) == seq, op, ": attentions must cover every query position ([batch, num_heads, ", seq,
+              ", ", seq, "]), got ", checks::shape_str(attentions));
   checks::check_gqa(op, attentions.size(1), num_kv_heads);
   // Key i is seen by the seq - i queries at or after it.
   const at::Tensor seen_by = at::arange(seq, 0, -1, attentions.options().dtype(at::kFloat));

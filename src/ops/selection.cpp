@@ -41,10 +41,11 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k) {
 }
 
 KV gather_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
-  static const auto op = dispatcher_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                          const at::Tensor&)>("kvpress::gather_kv");
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"keys", &keys}, {"values", &values},
-                                {"indices", &indices}})
+  static const auto op =
+      dispatcher_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "kvpress::gather_kv");
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor*>{"keys", &keys}, {"values", &values}, {"indices", &indices}})
     checks::check_defined("gather_kv", name, *t);  // an undefined tensor dispatches nowhere
   auto [kept_keys, kept_values] = op.call(keys, values, indices);
   return KV{std::move(kept_keys), std::move(kept_values), indices.contiguous()};

@@ -22,8 +22,8 @@ at::Tensor AdaKVPress::keep_mask(const LayerInputs& in) const {
   if (ratio == 0.0) return budget::keep_everything(in);
   const int64_t kv_heads = in.keys.size(1), seq = in.keys.size(2);
   const int64_t n_kept = ops::n_kept(seq, ratio);
-  const at::Tensor scores = budget::force_top_per_head(inner_scores(in, op),
-                                                       budget::safeguard_count(n_kept, alpha_safeguard_));
+  const at::Tensor scores =
+      budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_));
   // kvpress masks the Hkv·(S - n_kept) lowest scores of each batch row; we keep the rest.
   return ops::topk_mask_across_heads(scores, kv_heads * n_kept);
 }

@@ -12,8 +12,8 @@ namespace kvpress {
 
 at::Tensor BasePress::keep_mask(const LayerInputs& inputs) const {
   const KV kv = compress(inputs);
-  at::Tensor mask = at::zeros({kv.keys.size(0), kv.keys.size(1), inputs.keys.size(2)},
-                              inputs.keys.options().dtype(at::kBool));
+  at::Tensor mask =
+      at::zeros({kv.keys.size(0), kv.keys.size(1), inputs.keys.size(2)}, inputs.keys.options().dtype(at::kBool));
   return mask.scatter_(2, kv.kept_indices, true);
 }
 
@@ -57,8 +57,8 @@ KV ScorerPress::compress(const LayerInputs& inputs) const {
   const int64_t batch = inputs.keys.size(0), kv_heads = inputs.keys.size(1), seq = inputs.keys.size(2);
   if (compression_ratio_ == 0.0) return budget::keep_all(inputs);  // kvpress returns the cache untouched
   const at::Tensor scores = score(inputs);
-  TORCH_CHECK(scores.dim() == 3 && scores.size(0) == batch && scores.size(1) == kv_heads && scores.size(2) == seq,
-              op, ": scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));
+  TORCH_CHECK(scores.dim() == 3 && scores.size(0) == batch && scores.size(1) == kv_heads && scores.size(2) == seq, op,
+              ": scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));
   TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
               scores.scalar_type());
   at::Tensor kept;

@@ -26,8 +26,10 @@ KV ChunkPress::compress(const LayerInputs& in) const {
     const int64_t len = std::min(chunk_length(), seq - start);
     LayerInputs chunk = slice_positions(no_attn, start, start + len);
     // kvpress hands the full tables to the inner press, whose window reads their tail.
-    if (in.cos.defined() && in.cos.dim() == 2 && in.cos.size(0) >= len) chunk.cos = in.cos.narrow(0, in.cos.size(0) - len, len);
-    if (in.sin.defined() && in.sin.dim() == 2 && in.sin.size(0) >= len) chunk.sin = in.sin.narrow(0, in.sin.size(0) - len, len);
+    if (in.cos.defined() && in.cos.dim() == 2 && in.cos.size(0) >= len)
+      chunk.cos = in.cos.narrow(0, in.cos.size(0) - len, len);
+    if (in.sin.defined() && in.sin.dim() == 2 && in.sin.size(0) >= len)
+      chunk.sin = in.sin.narrow(0, in.sin.size(0) - len, len);
     const at::Tensor scores = inner_scores(chunk, op);
     kept.push_back(ops::topk_indices(scores, ops::n_kept(len, compression_ratio())) + start);
   }

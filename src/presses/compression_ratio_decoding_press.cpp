@@ -7,8 +7,7 @@
 
 namespace kvpress {
 
-CompressionRatioDecodingPress::CompressionRatioDecodingPress(ScorerFactory make_press,
-                                                             double target_compression_ratio,
+CompressionRatioDecodingPress::CompressionRatioDecodingPress(ScorerFactory make_press, double target_compression_ratio,
                                                              int64_t compression_interval,
                                                              int64_t hidden_states_buffer_size)
     : DecodingPress(std::move(make_press), compression_interval, /*target_size=*/1, hidden_states_buffer_size,
@@ -21,8 +20,8 @@ CompressionRatioDecodingPress::CompressionRatioDecodingPress(ScorerFactory make_
 
 int64_t CompressionRatioDecodingPress::target_size(int64_t tokens_seen) const {
   // kvpress: max(1, int(total_tokens_seen * (1 - target_compression_ratio))).
-  return std::max<int64_t>(
-      1, static_cast<int64_t>(static_cast<double>(tokens_seen) * (1.0 - target_compression_ratio_)));
+  return std::max<int64_t>(1,
+                           static_cast<int64_t>(static_cast<double>(tokens_seen) * (1.0 - target_compression_ratio_)));
 }
 
 }  // namespace kvpress

@@ -12,8 +12,8 @@
 
 namespace kvpress {
 
-CriticalAdaKVPress::CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard,
-                                       double epsilon, double first_stage_ratio)
+CriticalAdaKVPress::CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard, double epsilon,
+                                       double first_stage_ratio)
     : HeadRaggedWrapperPress(std::move(press), "CriticalAdaKVPress"),
       alpha_safeguard_(alpha_safeguard),
       epsilon_(epsilon),
@@ -33,8 +33,8 @@ at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
   constexpr float kMax = std::numeric_limits<float>::max();
 
   // AdaKV's safeguard, then each head's budget: its share of the layer's Hkv·n_kept best pairs.
-  at::Tensor scores = budget::force_top_per_head(inner_scores(in, op),
-                                                 budget::safeguard_count(n_kept, alpha_safeguard_));
+  at::Tensor scores =
+      budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_));
   const at::Tensor budgets = ops::topk_mask_across_heads(scores, kv_heads * n_kept).sum(-1);  // [B, Hkv] int64
 
   // Stage 1: each head's top int(budget · first_stage_ratio) are forced (float32 product, as kvpress).

@@ -30,8 +30,7 @@ CriticalKVPress::CriticalKVPress(std::shared_ptr<const ScorerPress> press, doubl
 
 at::Tensor CriticalKVPress::output_projected_value_norms(const LayerInputs& in, const char* op) {
   checks::check_kv(op, in.keys, in.values);
-  const int64_t batch = in.values.size(0), kv_heads = in.values.size(1), seq = in.values.size(2),
-                d = in.values.size(3);
+  const int64_t batch = in.values.size(0), kv_heads = in.values.size(1), seq = in.values.size(2), d = in.values.size(3);
   TORCH_CHECK(in.o_proj.defined(), op,
               ": needs o_proj (the layer's output projection weight [hidden, num_heads * head_dim]); none was given");
   checks::check_rank(op, "o_proj", in.o_proj, 2, "[hidden, num_heads * head_dim]");
@@ -81,8 +80,8 @@ at::Tensor CriticalKVPress::score(const LayerInputs& in) const {
   const at::Tensor norms = output_projected_value_norms(in, op);
   const at::Tensor rescaled = (scores + epsilon_) * norms;
   if (first == 0) return rescaled;
-  const at::Tensor stage1 = budget::keep_top_per_row(
-      scores, at::full({batch, kv_heads}, first, scores.options().dtype(at::kLong)));
+  const at::Tensor stage1 =
+      budget::keep_top_per_row(scores, at::full({batch, kv_heads}, first, scores.options().dtype(at::kLong)));
   return rescaled.masked_fill(stage1, std::numeric_limits<float>::max());
 }
 

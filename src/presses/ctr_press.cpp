@@ -60,10 +60,10 @@ at::Tensor ctr_rescue_scores(const at::Tensor& queries, const at::Tensor& keys, 
   TORCH_CHECK(queries.size(0) == batch && queries.size(3) == dim, op, ": queries must be [", batch,
               ", num_heads, q_len, ", dim, "] to match keys, got ", checks::shape_str(queries));
   checks::check_gqa(op, queries.size(1), kv_heads);
-  TORCH_CHECK(kept_indices.scalar_type() == at::kLong && kept_indices.size(0) == batch &&
-                  kept_indices.size(1) == kv_heads,
-              op, ": kept_indices must be int64 [", batch, ", ", kv_heads, ", n_kept], got ",
-              kept_indices.scalar_type(), " ", checks::shape_str(kept_indices));
+  TORCH_CHECK(
+      kept_indices.scalar_type() == at::kLong && kept_indices.size(0) == batch && kept_indices.size(1) == kv_heads, op,
+      ": kept_indices must be int64 [", batch, ", ", kv_heads, ", n_kept], got ", kept_indices.scalar_type(), " ",
+      checks::shape_str(kept_indices));
   const at::Tensor keep =
       at::zeros({batch, kv_heads, seq}, keys.options().dtype(at::kBool)).scatter_(2, kept_indices, true);
   at::Tensor rho = at::full({batch, kv_heads, seq}, -1.0, keys.options().dtype(at::kFloat));
@@ -105,9 +105,8 @@ int64_t CTRPress::adaptive_kept_count(const QSMScores& st) const {
   const double scale = 1.0 + ctr_.entropy_beta * (1.0 - 2.0 * e);
   // Python's round(): half to even, which std::nearbyint does in the default rounding mode.
   const auto adjusted = static_cast<int64_t>(std::nearbyint(static_cast<double>(n) * scale));
-  const int64_t floor = ctr_.entropy == CTREntropy::kNonForced
-                            ? std::max<int64_t>(1, st.forced.sum().item<int64_t>())
-                            : 1;
+  const int64_t floor =
+      ctr_.entropy == CTREntropy::kNonForced ? std::max<int64_t>(1, st.forced.sum().item<int64_t>()) : 1;
   return std::clamp(adjusted, std::min(floor, seq), seq);
 }
 
@@ -131,8 +130,8 @@ KV CTRPress::compress(const LayerInputs& inputs) const {
   const at::Tensor rescued = ops::topk_indices(rho, n_rescue);  // kept positions score -1 < any rho
   const at::Tensor picked = rho.gather(2, rescued);
   const at::Tensor weights = at::zeros_like(rho).scatter_(2, rescued, picked / picked.amax(-1, true).clamp_min(1e-6));
-  kv.values = merge_into_nearest_kept(kv.values, inputs.values, kv.kept_indices, weights, 2.0 * options().merge_alpha,
-                                      0.75);
+  kv.values =
+      merge_into_nearest_kept(kv.values, inputs.values, kv.kept_indices, weights, 2.0 * options().merge_alpha, 0.75);
   return kv;
 }
 

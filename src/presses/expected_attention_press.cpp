@@ -51,21 +51,21 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
     sum += qc.sum(2).to(at::kDouble);
     if (use_covariance_) second += at::matmul(qc.transpose(2, 3), qc).to(at::kDouble);
   }
-  const at::Tensor mean_shifted = sum / static_cast<double>(n);               // [B, Hq, D] float64
+  const at::Tensor mean_shifted = sum / static_cast<double>(n);  // [B, Hq, D] float64
   at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
 
   // R̄ = mean over the future positions of cos_t·I + sin_t·P (P: rotate_half as a matrix).
   const at::Tensor inv_freq = ops::rope_inv_freq(in, op);  // [D/2]
   const at::Tensor pos = at::arange(seq, seq + n_future_positions_, inv_freq.options());
-  const at::Tensor angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, D/2]
+  const at::Tensor angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);        // [T, D/2]
   const at::Tensor cbar = at::cat({angles.cos(), angles.cos()}, 1).mean(0);  // [D]
   const at::Tensor sbar = at::cat({angles.sin(), angles.sin()}, 1).mean(0);
   // R̄x = x·c̄ + rotate_half(x)·s̄, so R̄ = diag(c̄) + diag(s̄)·P with P the matrix of rotate_half.
   const at::Tensor eye = at::eye(d, inv_freq.options());
-  const at::Tensor P = ops::rotate_half(eye).t();  // P[:, j] = rotate_half(e_j)
+  const at::Tensor P = ops::rotate_half(eye).t();               // P[:, j] = rotate_half(e_j)
   const at::Tensor R = at::diag(cbar) + sbar.unsqueeze(1) * P;  // [D, D]
 
-  mu = at::matmul(mu, R.t());  // [B, Hq, D]
+  mu = at::matmul(mu, R.t());                                         // [B, Hq, D]
   const at::Tensor k = in.keys.narrow(2, n_sink_, n).to(at::kFloat);  // [B, Hkv, n, D]
   // Fold each group's query heads into a matmul with its KV head: [B, Hkv, n, G].
   at::Tensor z = at::matmul(k, mu.view({batch, kv_heads, group, d}).transpose(2, 3)) / std::sqrt(double(d));
@@ -78,8 +78,8 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
     std::vector<at::Tensor> quads;
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t rows = std::min(chunk, n - start);
-      const at::Tensor kc = k.narrow(2, start, rows).unsqueeze(2);           // [B, Hkv, 1, rows, D]
-      quads.push_back((at::matmul(kc, cov) * kc).sum(-1));                   // [B, Hkv, G, rows]
+      const at::Tensor kc = k.narrow(2, start, rows).unsqueeze(2);  // [B, Hkv, 1, rows, D]
+      quads.push_back((at::matmul(kc, cov) * kc).sum(-1));          // [B, Hkv, G, rows]
     }
     z = z + at::cat(quads, 3).transpose(2, 3) / static_cast<double>(d) / 2.0;
   }

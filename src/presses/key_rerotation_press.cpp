@@ -24,10 +24,10 @@ KV KeyRerotationPress::compress(const LayerInputs& in) const {
   const auto dt = kv.keys.scalar_type();
   for (int64_t b = 0; b < kv.keys.size(0); ++b) {
     for (int64_t h = 0; h < kv.keys.size(1); ++h) {
-      at::Tensor head = kv.keys[b][h];                                             // [n, D] view
-      const at::Tensor delta = slot - kv.kept_indices[b][h].to(at::kFloat);         // [n]
-      const at::Tensor freqs = delta.unsqueeze(-1) * inv_freq;                      // [n, D/2]
-      const at::Tensor emb = at::cat({freqs, freqs}, -1);                           // [n, D]
+      at::Tensor head = kv.keys[b][h];                                       // [n, D] view
+      const at::Tensor delta = slot - kv.kept_indices[b][h].to(at::kFloat);  // [n]
+      const at::Tensor freqs = delta.unsqueeze(-1) * inv_freq;               // [n, D/2]
+      const at::Tensor emb = at::cat({freqs, freqs}, -1);                    // [n, D]
       head.copy_(head * emb.cos().to(dt) + ops::rotate_half(head) * emb.sin().to(dt));
     }
   }

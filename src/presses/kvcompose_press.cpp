@@ -29,10 +29,9 @@ void accumulate(at::Tensor& running, const at::Tensor& incoming, KVComposeAggreg
 // aggregators do with one partial_fit per slice (so the float32 sums round the same way).
 at::Tensor aggregate_slices(const at::Tensor& x, KVComposeAggregation agg) {
   const int64_t m = x.size(2);
-  at::Tensor acc = agg == KVComposeAggregation::kMax
-                       ? at::full({x.size(0), x.size(1), x.size(3)}, -std::numeric_limits<double>::infinity(),
-                                  x.options())
-                       : at::zeros({x.size(0), x.size(1), x.size(3)}, x.options());
+  at::Tensor acc = agg == KVComposeAggregation::kMax ? at::full({x.size(0), x.size(1), x.size(3)},
+                                                                -std::numeric_limits<double>::infinity(), x.options())
+                                                     : at::zeros({x.size(0), x.size(1), x.size(3)}, x.options());
   for (int64_t j = 0; j < m; ++j) accumulate(acc, x.select(2, j), agg);
   if (agg == KVComposeAggregation::kMean) acc = acc / at::full({}, static_cast<double>(m), x.options());
   return acc;
@@ -46,9 +45,9 @@ at::Tensor budget_counts(const at::Tensor& curves, int64_t n_keep) {
   const at::Tensor flat = curves.reshape(-1);
   // The n_keep-th largest value is the (R*N - n_keep + 1)-th smallest.
   const at::Tensor threshold = std::get<0>(at::kthvalue(flat, rows * n - n_keep + 1));
-  const at::Tensor above = curves.gt(threshold).sum(1);   // [R]
+  const at::Tensor above = curves.gt(threshold).sum(1);  // [R]
   const at::Tensor at_threshold = curves.eq(threshold).sum(1);
-  const at::Tensor remaining = n_keep - above.sum();      // filled from the tied entries, lower rows first
+  const at::Tensor remaining = n_keep - above.sum();  // filled from the tied entries, lower rows first
   const at::Tensor before = at_threshold.cumsum(0) - at_threshold;
   const at::Tensor tied_taken = at::minimum(at::clamp_min(remaining - before, 0), at_threshold);
   return above + tied_taken;
@@ -124,7 +123,8 @@ void KVComposeSession::check_layer(const char* op, int64_t layer) const {
 }
 
 void KVComposeSession::check_open(const char* op) const {
-  TORCH_CHECK(!has_budgets_, op, ": the budgets were already computed; statistics can no longer change "
+  TORCH_CHECK(!has_budgets_, op,
+              ": the budgets were already computed; statistics can no longer change "
               "(start a new session for another context)");
 }
 
@@ -145,7 +145,8 @@ void KVComposeSession::observe(int64_t layer, const at::Tensor& attentions) {
               "] (non-empty), got ", checks::shape_str(attentions));
   const at::Tensor context = attentions.narrow(3, 0, context_len_);  // the prompt's own keys are ignored
   // kvpress reduces in the attention dtype, then combines in float32.
-  const at::Tensor stat = agg_task_ == KVComposeAggregation::kMax ? context.amax({0, 2}) : context.sum(at::IntArrayRef{0, 2});
+  const at::Tensor stat =
+      agg_task_ == KVComposeAggregation::kMax ? context.amax({0, 2}) : context.sum(at::IntArrayRef{0, 2});
   at::Tensor running = task_[layer];
   accumulate(running, stat.to(task_.device(), at::kFloat), agg_task_);
   rows_[static_cast<size_t>(layer)] += attentions.size(0) * attentions.size(2);
@@ -281,7 +282,8 @@ KV KVComposeSession::compress(int64_t layer, const at::Tensor& keys, const at::T
   constexpr const char* op = "KVComposeSession.compress";
   check_budgets(op);
   check_layer(op, layer);
-  TORCH_CHECK(options_.structured, op, ": the unstructured variant keeps a different number of tokens per head; "
+  TORCH_CHECK(options_.structured, op,
+              ": the unstructured variant keeps a different number of tokens per head; "
               "use compress_ragged()");
   check_cache(op, keys, values);
   const int64_t k = kept_counts(layer)[0];

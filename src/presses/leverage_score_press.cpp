@@ -7,8 +7,7 @@
 
 namespace kvpress {
 
-LeverageScorePress::LeverageScorePress(double compression_ratio, int64_t sketch_dimension,
-                                       std::optional<int64_t> seed)
+LeverageScorePress::LeverageScorePress(double compression_ratio, int64_t sketch_dimension, std::optional<int64_t> seed)
     : ScorerPress(compression_ratio), sketch_dimension_(sketch_dimension), seed_(seed) {
   checks::check_positive("LeverageScorePress", "sketch_dimension", sketch_dimension);
   if (seed) checks::check_non_negative("LeverageScorePress", "seed", *seed);

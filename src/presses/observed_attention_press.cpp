@@ -10,8 +10,7 @@ namespace kvpress {
 at::Tensor ObservedAttentionPress::score(const LayerInputs& inputs) const {
   constexpr const char* op = "ObservedAttentionPress";
   checks::check_kv(op, inputs.keys, inputs.values);
-  TORCH_CHECK(inputs.attentions.defined(), op,
-              ": needs attentions (the full eager attention matrix); none were given");
+  TORCH_CHECK(inputs.attentions.defined(), op, ": needs attentions (the full eager attention matrix); none were given");
   checks::check_same_device(op, "attentions", inputs.attentions, "keys", inputs.keys);
   const at::Tensor& a = inputs.attentions;
   TORCH_CHECK(a.dim() == 4 && a.size(0) == inputs.keys.size(0) && a.size(3) == inputs.keys.size(2), op,

@@ -12,11 +12,14 @@ namespace kvpress {
 PerLayerCompressionPress::PerLayerCompressionPress(ScorerFactory make_press, std::vector<double> compression_ratios)
     : compression_ratios_(std::move(compression_ratios)) {
   constexpr const char* op = "PerLayerCompressionPress";
-  TORCH_CHECK(static_cast<bool>(make_press), op, ": make_press (the inner press's factory) must be set, got an empty function");
-  TORCH_CHECK(!compression_ratios_.empty(), op, ": compression_ratios must hold one ratio per layer, got an empty list");
+  TORCH_CHECK(static_cast<bool>(make_press), op,
+              ": make_press (the inner press's factory) must be set, got an empty function");
+  TORCH_CHECK(!compression_ratios_.empty(), op,
+              ": compression_ratios must hold one ratio per layer, got an empty list");
   for (size_t i = 0; i < compression_ratios_.size(); ++i) {
     const double r = compression_ratios_[i];
-    TORCH_CHECK(std::isfinite(r) && r >= 0.0 && r < 1.0, op, ": compression_ratios[", i, "] must be in [0, 1), got ", r);
+    TORCH_CHECK(std::isfinite(r) && r >= 0.0 && r < 1.0, op, ": compression_ratios[", i, "] must be in [0, 1), got ",
+                r);
     std::shared_ptr<const ScorerPress> press = make_press(r);
     TORCH_CHECK(press != nullptr, op, ": make_press(", r, ") must return a ScorerPress, got nullptr");
     presses_.push_back(std::move(press));

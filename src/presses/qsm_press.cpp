@@ -44,9 +44,8 @@ std::vector<char32_t> code_points(const std::string& text) {
 
 // Python's str.isspace() for the characters tokenizers produce.
 bool is_space(char32_t c) {
-  return c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F) || c == 0x85 || c == 0xA0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
-         c == 0x205F || c == 0x3000;
+  return c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 bool contains_any(const std::vector<char32_t>& text, const char* chars) {
@@ -58,9 +57,9 @@ bool contains_any(const std::vector<char32_t>& text, const char* chars) {
 
 // The reference's 28 stopwords.
 bool is_stopword(const std::string& lowered) {
-  static const char* const words[] = {"a",  "an",   "and",  "are",  "as",   "at",   "be",   "but", "by",   "for",
-                                      "from", "has", "he",   "in",   "is",   "it",   "its",  "of",  "on",   "or",
-                                      "that", "the", "to",   "was",  "were", "will", "with"};
+  static const char* const words[] = {"a",   "an",   "and",  "are", "as", "at",  "be",   "but",  "by",
+                                      "for", "from", "has",  "he",  "in", "is",  "it",   "its",  "of",
+                                      "on",  "or",   "that", "the", "to", "was", "were", "will", "with"};
   for (const char* w : words)
     if (lowered == w) return true;
   return false;
@@ -76,8 +75,7 @@ void check_options(const QSMOptions& o) {
   checks::check_non_negative(op, "sink_tokens", o.sink_tokens);
   checks::check_non_negative(op, "recent_tokens", o.recent_tokens);
   checks::check_non_negative(op, "rare_min_chars", o.semantic.rare_min_chars);
-  TORCH_CHECK(std::isfinite(o.lambda_sem) && o.lambda_sem >= 0.0, op, ": lambda_sem must be >= 0, got ",
-              o.lambda_sem);
+  TORCH_CHECK(std::isfinite(o.lambda_sem) && o.lambda_sem >= 0.0, op, ": lambda_sem must be >= 0, got ", o.lambda_sem);
   TORCH_CHECK(std::isfinite(o.merge_alpha) && o.merge_alpha >= 0.0, op, ": merge_alpha must be >= 0, got ",
               o.merge_alpha);
   TORCH_CHECK(std::isfinite(o.merge_score_power) && o.merge_score_power > 0.0, op,
@@ -255,7 +253,8 @@ bool QSMPress::merge_enabled() const {
 }
 
 at::Tensor QSMPress::merge_weights(const QSMScores& st, const at::Tensor& kept_indices) const {
-  const at::Tensor keep = at::zeros(st.base.sizes(), st.base.options().dtype(at::kBool)).scatter_(2, kept_indices, true);
+  const at::Tensor keep =
+      at::zeros(st.base.sizes(), st.base.options().dtype(at::kBool)).scatter_(2, kept_indices, true);
   at::Tensor w;
   if (options_.merge_weighting == MergeWeighting::kUniform) {
     w = at::ones(st.base.sizes(), st.base.options());
@@ -309,11 +308,12 @@ at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values, const at::Tens
                   kept_values.size(3) == dim,
               op, ": kept_values must be [", batch, ", ", heads, ", ", n, ", ", dim, "], got ",
               checks::shape_str(kept_values));
-  TORCH_CHECK(weights.size(0) == batch && weights.size(1) == heads && weights.size(2) == seq, op,
-              ": weights must be [", batch, ", ", heads, ", ", seq, "], got ", checks::shape_str(weights));
+  TORCH_CHECK(weights.size(0) == batch && weights.size(1) == heads && weights.size(2) == seq, op, ": weights must be [",
+              batch, ", ", heads, ", ", seq, "], got ", checks::shape_str(weights));
   TORCH_CHECK(std::isfinite(alpha) && alpha >= 0.0, op, ": alpha must be >= 0, got ", alpha);
   TORCH_CHECK(count_power >= 0.0 && count_power <= 1.0, op, ": count_power must be in [0, 1], got ", count_power);
-  for (const auto* t : {&kept_values, &kept_indices, &weights}) checks::check_same_device(op, "every input", *t, "values", values);
+  for (const auto* t : {&kept_values, &kept_indices, &weights})
+    checks::check_same_device(op, "every input", *t, "values", values);
   const int64_t lo = kept_indices.min().item<int64_t>(), hi = kept_indices.max().item<int64_t>();
   TORCH_CHECK(lo >= 0 && hi < seq, op, ": kept_indices must be in [0, ", seq, "), got values in [", lo, ", ", hi, "]");
   TORCH_CHECK(n == 1 || (kept_indices.narrow(2, 1, n - 1) > kept_indices.narrow(2, 0, n - 1)).all().item<bool>(), op,
@@ -328,15 +328,16 @@ at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values, const at::Tens
   const at::Tensor use_left = (right_slot > 0).logical_and((right_slot == n).logical_or(left_gap <= right_gap));
   const at::Tensor slot = at::where(use_left, left, right);
 
-  const at::Tensor keep = at::zeros({batch, heads, seq}, kept_indices.options().dtype(at::kBool)).scatter_(2, kept_indices, true);
+  const at::Tensor keep =
+      at::zeros({batch, heads, seq}, kept_indices.options().dtype(at::kBool)).scatter_(2, kept_indices, true);
   const at::Tensor w = at::nan_to_num(weights.to(at::kFloat), 0.0, 0.0, 0.0).clamp_min(0.0).masked_fill(keep, 0.0);
   const at::Tensor contributions = at::zeros({batch, heads, n, dim}, values.options().dtype(at::kFloat))
                                        .scatter_add_(2, slot.unsqueeze(-1).expand({batch, heads, seq, dim}),
                                                      values.to(at::kFloat) * w.unsqueeze(-1));
   const at::Tensor mass = at::zeros({batch, heads, n}, w.options()).scatter_add_(2, slot, w).unsqueeze(-1);
   const double eps = values.scalar_type() == at::kFloat  ? std::numeric_limits<float>::epsilon()
-                     : values.scalar_type() == at::kHalf ? 9.765625e-4   // float16
-                                                         : 7.8125e-3;    // bfloat16
+                     : values.scalar_type() == at::kHalf ? 9.765625e-4  // float16
+                                                         : 7.8125e-3;   // bfloat16
   const at::Tensor base = kept_values.to(at::kFloat);
   const at::Tensor effective = mass.pow(1.0 - count_power).mul_(alpha);
   const at::Tensor blended = (base + effective * (contributions / mass.clamp_min(eps))) / (effective + 1.0);

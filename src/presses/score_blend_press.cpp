@@ -18,8 +18,8 @@ ScoreBlendPress::ScoreBlendPress(double compression_ratio, std::vector<std::shar
   constexpr const char* op = "ScoreBlendPress";
   TORCH_CHECK(!scorers_.empty(), op, ": scorers must hold at least one press, got none");
   for (const auto& s : scorers_) TORCH_CHECK(s != nullptr, op, ": scorers must not hold a null press");
-  TORCH_CHECK(weights_.size() == scorers_.size(), op, ": weights must hold one weight per scorer (",
-              scorers_.size(), "), got ", weights_.size());
+  TORCH_CHECK(weights_.size() == scorers_.size(), op, ": weights must hold one weight per scorer (", scorers_.size(),
+              "), got ", weights_.size());
   for (double w : weights_) TORCH_CHECK(std::isfinite(w), op, ": weights must be finite, got ", w);
   checks::check_non_negative(op, "sink_size_start", options_.sink_size_start);
   checks::check_non_negative(op, "sink_size_end", options_.sink_size_end);

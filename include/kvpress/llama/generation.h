@@ -18,13 +18,13 @@ struct GenerationOptions {
   const BasePress* press = nullptr;  // compresses the context after prefill; nullptr: full cache
   PressAttentions press_attentions = PressAttentions::kAuto;
   bool decoding_attentions = false;  // ForwardOptions::decoding_attentions (decoding presses)
-  bool stop_at_eos = true;  // stop after generating config().eos_token_id (it is kept)
+  bool stop_at_eos = true;           // stop after generating config().eos_token_id (it is kept)
 };
 
 struct Generation {
-  std::vector<int64_t> tokens;         // generated ids, without context and question
-  int64_t context_length = 0;          // tokens prefilled
-  std::vector<int64_t> cache_lengths;  // per layer, right after prefill (compressed with a press)
+  std::vector<int64_t> tokens;               // generated ids, without context and question
+  int64_t context_length = 0;                // tokens prefilled
+  std::vector<int64_t> cache_lengths;        // per layer, right after prefill (compressed with a press)
   std::vector<int64_t> final_cache_lengths;  // per layer, after the last forward (decoding presses)
 };
 

@@ -29,7 +29,7 @@
 #include "kvpress/types.h"
 
 namespace kvpress {
-class DecodingPress;   // kvpress/presses/decoding_press.h
+class DecodingPress;  // kvpress/presses/decoding_press.h
 struct DecodingState;
 }  // namespace kvpress
 
@@ -84,7 +84,7 @@ class KVCache {
   int64_t bytes() const;
 
   // Engine side (LlamaModel calls these; exposed for custom loops and tests).
-  void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // [B, Hkv, n, D]
+  void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values);   // [B, Hkv, n, D]
   void replace(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // e.g. a press's output
   // Stores the layer head-ragged; later append() calls go to its tail.
   void replace_ragged(int64_t layer, HeadRaggedLayer ragged);
@@ -104,7 +104,7 @@ class KVCache {
     at::Tensor key_buffer, value_buffer;  // [B, Hkv, capacity, D]; tokens [0, length) are valid
     at::Tensor mask_buffer;               // [B, Hkv, capacity] bool, only with a keep mask
     int64_t length = 0;
-    HeadRaggedLayer ragged;               // defined() when the layer is stored head-ragged
+    HeadRaggedLayer ragged;  // defined() when the layer is stored head-ragged
   };
   std::vector<Layer> layers_;
   int64_t position_ = 0;
@@ -181,8 +181,7 @@ class LlamaModel {
   // From a parsed config and tensors named as in a Hugging Face Llama checkpoint
   // ("model.layers.0.self_attn.q_proj.weight", ...). Raises c10::Error on a missing tensor or a
   // shape that does not match the config.
-  LlamaModel(LlamaConfig config, const std::map<std::string, at::Tensor>& weights,
-             at::ScalarType dtype = at::kFloat);
+  LlamaModel(LlamaConfig config, const std::map<std::string, at::Tensor>& weights, at::ScalarType dtype = at::kFloat);
 
   const LlamaConfig& config() const { return config_; }
   at::ScalarType dtype() const { return dtype_; }
@@ -246,16 +245,16 @@ class LlamaModel {
   void compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer, LayerInputs in,
                            KVCache& cache, ForwardOutput& out) const;
   // kvpress's DecodingPress hook in a decoding forward.
-  void compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer,
-                               LayerInputs in, int64_t tokens_seen, KVCache& cache) const;
+  void compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer, LayerInputs in,
+                               int64_t tokens_seen, KVCache& cache) const;
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
 
   LlamaConfig config_;
   at::ScalarType dtype_;
   at::Tensor embed_tokens_;  // [vocab, hidden]
   std::vector<Layer> layers_;
-  at::Tensor norm_;     // [hidden]
-  at::Tensor lm_head_;  // [vocab, hidden]; the embedding when tied
+  at::Tensor norm_;      // [hidden]
+  at::Tensor lm_head_;   // [vocab, hidden]; the embedding when tied
   at::Tensor inv_freq_;  // [head_dim / 2] float32
 };
 

@@ -11,7 +11,8 @@ namespace kvpress {
 // positions [0, n_kept); for every block of block_size positions after them, score kept ∪ block
 // with the inner scorer and keep the n_kept best. The inner scorer sees only the candidates' keys
 // and values (kvpress's gathered hidden states are meaningless for query-based presses), so use a
-// key/value scorer (KeyDiff, Knorm, ...). Attentions are not passed on (kvpress refuses them). The ratio is the inner press's.
+// key/value scorer (KeyDiff, Knorm, ...). Attentions are not passed on (kvpress refuses them). The ratio is the inner
+// press's.
 class BlockPress : public ScorerWrapperPress {
  public:
   static constexpr int64_t kDefaultBlockSize = 128;

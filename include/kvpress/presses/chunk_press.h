@@ -11,8 +11,8 @@ namespace kvpress {
 // shorter); each chunk is scored ALONE by the inner scorer (its keys, values, hidden_states and the
 // matching rows of queries given for all S positions) and keeps max(1, int(len·(1 - ratio))) tokens
 // per head. Like kvpress, cos/sin are not the chunk's: the inner press gets the LAST len rows of the
-// tables (kvpress passes the full tables, and window presses read their tail). Attentions are not passed on (kvpress refuses them).
-// The compression ratio is the inner press's.
+// tables (kvpress passes the full tables, and window presses read their tail). Attentions are not passed on (kvpress
+// refuses them). The compression ratio is the inner press's.
 class ChunkPress : public ChunkedWrapperPress {
  public:
   static constexpr int64_t kDefaultChunkLength = 1024;

@@ -26,9 +26,8 @@ class CriticalAdaKVPress : public HeadRaggedWrapperPress {
   static constexpr double kDefaultEpsilon = 1e-4;
   static constexpr double kDefaultFirstStageRatio = 0.5;
 
-  explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press,
-                              double alpha_safeguard = kDefaultAlphaSafeguard, double epsilon = kDefaultEpsilon,
-                              double first_stage_ratio = kDefaultFirstStageRatio);
+  explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = kDefaultAlphaSafeguard,
+                              double epsilon = kDefaultEpsilon, double first_stage_ratio = kDefaultFirstStageRatio);
 
   std::string name() const override { return "CriticalAdaKVPress"; }
 

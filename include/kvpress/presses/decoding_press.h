@@ -43,7 +43,8 @@ struct DecodingState {
 // The inner scorer is built by the factory at the ratio that makes int(S · (1 − ratio)) equal
 // target_size (kvpress's binary search, reproduced bit for bit; 0 when S <= target_size, which keeps
 // the cache as is) — kvpress sets base_press.compression_ratio the same way, and some scores depend
-// on it (StreamingLLMPress, CompactorPress's default blending) — and gets these inputs (kvpress hands it the buffered hidden states, whose length is not S):
+// on it (StreamingLLMPress, CompactorPress's default blending) — and gets these inputs (kvpress hands it the buffered
+// hidden states, whose length is not S):
 //   keys, values      the whole cache [B, Hkv, S, D];
 //   queries           [B, Hq, b, D] from the b buffered hidden states: q_proj (+ q_norm), then RoPE
 //                     with the LATEST forward's cos/sin aligned to the end, a single row being

@@ -14,9 +14,7 @@ class KeyDiffPress : public ScorerPress {
 
   std::string name() const override { return "KeyDiffPress"; }
 
-  at::Tensor score(const LayerInputs& inputs) const override {
-    return ops::keydiff_scores(inputs.keys);
-  }
+  at::Tensor score(const LayerInputs& inputs) const override { return ops::keydiff_scores(inputs.keys); }
 };
 
 }  // namespace kvpress

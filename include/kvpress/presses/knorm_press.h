@@ -12,9 +12,7 @@ class KnormPress : public ScorerPress {
 
   std::string name() const override { return "KnormPress"; }
 
-  at::Tensor score(const LayerInputs& inputs) const override {
-    return ops::key_norm_scores(inputs.keys);
-  }
+  at::Tensor score(const LayerInputs& inputs) const override { return ops::key_norm_scores(inputs.keys); }
 };
 
 }  // namespace kvpress

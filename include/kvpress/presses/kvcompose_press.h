@@ -48,13 +48,13 @@ enum class KVComposeAggregation { kMax, kMean };
 KVComposeAggregation parse_kvcompose_aggregation(const std::string& what, const std::string& text);
 
 struct KVComposeOptions {
-  bool structured = true;                 // false: per-(layer, head) budgets, head-ragged layers
-  std::string agg_task = "max";           // over the observed query rows (and batch rows)
-  std::string agg_group = "mean";         // over the query heads of a KV group
-  std::string agg_head = "mean";          // over KV heads, of the sorted curves (structured budgets)
-  bool add_v_norm = false;                // multiply scores by ||v_i||
-  bool add_mean_across_heads = true;      // S[l, g] += mean over KV heads of S[l]
-  int64_t keep_token_lower_bound = 0;     // minimum tokens per layer (and per head's first ranks)
+  bool structured = true;              // false: per-(layer, head) budgets, head-ragged layers
+  std::string agg_task = "max";        // over the observed query rows (and batch rows)
+  std::string agg_group = "mean";      // over the query heads of a KV group
+  std::string agg_head = "mean";       // over KV heads, of the sorted curves (structured budgets)
+  bool add_v_norm = false;             // multiply scores by ||v_i||
+  bool add_mean_across_heads = true;   // S[l, g] += mean over KV heads of S[l]
+  int64_t keep_token_lower_bound = 0;  // minimum tokens per layer (and per head's first ranks)
 };
 
 // The global budgets of one context.
@@ -152,9 +152,9 @@ class KVComposeSession {
   KVComposeOptions options_;
   KVComposeAggregation agg_task_, agg_group_, agg_head_;
   int64_t num_layers_, num_heads_, num_kv_heads_, context_len_;
-  at::Tensor task_;             // [L, Hq, N] float32: running max, or running sum (mean)
-  std::vector<int64_t> rows_;   // per layer, query rows aggregated
-  at::Tensor value_norms_;      // [L, Hkv, N] float32 with add_v_norm
+  at::Tensor task_;            // [L, Hq, N] float32: running max, or running sum (mean)
+  std::vector<int64_t> rows_;  // per layer, query rows aggregated
+  at::Tensor value_norms_;     // [L, Hkv, N] float32 with add_v_norm
   std::vector<bool> has_values_;
   bool has_budgets_ = false;
   KVComposeBudgets budgets_;

@@ -16,8 +16,8 @@ class LagKVPress : public ScorerPress {
   static constexpr int64_t kDefaultLagSize = 128;
   static constexpr bool kDefaultCrossScoring = false;
 
-  explicit LagKVPress(double compression_ratio = 0.0, int64_t n_sink = kDefaultNSink, int64_t lag_size = kDefaultLagSize,
-                      bool cross_scoring = kDefaultCrossScoring);
+  explicit LagKVPress(double compression_ratio = 0.0, int64_t n_sink = kDefaultNSink,
+                      int64_t lag_size = kDefaultLagSize, bool cross_scoring = kDefaultCrossScoring);
 
   std::string name() const override { return "LagKVPress"; }
   int64_t n_sink() const { return n_sink_; }

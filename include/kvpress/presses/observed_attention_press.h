@@ -8,8 +8,7 @@ namespace kvpress {
 // eager attention matrix (inputs.attentions with Sq == S).
 class ObservedAttentionPress : public ScorerPress {
  public:
-  explicit ObservedAttentionPress(double compression_ratio = 0.0)
-      : ScorerPress(compression_ratio) {}
+  explicit ObservedAttentionPress(double compression_ratio = 0.0) : ScorerPress(compression_ratio) {}
 
   std::string name() const override { return "ObservedAttentionPress"; }
 

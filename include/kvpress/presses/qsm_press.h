@@ -130,10 +130,10 @@ class QSMPress : public ScorerPress {
 //   (V_j + alpha * m_j^(1 - count_power) * (sum_r w_r V_r) / m_j) / (1 + alpha * m_j^(1 - count_power)),
 // where V_j is kept_values' row (m_j is clamped below at the dtype's epsilon in the division, as in
 // the reference). Other slots keep kept_values. Computed in float32, returned in values' dtype.
-at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values,   // [B, Hkv, n, D]
-                                   const at::Tensor& values,        // [B, Hkv, S, D]
-                                   const at::Tensor& kept_indices,  // [B, Hkv, n] int64, ascending
-                                   const at::Tensor& weights,       // [B, Hkv, S] float (kept positions ignored)
+at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values,      // [B, Hkv, n, D]
+                                   const at::Tensor& values,           // [B, Hkv, S, D]
+                                   const at::Tensor& kept_indices,     // [B, Hkv, n] int64, ascending
+                                   const at::Tensor& weights,          // [B, Hkv, S] float (kept positions ignored)
                                    double alpha, double count_power);  // -> [B, Hkv, n, D]
 
 }  // namespace kvpress
