@@ -360,9 +360,10 @@ const PressInputs kWindowAttentionInputs{
 const PressInputs kAllQueriesInputs{{{{"queries"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
 constexpr const char* kSemanticNote = "input_ids and a token-text callback on the press enable its semantic weights";
 
-const std::vector<Entry>& entries() {
+// Scorers of the cached keys and values, or of the attention of the last queries.
+std::vector<Entry> scorer_entries() {
   using K = PressKind;
-  static const std::vector<Entry> table = {
+  return {
       {"RandomPress",
        K::kScorer,
        "uniform random scores (baseline)",
@@ -415,6 +416,13 @@ const std::vector<Entry>& entries() {
        "mean attention received (H2O-like)",
        {{{{"attentions"}, true}}},
        [](double r, Params&) { return std::make_unique<ObservedAttentionPress>(r); }},
+  };
+}
+
+// Scorers that rebuild the pre-RoPE keys or the queries of every position.
+std::vector<Entry> rebuilding_scorer_entries() {
+  using K = PressKind;
+  return {
       {"LeverageScorePress",
        K::kScorer,
        "ridge leverage of the pre-RoPE keys (Gaussian sketch), z-scored",
@@ -473,6 +481,13 @@ const std::vector<Entry>& entries() {
                                   "added to the scores before the ||v|| rescaling");
          return std::make_unique<ExpectedAttentionPress>(r, n_future, n_sink, cov, vnorm, eps);
        }},
+  };
+}
+
+// Presses that need the engine's second pass over the context.
+std::vector<Entry> second_pass_entries() {
+  using K = PressKind;
+  return {
       {"KVComposePress",
        K::kSecondPass,
        "global per-layer (structured) or per-head (unstructured) budgets from a second pass's attention",
@@ -495,6 +510,13 @@ const std::vector<Entry>& entries() {
              p.get("keep_token_lower_bound", o.keep_token_lower_bound, "minimum tokens per layer");
          return std::make_unique<KVComposePress>(r, std::move(o));
        }},
+  };
+}
+
+// kvpress's wrappers around an inner scorer (or several presses).
+std::vector<Entry> wrapper_entries() {
+  using K = PressKind;
+  return {
       {"KeyRerotationPress",
        K::kWrapper,
        "inner scorer's selection, kept keys re-rotated to positions 0..n_kept-1",
@@ -532,6 +554,13 @@ const std::vector<Entry>& entries() {
        "presses applied in order",
        {{}, {}, {}, "later presses see keys and values only"},
        [](double r, Params& p) { return std::make_unique<ComposedPress>(composed_presses(p, r)); }},
+  };
+}
+
+// Presses that compress while the model generates.
+std::vector<Entry> decoding_entries() {
+  using K = PressKind;
+  return {
       {"DecodingPress",
        K::kDecoding,
        "compresses during decoding: every compression_interval steps, to target_size tokens",
@@ -585,6 +614,13 @@ const std::vector<Entry>& entries() {
                      decoding_part->name());
          return std::make_unique<PrefillDecodingPress>(prefilling, decoding);
        }},
+  };
+}
+
+// Presses that give heads or layers their own budgets.
+std::vector<Entry> budget_entries() {
+  using K = PressKind;
+  return {
       {"AdaKVPress",
        K::kWrapper,
        "inner scores, safeguarded, kept across heads (head budgets vary; head-ragged)",
@@ -640,6 +676,13 @@ const std::vector<Entry>& entries() {
          ScorerFactory make = scorer_factory(p, kInnerPressHelp);
          return std::make_unique<PerLayerCompressionPress>(make, ratio_list(p, r));
        }},
+  };
+}
+
+// CTR-Press (the CTRPress kvpress fork).
+std::vector<Entry> ctr_entries() {
+  using K = PressKind;
+  return {
       {"QSMPress",
        K::kScorer,
        "CTR-Press stage I: query-span attention x semantic factor, forced keeps, value merge",
@@ -654,6 +697,19 @@ const std::vector<Entry>& entries() {
          return std::make_unique<CTRPress>(r, std::move(qsm), ctr_options(p));
        }},
   };
+}
+
+// Every press, in the order of list_presses().
+const std::vector<Entry>& entries() {
+  static const std::vector<Entry> table = [] {
+    std::vector<Entry> all;
+    for (auto group : {scorer_entries, rebuilding_scorer_entries, second_pass_entries, wrapper_entries,
+                       decoding_entries, budget_entries, ctr_entries}) {
+      std::vector<Entry> entries = group();
+      all.insert(all.end(), std::make_move_iterator(entries.begin()), std::make_move_iterator(entries.end()));
+    }
+    return all;
+  }();
   return table;
 }
 
