@@ -4,10 +4,8 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
-#include <iomanip>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -51,9 +49,7 @@ std::string press_op_arguments() {
       out += std::string("int ") + field.name + "=" + std::to_string(value);
     } else {
       static_assert(std::is_same_v<T, double>);
-      std::ostringstream text;
-      text << std::setprecision(17) << value;
-      out += std::string("float ") + field.name + "=" + text.str();
+      out += std::string("float ") + field.name + "=" + format_double(value);
     }
   });
   return out + ")";

@@ -74,14 +74,13 @@ std::optional<std::vector<double>> parse_double_list(std::string_view text) {
   }
 }
 
-namespace {
-
-// Shortest text that parses back to the same value ("0.2", "0.0001", "4").
-std::string number_text(double value) {
+std::string format_double(double value) {
   char buffer[32];
   const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
   return std::string(buffer, result.ptr);
 }
+
+namespace {
 
 bool is_none(const std::string& text) { return text == "None" || text == "none"; }
 
@@ -99,7 +98,7 @@ class Params {
   }
 
   double get(const std::string& key, double fallback, const char* help) {
-    declare(key, "float", number_text(fallback), help);
+    declare(key, "float", format_double(fallback), help);
     const auto text = take(key);
     return text ? to_double(key, *text, "a number") : fallback;
   }

@@ -79,5 +79,7 @@ std::optional<int64_t> parse_int(std::string_view text);
 std::optional<double> parse_double(std::string_view text);
 // Comma-separated doubles ("0.25,0.5"), each as parse_double.
 std::optional<std::vector<double>> parse_double_list(std::string_view text);
+// The shortest text that parse_double reads back as `value` ("0.2", "0.0001", "4").
+std::string format_double(double value);
 
 }  // namespace kvpress
