@@ -15,14 +15,9 @@ at::Tensor attention_output(const at::Tensor& queries, const at::Tensor& query_p
                             const at::Tensor& values, const at::Tensor& key_positions) {
   constexpr const char* op = "attention_output";
   checks::check_kv(op, keys, values);
-  checks::check_rank(op, "queries", queries, 4, "[batch, num_heads, n_queries, head_dim]");
-  checks::check_float(op, "queries", queries);
-  checks::check_same_device(op, "queries", queries, "keys", keys);
+  checks::check_queries(op, queries, keys, "n_queries");
   const int64_t batch = keys.size(0), kv_heads = keys.size(1), m = keys.size(2), dim = keys.size(3);
   const int64_t heads = queries.size(1), n = queries.size(2);
-  TORCH_CHECK(queries.size(0) == batch && queries.size(3) == dim, op, ": queries must be [", batch,
-              ", num_heads, n_queries, ", dim, "] to match keys, got ", checks::shape_str(queries));
-  checks::check_gqa(op, heads, kv_heads);
   TORCH_CHECK(query_positions.dim() == 1 && query_positions.size(0) == n, op, ": query_positions must be [", n,
               "], got ", checks::shape_str(query_positions));
   TORCH_CHECK((key_positions.dim() == 1 && key_positions.size(0) == m) ||

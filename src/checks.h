@@ -108,6 +108,18 @@ inline void check_gqa(const char* op, int64_t num_heads, int64_t num_kv_heads) {
               ": num_heads must be a positive multiple of num_kv_heads (", num_kv_heads, "), got ", num_heads);
 }
 
+// queries [B, Hq, <rows>, D] against keys [B, Hkv, S, D]: floating, on the keys' device, the same B
+// and D, Hq a multiple of Hkv. `rows` names the third dimension in messages ("window", "q_len").
+inline void check_queries(const char* op, const at::Tensor& queries, const at::Tensor& keys, const char* rows) {
+  const std::string layout = std::string("[batch, num_heads, ") + rows + ", head_dim]";
+  check_rank(op, "queries", queries, 4, layout.c_str());
+  check_float(op, "queries", queries);
+  check_same_device(op, "queries", queries, "keys", keys);
+  TORCH_CHECK(queries.size(0) == keys.size(0) && queries.size(3) == keys.size(3), op, ": queries must be [",
+              keys.size(0), ", num_heads, ", rows, ", ", keys.size(3), "] to match keys, got ", shape_str(queries));
+  check_gqa(op, queries.size(1), keys.size(1));
+}
+
 // NaN or Inf scores would make top-k selection meaningless; refuse them.
 void check_finite_scores(const char* op, const at::Tensor& scores);
 

@@ -64,12 +64,7 @@ inline void check_index_range(const char* op, const at::Tensor& indices, int64_t
 // 0 < w < S, Hq a multiple of Hkv, same device.
 inline void check_window_attention(const char* op, const at::Tensor& queries, const at::Tensor& keys) {
   check_keys(op, keys);
-  check_rank(op, "queries", queries, 4, "[batch, num_heads, window, head_dim]");
-  check_float(op, "queries", queries);
-  check_same_device(op, "queries", queries, "keys", keys);
-  TORCH_CHECK(queries.size(0) == keys.size(0) && queries.size(3) == keys.size(3), op, ": queries must be [",
-              keys.size(0), ", num_heads, window, ", keys.size(3), "] to match keys, got ", shape_str(queries));
-  check_gqa(op, queries.size(1), keys.size(1));
+  check_queries(op, queries, keys, "window");
   check_window(op, "window", queries.size(2), keys.size(2));
 }
 
@@ -147,6 +142,28 @@ inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
   TORCH_CHECK(std::isfinite(s) && s > 0.0, op, ": scale must be a finite positive number, got ", s);
   return s;
+}
+
+// ragged_attention's arguments, checked (check_ragged_attention) and laid out as the kernels read
+// them: queries, packed rows and offsets contiguous; the tail may stay a strided view of a larger
+// buffer as long as its rows are contiguous.
+struct RaggedAttentionArgs {
+  at::Tensor queries, packed_keys, packed_values, offsets, tail_keys, tail_values;
+  double scale;
+};
+inline RaggedAttentionArgs ragged_attention_args(const at::Tensor& queries, const at::Tensor& packed_keys,
+                                                 const at::Tensor& packed_values, const at::Tensor& offsets,
+                                                 const at::Tensor& tail_keys, const at::Tensor& tail_values,
+                                                 std::optional<double> scale) {
+  const double s = check_ragged_attention(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, scale);
+  const auto rows_contiguous = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  return {queries.contiguous(),
+          packed_keys.contiguous(),
+          packed_values.contiguous(),
+          offsets.contiguous(),
+          rows_contiguous(tail_keys),
+          rows_contiguous(tail_values),
+          s};
 }
 
 }  // namespace checks

@@ -142,12 +142,6 @@ Full reference: docs/CLI.md.
 using kvpress::parse_double;
 using kvpress::parse_int;
 
-std::string shape_str(at::IntArrayRef sizes) {
-  std::string out = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
-  return out + "]";
-}
-
 // First line of an exception message.
 std::string first_line(const std::string& message) {
   const auto pos = message.find('\n');

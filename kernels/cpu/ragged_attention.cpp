@@ -242,20 +242,15 @@ at::Tensor ragged_attention_cpu(const at::Tensor& queries_in, const at::Tensor& 
                                 const at::Tensor& packed_values_in, const at::Tensor& offsets_in,
                                 const at::Tensor& tail_keys_in, const at::Tensor& tail_values_in,
                                 std::optional<double> scale_in) {
-  const double scale = checks::check_ragged_attention(queries_in, packed_keys_in, packed_values_in, offsets_in,
-                                                      tail_keys_in, tail_values_in, scale_in);
-  const at::Tensor queries = queries_in.contiguous();
-  const at::Tensor packed_keys = packed_keys_in.contiguous(), packed_values = packed_values_in.contiguous();
-  // The tail may be a strided view of a larger buffer; only rows must be contiguous.
-  const at::Tensor tail_keys = tail_keys_in.stride(3) == 1 ? tail_keys_in : tail_keys_in.contiguous();
-  const at::Tensor tail_values = tail_values_in.stride(3) == 1 ? tail_values_in : tail_values_in.contiguous();
-  const at::Tensor offsets_host = offsets_in.contiguous();
-  const int64_t* o = offsets_host.const_data_ptr<int64_t>();
-  const std::vector<int64_t> offsets(o, o + offsets_host.numel());
-  at::Tensor out = at::empty(queries.sizes(), queries.options());
-  if (queries.numel() == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, queries.scalar_type(), "ragged_attention_cpu", [&] {
-    ragged_attention_kernel<scalar_t>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, scale, out);
+  const checks::RaggedAttentionArgs a = checks::ragged_attention_args(
+      queries_in, packed_keys_in, packed_values_in, offsets_in, tail_keys_in, tail_values_in, scale_in);
+  const int64_t* o = a.offsets.const_data_ptr<int64_t>();
+  const std::vector<int64_t> offsets(o, o + a.offsets.numel());
+  at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
+  if (a.queries.numel() == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.queries.scalar_type(), "ragged_attention_cpu", [&] {
+    ragged_attention_kernel<scalar_t>(a.queries, a.packed_keys, a.packed_values, offsets, a.tail_keys, a.tail_values,
+                                      a.scale, out);
   });
   return out;
 }

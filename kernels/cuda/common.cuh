@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 namespace kvpress::cuda {
 
@@ -14,28 +15,22 @@ constexpr int kWarpSize = 32;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v) {
-  return static_cast<float>(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat162float(v);
+  else
+    return static_cast<float>(v);
 }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v) {
-  return static_cast<T>(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
+  if constexpr (std::is_same_v<T, __half>)
+    return __float2half(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16(v);
+  else
+    return static_cast<T>(v);
 }
 
 // v as it reads once stored in the element type T (kvpress rounds some scores to the cache dtype).

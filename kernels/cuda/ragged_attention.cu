@@ -42,21 +42,16 @@ at::Tensor ragged_attention_cuda(const at::Tensor& queries_in, const at::Tensor&
                                  const at::Tensor& packed_values_in, const at::Tensor& offsets_in,
                                  const at::Tensor& tail_keys_in, const at::Tensor& tail_values_in,
                                  std::optional<double> scale_in) {
-  const double scale = checks::check_ragged_attention(queries_in, packed_keys_in, packed_values_in, offsets_in,
-                                                      tail_keys_in, tail_values_in, scale_in);
-  TORCH_CHECK(queries_in.size(3) <= kRaggedMaxDim, "ragged_attention: head_dim must be <= ", kRaggedMaxDim,
-              " on CUDA, got ", queries_in.size(3));
   const c10::cuda::CUDAGuard guard(queries_in.device());
-  const at::Tensor queries = queries_in.contiguous();
-  const at::Tensor packed_keys = packed_keys_in.contiguous(), packed_values = packed_values_in.contiguous();
-  const at::Tensor offsets = offsets_in.contiguous();
-  // The tail may be a strided view of a larger buffer; only rows must be contiguous.
-  const at::Tensor tail_keys = tail_keys_in.stride(3) == 1 ? tail_keys_in : tail_keys_in.contiguous();
-  const at::Tensor tail_values = tail_values_in.stride(3) == 1 ? tail_values_in : tail_values_in.contiguous();
-  at::Tensor out = at::empty(queries.sizes(), queries.options());
+  const checks::RaggedAttentionArgs a = checks::ragged_attention_args(
+      queries_in, packed_keys_in, packed_values_in, offsets_in, tail_keys_in, tail_values_in, scale_in);
+  TORCH_CHECK(a.queries.size(3) <= kRaggedMaxDim, "ragged_attention: head_dim must be <= ", kRaggedMaxDim,
+              " on CUDA, got ", a.queries.size(3));
+  at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_float_types(queries.scalar_type(), "ragged_attention", "queries", [&](auto element) {
-    run<decltype(element)>(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, scale, stream);
+  dispatch_float_types(a.queries.scalar_type(), "ragged_attention", "queries", [&](auto element) {
+    run<decltype(element)>(a.queries, a.packed_keys, a.packed_values, a.offsets, a.tail_keys, a.tail_values, out,
+                           a.scale, stream);
   });
   return out;
 }

@@ -98,17 +98,12 @@ int64_t num_query_heads(const LayerInputs& in) {
 
 at::Tensor window_queries(const LayerInputs& in, int64_t n_last, const char* op) {
   checks::check_keys(op, in.keys);
-  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), head_dim = in.keys.size(3);
+  const int64_t kv_heads = in.keys.size(1), seq = in.keys.size(2), head_dim = in.keys.size(3);
   checks::check_window(op, "window_size", n_last, seq + 1);
   if (in.queries.defined()) {
-    checks::check_rank(op, "queries", in.queries, 4, "[batch, num_heads, q_len, head_dim]");
-    checks::check_float(op, "queries", in.queries);
-    checks::check_same_device(op, "queries", in.queries, "keys", in.keys);
-    TORCH_CHECK(in.queries.size(0) == batch && in.queries.size(3) == head_dim, op, ": queries must be [", batch,
-                ", num_heads, q_len, ", head_dim, "] to match keys, got ", checks::shape_str(in.queries));
+    checks::check_queries(op, in.queries, in.keys, "q_len");
     TORCH_CHECK(in.queries.size(2) >= n_last, op, ": queries must hold at least the last ", n_last,
                 " positions, got q_len ", in.queries.size(2));
-    checks::check_gqa(op, in.queries.size(1), kv_heads);
     return in.queries.narrow(2, in.queries.size(2) - n_last, n_last);
   }
   TORCH_CHECK(in.hidden_states.defined() && in.q_proj.defined(), op,
@@ -206,17 +201,9 @@ at::Tensor window_attention_mean(const LayerInputs& in, int64_t window, const ch
 }
 
 at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
-  constexpr const char* op = "window_attention";
-  checks::check_keys(op, keys);
-  checks::check_rank(op, "queries", queries, 4, "[batch, num_heads, window, head_dim]");
-  checks::check_float(op, "queries", queries);
-  checks::check_same_device(op, "queries", queries, "keys", keys);
+  checks::check_window_attention("window_attention", queries, keys);
   const int64_t batch = keys.size(0), kv_heads = keys.size(1), seq = keys.size(2), head_dim = keys.size(3);
   const int64_t heads = queries.size(1), window = queries.size(2);
-  TORCH_CHECK(queries.size(0) == batch && queries.size(3) == head_dim, op, ": queries must be [", batch,
-              ", num_heads, window, ", head_dim, "] to match keys, got ", checks::shape_str(queries));
-  checks::check_gqa(op, heads, kv_heads);
-  checks::check_window(op, "window", window, seq);
   const int64_t group = heads / kv_heads;
   // Fold the query heads of a group into the row dimension: one matmul per KV head, no repeat_kv.
   const at::Tensor q = queries.to(at::kFloat).reshape({batch, kv_heads, group * window, head_dim});

@@ -56,10 +56,22 @@ at::Tensor composite::lagkv_partition_scores(const at::Tensor& keys, const at::T
                  -1);
 }
 
-at::Tensor key_norm_scores(const at::Tensor& keys) {
-  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::key_norm_scores");
-  checks::check_defined("key_norm_scores", "keys", keys);  // an undefined tensor dispatches nowhere
+namespace {
+
+using KeysToScoresOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)>;
+
+// A keys -> scores op through the dispatcher; undefined keys would dispatch nowhere, so they are
+// named first.
+at::Tensor call_keys_op(const KeysToScoresOp& op, const char* name, const at::Tensor& keys) {
+  checks::check_defined(name, "keys", keys);
   return op.call(keys);
+}
+
+}  // namespace
+
+at::Tensor key_norm_scores(const at::Tensor& keys) {
+  static const KeysToScoresOp op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::key_norm_scores");
+  return call_keys_op(op, "key_norm_scores", keys);
 }
 
 at::Tensor composite::key_norm_scores(const at::Tensor& keys) {
@@ -68,9 +80,8 @@ at::Tensor composite::key_norm_scores(const at::Tensor& keys) {
 }
 
 at::Tensor keydiff_scores(const at::Tensor& keys) {
-  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::keydiff_scores");
-  checks::check_defined("keydiff_scores", "keys", keys);  // an undefined tensor dispatches nowhere
-  return op.call(keys);
+  static const KeysToScoresOp op = dispatcher_op<at::Tensor(const at::Tensor&)>("kvpress::keydiff_scores");
+  return call_keys_op(op, "keydiff_scores", keys);
 }
 
 at::Tensor composite::keydiff_scores(const at::Tensor& keys) {
