@@ -1,6 +1,7 @@
-// Public ops: the building blocks every press is made of. Declarations only; each op is also
-// registered as torch.ops.kvpress.<name> (src/ops.cpp) so Python can call it after
-// torch.ops.load_library("libkvpress.so").
+// Public ops: the building blocks every press is made of. Declarations only; each op on tensors is
+// also registered as torch.ops.kvpress.<name> (src/ops.cpp) so Python can call it after
+// torch.ops.load_library("libkvpress.so"); the helpers that read a LayerInputs are C++ only. Ops
+// with CPU/CUDA kernels go through the dispatcher (docs/ARCHITECTURE.md, "The dispatch rule").
 //
 // All ops accept float32, float16 and bfloat16 K/V and accumulate in float32. Scores are
 // float32 [B, Hkv, S], higher = keep. Bad input raises c10::Error with a message of the form
