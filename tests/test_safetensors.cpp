@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <dirent.h>
 #include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -16,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/io/atomic_file.h"
 #include "kvpress/io/safetensors.h"
 
 using kvpress::io::load_safetensors;
@@ -47,6 +51,18 @@ class Safetensors : public ::testing::Test {
   void TearDown() override { remove_tree(dir_); }
 
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
+
+  // The names in the directory, sorted.
+  std::vector<std::string> listing() const {
+    std::vector<std::string> names;
+    if (DIR* d = ::opendir(dir_.c_str())) {
+      while (const dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") names.push_back(e->d_name);
+      ::closedir(d);
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
 
   // Writes an 8-byte length + `header` + `body` file and returns its path.
   std::string write_raw(const std::string& name, const std::string& header, const std::string& body = "",
@@ -165,7 +181,37 @@ TEST_F(Safetensors, WritesDeterministicAlignedFiles) {
   EXPECT_NE(header.find("\"c_bf16\":{\"data_offsets\":[44,54]"), std::string::npos) << header;
   EXPECT_NE(header.find("\"a_bool\":{\"data_offsets\":[54,57]"), std::string::npos) << header;
   EXPECT_EQ(bytes.size(), 8 + n + 57);
-  EXPECT_FALSE(file_exists(path("1.st.tmp")));
+  EXPECT_EQ(listing(), (std::vector<std::string>{"1.st", "2.st"}));  // no temporary file left
+}
+
+// A write that fails half-way leaves the existing file as it was and no temporary file.
+TEST_F(Safetensors, AFailedWriteLeavesTheTargetAsItWas) {
+  const std::string p = path("out.json");
+  kvpress::io::write_text_atomically("test", p, "old");
+  expect_error(
+      [&] {
+        kvpress::io::write_file_atomically("test", p, [](std::FILE* f) {
+          std::fputs("half", f);
+          return false;
+        });
+      },
+      {"test: " + p + ": write failed"});
+  EXPECT_EQ(read_bytes(p), "old");
+  expect_error(
+      [&] {
+        kvpress::io::write_file_atomically("test", p, [](std::FILE*) -> bool { TORCH_CHECK(false, "interrupted"); });
+      },
+      {"interrupted"});
+  EXPECT_EQ(read_bytes(p), "old");
+  EXPECT_EQ(listing(), (std::vector<std::string>{"out.json"}));
+  kvpress::io::write_text_atomically("test", p, "new");
+  EXPECT_EQ(read_bytes(p), "new");
+  // The usual permissions (0666 less the umask), not the private ones of a temporary file.
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  struct stat st {};
+  ASSERT_EQ(::stat(p.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0666 & ~mask);
 }
 
 TEST_F(Safetensors, OverwritesAnExistingFile) {
@@ -349,5 +395,5 @@ TEST_F(Safetensors, SaveErrors) {
       [&] {
         save_safetensors(missing_dir, {{"x", at::zeros({1})}});
       },
-      {"save_safetensors: " + missing_dir + ": cannot create file (No such file or directory)"});
+      {"save_safetensors: " + missing_dir + ": cannot create a file next to it (No such file or directory)"});
 }

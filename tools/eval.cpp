@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvpress/io/atomic_file.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/registry.h"
@@ -245,11 +246,10 @@ double mean(const std::vector<double>& v) {
   return v.empty() ? 0.0 : s / static_cast<double>(v.size());
 }
 
+// Written whole or not at all (kvpress::io::write_text_atomically): an interrupted run never leaves a
+// partial file or clobbers an existing one.
 void write_text(const std::string& path, const std::string& text, const char* option) {
-  std::FILE* f = std::fopen(path.c_str(), "w");
-  TORCH_CHECK(f != nullptr, option, " ", path, ": cannot create file");
-  std::fputs(text.c_str(), f);
-  TORCH_CHECK(std::fclose(f) == 0, option, " ", path, ": write failed");
+  kvpress::io::write_text_atomically(option, path, text);
 }
 
 // A file in $TMPDIR (else /tmp), removed when this goes out of scope.

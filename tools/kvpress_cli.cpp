@@ -37,6 +37,7 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/calibration.h"
+#include "kvpress/io/atomic_file.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/base_press.h"
@@ -465,10 +466,7 @@ int run_calibrate(const std::vector<std::string>& argv) {
                         {"ratio", result.ratio},
                         {"quality", result.quality},
                         {"evaluations", result.evaluations}};
-    std::FILE* f = std::fopen(args.json.c_str(), "w");
-    TORCH_CHECK(f != nullptr, "--json ", args.json, ": cannot create file");
-    fmt::print(f, "{}\n", j.dump(2));
-    std::fclose(f);
+    kvpress::io::write_text_atomically("--json", args.json, j.dump(2) + "\n");
   }
   return 0;
 }

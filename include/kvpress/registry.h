@@ -40,10 +40,10 @@ struct InputSet {
 
 // The LayerInputs a press reads beyond keys and values.
 struct PressInputs {
-  std::vector<InputSet> alternatives;  // any one suffices; none: keys and values are enough
-  std::vector<std::string> required;   // needed whichever alternative is used (o_proj of CriticalKV)
-  std::vector<std::string> optional;   // read when given (e.g. layer_idx, input_ids)
-  std::string note;                    // what the fields do not say
+  std::vector<InputSet> alternatives = {};  // any one suffices; none: keys and values are enough
+  std::vector<std::string> required = {};   // needed whichever alternative is used (o_proj of CriticalKV)
+  std::vector<std::string> optional = {};   // read when given (e.g. layer_idx, input_ids)
+  std::string note = {};                    // what the fields do not say
 };
 
 struct PressInfo {

@@ -2,6 +2,8 @@
 // then the byte buffer. See include/kvpress/io/safetensors.h.
 #include "kvpress/io/safetensors.h"
 
+#include "kvpress/io/atomic_file.h"
+
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -272,16 +274,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   uint8_t len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(header_len >> (8 * i));
 
-  ST_SAVE_CHECK(!is_directory(path), "is a directory");
-
-  // Write to a temporary file next to the target and rename, so a failed write never leaves a
-  // truncated file under the final name.
-  const std::string tmp = path + ".tmp";
-  {
-    errno = 0;
-    File file(std::fopen(tmp.c_str(), "wb"));
-    ST_SAVE_CHECK(file != nullptr, "cannot create file (", std::strerror(errno), ")");
-    std::FILE* f = file.get();
+  write_file_atomically("save_safetensors", path, [&](std::FILE* f) {
     bool ok = std::fwrite(len_bytes, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
     for (const auto& item : items) {
       if (!ok) break;
@@ -289,19 +282,8 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
       const size_t n = static_cast<size_t>(t.numel()) * t.element_size();
       if (n > 0) ok = std::fwrite(t.data_ptr(), 1, n, f) == n;
     }
-    const int write_errno = errno;
-    ok = (std::fflush(f) == 0) && ok;
-    const int close_rc = std::fclose(file.release());
-    if (!ok || close_rc != 0) {
-      std::remove(tmp.c_str());
-      ST_SAVE_CHECK(false, "write failed (", std::strerror(write_errno ? write_errno : errno), ")");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int rename_errno = errno;
-    std::remove(tmp.c_str());
-    ST_SAVE_CHECK(false, "cannot move the written file into place (", std::strerror(rename_errno), ")");
-  }
+    return ok;
+  });
 }
 
 #undef ST_LOAD_CHECK

@@ -484,6 +484,23 @@ KVPRESS_PYTHON= expect_error "eval --png into a missing folder" "--png $tmp/nope
 checks=$((checks + 1))
 ls -a "$tmp" | grep -q '^\.plot-' && fail "eval --png: plot.py left a temporary file in $tmp"
 
+# ---- outputs appear whole or not at all (kvpress::io::write_file_atomically) -------------------
+mkdir -p "$tmp/outs"
+printf 'old' >"$tmp/outs/out.safetensors"
+expect_error "failed compress keeps an existing output" "unknown tensor 'querys'" \
+  compress --press KnormPress --ratio 0.5 --input "$tmp/typo.safetensors" --output "$tmp/outs/out.safetensors"
+checks=$((checks + 1))
+[ "$(cat "$tmp/outs/out.safetensors")" = "old" ] || fail "a failed compress changed the existing output"
+expect_ok "compress replaces an existing output" compress --press KnormPress --ratio 0.5 --quiet \
+  --input "$tmp/kv.safetensors" --output "$tmp/outs/out.safetensors"
+expect_ok "eval --json --csv" eval --max-stories 1 --press KnormPress --ratios 0.5 --quiet \
+  --json "$tmp/outs/eval.json" --csv "$tmp/outs/eval.csv"
+checks=$((checks + 1))
+[ "$(ls -A "$tmp/outs" | sort | tr '\n' ' ')" = "eval.csv eval.json out.safetensors " ] ||
+  fail "outputs: expected exactly eval.csv eval.json out.safetensors in $tmp/outs, got: $(ls -A "$tmp/outs" | tr '\n' ' ')"
+expect_error "eval --csv into a missing folder" "--csv: $tmp/nope/eval.csv: cannot create a file next to it" \
+  eval --max-stories 1 --press KnormPress --ratios 0.5 --quiet --csv "$tmp/nope/eval.csv"
+
 if [ "$failures" -ne 0 ]; then
   echo "test_cli.sh: $failures failure(s) in $checks checks" >&2
   exit 1
