@@ -70,6 +70,7 @@ double attention_output_quality(const std::vector<ObservedLayer>& layers, const 
 
 SearchResult search_max_ratio(const QualityFn& quality, double tolerance, const SearchOptions& options) {
   constexpr const char* op = "search_max_ratio";
+  TORCH_CHECK(static_cast<bool>(quality), op, ": quality must be a function, got an empty one");
   TORCH_CHECK(std::isfinite(tolerance) && tolerance >= 0.0, op, ": tolerance must be >= 0, got ", tolerance);
   TORCH_CHECK(options.max_ratio > 0.0 && options.max_ratio < 1.0, op, ": max_ratio must be in (0, 1), got ",
               options.max_ratio);
@@ -119,15 +120,23 @@ SearchResult search_max_ratio(const QualityFn& quality, double tolerance, const 
 SearchResult search_max_ratio(const std::vector<ObservedLayer>& layers,
                               const std::function<std::unique_ptr<BasePress>(double)>& make_press, double tolerance,
                               const SearchOptions& options) {
-  TORCH_CHECK(!layers.empty(), "search_max_ratio: layers must be non-empty");
+  constexpr const char* op = "search_max_ratio";
+  TORCH_CHECK(!layers.empty(), op, ": layers must be non-empty");
+  TORCH_CHECK(static_cast<bool>(make_press), op, ": make_press must be a function, got an empty one");
   std::vector<at::Tensor> full;
   for (const auto& layer : layers) full.push_back(full_output(layer));
-  return search_max_ratio(
-      [&](double ratio) { return ratio == 0.0 ? 1.0 : quality_against(layers, full, *make_press(ratio)); }, tolerance,
-      options);
+  const auto quality = [&](double ratio) {
+    if (ratio == 0.0) return 1.0;
+    const std::unique_ptr<BasePress> press = make_press(ratio);
+    TORCH_CHECK(press != nullptr, op, ": make_press(", ratio, ") must return a press, got nullptr");
+    return quality_against(layers, full, *press);
+  };
+  return search_max_ratio(quality, tolerance, options);
 }
 
 double curve(double retention, double b) {
+  TORCH_CHECK(retention >= 0.0 && retention <= 1.0, "curve: retention must be in [0, 1], got ", retention);
+  TORCH_CHECK(std::isfinite(b), "curve: b must be finite, got ", b);
   if (std::abs(b) < 1e-9) return retention;
   // Two algebraically equal forms, each free of overflow on its side of 0.
   if (b > 0) return (std::exp(b * (retention - 1.0)) - std::exp(-b)) / -std::expm1(-b);
@@ -136,6 +145,7 @@ double curve(double retention, double b) {
 
 double retention_for_target(double tau, double b) {
   TORCH_CHECK(tau >= 0.0 && tau <= 1.0, "retention_for_target: tau must be in [0, 1], got ", tau);
+  TORCH_CHECK(std::isfinite(b), "retention_for_target: b must be finite, got ", b);
   double r;
   if (std::abs(b) < 1e-9) {
     r = tau;

@@ -22,7 +22,7 @@ int64_t argmax_last(const at::Tensor& logits) {  // [1, n, V] -> argmax of the l
 
 Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& context,
                            const std::vector<int64_t>& question, const GenerationOptions& options) {
-  TORCH_CHECK(!context.empty(), "generate_greedy: the context is empty");
+  TORCH_CHECK(!context.empty(), "generate_greedy: context must hold at least one token, got none");
   TORCH_CHECK(options.max_new_tokens >= 0, "generate_greedy: max_new_tokens must be >= 0, got ",
               options.max_new_tokens);
   Generation g;

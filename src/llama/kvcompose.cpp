@@ -126,60 +126,67 @@ KVComposeResult kvcompose_prefill(const LlamaModel& model, const at::Tensor& con
       press.options().structured || batch == 1 || prefill.ragged_layout == PrefillOptions::RaggedLayout::kPacked, op,
       ": batch must be 1 for the unstructured variant with the masked layout, got ", batch);
 
-  // 1. The context's prefill, uncompressed (kvpress's hook skips the square attention).
-  PrefillOptions plain;
-  static_cast<ForwardOptions&>(plain) = static_cast<const ForwardOptions&>(prefill);
-  KVComposeResult result;
-  result.prefill = model.prefill(context_ids, cache, plain);
-  result.prefill.kept_indices.clear();
-  result.prefill.keep_masks.clear();
+  // A failure part-way leaves the cache as it was (see LlamaModel::run).
+  KVCache before = cache;
+  try {
+    // 1. The context's prefill, uncompressed (kvpress's hook skips the square attention).
+    PrefillOptions plain;
+    static_cast<ForwardOptions&>(plain) = static_cast<const ForwardOptions&>(prefill);
+    KVComposeResult result;
+    result.prefill = model.prefill(context_ids, cache, plain);
+    result.prefill.kept_indices.clear();
+    result.prefill.keep_masks.clear();
 
-  // 2. The second pass.
-  KVComposeSession session = press.start_session(c.num_layers, c.num_heads, hkv, n, cache.keys(0).device());
-  const std::vector<at::Tensor> prompts =
-      run.task_prompts.empty() ? std::vector<at::Tensor>{context_ids} : run.task_prompts;
-  for (const at::Tensor& prompt : prompts)
-    second_pass(model, prompt, cache, n, run.query_chunk, session, result.memory);
-  for (int64_t li = 0; li < c.num_layers; ++li) session.observe_values(li, cache.values(li));
+    // 2. The second pass.
+    KVComposeSession session = press.start_session(c.num_layers, c.num_heads, hkv, n, cache.keys(0).device());
+    const std::vector<at::Tensor> prompts =
+        run.task_prompts.empty() ? std::vector<at::Tensor>{context_ids} : run.task_prompts;
+    for (const at::Tensor& prompt : prompts)
+      second_pass(model, prompt, cache, n, run.query_chunk, session, result.memory);
+    for (int64_t li = 0; li < c.num_layers; ++li) session.observe_values(li, cache.values(li));
 
-  // kvpress's figure for the same pass: every layer's prompt K/V stay in the cache until compression,
-  // and each layer's eager attention materialises [B, Hq, P, N + P] scores and probabilities.
-  const int64_t elt = static_cast<int64_t>(c10::elementSize(model.dtype()));
-  int64_t kvpress_peak = 0;
-  for (const at::Tensor& prompt : prompts) {
-    const int64_t p = prompt.size(1);
-    kvpress_peak = std::max(kvpress_peak, c.num_layers * 2 * batch * hkv * p * c.head_dim * elt +
-                                              2 * batch * c.num_heads * p * (n + p) * elt);
-  }
-  result.memory.kvpress_bytes = kvpress_peak + session.statistics_bytes();
-
-  // 3. Budgets, then every layer of the cache.
-  result.budgets = session.budgets();
-  result.scores = session.scores();
-  for (int64_t li = 0; li < c.num_layers; ++li) {
-    LayerInputs in;
-    in.keys = cache.keys(li);
-    in.values = cache.values(li);
-    in.num_heads = c.num_heads;
-    in.layer_idx = li;
-    in.num_layers = c.num_layers;
-    if (press.options().structured) {
-      const KV kv = session.compress(li, in.keys, in.values);
-      cache.replace(li, kv.keys, kv.values);
-      result.prefill.kept_indices.push_back(kv.kept_indices);
-      if (prefill.on_compress) prefill.on_compress(in, kv);
-    } else {
-      const RaggedKV kv = session.compress_ragged(li, in.keys, in.values);
-      if (prefill.ragged_layout == PrefillOptions::RaggedLayout::kPacked) {
-        cache.replace_ragged(li, HeadRaggedLayer::from_ragged(kv, n));
-      } else {
-        cache.set_keep_mask(li, kv.keep_mask);
-      }
-      result.prefill.keep_masks.push_back(kv.keep_mask);
-      if (prefill.on_compress_ragged) prefill.on_compress_ragged(in, kv);
+    // kvpress's figure for the same pass: every layer's prompt K/V stay in the cache until compression,
+    // and each layer's eager attention materialises [B, Hq, P, N + P] scores and probabilities.
+    const int64_t elt = static_cast<int64_t>(c10::elementSize(model.dtype()));
+    int64_t kvpress_peak = 0;
+    for (const at::Tensor& prompt : prompts) {
+      const int64_t p = prompt.size(1);
+      kvpress_peak = std::max(kvpress_peak, c.num_layers * 2 * batch * hkv * p * c.head_dim * elt +
+                                                2 * batch * c.num_heads * p * (n + p) * elt);
     }
+    result.memory.kvpress_bytes = kvpress_peak + session.statistics_bytes();
+
+    // 3. Budgets, then every layer of the cache.
+    result.budgets = session.budgets();
+    result.scores = session.scores();
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      LayerInputs in;
+      in.keys = cache.keys(li);
+      in.values = cache.values(li);
+      in.num_heads = c.num_heads;
+      in.layer_idx = li;
+      in.num_layers = c.num_layers;
+      if (press.options().structured) {
+        const KV kv = session.compress(li, in.keys, in.values);
+        cache.replace(li, kv.keys, kv.values);
+        result.prefill.kept_indices.push_back(kv.kept_indices);
+        if (prefill.on_compress) prefill.on_compress(in, kv);
+      } else {
+        const RaggedKV kv = session.compress_ragged(li, in.keys, in.values);
+        if (prefill.ragged_layout == PrefillOptions::RaggedLayout::kPacked) {
+          cache.replace_ragged(li, HeadRaggedLayer::from_ragged(kv, n));
+        } else {
+          cache.set_keep_mask(li, kv.keep_mask);
+        }
+        result.prefill.keep_masks.push_back(kv.keep_mask);
+        if (prefill.on_compress_ragged) prefill.on_compress_ragged(in, kv);
+      }
+    }
+    return result;
+  } catch (...) {
+    cache = std::move(before);
+    throw;
   }
-  return result;
 }
 
 }  // namespace kvpress::llama

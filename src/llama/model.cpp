@@ -47,9 +47,21 @@ at::Tensor take_weight(const std::map<std::string, at::Tensor>& weights, const s
 
 // ---- KVCache -----------------------------------------------------------------------------------
 
-KVCache::KVCache(int64_t num_layers) : layers_(static_cast<size_t>(num_layers)) {}
+KVCache::KVCache(int64_t num_layers) {
+  TORCH_CHECK(num_layers >= 0, "KVCache: num_layers must be >= 0, got ", num_layers);
+  layers_.resize(static_cast<size_t>(num_layers));
+}
 
-int64_t KVCache::length(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).length; }
+const KVCache::Layer& KVCache::layer_at(int64_t layer, const char* op) const {
+  TORCH_CHECK(layer >= 0 && layer < num_layers(), op, ": layer ", layer, " out of range [0, ", num_layers(), ")");
+  return layers_[static_cast<size_t>(layer)];
+}
+
+KVCache::Layer& KVCache::layer_at(int64_t layer, const char* op) {
+  return const_cast<Layer&>(static_cast<const KVCache&>(*this).layer_at(layer, op));
+}
+
+int64_t KVCache::length(int64_t layer) const { return layer_at(layer, "KVCache::length").length; }
 
 std::vector<int64_t> KVCache::lengths() const {
   std::vector<int64_t> out;
@@ -58,35 +70,43 @@ std::vector<int64_t> KVCache::lengths() const {
 }
 
 at::Tensor KVCache::keys(int64_t layer) const {
-  const Layer& l = layers_.at(static_cast<size_t>(layer));
+  const Layer& l = layer_at(layer, "KVCache::keys");
   TORCH_CHECK(!l.ragged.defined(), "KVCache::keys: layer ", layer, " is stored head-ragged (use ragged(layer))");
   return l.key_buffer.defined() ? l.key_buffer.narrow(2, 0, l.length) : at::Tensor();
 }
 
 at::Tensor KVCache::values(int64_t layer) const {
-  const Layer& l = layers_.at(static_cast<size_t>(layer));
+  const Layer& l = layer_at(layer, "KVCache::values");
   TORCH_CHECK(!l.ragged.defined(), "KVCache::values: layer ", layer, " is stored head-ragged (use ragged(layer))");
   return l.value_buffer.defined() ? l.value_buffer.narrow(2, 0, l.length) : at::Tensor();
 }
 
 void KVCache::append(int64_t layer, const at::Tensor& keys, const at::Tensor& values) {
-  TORCH_CHECK(layer >= 0 && layer < num_layers(), "KVCache::append: layer ", layer, " out of range");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "KVCache::append: keys and values must be [batch, kv_heads, n, head_dim] of one shape, got ",
-              shape_str(keys), " and ", shape_str(values));
-  Layer& l = layers_[static_cast<size_t>(layer)];
-  const int64_t n = keys.size(2);
-  if (l.ragged.defined()) {  // every head gets the new tokens in its tail
+  constexpr const char* op = "KVCache::append";
+  Layer& l = layer_at(layer, op);
+  TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 && values.sizes() == keys.sizes(), op,
+              ": keys and values must be [batch, kv_heads, n, head_dim] of one shape, got ", shape_str(keys), " and ",
+              shape_str(values));
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), op, ": values must have the dtype of keys (",
+              keys.scalar_type(), "), got ", values.scalar_type());
+  TORCH_CHECK(values.device() == keys.device(), op, ": values must be on the device of keys (", keys.device(),
+              "), got ", values.device());
+  if (l.ragged.defined()) {  // every head gets the new tokens in its tail (HeadRaggedLayer checks them)
     l.ragged.append(keys, values);
     l.length = l.ragged.max_length();
     return;
   }
+  // Everything is checked before the cache changes, so a refused append leaves it as it was.
   if (l.key_buffer.defined()) {
     TORCH_CHECK(keys.size(0) == l.key_buffer.size(0) && keys.size(1) == l.key_buffer.size(1) &&
                     keys.size(3) == l.key_buffer.size(3),
-                "KVCache::append: new keys ", shape_str(keys), " do not match the cache ",
-                shape_str(this->keys(layer)));
+                op, ": new keys ", shape_str(keys), " do not match the cache ", shape_str(this->keys(layer)));
+    TORCH_CHECK(keys.scalar_type() == l.key_buffer.scalar_type(), op, ": keys must be ", l.key_buffer.scalar_type(),
+                " like the cache, got ", keys.scalar_type());
+    TORCH_CHECK(keys.device() == l.key_buffer.device(), op, ": keys must be on ", l.key_buffer.device(),
+                " like the cache, got ", keys.device());
   }
+  const int64_t n = keys.size(2);
   const int64_t capacity = l.key_buffer.defined() ? l.key_buffer.size(2) : 0;
   if (l.length + n > capacity) {
     // Grow geometrically so that token-by-token decoding copies the cache O(log n) times.
@@ -97,13 +117,14 @@ void KVCache::append(int64_t layer, const at::Tensor& keys, const at::Tensor& va
       kb.narrow(2, 0, l.length).copy_(l.key_buffer.narrow(2, 0, l.length));
       vb.narrow(2, 0, l.length).copy_(l.value_buffer.narrow(2, 0, l.length));
     }
+    at::Tensor mb;
+    if (l.mask_buffer.defined()) {
+      mb = at::empty({keys.size(0), keys.size(1), new_capacity}, l.mask_buffer.options());
+      if (l.length > 0) mb.narrow(2, 0, l.length).copy_(l.mask_buffer.narrow(2, 0, l.length));
+    }
     l.key_buffer = kb;
     l.value_buffer = vb;
-    if (l.mask_buffer.defined()) {
-      at::Tensor mb = at::empty({keys.size(0), keys.size(1), new_capacity}, l.mask_buffer.options());
-      if (l.length > 0) mb.narrow(2, 0, l.length).copy_(l.mask_buffer.narrow(2, 0, l.length));
-      l.mask_buffer = mb;
-    }
+    l.mask_buffer = mb;
   }
   l.key_buffer.narrow(2, l.length, n).copy_(keys);
   l.value_buffer.narrow(2, l.length, n).copy_(values);
@@ -112,11 +133,11 @@ void KVCache::append(int64_t layer, const at::Tensor& keys, const at::Tensor& va
 }
 
 void KVCache::replace(int64_t layer, const at::Tensor& keys, const at::Tensor& values) {
-  TORCH_CHECK(layer >= 0 && layer < num_layers(), "KVCache::replace: layer ", layer, " out of range");
-  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(),
-              "KVCache::replace: keys and values must be [batch, kv_heads, n, head_dim] of one shape, got ",
-              shape_str(keys), " and ", shape_str(values));
-  Layer& l = layers_[static_cast<size_t>(layer)];
+  constexpr const char* op = "KVCache::replace";
+  Layer& l = layer_at(layer, op);
+  TORCH_CHECK(keys.defined() && values.defined() && keys.dim() == 4 && values.sizes() == keys.sizes(), op,
+              ": keys and values must be [batch, kv_heads, n, head_dim] of one shape, got ", shape_str(keys), " and ",
+              shape_str(values));
   l.key_buffer = keys.contiguous();
   l.value_buffer = values.contiguous();
   l.mask_buffer = at::Tensor();
@@ -125,40 +146,40 @@ void KVCache::replace(int64_t layer, const at::Tensor& keys, const at::Tensor& v
 }
 
 void KVCache::replace_ragged(int64_t layer, HeadRaggedLayer ragged) {
-  TORCH_CHECK(layer >= 0 && layer < num_layers(), "KVCache::replace_ragged: layer ", layer, " out of range");
-  TORCH_CHECK(ragged.defined(), "KVCache::replace_ragged: the head-ragged layer is empty");
-  Layer& l = layers_[static_cast<size_t>(layer)];
+  constexpr const char* op = "KVCache::replace_ragged";
+  Layer& l = layer_at(layer, op);
+  TORCH_CHECK(ragged.defined(), op, ": the head-ragged layer is empty");
   l = Layer();  // frees the dense buffers
   l.ragged = std::move(ragged);
   l.length = l.ragged.max_length();
 }
 
 void KVCache::set_keep_mask(int64_t layer, const at::Tensor& keep_mask) {
-  TORCH_CHECK(layer >= 0 && layer < num_layers(), "KVCache::set_keep_mask: layer ", layer, " out of range");
-  Layer& l = layers_[static_cast<size_t>(layer)];
-  TORCH_CHECK(l.key_buffer.defined() && !l.ragged.defined(), "KVCache::set_keep_mask: layer ", layer,
-              " must hold dense tokens");
+  constexpr const char* op = "KVCache::set_keep_mask";
+  Layer& l = layer_at(layer, op);
+  TORCH_CHECK(l.key_buffer.defined() && !l.ragged.defined(), op, ": layer ", layer, " must hold dense tokens");
   const at::Tensor keys = this->keys(layer);
   TORCH_CHECK(keep_mask.defined() && keep_mask.scalar_type() == at::kBool && keep_mask.dim() == 3 &&
                   keep_mask.size(0) == keys.size(0) && keep_mask.size(1) == keys.size(1) &&
                   keep_mask.size(2) == l.length,
-              "KVCache::set_keep_mask: keep_mask must be bool [", keys.size(0), ", ", keys.size(1), ", ", l.length,
-              "], got ", keep_mask.defined() ? shape_str(keep_mask) : std::string("undefined"));
-  l.mask_buffer =
+              op, ": keep_mask must be bool [", keys.size(0), ", ", keys.size(1), ", ", l.length, "], got ",
+              keep_mask.defined() ? shape_str(keep_mask) : std::string("undefined"));
+  at::Tensor mask =
       at::ones({keys.size(0), keys.size(1), l.key_buffer.size(2)}, keep_mask.options().device(keys.device()));
-  l.mask_buffer.narrow(2, 0, l.length).copy_(keep_mask);
+  mask.narrow(2, 0, l.length).copy_(keep_mask);
+  l.mask_buffer = mask;
 }
 
-bool KVCache::is_ragged(int64_t layer) const { return layers_.at(static_cast<size_t>(layer)).ragged.defined(); }
+bool KVCache::is_ragged(int64_t layer) const { return layer_at(layer, "KVCache::is_ragged").ragged.defined(); }
 
 const HeadRaggedLayer& KVCache::ragged(int64_t layer) const {
-  const Layer& l = layers_.at(static_cast<size_t>(layer));
+  const Layer& l = layer_at(layer, "KVCache::ragged");
   TORCH_CHECK(l.ragged.defined(), "KVCache::ragged: layer ", layer, " is not stored head-ragged");
   return l.ragged;
 }
 
 at::Tensor KVCache::keep_mask(int64_t layer) const {
-  const Layer& l = layers_.at(static_cast<size_t>(layer));
+  const Layer& l = layer_at(layer, "KVCache::keep_mask");
   return l.mask_buffer.defined() ? l.mask_buffer.narrow(2, 0, l.length) : at::Tensor();
 }
 
@@ -296,6 +317,9 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
               " layers, the model ", c.num_layers, " (use new_cache())");
   const int64_t n = input_ids.size(1);
   const int64_t start = cache.position();
+  const int64_t lowest = input_ids.min().item<int64_t>(), highest = input_ids.max().item<int64_t>();
+  TORCH_CHECK(lowest >= 0 && highest < c.vocab_size, "LlamaModel: input_ids must be in [0, vocab_size (", c.vocab_size,
+              ")), got values in [", lowest, ", ", highest, "]");
 
   // A DecodingPress does nothing at prefill (kvpress's hook skips it); a PrefillDecodingPress
   // applies its prefilling press.
@@ -311,42 +335,51 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
   ForwardOutput out;
   const RopeTables rope_tables = rope(start, n);
   at::Tensor x = at::embedding(embed_tokens_, input_ids);  // [B, n, hidden]
-  for (int64_t li = 0; li < c.num_layers; ++li) {
-    const Layer& w = layers_[static_cast<size_t>(li)];
-    const at::Tensor h = rms_norm(x, w.input_norm);  // the attention input kvpress calls hidden_states
-    const LayerQKV qkv = project_qkv(w, h, rope_tables);
-    cache.append(li, qkv.k, qkv.v);
-    at::Tensor attn_out, attn_weights;  // [B, n, Hq * D]; [B, Hq, n, L] of a dense layer
-    if (cache.is_ragged(li)) {
-      TORCH_CHECK(!options.return_attentions, "LlamaModel: return_attentions is not available for layer ", li,
-                  ", stored head-ragged (prefill with ragged_layout = kMasked to get dense weights)");
-      TORCH_CHECK(decoding == nullptr, "LlamaModel: ", decoding ? decoding->name() : std::string(),
-                  " cannot compress layer ", li, ", stored head-ragged");
-      attn_out = ragged_attention(qkv.q, cache.ragged(li));
-    } else {
-      attn_out = dense_attention(qkv.q, cache.keys(li), cache.values(li), cache.keep_mask(li), attn_weights);
-    }
-    if (options.return_attentions) out.attentions.push_back(attn_weights);
-
-    // The presses' hooks run here, after the attention used the full cache, as kvpress's forward hook.
-    if (press || decoding) {
-      LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, cache);
-      if (press) {
-        if (press_attentions) in.attentions = attn_weights;
-        compress_at_prefill(*press, *prefill, li, std::move(in), cache, out);
+  // A failure part-way (a press raising in some layer) leaves the cache as it was before this call.
+  // A copy is a snapshot: the layers' tensors are shared, and a forward only writes past their
+  // current lengths or replaces tensors (it never truncates), so the copy's contents stay intact.
+  KVCache before = cache;
+  try {
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      const Layer& w = layers_[static_cast<size_t>(li)];
+      const at::Tensor h = rms_norm(x, w.input_norm);  // the attention input kvpress calls hidden_states
+      const LayerQKV qkv = project_qkv(w, h, rope_tables);
+      cache.append(li, qkv.k, qkv.v);
+      at::Tensor attn_out, attn_weights;  // [B, n, Hq * D]; [B, Hq, n, L] of a dense layer
+      if (cache.is_ragged(li)) {
+        TORCH_CHECK(!options.return_attentions, "LlamaModel: return_attentions is not available for layer ", li,
+                    ", stored head-ragged (prefill with ragged_layout = kMasked to get dense weights)");
+        TORCH_CHECK(decoding == nullptr, "LlamaModel: ", decoding ? decoding->name() : std::string(),
+                    " cannot compress layer ", li, ", stored head-ragged");
+        attn_out = ragged_attention(qkv.q, cache.ragged(li));
       } else {
-        if (decoding_attentions) in.attentions = attn_weights;
-        compress_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
+        attn_out = dense_attention(qkv.q, cache.keys(li), cache.values(li), cache.keep_mask(li), attn_weights);
       }
-    }
+      if (options.return_attentions) out.attentions.push_back(attn_weights);
 
-    x = x + at::linear(attn_out, w.o_proj);
-    const at::Tensor m = rms_norm(x, w.post_norm);
-    x = x + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+      // The presses' hooks run here, after the attention used the full cache, as kvpress's forward hook.
+      if (press || decoding) {
+        LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, cache);
+        if (press) {
+          if (press_attentions) in.attentions = attn_weights;
+          compress_at_prefill(*press, *prefill, li, std::move(in), cache, out);
+        } else {
+          if (decoding_attentions) in.attentions = attn_weights;
+          compress_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
+        }
+      }
+
+      x = x + at::linear(attn_out, w.o_proj);
+      const at::Tensor m = rms_norm(x, w.post_norm);
+      x = x + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+    }
+    // After a press that re-rotates the kept keys to positions 0..n_kept-1 (KeyRerotationPress), the
+    // next token continues at n_kept, as in kvpress's pipeline; otherwise after the last input token.
+    cache.set_position(press && press->rerotates_keys() ? cache.length(0) : start + n);
+  } catch (...) {
+    cache = std::move(before);
+    throw;
   }
-  // After a press that re-rotates the kept keys to positions 0..n_kept-1 (KeyRerotationPress), the
-  // next token continues at n_kept, as in kvpress's pipeline; otherwise after the last input token.
-  cache.set_position(press && press->rerotates_keys() ? cache.length(0) : start + n);
 
   x = rms_norm(x, norm_);
   if (options.last_logits_only) x = x.narrow(1, n - 1, 1);

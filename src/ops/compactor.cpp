@@ -295,6 +295,7 @@ at::Tensor noncausal_attention_scores(const at::Tensor& column_sums, const at::T
   TORCH_CHECK(column_sums.size(0) == values.size(0) && column_sums.size(2) == values.size(2), op,
               ": column_sums must be [", values.size(0), ", num_heads, ", values.size(2), "] to match values, got ",
               checks::shape_str(column_sums));
+  checks::check_gqa(op, column_sums.size(1), values.size(1));
   const at::Tensor per_kv_head = group_mean(column_sums.to(at::kFloat), values.size(1));
   // ||v_i|| in float32, one KV head at a time (no float32 copy of all the values).
   at::Tensor value_norms = at::empty_like(per_kv_head);

@@ -58,6 +58,10 @@ void check_hidden(const char* op, const LayerInputs& in) {
 }  // namespace
 
 at::Tensor rotate_half(const at::Tensor& x) {
+  constexpr const char* op = "rotate_half";
+  checks::check_defined(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, op, ": x must have an even last dimension, got ",
+              checks::shape_str(x));
   const int64_t half = x.size(-1) / 2;
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }

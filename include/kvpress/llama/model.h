@@ -106,6 +106,10 @@ class KVCache {
     int64_t length = 0;
     HeadRaggedLayer ragged;  // defined() when the layer is stored head-ragged
   };
+  // The layer, or a c10::Error "<op>: layer <i> out of range [0, <n>)".
+  const Layer& layer_at(int64_t layer, const char* op) const;
+  Layer& layer_at(int64_t layer, const char* op);
+
   std::vector<Layer> layers_;
   int64_t position_ = 0;
 };
