@@ -28,7 +28,8 @@ struct ScoreBlendOptions {
 // the scorers see only the inner positions [sink_size_start, S - sink_size_end) (keys, values,
 // hidden_states, cos/sin, and the rows/columns of queries and attentions that fall there;
 // attention weights are not renormalised), and the sink positions get the maximum of the blended
-// scores, so they are kept whenever n_kept covers them (kvpress's CompactorPress rule). When every
+// scores (kvpress's CompactorPress rule): the best inner position ties with them, so they are all
+// kept once n_kept exceeds their count (ties go to the lower position). When every
 // position is a sink, every score is 1. `normalize = false` sums the raw scores, for scorers that
 // already return z-scores (CompactorPress's do; z is idempotent up to rounding).
 class ScoreBlendPress : public ScorerPress {
