@@ -52,10 +52,9 @@ LayerInputs random_inputs(const Shape& s, uint64_t seed) {
   in.keys = cache_tensor();
   in.values = cache_tensor();
   in.queries = at::randn({s.batch, heads, s.seq, s.head_dim}, f32).to(s.dtype);
-  const at::Tensor logits = at::matmul(in.queries.to(at::kFloat), in.keys.to(at::kFloat)
-                                                                       .repeat_interleave(s.groups, 1)
-                                                                       .transpose(2, 3)) /
-                            std::sqrt(static_cast<double>(s.head_dim));
+  const at::Tensor logits =
+      at::matmul(in.queries.to(at::kFloat), in.keys.to(at::kFloat).repeat_interleave(s.groups, 1).transpose(2, 3)) /
+      std::sqrt(static_cast<double>(s.head_dim));
   in.attentions = at::softmax(logits.masked_fill(at::ones({s.seq, s.seq}, at::kBool).triu(1), -INFINITY), -1);
   in.hidden_states = at::randn({s.batch, s.seq, hidden}, f32);
   in.q_proj = at::randn({heads * s.head_dim, hidden}, f32) / std::sqrt(hidden);
@@ -89,7 +88,9 @@ std::vector<int64_t> range(int64_t begin, int64_t end) {
   return out;
 }
 
-int64_t default_kept(const BasePress&, int64_t seq, double ratio) { return ratio == 0.0 ? seq : ops::n_kept(seq, ratio); }
+int64_t default_kept(const BasePress&, int64_t seq, double ratio) {
+  return ratio == 0.0 ? seq : ops::n_kept(seq, ratio);
+}
 
 const std::map<std::string, Promise>& promises() {
   static const std::map<std::string, Promise> table = {
@@ -142,9 +143,13 @@ const std::map<std::string, Promise>& promises() {
         }}},
       {"CTRPress", {1, nullptr, nullptr}},  // entropy-adaptive budget (tests/test_ctr.cpp)
       {"DecodingPress",
-       {1, [](const BasePress&, int64_t seq, double) { return std::min(seq, DecodingPress::kDefaultTargetSize); }, nullptr}},
+       {1, [](const BasePress&, int64_t seq, double) { return std::min(seq, DecodingPress::kDefaultTargetSize); },
+        nullptr}},
       {"CompressionRatioDecodingPress",
-       {1, [](const BasePress& p, int64_t seq, double) { return std::max<int64_t>(1, dynamic_cast<const DecodingPress&>(p).target_size(seq)); },
+       {1,
+        [](const BasePress& p, int64_t seq, double) {
+          return std::max<int64_t>(1, dynamic_cast<const DecodingPress&>(p).target_size(seq));
+        },
         nullptr}},
       {"PrefillDecodingPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},
   };
@@ -153,8 +158,8 @@ const std::map<std::string, Promise>& promises() {
 
 // The kept positions [B, Hkv] -> per-head sets, whatever the press's layout.
 struct Result {
-  at::Tensor keep_mask;      // [B, Hkv, S] bool
-  at::Tensor keys, values;   // packed over heads in position order
+  at::Tensor keep_mask;     // [B, Hkv, S] bool
+  at::Tensor keys, values;  // packed over heads in position order
 };
 
 Result run(const BasePress& press, const LayerInputs& in) {
@@ -191,7 +196,8 @@ void check_press(const PressInfo& info, const Shape& s, uint64_t seed) {
   ASSERT_EQ(first.keep_mask.sizes(), (at::IntArrayRef{s.batch, s.kv_heads, s.seq}));
   const at::Tensor per_head = first.keep_mask.sum(-1);  // [B, Hkv]
   if (press->head_ragged()) {
-    EXPECT_TRUE(at::equal(per_head.sum(-1), at::full({s.batch}, s.kv_heads * default_kept(*press, s.seq, ratio), at::kLong)));
+    EXPECT_TRUE(
+        at::equal(per_head.sum(-1), at::full({s.batch}, s.kv_heads * default_kept(*press, s.seq, ratio), at::kLong)));
   } else if (promise.kept) {
     EXPECT_TRUE((per_head == promise.kept(*press, s.seq, ratio)).all().item<bool>())
         << "kept " << per_head << " expected " << promise.kept(*press, s.seq, ratio);
@@ -232,9 +238,9 @@ std::vector<Shape> random_shapes(int count, uint64_t seed) {
   const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
   // Edge cases first: one token, sequences shorter than the windows and sinks, the largest shapes.
   std::vector<Shape> shapes = {
-      {1, 1, 1, 1, 8, at::kFloat, false, 0.5},       {2, 3, 2, 4, 16, at::kBFloat16, true, 0.9},
-      {1, 2, 4, 64, 32, at::kHalf, false, 0.25},      {3, 4, 4, 65, 128, at::kFloat, true, 0.99},
-      {1, 2, 2, 600, 64, at::kFloat, false, 0.75},    {2, 1, 3, 300, 8, at::kFloat, false, 0.0},
+      {1, 1, 1, 1, 8, at::kFloat, false, 0.5},     {2, 3, 2, 4, 16, at::kBFloat16, true, 0.9},
+      {1, 2, 4, 64, 32, at::kHalf, false, 0.25},   {3, 4, 4, 65, 128, at::kFloat, true, 0.99},
+      {1, 2, 2, 600, 64, at::kFloat, false, 0.75}, {2, 1, 3, 300, 8, at::kFloat, false, 0.0},
   };
   while (static_cast<int>(shapes.size()) < count) {
     const int64_t seq = pick(0, 3) == 0 ? pick(1, 70) : pick(1, 600);

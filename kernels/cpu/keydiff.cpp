@@ -17,10 +17,22 @@
 namespace kvpress::kernels {
 namespace {
 
+// Scratch of one thread: the anchor's running sum (double: over millions of rows a float sum
+// drifts), the anchor itself and every row's norm.
+template <typename acc_t>
+struct KeyDiffScratch {
+  std::vector<double> anchor_sum;
+  std::vector<acc_t> anchor, norms;
+  KeyDiffScratch(int64_t dim, int64_t seq)
+      : anchor_sum(static_cast<size_t>(dim)), anchor(static_cast<size_t>(dim)), norms(static_cast<size_t>(seq)) {}
+};
+
 template <typename scalar_t, typename acc_t>
-void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, std::vector<acc_t>& anchor,
-                  std::vector<acc_t>& norms) {
-  std::fill(anchor.begin(), anchor.end(), acc_t(0));
+void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, KeyDiffScratch<acc_t>& scratch) {
+  std::vector<double>& sum = scratch.anchor_sum;
+  std::vector<acc_t>& anchor = scratch.anchor;
+  std::vector<acc_t>& norms = scratch.norms;
+  std::fill(sum.begin(), sum.end(), 0.0);
   for (int64_t s = 0; s < seq; ++s) {
     const scalar_t* k = keys + s * dim;
     acc_t sq = 0;
@@ -31,11 +43,12 @@ void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, st
     const acc_t norm = std::sqrt(sq);
     norms[static_cast<size_t>(s)] = norm;
     const acc_t inv = acc_t(1) / std::max(norm, acc_t(1e-12));
-    for (int64_t d = 0; d < dim; ++d) anchor[static_cast<size_t>(d)] += static_cast<acc_t>(k[d]) * inv;
+    for (int64_t d = 0; d < dim; ++d)
+      sum[static_cast<size_t>(d)] += static_cast<double>(static_cast<acc_t>(k[d]) * inv);
   }
   acc_t anchor_sq = 0;
   for (int64_t d = 0; d < dim; ++d) {
-    anchor[static_cast<size_t>(d)] /= static_cast<acc_t>(seq);
+    anchor[static_cast<size_t>(d)] = static_cast<acc_t>(sum[static_cast<size_t>(d)] / static_cast<double>(seq));
     anchor_sq += anchor[static_cast<size_t>(d)] * anchor[static_cast<size_t>(d)];
   }
   const acc_t anchor_norm = std::max(std::sqrt(anchor_sq), acc_t(1e-8));
@@ -57,10 +70,9 @@ at::Tensor keydiff_scores_cpu(const at::Tensor& keys_in) {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* k = keys.data_ptr<scalar_t>();
     at::parallel_for(0, heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> anchor(static_cast<size_t>(dim)), norms(static_cast<size_t>(seq));
-      for (int64_t h = begin; h < end; ++h) {
-        keydiff_head<scalar_t, acc_t>(k + h * seq * dim, seq, dim, out_ptr + h * seq, anchor, norms);
-      }
+      KeyDiffScratch<acc_t> scratch(dim, seq);
+      for (int64_t h = begin; h < end; ++h)
+        keydiff_head<scalar_t, acc_t>(k + h * seq * dim, seq, dim, out_ptr + h * seq, scratch);
     });
   });
   return out;
