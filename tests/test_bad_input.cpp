@@ -217,6 +217,17 @@ TEST(BadInput, CompactorOps) {
   expect_error([&] { ops::leverage_scores(keys, 0, 0); }, {"leverage_scores: sketch_dimension must be > 0, got 0"});
   expect_error(
       [&] {
+        ops::sketched_leverage(keys, randn({1, 3, 8, 4}, 13));
+      },
+      {"sketched_leverage: sketch must be [8, k] or [1, 2, 8, k], got [1, 3, 8, 4]"});
+  LayerInputs in;
+  in.keys = keys;
+  in.values = keys;
+  expect_error([&] { ops::leverage_scores(in, 4, 0, "op"); },
+               {"op: needs cos/sin (to invert RoPE on the cached keys) or hidden_states + k_proj"});
+  expect_error([&] { ops::noncausal_column_sums(in, 4, "op"); }, {"op: needs "});
+  expect_error(
+      [&] {
         ops::noncausal_column_sums(randn({1, 4, 15, 8}, 15), keys, 4);
       },
       {"noncausal_column_sums: queries must cover every position (q_len == seq_len 16), got q_len 15"});
