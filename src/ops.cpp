@@ -166,6 +166,11 @@ TORCH_LIBRARY(kvpress, m) {
   m.def(
       "ragged_attention(Tensor queries, Tensor packed_keys, Tensor packed_values, Tensor offsets, "
       "Tensor tail_keys, Tensor tail_values, float? scale=None) -> Tensor");
+  // Paged KV cache (kernels; kvpress/paged.h).
+  m.def(
+      "paged_attention(Tensor queries, Tensor key_pool, Tensor value_pool, Tensor page_table, Tensor lengths, "
+      "float? scale=None) -> Tensor");
+  m.def("paged_write(Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor keys, Tensor values, Tensor slots) -> ()");
   // Any registry press on one layer; params: ["window_size=32", ...]; every LayerInputs field by name.
   const std::string press_arguments = press_op_arguments();
   m.def(("press_compress" + press_arguments + " -> (Tensor, Tensor, Tensor)").c_str(),
@@ -186,6 +191,8 @@ TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("window_attention_mean", &ops::composite::window_attention_mean);
   m.impl("lagkv_partition_scores", &ops::composite::lagkv_partition_scores);
   m.impl("ragged_attention", &ops::composite::ragged_attention);
+  m.impl("paged_attention", &ops::composite::paged_attention);
+  m.impl("paged_write", &ops::composite::paged_write);
 }
 
 }  // namespace kvpress

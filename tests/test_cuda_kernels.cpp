@@ -17,16 +17,6 @@ namespace {
 
 using testing::randn;
 
-bool cuda_kernels_built() {
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow("kvpress::topk_indices", "")
-      .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
-}
-
-#define KVPRESS_REQUIRE_CUDA_KERNELS()                                  \
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine"; \
-  if (!cuda_kernels_built()) GTEST_SKIP() << "libkvpress built without CUDA kernels"
-
 TEST(CudaKernels, KeyNormScoresMatchCpu) {
   KVPRESS_REQUIRE_CUDA_KERNELS();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {

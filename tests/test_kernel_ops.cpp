@@ -89,9 +89,9 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
   EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
             (at::IntArrayRef{1, 4, 27}));
-  for (const char* op :
-       {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::key_norm_scores", "kvpress::keydiff_scores",
-        "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores", "kvpress::ragged_attention"}) {
+  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::key_norm_scores",
+                         "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
+                         "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;

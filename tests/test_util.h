@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -28,4 +30,17 @@ inline at::Tensor randn(std::initializer_list<int64_t> shape, uint64_t seed, at:
   return at::randn(shape, at::TensorOptions().dtype(at::kFloat)).to(dtype);
 }
 
+// Whether libkvpress registered its CUDA kernels (built with KVPRESS_WITH_CUDA).
+inline bool cuda_kernels_built() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("kvpress::topk_indices", "")
+      .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
+}
+
 }  // namespace kvpress::testing
+
+// CPU-vs-CUDA tests: skipped where no GPU is present or the library has no CUDA kernels (CUDA
+// tensors would then take the ATen composites).
+#define KVPRESS_REQUIRE_CUDA_KERNELS()                                  \
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device on this machine"; \
+  if (!kvpress::testing::cuda_kernels_built()) GTEST_SKIP() << "libkvpress built without CUDA kernels"

@@ -230,4 +230,26 @@ at::Tensor ragged_attention(const at::Tensor& queries,                    // [B,
                             const at::Tensor& tail_values,                // [B, Hkv, m, D]
                             std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
 
+// ---- paged KV cache (kvpress/paged.h) --------------------------------------------------------
+
+// Causal attention of n new tokens over per-head lists of fixed-size pages. Head (b, h) holds
+// lengths[b, h] tokens; token t sits at row t % page_size of page page_table[b, h, t / page_size] of
+// the pools. The queries are those of each head's last n tokens: new token i sees tokens
+// 0 .. lengths[b, h] - n + i. GQA without repeat_kv (query head q reads KV head q / G), float32
+// accumulation, scale defaults to 1 / sqrt(D). CPU and CUDA kernels (torch.ops.kvpress.paged_attention).
+at::Tensor paged_attention(const at::Tensor& queries,                    // [B, Hq, n, D]
+                           const at::Tensor& key_pool,                   // [num_pages, page_size, D]
+                           const at::Tensor& value_pool,                 // [num_pages, page_size, D]
+                           const at::Tensor& page_table,                 // [B, Hkv, max_pages] int64, same device
+                           const at::Tensor& lengths,                    // [B, Hkv] int64, same device
+                           std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
+
+// Writes row r of keys/values into slot slots[r] = page * page_size + row of the pools, in place
+// (vLLM's reshape_and_cache). Slots must be in range; they may repeat only if the rows are equal.
+void paged_write(at::Tensor& key_pool,      // [num_pages, page_size, D], contiguous, written
+                 at::Tensor& value_pool,    // [num_pages, page_size, D], contiguous, written
+                 const at::Tensor& keys,    // [N, D]
+                 const at::Tensor& values,  // [N, D]
+                 const at::Tensor& slots);  // [N] int64
+
 }  // namespace kvpress::ops

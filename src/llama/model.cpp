@@ -375,7 +375,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
     }
     // After a press that re-rotates the kept keys to positions 0..n_kept-1 (KeyRerotationPress), the
     // next token continues at n_kept, as in kvpress's pipeline; otherwise after the last input token.
-    cache.set_position(press && press->rerotates_keys() ? cache.length(0) : start + n);
+    cache.set_position(press ? press->position_after(start + n, cache.length(0)) : start + n);
   } catch (...) {
     cache = std::move(before);
     throw;

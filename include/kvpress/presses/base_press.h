@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -38,6 +39,9 @@ class BasePress {
   // True when compress() re-rotates the kept keys to the positions 0..n_kept-1 (KeyRerotationPress):
   // the engine then continues at position n_kept instead of S, as kvpress's pipeline does.
   virtual bool rerotates_keys() const { return false; }
+  // The position id of the token after a layer of seq_len positions compressed to n_kept: seq_len,
+  // or n_kept after a press that re-rotates keys. The one rule every cache follows.
+  int64_t position_after(int64_t seq_len, int64_t n_kept) const { return rerotates_keys() ? n_kept : seq_len; }
 
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;

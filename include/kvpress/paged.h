@@ -1,0 +1,195 @@
+// Paged per-head KV cache: the layout serving engines use (fixed-size pages from a shared pool),
+// with per-head budgets, so that compression frees real memory. See docs/INTEGRATION.md.
+//
+// Per layer, a key pool and a value pool [num_pages, page_size, D]. Every page belongs to one
+// (sequence, layer, KV head); head (s, l, h) holds length(s, l, h) tokens, token t at row
+// t % page_size of its page list's entry t / page_size. A press's kept tokens are written straight
+// into freshly taken pages (store()); the full-length cache is never stored. Pages come from one
+// free list per layer and return to it when a head shrinks (compact()) or a sequence is freed.
+//
+//   kvpress::PagedCacheOptions opt;  // layers, kv_heads, head_dim, pages_per_layer, dtype, device
+//   kvpress::PagedKVCache cache(opt);
+//   auto a = cache.add_sequence(), b = cache.add_sequence();
+//   for (int64_t layer = 0; layer < L; ++layer)  // prefill: k/v [T, Hkv, D] packed, cu_seqlens [3]
+//     cache.store(layer, {a, b}, k, v, cu_seqlens, press.get(), fill_inputs);
+//   cache.append(layer, {a, b}, k_new, v_new);                   // [2, Hkv, 1, D], decoding
+//   at::Tensor out = cache.attention(layer, {a, b}, q_new);      // [2, Hq, 1, D]
+//   cache.free_sequence(a);                                      // its pages go back to the pool
+//
+// Every mutating call either completes or raises a c10::Error leaving the cache as it was
+// (running out of pages included). Host-side bookkeeping (page lists, lengths, positions) is the
+// authority; batch_view() copies what a kernel needs to the device. Not thread-safe: one engine
+// thread mutates a cache (reads from several threads are safe while none mutates).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "kvpress/presses/base_press.h"
+#include "kvpress/types.h"
+
+namespace kvpress {
+
+struct PagedCacheOptions {
+  int64_t num_layers = 1;
+  int64_t kv_heads = 1;
+  int64_t head_dim = 64;
+  int64_t pages_per_layer = 1024;  // pool size of each layer
+  static constexpr int64_t kDefaultPageSize = 16;
+  int64_t page_size = kDefaultPageSize;  // tokens per page
+  at::ScalarType dtype = at::kFloat;     // float32, float16 or bfloat16
+  at::Device device = at::kCPU;
+};
+
+using SequenceId = int64_t;
+
+struct PagedCacheStats {
+  int64_t num_layers = 0, pages_per_layer = 0, page_size = 0;
+  int64_t bytes_per_page = 0;   // keys + values of one page
+  int64_t pages_used = 0;       // over every layer
+  int64_t pages_free = 0;       // over every layer
+  int64_t peak_pages_used = 0;  // since construction or reset_peak()
+  int64_t sequences = 0;
+  int64_t tokens = 0;  // stored over every (sequence, layer, head)
+  int64_t bytes_used() const { return pages_used * bytes_per_page; }
+  int64_t bytes_total() const { return (pages_used + pages_free) * bytes_per_page; }
+};
+
+// What a kernel reads for a batch of sequences at one layer (ops::paged_attention's arguments).
+struct PagedBatchView {
+  at::Tensor page_table;  // [B, Hkv, max_pages] int64 on the cache's device (unused entries 0)
+  at::Tensor lengths;     // [B, Hkv] int64 on the cache's device
+};
+
+// Completes sequence i's LayerInputs for a press at store(): the cache sets keys, values,
+// layer_idx and num_layers; the callback adds what the press reads (queries, hidden_states,
+// attentions, cos/sin, ...), each of sequence i alone at its own length S_i.
+using SequenceInputsFn = std::function<void(int64_t i, LayerInputs& inputs)>;
+
+class PagedKVCache {
+ public:
+  // Allocates the pools (num_layers x 2 x pages_per_layer x page_size x head_dim elements). Raises
+  // unless every size is positive and dtype is floating.
+  explicit PagedKVCache(const PagedCacheOptions& options);
+
+  const PagedCacheOptions& options() const { return options_; }
+
+  // ---- sequences ---------------------------------------------------------------------------------
+  SequenceId add_sequence();              // an empty sequence (no pages yet)
+  void free_sequence(SequenceId seq);     // returns its pages to the pools
+  bool contains(SequenceId seq) const;
+  std::vector<SequenceId> sequences() const;  // ascending ids
+
+  // ---- prefill: compress while storing -------------------------------------------------------
+  // One layer's prefill K/V of a batch of sequences, packed along tokens as FlashAttention's varlen
+  // interface produces it: sequence i owns rows [cu_seqlens[i], cu_seqlens[i + 1]). With a press,
+  // each sequence is scored alone at its own length (press->compress_ragged of its LayerInputs,
+  // completed by `inputs`) and only the kept tokens are written, into freshly taken pages; without
+  // one every token is stored. Each (sequence, layer) must be empty. The kept sets are those of
+  // compressing each sequence alone. All or nothing: a failing press or too few free pages raise
+  // before anything is written.
+  void store(int64_t layer, const std::vector<SequenceId>& seqs,
+             const at::Tensor& keys,        // [T, Hkv, D]
+             const at::Tensor& values,      // [T, Hkv, D]
+             const at::Tensor& cu_seqlens,  // [B + 1] int32 or int64, from 0 to T, non-decreasing
+             const BasePress* press = nullptr, const SequenceInputsFn& inputs = {});
+  // The same from a padded batch: sequence i is keys[i, :, :lengths[i]].
+  void store_padded(int64_t layer, const std::vector<SequenceId>& seqs,
+                    const at::Tensor& keys,     // [B, Hkv, S, D]
+                    const at::Tensor& values,   // [B, Hkv, S, D]
+                    const at::Tensor& lengths,  // [B] integer, 1 <= lengths[i] <= S
+                    const BasePress* press = nullptr, const SequenceInputsFn& inputs = {});
+
+  // ---- decoding ----------------------------------------------------------------------------------
+  // Appends n tokens to every head of each sequence at `layer` (pages taken as needed), at the
+  // positions next_position(seq, layer) .. + n - 1. All or nothing.
+  void append(int64_t layer, const std::vector<SequenceId>& seqs,
+              const at::Tensor& keys,     // [B, Hkv, n, D]
+              const at::Tensor& values);  // [B, Hkv, n, D]
+  // Causal attention of each sequence's last n stored tokens' queries over its heads' pages
+  // (ops::paged_attention): new token i sees every older token of its head and new tokens <= i.
+  at::Tensor attention(int64_t layer, const std::vector<SequenceId>& seqs,
+                       const at::Tensor& queries,  // [B, Hq, n, D]
+                       std::optional<double> scale = std::nullopt) const;  // -> [B, Hq, n, D]
+  PagedBatchView batch_view(int64_t layer, const std::vector<SequenceId>& seqs) const;
+
+  // ---- decode-time compression ---------------------------------------------------------------
+  // Keeps, in every head of (seq, layer), the tokens where keep_mask is true, moved to the front of
+  // the head's own pages in order; the pages left empty go back to the pool. Only rows whose slot
+  // changes are copied. keep_mask [Hkv, L] bool with L >= every head's length (entries at or past
+  // a head's length must be false).
+  void compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask);
+
+  // ---- contents ----------------------------------------------------------------------------------
+  int64_t length(SequenceId seq, int64_t layer, int64_t head) const;
+  std::vector<int64_t> lengths(SequenceId seq, int64_t layer) const;  // per head
+  // The position id the next token appended to (seq, layer) gets: the prefill length, or the kept
+  // count after a press that re-rotates keys (KeyRerotationPress), plus the tokens appended since.
+  int64_t next_position(SequenceId seq, int64_t layer) const;
+  // Original positions of head h's stored tokens, in storage order (ascending).
+  std::vector<int64_t> positions(SequenceId seq, int64_t layer, int64_t head) const;
+  const std::vector<int64_t>& pages(SequenceId seq, int64_t layer, int64_t head) const;
+  // Copies of head h's tokens [length, D], and of a layer whose heads have equal lengths as a dense
+  // [1, Hkv, L, D] pair (what a decoding press scores).
+  at::Tensor head_keys(SequenceId seq, int64_t layer, int64_t head) const;
+  at::Tensor head_values(SequenceId seq, int64_t layer, int64_t head) const;
+  std::pair<at::Tensor, at::Tensor> dense(SequenceId seq, int64_t layer) const;
+
+  // ---- memory ------------------------------------------------------------------------------------
+  PagedCacheStats stats() const;
+  void reset_peak();
+  int64_t free_pages(int64_t layer) const;
+  // Raw pools for kernels: [pages_per_layer, page_size, D].
+  const at::Tensor& key_pool(int64_t layer) const;
+  const at::Tensor& value_pool(int64_t layer) const;
+
+ private:
+  struct Head {
+    std::vector<int64_t> pages;      // page ids in the layer's pools
+    std::vector<int64_t> positions;  // original position of each stored token
+  };
+  struct SequenceLayer {
+    std::vector<Head> heads;  // kv_heads entries
+    int64_t next_position = 0;
+    bool stored = false;  // store() ran (or append() started the layer)
+  };
+  struct Sequence {
+    std::vector<SequenceLayer> layers;
+  };
+  struct Layer {
+    at::Tensor key_pool, value_pool;  // [pages_per_layer, page_size, D]
+    std::vector<int64_t> free_pages;  // a stack: the last entry is taken first
+  };
+
+  // One (sequence, head)'s share of a write: rows to put after the head's current tokens.
+  struct HeadWrite {
+    int64_t seq_index, head;
+    at::Tensor keys, values;         // [n, D]
+    std::vector<int64_t> positions;  // n original positions
+  };
+  // Takes the pages the writes need (all or nothing) and writes every row with one paged_write.
+  void write(int64_t layer, const std::vector<SequenceId>& seqs, std::vector<HeadWrite>& writes);
+  // Shared by store() and store_padded(): sequence i's [1, Hkv, S_i, D] views.
+  void store_views(int64_t layer, const std::vector<SequenceId>& seqs, const std::vector<at::Tensor>& keys,
+                   const std::vector<at::Tensor>& values, const BasePress* press, const SequenceInputsFn& inputs,
+                   const char* op);
+
+  const Sequence& sequence_at(SequenceId seq, const char* op) const;
+  Sequence& sequence_at(SequenceId seq, const char* op);
+  void check_layer(int64_t layer, const char* op) const;
+  void check_sequences(const std::vector<SequenceId>& seqs, const char* op) const;  // present and distinct
+  int64_t pages_used_now() const;
+
+  PagedCacheOptions options_;
+  std::vector<Layer> layers_;
+  std::map<SequenceId, Sequence> sequences_;
+  SequenceId next_id_ = 0;
+  int64_t peak_pages_used_ = 0;
+};
+
+}  // namespace kvpress

@@ -1,0 +1,200 @@
+// Torch-free CUDA kernels of the paged KV cache (see kvpress::ops::paged_attention and
+// ops::paged_write).
+//
+// paged_attention, flash-decoding style: the grid is (units, splits), one unit per (batch row,
+// query head, new token). Block (u, s) attends unit u over its s-th chunk of `chunk` visible keys,
+// its warps taking the keys round-robin (each lane holding D / 32 dimensions of the query and the
+// accumulator), with an online softmax in float32; the warps are merged through shared memory.
+// With one split the block writes the output; otherwise it writes its partial state (max, sum,
+// unnormalised accumulator) and paged_attention_reduce merges the splits of each unit. Splitting
+// keeps every SM busy when a decoding batch has few heads but long ones.
+// paged_write: one thread per element of the copied rows.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace kvpress::cuda {
+
+constexpr int kPagedWarps = 4;
+constexpr int kPagedMaxDimPerLane = 8;  // head_dim <= 256
+constexpr int kPagedMaxDim = 32 * kPagedMaxDimPerLane;
+
+struct PagedAttentionShape {
+  int64_t batch, q_heads, kv_heads, n, dim;
+  int64_t num_pages, page_size, max_pages;
+  int64_t splits, chunk;  // keys [s * chunk, (s + 1) * chunk) of a unit go to split s
+  float scale;
+};
+
+// Partial state of one (unit, split): max, sum, then dim accumulator values.
+__host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
+
+template <typename T>
+__global__ void paged_attention_kernel(const T* __restrict__ queries,     // [B, Hq, n, D] contiguous
+                                       const T* __restrict__ key_pool,    // [P, page_size, D]
+                                       const T* __restrict__ value_pool,  // [P, page_size, D]
+                                       const int64_t* __restrict__ page_table,  // [B, Hkv, max_pages]
+                                       const int64_t* __restrict__ lengths,     // [B, Hkv]
+                                       T* __restrict__ out,                     // [B, Hq, n, D]
+                                       float* __restrict__ partials,  // [units, splits, D + 2] when splits > 1
+                                       PagedAttentionShape s) {
+  __shared__ float part_max[kPagedWarps], part_sum[kPagedWarps];
+  __shared__ float part_acc[kPagedWarps][kPagedMaxDim];
+
+  const int64_t unit = blockIdx.x, split = blockIdx.y;
+  const int64_t i = unit % s.n, bq = unit / s.n, b = bq / s.q_heads, qh = bq % s.q_heads;
+  const int64_t bh = b * s.kv_heads + qh / (s.q_heads / s.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  const T* q = queries + unit * s.dim;
+  float q_reg[kPagedMaxDimPerLane], acc[kPagedMaxDimPerLane];
+#pragma unroll
+  for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
+    const int64_t d = lane + 32 * t;
+    q_reg[t] = d < s.dim ? to_float(q[d]) * s.scale : 0.f;
+    acc[t] = 0.f;
+  }
+  const int64_t n_visible = lengths[bh] - s.n + i + 1;  // tokens 0 .. length - n + i
+  const int64_t j_begin = split * s.chunk;
+  const int64_t j_end = j_begin + s.chunk < n_visible ? j_begin + s.chunk : n_visible;
+  const int64_t* pages = page_table + bh * s.max_pages;
+
+  float run_max = -INFINITY, run_sum = 0.f;
+  for (int64_t j = j_begin + warp; j < j_end; j += kPagedWarps) {
+    int64_t page = pages[j / s.page_size];
+    page = page < 0 ? 0 : (page >= s.num_pages ? s.num_pages - 1 : page);  // the bridge checks them too
+    const int64_t row = (page * s.page_size + j % s.page_size) * s.dim;
+    const T* k = key_pool + row;
+    const T* v = value_pool + row;
+    float dot = 0.f;
+#pragma unroll
+    for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (d < s.dim) dot += q_reg[t] * to_float(k[d]);
+    }
+    dot = warp_sum(dot);
+    const float new_max = fmaxf(run_max, dot);
+    const float correction = __expf(run_max - new_max);  // 0 for the first key
+    const float p = __expf(dot - new_max);
+    run_sum = run_sum * correction + p;
+#pragma unroll
+    for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (d < s.dim) acc[t] = acc[t] * correction + p * to_float(v[d]);
+    }
+    run_max = new_max;
+  }
+
+  if (lane == 0) {
+    part_max[warp] = run_max;
+    part_sum[warp] = run_sum;
+  }
+#pragma unroll
+  for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
+    const int64_t d = lane + 32 * t;
+    if (d < s.dim) part_acc[warp][d] = acc[t];
+  }
+  __syncthreads();
+
+  // Merge the warps; a warp (or a whole split) that saw no key has max -inf and weighs 0.
+  float total_max = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kPagedWarps; ++w) total_max = fmaxf(total_max, part_max[w]);
+  const auto weight = [&](int w) { return part_max[w] == -INFINITY ? 0.f : __expf(part_max[w] - total_max); };
+  float total_sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kPagedWarps; ++w) total_sum += part_sum[w] * weight(w);
+  if (s.splits == 1) {  // a new token always sees itself, so total_sum > 0
+    T* o = out + unit * s.dim;
+    for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
+      float value = 0.f;
+#pragma unroll
+      for (int w = 0; w < kPagedWarps; ++w) value += part_acc[w][d] * weight(w);
+      o[d] = from_float<T>(value / total_sum);
+    }
+    return;
+  }
+  float* partial = partials + (unit * s.splits + split) * paged_partial_stride(s.dim);
+  if (threadIdx.x == 0) {
+    partial[0] = total_max;
+    partial[1] = total_sum;
+  }
+  for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
+    float value = 0.f;
+#pragma unroll
+    for (int w = 0; w < kPagedWarps; ++w) value += part_acc[w][d] * weight(w);
+    partial[2 + d] = value;
+  }
+}
+
+// Merges the splits of each unit (one block per unit).
+template <typename T>
+__global__ void paged_attention_reduce(const float* __restrict__ partials, T* __restrict__ out,
+                                       PagedAttentionShape s) {
+  const int64_t unit = blockIdx.x, stride = paged_partial_stride(s.dim);
+  const float* p = partials + unit * s.splits * stride;
+  float total_max = -INFINITY;
+  for (int64_t c = 0; c < s.splits; ++c) total_max = fmaxf(total_max, p[c * stride]);
+  float total_sum = 0.f;
+  for (int64_t c = 0; c < s.splits; ++c) {
+    const float m = p[c * stride];
+    if (m != -INFINITY) total_sum += p[c * stride + 1] * __expf(m - total_max);
+  }
+  T* o = out + unit * s.dim;
+  for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
+    float value = 0.f;
+    for (int64_t c = 0; c < s.splits; ++c) {
+      const float m = p[c * stride];
+      if (m != -INFINITY) value += p[c * stride + 2 + d] * __expf(m - total_max);
+    }
+    o[d] = from_float<T>(value / total_sum);
+  }
+}
+
+// `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused).
+template <typename T>
+cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T* value_pool, const int64_t* page_table,
+                                   const int64_t* lengths, T* out, float* partials, const PagedAttentionShape& shape,
+                                   cudaStream_t stream) {
+  const int64_t units = shape.batch * shape.q_heads * shape.n;
+  if (units == 0) return cudaSuccess;
+  if (shape.dim > kPagedMaxDim || shape.splits < 1 || shape.splits > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.splits));
+  paged_attention_kernel<T><<<grid, kPagedWarps * 32, 0, stream>>>(queries, key_pool, value_pool, page_table, lengths,
+                                                                     out, partials, shape);
+  if (shape.splits > 1) {
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    paged_attention_reduce<T><<<static_cast<unsigned>(units), 128, 0, stream>>>(partials, out, shape);
+  }
+  return cudaGetLastError();
+}
+
+// Row r of keys/values ([rows, dim]) to slot slots[r] of the pools ([*, dim] rows).
+template <typename T>
+__global__ void paged_write_kernel(T* __restrict__ key_pool, T* __restrict__ value_pool, const T* __restrict__ keys,
+                                   const T* __restrict__ values, const int64_t* __restrict__ slots, int64_t rows,
+                                   int64_t dim) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= rows * dim) return;
+  const int64_t r = e / dim, d = e % dim, dst = slots[r] * dim + d;
+  key_pool[dst] = keys[e];
+  value_pool[dst] = values[e];
+}
+
+template <typename T>
+cudaError_t launch_paged_write(T* key_pool, T* value_pool, const T* keys, const T* values, const int64_t* slots,
+                               int64_t rows, int64_t dim, cudaStream_t stream) {
+  const int64_t elements = rows * dim;
+  if (elements == 0) return cudaSuccess;
+  constexpr int threads = 256;
+  paged_write_kernel<T><<<static_cast<unsigned>((elements + threads - 1) / threads), threads, 0, stream>>>(
+      key_pool, value_pool, keys, values, slots, rows, dim);
+  return cudaGetLastError();
+}
+
+}  // namespace kvpress::cuda

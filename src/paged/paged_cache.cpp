@@ -1,0 +1,510 @@
+// PagedKVCache: page allocation, compress-while-storing, appends, compaction and statistics.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "checks.h"
+#include "kvpress/ops.h"
+#include "kvpress/paged.h"
+
+namespace kvpress {
+
+using checks::shape_str;
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A host int64 vector as a tensor on `device`.
+at::Tensor to_device(const std::vector<int64_t>& v, at::Device device) {
+  return at::tensor(at::ArrayRef<int64_t>(v), at::kLong).to(device);
+}
+
+std::vector<int64_t> to_host_vector(const at::Tensor& t) {  // any integer tensor -> int64 values
+  const at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
+  return {c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel()};
+}
+
+}  // namespace
+
+PagedKVCache::PagedKVCache(const PagedCacheOptions& options) : options_(options) {
+  constexpr const char* op = "PagedKVCache";
+  checks::check_positive(op, "num_layers", options.num_layers);
+  checks::check_positive(op, "kv_heads", options.kv_heads);
+  checks::check_positive(op, "head_dim", options.head_dim);
+  checks::check_positive(op, "pages_per_layer", options.pages_per_layer);
+  checks::check_positive(op, "page_size", options.page_size);
+  TORCH_CHECK(at::isFloatingType(options.dtype) && options.dtype != at::kDouble, op,
+              ": dtype must be float32, float16 or bfloat16, got ", options.dtype);
+  layers_.resize(static_cast<size_t>(options.num_layers));
+  const auto tensor_options = at::TensorOptions().dtype(options.dtype).device(options.device);
+  for (Layer& l : layers_) {
+    l.key_pool = at::empty({options.pages_per_layer, options.page_size, options.head_dim}, tensor_options);
+    l.value_pool = at::empty_like(l.key_pool);
+    l.free_pages.resize(static_cast<size_t>(options.pages_per_layer));
+    // A stack taken from the back: page 0 first.
+    std::iota(l.free_pages.rbegin(), l.free_pages.rend(), int64_t{0});
+  }
+}
+
+// ---- sequences -----------------------------------------------------------------------------------
+
+SequenceId PagedKVCache::add_sequence() {
+  Sequence s;
+  s.layers.resize(static_cast<size_t>(options_.num_layers));
+  for (SequenceLayer& l : s.layers) l.heads.resize(static_cast<size_t>(options_.kv_heads));
+  const SequenceId id = next_id_++;
+  sequences_.emplace(id, std::move(s));
+  return id;
+}
+
+void PagedKVCache::free_sequence(SequenceId seq) {
+  Sequence& s = sequence_at(seq, "PagedKVCache::free_sequence");
+  for (size_t l = 0; l < s.layers.size(); ++l)
+    for (Head& h : s.layers[l].heads)
+      layers_[l].free_pages.insert(layers_[l].free_pages.end(), h.pages.rbegin(), h.pages.rend());
+  sequences_.erase(seq);
+}
+
+bool PagedKVCache::contains(SequenceId seq) const { return sequences_.count(seq) != 0; }
+
+std::vector<SequenceId> PagedKVCache::sequences() const {
+  std::vector<SequenceId> ids;
+  for (const auto& entry : sequences_) ids.push_back(entry.first);
+  return ids;
+}
+
+const PagedKVCache::Sequence& PagedKVCache::sequence_at(SequenceId seq, const char* op) const {
+  const auto it = sequences_.find(seq);
+  TORCH_CHECK(it != sequences_.end(), op, ": sequence ", seq, " is not in the cache (never added, or freed)");
+  return it->second;
+}
+
+PagedKVCache::Sequence& PagedKVCache::sequence_at(SequenceId seq, const char* op) {
+  return const_cast<Sequence&>(static_cast<const PagedKVCache*>(this)->sequence_at(seq, op));
+}
+
+void PagedKVCache::check_layer(int64_t layer, const char* op) const {
+  TORCH_CHECK(layer >= 0 && layer < options_.num_layers, op, ": layer must be in [0, ", options_.num_layers,
+              "), got ", layer);
+}
+
+void PagedKVCache::check_sequences(const std::vector<SequenceId>& seqs, const char* op) const {
+  TORCH_CHECK(!seqs.empty(), op, ": seqs must name at least one sequence, got none");
+  std::set<SequenceId> seen;
+  for (SequenceId s : seqs) {
+    sequence_at(s, op);
+    TORCH_CHECK(seen.insert(s).second, op, ": seqs must be distinct, got sequence ", s, " twice");
+  }
+}
+
+// ---- writing -------------------------------------------------------------------------------------
+
+void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std::vector<HeadWrite>& writes) {
+  Layer& pool = layers_[static_cast<size_t>(layer)];
+  const int64_t page_size = options_.page_size;
+  // The page lists after the write, computed first so that nothing changes when pages run out.
+  std::vector<std::vector<int64_t>> new_pages(writes.size());
+  int64_t needed = 0;
+  for (size_t w = 0; w < writes.size(); ++w) {
+    const Head& head = sequences_.at(seqs[static_cast<size_t>(writes[w].seq_index)])
+                           .layers[static_cast<size_t>(layer)]
+                           .heads[static_cast<size_t>(writes[w].head)];
+    const int64_t total = static_cast<int64_t>(head.positions.size() + writes[w].positions.size());
+    needed += std::max<int64_t>(0, ceil_div(total, page_size) - static_cast<int64_t>(head.pages.size()));
+  }
+  const int64_t available = static_cast<int64_t>(pool.free_pages.size());
+  TORCH_CHECK(needed <= available, "PagedKVCache: out of pages at layer ", layer, ": the write needs ", needed,
+              " new pages of ", page_size, " tokens, ", available, " are free (pages_per_layer ",
+              options_.pages_per_layer, "); nothing was written");
+  size_t taken = 0;  // pages taken from the back of the free stack
+  std::vector<int64_t> slots;
+  std::vector<at::Tensor> key_rows, value_rows;
+  for (size_t w = 0; w < writes.size(); ++w) {
+    const Head& head = sequences_.at(seqs[static_cast<size_t>(writes[w].seq_index)])
+                           .layers[static_cast<size_t>(layer)]
+                           .heads[static_cast<size_t>(writes[w].head)];
+    std::vector<int64_t>& pages = new_pages[w];
+    pages = head.pages;
+    const auto length = static_cast<int64_t>(head.positions.size());
+    const auto n = static_cast<int64_t>(writes[w].positions.size());
+    while (static_cast<int64_t>(pages.size()) < ceil_div(length + n, page_size))
+      pages.push_back(pool.free_pages[pool.free_pages.size() - 1 - taken++]);
+    for (int64_t t = length; t < length + n; ++t)
+      slots.push_back(pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size);
+    key_rows.push_back(writes[w].keys);
+    value_rows.push_back(writes[w].values);
+  }
+  if (!slots.empty()) {
+    const at::Tensor keys = at::cat(key_rows), values = at::cat(value_rows);
+    ops::paged_write(pool.key_pool, pool.value_pool, keys, values, to_device(slots, options_.device));
+  }
+  // Commit.
+  pool.free_pages.resize(pool.free_pages.size() - taken);
+  for (size_t w = 0; w < writes.size(); ++w) {
+    Head& head = sequences_.at(seqs[static_cast<size_t>(writes[w].seq_index)])
+                     .layers[static_cast<size_t>(layer)]
+                     .heads[static_cast<size_t>(writes[w].head)];
+    head.pages = std::move(new_pages[w]);
+    head.positions.insert(head.positions.end(), writes[w].positions.begin(), writes[w].positions.end());
+  }
+  peak_pages_used_ = std::max(peak_pages_used_, pages_used_now());
+}
+
+void PagedKVCache::store(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& keys,
+                         const at::Tensor& values, const at::Tensor& cu_seqlens, const BasePress* press,
+                         const SequenceInputsFn& inputs) {
+  constexpr const char* op = "PagedKVCache::store";
+  checks::check_rank(op, "keys", keys, 3, "[total_tokens, kv_heads, head_dim]");
+  checks::check_rank(op, "values", values, 3, "[total_tokens, kv_heads, head_dim]");
+  checks::check_rank(op, "cu_seqlens", cu_seqlens, 1, "[batch + 1]");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
+              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
+  TORCH_CHECK(cu_seqlens.size(0) == static_cast<int64_t>(seqs.size()) + 1, op, ": cu_seqlens must be [",
+              seqs.size() + 1, "] (batch + 1 offsets for ", seqs.size(), " sequences), got ", shape_str(cu_seqlens));
+  const std::vector<int64_t> cu = to_host_vector(cu_seqlens);
+  TORCH_CHECK(cu.front() == 0 && cu.back() == keys.size(0), op, ": cu_seqlens must run from 0 to total_tokens (",
+              keys.size(0), "), got ", cu.front(), " .. ", cu.back());
+  std::vector<at::Tensor> k, v;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    TORCH_CHECK(cu[i + 1] > cu[i], op, ": every sequence must hold at least one token, got cu_seqlens[", i + 1,
+                "] = ", cu[i + 1], " after cu_seqlens[", i, "] = ", cu[i]);
+    // [len, Hkv, D] -> [1, Hkv, len, D] views.
+    k.push_back(keys.narrow(0, cu[i], cu[i + 1] - cu[i]).permute({1, 0, 2}).unsqueeze(0));
+    v.push_back(values.narrow(0, cu[i], cu[i + 1] - cu[i]).permute({1, 0, 2}).unsqueeze(0));
+  }
+  store_views(layer, seqs, k, v, press, inputs, op);
+}
+
+void PagedKVCache::store_padded(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& keys,
+                                const at::Tensor& values, const at::Tensor& lengths, const BasePress* press,
+                                const SequenceInputsFn& inputs) {
+  constexpr const char* op = "PagedKVCache::store_padded";
+  checks::check_rank(op, "keys", keys, 4, "[batch, kv_heads, seq_len, head_dim]");
+  checks::check_rank(op, "values", values, 4, "[batch, kv_heads, seq_len, head_dim]");
+  checks::check_rank(op, "lengths", lengths, 1, "[batch]");
+  TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && lengths.scalar_type() != at::kBool, op,
+              ": lengths must be an integer tensor, got ", lengths.scalar_type());
+  TORCH_CHECK(keys.size(0) == static_cast<int64_t>(seqs.size()) && lengths.size(0) == keys.size(0), op,
+              ": keys and lengths must have one row per sequence (", seqs.size(), "), got keys ", shape_str(keys),
+              " and lengths ", shape_str(lengths));
+  const std::vector<int64_t> len = to_host_vector(lengths);
+  std::vector<at::Tensor> k, v;
+  for (size_t i = 0; i < len.size(); ++i) {
+    TORCH_CHECK(len[i] >= 1 && len[i] <= keys.size(2), op, ": lengths must be in [1, seq_len (", keys.size(2),
+                ")], got ", len[i], " for sequence ", i);
+    k.push_back(keys.narrow(0, static_cast<int64_t>(i), 1).narrow(2, 0, len[i]));
+    v.push_back(values.narrow(0, static_cast<int64_t>(i), 1).narrow(2, 0, len[i]));
+  }
+  store_views(layer, seqs, k, v, press, inputs, op);
+}
+
+void PagedKVCache::store_views(int64_t layer, const std::vector<SequenceId>& seqs, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values, const BasePress* press,
+                               const SequenceInputsFn& inputs, const char* op) {
+  check_layer(layer, op);
+  check_sequences(seqs, op);
+  const int64_t kv_heads = options_.kv_heads, dim = options_.head_dim;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    TORCH_CHECK(!sequences_.at(seqs[i]).layers[static_cast<size_t>(layer)].stored, op, ": sequence ", seqs[i],
+                " already holds layer ", layer, " (store() writes a prefill into an empty layer)");
+    const at::Tensor& k = keys[i];
+    TORCH_CHECK(k.size(1) == kv_heads && k.size(3) == dim && values[i].sizes() == k.sizes(), op,
+                ": keys and values must have ", kv_heads, " KV heads of dimension ", dim, " like the cache, got ",
+                shape_str(k), " and ", shape_str(values[i]), " for sequence ", i);
+    for (const at::Tensor* t : {&k, &values[i]}) {
+      TORCH_CHECK(t->scalar_type() == options_.dtype, op, ": keys and values must be ", options_.dtype,
+                  " like the cache, got ", t->scalar_type());
+      TORCH_CHECK(t->device() == options_.device, op, ": keys and values must be on ", options_.device,
+                  " like the cache, got ", t->device());
+    }
+  }
+  // Select every sequence's tokens before writing anything, so that a press failing on sequence i
+  // leaves the cache as it was.
+  std::vector<HeadWrite> writes;
+  std::vector<int64_t> next_positions;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t seq_len = keys[i].size(2);
+    const auto index = static_cast<int64_t>(i);
+    if (press == nullptr) {
+      std::vector<int64_t> all(static_cast<size_t>(seq_len));
+      std::iota(all.begin(), all.end(), int64_t{0});
+      for (int64_t h = 0; h < kv_heads; ++h) writes.push_back({index, h, keys[i][0][h], values[i][0][h], all});
+      next_positions.push_back(seq_len);
+      continue;
+    }
+    LayerInputs in;
+    in.layer_idx = layer;
+    in.num_layers = options_.num_layers;
+    if (inputs) inputs(index, in);
+    in.keys = keys[i];  // the cache's rows, whatever the callback set
+    in.values = values[i];
+    const RaggedKV kv = press->compress_ragged(in);
+    TORCH_CHECK(kv.batch == 1 && kv.kv_heads == kv_heads && static_cast<int64_t>(kv.heads.size()) == kv_heads, op,
+                ": ", press->name(), " returned ", kv.batch, " x ", kv.kv_heads, " heads for one sequence of ",
+                kv_heads);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const HeadKV& head = kv.at(0, h);
+      writes.push_back({index, h, head.keys, head.values, to_host_vector(head.kept_indices)});
+    }
+    next_positions.push_back(press->position_after(seq_len, kv.at(0, 0).kept_indices.size(0)));
+  }
+  write(layer, seqs, writes);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    SequenceLayer& l = sequences_.at(seqs[i]).layers[static_cast<size_t>(layer)];
+    l.stored = true;
+    l.next_position = next_positions[i];
+  }
+}
+
+void PagedKVCache::append(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& keys,
+                          const at::Tensor& values) {
+  constexpr const char* op = "PagedKVCache::append";
+  check_layer(layer, op);
+  check_sequences(seqs, op);
+  checks::check_kv(op, keys, values);
+  TORCH_CHECK(keys.size(0) == static_cast<int64_t>(seqs.size()) && keys.size(1) == options_.kv_heads &&
+                  keys.size(3) == options_.head_dim,
+              op, ": keys must be [", seqs.size(), ", ", options_.kv_heads, ", n, ", options_.head_dim,
+              "] (one row per sequence), got ", shape_str(keys));
+  TORCH_CHECK(keys.scalar_type() == options_.dtype && keys.device() == options_.device, op, ": keys must be ",
+              options_.dtype, " on ", options_.device, " like the cache, got ", keys.scalar_type(), " on ",
+              keys.device());
+  const int64_t n = keys.size(2);
+  std::vector<HeadWrite> writes;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t next = sequences_.at(seqs[i]).layers[static_cast<size_t>(layer)].next_position;
+    std::vector<int64_t> positions(static_cast<size_t>(n));
+    std::iota(positions.begin(), positions.end(), next);
+    for (int64_t h = 0; h < options_.kv_heads; ++h)
+      writes.push_back({static_cast<int64_t>(i), h, keys[static_cast<int64_t>(i)][h],
+                        values[static_cast<int64_t>(i)][h], positions});
+  }
+  write(layer, seqs, writes);
+  for (SequenceId s : seqs) {
+    SequenceLayer& l = sequences_.at(s).layers[static_cast<size_t>(layer)];
+    l.stored = true;
+    l.next_position += n;
+  }
+}
+
+// ---- reading -------------------------------------------------------------------------------------
+
+PagedBatchView PagedKVCache::batch_view(int64_t layer, const std::vector<SequenceId>& seqs) const {
+  constexpr const char* op = "PagedKVCache::batch_view";
+  check_layer(layer, op);
+  check_sequences(seqs, op);
+  const int64_t batch = static_cast<int64_t>(seqs.size()), kv_heads = options_.kv_heads;
+  size_t max_pages = 1;
+  for (SequenceId s : seqs)
+    for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
+      max_pages = std::max(max_pages, h.pages.size());
+  at::Tensor table = at::zeros({batch, kv_heads, static_cast<int64_t>(max_pages)}, at::kLong);
+  at::Tensor lengths = at::empty({batch, kv_heads}, at::kLong);
+  int64_t* t = table.data_ptr<int64_t>();
+  int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto& heads = sequences_.at(seqs[static_cast<size_t>(b)]).layers[static_cast<size_t>(layer)].heads;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const Head& head = heads[static_cast<size_t>(h)];
+      std::copy(head.pages.begin(), head.pages.end(), t + (b * kv_heads + h) * static_cast<int64_t>(max_pages));
+      len[b * kv_heads + h] = static_cast<int64_t>(head.positions.size());
+    }
+  }
+  return {table.to(options_.device), lengths.to(options_.device)};
+}
+
+at::Tensor PagedKVCache::attention(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& queries,
+                                   std::optional<double> scale) const {
+  constexpr const char* op = "PagedKVCache::attention";
+  checks::check_rank(op, "queries", queries, 4, "[batch, q_heads, n, head_dim]");
+  TORCH_CHECK(queries.size(0) == static_cast<int64_t>(seqs.size()), op, ": queries must have one row per sequence (",
+              seqs.size(), "), got ", shape_str(queries));
+  const PagedBatchView view = batch_view(layer, seqs);
+  const Layer& pool = layers_[static_cast<size_t>(layer)];
+  return ops::paged_attention(queries, pool.key_pool, pool.value_pool, view.page_table, view.lengths, scale);
+}
+
+int64_t PagedKVCache::length(SequenceId seq, int64_t layer, int64_t head) const {
+  return static_cast<int64_t>(positions(seq, layer, head).size());
+}
+
+std::vector<int64_t> PagedKVCache::lengths(SequenceId seq, int64_t layer) const {
+  constexpr const char* op = "PagedKVCache::lengths";
+  check_layer(layer, op);
+  std::vector<int64_t> out;
+  for (const Head& h : sequence_at(seq, op).layers[static_cast<size_t>(layer)].heads)
+    out.push_back(static_cast<int64_t>(h.positions.size()));
+  return out;
+}
+
+int64_t PagedKVCache::next_position(SequenceId seq, int64_t layer) const {
+  constexpr const char* op = "PagedKVCache::next_position";
+  check_layer(layer, op);
+  return sequence_at(seq, op).layers[static_cast<size_t>(layer)].next_position;
+}
+
+std::vector<int64_t> PagedKVCache::positions(SequenceId seq, int64_t layer, int64_t head) const {
+  constexpr const char* op = "PagedKVCache::positions";
+  check_layer(layer, op);
+  TORCH_CHECK(head >= 0 && head < options_.kv_heads, op, ": head must be in [0, ", options_.kv_heads, "), got ", head);
+  return sequence_at(seq, op).layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(head)].positions;
+}
+
+const std::vector<int64_t>& PagedKVCache::pages(SequenceId seq, int64_t layer, int64_t head) const {
+  constexpr const char* op = "PagedKVCache::pages";
+  check_layer(layer, op);
+  TORCH_CHECK(head >= 0 && head < options_.kv_heads, op, ": head must be in [0, ", options_.kv_heads, "), got ", head);
+  return sequence_at(seq, op).layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(head)].pages;
+}
+
+namespace {
+
+// Pool slots of a head's first `n` tokens.
+std::vector<int64_t> head_slots(const std::vector<int64_t>& pages, int64_t n, int64_t page_size) {
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t)
+    slots[static_cast<size_t>(t)] = pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size;
+  return slots;
+}
+
+}  // namespace
+
+at::Tensor PagedKVCache::head_keys(SequenceId seq, int64_t layer, int64_t head) const {
+  const std::vector<int64_t>& p = pages(seq, layer, head);
+  const at::Tensor& pool = layers_[static_cast<size_t>(layer)].key_pool;
+  return pool.view({-1, options_.head_dim})
+      .index_select(0, to_device(head_slots(p, length(seq, layer, head), options_.page_size), options_.device));
+}
+
+at::Tensor PagedKVCache::head_values(SequenceId seq, int64_t layer, int64_t head) const {
+  const std::vector<int64_t>& p = pages(seq, layer, head);
+  const at::Tensor& pool = layers_[static_cast<size_t>(layer)].value_pool;
+  return pool.view({-1, options_.head_dim})
+      .index_select(0, to_device(head_slots(p, length(seq, layer, head), options_.page_size), options_.device));
+}
+
+std::pair<at::Tensor, at::Tensor> PagedKVCache::dense(SequenceId seq, int64_t layer) const {
+  constexpr const char* op = "PagedKVCache::dense";
+  const std::vector<int64_t> len = lengths(seq, layer);
+  TORCH_CHECK(std::all_of(len.begin(), len.end(), [&](int64_t l) { return l == len.front(); }) && len.front() > 0, op,
+              ": every head of sequence ", seq, " at layer ", layer,
+              " must hold the same non-zero number of tokens for a dense copy, got ", c10::Join(", ", len));
+  std::vector<int64_t> slots;
+  for (int64_t h = 0; h < options_.kv_heads; ++h) {
+    const std::vector<int64_t> s = head_slots(pages(seq, layer, h), len.front(), options_.page_size);
+    slots.insert(slots.end(), s.begin(), s.end());
+  }
+  const at::Tensor index = to_device(slots, options_.device);
+  const Layer& pool = layers_[static_cast<size_t>(layer)];
+  const std::vector<int64_t> shape{1, options_.kv_heads, len.front(), options_.head_dim};
+  return {pool.key_pool.view({-1, options_.head_dim}).index_select(0, index).view(shape),
+          pool.value_pool.view({-1, options_.head_dim}).index_select(0, index).view(shape)};
+}
+
+// ---- compaction ----------------------------------------------------------------------------------
+
+void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask) {
+  constexpr const char* op = "PagedKVCache::compact";
+  check_layer(layer, op);
+  SequenceLayer& sl = sequence_at(seq, op).layers[static_cast<size_t>(layer)];
+  checks::check_rank(op, "keep_mask", keep_mask, 2, "[kv_heads, length]");
+  TORCH_CHECK(keep_mask.scalar_type() == at::kBool, op, ": keep_mask must be bool, got ", keep_mask.scalar_type());
+  const std::vector<int64_t> len = lengths(seq, layer);
+  const int64_t longest = *std::max_element(len.begin(), len.end());
+  TORCH_CHECK(keep_mask.size(0) == options_.kv_heads && keep_mask.size(1) >= longest, op, ": keep_mask must be [",
+              options_.kv_heads, ", L >= ", longest, "] (the longest head), got ", shape_str(keep_mask));
+  const at::Tensor mask = keep_mask.to(at::kCPU).contiguous();
+  const bool* m = mask.const_data_ptr<bool>();
+  const int64_t width = mask.size(1), page_size = options_.page_size;
+
+  // Rows whose slot changes: kept token k_j moves to index j (k_j >= j, so gathering every source
+  // before writing is enough; no full copy of the head).
+  std::vector<int64_t> sources, destinations;
+  std::vector<std::vector<int64_t>> kept(static_cast<size_t>(options_.kv_heads));
+  for (int64_t h = 0; h < options_.kv_heads; ++h) {
+    const Head& head = sl.heads[static_cast<size_t>(h)];
+    for (int64_t t = len[static_cast<size_t>(h)]; t < width; ++t)
+      TORCH_CHECK(!m[h * width + t], op, ": keep_mask must be false past head ", h, "'s ", len[static_cast<size_t>(h)],
+                  " tokens, got true at ", t);
+    std::vector<int64_t>& k = kept[static_cast<size_t>(h)];
+    for (int64_t t = 0; t < len[static_cast<size_t>(h)]; ++t)
+      if (m[h * width + t]) k.push_back(t);
+    for (size_t j = 0; j < k.size(); ++j) {
+      if (k[j] == static_cast<int64_t>(j)) continue;
+      const auto slot = [&](int64_t t) {
+        return head.pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size;
+      };
+      sources.push_back(slot(k[j]));
+      destinations.push_back(slot(static_cast<int64_t>(j)));
+    }
+  }
+  Layer& pool = layers_[static_cast<size_t>(layer)];
+  if (!sources.empty()) {
+    const at::Tensor src = to_device(sources, options_.device);
+    const at::Tensor moved_keys = pool.key_pool.view({-1, options_.head_dim}).index_select(0, src);
+    const at::Tensor moved_values = pool.value_pool.view({-1, options_.head_dim}).index_select(0, src);
+    ops::paged_write(pool.key_pool, pool.value_pool, moved_keys, moved_values,
+                     to_device(destinations, options_.device));
+  }
+  for (int64_t h = 0; h < options_.kv_heads; ++h) {
+    Head& head = sl.heads[static_cast<size_t>(h)];
+    const std::vector<int64_t>& k = kept[static_cast<size_t>(h)];
+    std::vector<int64_t> positions(k.size());
+    for (size_t j = 0; j < k.size(); ++j) positions[j] = head.positions[static_cast<size_t>(k[j])];
+    head.positions = std::move(positions);
+    const auto keep_pages = static_cast<size_t>(ceil_div(static_cast<int64_t>(k.size()), page_size));
+    pool.free_pages.insert(pool.free_pages.end(), head.pages.rbegin(),
+                           head.pages.rbegin() + static_cast<std::ptrdiff_t>(head.pages.size() - keep_pages));
+    head.pages.resize(keep_pages);
+  }
+}
+
+// ---- memory --------------------------------------------------------------------------------------
+
+int64_t PagedKVCache::pages_used_now() const {
+  int64_t free = 0;
+  for (const Layer& l : layers_) free += static_cast<int64_t>(l.free_pages.size());
+  return options_.num_layers * options_.pages_per_layer - free;
+}
+
+PagedCacheStats PagedKVCache::stats() const {
+  PagedCacheStats s;
+  s.num_layers = options_.num_layers;
+  s.pages_per_layer = options_.pages_per_layer;
+  s.page_size = options_.page_size;
+  s.bytes_per_page = 2 * options_.page_size * options_.head_dim * static_cast<int64_t>(c10::elementSize(options_.dtype));
+  s.pages_used = pages_used_now();
+  s.pages_free = options_.num_layers * options_.pages_per_layer - s.pages_used;
+  s.peak_pages_used = std::max(peak_pages_used_, s.pages_used);
+  s.sequences = static_cast<int64_t>(sequences_.size());
+  for (const auto& entry : sequences_)
+    for (const SequenceLayer& l : entry.second.layers)
+      for (const Head& h : l.heads) s.tokens += static_cast<int64_t>(h.positions.size());
+  return s;
+}
+
+void PagedKVCache::reset_peak() { peak_pages_used_ = pages_used_now(); }
+
+int64_t PagedKVCache::free_pages(int64_t layer) const {
+  check_layer(layer, "PagedKVCache::free_pages");
+  return static_cast<int64_t>(layers_[static_cast<size_t>(layer)].free_pages.size());
+}
+
+const at::Tensor& PagedKVCache::key_pool(int64_t layer) const {
+  check_layer(layer, "PagedKVCache::key_pool");
+  return layers_[static_cast<size_t>(layer)].key_pool;
+}
+
+const at::Tensor& PagedKVCache::value_pool(int64_t layer) const {
+  check_layer(layer, "PagedKVCache::value_pool");
+  return layers_[static_cast<size_t>(layer)].value_pool;
+}
+
+}  // namespace kvpress

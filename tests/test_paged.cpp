@@ -1,0 +1,547 @@
+// The paged KV cache (issue 13): ops::paged_attention / paged_write against dense references, and
+// PagedKVCache's store (compress while storing, every prefill press), append, attention, compact,
+// statistics and all-or-nothing errors.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernel_ops.h"
+#include "kvpress/kvpress.h"
+#include "kvpress/paged.h"
+#include "random_inputs.h"
+#include "test_util.h"
+
+namespace kvpress {
+namespace {
+
+using testing::expect_error;
+using testing::randn;
+
+// Per-head token lists laid out in randomly ordered pages of a pool.
+struct PagedLayout {
+  at::Tensor key_pool, value_pool;  // [P, page_size, D]
+  at::Tensor page_table, lengths;   // [B, Hkv, max_pages], [B, Hkv]
+  std::vector<at::Tensor> keys, values;  // per head (b * Hkv + h): [L, D]
+};
+
+PagedLayout random_layout(int64_t batch, int64_t kv_heads, const std::vector<int64_t>& lengths, int64_t page_size,
+                          int64_t dim, at::ScalarType dtype, uint64_t seed) {
+  int64_t pages_needed = 0, max_pages = 1;
+  for (int64_t l : lengths) {
+    pages_needed += (l + page_size - 1) / page_size;
+    max_pages = std::max(max_pages, (l + page_size - 1) / page_size);
+  }
+  const int64_t num_pages = pages_needed + 3;  // a few pages nobody uses
+  PagedLayout out;
+  out.key_pool = randn({num_pages, page_size, dim}, seed, dtype);
+  out.value_pool = randn({num_pages, page_size, dim}, seed + 1, dtype);
+  std::vector<int64_t> order(static_cast<size_t>(num_pages));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::shuffle(order.begin(), order.end(), std::mt19937(static_cast<unsigned>(seed)));
+  // Unused table entries hold a wild value: the kernels must never read them.
+  out.page_table = at::full({batch, kv_heads, max_pages}, 1 << 30, at::kLong);
+  out.lengths = at::tensor(at::ArrayRef<int64_t>(lengths), at::kLong).view({batch, kv_heads});
+  size_t next = 0;
+  for (int64_t bh = 0; bh < batch * kv_heads; ++bh) {
+    const int64_t len = lengths[static_cast<size_t>(bh)];
+    std::vector<int64_t> slots;
+    for (int64_t p = 0; p < (len + page_size - 1) / page_size; ++p)
+      out.page_table[bh / kv_heads][bh % kv_heads][p] = order[next++];
+    for (int64_t t = 0; t < len; ++t)
+      slots.push_back(out.page_table[bh / kv_heads][bh % kv_heads][t / page_size].item<int64_t>() * page_size +
+                      t % page_size);
+    const at::Tensor index = at::tensor(at::ArrayRef<int64_t>(slots), at::kLong);
+    out.keys.push_back(out.key_pool.view({-1, dim}).index_select(0, index));
+    out.values.push_back(out.value_pool.view({-1, dim}).index_select(0, index));
+  }
+  return out;
+}
+
+// Dense causal attention in float64 of queries [B, Hq, n, D] over per-head keys/values [L_bh, D]:
+// new token i sees rows 0 .. L - n + i.
+at::Tensor reference_attention(const at::Tensor& queries, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values, int64_t kv_heads) {
+  const int64_t batch = queries.size(0), q_heads = queries.size(1), n = queries.size(2), dim = queries.size(3);
+  const int64_t group = q_heads / kv_heads;
+  at::Tensor out = at::empty({batch, q_heads, n, dim}, at::kDouble);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t qh = 0; qh < q_heads; ++qh) {
+      const size_t bh = static_cast<size_t>(b * kv_heads + qh / group);
+      const at::Tensor k = keys[bh].to(at::kDouble), v = values[bh].to(at::kDouble);
+      const int64_t len = k.size(0);
+      at::Tensor logits = at::matmul(queries[b][qh].to(at::kDouble), k.t()) / std::sqrt(static_cast<double>(dim));
+      const at::Tensor hidden =
+          at::arange(len, at::kLong).unsqueeze(0) > (at::arange(n, at::kLong) + (len - n)).unsqueeze(1);
+      logits.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+      out[b][qh].copy_(at::matmul(at::softmax(logits, -1), v));
+    }
+  }
+  return out;
+}
+
+double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 1e-5 : 2e-2; }
+
+TEST(PagedOps, AttentionMatchesDenseAttentionOverEachHeadsTokens) {
+  struct Case {
+    int64_t batch, kv_heads, groups, n, page_size, dim;
+    std::vector<int64_t> lengths;
+  };
+  const std::vector<Case> cases = {
+      {2, 2, 3, 1, 16, 16, {1, 17, 32, 40}},        // one token, a page boundary, exact pages
+      {2, 2, 1, 4, 5, 8, {4, 9, 23, 50}},           // n new tokens, odd page size, no GQA
+      {1, 1, 4, 1, 16, 64, {3000}},                 // one long head: split across threads and merged
+      {3, 1, 2, 2, 1, 32, {2, 7, 300}},             // page size 1
+      {1, 4, 2, 1, 16, 128, {700, 16, 1, 2049}},    // Llama-like head_dim
+  };
+  for (const Case& c : cases) {
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      const PagedLayout l = random_layout(c.batch, c.kv_heads, c.lengths, c.page_size, c.dim, dtype, 7);
+      const at::Tensor q = randn({c.batch, c.kv_heads * c.groups, c.n, c.dim}, 8, dtype);
+      const at::Tensor expected = reference_attention(q, l.keys, l.values, c.kv_heads);
+      const at::Tensor kernel = ops::paged_attention(q, l.key_pool, l.value_pool, l.page_table, l.lengths);
+      const at::Tensor composite =
+          ops::composite::paged_attention(q, l.key_pool, l.value_pool, l.page_table, l.lengths, std::nullopt);
+      const double tol = tolerance(dtype);
+      EXPECT_EQ(kernel.scalar_type(), dtype);
+      EXPECT_TRUE(at::allclose(kernel.to(at::kDouble), expected, tol, tol))
+          << dtype << " page " << c.page_size << " max err " << (kernel.to(at::kDouble) - expected).abs().max();
+      EXPECT_TRUE(at::allclose(composite.to(at::kDouble), expected, tol, tol)) << dtype << " page " << c.page_size;
+    }
+  }
+}
+
+TEST(PagedOps, AttentionTakesAnExplicitScaleAndStridedQueries) {
+  const PagedLayout l = random_layout(1, 2, {33, 5}, 4, 16, at::kFloat, 9);
+  const at::Tensor q = randn({1, 2, 16, 4}, 10).transpose(2, 3);  // [1, 2, 4, 16] strided
+  const at::Tensor got = ops::paged_attention(q, l.key_pool, l.value_pool, l.page_table, l.lengths, 0.5);
+  const at::Tensor expected = reference_attention(q * (0.5 * 4.0), l.keys, l.values, 2);  // 1/sqrt(16) = 0.25
+  EXPECT_TRUE(at::allclose(got.to(at::kDouble), expected, 1e-5, 1e-5));
+}
+
+TEST(PagedOps, WriteKernelMatchesTheComposite) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    at::Tensor kp = randn({6, 4, 8}, 11, dtype), vp = randn({6, 4, 8}, 12, dtype);
+    at::Tensor kc = kp.clone(), vc = vp.clone();
+    const at::Tensor rows_k = randn({9, 8}, 13, dtype), rows_v = randn({9, 8}, 14, dtype);
+    const at::Tensor slots = at::tensor({23, 0, 5, 6, 7, 12, 13, 1, 19}, at::kLong);
+    ops::paged_write(kp, vp, rows_k, rows_v, slots);
+    ops::composite::paged_write(kc, vc, rows_k, rows_v, slots);
+    EXPECT_TRUE(at::equal(kp, kc)) << dtype;
+    EXPECT_TRUE(at::equal(vp, vc)) << dtype;
+    EXPECT_TRUE(at::equal(kp.view({-1, 8})[23], rows_k[0])) << dtype;
+  }
+}
+
+TEST(PagedOps, RejectBadArguments) {
+  const PagedLayout l = random_layout(1, 2, {10, 3}, 4, 8, at::kFloat, 15);
+  const at::Tensor q = randn({1, 4, 1, 8}, 16);
+  const auto both = [&](const at::Tensor& queries, const at::Tensor& table, const at::Tensor& lengths,
+                        std::initializer_list<std::string> parts) {
+    expect_error([&] { ops::paged_attention(queries, l.key_pool, l.value_pool, table, lengths); }, parts);
+    expect_error(
+        [&] {
+          ops::composite::paged_attention(queries, l.key_pool, l.value_pool, table, lengths, std::nullopt);
+        },
+        parts);
+  };
+  at::Tensor bad_table = l.page_table.clone();
+  bad_table[0][0][1] = l.key_pool.size(0);
+  both(q, bad_table, l.lengths, {"paged_attention: page_table must hold pages in [0, ", "got ", "slot 1"});
+  both(q, l.page_table, at::tensor({10, 13}, at::kLong).view({1, 2}),
+       {"paged_attention: lengths must be in [n (1), max_pages * page_size (12)]", "got 13"});
+  both(randn({1, 4, 4, 8}, 17), l.page_table, l.lengths, {"lengths must be in [n (4)", "got 3 for head 1"});
+  both(q, l.page_table.to(at::kInt), l.lengths, {"paged_attention: page_table must be int64, got Int"});
+  both(randn({1, 3, 1, 8}, 18), l.page_table, l.lengths, {"paged_attention"});
+  both(q.to(at::kHalf), l.page_table, l.lengths, {"paged_attention: key_pool must have the dtype of queries (Half)"});
+  expect_error([&] { ops::paged_attention(at::Tensor(), l.key_pool, l.value_pool, l.page_table, l.lengths); },
+               {"paged_attention", "queries"});
+
+  at::Tensor kp = l.key_pool.clone(), vp = l.value_pool.clone();
+  const at::Tensor rows = randn({2, 8}, 19);
+  const int64_t capacity = kp.size(0) * 4;  // 7 pages of 4
+  expect_error([&] { ops::paged_write(kp, vp, rows, rows, at::tensor({int64_t{0}, capacity}, at::kLong)); },
+               {"paged_write: slots must be in [0, num_pages * page_size (28)), got values in [0, 28]"});
+  expect_error([&] { ops::paged_write(kp, vp, rows.to(at::kHalf), rows.to(at::kHalf), at::tensor({0, 1}, at::kLong)); },
+               {"paged_write: keys and values must be Float like the pools, got Half"});
+  expect_error([&] { ops::paged_write(kp, vp, rows, rows, at::tensor({0}, at::kLong)); },
+               {"paged_write: slots must be int64 [2]"});
+  EXPECT_TRUE(at::equal(kp, l.key_pool));  // nothing was written by the refused calls
+}
+
+// ---- PagedKVCache ------------------------------------------------------------------------------
+
+PagedCacheOptions small_options(int64_t pages, at::ScalarType dtype = at::kFloat) {
+  PagedCacheOptions o;
+  o.num_layers = 2;
+  o.kv_heads = 2;
+  o.head_dim = 16;
+  o.pages_per_layer = pages;
+  o.page_size = 8;
+  o.dtype = dtype;
+  return o;
+}
+
+// A varlen batch: per sequence random LayerInputs [1, Hkv, S_i, D] (every field a press may read)
+// and their keys/values packed along tokens.
+struct VarlenBatch {
+  std::vector<LayerInputs> inputs;
+  at::Tensor keys, values, cu_seqlens;  // [T, Hkv, D], [T, Hkv, D], [B + 1] int32
+};
+
+VarlenBatch varlen_batch(const std::vector<int64_t>& lengths, int64_t kv_heads, int64_t groups, int64_t dim,
+                         at::ScalarType dtype, uint64_t seed) {
+  VarlenBatch v;
+  std::vector<at::Tensor> k, val;
+  std::vector<int32_t> cu{0};
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const testing::Shape s{1, kv_heads, groups, lengths[i], dim, dtype, false, 0.5};
+    LayerInputs in = testing::random_inputs(s, seed + i);
+    in.layer_idx = 1;
+    in.num_layers = 2;
+    k.push_back(in.keys[0].transpose(0, 1));  // [S, Hkv, D]
+    val.push_back(in.values[0].transpose(0, 1));
+    cu.push_back(cu.back() + static_cast<int32_t>(lengths[i]));
+    v.inputs.push_back(std::move(in));
+  }
+  v.keys = at::cat(k).contiguous();
+  v.values = at::cat(val).contiguous();
+  v.cu_seqlens = at::tensor(at::ArrayRef<int32_t>(cu), at::kInt);
+  return v;
+}
+
+// The callback store() takes: every field of sequence i but keys/values (the cache sets those).
+SequenceInputsFn inputs_of(const VarlenBatch& v) {
+  return [&v](int64_t i, LayerInputs& in) {
+    const int64_t layer = in.layer_idx, layers = in.num_layers;
+    in = v.inputs[static_cast<size_t>(i)];
+    in.keys = at::Tensor();
+    in.values = at::Tensor();
+    in.layer_idx = layer;
+    in.num_layers = layers;
+  };
+}
+
+std::vector<int64_t> as_vector(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+int64_t pages_for(int64_t tokens, int64_t page_size) { return (tokens + page_size - 1) / page_size; }
+
+// Every press of the registry that compresses at prefill (decoding presses act in generation and
+// KVComposePress needs the runner's second pass).
+std::vector<std::string> prefill_presses() {
+  std::vector<std::string> names;
+  for (const PressInfo& info : list_presses())
+    if (info.kind == PressKind::kScorer || info.kind == PressKind::kWrapper) names.push_back(info.name);
+  return names;
+}
+
+TEST(PagedCache, StoreKeepsWhatEachSequenceAloneKeepsForEveryPrefillPress) {
+  const std::vector<int64_t> lengths = {130, 77, 201};
+  const VarlenBatch batch = varlen_batch(lengths, 2, 2, 16, at::kFloat, 20);
+  const std::vector<std::string> names = prefill_presses();
+  ASSERT_GE(names.size(), 20u);
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    const auto press = make_press(name, 0.6);
+    for (bool padded : {false, true}) {
+      PagedKVCache cache(small_options(256));
+      const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};
+      at::manual_seed(99);  // RandomPress draws in sequence order, here and alone below
+      if (padded) {
+        const int64_t s_max = *std::max_element(lengths.begin(), lengths.end());
+        std::vector<at::Tensor> k, v;
+        for (const LayerInputs& in : batch.inputs) {
+          k.push_back(at::constant_pad_nd(in.keys, {0, 0, 0, s_max - in.keys.size(2)}, 7.0));
+          v.push_back(at::constant_pad_nd(in.values, {0, 0, 0, s_max - in.values.size(2)}, 7.0));
+        }
+        cache.store_padded(1, seqs, at::cat(k), at::cat(v), at::tensor(at::ArrayRef<int64_t>(lengths)), press.get(),
+                           inputs_of(batch));
+      } else {
+        cache.store(1, seqs, batch.keys, batch.values, batch.cu_seqlens, press.get(), inputs_of(batch));
+      }
+      int64_t expected_pages = 0;
+      at::manual_seed(99);
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        const RaggedKV alone = press->compress_ragged(batch.inputs[i]);
+        for (int64_t h = 0; h < 2; ++h) {
+          const HeadKV& head = alone.at(0, h);
+          EXPECT_EQ(cache.positions(seqs[i], 1, h), as_vector(head.kept_indices)) << "sequence " << i << " head " << h;
+          EXPECT_TRUE(at::equal(cache.head_keys(seqs[i], 1, h), head.keys)) << "sequence " << i << " head " << h;
+          EXPECT_TRUE(at::equal(cache.head_values(seqs[i], 1, h), head.values)) << "sequence " << i << " head " << h;
+          expected_pages += pages_for(head.kept_indices.size(0), 8);
+        }
+        EXPECT_EQ(cache.next_position(seqs[i], 1), press->position_after(lengths[i], alone.at(0, 0).keys.size(0)));
+        EXPECT_EQ(cache.lengths(seqs[i], 0), (std::vector<int64_t>{0, 0}));  // other layers untouched
+      }
+      // Item 6: the pages in use are exactly one partial page per head at most above the kept tokens.
+      EXPECT_EQ(cache.stats().pages_used, expected_pages);
+    }
+  }
+}
+
+TEST(PagedCache, StoreWithoutAPressKeepsEveryTokenInEveryDtype) {
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const VarlenBatch batch = varlen_batch({5, 16, 17}, 2, 1, 16, dtype, 30);
+    PagedKVCache cache(small_options(16, dtype));
+    const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};
+    cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens.to(at::kLong));
+    for (size_t i = 0; i < 3; ++i)
+      for (int64_t h = 0; h < 2; ++h) {
+        EXPECT_TRUE(at::equal(cache.head_keys(seqs[i], 0, h), batch.inputs[i].keys[0][h])) << dtype;
+        EXPECT_TRUE(at::equal(cache.head_values(seqs[i], 0, h), batch.inputs[i].values[0][h])) << dtype;
+      }
+    const PagedCacheStats s = cache.stats();
+    EXPECT_EQ(s.pages_used, 2 * (1 + 2 + 3));
+    EXPECT_EQ(s.pages_free, 2 * 16 - s.pages_used);
+    EXPECT_EQ(s.bytes_per_page, 2 * 8 * 16 * static_cast<int64_t>(c10::elementSize(dtype)));
+    EXPECT_EQ(s.tokens, 2 * (5 + 16 + 17));
+  }
+}
+
+TEST(PagedCache, FreedPagesAreTakenByTheNextSequence) {
+  PagedKVCache cache(small_options(6));
+  const VarlenBatch batch = varlen_batch({24}, 2, 1, 16, at::kFloat, 40);  // 3 pages per head: the whole pool
+  const SequenceId a = cache.add_sequence();
+  cache.store(0, {a}, batch.keys, batch.values, batch.cu_seqlens);
+  EXPECT_EQ(cache.free_pages(0), 0);
+  const SequenceId b = cache.add_sequence();
+  expect_error([&] { cache.store(0, {b}, batch.keys, batch.values, batch.cu_seqlens); },
+               {"PagedKVCache: out of pages at layer 0: the write needs 6 new pages of 8 tokens, 0 are free",
+                "nothing was written"});
+  cache.free_sequence(a);
+  EXPECT_FALSE(cache.contains(a));
+  EXPECT_EQ(cache.free_pages(0), 6);
+  cache.store(0, {b}, batch.keys, batch.values, batch.cu_seqlens);
+  EXPECT_TRUE(at::equal(cache.head_keys(b, 0, 1), batch.inputs[0].keys[0][1]));
+  EXPECT_EQ(cache.stats().peak_pages_used, 6);
+  expect_error([&] { cache.free_sequence(a); }, {"PagedKVCache::free_sequence: sequence 0 is not in the cache"});
+}
+
+TEST(PagedCache, FailuresLeaveTheCacheAsItWas) {
+  const VarlenBatch batch = varlen_batch({90, 40, 70}, 2, 2, 16, at::kFloat, 50);
+  PagedKVCache cache(small_options(64));
+  const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};
+  const auto snapshot = [&] {
+    std::vector<std::vector<int64_t>> s;
+    for (SequenceId q : seqs)
+      for (int64_t h = 0; h < 2; ++h) {
+        s.push_back(cache.positions(q, 0, h));
+        s.push_back(cache.pages(q, 0, h));
+      }
+    s.push_back({cache.free_pages(0), cache.stats().peak_pages_used});
+    return s;
+  };
+  const auto before = snapshot();
+  // SnapKVPress needs S > window_size (64): sequence 1 (40 tokens) fails after sequence 0 was scored.
+  const auto snapkv = make_press("SnapKVPress", 0.5);
+  expect_error([&] { cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, snapkv.get(), inputs_of(batch)); },
+               {"SnapKVPress"});
+  EXPECT_EQ(snapshot(), before);
+  // Out of pages: the three sequences take 2 x (12 + 5 + 9) = 52 of 64 pages; 120 more tokens need 30.
+  cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens);
+  const auto stored = snapshot();
+  const SequenceId extra = cache.add_sequence();
+  const VarlenBatch big = varlen_batch({120}, 2, 1, 16, at::kFloat, 51);
+  expect_error([&] { cache.store(0, {extra}, big.keys, big.values, big.cu_seqlens); }, {"out of pages at layer 0"});
+  EXPECT_EQ(snapshot(), stored);
+  EXPECT_EQ(cache.lengths(extra, 0), (std::vector<int64_t>{0, 0}));
+  // 30 tokens appended to all three need 2 x (3 + 4 + 4) = 22 new pages, 12 are free.
+  const at::Tensor step = randn({3, 2, 30, 16}, 52);
+  expect_error([&] { cache.append(0, seqs, step, step); }, {"out of pages at layer 0"});
+  EXPECT_EQ(snapshot(), stored);
+  // Bad arguments name the function and the argument.
+  expect_error([&] { cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens); },
+               {"PagedKVCache::store: sequence 0 already holds layer 0"});
+  expect_error([&] { cache.store(2, {extra}, big.keys, big.values, big.cu_seqlens); },
+               {"PagedKVCache::store: layer must be in [0, 2), got 2"});
+  expect_error([&] { cache.store(1, {extra, extra}, big.keys, big.values, at::tensor({0, 60, 120}, at::kInt)); },
+               {"PagedKVCache::store: seqs must be distinct, got sequence 3 twice"});
+  expect_error([&] { cache.store(1, {extra}, big.keys.to(at::kHalf), big.values.to(at::kHalf), big.cu_seqlens); },
+               {"PagedKVCache::store: keys and values must be Float like the cache, got Half"});
+  expect_error([&] { cache.store(1, {extra}, big.keys, big.values, at::tensor({0, 119}, at::kInt)); },
+               {"PagedKVCache::store: cu_seqlens must run from 0 to total_tokens (120), got 0 .. 119"});
+  expect_error([&] { cache.append(1, {extra}, randn({1, 2, 1, 8}, 53), randn({1, 2, 1, 8}, 54)); },
+               {"PagedKVCache::append: keys must be [1, 2, n, 16]"});
+  expect_error([&] { cache.compact(0, seqs[0], at::ones({2, 10}, at::kBool)); },
+               {"PagedKVCache::compact: keep_mask must be [2, L >= 90]"});
+  expect_error([&] { PagedKVCache(small_options(0)); }, {"PagedKVCache: pages_per_layer must be > 0, got 0"});
+}
+
+TEST(PagedCache, AppendAndAttentionEqualDenseAttentionOverTheKeptTokens) {
+  const std::vector<int64_t> lengths = {150, 75, 230};
+  for (const char* name : {"SnapKVPress", "AdaKVPress", "KnormPress"}) {
+    SCOPED_TRACE(name);
+    const VarlenBatch batch = varlen_batch(lengths, 2, 3, 16, at::kFloat, 60);
+    const auto press = make_press(name, 0.7);
+    PagedKVCache cache(small_options(200));
+    const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};
+    cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, press.get(), inputs_of(batch));
+    std::vector<at::Tensor> ref_keys, ref_values;  // per head: the press's kept rows, then the new ones
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const RaggedKV alone = press->compress_ragged(batch.inputs[i]);
+      for (int64_t h = 0; h < 2; ++h) {
+        ref_keys.push_back(alone.at(0, h).keys);
+        ref_values.push_back(alone.at(0, h).values);
+      }
+    }
+    for (int64_t n : {1, 3, 1, 20}) {  // decoding steps, a question of 3 tokens, a long one
+      const at::Tensor k = randn({3, 2, n, 16}, 61 + n), v = randn({3, 2, n, 16}, 62 + n);
+      const at::Tensor q = randn({3, 6, n, 16}, 63 + n);
+      cache.append(0, seqs, k, v);
+      for (int64_t bh = 0; bh < 6; ++bh) {
+        ref_keys[static_cast<size_t>(bh)] = at::cat({ref_keys[static_cast<size_t>(bh)], k[bh / 2][bh % 2]});
+        ref_values[static_cast<size_t>(bh)] = at::cat({ref_values[static_cast<size_t>(bh)], v[bh / 2][bh % 2]});
+      }
+      const at::Tensor got = cache.attention(0, seqs, q);
+      const at::Tensor expected = reference_attention(q, ref_keys, ref_values, 2);
+      EXPECT_TRUE(at::allclose(got.to(at::kDouble), expected, 1e-5, 1e-5))
+          << "n " << n << " max err " << (got.to(at::kDouble) - expected).abs().max();
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const std::vector<int64_t> pos = cache.positions(seqs[i], 0, 0);
+      const int64_t stored = static_cast<int64_t>(pos.size()) - 25;  // 1 + 3 + 1 + 20 appended
+      EXPECT_EQ(pos[static_cast<size_t>(stored)], lengths[i]) << "appended tokens continue after the prefill";
+      EXPECT_EQ(pos.back(), lengths[i] + 24);
+      EXPECT_EQ(cache.next_position(seqs[i], 0), lengths[i] + 25);
+    }
+  }
+}
+
+TEST(PagedCache, CompactMovesKeptTokensForwardAndReturnsEmptiedPages) {
+  const VarlenBatch batch = varlen_batch({61, 100}, 2, 1, 16, at::kFloat, 70);
+  PagedKVCache cache(small_options(64));
+  const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence()};
+  const auto adakv = make_press("AdaKVPress", 0.3);  // heads of different lengths
+  cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, adakv.get(), inputs_of(batch));
+  cache.append(0, seqs, randn({2, 2, 5, 16}, 71), randn({2, 2, 5, 16}, 72));
+  const std::vector<int64_t> len = cache.lengths(seqs[1], 0);
+  ASSERT_NE(len[0], len[1]);
+  const int64_t width = std::max(len[0], len[1]) + 3;
+  at::Tensor mask = at::rand({2, width}, at::kFloat) < 0.35;
+  for (int64_t h = 0; h < 2; ++h) mask[h].narrow(0, len[static_cast<size_t>(h)], width - len[static_cast<size_t>(h)]).fill_(false);
+  std::vector<at::Tensor> expected_keys, expected_values;
+  std::vector<std::vector<int64_t>> expected_positions;
+  for (int64_t h = 0; h < 2; ++h) {
+    const at::Tensor kept = mask[h].narrow(0, 0, len[static_cast<size_t>(h)]).nonzero().flatten();
+    expected_keys.push_back(cache.head_keys(seqs[1], 0, h).index_select(0, kept));
+    expected_values.push_back(cache.head_values(seqs[1], 0, h).index_select(0, kept));
+    std::vector<int64_t> p;
+    const std::vector<int64_t> all = cache.positions(seqs[1], 0, h);
+    for (int64_t t : as_vector(kept)) p.push_back(all[static_cast<size_t>(t)]);
+    expected_positions.push_back(p);
+  }
+  const std::vector<int64_t> first_pages_0 = cache.pages(seqs[1], 0, 0);
+  const std::vector<int64_t> untouched = cache.positions(seqs[0], 0, 1);
+  const int64_t free_before = cache.free_pages(0);
+  const int64_t pages_before = static_cast<int64_t>(cache.pages(seqs[1], 0, 0).size() + cache.pages(seqs[1], 0, 1).size());
+  cache.compact(0, seqs[1], mask);
+  int64_t pages_after = 0;
+  for (int64_t h = 0; h < 2; ++h) {
+    EXPECT_TRUE(at::equal(cache.head_keys(seqs[1], 0, h), expected_keys[static_cast<size_t>(h)])) << h;
+    EXPECT_TRUE(at::equal(cache.head_values(seqs[1], 0, h), expected_values[static_cast<size_t>(h)])) << h;
+    EXPECT_EQ(cache.positions(seqs[1], 0, h), expected_positions[static_cast<size_t>(h)]);
+    const auto kept = static_cast<int64_t>(expected_positions[static_cast<size_t>(h)].size());
+    EXPECT_EQ(static_cast<int64_t>(cache.pages(seqs[1], 0, h).size()), pages_for(kept, 8));
+    pages_after += pages_for(kept, 8);
+  }
+  // The head keeps its own first pages (no copy to new ones); the rest went back to the pool.
+  const std::vector<int64_t>& now = cache.pages(seqs[1], 0, 0);
+  EXPECT_TRUE(std::equal(now.begin(), now.end(), first_pages_0.begin()));
+  EXPECT_EQ(cache.free_pages(0), free_before + pages_before - pages_after);
+  EXPECT_EQ(cache.positions(seqs[0], 0, 1), untouched);
+  // Decoding continues after a compaction at the next position.
+  const int64_t next = cache.next_position(seqs[1], 0);
+  cache.append(0, {seqs[1]}, randn({1, 2, 1, 16}, 73), randn({1, 2, 1, 16}, 74));
+  EXPECT_EQ(cache.positions(seqs[1], 0, 0).back(), next);
+}
+
+// ---- CUDA (skipped without a GPU) ----------------------------------------------------------------
+
+TEST(PagedCuda, AttentionMatchesCpuIncludingSplitHeads) {
+  KVPRESS_REQUIRE_CUDA_KERNELS();
+  // Few units with long heads take the split-and-reduce path; many short ones a single split.
+  for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{16384, 3, 700, 1}, std::vector<int64_t>(64, 40)}) {
+    const int64_t kv_heads = 2, batch = static_cast<int64_t>(lengths.size()) / kv_heads;
+    for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      const PagedLayout l = random_layout(batch, kv_heads, lengths, 16, 128, dtype, 80);
+      for (int64_t n : {1, 2}) {
+        const at::Tensor q = randn({batch, 8, n, 128}, 81, dtype);
+        const at::Tensor cpu = ops::paged_attention(q, l.key_pool, l.value_pool, l.page_table, l.lengths);
+        const at::Tensor gpu = ops::paged_attention(q.cuda(), l.key_pool.cuda(), l.value_pool.cuda(),
+                                                    l.page_table.cuda(), l.lengths.cuda())
+                                   .cpu();
+        const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+        EXPECT_TRUE(at::allclose(cpu.to(at::kFloat), gpu.to(at::kFloat), tol, tol))
+            << dtype << " n " << n << " max err " << (cpu.to(at::kFloat) - gpu.to(at::kFloat)).abs().max();
+      }
+    }
+  }
+}
+
+TEST(PagedCuda, WriteMatchesCpu) {
+  KVPRESS_REQUIRE_CUDA_KERNELS();
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    at::Tensor kp = randn({50, 16, 64}, 82, dtype), vp = randn({50, 16, 64}, 83, dtype);
+    at::Tensor kg = kp.cuda(), vg = vp.cuda();
+    const at::Tensor rows_k = randn({300, 64}, 84, dtype), rows_v = randn({300, 64}, 85, dtype);
+    const at::Tensor slots = at::randperm(800, at::kLong).narrow(0, 0, 300);
+    ops::paged_write(kp, vp, rows_k, rows_v, slots);
+    ops::paged_write(kg, vg, rows_k.cuda(), rows_v.cuda(), slots.cuda());
+    EXPECT_TRUE(at::equal(kp, kg.cpu())) << dtype;
+    EXPECT_TRUE(at::equal(vp, vg.cpu())) << dtype;
+  }
+}
+
+TEST(PagedCuda, CacheOnCudaKeepsAndAttendsAsOnCpu) {
+  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const VarlenBatch batch = varlen_batch({300, 130, 520}, 2, 2, 16, at::kFloat, 86);
+  VarlenBatch on_gpu = batch;
+  for (LayerInputs& in : on_gpu.inputs)
+    for_each_field(in, [](const LayerInputField&, auto& member) {
+      if constexpr (std::is_same_v<std::decay_t<decltype(member)>, at::Tensor>)
+        if (member.defined()) member = member.cuda();
+    });
+  on_gpu.keys = batch.keys.cuda();
+  on_gpu.values = batch.values.cuda();
+  for (const char* name : {"SnapKVPress", "AdaKVPress", "KnormPress", "ExpectedAttentionPress"}) {
+    SCOPED_TRACE(name);
+    const auto press = make_press(name, 0.6);
+    PagedCacheOptions cpu_options = small_options(256), gpu_options = cpu_options;
+    gpu_options.device = at::kCUDA;
+    PagedKVCache cpu(cpu_options), gpu(gpu_options);
+    std::vector<SequenceId> seqs;
+    for (int i = 0; i < 3; ++i) {
+      seqs.push_back(cpu.add_sequence());
+      ASSERT_EQ(gpu.add_sequence(), seqs.back());  // ids are handed out in order
+    }
+    cpu.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, press.get(), inputs_of(batch));
+    gpu.store(0, seqs, on_gpu.keys, on_gpu.values, batch.cu_seqlens.cuda(), press.get(), inputs_of(on_gpu));
+    for (SequenceId s : seqs)
+      for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(cpu.positions(s, 0, h), gpu.positions(s, 0, h));
+    const at::Tensor k = randn({3, 2, 1, 16}, 87), v = randn({3, 2, 1, 16}, 88), q = randn({3, 4, 1, 16}, 89);
+    cpu.append(0, seqs, k, v);
+    gpu.append(0, seqs, k.cuda(), v.cuda());
+    EXPECT_TRUE(at::allclose(cpu.attention(0, seqs, q), gpu.attention(0, seqs, q.cuda()).cpu(), 1e-5, 1e-5));
+    const std::vector<int64_t> len = cpu.lengths(seqs[2], 0);
+    at::Tensor mask = at::rand({2, std::max(len[0], len[1])}) < 0.5;
+    for (int64_t h = 0; h < 2; ++h) mask[h].narrow(0, len[static_cast<size_t>(h)], mask.size(1) - len[static_cast<size_t>(h)]).fill_(false);
+    cpu.compact(0, seqs[2], mask);
+    gpu.compact(0, seqs[2], mask.cuda());
+    EXPECT_TRUE(at::equal(cpu.head_keys(seqs[2], 0, 1), gpu.head_keys(seqs[2], 0, 1).cpu()));
+    EXPECT_EQ(cpu.stats().pages_used, gpu.stats().pages_used);
+  }
+}
+
+}  // namespace
+}  // namespace kvpress
