@@ -13,12 +13,14 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "kvpress/io/safetensors.h"
 
 using kvpress::io::load_safetensors;
+using kvpress::io::parse_safetensors;
 using kvpress::io::save_safetensors;
 
 namespace {
@@ -315,6 +317,22 @@ TEST_F(Safetensors, BoolBytesMustBeZeroOrOne) {
   const std::string p =
       write_raw("bool.st", R"({"b":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", std::string("\x01\x07", 2));
   expect_error([&] { load_safetensors(p); }, {p, "tensor 'b' is BOOL but byte 1 holds 7"});
+}
+
+// parse_safetensors is the reader load_safetensors uses, on bytes in memory; its errors name it.
+TEST_F(Safetensors, ParsesBytesAsTheFileReaderDoes) {
+  const std::map<std::string, at::Tensor> tensors = {{"a", sample(at::kBFloat16, {2, 3})},
+                                                     {"b", sample(at::kBool, {4})}};
+  const std::string p = path("bytes.st");
+  save_safetensors(p, tensors, {{"k", "v"}});
+  std::ifstream in(p, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto parsed = parse_safetensors(bytes);
+  EXPECT_EQ(parsed.metadata, (std::map<std::string, std::string>{{"k", "v"}}));
+  for (const auto& [name, t] : tensors) EXPECT_TRUE(at::equal(parsed.tensors.at(name), t)) << name;
+  expect_error([&] { parse_safetensors(bytes.substr(0, bytes.size() - 1), "cut"); },
+               {"parse_safetensors: cut: tensor '", "lie outside the"});
+  expect_error([&] { parse_safetensors("abc"); }, {"parse_safetensors: <bytes>: truncated file: 3 bytes"});
 }
 
 // ---- save errors ------------------------------------------------------------------------

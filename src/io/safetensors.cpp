@@ -68,24 +68,66 @@ struct FileCloser {
 };
 using File = std::unique_ptr<std::FILE, FileCloser>;
 
-// Throws c10::Error "load_safetensors: <path>: <what>".
-#define ST_LOAD_CHECK(cond, ...) TORCH_CHECK(cond, "load_safetensors: ", path, ": ", __VA_ARGS__)
+// Throws c10::Error "<function>: <path or origin>: <what>".
+#define ST_LOAD_CHECK(cond, ...) TORCH_CHECK(cond, where.function, ": ", where.origin, ": ", __VA_ARGS__)
 #define ST_SAVE_CHECK(cond, ...) TORCH_CHECK(cond, "save_safetensors: ", path, ": ", __VA_ARGS__)
 
-// Reads exactly n bytes at the current position.
-void read_exact(std::FILE* f, void* dst, uint64_t n, const std::string& path, const char* what) {
-  uint8_t* p = static_cast<uint8_t*>(dst);
-  while (n > 0) {
-    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
-    const size_t got = std::fread(p, 1, chunk, f);
-    ST_LOAD_CHECK(got == chunk, "truncated file: could not read ", what,
-                  std::ferror(f) ? std::string(" (") + std::strerror(errno) + ")" : std::string());
-    p += got;
-    n -= got;
-  }
-}
+// Who reads what, for error messages: load_safetensors and a path, or parse_safetensors and an origin.
+struct Where {
+  const char* function;
+  const std::string& origin;
+};
 
-int64_t json_int(const json& v, const std::string& path, const std::string& what) {
+// The bytes the parser reads: a file read piecewise (a checkpoint is never held twice in memory) or
+// a string.
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  virtual uint64_t size() const = 0;
+  // Copies the n bytes at `offset` (inside size(), checked by the parser) to dst; `what` names them.
+  virtual void read(uint64_t offset, void* dst, uint64_t n, const std::string& what) = 0;
+};
+
+class FileSource : public ByteSource {
+ public:
+  FileSource(std::FILE* f, uint64_t size, const Where& where) : f_(f), size_(size), where_(where) {}
+  uint64_t size() const override { return size_; }
+  void read(uint64_t offset, void* dst, uint64_t n, const std::string& what) override {
+    const Where& where = where_;
+    ST_LOAD_CHECK(fseeko(f_, static_cast<off_t>(offset), SEEK_SET) == 0, "cannot seek to ", what, " (",
+                  std::strerror(errno), ")");
+    uint8_t* p = static_cast<uint8_t*>(dst);
+    while (n > 0) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
+      const size_t got = std::fread(p, 1, chunk, f_);
+      ST_LOAD_CHECK(got == chunk, "truncated file: could not read ", what,
+                    std::ferror(f_) ? std::string(" (") + std::strerror(errno) + ")" : std::string());
+      p += got;
+      n -= got;
+    }
+  }
+
+ private:
+  std::FILE* f_;
+  uint64_t size_;
+  const Where& where_;
+};
+
+class StringSource : public ByteSource {
+ public:
+  explicit StringSource(const std::string& bytes) : bytes_(bytes) {}
+  uint64_t size() const override { return bytes_.size(); }
+  void read(uint64_t offset, void* dst, uint64_t n, const std::string& what) override {
+    TORCH_INTERNAL_ASSERT(offset <= bytes_.size() && n <= bytes_.size() - offset, "parse_safetensors: reading ", what,
+                          " at ", offset, " + ", n, " past the ", bytes_.size(), " bytes");
+    if (n > 0) std::memcpy(dst, bytes_.data() + offset, static_cast<size_t>(n));
+  }
+
+ private:
+  const std::string& bytes_;
+};
+
+int64_t json_int(const json& v, const Where& where, const std::string& what) {
   ST_LOAD_CHECK(v.is_number_integer(), what, " must be an integer, got ", v.dump());
   if (v.is_number_unsigned()) {
     const auto u = v.get<uint64_t>();
@@ -102,25 +144,12 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-}  // namespace
-
-SafetensorsFile load_safetensors(const std::string& path) {
-  ST_LOAD_CHECK(!is_directory(path), "is a directory, not a safetensors file");
-
-  errno = 0;
-  File file(std::fopen(path.c_str(), "rb"));
-  ST_LOAD_CHECK(file != nullptr, "cannot open file (", std::strerror(errno), ")");
-  std::FILE* f = file.get();
-
-  ST_LOAD_CHECK(fseeko(f, 0, SEEK_END) == 0, "cannot seek (", std::strerror(errno), ")");
-  const off_t end = ftello(f);
-  ST_LOAD_CHECK(end >= 0, "cannot tell file size (", std::strerror(errno), ")");
-  ST_LOAD_CHECK(fseeko(f, 0, SEEK_SET) == 0, "cannot seek (", std::strerror(errno), ")");
-  const auto file_size = static_cast<uint64_t>(end);
-
+// The one safetensors parser, for files and bytes alike.
+SafetensorsFile parse(ByteSource& source, const Where& where) {
+  const uint64_t file_size = source.size();
   ST_LOAD_CHECK(file_size >= 8, "truncated file: ", file_size, " bytes, too short for the 8-byte header length");
   uint8_t len_bytes[8];
-  read_exact(f, len_bytes, 8, path, "the header length");
+  source.read(0, len_bytes, 8, "the header length");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   ST_LOAD_CHECK(header_len <= kMaxHeaderSize, "header length ", header_len, " exceeds the limit of ", kMaxHeaderSize,
@@ -130,7 +159,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
   ST_LOAD_CHECK(header_len >= 2, "header length ", header_len, " is too short for a JSON object");
 
   std::string header(static_cast<size_t>(header_len), '\0');
-  read_exact(f, header.data(), header_len, path, "the header");
+  source.read(8, header.data(), header_len, "the header");
   const uint64_t body_size = file_size - 8 - header_len;
   const uint64_t body_start = 8 + header_len;
 
@@ -176,7 +205,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
     uint64_t numel = 1;
     bool overflow = false;
     for (const auto& dim : entry["shape"]) {
-      const int64_t d = json_int(dim, path, what + " shape entry");
+      const int64_t d = json_int(dim, where, what + " shape entry");
       ST_LOAD_CHECK(d >= 0, what, " has a negative dimension in shape ", entry["shape"].dump());
       shape.push_back(d);
       if (d != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
@@ -189,8 +218,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
     ST_LOAD_CHECK(!overflow, what, " shape ", shape_str(shape), " is too large");
     const uint64_t nbytes = numel * itemsize;
 
-    const int64_t begin = json_int(entry["data_offsets"][0], path, what + " data_offsets begin");
-    const int64_t end_off = json_int(entry["data_offsets"][1], path, what + " data_offsets end");
+    const int64_t begin = json_int(entry["data_offsets"][0], where, what + " data_offsets begin");
+    const int64_t end_off = json_int(entry["data_offsets"][1], where, what + " data_offsets end");
     const std::string offsets = "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
     ST_LOAD_CHECK(begin >= 0 && begin <= end_off, what, " data_offsets ", offsets,
                   " are not an ordered pair of non-negative offsets");
@@ -200,11 +229,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
                   " do not match shape ", shape_str(shape), " of ", dtype->name, " (", nbytes, " bytes)");
 
     at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype->type));
-    if (nbytes > 0) {
-      ST_LOAD_CHECK(fseeko(f, static_cast<off_t>(body_start + begin), SEEK_SET) == 0, "cannot seek to ", what, " (",
-                    std::strerror(errno), ")");
-      read_exact(f, t.data_ptr(), nbytes, path, what.c_str());
-    }
+    if (nbytes > 0) source.read(body_start + static_cast<uint64_t>(begin), t.data_ptr(), nbytes, what);
     if (dtype->type == at::kBool && nbytes > 0) {
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
       for (uint64_t i = 0; i < nbytes; ++i) {
@@ -215,6 +240,29 @@ SafetensorsFile load_safetensors(const std::string& path) {
     out.tensors.emplace(name, std::move(t));
   }
   return out;
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  const Where where{"load_safetensors", path};
+  ST_LOAD_CHECK(!is_directory(path), "is a directory, not a safetensors file");
+
+  errno = 0;
+  File file(std::fopen(path.c_str(), "rb"));
+  ST_LOAD_CHECK(file != nullptr, "cannot open file (", std::strerror(errno), ")");
+  std::FILE* f = file.get();
+
+  ST_LOAD_CHECK(fseeko(f, 0, SEEK_END) == 0, "cannot seek (", std::strerror(errno), ")");
+  const off_t end = ftello(f);
+  ST_LOAD_CHECK(end >= 0, "cannot tell file size (", std::strerror(errno), ")");
+  FileSource source(f, static_cast<uint64_t>(end), where);
+  return parse(source, where);
+}
+
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin) {
+  StringSource source(bytes);
+  return parse(source, Where{"parse_safetensors", origin});
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

@@ -19,6 +19,11 @@ struct SafetensorsFile {
 // shape * itemsize) or a truncated body. Reads the whole file; tensors own their memory.
 SafetensorsFile load_safetensors(const std::string& path);
 
+// The same reader on a file's bytes already in memory (one parser: load_safetensors reads the
+// file through it). Raises c10::Error "parse_safetensors: <origin>: <what is wrong>" where
+// load_safetensors would.
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin = "<bytes>");
+
 // Writes every tensor (moved to CPU, made contiguous). Deterministic: header keys in name order,
 // data widest dtype first then by name (every tensor aligned to its element size), header padded
 // with spaces to a multiple of 8 bytes. Written to "<path>.tmp" and renamed into place, so a
