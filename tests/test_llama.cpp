@@ -165,6 +165,47 @@ TEST(Llama, TokenizerRefusesUnsupportedComponents) {
   expect_error([&] { Tokenizer::from_json("{" + model + "}").encode("b"); }, {"no unk_token"});
 }
 
+// Found by fuzzing (tests/fuzz, kvpress_fuzz_tokenizer), or sharing the cause of what it found: a
+// field of the wrong kind escaped as a JSON library exception, ids out of range wrote outside the
+// id table or sized it (4e9 -> 120 GB), an empty Strip character hung decode, and a template id
+// past the vocabulary came out of encode. Each now raises a c10::Error naming the field, what it
+// must be and what it is.
+TEST(Llama, TokenizerRefusesMalformedFields) {
+  const std::string bpe = R"("type": "BPE", "merges": [])";
+  const std::string abc = bpe + R"(, "vocab": {"a": 0, "b": 1, " ": 2})";
+  const auto tokenizer = [](const std::string& model, const std::string& rest = "") {
+    return R"({"model": {)" + model + "}" + rest + "}";
+  };
+  const auto expect_refused = [](const std::string& json, const std::string& message) {
+    expect_error([&] { Tokenizer::from_json(json, "t.json"); }, {"Tokenizer: t.json: " + message});
+  };
+  // The fuzzer's input: a Prepend step without its "prepend" (nlohmann out_of_range escaped).
+  expect_refused(
+      tokenizer(abc, R"(, "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "pre;end": "x"}]})"),
+      "normalizer.normalizers[0].prepend is missing");
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": -1, "b": 0})"),
+                 "model.vocab['a'] must be a token id in [0, 2) (ids count the vocabulary and added tokens), got -1");
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": 4000000000})"),
+                 "model.vocab['a'] must be a token id in [0, 1) (ids count the vocabulary and added tokens), got "
+                 "4000000000");
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": "0"})"),
+                 R"(model.vocab['a'] must be an integer token id, got "0")");
+  expect_refused(tokenizer(abc, R"(, "added_tokens": [{"id": -5, "content": "x"}])"),
+                 "added_tokens[0].id must be a token id in [0, 4)");
+  expect_refused(tokenizer(abc, R"(, "added_tokens": {"id": 1})"), R"(added_tokens must be an array, got {"id":1})");
+  expect_refused(tokenizer(abc, R"(, "decoder": {"type": "Strip", "content": "", "start": 1})"),
+                 R"(decoder.content must be one character, got "")");
+  expect_refused(tokenizer(abc, R"(, "decoder": {"type": "Strip", "content": " ", "start": -1})"),
+                 "decoder.start must be a non-negative integer, got -1");
+  expect_refused(tokenizer(abc, R"(, "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "s"}}, {"Sequence": {"id": "A"}}], "special_tokens": {"s": {"ids": [99]}}})"),
+                 "post_processor.special_tokens['s'].ids[0] must be a token id in [0, 3)");
+  expect_refused(tokenizer(R"("type": "BPE", "vocab": {}, "merges": {"a": "b"})"),
+                 R"(model.merges must be an array, got {"a":"b"})");
+  expect_refused(tokenizer(abc + R"(, "fuse_unk": "yes")"), R"(model.fuse_unk must be true or false, got "yes")");
+  expect_refused("[1, 2]", "tokenizer.json must be a JSON object, got array");
+}
+
 TEST(Llama, KVCacheAppendReplaceTruncate) {
   KVCache cache(2);
   EXPECT_EQ(cache.position(), 0);
