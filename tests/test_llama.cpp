@@ -130,6 +130,44 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
   EXPECT_EQ(kvpress::llama::resolve_model_dir(model_dir()), model_dir());
 }
 
+// Found by fuzzing (tests/fuzz, kvpress_fuzz_config), or sharing its cause: a config with zero
+// layers loaded (the fuzzer's input), as did negative sizes, and a field of the wrong kind escaped
+// as a JSON library exception. Each now raises a c10::Error naming the field.
+TEST(Llama, ConfigRefusesMalformedFields) {
+  const auto config = [](const std::string& overrides) {
+    return R"({"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, )" +
+           overrides + "}";
+  };
+  const auto expect_refused = [](const std::string& json, const std::string& message) {
+    expect_error([&] { LlamaConfig::from_json(json, "x.json"); }, {"LlamaConfig: x.json: " + message});
+  };
+  EXPECT_NO_THROW(LlamaConfig::from_json(config(R"("num_hidden_layers": 1)")));
+  expect_refused(config(R"("num_hidden_layers": 0)"), "num_hidden_layers must be a positive integer, got 0");
+  expect_refused(config(R"("num_hidden_layers": 1, "vocab_size": -3)"),
+                 "vocab_size must be a positive integer, got -3");
+  expect_refused(config(R"("num_hidden_layers": 18446744073709551615)"),
+                 "num_hidden_layers must be a positive integer, got 18446744073709551615");
+  expect_refused(config(R"("num_hidden_layers": 1, "model_type": 5)"), "model_type must be a string, got 5");
+  expect_refused(config(R"("num_hidden_layers": 1, "rope_scaling": 3)"),
+                 "rope_scaling must be an object or null, got 3");
+  expect_refused(config(R"("num_hidden_layers": 1, "rope_scaling": {"type": 1})"),
+                 "rope_scaling.type must be a string, got 1");
+  expect_refused(config(R"("num_hidden_layers": 1, "rms_norm_eps": "x")"),
+                 R"(rms_norm_eps must be a finite number, got "x")");
+  expect_refused(config(R"("num_hidden_layers": 1, "rms_norm_eps": -1e-6)"),
+                 "rms_norm_eps must be a finite number >= 0, got -1e-06");
+  expect_refused(config(R"("num_hidden_layers": 1, "rope_theta": 0)"),
+                 "rope_theta must be a finite number > 0, got 0.0");
+  expect_refused(config(R"("num_hidden_layers": 1, "tie_word_embeddings": "true")"),
+                 R"(tie_word_embeddings must be true or false, got "true")");
+  expect_refused(config(R"("num_hidden_layers": 1, "max_position_embeddings": -1)"),
+                 "max_position_embeddings must be an integer >= 0, got -1");
+  expect_refused(R"({"model_type": "llama", "vocab_size": 2, "hidden_size": 2, "intermediate_size": 1,
+                     "num_hidden_layers": 1, "num_attention_heads": 4})",
+                 "head_dim must be positive and even, got 0");
+}
+
 TEST(Llama, TokenizerBasics) {
   const Tokenizer& tok = tiny_tokenizer();
   EXPECT_EQ(tok.vocab_size(), 2048);
