@@ -166,8 +166,9 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
   json doc;
   try {
     doc = json::parse(header);
-  } catch (const json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ...".
+  } catch (const json::exception& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ..." (or
+    // out_of_range.406 "number overflow parsing '1e999'").
     std::string msg = e.what();
     const auto pos = msg.find("] ");
     if (pos != std::string::npos) msg = msg.substr(pos + 2);
