@@ -166,6 +166,9 @@ TEST(Llama, ConfigRefusesMalformedFields) {
   expect_refused(R"({"model_type": "llama", "vocab_size": 2, "hidden_size": 2, "intermediate_size": 1,
                      "num_hidden_layers": 1, "num_attention_heads": 4})",
                  "head_dim must be positive and even, got 0");
+  // A million nested arrays overflowed the stack when the error message printed the value.
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  expect_refused(config(R"("num_hidden_layers": 1, "model_type": )" + deep), "the JSON nests deeper than 64 levels");
 }
 
 TEST(Llama, TokenizerBasics) {
@@ -242,6 +245,9 @@ TEST(Llama, TokenizerRefusesMalformedFields) {
                  R"(model.merges must be an array, got {"a":"b"})");
   expect_refused(tokenizer(abc + R"(, "fuse_unk": "yes")"), R"(model.fuse_unk must be true or false, got "yes")");
   expect_refused("[1, 2]", "tokenizer.json must be a JSON object, got array");
+  // A million nested arrays overflowed the stack when the error message printed the value.
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": )" + deep + "}"), "the JSON nests deeper than 64 levels");
 }
 
 TEST(Llama, KVCacheAppendReplaceTruncate) {

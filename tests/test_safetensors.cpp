@@ -270,6 +270,14 @@ TEST_F(Safetensors, NumberOverflowInTheHeader) {
                {"parse_safetensors: found: header is not valid JSON: number overflow parsing '922337203685471e30755'"});
 }
 
+// A header nesting a million arrays overflowed the stack when its error message printed the value
+// (nlohmann's dump() recurses; its parser does not).
+TEST_F(Safetensors, DeeplyNestedHeader) {
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  const std::string p = write_raw("deep.st", R"({"v":{"dtype":"F32","shape":[)" + deep + R"(],"data_offsets":[0,0]}})");
+  expect_error([&] { load_safetensors(p); }, {"load_safetensors: " + p + ": header nests deeper than 64 levels"});
+}
+
 TEST_F(Safetensors, HeaderNotAnObject) {
   const std::string p = write_raw("arr.st", "[1, 2, 3]");
   expect_error([&] { load_safetensors(p); }, {p, "header must be a JSON object, got array"});

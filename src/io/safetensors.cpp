@@ -33,6 +33,11 @@ using json = nlohmann::json;
 // anything is allocated for it.
 constexpr uint64_t kMaxHeaderSize = 100'000'000;
 
+// nlohmann parses iteratively, but dump() (error messages) and copies recurse: a header nesting a
+// million arrays would overflow the stack. Real headers nest 3 levels.
+constexpr int kMaxJsonDepth = 64;
+struct TooDeep {};  // thrown by the parse callback to stop at the first level too deep
+
 struct DtypeInfo {
   const char* name;
   at::ScalarType type;
@@ -165,7 +170,12 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
 
   json doc;
   try {
-    doc = json::parse(header);
+    doc = json::parse(header, [](int depth, json::parse_event_t, json&) {
+      if (depth > kMaxJsonDepth) throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    ST_LOAD_CHECK(false, "header nests deeper than ", kMaxJsonDepth, " levels (a safetensors header nests 3)");
   } catch (const json::exception& e) {
     // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ..." (or
     // out_of_range.406 "number overflow parsing '1e999'").

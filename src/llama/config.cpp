@@ -32,9 +32,18 @@ bool is_file(const std::string& path) {
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::string& origin) {
+  // nlohmann parses iteratively, but dump() (error messages) and copies recurse: a file nesting a
+  // million arrays would overflow the stack. config.json nests 2 or 3 levels.
+  constexpr int kMaxDepth = 64;
+  struct TooDeep {};
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(json_text);
+    j = nlohmann::json::parse(json_text, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > kMaxDepth) throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    TORCH_CHECK(false, "LlamaConfig: ", origin, ": the JSON nests deeper than ", kMaxDepth, " levels");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "LlamaConfig: ", origin, ": not valid JSON: ", e.what());
   }
