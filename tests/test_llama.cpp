@@ -250,6 +250,27 @@ TEST(Llama, TokenizerRefusesMalformedFields) {
   expect_refused(tokenizer(bpe + R"(, "vocab": {"a": )" + deep + "}"), "the JSON nests deeper than 64 levels");
 }
 
+// Three Replace("a" -> 1000 x "a") normalizer steps in a 3 KB file made encode("a") run for minutes
+// and take 12 GB; a chain that can grow a text more than 64x is refused at load (normalizer and
+// decoder alike). SentencePiece's " " -> "▁" (3x) loads.
+TEST(Llama, TokenizerRefusesReplaceChainsThatExplode) {
+  const std::string model = R"("model": {"type": "BPE", "vocab": {"a": 0}, "merges": []})";
+  const std::string grow =
+      R"({"type": "Replace", "pattern": {"String": "a"}, "content": ")" + std::string(1000, 'a') + R"("})";
+  expect_error(
+      [&] {
+        Tokenizer::from_json("{" + model + R"(, "normalizer": {"type": "Sequence", "normalizers": [)" + grow + "," +
+                                 grow + "," + grow + "]}}",
+                             "t.json");
+      },
+      {"Tokenizer: t.json: the normalizer's Replace steps can make a text 1e+09 times longer, more than the 64 "
+       "allowed"});
+  expect_error([&] { Tokenizer::from_json("{" + model + R"(, "decoder": )" + grow + "}"); },
+               {"the decoder's Replace steps can make a text 1000 times longer"});
+  const std::string metaspace = R"({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})";
+  EXPECT_NO_THROW(Tokenizer::from_json("{" + model + R"(, "normalizer": )" + metaspace + "}"));
+}
+
 TEST(Llama, KVCacheAppendReplaceTruncate) {
   KVCache cache(2);
   EXPECT_EQ(cache.position(), 0);

@@ -479,6 +479,22 @@ struct Tokenizer::Impl {
         unsupported("normalizer", *s);
       }
     }
+    check_growth("normalizer", normalizer);
+  }
+
+  // Replace steps multiply a text's length by up to |content| / |pattern| each, so a chain of a few
+  // could turn one byte into gigabytes (three "a" -> 1000 x "a" steps: 12 GB for "a"). The
+  // SentencePiece-style files this reader is for grow a text 3x (" " -> "▁").
+  static constexpr double kMaxReplaceGrowth = 64;
+  template <typename Step>
+  void check_growth(const char* what, const std::vector<Step>& steps) const {
+    double growth = 1;
+    for (const Step& step : steps) {
+      if (step.kind == Step::kReplace && step.b.size() > step.a.size() && !step.a.empty())
+        growth *= static_cast<double>(step.b.size()) / static_cast<double>(step.a.size());
+    }
+    TORCH_CHECK(growth <= kMaxReplaceGrowth, "Tokenizer: ", origin, ": the ", what, "'s Replace steps can make a text ",
+                growth, " times longer, more than the ", kMaxReplaceGrowth, " allowed");
   }
 
   // Added tokens keep their own ids; special ones are dropped by decode(skip_special_tokens). They
@@ -561,6 +577,7 @@ struct Tokenizer::Impl {
       }
       decoder.push_back(step);
     }
+    check_growth("decoder", decoder);
   }
 
   // A non-negative integer member, 0 when absent (Strip's start and stop).
