@@ -305,6 +305,30 @@ TEST_F(Safetensors, OffsetsReversed) {
   expect_error([&] { load_safetensors(p); }, {p, "tensor 'v' data_offsets [4, 0] are not an ordered pair"});
 }
 
+// The format's rule (Python's safetensors refuses the same files): tensors tile the data buffer.
+// Without it, header entries sharing one region made a file claim many times its size in memory.
+TEST_F(Safetensors, TensorsTileTheDataBuffer) {
+  const std::string body(8, '\0');
+  const std::string a = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  expect_error(
+      [&] {
+        load_safetensors(
+            write_raw("overlap.st", "{" + a + R"(,"b":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", body));
+      },
+      {"tensor 'b' data_offsets [0, 8] overlap tensor 'a' [0, 8] (tensors may not share bytes)"});
+  expect_error(
+      [&] {
+        load_safetensors(write_raw("hole.st", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", body));
+      },
+      {"data buffer bytes [0, 4) belong to no tensor (the format allows no holes)"});
+  expect_error([&] { load_safetensors(write_raw("tail.st", "{" + a + "}", body + "xy")); },
+               {"data buffer bytes [8, 10) belong to no tensor"});
+  // Empty tensors take no bytes, wherever they point.
+  const auto f = load_safetensors(
+      write_raw("empty.st", "{" + a + R"(,"e":{"dtype":"F16","shape":[0],"data_offsets":[8,8]}})", body));
+  EXPECT_EQ(f.tensors.size(), 2u);
+}
+
 TEST_F(Safetensors, UnsupportedDtype) {
   const std::string p =
       write_raw("dtype.st", R"({"v":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'));

@@ -149,6 +149,18 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+// A header entry: where a tensor's bytes lie in the data buffer.
+struct TensorEntry {
+  std::string name;
+  const DtypeInfo* dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, nbytes;
+};
+
+std::string offsets_str(const TensorEntry& t) {
+  return "[" + std::to_string(t.begin) + ", " + std::to_string(t.begin + t.nbytes) + "]";
+}
+
 // The one safetensors parser, for files and bytes alike.
 SafetensorsFile parse(ByteSource& source, const Where& where) {
   const uint64_t file_size = source.size();
@@ -187,6 +199,7 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
   ST_LOAD_CHECK(doc.is_object(), "header must be a JSON object, got ", doc.type_name());
 
   SafetensorsFile out;
+  std::vector<TensorEntry> tensors;  // validated entries, read once the layout is known to be sound
   for (const auto& [name, entry] : doc.items()) {
     if (name == "__metadata__") {
       ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ", entry.type_name());
@@ -239,16 +252,42 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
     ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ", offsets,
                   " do not match shape ", shape_str(shape), " of ", dtype->name, " (", nbytes, " bytes)");
 
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype->type));
-    if (nbytes > 0) source.read(body_start + static_cast<uint64_t>(begin), t.data_ptr(), nbytes, what);
-    if (dtype->type == at::kBool && nbytes > 0) {
+    tensors.push_back({name, dtype, std::move(shape), static_cast<uint64_t>(begin), nbytes});
+  }
+
+  // The format's rule, checked before anything is allocated: the tensors tile the data buffer, no
+  // overlaps (tensors sharing bytes would let a small file claim many times its size) and no holes.
+  std::vector<const TensorEntry*> by_offset;
+  for (const TensorEntry& t : tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
+    return std::make_pair(a->begin, a->nbytes) < std::make_pair(b->begin, b->nbytes);
+  });
+  uint64_t covered = 0;  // bytes [0, covered) belong to the tensors seen so far
+  const TensorEntry* previous = nullptr;
+  for (const TensorEntry* t : by_offset) {
+    ST_LOAD_CHECK(t->begin >= covered, "tensor '", t->name, "' data_offsets ", offsets_str(*t), " overlap tensor '",
+                  previous ? previous->name : "", "' ", previous ? offsets_str(*previous) : "",
+                  " (tensors may not share bytes)");
+    ST_LOAD_CHECK(t->begin == covered, "data buffer bytes [", covered, ", ", t->begin,
+                  ") belong to no tensor (the format allows no holes)");
+    covered = t->begin + t->nbytes;
+    previous = t;
+  }
+  ST_LOAD_CHECK(covered == body_size, "data buffer bytes [", covered, ", ", body_size,
+                ") belong to no tensor (the format allows no holes)");
+
+  for (const TensorEntry& entry : tensors) {
+    const std::string what = "tensor '" + entry.name + "'";
+    at::Tensor t = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype->type));
+    if (entry.nbytes > 0) source.read(body_start + entry.begin, t.data_ptr(), entry.nbytes, what);
+    if (entry.dtype->type == at::kBool) {
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
-      for (uint64_t i = 0; i < nbytes; ++i) {
+      for (uint64_t i = 0; i < entry.nbytes; ++i) {
         ST_LOAD_CHECK(bytes[i] <= 1, what, " is BOOL but byte ", i, " holds ", static_cast<int>(bytes[i]),
                       " (must be 0 or 1)");
       }
     }
-    out.tensors.emplace(name, std::move(t));
+    out.tensors.emplace(entry.name, std::move(t));
   }
   return out;
 }

@@ -15,8 +15,9 @@ struct SafetensorsFile {
 };
 
 // Raises c10::Error "load_safetensors: <path>: <what is wrong>" on a missing or unreadable file,
-// a malformed header (bad JSON, unknown dtype, data_offsets out of range or not matching
-// shape * itemsize) or a truncated body. Reads the whole file; tensors own their memory.
+// a malformed header (bad JSON, nesting deeper than 64 levels, unknown dtype, data_offsets out of
+// range, not matching shape * itemsize, overlapping or leaving holes in the data buffer) or a
+// truncated body. Reads the whole file; tensors own their memory.
 SafetensorsFile load_safetensors(const std::string& path);
 
 // The same reader on a file's bytes already in memory (one parser: load_safetensors reads the
