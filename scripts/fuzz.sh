@@ -29,11 +29,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+build_start=$SECONDS
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DKVPRESS_FUZZ=ON -DKVPRESS_WITH_CUDA=OFF \
   -DKVPRESS_BUILD_TESTS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF -DKVPRESS_BUILD_TOOLS=OFF \
   -DCMAKE_PREFIX_PATH="$torch_prefix" >/dev/null
 cmake --build "$build" -j "$jobs" --target "${targets[@]/#/kvpress_fuzz_}"
+echo "fuzz: built in $((SECONDS - build_start)) s"
 
 fuzz_dir="$root/tests/fuzz"
 export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=1"
