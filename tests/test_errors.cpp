@@ -245,5 +245,19 @@ TEST(Errors, BadParameters) {
   expect_error([] { StreamingLLMPress(0.5, -1); }, {"StreamingLLMPress: n_sink must be >= 0, got -1"});
 }
 
+// Found by fuzzing (tests/fuzz, kvpress_fuzz_make_press; its first input "TOVAPress", 0.5):
+// list_presses() ran every factory on parameters that referenced a temporary map, read after its
+// lifetime (AddressSanitizer: stack-use-after-scope). The parameters are now a copy; under the
+// sanitizers this test fails if the listing reads a dead object again.
+TEST(Errors, RegistryListingReadsLiveParameters) {
+  EXPECT_EQ(make_press("TOVAPress", 0.5)->name(), "TOVAPress");
+  const PressInfo* random = find_press("RandomPress");
+  ASSERT_NE(random, nullptr);
+  ASSERT_EQ(random->params.size(), 1u);
+  EXPECT_EQ(random->params[0].name, "seed");
+  EXPECT_EQ(random->params[0].default_value, "None");
+  EXPECT_EQ(find_press("TOVAPress")->params.size(), 0u);
+}
+
 }  // namespace
 }  // namespace kvpress

@@ -130,6 +130,47 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
   EXPECT_EQ(kvpress::llama::resolve_model_dir(model_dir()), model_dir());
 }
 
+// Found by fuzzing (tests/fuzz, kvpress_fuzz_config), or sharing its cause: a config with zero
+// layers loaded (the fuzzer's input), as did negative sizes, and a field of the wrong kind escaped
+// as a JSON library exception. Each now raises a c10::Error naming the field.
+TEST(Llama, ConfigRefusesMalformedFields) {
+  const auto config = [](const std::string& overrides) {
+    return R"({"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, )" +
+           overrides + "}";
+  };
+  const auto expect_refused = [](const std::string& json, const std::string& message) {
+    expect_error([&] { LlamaConfig::from_json(json, "x.json"); }, {"LlamaConfig: x.json: " + message});
+  };
+  EXPECT_NO_THROW(LlamaConfig::from_json(config(R"("num_hidden_layers": 1)")));
+  expect_refused(config(R"("num_hidden_layers": 0)"), "num_hidden_layers must be a positive integer, got 0");
+  expect_refused(config(R"("num_hidden_layers": 1, "vocab_size": -3)"),
+                 "vocab_size must be a positive integer, got -3");
+  expect_refused(config(R"("num_hidden_layers": 18446744073709551615)"),
+                 "num_hidden_layers must be a positive integer, got 18446744073709551615");
+  expect_refused(config(R"("num_hidden_layers": 1, "model_type": 5)"), "model_type must be a string, got 5");
+  expect_refused(config(R"("num_hidden_layers": 1, "rope_scaling": 3)"),
+                 "rope_scaling must be an object or null, got 3");
+  expect_refused(config(R"("num_hidden_layers": 1, "rope_scaling": {"type": 1})"),
+                 "rope_scaling.type must be a string, got 1");
+  expect_refused(config(R"("num_hidden_layers": 1, "rms_norm_eps": "x")"),
+                 R"(rms_norm_eps must be a finite number, got "x")");
+  expect_refused(config(R"("num_hidden_layers": 1, "rms_norm_eps": -1e-6)"),
+                 "rms_norm_eps must be a finite number >= 0, got -1e-06");
+  expect_refused(config(R"("num_hidden_layers": 1, "rope_theta": 0)"),
+                 "rope_theta must be a finite number > 0, got 0.0");
+  expect_refused(config(R"("num_hidden_layers": 1, "tie_word_embeddings": "true")"),
+                 R"(tie_word_embeddings must be true or false, got "true")");
+  expect_refused(config(R"("num_hidden_layers": 1, "max_position_embeddings": -1)"),
+                 "max_position_embeddings must be an integer >= 0, got -1");
+  expect_refused(R"({"model_type": "llama", "vocab_size": 2, "hidden_size": 2, "intermediate_size": 1,
+                     "num_hidden_layers": 1, "num_attention_heads": 4})",
+                 "head_dim must be positive and even, got 0");
+  // A million nested arrays overflowed the stack when the error message printed the value.
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  expect_refused(config(R"("num_hidden_layers": 1, "model_type": )" + deep), "the JSON nests deeper than 64 levels");
+}
+
 TEST(Llama, TokenizerBasics) {
   const Tokenizer& tok = tiny_tokenizer();
   EXPECT_EQ(tok.vocab_size(), 2048);
@@ -163,6 +204,71 @@ TEST(Llama, TokenizerRefusesUnsupportedComponents) {
                {"merge 'a b' uses tokens missing from the vocabulary"});
   // A character outside the vocabulary without unk_token or byte tokens cannot be encoded.
   expect_error([&] { Tokenizer::from_json("{" + model + "}").encode("b"); }, {"no unk_token"});
+}
+
+// Found by fuzzing (tests/fuzz, kvpress_fuzz_tokenizer), or sharing the cause of what it found: a
+// field of the wrong kind escaped as a JSON library exception, ids out of range wrote outside the
+// id table or sized it (4e9 -> 120 GB), an empty Strip character hung decode, and a template id
+// past the vocabulary came out of encode. Each now raises a c10::Error naming the field, what it
+// must be and what it is.
+TEST(Llama, TokenizerRefusesMalformedFields) {
+  const std::string bpe = R"("type": "BPE", "merges": [])";
+  const std::string abc = bpe + R"(, "vocab": {"a": 0, "b": 1, " ": 2})";
+  const auto tokenizer = [](const std::string& model, const std::string& rest = "") {
+    return R"({"model": {)" + model + "}" + rest + "}";
+  };
+  const auto expect_refused = [](const std::string& json, const std::string& message) {
+    expect_error([&] { Tokenizer::from_json(json, "t.json"); }, {"Tokenizer: t.json: " + message});
+  };
+  // The fuzzer's input: a Prepend step without its "prepend" (nlohmann out_of_range escaped).
+  expect_refused(
+      tokenizer(abc, R"(, "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "pre;end": "x"}]})"),
+      "normalizer.normalizers[0].prepend is missing");
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": -1, "b": 0})"),
+                 "model.vocab['a'] must be a token id in [0, 2) (ids count the vocabulary and added tokens), got -1");
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": 4000000000})"),
+                 "model.vocab['a'] must be a token id in [0, 1) (ids count the vocabulary and added tokens), got "
+                 "4000000000");
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": "0"})"),
+                 R"(model.vocab['a'] must be an integer token id, got "0")");
+  expect_refused(tokenizer(abc, R"(, "added_tokens": [{"id": -5, "content": "x"}])"),
+                 "added_tokens[0].id must be a token id in [0, 4)");
+  expect_refused(tokenizer(abc, R"(, "added_tokens": {"id": 1})"), R"(added_tokens must be an array, got {"id":1})");
+  expect_refused(tokenizer(abc, R"(, "decoder": {"type": "Strip", "content": "", "start": 1})"),
+                 R"(decoder.content must be one character, got "")");
+  expect_refused(tokenizer(abc, R"(, "decoder": {"type": "Strip", "content": " ", "start": -1})"),
+                 "decoder.start must be a non-negative integer, got -1");
+  expect_refused(tokenizer(abc, R"(, "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "s"}}, {"Sequence": {"id": "A"}}], "special_tokens": {"s": {"ids": [99]}}})"),
+                 "post_processor.special_tokens['s'].ids[0] must be a token id in [0, 3)");
+  expect_refused(tokenizer(R"("type": "BPE", "vocab": {}, "merges": {"a": "b"})"),
+                 R"(model.merges must be an array, got {"a":"b"})");
+  expect_refused(tokenizer(abc + R"(, "fuse_unk": "yes")"), R"(model.fuse_unk must be true or false, got "yes")");
+  expect_refused("[1, 2]", "tokenizer.json must be a JSON object, got array");
+  // A million nested arrays overflowed the stack when the error message printed the value.
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  expect_refused(tokenizer(bpe + R"(, "vocab": {"a": )" + deep + "}"), "the JSON nests deeper than 64 levels");
+}
+
+// Three Replace("a" -> 1000 x "a") normalizer steps in a 3 KB file made encode("a") run for minutes
+// and take 12 GB; a chain that can grow a text more than 64x is refused at load (normalizer and
+// decoder alike). SentencePiece's " " -> "▁" (3x) loads.
+TEST(Llama, TokenizerRefusesReplaceChainsThatExplode) {
+  const std::string model = R"("model": {"type": "BPE", "vocab": {"a": 0}, "merges": []})";
+  const std::string grow =
+      R"({"type": "Replace", "pattern": {"String": "a"}, "content": ")" + std::string(1000, 'a') + R"("})";
+  expect_error(
+      [&] {
+        Tokenizer::from_json("{" + model + R"(, "normalizer": {"type": "Sequence", "normalizers": [)" + grow + "," +
+                                 grow + "," + grow + "]}}",
+                             "t.json");
+      },
+      {"Tokenizer: t.json: the normalizer's Replace steps can make a text 1e+09 times longer, more than the 64 "
+       "allowed"});
+  expect_error([&] { Tokenizer::from_json("{" + model + R"(, "decoder": )" + grow + "}"); },
+               {"the decoder's Replace steps can make a text 1000 times longer"});
+  const std::string metaspace = R"({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})";
+  EXPECT_NO_THROW(Tokenizer::from_json("{" + model + R"(, "normalizer": )" + metaspace + "}"));
 }
 
 TEST(Llama, KVCacheAppendReplaceTruncate) {

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "kvpress/io/safetensors.h"
 
 using kvpress::io::load_safetensors;
+using kvpress::io::parse_safetensors;
 using kvpress::io::save_safetensors;
 
 namespace {
@@ -295,6 +297,33 @@ TEST_F(Safetensors, BadJson) {
   expect_error([&] { load_safetensors(p); }, {"load_safetensors: " + p + ": header is not valid JSON"});
 }
 
+// Found by fuzzing (tests/fuzz, kvpress_fuzz_safetensors): a number too large for a double in the
+// header escaped as nlohmann's out_of_range instead of a c10::Error.
+TEST_F(Safetensors, NumberOverflowInTheHeader) {
+  const std::string p = write_raw("overflow.st", R"({"v":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}})");
+  expect_error([&] { load_safetensors(p); },
+               {"load_safetensors: " + p + ": header is not valid JSON: number overflow parsing '1e999'"});
+  // The fuzzer's input, as it found it.
+  const unsigned char found[] = {
+      0x30, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x39, 0x32, 0x32, 0x33, 0x33, 0x37, 0x32, 0x30, 0x33, 0x36,
+      0x38, 0x35, 0x34, 0x37, 0x31, 0x65, 0x33, 0x30, 0x37, 0x35, 0x35, 0x53, 0x53, 0x5f, 0x7b, 0x22, 0x5f, 0x5f,
+      0x6d, 0x65, 0x35, 0x35, 0x35, 0x35, 0x22, 0x74, 0x7b, 0x3a, 0x66, 0x31, 0x22, 0x69, 0x6f, 0x22, 0x3a, 0x33,
+      0x37, 0x32, 0x30, 0x33, 0x36, 0x38, 0x35, 0x34, 0x37, 0x37, 0x35, 0x38, 0x30, 0x37, 0x35, 0x35, 0x53, 0x53,
+      0x5f, 0x7b, 0x22, 0x5f, 0x5f, 0x6d, 0x65, 0x35, 0x35, 0x35, 0x35, 0x22, 0x74, 0x7b, 0x3a, 0x61, 0x72, 0x22,
+      0x69, 0x6f, 0x22, 0x3a, 0x22, 0x2f, 0x72, 0x73, 0x41, 0x00, 0x00, 0x00, 0x00, 0x41, 0x00, 0x00, 0x00, 0x00,
+      0x7d, 0x22, 0x2f, 0x41, 0x00, 0x00, 0x00, 0x00, 0x41, 0x00, 0x00, 0x00, 0x00, 0x7d, 0x00, 0x00, 0x52, 0x7d};
+  expect_error([&] { parse_safetensors(std::string(reinterpret_cast<const char*>(found), sizeof(found)), "found"); },
+               {"parse_safetensors: found: header is not valid JSON: number overflow parsing '922337203685471e30755'"});
+}
+
+// A header nesting a million arrays overflowed the stack when its error message printed the value
+// (nlohmann's dump() recurses; its parser does not).
+TEST_F(Safetensors, DeeplyNestedHeader) {
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  const std::string p = write_raw("deep.st", R"({"v":{"dtype":"F32","shape":[)" + deep + R"(],"data_offsets":[0,0]}})");
+  expect_error([&] { load_safetensors(p); }, {"load_safetensors: " + p + ": header nests deeper than 64 levels"});
+}
+
 TEST_F(Safetensors, HeaderNotAnObject) {
   const std::string p = write_raw("arr.st", "[1, 2, 3]");
   expect_error([&] { load_safetensors(p); }, {p, "header must be a JSON object, got array"});
@@ -320,6 +349,30 @@ TEST_F(Safetensors, OffsetsReversed) {
   const std::string p =
       write_raw("rev.st", R"({"v":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", std::string(4, '\0'));
   expect_error([&] { load_safetensors(p); }, {p, "tensor 'v' data_offsets [4, 0] are not an ordered pair"});
+}
+
+// The format's rule (Python's safetensors refuses the same files): tensors tile the data buffer.
+// Without it, header entries sharing one region made a file claim many times its size in memory.
+TEST_F(Safetensors, TensorsTileTheDataBuffer) {
+  const std::string body(8, '\0');
+  const std::string a = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  expect_error(
+      [&] {
+        load_safetensors(
+            write_raw("overlap.st", "{" + a + R"(,"b":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", body));
+      },
+      {"tensor 'b' data_offsets [0, 8] overlap tensor 'a' [0, 8] (tensors may not share bytes)"});
+  expect_error(
+      [&] {
+        load_safetensors(write_raw("hole.st", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", body));
+      },
+      {"data buffer bytes [0, 4) belong to no tensor (the format allows no holes)"});
+  expect_error([&] { load_safetensors(write_raw("tail.st", "{" + a + "}", body + "xy")); },
+               {"data buffer bytes [8, 10) belong to no tensor"});
+  // Empty tensors take no bytes, wherever they point.
+  const auto f = load_safetensors(
+      write_raw("empty.st", "{" + a + R"(,"e":{"dtype":"F16","shape":[0],"data_offsets":[8,8]}})", body));
+  EXPECT_EQ(f.tensors.size(), 2u);
 }
 
 TEST_F(Safetensors, UnsupportedDtype) {
@@ -361,6 +414,22 @@ TEST_F(Safetensors, BoolBytesMustBeZeroOrOne) {
   const std::string p =
       write_raw("bool.st", R"({"b":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]}})", std::string("\x01\x07", 2));
   expect_error([&] { load_safetensors(p); }, {p, "tensor 'b' is BOOL but byte 1 holds 7"});
+}
+
+// parse_safetensors is the reader load_safetensors uses, on bytes in memory; its errors name it.
+TEST_F(Safetensors, ParsesBytesAsTheFileReaderDoes) {
+  const std::map<std::string, at::Tensor> tensors = {{"a", sample(at::kBFloat16, {2, 3})},
+                                                     {"b", sample(at::kBool, {4})}};
+  const std::string p = path("bytes.st");
+  save_safetensors(p, tensors, {{"k", "v"}});
+  std::ifstream in(p, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto parsed = parse_safetensors(bytes);
+  EXPECT_EQ(parsed.metadata, (std::map<std::string, std::string>{{"k", "v"}}));
+  for (const auto& [name, t] : tensors) EXPECT_TRUE(at::equal(parsed.tensors.at(name), t)) << name;
+  expect_error([&] { parse_safetensors(bytes.substr(0, bytes.size() - 1), "cut"); },
+               {"parse_safetensors: cut: tensor '", "lie outside the"});
+  expect_error([&] { parse_safetensors("abc"); }, {"parse_safetensors: <bytes>: truncated file: 3 bytes"});
 }
 
 // ---- save errors ------------------------------------------------------------------------

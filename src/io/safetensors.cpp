@@ -35,6 +35,11 @@ using json = nlohmann::json;
 // anything is allocated for it.
 constexpr uint64_t kMaxHeaderSize = 100'000'000;
 
+// nlohmann parses iteratively, but dump() (error messages) and copies recurse: a header nesting a
+// million arrays would overflow the stack. Real headers nest 3 levels.
+constexpr int kMaxJsonDepth = 64;
+struct TooDeep {};  // thrown by the parse callback to stop at the first level too deep
+
 struct DtypeInfo {
   const char* name;
   at::ScalarType type;
@@ -70,24 +75,66 @@ struct FileCloser {
 };
 using File = std::unique_ptr<std::FILE, FileCloser>;
 
-// Throws c10::Error "load_safetensors: <path>: <what>".
-#define ST_LOAD_CHECK(cond, ...) TORCH_CHECK(cond, "load_safetensors: ", path, ": ", __VA_ARGS__)
+// Throws c10::Error "<function>: <path or origin>: <what>".
+#define ST_LOAD_CHECK(cond, ...) TORCH_CHECK(cond, where.function, ": ", where.origin, ": ", __VA_ARGS__)
 #define ST_SAVE_CHECK(cond, ...) TORCH_CHECK(cond, "save_safetensors: ", path, ": ", __VA_ARGS__)
 
-// Reads exactly n bytes at the current position.
-void read_exact(std::FILE* f, void* dst, uint64_t n, const std::string& path, const char* what) {
-  uint8_t* p = static_cast<uint8_t*>(dst);
-  while (n > 0) {
-    const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
-    const size_t got = std::fread(p, 1, chunk, f);
-    ST_LOAD_CHECK(got == chunk, "truncated file: could not read ", what,
-                  std::ferror(f) ? std::string(" (") + std::strerror(errno) + ")" : std::string());
-    p += got;
-    n -= got;
-  }
-}
+// Who reads what, for error messages: load_safetensors and a path, or parse_safetensors and an origin.
+struct Where {
+  const char* function;
+  const std::string& origin;
+};
 
-int64_t json_int(const json& v, const std::string& path, const std::string& what) {
+// The bytes the parser reads: a file read piecewise (a checkpoint is never held twice in memory) or
+// a string.
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  virtual uint64_t size() const = 0;
+  // Copies the n bytes at `offset` (inside size(), checked by the parser) to dst; `what` names them.
+  virtual void read(uint64_t offset, void* dst, uint64_t n, const std::string& what) = 0;
+};
+
+class FileSource : public ByteSource {
+ public:
+  FileSource(std::FILE* f, uint64_t size, const Where& where) : f_(f), size_(size), where_(where) {}
+  uint64_t size() const override { return size_; }
+  void read(uint64_t offset, void* dst, uint64_t n, const std::string& what) override {
+    const Where& where = where_;
+    ST_LOAD_CHECK(fseeko(f_, static_cast<off_t>(offset), SEEK_SET) == 0, "cannot seek to ", what, " (",
+                  std::strerror(errno), ")");
+    uint8_t* p = static_cast<uint8_t*>(dst);
+    while (n > 0) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, uint64_t{1} << 30));
+      const size_t got = std::fread(p, 1, chunk, f_);
+      ST_LOAD_CHECK(got == chunk, "truncated file: could not read ", what,
+                    std::ferror(f_) ? std::string(" (") + std::strerror(errno) + ")" : std::string());
+      p += got;
+      n -= got;
+    }
+  }
+
+ private:
+  std::FILE* f_;
+  uint64_t size_;
+  const Where& where_;
+};
+
+class StringSource : public ByteSource {
+ public:
+  explicit StringSource(const std::string& bytes) : bytes_(bytes) {}
+  uint64_t size() const override { return bytes_.size(); }
+  void read(uint64_t offset, void* dst, uint64_t n, const std::string& what) override {
+    TORCH_INTERNAL_ASSERT(offset <= bytes_.size() && n <= bytes_.size() - offset, "parse_safetensors: reading ", what,
+                          " at ", offset, " + ", n, " past the ", bytes_.size(), " bytes");
+    if (n > 0) std::memcpy(dst, bytes_.data() + offset, static_cast<size_t>(n));
+  }
+
+ private:
+  const std::string& bytes_;
+};
+
+int64_t json_int(const json& v, const Where& where, const std::string& what) {
   ST_LOAD_CHECK(v.is_number_integer(), what, " must be an integer, got ", v.dump());
   if (v.is_number_unsigned()) {
     const auto u = v.get<uint64_t>();
@@ -104,25 +151,24 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-}  // namespace
+// A header entry: where a tensor's bytes lie in the data buffer.
+struct TensorEntry {
+  std::string name;
+  const DtypeInfo* dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin, nbytes;
+};
 
-SafetensorsFile load_safetensors(const std::string& path) {
-  ST_LOAD_CHECK(!is_directory(path), "is a directory, not a safetensors file");
+std::string offsets_str(const TensorEntry& t) {
+  return "[" + std::to_string(t.begin) + ", " + std::to_string(t.begin + t.nbytes) + "]";
+}
 
-  errno = 0;
-  File file(std::fopen(path.c_str(), "rb"));
-  ST_LOAD_CHECK(file != nullptr, "cannot open file (", std::strerror(errno), ")");
-  std::FILE* f = file.get();
-
-  ST_LOAD_CHECK(fseeko(f, 0, SEEK_END) == 0, "cannot seek (", std::strerror(errno), ")");
-  const off_t end = ftello(f);
-  ST_LOAD_CHECK(end >= 0, "cannot tell file size (", std::strerror(errno), ")");
-  ST_LOAD_CHECK(fseeko(f, 0, SEEK_SET) == 0, "cannot seek (", std::strerror(errno), ")");
-  const auto file_size = static_cast<uint64_t>(end);
-
+// The one safetensors parser, for files and bytes alike.
+SafetensorsFile parse(ByteSource& source, const Where& where) {
+  const uint64_t file_size = source.size();
   ST_LOAD_CHECK(file_size >= 8, "truncated file: ", file_size, " bytes, too short for the 8-byte header length");
   uint8_t len_bytes[8];
-  read_exact(f, len_bytes, 8, path, "the header length");
+  source.read(0, len_bytes, 8, "the header length");
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   ST_LOAD_CHECK(header_len <= kMaxHeaderSize, "header length ", header_len, " exceeds the limit of ", kMaxHeaderSize,
@@ -132,15 +178,21 @@ SafetensorsFile load_safetensors(const std::string& path) {
   ST_LOAD_CHECK(header_len >= 2, "header length ", header_len, " is too short for a JSON object");
 
   std::string header(static_cast<size_t>(header_len), '\0');
-  read_exact(f, header.data(), header_len, path, "the header");
+  source.read(8, header.data(), header_len, "the header");
   const uint64_t body_size = file_size - 8 - header_len;
   const uint64_t body_start = 8 + header_len;
 
   json doc;
   try {
-    doc = json::parse(header);
-  } catch (const json::parse_error& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ...".
+    doc = json::parse(header, [](int depth, json::parse_event_t, json&) {
+      if (depth > kMaxJsonDepth) throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    ST_LOAD_CHECK(false, "header nests deeper than ", kMaxJsonDepth, " levels (a safetensors header nests 3)");
+  } catch (const json::exception& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ..." (or
+    // out_of_range.406 "number overflow parsing '1e999'").
     std::string msg = e.what();
     const auto pos = msg.find("] ");
     if (pos != std::string::npos) msg = msg.substr(pos + 2);
@@ -149,6 +201,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
   ST_LOAD_CHECK(doc.is_object(), "header must be a JSON object, got ", doc.type_name());
 
   SafetensorsFile out;
+  std::vector<TensorEntry> tensors;  // validated entries, read once the layout is known to be sound
   for (const auto& [name, entry] : doc.items()) {
     if (name == "__metadata__") {
       ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ", entry.type_name());
@@ -178,7 +231,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
     uint64_t numel = 1;
     bool overflow = false;
     for (const auto& dim : entry["shape"]) {
-      const int64_t d = json_int(dim, path, what + " shape entry");
+      const int64_t d = json_int(dim, where, what + " shape entry");
       ST_LOAD_CHECK(d >= 0, what, " has a negative dimension in shape ", entry["shape"].dump());
       shape.push_back(d);
       if (d != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
@@ -191,8 +244,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
     ST_LOAD_CHECK(!overflow, what, " shape ", shape_str(shape), " is too large");
     const uint64_t nbytes = numel * itemsize;
 
-    const int64_t begin = json_int(entry["data_offsets"][0], path, what + " data_offsets begin");
-    const int64_t end_off = json_int(entry["data_offsets"][1], path, what + " data_offsets end");
+    const int64_t begin = json_int(entry["data_offsets"][0], where, what + " data_offsets begin");
+    const int64_t end_off = json_int(entry["data_offsets"][1], where, what + " data_offsets end");
     const std::string offsets = "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
     ST_LOAD_CHECK(begin >= 0 && begin <= end_off, what, " data_offsets ", offsets,
                   " are not an ordered pair of non-negative offsets");
@@ -201,22 +254,67 @@ SafetensorsFile load_safetensors(const std::string& path) {
     ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ", offsets,
                   " do not match shape ", shape_str(shape), " of ", dtype->name, " (", nbytes, " bytes)");
 
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype->type));
-    if (nbytes > 0) {
-      ST_LOAD_CHECK(fseeko(f, static_cast<off_t>(body_start + begin), SEEK_SET) == 0, "cannot seek to ", what, " (",
-                    std::strerror(errno), ")");
-      read_exact(f, t.data_ptr(), nbytes, path, what.c_str());
-    }
-    if (dtype->type == at::kBool && nbytes > 0) {
+    tensors.push_back({name, dtype, std::move(shape), static_cast<uint64_t>(begin), nbytes});
+  }
+
+  // The format's rule, checked before anything is allocated: the tensors tile the data buffer, no
+  // overlaps (tensors sharing bytes would let a small file claim many times its size) and no holes.
+  std::vector<const TensorEntry*> by_offset;
+  for (const TensorEntry& t : tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
+    return std::make_pair(a->begin, a->nbytes) < std::make_pair(b->begin, b->nbytes);
+  });
+  uint64_t covered = 0;  // bytes [0, covered) belong to the tensors seen so far
+  const TensorEntry* previous = nullptr;
+  for (const TensorEntry* t : by_offset) {
+    ST_LOAD_CHECK(t->begin >= covered, "tensor '", t->name, "' data_offsets ", offsets_str(*t), " overlap tensor '",
+                  previous ? previous->name : "", "' ", previous ? offsets_str(*previous) : "",
+                  " (tensors may not share bytes)");
+    ST_LOAD_CHECK(t->begin == covered, "data buffer bytes [", covered, ", ", t->begin,
+                  ") belong to no tensor (the format allows no holes)");
+    covered = t->begin + t->nbytes;
+    previous = t;
+  }
+  ST_LOAD_CHECK(covered == body_size, "data buffer bytes [", covered, ", ", body_size,
+                ") belong to no tensor (the format allows no holes)");
+
+  for (const TensorEntry& entry : tensors) {
+    const std::string what = "tensor '" + entry.name + "'";
+    at::Tensor t = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype->type));
+    if (entry.nbytes > 0) source.read(body_start + entry.begin, t.data_ptr(), entry.nbytes, what);
+    if (entry.dtype->type == at::kBool) {
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
-      for (uint64_t i = 0; i < nbytes; ++i) {
+      for (uint64_t i = 0; i < entry.nbytes; ++i) {
         ST_LOAD_CHECK(bytes[i] <= 1, what, " is BOOL but byte ", i, " holds ", static_cast<int>(bytes[i]),
                       " (must be 0 or 1)");
       }
     }
-    out.tensors.emplace(name, std::move(t));
+    out.tensors.emplace(entry.name, std::move(t));
   }
   return out;
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  const Where where{"load_safetensors", path};
+  ST_LOAD_CHECK(!is_directory(path), "is a directory, not a safetensors file");
+
+  errno = 0;
+  File file(std::fopen(path.c_str(), "rb"));
+  ST_LOAD_CHECK(file != nullptr, "cannot open file (", std::strerror(errno), ")");
+  std::FILE* f = file.get();
+
+  ST_LOAD_CHECK(fseeko(f, 0, SEEK_END) == 0, "cannot seek (", std::strerror(errno), ")");
+  const off_t end = ftello(f);
+  ST_LOAD_CHECK(end >= 0, "cannot tell file size (", std::strerror(errno), ")");
+  FileSource source(f, static_cast<uint64_t>(end), where);
+  return parse(source, where);
+}
+
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin) {
+  StringSource source(bytes);
+  return parse(source, Where{"parse_safetensors", origin});
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

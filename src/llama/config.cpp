@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -30,36 +32,79 @@ bool is_file(const std::string& path) {
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::string& origin) {
+  // nlohmann parses iteratively, but dump() (error messages) and copies recurse: a file nesting a
+  // million arrays would overflow the stack. config.json nests 2 or 3 levels.
+  constexpr int kMaxDepth = 64;
+  struct TooDeep {};
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(json_text);
+    j = nlohmann::json::parse(json_text, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > kMaxDepth) throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    TORCH_CHECK(false, "LlamaConfig: ", origin, ": the JSON nests deeper than ", kMaxDepth, " levels");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "LlamaConfig: ", origin, ": not valid JSON: ", e.what());
   }
   TORCH_CHECK(j.is_object(), "LlamaConfig: ", origin, ": expected a JSON object");
 
+  // Every field is read checked: "LlamaConfig: <origin>: <key> must be <expected>, got <value>".
+  auto has = [](const nlohmann::json& object, const char* key) {
+    return object.contains(key) && !object[key].is_null();
+  };
+  auto fail = [&](const std::string& key, const char* expected, const nlohmann::json& value) {
+    std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    if (text.size() > 80) text = text.substr(0, 77) + "...";
+    TORCH_CHECK(false, "LlamaConfig: ", origin, ": ", key, " must be ", expected, ", got ", text);
+  };
   auto get_int = [&](const char* key) -> int64_t {
     TORCH_CHECK(j.contains(key) && j[key].is_number_integer(), "LlamaConfig: ", origin, ": ", key,
                 " must be an integer");
     return j[key].get<int64_t>();
   };
+  // The sizes of the network: positive integers (past INT64_MAX they read as negative).
+  auto get_size = [&](const char* key) -> int64_t {
+    const int64_t value = get_int(key);
+    if (value <= 0) fail(key, "a positive integer", j[key]);
+    return value;
+  };
   auto opt_int = [&](const char* key, int64_t fallback) -> int64_t {
     return j.contains(key) && j[key].is_number_integer() ? j[key].get<int64_t>() : fallback;
   };
+  auto opt_string = [&](const nlohmann::json& object, const char* key, const char* fallback,
+                        const std::string& path) -> std::string {
+    if (!has(object, key)) return fallback;
+    if (!object[key].is_string()) fail(path, "a string", object[key]);
+    return object[key].get<std::string>();
+  };
+  auto opt_bool = [&](const char* key, bool fallback) -> bool {
+    if (!has(j, key)) return fallback;
+    if (!j[key].is_boolean()) fail(key, "true or false", j[key]);
+    return j[key].get<bool>();
+  };
+  // A finite number (integers included), or `fallback` when absent.
+  auto opt_number = [&](const nlohmann::json& object, const char* key, double fallback,
+                        const std::string& path) -> double {
+    if (!has(object, key)) return fallback;
+    if (!object[key].is_number() || !std::isfinite(object[key].get<double>()))
+      fail(path, "a finite number", object[key]);
+    return object[key].get<double>();
+  };
 
-  const std::string model_type = j.value("model_type", "");
+  const std::string model_type = opt_string(j, "model_type", "", "model_type");
   TORCH_CHECK(model_type == "llama", "LlamaConfig: ", origin, ": unsupported model_type '", model_type,
               "' (only \"llama\")");
-  const std::string act = j.value("hidden_act", "silu");
+  const std::string act = opt_string(j, "hidden_act", "silu", "hidden_act");
   TORCH_CHECK(act == "silu", "LlamaConfig: ", origin, ": unsupported hidden_act '", act, "' (only silu)");
-  TORCH_CHECK(!j.value("attention_bias", false), "LlamaConfig: ", origin, ": attention_bias is not supported");
-  TORCH_CHECK(!j.value("mlp_bias", false), "LlamaConfig: ", origin, ": mlp_bias is not supported");
+  TORCH_CHECK(!opt_bool("attention_bias", false), "LlamaConfig: ", origin, ": attention_bias is not supported");
+  TORCH_CHECK(!opt_bool("mlp_bias", false), "LlamaConfig: ", origin, ": mlp_bias is not supported");
 
   LlamaConfig c;
-  c.vocab_size = get_int("vocab_size");
-  c.hidden_size = get_int("hidden_size");
-  c.intermediate_size = get_int("intermediate_size");
-  c.num_layers = get_int("num_hidden_layers");
+  c.vocab_size = get_size("vocab_size");
+  c.hidden_size = get_size("hidden_size");
+  c.intermediate_size = get_size("intermediate_size");
+  c.num_layers = get_size("num_hidden_layers");
   c.num_heads = get_int("num_attention_heads");
   c.num_kv_heads = opt_int("num_key_value_heads", c.num_heads);
   TORCH_CHECK(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0, "LlamaConfig: ", origin,
@@ -67,25 +112,32 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
               c.num_kv_heads, ")");
   c.head_dim = j.contains("head_dim") && j["head_dim"].is_number_integer() ? j["head_dim"].get<int64_t>()
                                                                            : c.hidden_size / c.num_heads;
-  TORCH_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, "LlamaConfig: ", origin, ": head_dim must be even, got ",
-              c.head_dim);
-  c.rms_norm_eps = j.value("rms_norm_eps", 1e-6);
+  TORCH_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, "LlamaConfig: ", origin,
+              ": head_dim must be positive and even, got ", c.head_dim);
+  c.rms_norm_eps = opt_number(j, "rms_norm_eps", 1e-6, "rms_norm_eps");
+  if (c.rms_norm_eps < 0) fail("rms_norm_eps", "a finite number >= 0", j["rms_norm_eps"]);
   c.max_position_embeddings = opt_int("max_position_embeddings", 0);
-  c.tie_word_embeddings = j.value("tie_word_embeddings", false);
+  if (c.max_position_embeddings < 0) fail("max_position_embeddings", "an integer >= 0", j["max_position_embeddings"]);
+  c.tie_word_embeddings = opt_bool("tie_word_embeddings", false);
   c.bos_token_id = opt_int("bos_token_id", -1);
   c.eos_token_id = opt_int("eos_token_id", -1);
 
   // RoPE: transformers 4 writes rope_theta + rope_scaling, transformers 5 rope_parameters.
   const nlohmann::json* scaling = nullptr;
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) scaling = &j["rope_scaling"];
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) scaling = &j["rope_parameters"];
-  c.rope_theta = j.value("rope_theta", 10000.0);
+  std::string scaling_key;
+  if (has(j, "rope_scaling")) scaling = &j["rope_scaling"], scaling_key = "rope_scaling";
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object())
+    scaling = &j["rope_parameters"], scaling_key = "rope_parameters";
+  c.rope_theta = opt_number(j, "rope_theta", 10000.0, "rope_theta");
   if (scaling) {
-    const std::string type = scaling->value("rope_type", scaling->value("type", "default"));
-    TORCH_CHECK(type == "default", "LlamaConfig: ", origin, ": unsupported RoPE scaling '", type,
+    if (!scaling->is_object()) fail(scaling_key, "an object or null", *scaling);
+    const char* type_key = has(*scaling, "rope_type") ? "rope_type" : "type";  // "type": transformers < 4.45
+    const std::string rope_type = opt_string(*scaling, type_key, "default", scaling_key + "." + type_key);
+    TORCH_CHECK(rope_type == "default", "LlamaConfig: ", origin, ": unsupported RoPE scaling '", rope_type,
                 "' (only the default RoPE)");
-    if (scaling->contains("rope_theta")) c.rope_theta = (*scaling)["rope_theta"].get<double>();
+    c.rope_theta = opt_number(*scaling, "rope_theta", c.rope_theta, scaling_key + ".rope_theta");
   }
+  if (c.rope_theta <= 0) fail("rope_theta", "a finite number > 0", nlohmann::json(c.rope_theta));
   return c;
 }
 

@@ -85,15 +85,6 @@ std::string replace_all(const std::string& s, const std::string& from, const std
   return out;
 }
 
-// The String pattern of a Replace normalizer/decoder ({"String": "..."}); Regex patterns are not
-// supported.
-std::string string_pattern(const json& step, const std::string& origin) {
-  const json& p = step.at("pattern");
-  TORCH_CHECK(p.is_object() && p.contains("String"), "Tokenizer: ", origin, ": unsupported Replace pattern ", p.dump(),
-              " (only {\"String\": ...})");
-  return p["String"].get<std::string>();
-}
-
 // ---- components ---------------------------------------------------------------------------------
 
 struct NormalizerStep {
@@ -132,10 +123,10 @@ std::string byte_token(unsigned char b) {
 
 bool has(const json& object, const char* key) { return object.contains(key) && !object[key].is_null(); }
 
-// The steps of a normalizer/decoder: its `list_key` array when it is a Sequence, else itself.
-std::vector<json> sequence_steps(const json& step, const char* list_key) {
-  if (step.value("type", "") != "Sequence") return {step};
-  return step.at(list_key).get<std::vector<json>>();
+// A JSON value in an error message: its text, cut to a readable length.
+std::string excerpt(const json& value) {
+  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
+  return text.size() > 80 ? text.substr(0, 77) + "..." : text;
 }
 
 }  // namespace
@@ -340,37 +331,122 @@ struct Tokenizer::Impl {
   }
 
   // ---- loading tokenizer.json, one section at a time --------------------------------------------
+  // Every field is read checked: a value of the wrong kind raises
+  // "Tokenizer: <origin>: <path> must be <expected>, got <value>" (never a JSON library exception).
 
   [[noreturn]] void unsupported(const char* what, const json& value) const {
     TORCH_CHECK(false, "Tokenizer: ", origin, ": unsupported ", what, " ", value.dump().substr(0, 200));
   }
 
+  [[noreturn]] void malformed(const std::string& path, const char* expected, const json& value) const {
+    TORCH_CHECK(false, "Tokenizer: ", origin, ": ", path, " must be ", expected, ", got ", excerpt(value));
+  }
+
+  const json& object(const json& value, const std::string& path) const {
+    if (!value.is_object()) malformed(path, "an object", value);
+    return value;
+  }
+
+  const json& array(const json& value, const std::string& path) const {
+    if (!value.is_array()) malformed(path, "an array", value);
+    return value;
+  }
+
+  std::string string(const json& value, const std::string& path) const {
+    if (!value.is_string()) malformed(path, "a string", value);
+    return value.get<std::string>();
+  }
+
+  // A member of an object that must be there (and not null).
+  const json& member(const json& object, const std::string& path, const char* key) const {
+    TORCH_CHECK(has(object, key), "Tokenizer: ", origin, ": ", path, ".", key, " is missing");
+    return object[key];
+  }
+
+  std::string string_or(const json& object, const std::string& path, const char* key,
+                        const std::string& fallback) const {
+    return has(object, key) ? string(object[key], path + "." + key) : fallback;
+  }
+
+  bool bool_or(const json& object, const std::string& path, const char* key, bool fallback) const {
+    if (!has(object, key)) return fallback;
+    if (!object[key].is_boolean()) malformed(path + "." + key, "true or false", object[key]);
+    return object[key].get<bool>();
+  }
+
+  // A token id: an integer in [0, n_ids), n_ids being the number of vocabulary and added tokens
+  // (ids index one table, so a file cannot make it larger than itself).
+  int64_t token_id(const json& value, const std::string& path, int64_t n_ids) const {
+    if (!value.is_number_integer()) malformed(path, "an integer token id", value);
+    const bool in_range = value.is_number_unsigned() ? value.get<uint64_t>() < static_cast<uint64_t>(n_ids)
+                                                     : value.get<int64_t>() >= 0 && value.get<int64_t>() < n_ids;
+    TORCH_CHECK(in_range, "Tokenizer: ", origin, ": ", path, " must be a token id in [0, ", n_ids,
+                ") (ids count the vocabulary and added tokens), got ", excerpt(value));
+    return value.get<int64_t>();
+  }
+
+  // The String pattern of a Replace normalizer/decoder ({"String": "..."}); Regex patterns are not
+  // supported.
+  std::string string_pattern(const json& step, const std::string& path) const {
+    const json& p = member(step, path, "pattern");
+    if (!p.is_object() || !p.contains("String")) unsupported("Replace pattern (only {\"String\": ...})", p);
+    return string(p["String"], path + ".pattern.String");
+  }
+
+  // The steps of a normalizer/decoder, with their paths: its `list_key` array when it is a
+  // Sequence, else itself.
+  std::vector<std::pair<const json*, std::string>> sequence_steps(const json& step, const std::string& path,
+                                                                  const char* list_key) const {
+    object(step, path);
+    if (string_or(step, path, "type", "") != "Sequence") return {{&step, path}};
+    const std::string list_path = path + "." + list_key;
+    std::vector<std::pair<const json*, std::string>> steps;
+    for (const json& s : array(member(step, path, list_key), list_path)) {
+      const std::string step_path = list_path + "[" + std::to_string(steps.size()) + "]";
+      steps.emplace_back(&object(s, step_path), step_path);
+    }
+    return steps;
+  }
+
   // Model: BPE (vocabulary, merges, unknown-token and byte-fallback options). Ids run up to the
   // largest of the vocabulary and the added tokens.
   void load_model(const json& model, const json& added_tokens) {
-    if (model.value("type", "") != "BPE") unsupported("model type", model.value("type", json()));
+    const std::string type = string_or(model, "model", "type", "");
+    if (type != "BPE") unsupported("model type", model.value("type", json()));
     if (has(model, "continuing_subword_prefix") || has(model, "end_of_word_suffix"))
       unsupported("BPE option (continuing_subword_prefix / end_of_word_suffix)", model["continuing_subword_prefix"]);
-    if (has(model, "dropout") && model["dropout"].get<double>() != 0.0) unsupported("BPE dropout", model["dropout"]);
-    fuse_unk = model.value("fuse_unk", false);
-    byte_fallback = model.value("byte_fallback", false);
-    ignore_merges = model.value("ignore_merges", false);
-    int64_t max_id = -1;
-    for (const auto& [token, id] : model.at("vocab").items()) {
-      vocab[token] = id.get<int32_t>();
-      max_id = std::max<int64_t>(max_id, id.get<int64_t>());
+    if (has(model, "dropout")) {
+      if (!model["dropout"].is_number()) malformed("model.dropout", "a number or null", model["dropout"]);
+      if (model["dropout"].get<double>() != 0.0) unsupported("BPE dropout", model["dropout"]);
     }
-    for (const auto& a : added_tokens) max_id = std::max(max_id, a.at("id").get<int64_t>());
+    fuse_unk = bool_or(model, "model", "fuse_unk", false);
+    byte_fallback = bool_or(model, "model", "byte_fallback", false);
+    ignore_merges = bool_or(model, "model", "ignore_merges", false);
+    const json& vocab_json = object(member(model, "model", "vocab"), "model.vocab");
+    const auto n_ids = static_cast<int64_t>(vocab_json.size() + added_tokens.size());
+    int64_t max_id = -1;
+    for (const auto& [token, id] : vocab_json.items()) {
+      const int64_t checked = token_id(id, "model.vocab['" + token + "']", n_ids);
+      vocab[token] = static_cast<int32_t>(checked);
+      max_id = std::max(max_id, checked);
+    }
+    for (size_t i = 0; i < added_tokens.size(); ++i) {
+      const std::string path = "added_tokens[" + std::to_string(i) + "]";
+      max_id = std::max(max_id, token_id(member(object(added_tokens[i], path), path, "id"), path + ".id", n_ids));
+    }
     id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
     special.assign(static_cast<size_t>(max_id + 1), false);
     for (const auto& [token, id] : vocab) id_to_token[static_cast<size_t>(id)] = token;
     if (has(model, "unk_token")) {
-      const auto it = vocab.find(model["unk_token"].get<std::string>());
+      const auto it = vocab.find(string(model["unk_token"], "model.unk_token"));
       TORCH_CHECK(it != vocab.end(), "Tokenizer: ", origin, ": unk_token is not in the vocabulary");
       unk_id = it->second;
     }
     int32_t rank = 0;
-    for (const auto& m : model.at("merges")) {
+    const json& merges_json = array(member(model, "model", "merges"), "model.merges");
+    for (size_t i = 0; i < merges_json.size(); ++i) {
+      const json& m = merges_json[i];
+      const std::string path = "model.merges[" + std::to_string(i) + "]";
       std::string left, right;
       if (m.is_string()) {  // "left right"
         const std::string s = m.get<std::string>();
@@ -379,8 +455,9 @@ struct Tokenizer::Impl {
         left = s.substr(0, space);
         right = s.substr(space + 1);
       } else {  // ["left", "right"]
-        left = m.at(0).get<std::string>();
-        right = m.at(1).get<std::string>();
+        if (!m.is_array() || m.size() != 2) malformed(path, "\"left right\" or [\"left\", \"right\"]", m);
+        left = string(m[0], path + "[0]");
+        right = string(m[1], path + "[1]");
       }
       const auto l = vocab.find(left), r = vocab.find(right), merged = vocab.find(left + right);
       TORCH_CHECK(l != vocab.end() && r != vocab.end() && merged != vocab.end(), "Tokenizer: ", origin, ": merge '",
@@ -391,28 +468,49 @@ struct Tokenizer::Impl {
 
   // Normalizer: Prepend / Replace(String), alone or in a Sequence.
   void load_normalizer(const json& n) {
-    for (const json& s : sequence_steps(n, "normalizers")) {
-      const std::string type = s.value("type", "");
+    for (const auto& [s, path] : sequence_steps(n, "normalizer", "normalizers")) {
+      const std::string type = string_or(*s, path, "type", "");
       if (type == "Prepend") {
-        normalizer.push_back({NormalizerStep::kPrepend, s.at("prepend").get<std::string>(), ""});
+        normalizer.push_back({NormalizerStep::kPrepend, string(member(*s, path, "prepend"), path + ".prepend"), ""});
       } else if (type == "Replace") {
-        normalizer.push_back({NormalizerStep::kReplace, string_pattern(s, origin), s.at("content").get<std::string>()});
+        normalizer.push_back({NormalizerStep::kReplace, string_pattern(*s, path),
+                              string(member(*s, path, "content"), path + ".content")});
       } else {
-        unsupported("normalizer", s);
+        unsupported("normalizer", *s);
       }
     }
+    check_growth("normalizer", normalizer);
+  }
+
+  // Replace steps multiply a text's length by up to |content| / |pattern| each, so a chain of a few
+  // could turn one byte into gigabytes (three "a" -> 1000 x "a" steps: 12 GB for "a"). The
+  // SentencePiece-style files this reader is for grow a text 3x (" " -> "▁").
+  static constexpr double kMaxReplaceGrowth = 64;
+  template <typename Step>
+  void check_growth(const char* what, const std::vector<Step>& steps) const {
+    double growth = 1;
+    for (const Step& step : steps) {
+      if (step.kind == Step::kReplace && step.b.size() > step.a.size() && !step.a.empty())
+        growth *= static_cast<double>(step.b.size()) / static_cast<double>(step.a.size());
+    }
+    TORCH_CHECK(growth <= kMaxReplaceGrowth, "Tokenizer: ", origin, ": the ", what, "'s Replace steps can make a text ",
+                growth, " times longer, more than the ", kMaxReplaceGrowth, " allowed");
   }
 
   // Added tokens keep their own ids; special ones are dropped by decode(skip_special_tokens). They
   // split the text before BPE: raw ones as written, normalized ones in their normalized form.
+  // load_model has checked that each is an object with an id in range.
   void load_added_tokens(const json& added_tokens) {
-    for (const auto& a : added_tokens) {
+    for (size_t i = 0; i < added_tokens.size(); ++i) {
+      const json& a = added_tokens[i];
+      const std::string path = "added_tokens[" + std::to_string(i) + "]";
       AddedToken t;
-      t.id = a.at("id").get<int64_t>();
-      t.content = a.at("content").get<std::string>();
-      t.normalized = a.value("normalized", false);
-      t.special = a.value("special", false);
-      if (a.value("single_word", false) || a.value("lstrip", false) || a.value("rstrip", false))
+      t.id = a["id"].get<int64_t>();
+      t.content = string(member(a, path, "content"), path + ".content");
+      t.normalized = bool_or(a, path, "normalized", false);
+      t.special = bool_or(a, path, "special", false);
+      if (bool_or(a, path, "single_word", false) || bool_or(a, path, "lstrip", false) ||
+          bool_or(a, path, "rstrip", false))
         unsupported("added token option (single_word / lstrip / rstrip)", a);
       id_to_token[static_cast<size_t>(t.id)] = t.content;
       special[static_cast<size_t>(t.id)] = t.special;
@@ -427,16 +525,29 @@ struct Tokenizer::Impl {
 
   // Post-processor: TemplateProcessing of a single sequence (ids before and after the text).
   void load_post_processor(const json& p) {
-    if (p.value("type", "") != "TemplateProcessing") unsupported("post_processor", p);
+    object(p, "post_processor");
+    if (string_or(p, "post_processor", "type", "") != "TemplateProcessing") unsupported("post_processor", p);
     bool after = false;
-    for (const auto& item : p.at("single")) {
+    const json& single = array(member(p, "post_processor", "single"), "post_processor.single");
+    for (size_t i = 0; i < single.size(); ++i) {
+      const std::string path = "post_processor.single[" + std::to_string(i) + "]";
+      const json& item = object(single[i], path);
       if (item.contains("Sequence")) {
         TORCH_CHECK(!after, "Tokenizer: ", origin, ": post_processor template with two sequences");
         after = true;
       } else if (item.contains("SpecialToken")) {
-        const std::string name = item["SpecialToken"].at("id").get<std::string>();
-        for (const auto& id : p.at("special_tokens").at(name).at("ids"))
-          (after ? suffix_ids : prefix_ids).push_back(id.get<int64_t>());
+        const std::string token_path = path + ".SpecialToken";
+        const std::string name =
+            string(member(object(item["SpecialToken"], token_path), token_path, "id"), token_path + ".id");
+        const json& tokens = object(member(p, "post_processor", "special_tokens"), "post_processor.special_tokens");
+        const std::string name_path = "post_processor.special_tokens['" + name + "']";
+        const json& ids = array(
+            member(object(member(tokens, "post_processor.special_tokens", name.c_str()), name_path), name_path, "ids"),
+            name_path + ".ids");
+        for (size_t k = 0; k < ids.size(); ++k)
+          (after ? suffix_ids : prefix_ids)
+              .push_back(token_id(ids[k], name_path + ".ids[" + std::to_string(k) + "]",
+                                  static_cast<int64_t>(id_to_token.size())));
       } else {
         unsupported("post_processor template item", item);
       }
@@ -445,23 +556,37 @@ struct Tokenizer::Impl {
 
   // Decoder: Replace(String) / ByteFallback / Fuse / Strip, alone or in a Sequence.
   void load_decoder(const json& d) {
-    for (const json& s : sequence_steps(d, "decoders")) {
-      const std::string type = s.value("type", "");
+    for (const auto& [s, path] : sequence_steps(d, "decoder", "decoders")) {
+      const std::string type = string_or(*s, path, "type", "");
       DecoderStep step{DecoderStep::kFuse, "", "", 0, 0};
       if (type == "Replace") {
-        step = {DecoderStep::kReplace, string_pattern(s, origin), s.at("content").get<std::string>(), 0, 0};
+        step = {DecoderStep::kReplace, string_pattern(*s, path), string(member(*s, path, "content"), path + ".content"),
+                0, 0};
       } else if (type == "ByteFallback") {
         step.kind = DecoderStep::kByteFallback;
       } else if (type == "Fuse") {
         step.kind = DecoderStep::kFuse;
       } else if (type == "Strip") {
-        step = {DecoderStep::kStrip, s.at("content").get<std::string>(), "", s.value("start", size_t{0}),
-                s.value("stop", size_t{0})};
+        // One character (as tokenizers' `char`): an empty one would strip nothing forever.
+        const std::string content = string(member(*s, path, "content"), path + ".content");
+        if (content.empty() || utf8_length(static_cast<unsigned char>(content[0])) != content.size())
+          malformed(path + ".content", "one character", (*s)["content"]);
+        step = {DecoderStep::kStrip, content, "", count_or(*s, path, "start"), count_or(*s, path, "stop")};
       } else {
-        unsupported("decoder", s);
+        unsupported("decoder", *s);
       }
       decoder.push_back(step);
     }
+    check_growth("decoder", decoder);
+  }
+
+  // A non-negative integer member, 0 when absent (Strip's start and stop).
+  size_t count_or(const json& object, const std::string& path, const char* key) const {
+    if (!has(object, key)) return 0;
+    const json& v = object[key];
+    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<int64_t>() >= 0))
+      malformed(path + "." + key, "a non-negative integer", v);
+    return v.get<size_t>();
   }
 };
 
@@ -476,16 +601,27 @@ Tokenizer Tokenizer::load(const std::string& path) {
 }
 
 Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& origin) {
+  // nlohmann parses iteratively, but dump() (error messages) and copies recurse: a file nesting a
+  // million arrays would overflow the stack. tokenizer.json nests 5 levels.
+  constexpr int kMaxDepth = 64;
+  struct TooDeep {};
   json j;
   try {
-    j = json::parse(json_text);
+    j = json::parse(json_text, [](int depth, json::parse_event_t, json&) {
+      if (depth > kMaxDepth) throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    TORCH_CHECK(false, "Tokenizer: ", origin, ": the JSON nests deeper than ", kMaxDepth, " levels");
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "Tokenizer: ", origin, ": not valid JSON: ", e.what());
   }
   auto impl = std::make_shared<Impl>();
   impl->origin = origin;
-  TORCH_CHECK(j.contains("model") && j["model"].is_object(), "Tokenizer: ", origin, ": no model");
-  const json added_tokens = j.value("added_tokens", json::array());
+  TORCH_CHECK(j.is_object(), "Tokenizer: ", origin, ": tokenizer.json must be a JSON object, got ", j.type_name());
+  TORCH_CHECK(has(j, "model") && j["model"].is_object(), "Tokenizer: ", origin, ": no model");
+  const json no_added_tokens = json::array();
+  const json& added_tokens = has(j, "added_tokens") ? impl->array(j["added_tokens"], "added_tokens") : no_added_tokens;
   impl->load_model(j["model"], added_tokens);
   if (has(j, "normalizer")) impl->load_normalizer(j["normalizer"]);
   if (has(j, "pre_tokenizer")) impl->unsupported("pre_tokenizer (only none)", j["pre_tokenizer"]);

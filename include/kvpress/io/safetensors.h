@@ -15,9 +15,15 @@ struct SafetensorsFile {
 };
 
 // Raises c10::Error "load_safetensors: <path>: <what is wrong>" on a missing or unreadable file,
-// a malformed header (bad JSON, unknown dtype, data_offsets out of range or not matching
-// shape * itemsize) or a truncated body. Reads the whole file; tensors own their memory.
+// a malformed header (bad JSON, nesting deeper than 64 levels, unknown dtype, data_offsets out of
+// range, not matching shape * itemsize, overlapping or leaving holes in the data buffer) or a
+// truncated body. Reads the whole file; tensors own their memory.
 SafetensorsFile load_safetensors(const std::string& path);
+
+// The same reader on a file's bytes already in memory (one parser: load_safetensors reads the
+// file through it). Raises c10::Error "parse_safetensors: <origin>: <what is wrong>" where
+// load_safetensors would.
+SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin = "<bytes>");
 
 // Writes every tensor (moved to CPU, made contiguous). Deterministic: header keys in name order,
 // data widest dtype first then by name (every tensor aligned to its element size), header padded

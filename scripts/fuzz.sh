@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets of tests/fuzz (clang, KVPRESS_FUZZ=ON) into build-fuzz/ and runs each
+# for SECONDS (default 30) on its seed corpus and dictionary. Fails on any crash, leak, timeout,
+# out-of-memory or sanitizer report; the input that caused it is kept in build-fuzz/artifacts/.
+#   scripts/fuzz.sh [SECONDS] [TARGET...]     TARGET: safetensors tokenizer config make_press
+# Environment: KVPRESS_FUZZ_BUILD_DIR (default build-fuzz), KVPRESS_FUZZ_CORPUS (keep the working
+# corpora there instead of a temporary folder), KVPRESS_JOBS (build jobs, default nproc).
+# The committed seeds stay as they are: libFuzzer writes new inputs only to the working corpus.
+set -euo pipefail
+seconds="${1:-30}"
+shift || true
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors tokenizer config make_press)
+KVPRESS_BUILD_DIR="${KVPRESS_FUZZ_BUILD_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build-fuzz}"
+export KVPRESS_BUILD_DIR
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+# clang with libFuzzer's runtime (libclang-rt-dev) and llvm-symbolizer for readable reports.
+fuzz_packages=(clang libclang-rt-dev llvm)
+missing=()
+for p in "${fuzz_packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "fuzz: installing Debian packages: ${missing[*]}" >&2
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+build_start=$SECONDS
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
+  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DKVPRESS_FUZZ=ON -DKVPRESS_WITH_CUDA=OFF \
+  -DKVPRESS_BUILD_TESTS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF -DKVPRESS_BUILD_TOOLS=OFF \
+  -DCMAKE_PREFIX_PATH="$torch_prefix" >/dev/null
+cmake --build "$build" -j "$jobs" --target "${targets[@]/#/kvpress_fuzz_}"
+echo "fuzz: built in $((SECONDS - build_start)) s"
+
+fuzz_dir="$root/tests/fuzz"
+export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:detect_stack_use_after_return=1"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+# One intra-op thread: the inputs are tiny, and libtorch's pool would only add start-up noise.
+export OMP_NUM_THREADS=1
+artifacts="$build/artifacts"
+mkdir -p "$artifacts"
+corpus_root="${KVPRESS_FUZZ_CORPUS:-$(mktemp -d)}"
+[ -n "${KVPRESS_FUZZ_CORPUS:-}" ] || trap 'rm -rf "$corpus_root"' EXIT
+
+summary=()
+failed=()
+for target in "${targets[@]}"; do
+  work="$corpus_root/$target"
+  log="$build/fuzz-$target.log"
+  mkdir -p "$work"
+  echo "fuzz: $target for ${seconds}s (log: $log)"
+  status=0
+  # -timeout: seconds one input may take; -rss_limit_mb also bounds any single allocation.
+  "$build/tests/fuzz/kvpress_fuzz_$target" "$work" "$fuzz_dir/$target" -dict="$fuzz_dir/$target.dict" \
+    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    -artifact_prefix="$artifacts/$target-" >"$log" 2>&1 || status=$?
+  if [ "$status" -ne 0 ] || grep -qE "ERROR: (Address|Leak|UndefinedBehavior)Sanitizer|runtime error:" "$log"; then
+    failed+=("$target")
+    echo "fuzz: $target FAILED (exit $status); the end of $log:" >&2
+    tail -n 60 "$log" >&2
+    ls "$artifacts" | sed -n "/^$target-/s|^|  input: $artifacts/|p" >&2
+    continue
+  fi
+  # libFuzzer's final figures: executions, exec/s, coverage (cov: edges, ft: features), corpus.
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+  speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
+  rss=$(sed -n 's/^stat::peak_rss_mb: *//p' "$log")
+  last=$(grep -E "^#[0-9]+.*cov: " "$log" | tail -n 1)
+  cov=$(sed -E 's/.*cov: ([0-9]+).*/\1/' <<<"$last")
+  ft=$(sed -E 's/.*ft: ([0-9]+).*/\1/' <<<"$last")
+  corp=$(sed -E 's/.*corp: ([^ ]+).*/\1/' <<<"$last")
+  summary+=("$(printf '%-12s %10s %8s %7s %7s %14s %7s' "$target" "$runs" "$speed" "$cov" "$ft" "$corp" "$rss")")
+done
+
+printf '%-12s %10s %8s %7s %7s %14s %7s\n' target executions exec/s cov ft corpus rss_mb
+printf '%s\n' "${summary[@]}"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: failed: ${failed[*]}" >&2
+  exit 1
+fi
+echo "fuzz: ${#targets[@]} target(s) ran ${seconds}s each with no crash, leak, timeout or sanitizer report"

@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of tests/fuzz (committed; rerun after changing this script).
+
+    python3 tests/fuzz/make_seeds.py [MODEL_DIR]    (default: ../shared/models/tinystories-656k)
+
+Hand-made inputs that reach every supported feature, plus small pieces of the real TinyStories-656K
+files: its config.json, its tokenizer.json cut to the first 200 ids, two of its weight tensors.
+Standard library only. make_press seeds: hand-made nested ones, and with --cli every registry
+press with its parameters at their defaults (from `kvpress-cli list --json`).
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write(target, name, data):
+    os.makedirs(os.path.join(HERE, target), exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode()
+    with open(os.path.join(HERE, target, name), "wb") as f:
+        f.write(data)
+
+
+# ---- safetensors ---------------------------------------------------------------------------------
+
+def safetensors_bytes(tensors, metadata=None):
+    """tensors: name -> (dtype, shape, raw bytes); laid out in the given order."""
+    header, body = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(body), len(body) + len(raw)]}
+        body += raw
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def read_safetensors(path, names):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        start = 8 + n
+        out = {}
+        for name in names:
+            e = header[name]
+            f.seek(start + e["data_offsets"][0])
+            out[name] = (e["dtype"], e["shape"], f.read(e["data_offsets"][1] - e["data_offsets"][0]))
+        return out, header.get("__metadata__")
+
+
+def safetensors_seeds(model_dir):
+    real, meta = read_safetensors(os.path.join(model_dir, "model.safetensors"),
+                                  ["model.norm.weight", "model.layers.0.input_layernorm.weight"])
+    write("safetensors", "tinystories_norms.safetensors", safetensors_bytes(real, meta))
+    every_dtype = {
+        "f64": ("F64", [2], struct.pack("<2d", 1.5, -2.0)),
+        "f32": ("F32", [2, 2], struct.pack("<4f", 0.0, 1.0, float("inf"), float("nan"))),
+        "f16": ("F16", [3], struct.pack("<3H", 0x3C00, 0x8000, 0x7C00)),
+        "bf16": ("BF16", [1, 2], struct.pack("<2H", 0x3F80, 0xFF80)),
+        "i64": ("I64", [], struct.pack("<q", -(2**63))),
+        "i32": ("I32", [2], struct.pack("<2i", 7, -7)),
+        "i16": ("I16", [1], struct.pack("<h", -1)),
+        "i8": ("I8", [2], struct.pack("<2b", 127, -128)),
+        "u8": ("U8", [0, 3], b""),
+        "bool": ("BOOL", [3], bytes([0, 1, 1])),
+    }
+    write("safetensors", "every_dtype.safetensors", safetensors_bytes(every_dtype, {"format": "pt", "note": "x"}))
+    write("safetensors", "empty.safetensors", safetensors_bytes({}))
+    write("safetensors", "metadata_only.safetensors", safetensors_bytes({}, {"ratio": "0.5", "layer_idx": "3"}))
+
+
+# ---- tokenizer.json ------------------------------------------------------------------------------
+
+SP = "\u2581"  # SentencePiece's word boundary
+
+
+def tiny_tokenizer():
+    """Every supported component: Prepend/Replace normalizer, BPE with merges, byte fallback and a
+    fused <unk>, added tokens (normalized or not, special or not), BOS/EOS template, decoder chain."""
+    chars = [SP, "a", "b", "c", "e", "h", "n", "o", "t", "u", "O", ",", "."]
+    merged = ["th", "the", SP + "the", "on", "On", "ce", SP + "a", "un", "On" + "ce"]
+    byte_tokens = ["<0x%02X>" % b for b in (0x0A, 0x20, 0xC3, 0xA9, 0xE2, 0x96, 0x81)]
+    tokens = ["<unk>", "<s>", "</s>"] + byte_tokens + chars + merged
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = ["t h", "th e", SP + " the", "o n", "O n", "c e", SP + " a", "u n", "On ce"]
+    added = [
+        {"id": 0, "content": "<unk>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True},
+        {"id": 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True},
+        {"id": 2, "content": "</s>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True},
+        {"id": len(tokens), "content": "<|story|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": False},
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": SP},
+            {"type": "Replace", "pattern": {"String": " "}, "content": SP}]},
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+            "pair": [],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+                               "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": SP}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges},
+    }
+
+
+def tokenizer_seeds(model_dir):
+    tiny = tiny_tokenizer()
+    text = "Once upon a time, the <|story|> \u00e9t\u00e9\n<s>x</s> \xff"
+    write("tokenizer", "tiny.json", json.dumps(tiny, ensure_ascii=False).encode() + b"\0" + text.encode())
+    # Merges as pairs, no normalizer, ignore_merges, no fusing of <unk>, one decoder.
+    pairs = json.loads(json.dumps(tiny))
+    model = pairs["model"]
+    model["merges"] = [m.split(" ") for m in model["merges"]]
+    model.update(ignore_merges=True, fuse_unk=False, byte_fallback=False)
+    del pairs["normalizer"], pairs["post_processor"]
+    pairs["decoder"] = {"type": "Fuse"}
+    write("tokenizer", "merge_pairs.json", json.dumps(pairs, ensure_ascii=False).encode() + b"\0the once xyz")
+    # The real tokenizer, cut to its first 200 ids (and the merges among them).
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        real = json.load(f)
+    keep = {t: i for t, i in real["model"]["vocab"].items() if i < 200}
+    real["model"]["vocab"] = keep
+    real["model"]["merges"] = [m for m in real["model"]["merges"]
+                               if all(p in keep for p in m.split(" ")) and m.replace(" ", "") in keep]
+    write("tokenizer", "tinystories_200.json",
+          json.dumps(real, ensure_ascii=False).encode() + b"\0Once upon a time, there was a little girl.")
+
+
+# ---- config.json ---------------------------------------------------------------------------------
+
+def config_seeds(model_dir):
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        write("config", "tinystories.json", f.read())
+    write("config", "transformers5.json", json.dumps({
+        "model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "rms_norm_eps": 1e-5,
+        "eos_token_id": [2, 3], "tie_word_embeddings": False}, indent=1))
+    write("config", "minimal.json", '{"model_type": "llama", "vocab_size": 2, "hidden_size": 2, '
+          '"intermediate_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1}')
+
+
+# ---- make_press ----------------------------------------------------------------------------------
+
+NESTED = {
+    "composed": "ComposedPress\n0.3\npresses=SnapKVPress,KnormPress,StreamingLLMPress\npresses.0.window_size=8\n"
+                "presses.1.compression_ratio=0.2\npresses.2.n_sink=2\n",
+    "prefill_decoding": "PrefillDecodingPress\n0.5\nprefilling_press=ExpectedAttentionPress\n"
+                        "prefilling_press.n_sink=2\ndecoding_press=DecodingPress\ndecoding_press.press=KnormPress\n"
+                        "decoding_press.target_size=64\ndecoding_press.compression_interval=4\n",
+    "prefill_ratio_decoding": "PrefillDecodingPress\n0.25\ndecoding_press=CompressionRatioDecodingPress\n"
+                              "decoding_press.press=SnapKVPress\ndecoding_press.press.window_size=4\n",
+    "adakv_expected": "AdaKVPress\n0.5\npress=ExpectedAttentionPress\npress.n_sink=2\npress.use_covariance=false\n"
+                      "alpha_safeguard=0.2\n",
+    "chunkkv_rerotation": "ChunkKVPress\n0.5\npress=KeyRerotationPress\npress.press=SnapKVPress\n"
+                          "press.press.window_size=16\nchunk_length=8\n",
+    "per_layer": "PerLayerCompressionPress\n0\npress=LagKVPress\npress.lag_size=16\ncompression_ratios=0.1,0.5,0.9\n",
+    "critical_adakv": "CriticalAdaKVPress\n0.75\npress=TOVAPress\nfirst_stage_ratio=0.5\nepsilon=1e-4\n",
+    "bad_ratio": "SnapKVPress\nnan\n",
+    "unknown": "SnapKV\n0.5\nwindow=8\n",
+}
+
+
+def make_press_seeds(cli):
+    # One seed per registry press with its parameters at their defaults (only with --cli; the
+    # committed ones are kept otherwise).
+    if cli:
+        listing = json.loads(subprocess.check_output([cli, "list", "--json"]))
+        words = set()
+        for p in listing["presses"]:
+            lines = [p["name"], "0.5"] + ["%s=%s" % (q["name"], q["default"]) for q in p["params"]]
+            write("make_press", p["name"] + ".txt", "\n".join(lines) + "\n")
+            words.add(p["name"])
+            words.update(q["name"] + "=" for q in p["params"])
+        # The dictionary: names, parameters, nesting prefixes and edge values.
+        words.update(["press.", "presses.0.", "presses.1.", "prefilling_press.", "decoding_press.",
+                      "compression_ratio=", "\n", ",", "None", "none", "true", "False", "nan", "-inf", "-1", "0",
+                      "1", "0.999999", "1e308", "-0", "9223372036854775807", "-9223372036854775808", "0x1p-3"])
+        with open(os.path.join(HERE, "make_press.dict"), "w") as f:
+            f.write("# libFuzzer dictionary of the make_press target (tests/fuzz/make_seeds.py --cli).\n")
+            for w in sorted(words):
+                f.write('"%s"\n' % w.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\x0a"))
+    for name, text in NESTED.items():
+        write("make_press", "nested_" + name + ".txt", text)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", nargs="?",
+                        default=os.path.join(HERE, "..", "..", "..", "shared", "models", "tinystories-656k"))
+    parser.add_argument("--cli", help="kvpress-cli, to list the registry's presses and parameters")
+    args = parser.parse_args()
+    safetensors_seeds(args.model_dir)
+    tokenizer_seeds(args.model_dir)
+    config_seeds(args.model_dir)
+    make_press_seeds(args.cli)
