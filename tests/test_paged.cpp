@@ -28,8 +28,8 @@ using testing::randn;
 
 // Per-head token lists laid out in randomly ordered pages of a pool.
 struct PagedLayout {
-  at::Tensor key_pool, value_pool;  // [P, page_size, D]
-  at::Tensor page_table, lengths;   // [B, Hkv, max_pages], [B, Hkv]
+  at::Tensor key_pool, value_pool;       // [P, page_size, D]
+  at::Tensor page_table, lengths;        // [B, Hkv, max_pages], [B, Hkv]
   std::vector<at::Tensor> keys, values;  // per head (b * Hkv + h): [L, D]
 };
 
@@ -96,11 +96,11 @@ TEST(PagedOps, AttentionMatchesDenseAttentionOverEachHeadsTokens) {
     std::vector<int64_t> lengths;
   };
   const std::vector<Case> cases = {
-      {2, 2, 3, 1, 16, 16, {1, 17, 32, 40}},        // one token, a page boundary, exact pages
-      {2, 2, 1, 4, 5, 8, {4, 9, 23, 50}},           // n new tokens, odd page size, no GQA
-      {1, 1, 4, 1, 16, 64, {3000}},                 // one long head: split across threads and merged
-      {3, 1, 2, 2, 1, 32, {2, 7, 300}},             // page size 1
-      {1, 4, 2, 1, 16, 128, {700, 16, 1, 2049}},    // Llama-like head_dim
+      {2, 2, 3, 1, 16, 16, {1, 17, 32, 40}},      // one token, a page boundary, exact pages
+      {2, 2, 1, 4, 5, 8, {4, 9, 23, 50}},         // n new tokens, odd page size, no GQA
+      {1, 1, 4, 1, 16, 64, {3000}},               // one long head: split across threads and merged
+      {3, 1, 2, 2, 1, 32, {2, 7, 300}},           // page size 1
+      {1, 4, 2, 1, 16, 128, {700, 16, 1, 2049}},  // Llama-like head_dim
   };
   for (const Case& c : cases) {
     for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
@@ -148,9 +148,7 @@ TEST(PagedOps, RejectBadArguments) {
                         std::initializer_list<std::string> parts) {
     expect_error([&] { ops::paged_attention(queries, l.key_pool, l.value_pool, table, lengths); }, parts);
     expect_error(
-        [&] {
-          ops::composite::paged_attention(queries, l.key_pool, l.value_pool, table, lengths, std::nullopt);
-        },
+        [&] { ops::composite::paged_attention(queries, l.key_pool, l.value_pool, table, lengths, std::nullopt); },
         parts);
   };
   at::Tensor bad_table = l.page_table.clone();
@@ -168,10 +166,16 @@ TEST(PagedOps, RejectBadArguments) {
   at::Tensor kp = l.key_pool.clone(), vp = l.value_pool.clone();
   const at::Tensor rows = randn({2, 8}, 19);
   const int64_t capacity = kp.size(0) * 4;  // 7 pages of 4
-  expect_error([&] { ops::paged_write(kp, vp, rows, rows, at::tensor({int64_t{0}, capacity}, at::kLong)); },
-               {"paged_write: slots must be in [0, num_pages * page_size (28)), got values in [0, 28]"});
-  expect_error([&] { ops::paged_write(kp, vp, rows.to(at::kHalf), rows.to(at::kHalf), at::tensor({0, 1}, at::kLong)); },
-               {"paged_write: keys and values must be Float like the pools, got Half"});
+  expect_error(
+      [&] {
+        ops::paged_write(kp, vp, rows, rows, at::tensor({int64_t{0}, capacity}, at::kLong));
+      },
+      {"paged_write: slots must be in [0, num_pages * page_size (28)), got values in [0, 28]"});
+  expect_error(
+      [&] {
+        ops::paged_write(kp, vp, rows.to(at::kHalf), rows.to(at::kHalf), at::tensor({0, 1}, at::kLong));
+      },
+      {"paged_write: keys and values must be Float like the pools, got Half"});
   expect_error([&] { ops::paged_write(kp, vp, rows, rows, at::tensor({0}, at::kLong)); },
                {"paged_write: slots must be int64 [2]"});
   EXPECT_TRUE(at::equal(kp, l.key_pool));  // nothing was written by the refused calls
@@ -345,8 +349,9 @@ TEST(PagedCache, FailuresLeaveTheCacheAsItWas) {
   const auto before = snapshot();
   // SnapKVPress needs S > window_size (64): sequence 1 (40 tokens) fails after sequence 0 was scored.
   const auto snapkv = make_press("SnapKVPress", 0.5);
-  expect_error([&] { cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, snapkv.get(), inputs_of(batch)); },
-               {"SnapKVPress"});
+  expect_error(
+      [&] { cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, snapkv.get(), inputs_of(batch)); },
+      {"SnapKVPress"});
   EXPECT_EQ(snapshot(), before);
   // Out of pages: the three sequences take 2 x (12 + 5 + 9) = 52 of 64 pages; 120 more tokens need 30.
   cache.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens);
@@ -365,16 +370,28 @@ TEST(PagedCache, FailuresLeaveTheCacheAsItWas) {
                {"PagedKVCache::store: sequence 0 already holds layer 0"});
   expect_error([&] { cache.store(2, {extra}, big.keys, big.values, big.cu_seqlens); },
                {"PagedKVCache::store: layer must be in [0, 2), got 2"});
-  expect_error([&] { cache.store(1, {extra, extra}, big.keys, big.values, at::tensor({0, 60, 120}, at::kInt)); },
-               {"PagedKVCache::store: seqs must be distinct, got sequence 3 twice"});
+  expect_error(
+      [&] {
+        cache.store(1, {extra, extra}, big.keys, big.values, at::tensor({0, 60, 120}, at::kInt));
+      },
+      {"PagedKVCache::store: seqs must be distinct, got sequence 3 twice"});
   expect_error([&] { cache.store(1, {extra}, big.keys.to(at::kHalf), big.values.to(at::kHalf), big.cu_seqlens); },
                {"PagedKVCache::store: keys and values must be Float like the cache, got Half"});
-  expect_error([&] { cache.store(1, {extra}, big.keys, big.values, at::tensor({0, 119}, at::kInt)); },
-               {"PagedKVCache::store: cu_seqlens must run from 0 to total_tokens (120), got 0 .. 119"});
-  expect_error([&] { cache.append(1, {extra}, randn({1, 2, 1, 8}, 53), randn({1, 2, 1, 8}, 54)); },
-               {"PagedKVCache::append: keys must be [1, 2, n, 16]"});
-  expect_error([&] { cache.compact(0, seqs[0], at::ones({2, 10}, at::kBool)); },
-               {"PagedKVCache::compact: keep_mask must be [2, L >= 90]"});
+  expect_error(
+      [&] {
+        cache.store(1, {extra}, big.keys, big.values, at::tensor({0, 119}, at::kInt));
+      },
+      {"PagedKVCache::store: cu_seqlens must run from 0 to total_tokens (120), got 0 .. 119"});
+  expect_error(
+      [&] {
+        cache.append(1, {extra}, randn({1, 2, 1, 8}, 53), randn({1, 2, 1, 8}, 54));
+      },
+      {"PagedKVCache::append: keys must be [1, 2, n, 16]"});
+  expect_error(
+      [&] {
+        cache.compact(0, seqs[0], at::ones({2, 10}, at::kBool));
+      },
+      {"PagedKVCache::compact: keep_mask must be [2, L >= 90]"});
   expect_error([&] { PagedKVCache(small_options(0)); }, {"PagedKVCache: pages_per_layer must be > 0, got 0"});
 }
 
@@ -429,7 +446,8 @@ TEST(PagedCache, CompactMovesKeptTokensForwardAndReturnsEmptiedPages) {
   ASSERT_NE(len[0], len[1]);
   const int64_t width = std::max(len[0], len[1]) + 3;
   at::Tensor mask = at::rand({2, width}, at::kFloat) < 0.35;
-  for (int64_t h = 0; h < 2; ++h) mask[h].narrow(0, len[static_cast<size_t>(h)], width - len[static_cast<size_t>(h)]).fill_(false);
+  for (int64_t h = 0; h < 2; ++h)
+    mask[h].narrow(0, len[static_cast<size_t>(h)], width - len[static_cast<size_t>(h)]).fill_(false);
   std::vector<at::Tensor> expected_keys, expected_values;
   std::vector<std::vector<int64_t>> expected_positions;
   for (int64_t h = 0; h < 2; ++h) {
@@ -444,7 +462,8 @@ TEST(PagedCache, CompactMovesKeptTokensForwardAndReturnsEmptiedPages) {
   const std::vector<int64_t> first_pages_0 = cache.pages(seqs[1], 0, 0);
   const std::vector<int64_t> untouched = cache.positions(seqs[0], 0, 1);
   const int64_t free_before = cache.free_pages(0);
-  const int64_t pages_before = static_cast<int64_t>(cache.pages(seqs[1], 0, 0).size() + cache.pages(seqs[1], 0, 1).size());
+  const int64_t pages_before =
+      static_cast<int64_t>(cache.pages(seqs[1], 0, 0).size() + cache.pages(seqs[1], 0, 1).size());
   cache.compact(0, seqs[1], mask);
   int64_t pages_after = 0;
   for (int64_t h = 0; h < 2; ++h) {
@@ -535,7 +554,8 @@ TEST(PagedCuda, CacheOnCudaKeepsAndAttendsAsOnCpu) {
     EXPECT_TRUE(at::allclose(cpu.attention(0, seqs, q), gpu.attention(0, seqs, q.cuda()).cpu(), 1e-5, 1e-5));
     const std::vector<int64_t> len = cpu.lengths(seqs[2], 0);
     at::Tensor mask = at::rand({2, std::max(len[0], len[1])}) < 0.5;
-    for (int64_t h = 0; h < 2; ++h) mask[h].narrow(0, len[static_cast<size_t>(h)], mask.size(1) - len[static_cast<size_t>(h)]).fill_(false);
+    for (int64_t h = 0; h < 2; ++h)
+      mask[h].narrow(0, len[static_cast<size_t>(h)], mask.size(1) - len[static_cast<size_t>(h)]).fill_(false);
     cpu.compact(0, seqs[2], mask);
     gpu.compact(0, seqs[2], mask.cuda());
     EXPECT_TRUE(at::equal(cpu.head_keys(seqs[2], 0, 1), gpu.head_keys(seqs[2], 0, 1).cpu()));

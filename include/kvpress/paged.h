@@ -80,8 +80,11 @@ class PagedKVCache {
   const PagedCacheOptions& options() const { return options_; }
 
   // ---- sequences ---------------------------------------------------------------------------------
-  SequenceId add_sequence();              // an empty sequence (no pages yet)
-  void free_sequence(SequenceId seq);     // returns its pages to the pools
+  SequenceId add_sequence();           // an empty sequence (no pages yet)
+  void free_sequence(SequenceId seq);  // returns its pages to the pools
+  // Returns every page of the sequence to the pools and empties its layers; the id stays valid
+  // (an engine preempting a sequence, or undoing a failed prefill).
+  void reset_sequence(SequenceId seq);
   bool contains(SequenceId seq) const;
   std::vector<SequenceId> sequences() const;  // ascending ids
 
@@ -111,10 +114,16 @@ class PagedKVCache {
   void append(int64_t layer, const std::vector<SequenceId>& seqs,
               const at::Tensor& keys,     // [B, Hkv, n, D]
               const at::Tensor& values);  // [B, Hkv, n, D]
+  // New pages append(layer, seqs, n tokens) would take (an engine checks capacity for a whole step
+  // across layers before starting it).
+  int64_t pages_to_append(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n) const;
+  // Undoes the last append of n tokens to each sequence at `layer` (a step that failed part-way):
+  // drops each head's last n tokens, returns pages left empty, moves next_position back by n.
+  void remove_last(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n);
   // Causal attention of each sequence's last n stored tokens' queries over its heads' pages
   // (ops::paged_attention): new token i sees every older token of its head and new tokens <= i.
   at::Tensor attention(int64_t layer, const std::vector<SequenceId>& seqs,
-                       const at::Tensor& queries,  // [B, Hq, n, D]
+                       const at::Tensor& queries,                          // [B, Hq, n, D]
                        std::optional<double> scale = std::nullopt) const;  // -> [B, Hq, n, D]
   PagedBatchView batch_view(int64_t layer, const std::vector<SequenceId>& seqs) const;
 

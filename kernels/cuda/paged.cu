@@ -71,12 +71,12 @@ void paged_write_cuda(at::Tensor& key_pool, at::Tensor& value_pool, const at::Te
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_types(key_pool.scalar_type(), "paged_write", "key_pool", [&](auto element) {
     using T = decltype(element);
-    check_launch(launch_paged_write<T>(reinterpret_cast<T*>(key_pool.data_ptr()),
-                                       reinterpret_cast<T*>(value_pool.data_ptr()),
-                                       reinterpret_cast<const T*>(keys.const_data_ptr()),
-                                       reinterpret_cast<const T*>(values.const_data_ptr()),
-                                       slots.const_data_ptr<int64_t>(), keys.size(0), keys.size(1), stream),
-                 "paged_write");
+    check_launch(
+        launch_paged_write<T>(reinterpret_cast<T*>(key_pool.data_ptr()), reinterpret_cast<T*>(value_pool.data_ptr()),
+                              reinterpret_cast<const T*>(keys.const_data_ptr()),
+                              reinterpret_cast<const T*>(values.const_data_ptr()), slots.const_data_ptr<int64_t>(),
+                              keys.size(0), keys.size(1), stream),
+        "paged_write");
   });
 }
 

@@ -34,9 +34,9 @@ struct PagedAttentionShape {
 __host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
 
 template <typename T>
-__global__ void paged_attention_kernel(const T* __restrict__ queries,     // [B, Hq, n, D] contiguous
-                                       const T* __restrict__ key_pool,    // [P, page_size, D]
-                                       const T* __restrict__ value_pool,  // [P, page_size, D]
+__global__ void paged_attention_kernel(const T* __restrict__ queries,           // [B, Hq, n, D] contiguous
+                                       const T* __restrict__ key_pool,          // [P, page_size, D]
+                                       const T* __restrict__ value_pool,        // [P, page_size, D]
                                        const int64_t* __restrict__ page_table,  // [B, Hkv, max_pages]
                                        const int64_t* __restrict__ lengths,     // [B, Hkv]
                                        T* __restrict__ out,                     // [B, Hq, n, D]
@@ -133,8 +133,7 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,     // [B,
 
 // Merges the splits of each unit (one block per unit).
 template <typename T>
-__global__ void paged_attention_reduce(const float* __restrict__ partials, T* __restrict__ out,
-                                       PagedAttentionShape s) {
+__global__ void paged_attention_reduce(const float* __restrict__ partials, T* __restrict__ out, PagedAttentionShape s) {
   const int64_t unit = blockIdx.x, stride = paged_partial_stride(s.dim);
   const float* p = partials + unit * s.splits * stride;
   float total_max = -INFINITY;
@@ -164,8 +163,8 @@ cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T*
   if (units == 0) return cudaSuccess;
   if (shape.dim > kPagedMaxDim || shape.splits < 1 || shape.splits > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.splits));
-  paged_attention_kernel<T><<<grid, kPagedWarps * 32, 0, stream>>>(queries, key_pool, value_pool, page_table, lengths,
-                                                                     out, partials, shape);
+  paged_attention_kernel<T>
+      <<<grid, kPagedWarps * 32, 0, stream>>>(queries, key_pool, value_pool, page_table, lengths, out, partials, shape);
   if (shape.splits > 1) {
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;

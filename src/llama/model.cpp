@@ -14,8 +14,10 @@
 
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <sstream>
+#include <vector>
 
 #include "kvpress/cache.h"
 #include "kvpress/io/safetensors.h"
@@ -262,9 +264,15 @@ LlamaModel::LlamaModel(LlamaConfig config, const std::map<std::string, at::Tenso
 }
 
 RopeTables LlamaModel::rope(int64_t start, int64_t n) const {
+  std::vector<int64_t> positions(static_cast<size_t>(n));
+  std::iota(positions.begin(), positions.end(), start);
+  return rope_at(positions);
+}
+
+RopeTables LlamaModel::rope_at(const std::vector<int64_t>& position_ids) const {
   // angles[p, i] = position_p * inv_freq_i in float32 (transformers' [D/2, 1] @ [1, n] matmul has a
   // single product per entry, so it is this product exactly).
-  const at::Tensor positions = at::arange(start, start + n, at::kLong).to(at::kFloat);
+  const at::Tensor positions = at::tensor(at::ArrayRef<int64_t>(position_ids), at::kLong).to(at::kFloat);
   const at::Tensor angles = positions.unsqueeze(1) * inv_freq_.unsqueeze(0);  // [n, D/2]
   const at::Tensor emb = at::cat({angles, angles}, -1);                       // [n, D]
   return {emb.cos().to(dtype_), emb.sin().to(dtype_)};
@@ -359,7 +367,8 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
 
       // The presses' hooks run here, after the attention used the full cache, as kvpress's forward hook.
       if (press || decoding) {
-        LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, cache);
+        LayerInputs in =
+            hook_inputs(li, input_ids, h, rope_tables, cache.keys(li).contiguous(), cache.values(li).contiguous());
         if (press) {
           if (press_attentions) in.attentions = attn_weights;
           compress_at_prefill(*press, *prefill, li, std::move(in), cache, out);
@@ -445,11 +454,12 @@ at::Tensor LlamaModel::ragged_attention(const at::Tensor& q, const HeadRaggedLay
 }
 
 LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, const at::Tensor& h,
-                                    const RopeTables& rope_tables, const KVCache& cache) const {
+                                    const RopeTables& rope_tables, const at::Tensor& keys,
+                                    const at::Tensor& values) const {
   const Layer& w = layers_[static_cast<size_t>(layer)];
   LayerInputs in;
-  in.keys = cache.keys(layer).contiguous();
-  in.values = cache.values(layer).contiguous();
+  in.keys = keys;
+  in.values = values;
   in.hidden_states = h;  // this forward's attention input
   in.q_proj = w.q_proj;
   in.k_proj = w.k_proj;

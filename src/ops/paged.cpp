@@ -58,13 +58,13 @@ at::Tensor composite::paged_attention(const at::Tensor& queries, const at::Tenso
       const at::Tensor tokens = at::arange(m, page_table.options());
       const at::Tensor slots =
           a.page_table[b][h].index_select(0, tokens.div(page_size, "floor")) * page_size + tokens.remainder(page_size);
-      const at::Tensor k = flat_keys.index_select(0, slots).to(at::kFloat);    // [m, D]
-      const at::Tensor v = flat_values.index_select(0, slots).to(at::kFloat);  // [m, D]
+      const at::Tensor k = flat_keys.index_select(0, slots).to(at::kFloat);          // [m, D]
+      const at::Tensor v = flat_values.index_select(0, slots).to(at::kFloat);        // [m, D]
       const at::Tensor q = a.queries[b].narrow(0, h * group, group).to(at::kFloat);  // [G, n, D]
-      at::Tensor logits = at::matmul(q, k.t()) * a.scale;                             // [G, n, m]
+      at::Tensor logits = at::matmul(q, k.t()) * a.scale;                            // [G, n, m]
       // New token i is token m - n + i and sees tokens <= that.
-      const at::Tensor hidden = at::arange(m, tokens.options()).unsqueeze(0) >
-                                (at::arange(n, tokens.options()) + (m - n)).unsqueeze(1);
+      const at::Tensor hidden =
+          at::arange(m, tokens.options()).unsqueeze(0) > (at::arange(n, tokens.options()) + (m - n)).unsqueeze(1);
       logits.masked_fill_(hidden, -std::numeric_limits<float>::infinity());
       out[b].narrow(0, h * group, group).copy_(at::matmul(at::softmax(logits, -1), v));
     }

@@ -72,6 +72,18 @@ void PagedKVCache::free_sequence(SequenceId seq) {
   sequences_.erase(seq);
 }
 
+void PagedKVCache::reset_sequence(SequenceId seq) {
+  Sequence& s = sequence_at(seq, "PagedKVCache::reset_sequence");
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    for (Head& h : s.layers[l].heads) {
+      layers_[l].free_pages.insert(layers_[l].free_pages.end(), h.pages.rbegin(), h.pages.rend());
+      h = Head{};
+    }
+    s.layers[l].next_position = 0;
+    s.layers[l].stored = false;
+  }
+}
+
 bool PagedKVCache::contains(SequenceId seq) const { return sequences_.count(seq) != 0; }
 
 std::vector<SequenceId> PagedKVCache::sequences() const {
@@ -91,8 +103,8 @@ PagedKVCache::Sequence& PagedKVCache::sequence_at(SequenceId seq, const char* op
 }
 
 void PagedKVCache::check_layer(int64_t layer, const char* op) const {
-  TORCH_CHECK(layer >= 0 && layer < options_.num_layers, op, ": layer must be in [0, ", options_.num_layers,
-              "), got ", layer);
+  TORCH_CHECK(layer >= 0 && layer < options_.num_layers, op, ": layer must be in [0, ", options_.num_layers, "), got ",
+              layer);
 }
 
 void PagedKVCache::check_sequences(const std::vector<SequenceId>& seqs, const char* op) const {
@@ -246,9 +258,8 @@ void PagedKVCache::store_views(int64_t layer, const std::vector<SequenceId>& seq
     in.keys = keys[i];  // the cache's rows, whatever the callback set
     in.values = values[i];
     const RaggedKV kv = press->compress_ragged(in);
-    TORCH_CHECK(kv.batch == 1 && kv.kv_heads == kv_heads && static_cast<int64_t>(kv.heads.size()) == kv_heads, op,
-                ": ", press->name(), " returned ", kv.batch, " x ", kv.kv_heads, " heads for one sequence of ",
-                kv_heads);
+    TORCH_CHECK(kv.batch == 1 && kv.kv_heads == kv_heads && static_cast<int64_t>(kv.heads.size()) == kv_heads, op, ": ",
+                press->name(), " returned ", kv.batch, " x ", kv.kv_heads, " heads for one sequence of ", kv_heads);
     for (int64_t h = 0; h < kv_heads; ++h) {
       const HeadKV& head = kv.at(0, h);
       writes.push_back({index, h, head.keys, head.values, to_host_vector(head.kept_indices)});
@@ -291,6 +302,42 @@ void PagedKVCache::append(int64_t layer, const std::vector<SequenceId>& seqs, co
     SequenceLayer& l = sequences_.at(s).layers[static_cast<size_t>(layer)];
     l.stored = true;
     l.next_position += n;
+  }
+}
+
+int64_t PagedKVCache::pages_to_append(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n) const {
+  constexpr const char* op = "PagedKVCache::pages_to_append";
+  check_layer(layer, op);
+  check_sequences(seqs, op);
+  checks::check_non_negative(op, "n", n);
+  int64_t pages = 0;
+  for (SequenceId s : seqs)
+    for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
+      pages += ceil_div(static_cast<int64_t>(h.positions.size()) + n, options_.page_size) -
+               static_cast<int64_t>(h.pages.size());
+  return pages;
+}
+
+void PagedKVCache::remove_last(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n) {
+  constexpr const char* op = "PagedKVCache::remove_last";
+  check_layer(layer, op);
+  check_sequences(seqs, op);
+  checks::check_non_negative(op, "n", n);
+  for (SequenceId s : seqs)
+    for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
+      TORCH_CHECK(static_cast<int64_t>(h.positions.size()) >= n, op, ": sequence ", s, " holds ", h.positions.size(),
+                  " tokens in a head of layer ", layer, ", fewer than the ", n, " to remove");
+  Layer& pool = layers_[static_cast<size_t>(layer)];
+  for (SequenceId s : seqs) {
+    SequenceLayer& sl = sequences_.at(s).layers[static_cast<size_t>(layer)];
+    for (Head& h : sl.heads) {
+      h.positions.resize(h.positions.size() - static_cast<size_t>(n));
+      const auto keep = static_cast<size_t>(ceil_div(static_cast<int64_t>(h.positions.size()), options_.page_size));
+      pool.free_pages.insert(pool.free_pages.end(), h.pages.rbegin(),
+                             h.pages.rbegin() + static_cast<std::ptrdiff_t>(h.pages.size() - keep));
+      h.pages.resize(keep);
+    }
+    sl.next_position -= n;
   }
 }
 
@@ -479,7 +526,8 @@ PagedCacheStats PagedKVCache::stats() const {
   s.num_layers = options_.num_layers;
   s.pages_per_layer = options_.pages_per_layer;
   s.page_size = options_.page_size;
-  s.bytes_per_page = 2 * options_.page_size * options_.head_dim * static_cast<int64_t>(c10::elementSize(options_.dtype));
+  s.bytes_per_page =
+      2 * options_.page_size * options_.head_dim * static_cast<int64_t>(c10::elementSize(options_.dtype));
   s.pages_used = pages_used_now();
   s.pages_free = options_.num_layers * options_.pages_per_layer - s.pages_used;
   s.peak_pages_used = std::max(peak_pages_used_, s.pages_used);

@@ -121,10 +121,15 @@ KV DecodingPress::compress_to(const LayerInputs& in, int64_t target) const {
   return ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, ratio)));
 }
 
+bool DecodingPress::due(int64_t layer_idx, int64_t n, int64_t tokens_seen, const DecodingState& state) const {
+  const auto layer = static_cast<size_t>(layer_idx);
+  const int64_t steps = layer < state.steps.size() ? state.steps[layer] : 0;
+  return steps + 1 >= compression_interval_ || n >= target_size(tokens_seen);
+}
+
 std::optional<KV> DecodingPress::step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const {
   const std::string op_name = name() + ".step";
   const char* op = op_name.c_str();
-  checks::check_kv(op, forward.keys, forward.values);
   TORCH_CHECK(forward.hidden_states.defined(), op, ": needs hidden_states (the forward's attention input), got none");
   checks::check_rank(op, "hidden_states", forward.hidden_states, 3, "[batch, n, hidden]");
   TORCH_CHECK(forward.layer_idx >= 0, op, ": layer_idx must be >= 0, got ", forward.layer_idx);
@@ -134,12 +139,15 @@ std::optional<KV> DecodingPress::step(const LayerInputs& forward, int64_t tokens
   const size_t layers = std::max<size_t>(layer + 1, static_cast<size_t>(std::max<int64_t>(forward.num_layers, 1)));
   if (state.hidden_states.size() < layers) state.hidden_states.resize(layers);
   if (state.steps.size() < layers) state.steps.resize(layers, 0);
+  const int64_t n = forward.hidden_states.size(1);
+  const bool compress_now = due(forward.layer_idx, n, tokens_seen, state);
+  if (compress_now) checks::check_kv(op, forward.keys, forward.values);
   std::vector<at::Tensor>& buffer = state.hidden_states[layer];
   buffer.push_back(forward.hidden_states);
-  const int64_t n = forward.hidden_states.size(1);
-  const int64_t target = target_size(tokens_seen);
+  ++state.steps[layer];
   std::optional<KV> out;
-  if (++state.steps[layer] >= compression_interval_ || n >= target) {
+  if (compress_now) {
+    const int64_t target = target_size(tokens_seen);
     LayerInputs in = forward;
     in.hidden_states = at::cat(buffer, 1);
     out = compress_to(in, target);

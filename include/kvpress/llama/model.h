@@ -25,6 +25,7 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/llama/config.h"
+#include "kvpress/paged.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
 
@@ -163,6 +164,22 @@ struct PrefillOptions : ForwardOptions {
   std::function<void(const LayerInputs&, const KV&)> on_compress;
 };
 
+// Paged mode (continuous batching over a kvpress::PagedKVCache; docs/INTEGRATION.md).
+struct PagedPrefillOptions {
+  // Compresses each layer while storing it: each sequence is scored alone at its own length, with the
+  // same inputs as prefill() gives the press. A DecodingPress does nothing here and a
+  // PrefillDecodingPress applies its prefilling press. KVComposePress (second pass) is refused.
+  const BasePress* press = nullptr;
+  PressAttentions press_attentions = PressAttentions::kAuto;
+};
+struct PagedDecodeOptions {
+  // kvpress's DecodingPress in the loop, one DecodingState per sequence (same order as seqs). Its
+  // compressions are applied with PagedKVCache::compact() once every layer has run. Inner presses
+  // that need attention weights are refused (the paged kernel computes none).
+  const DecodingPress* decoding_press = nullptr;
+  std::vector<DecodingState*> decoding_states;
+};
+
 struct ForwardOutput {
   at::Tensor logits;                     // [B, n, vocab] (n = 1 with last_logits_only), model dtype
   std::vector<at::Tensor> attentions;    // per layer [B, Hq, n, length] when return_attentions
@@ -208,6 +225,25 @@ class LlamaModel {
   // cos/sin of positions [start, start + n), computed as transformers' LlamaRotaryEmbedding does
   // (float32 inverse frequencies and angles, then cast to the model dtype).
   RopeTables rope(int64_t start, int64_t n) const;
+  // The same for any positions (one row each).
+  RopeTables rope_at(const std::vector<int64_t>& positions) const;
+
+  // ---- paged mode: many sequences of different lengths over one PagedKVCache --------------------
+  // A cache shaped for this model (layers, KV heads, head_dim, dtype), pages_per_layer pages of
+  // page_size tokens per layer.
+  PagedKVCache new_paged_cache(int64_t pages_per_layer, int64_t page_size = PagedCacheOptions::kDefaultPageSize) const;
+  // Prefills new sequences together, packed along tokens: prompts[i] at positions 0..S_i-1 into the
+  // empty sequence seqs[i]. Each layer attends causally within each prompt, then
+  // PagedKVCache::store() writes what options.press keeps (every token without a press). Returns
+  // each prompt's last-position logits [B, vocab]. A failure resets the sequences (no pages kept).
+  at::Tensor prefill_paged(const std::vector<std::vector<int64_t>>& prompts, const std::vector<SequenceId>& seqs,
+                           PagedKVCache& cache, const PagedPrefillOptions& options = {}) const;
+  // One decoding step: tokens[i] is appended to seqs[i] at its next position and attends over each
+  // head's pages (PagedKVCache::attention). Returns logits [B, vocab]. The pages the step needs in
+  // every layer are checked first; a failure part-way undoes the appends and restores the
+  // decoding states, so the cache is as it was.
+  at::Tensor decode_paged(const std::vector<SequenceId>& seqs, const std::vector<int64_t>& tokens, PagedKVCache& cache,
+                          const PagedDecodeOptions& options = {}) const;
 
   // ---- one decoder layer at a time, for engines that run a pass layer by layer (the second pass of
   // kvcompose_prefill, kvpress/llama/kvcompose.h); the same operations as forward() -------------------
@@ -244,7 +280,10 @@ class LlamaModel {
   at::Tensor ragged_attention(const at::Tensor& q, const HeadRaggedLayer& layer) const;  // -> [B, n, Hq * D]
   // What both presses' hooks see of one layer in this forward (all but the attention weights).
   LayerInputs hook_inputs(int64_t layer, const at::Tensor& input_ids, const at::Tensor& h,
-                          const RopeTables& rope_tables, const KVCache& cache) const;
+                          const RopeTables& rope_tables, const at::Tensor& keys, const at::Tensor& values) const;
+  // The paged calls' checks: the cache has this model's shape and dtype; ids in the vocabulary.
+  void check_paged_cache(const PagedKVCache& cache, const char* op) const;
+  void check_token_ids(const std::vector<int64_t>& ids, const char* op) const;
   // kvpress's forward hook at prefill: compress the layer, store it dense or head-ragged.
   void compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer, LayerInputs in,
                            KVCache& cache, ForwardOutput& out) const;

@@ -88,8 +88,14 @@ class DecodingPress : public BasePress {
   // attention input (hidden_states [B, n, hidden]), its RoPE rows (cos/sin [n, D]), q_proj
   // (+ q_norm), optionally its attention weights [B, Hq, n, S], and layer_idx / num_layers.
   // tokens_seen: the largest position id so far + 1. Returns the compressed layer when this step
-  // compresses (kept_indices index the given cache), std::nullopt otherwise.
+  // compresses (kept_indices index the given cache), std::nullopt otherwise. keys/values are read
+  // only when the step compresses (due()): an engine whose cache is not dense (PagedKVCache) may
+  // leave them undefined otherwise.
   std::optional<KV> step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const;
+
+  // Whether step() compresses on a forward of n tokens at layer_idx, given state as it stands
+  // before that step: compression_interval forwards since the last compression, or n >= the target.
+  bool due(int64_t layer_idx, int64_t n, int64_t tokens_seen, const DecodingState& state) const;
 
   // Tokens kept at a compression after tokens_seen tokens (the fixed target_size here).
   virtual int64_t target_size(int64_t tokens_seen) const;

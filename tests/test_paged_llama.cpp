@@ -1,0 +1,167 @@
+// The Llama runner's paged mode (issue 13, item 5): continuous batching over a PagedKVCache gives
+// every prompt the greedy tokens and the logits (within 1e-4) of the dense runner on that prompt
+// alone, with prefill presses (compress while storing), head-ragged presses and decoding presses
+// (compaction in place), while finished sequences hand their pages to waiting prompts.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvpress/llama/llama.h"
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/prefill_decoding_press.h"
+#include "kvpress/registry.h"
+#include "test_util.h"
+
+namespace kvpress {
+namespace {
+
+using llama::LlamaModel;
+using testing::expect_error;
+
+const LlamaModel& model() {
+  static const LlamaModel m = LlamaModel::load(llama::resolve_model_dir("tinystories-656k"));
+  return m;
+}
+
+// Prompts of different lengths: real token ids drawn from a fixed seed (BOS first).
+std::vector<std::vector<int64_t>> prompts(const std::vector<int64_t>& lengths, uint64_t seed) {
+  at::manual_seed(seed);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t n : lengths) {
+    const at::Tensor ids = at::randint(3, 2000, {n}, at::kLong);
+    std::vector<int64_t> p(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + n);
+    p[0] = 1;
+    out.push_back(p);
+  }
+  return out;
+}
+
+// The dense runner's logits for `prompt` followed by `generated` (kvpress's pipeline, batch 1):
+// the prefill's last position, then one forward per generated token but the last.
+std::vector<at::Tensor> dense_logits(const std::vector<int64_t>& prompt, const std::vector<int64_t>& generated,
+                                     const BasePress* press) {
+  const LlamaModel& m = model();
+  llama::KVCache cache = m.new_cache();
+  llama::PrefillOptions pre;
+  pre.press = prefill_press_of(press);
+  pre.last_logits_only = true;
+  std::vector<at::Tensor> out;
+  out.push_back(m.prefill(at::tensor(at::ArrayRef<int64_t>(prompt), at::kLong).unsqueeze(0), cache, pre).logits[0][0]);
+  DecodingState state;
+  llama::ForwardOptions step;
+  step.last_logits_only = true;
+  step.decoding_press = decoding_press_of(press);
+  step.decoding_state = &state;
+  for (size_t k = 0; k + 1 < generated.size(); ++k)
+    out.push_back(m.forward(at::tensor({generated[k]}, at::kLong).unsqueeze(0), cache, step).logits[0][0]);
+  return out;
+}
+
+struct PressCase {
+  std::string name;
+  double ratio;
+  std::map<std::string, std::string> params;
+};
+
+TEST(PagedLlama, ContinuousBatchingGivesEachPromptItsDenseGeneration) {
+  const std::vector<std::vector<int64_t>> ps = prompts({95, 150, 70, 210, 120, 88, 131}, 1);
+  const std::vector<PressCase> cases = {
+      {"", 0.0, {}},
+      {"SnapKVPress", 0.5, {}},
+      {"KnormPress", 0.7, {}},
+      {"AdaKVPress", 0.5, {}},  // head-ragged: heads keep different counts
+      {"KeyRerotationPress", 0.5, {}},
+      {"ExpectedAttentionPress", 0.4, {}},
+      {"DecodingPress",
+       0.0,
+       {{"compression_interval", "4"}, {"target_size", "60"}, {"press", "SnapKVPress"}, {"press.window_size", "4"}}},
+      {"PrefillDecodingPress",
+       0.0,
+       {{"prefilling_press", "StreamingLLMPress"},
+        {"prefilling_press.compression_ratio", "0.5"},
+        {"decoding_press", "DecodingPress"},
+        {"decoding_press.compression_interval", "3"},
+        {"decoding_press.target_size", "50"}}},
+  };
+  for (const PressCase& c : cases) {
+    SCOPED_TRACE(c.name.empty() ? "no press" : c.name);
+    const std::unique_ptr<BasePress> press = c.name.empty() ? nullptr : make_press(c.name, c.ratio, c.params);
+    llama::PagedGenerationOptions opt;
+    opt.press = press.get();
+    opt.max_new_tokens = 14;
+    opt.stop_at_eos = false;
+    opt.max_batch = 3;
+    // Room for about two sequences' worst case: prompts wait and take freed pages.
+    opt.pages_per_layer = 4 * (14 + 2 + 1);
+    std::map<std::pair<int64_t, int64_t>, at::Tensor> paged_logits;
+    opt.on_logits = [&](int64_t prompt, int64_t step, const at::Tensor& logits) {
+      paged_logits[{prompt, step}] = logits.clone();
+    };
+    const llama::PagedGenerations run = llama::generate_paged(model(), ps, opt);
+    ASSERT_EQ(run.generations.size(), ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      llama::GenerationOptions dense;
+      dense.press = press.get();
+      dense.max_new_tokens = 14;
+      dense.stop_at_eos = false;
+      const llama::Generation expected = llama::generate_greedy(model(), ps[i], {}, dense);
+      EXPECT_EQ(run.generations[i].tokens, expected.tokens) << "prompt " << i;
+      const std::vector<at::Tensor> logits = dense_logits(ps[i], expected.tokens, press.get());
+      for (size_t k = 0; k < logits.size(); ++k) {
+        const at::Tensor& got = paged_logits.at({static_cast<int64_t>(i), static_cast<int64_t>(k)});
+        EXPECT_LE((got - logits[k]).abs().max().item<double>(), 1e-4) << "prompt " << i << " step " << k;
+      }
+      if (c.name != "AdaKVPress") {  // a head-ragged layer's longest head is not the dense length
+        EXPECT_EQ(run.generations[i].cache_lengths, expected.cache_lengths) << "prompt " << i;
+        EXPECT_EQ(run.generations[i].final_cache_lengths, expected.final_cache_lengths) << "prompt " << i;
+      }
+    }
+    const llama::PagedGenerationStats& s = run.stats;
+    EXPECT_GT(s.prefill_batches, 1) << "some prompts waited for pages";
+    EXPECT_GE(s.max_running, 2);
+    EXPECT_LE(s.max_running, 3);
+    EXPECT_LE(s.peak_pages_used, s.num_layers * s.pages_per_layer);
+    if (c.ratio > 0.0) {
+      EXPECT_LT(s.prompt_pages_stored, s.prompt_pages_uncompressed);
+    }
+  }
+}
+
+TEST(PagedLlama, PrefillAndDecodeRefuseBadInputAndLeaveTheCacheAsItWas) {
+  const LlamaModel& m = model();
+  PagedKVCache cache = m.new_paged_cache(40, 16);
+  const std::vector<std::vector<int64_t>> ps = prompts({64, 32}, 2);  // whole pages: a step needs new ones
+  const SequenceId a = cache.add_sequence(), b = cache.add_sequence();
+  expect_error([&] { m.prefill_paged({ps[0], {1, 5000}}, {a, b}, cache); },
+               {"LlamaModel::prefill_paged: token ids must be in [0, vocab_size (2048)), got 5000"});
+  // A press failing in the first layer on prompt 1 (32 tokens < SnapKV's window + 1): nothing stays.
+  const auto snapkv = make_press("SnapKVPress", 0.5);
+  llama::PagedPrefillOptions with_snapkv;
+  with_snapkv.press = snapkv.get();
+  expect_error([&] { m.prefill_paged(ps, {a, b}, cache, with_snapkv); }, {"SnapKVPress"});
+  EXPECT_EQ(cache.stats().pages_used, 0);
+  m.prefill_paged(ps, {a, b}, cache);
+  expect_error([&] { m.prefill_paged({ps[0]}, {a}, cache); },
+               {"LlamaModel::prefill_paged: sequence 0 already holds tokens"});
+  // 4 heads x (4 + 2) of the 40 pages per layer are used; a 64-token filler takes the other 16.
+  const SequenceId filler = cache.add_sequence();
+  m.prefill_paged({prompts({64}, 3)[0]}, {filler}, cache);
+  EXPECT_EQ(cache.free_pages(0), 0);
+  const PagedCacheStats before = cache.stats();
+  expect_error([&] { m.decode_paged({a, b}, {5, 6}, cache); },
+               {"LlamaModel::decode_paged: out of pages at layer 0: the step needs 8 new pages, 0 are free"});
+  EXPECT_EQ(cache.stats().pages_used, before.pages_used);
+  EXPECT_EQ(cache.next_position(a, 1), 64);
+  expect_error([&] { m.decode_paged({a}, {5, 6}, cache); },
+               {"LlamaModel::decode_paged: seqs and tokens must be non-empty and of one size"});
+  PagedKVCache wrong(PagedCacheOptions{});
+  expect_error([&] { m.decode_paged({0}, {5}, wrong); },
+               {"LlamaModel::decode_paged: the cache must have 2 layers of 4 KV heads x 16 in Float like the model"});
+}
+
+}  // namespace
+}  // namespace kvpress
