@@ -45,7 +45,9 @@
 #include "kvpress/types.h"
 #include "kvpress/version.h"
 
+#include "cli_args.h"
 #include "eval.h"
+#include "generate.h"
 
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
@@ -58,15 +60,8 @@ namespace {
 
 constexpr const char* kProg = "kvpress-cli";
 
-// Bad command line: reported like a c10::Error, exit code 2.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-template <typename... Args>
-[[noreturn]] void usage_error(fmt::format_string<Args...> format, Args&&... args) {
-  throw UsageError(fmt::format(format, std::forward<Args>(args)...));
-}
+using kvpress_cli::usage_error;
+using kvpress_cli::UsageError;
 
 constexpr const char* kHelp = R"(kvpress-cli — compress a layer's KV cache with a kvpress press
 
@@ -79,6 +74,10 @@ Usage:
   kvpress-cli eval [--model DIR] [--text FILE] [--press NAME [--param KEY=VALUE ...]]...
                    [--ratios LIST] [--prefix-tokens P | --prefix-fraction F] [--min-prefix N]
                    [--max-stories N] [--threads N] [--json OUT] [--csv OUT] [--png OUT]
+  kvpress-cli generate (--prompts FILE | --prompt TEXT ...) [--press NAME --ratio R
+                   [--param KEY=VALUE ...]] [--max-new-tokens N] [--model DIR] [--paged
+                   [--page-size P] [--pages-per-layer N] [--max-batch B]] [--no-stop-at-eos]
+                   [--threads N] [--json OUT] [--quiet]
   kvpress-cli list [--names | --json]
   kvpress-cli --help
   kvpress-cli --version
@@ -130,6 +129,24 @@ eval options (perplexity under compression with the kvpress::llama runner):
                            else the build's Python, else python3; docs/CLI.md)
   --no-progress, --quiet   no progress bar (shown only on a terminal) / also no table
 
+generate options (greedy continuations with the kvpress::llama runner):
+  --prompts FILE           one prompt per non-blank line (tokenized with BOS)
+  --prompt TEXT            a prompt (repeatable; before the file's)
+  --press NAME, --ratio R  the press and its ratio (decoding presses: their own budget,
+                           --ratio optional); --param KEY=VALUE as for compress
+  --max-new-tokens N       tokens generated per prompt (default 32)
+  --model NAME|DIR         checkpoint folder or model name (default tinystories-656k)
+  --paged                  continuous batching over one paged KV cache: prompts run together,
+                           each compressed while its pages are written; a finished prompt's
+                           pages go to the next one; prints the pool's figures
+  --page-size P            tokens per page (default 16)
+  --pages-per-layer N      pool size per layer (default: max-batch prompts' worst case)
+  --max-batch B            sequences running at once (default 8)
+  --no-stop-at-eos         generate N tokens even after the end-of-story token
+  --threads N              intra-op threads (default 1)
+  --json OUT               prompts, tokens, texts, cache lengths and the pool's figures
+  --quiet, -q              print nothing (with --json)
+
 list options:
   --names                  print only the press names, one per line
   --json                   every press (kind, inputs, parameters) and every input field as JSON
@@ -164,21 +181,7 @@ struct CompressArgs {
   bool quiet = false;
 };
 
-// Reads "--name VALUE" or "--name=VALUE"; returns true and advances i if argv[i] is `name`.
-bool take_value(const std::vector<std::string>& args, size_t& i, std::string_view name, std::string_view short_name,
-                std::string& out) {
-  const std::string& a = args[i];
-  if (a == name || (!short_name.empty() && a == short_name)) {
-    if (i + 1 >= args.size()) usage_error("option {} needs a value", a);
-    out = args[++i];
-    return true;
-  }
-  if (a.size() > name.size() && a.compare(0, name.size(), name) == 0 && a[name.size()] == '=') {
-    out = a.substr(name.size() + 1);
-    return true;
-  }
-  return false;
-}
+using kvpress_cli::take_value;
 
 CompressArgs parse_compress_args(const std::vector<std::string>& args) {
   CompressArgs out;
@@ -196,14 +199,7 @@ CompressArgs parse_compress_args(const std::vector<std::string>& args) {
       once("--ratio");
       out.ratio_text = value;
     } else if (take_value(args, i, "--param", "", value)) {
-      const auto eq = value.find('=');
-      if (eq == std::string::npos || eq == 0) {
-        usage_error("--param expects KEY=VALUE, got '{}'", value);
-      }
-      const std::string key = value.substr(0, eq);
-      if (!out.params.emplace(key, value.substr(eq + 1)).second) {
-        usage_error("--param {} given more than once", key);
-      }
+      kvpress_cli::add_param(out.params, value);
     } else if (take_value(args, i, "--input", "-i", value)) {
       once("--input");
       out.input = value;
@@ -230,13 +226,7 @@ CompressArgs parse_compress_args(const std::vector<std::string>& args) {
   return out;
 }
 
-double parse_ratio(const std::string& text) {
-  const auto r = parse_double(text);
-  if (!r || !std::isfinite(*r) || *r < 0.0 || *r >= 1.0) {
-    usage_error("--ratio must be a number in [0, 1), got '{}'", text);
-  }
-  return *r;
-}
+using kvpress_cli::parse_ratio;
 
 c10::Device parse_device(const std::string& text) {
   try {
@@ -397,9 +387,7 @@ CalibrateArgs parse_calibrate_args(const std::vector<std::string>& args) {
     if (take_value(args, i, "--press", "", value)) {
       out.press = value;
     } else if (take_value(args, i, "--param", "", value)) {
-      const auto eq = value.find('=');
-      if (eq == std::string::npos || eq == 0) usage_error("--param expects KEY=VALUE, got '{}'", value);
-      out.params[value.substr(0, eq)] = value.substr(eq + 1);
+      kvpress_cli::add_param(out.params, value);
     } else if (take_value(args, i, "--input", "-i", value)) {
       out.inputs.push_back(value);
     } else if (take_value(args, i, "--tolerance", "", value)) {
@@ -577,7 +565,9 @@ int run(int argc, char** argv) {
   if (command == "list") return run_list(rest);
   if (command == "calibrate") return run_calibrate(rest);
   if (command == "eval") return kvpress_cli::run_eval(rest);
-  usage_error("unknown command '{}' (commands: compress, calibrate, eval, list; see kvpress-cli --help)", command);
+  if (command == "generate") return kvpress_cli::run_generate(rest);
+  usage_error("unknown command '{}' (commands: compress, calibrate, eval, generate, list; see kvpress-cli --help)",
+              command);
 }
 
 }  // namespace

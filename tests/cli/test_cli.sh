@@ -484,6 +484,54 @@ KVPRESS_PYTHON= expect_error "eval --png into a missing folder" "--png $tmp/nope
 checks=$((checks + 1))
 ls -a "$tmp" | grep -q '^\.plot-' && fail "eval --png: plot.py left a temporary file in $tmp"
 
+# ---- generate: dense and paged (continuous batching) give the same tokens -------------------
+cat >"$tmp/prompts.txt" <<'PROMPTS'
+Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her friends. One day, she found a big red ball in the park and she wanted to share it with everyone she met.
+
+Tom and his dog Max went to the beach. They ran on the sand and splashed in the water. Max found a shell and brought it to Tom, who laughed and said it was the best shell in the whole world.
+The little bird could not fly. It sat on a branch and looked at the sky. A kind old owl came to the tree and said, "Do not be sad, little bird. Every day you will try, and one day you will fly."
+Sue had a new toy car. It was blue and very fast.
+PROMPTS
+for mode in dense paged; do
+  flags=()
+  [ "$mode" = paged ] && flags=(--paged --max-batch 2 --page-size 8)
+  expect_ok "generate $mode AdaKVPress" generate --prompts "$tmp/prompts.txt" --press AdaKVPress --ratio 0.5 \
+    --max-new-tokens 12 --no-stop-at-eos --quiet --json "$tmp/generate_$mode.json" "${flags[@]}"
+done
+checks=$((checks + 1))
+"$python" - "$tmp/generate_dense.json" "$tmp/generate_paged.json" <<'EOF2' || fail "generate: paged differs from dense"
+import json, sys
+dense, paged = (json.load(open(p)) for p in sys.argv[1:3])
+assert dense["mode"] == "dense" and paged["mode"] == "paged" and dense["pool"] is None
+assert len(dense["generations"]) == len(paged["generations"]) == 4, "four non-blank lines, four prompts"
+for d, p in zip(dense["generations"], paged["generations"]):
+    assert d["prompt_tokens"] == p["prompt_tokens"] and d["tokens"] == p["tokens"], (d["text"], p["text"])
+    assert len(p["tokens"]) == 12
+pool = paged["pool"]
+assert pool["page_size"] == 8 and pool["max_running"] == 2 and pool["prefill_batches"] >= 2, pool
+assert pool["prompt_pages_stored"] < pool["prompt_pages_uncompressed"], pool
+assert 0 < pool["peak_pages_used"] <= pool["num_layers"] * pool["pages_per_layer"], pool
+EOF2
+if expect_ok "generate --paged prints the pool" generate --paged --prompt "Once upon a time, a cat" \
+  --press StreamingLLMPress --ratio 0.25 --max-new-tokens 4; then
+  grep -q '^\[0\] Once upon a time, a cat' "$tmp/stdout" || fail "generate: no prompt line: $(cat "$tmp/stdout")"
+  grep -q '^paged cache: 2 layers x ' "$tmp/stdout" || fail "generate: no pool line: $(cat "$tmp/stdout")"
+  grep -q 'peak pages in use: ' "$tmp/stdout" || fail "generate: no peak line: $(cat "$tmp/stdout")"
+fi
+expect_error "generate without prompts" "generate needs --prompts FILE" generate --press KnormPress --ratio 0.5
+expect_error "generate scorer without ratio" "--press SnapKVPress needs --ratio R" generate --prompt "A dog" \
+  --press SnapKVPress
+expect_error "generate ratio without press" "--ratio and --param apply to a --press" generate --prompt "A dog" --ratio 0.5
+expect_error "generate pool option without --paged" "need --paged" generate --prompt "A dog" --page-size 8
+expect_error "generate bad page size" "--page-size must be an integer in [1, 65536], got '0'" generate --paged \
+  --prompt "A dog" --page-size 0
+expect_error "generate missing prompts file" "--prompts $tmp/none.txt: cannot open the file" generate \
+  --prompts "$tmp/none.txt"
+expect_error "generate pool too small" "prompt 0 (8 tokens) can need 16 pages per layer with max_new_tokens 40, more than the pool's 4" \
+  generate --paged --prompt "Once upon a time, a cat" --max-new-tokens 40 --page-size 16 --pages-per-layer 4
+expect_error "generate press failing on a short prompt" "SnapKVPress" generate --paged --prompt "A dog" \
+  --press SnapKVPress --ratio 0.5
+
 # ---- outputs appear whole or not at all (kvpress::io::write_file_atomically) -------------------
 mkdir -p "$tmp/outs"
 printf 'old' >"$tmp/outs/out.safetensors"

@@ -1,0 +1,69 @@
+// Command-line helpers shared by kvpress-cli's commands: the usage error (exit code 2), reading
+// "--name VALUE" / "--name=VALUE", a press's --param KEY=VALUE list and --ratio.
+#pragma once
+
+#include <fmt/core.h>
+
+#include <cmath>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvpress/registry.h"
+
+namespace kvpress_cli {
+
+// Bad command line: reported like a c10::Error, exit code 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void usage_error(fmt::format_string<Args...> format, Args&&... args) {
+  throw UsageError(fmt::format(format, std::forward<Args>(args)...));
+}
+
+// Reads "--name VALUE" or "--name=VALUE"; returns true and advances i if args[i] is `name`.
+inline bool take_value(const std::vector<std::string>& args, size_t& i, std::string_view name,
+                       std::string_view short_name, std::string& out) {
+  const std::string& a = args[i];
+  if (a == name || (!short_name.empty() && a == short_name)) {
+    if (i + 1 >= args.size()) usage_error("option {} needs a value", a);
+    out = args[++i];
+    return true;
+  }
+  if (a.size() > name.size() && a.compare(0, name.size(), name) == 0 && a[name.size()] == '=') {
+    out = a.substr(name.size() + 1);
+    return true;
+  }
+  return false;
+}
+
+// Adds one --param KEY=VALUE to `params`; a malformed or repeated key is a usage error.
+inline void add_param(std::map<std::string, std::string>& params, const std::string& key_value) {
+  const auto eq = key_value.find('=');
+  if (eq == std::string::npos || eq == 0) usage_error("--param expects KEY=VALUE, got '{}'", key_value);
+  const std::string key = key_value.substr(0, eq);
+  if (!params.emplace(key, key_value.substr(eq + 1)).second) usage_error("--param {} given more than once", key);
+}
+
+// --ratio: a number in [0, 1).
+inline double parse_ratio(const std::string& text) {
+  const auto r = kvpress::parse_double(text);
+  if (!r || !std::isfinite(*r) || *r < 0.0 || *r >= 1.0) {
+    usage_error("--ratio must be a number in [0, 1), got '{}'", text);
+  }
+  return *r;
+}
+
+// An integer option in [lo, hi].
+inline int64_t parse_int_option(std::string_view option, const std::string& text, int64_t lo, int64_t hi) {
+  const auto n = kvpress::parse_int(text);
+  if (!n || *n < lo || *n > hi) usage_error("{} must be an integer in [{}, {}], got '{}'", option, lo, hi, text);
+  return *n;
+}
+
+}  // namespace kvpress_cli
