@@ -88,8 +88,8 @@ bool is_none(const std::string& text) { return text == "None" || text == "none";
 // that unknown parameters can be refused and the registry can list them.
 class Params {
  public:
-  Params(std::string press, const std::map<std::string, std::string>& values)
-      : press_(std::move(press)), values_(values) {}
+  Params(std::string press, std::map<std::string, std::string> values)
+      : press_(std::move(press)), values_(std::move(values)) {}
 
   int64_t get(const std::string& key, int64_t fallback, const char* help) {
     declare(key, "int", std::to_string(fallback), help);
@@ -197,7 +197,8 @@ class Params {
   }
 
   std::string press_;
-  const std::map<std::string, std::string>& values_;
+  // A copy: list_presses() passes a temporary (a reference member would dangle).
+  std::map<std::string, std::string> values_;
   std::set<std::string> used_;
   std::vector<PressParam> declared_;
 };
