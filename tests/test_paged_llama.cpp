@@ -136,8 +136,11 @@ TEST(PagedLlama, PrefillAndDecodeRefuseBadInputAndLeaveTheCacheAsItWas) {
   PagedKVCache cache = m.new_paged_cache(40, 16);
   const std::vector<std::vector<int64_t>> ps = prompts({64, 32}, 2);  // whole pages: a step needs new ones
   const SequenceId a = cache.add_sequence(), b = cache.add_sequence();
-  expect_error([&] { m.prefill_paged({ps[0], {1, 5000}}, {a, b}, cache); },
-               {"LlamaModel::prefill_paged: token ids must be in [0, vocab_size (2048)), got 5000"});
+  expect_error(
+      [&] {
+        m.prefill_paged({ps[0], {1, 5000}}, {a, b}, cache);
+      },
+      {"LlamaModel::prefill_paged: token ids must be in [0, vocab_size (2048)), got 5000"});
   // A press failing in the first layer on prompt 1 (32 tokens < SnapKV's window + 1): nothing stays.
   const auto snapkv = make_press("SnapKVPress", 0.5);
   llama::PagedPrefillOptions with_snapkv;
@@ -152,12 +155,18 @@ TEST(PagedLlama, PrefillAndDecodeRefuseBadInputAndLeaveTheCacheAsItWas) {
   m.prefill_paged({prompts({64}, 3)[0]}, {filler}, cache);
   EXPECT_EQ(cache.free_pages(0), 0);
   const PagedCacheStats before = cache.stats();
-  expect_error([&] { m.decode_paged({a, b}, {5, 6}, cache); },
-               {"LlamaModel::decode_paged: out of pages at layer 0: the step needs 8 new pages, 0 are free"});
+  expect_error(
+      [&] {
+        m.decode_paged({a, b}, {5, 6}, cache);
+      },
+      {"LlamaModel::decode_paged: out of pages at layer 0: the step needs 8 new pages, 0 are free"});
   EXPECT_EQ(cache.stats().pages_used, before.pages_used);
   EXPECT_EQ(cache.next_position(a, 1), 64);
-  expect_error([&] { m.decode_paged({a}, {5, 6}, cache); },
-               {"LlamaModel::decode_paged: seqs and tokens must be non-empty and of one size"});
+  expect_error(
+      [&] {
+        m.decode_paged({a}, {5, 6}, cache);
+      },
+      {"LlamaModel::decode_paged: seqs and tokens must be non-empty and of one size"});
   PagedKVCache wrong(PagedCacheOptions{});
   expect_error([&] { m.decode_paged({0}, {5}, wrong); },
                {"LlamaModel::decode_paged: the cache must have 2 layers of 4 KV heads x 16 in Float like the model"});

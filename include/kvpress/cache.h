@@ -21,6 +21,13 @@
 //   auto layer = kvpress::HeadRaggedLayer::from_ragged(kv);    // S = kv.keep_mask.size(2)
 //   layer.append(k_new, v_new);                                 // [B, Hkv, n, D] at positions S..S+n-1
 //   at::Tensor out = kvpress::ops::ragged_attention(q_new, layer);  // [B, Hq, n, D]
+//
+// Thread safety: the const members of HeadRaggedLayer and HeadRaggedCache only read (no lazy
+// state), so any number of threads may read one layer or cache at once: ops::ragged_attention,
+// keys(), to_ragged(), bytes(), ... (tests/test_concurrency.cpp). Mutation (append,
+// truncate_appended, shrink_to_fit, assignment; HeadRaggedCache::set_layer and writes through its
+// non-const layer()) needs exclusive access: no other thread may read or write the layer
+// meanwhile. A cache belongs to one sequence; an engine decoding several gives each its own.
 #pragma once
 
 #include <ATen/core/Tensor.h>

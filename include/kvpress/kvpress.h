@@ -4,6 +4,7 @@
 #include "kvpress/cache.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/ops.h"
+#include "kvpress/paged.h"
 #include "kvpress/presses/adakv_press.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/presses/block_press.h"

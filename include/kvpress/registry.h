@@ -1,5 +1,10 @@
 // Build presses by their kvpress class name and string parameters (used by kvpress-cli, the
 // demo, benchmarks, tests and torch.ops.kvpress.press_compress).
+//
+// Thread safety: every function here may be called from any number of threads at once. The
+// registry's tables are function-local statics built on first use (C++11 guarantees one
+// initialisation, whichever thread comes first) and read-only afterwards; make_press() builds a new
+// press each call.
 #pragma once
 
 #include <cstdint>

@@ -78,7 +78,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
 
   std::deque<int64_t> waiting;
   for (size_t i = 0; i < prompts.size(); ++i) waiting.push_back(static_cast<int64_t>(i));
-  std::vector<std::unique_ptr<Running>> running;  // stable addresses: decode_paged holds their states
+  std::vector<std::unique_ptr<Running>> running;                 // stable addresses: decode_paged holds their states
   const auto emit = [&](Running& r, const at::Tensor& logits) {  // logits [vocab]
     if (options.on_logits) options.on_logits(r.prompt, r.steps, logits);
     std::vector<int64_t>& tokens = out.generations[static_cast<size_t>(r.prompt)].tokens;
@@ -91,8 +91,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
       out.generations[static_cast<size_t>(r->prompt)].final_cache_lengths = longest_heads(cache, r->seq);
       cache.free_sequence(r->seq);  // its pages go to the next waiting prompt
     }
-    running.erase(std::remove_if(running.begin(), running.end(), [](const auto& r) { return r->done; }),
-                  running.end());
+    running.erase(std::remove_if(running.begin(), running.end(), [](const auto& r) { return r->done; }), running.end());
   };
 
   while (!waiting.empty() || !running.empty()) {

@@ -33,8 +33,8 @@ void LlamaModel::check_paged_cache(const PagedKVCache& cache, const char* op) co
   TORCH_CHECK(o.num_layers == config_.num_layers && o.kv_heads == config_.num_kv_heads &&
                   o.head_dim == config_.head_dim && o.dtype == dtype_,
               op, ": the cache must have ", config_.num_layers, " layers of ", config_.num_kv_heads, " KV heads x ",
-              config_.head_dim, " in ", dtype_, " like the model (new_paged_cache()), got ", o.num_layers, " layers of ",
-              o.kv_heads, " x ", o.head_dim, " in ", o.dtype);
+              config_.head_dim, " in ", dtype_, " like the model (new_paged_cache()), got ", o.num_layers,
+              " layers of ", o.kv_heads, " x ", o.head_dim, " in ", o.dtype);
 }
 
 void LlamaModel::check_token_ids(const std::vector<int64_t>& ids, const char* op) const {
@@ -48,8 +48,8 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
                                      const PagedPrefillOptions& options) const {
   constexpr const char* op = "LlamaModel::prefill_paged";
   TORCH_CHECK(!prompts.empty() && prompts.size() == seqs.size(), op,
-              ": prompts and seqs must be non-empty and of one size, got ", prompts.size(), " prompts and ", seqs.size(),
-              " sequences");
+              ": prompts and seqs must be non-empty and of one size, got ", prompts.size(), " prompts and ",
+              seqs.size(), " sequences");
   check_paged_cache(cache, op);
   std::vector<int64_t> ids, positions, cu{0};
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -57,10 +57,9 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
     check_token_ids(prompts[i], op);
     for (int64_t l = 0; l < config_.num_layers; ++l) {
       const std::vector<int64_t> len = cache.lengths(seqs[i], l);
-      TORCH_CHECK(cache.next_position(seqs[i], l) == 0 && std::all_of(len.begin(), len.end(), [](int64_t n) {
-                    return n == 0;
-                  }),
-                  op, ": sequence ", seqs[i], " already holds tokens; prefill_paged starts new sequences");
+      TORCH_CHECK(
+          cache.next_position(seqs[i], l) == 0 && std::all_of(len.begin(), len.end(), [](int64_t n) { return n == 0; }),
+          op, ": sequence ", seqs[i], " already holds tokens; prefill_paged starts new sequences");
     }
     ids.insert(ids.end(), prompts[i].begin(), prompts[i].end());
     for (int64_t p = 0; p < static_cast<int64_t>(prompts[i].size()); ++p) positions.push_back(p);
@@ -93,8 +92,8 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
       const SequenceInputsFn inputs = [&](int64_t i, LayerInputs& in) {
         const int64_t start = cu[static_cast<size_t>(i)], len = cu[static_cast<size_t>(i + 1)] - start;
         const RopeTables rows{rope_tables.cos.narrow(0, start, len), rope_tables.sin.narrow(0, start, len)};
-        in = hook_inputs(li, input_ids.narrow(1, start, len), h.narrow(1, start, len), rows, at::Tensor(),
-                         at::Tensor());
+        in =
+            hook_inputs(li, input_ids.narrow(1, start, len), h.narrow(1, start, len), rows, at::Tensor(), at::Tensor());
         if (press_attentions) in.attentions = weights[static_cast<size_t>(i)];
       };
       // [1, Hkv, T, D] -> [T, Hkv, D], the varlen layout.
@@ -108,7 +107,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
       if (cache.contains(s)) cache.reset_sequence(s);
     throw;
   }
-  const at::Tensor last = cu_seqlens.narrow(0, 1, batch) - 1;             // each prompt's last token
+  const at::Tensor last = cu_seqlens.narrow(0, 1, batch) - 1;                // each prompt's last token
   return at::linear(rms_norm(x.index_select(1, last), norm_), lm_head_)[0];  // [B, vocab]
 }
 
@@ -144,8 +143,8 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
   const double scaling = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
   const at::Tensor input_ids = at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong).unsqueeze(0);  // [1, B]
   // The B tokens ride along the sequence axis of one [1, B] forward, each with its own position.
-  const RopeTables rope_tables = rope_at(positions);  // [B, D]
-  at::Tensor x = embed(input_ids);                    // [1, B, hidden]
+  const RopeTables rope_tables = rope_at(positions);                     // [B, D]
+  at::Tensor x = embed(input_ids);                                       // [1, B, hidden]
   std::vector<std::tuple<int64_t, SequenceId, at::Tensor>> compactions;  // applied once every layer ran
   int64_t appended_layers = 0;
   try {
@@ -161,7 +160,8 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
         for (int64_t i = 0; i < batch; ++i) {
           const auto b = static_cast<size_t>(i);
           const RopeTables rows{rope_tables.cos.narrow(0, i, 1), rope_tables.sin.narrow(0, i, 1)};
-          LayerInputs in = hook_inputs(li, input_ids.narrow(1, i, 1), h.narrow(1, i, 1), rows, at::Tensor(), at::Tensor());
+          LayerInputs in =
+              hook_inputs(li, input_ids.narrow(1, i, 1), h.narrow(1, i, 1), rows, at::Tensor(), at::Tensor());
           const int64_t tokens_seen = positions[b] + 1;
           // The dense copy a compression scores is made only on the steps that compress.
           if (decoding->due(li, 1, tokens_seen, *options.decoding_states[b]))

@@ -13,6 +13,12 @@
 // -> cache append -> causal softmax attention (float32 softmax, GQA without repeating K/V) ->
 // o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual, final RMSNorm, lm_head (tied to the
 // embedding when the checkpoint says so). See docs/LLAMA_RUNNER.md.
+//
+// Thread safety: a LlamaModel is read-only after loading (prefill and forward are const and write
+// only the KVCache, DecodingState and outputs they are given), so one model may serve several
+// threads at once, each with its own KVCache and DecodingState: those belong to one sequence, and
+// one thread at a time. Presses may be shared (kvpress/presses/base_press.h); tested by
+// tests/test_concurrency.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -57,6 +63,8 @@ std::string resolve_model_dir(const std::string& name_or_path);
 // (is_ragged(): a kvpress::HeadRaggedLayer holding each head's kept tokens only, attended with
 // ops::ragged_attention) or dense with a keep mask (keep_mask(): evicted positions masked to -inf,
 // kvpress's way, no memory saved). See PrefillOptions::ragged_layout.
+//
+// One per sequence: a forward writes it, so no other thread may use it meanwhile.
 class KVCache {
  public:
   KVCache() = default;
@@ -127,7 +135,8 @@ struct ForwardOptions {
   // In a forward that does not start at position 0, right after each layer's attention,
   // decoding_press->step() records the layer's attention input and may replace the layer's cache
   // by its compression (which the NEXT forward reads). decoding_state is required with it: the
-  // per-generation buffers, one per sequence, fresh for each generation. Ignored by prefill().
+  // per-generation buffers, one per sequence (and one thread at a time), fresh for each generation.
+  // Ignored by prefill().
   const DecodingPress* decoding_press = nullptr;
   DecodingState* decoding_state = nullptr;
   // Give the decoding press this forward's eager attention weights [B, Hq, n, length] (kvpress on an

@@ -1,5 +1,17 @@
 // The press contract and the base classes of the repeated press shapes. A press holds only its
 // parameters; compress() and score() are const and keep no state between calls.
+//
+// Thread safety: a press is immutable after construction (its parameters, and const inner presses
+// held by shared_ptr), so one press object may be shared by any number of threads calling
+// compress(), compress_ragged(), keep_mask() and score() at once, on the same or different inputs
+// (tests/test_concurrency.cpp). The two setters are not synchronised: configure a press, then
+// share it — ScorerPress::set_compression_ratio and QSMPress::set_token_text must not be called
+// while another thread uses the press. A shared QSMPress/CTRPress calls its TokenTextFn from every
+// thread that compresses with it, so that function must be safe to call concurrently (a const
+// llama::Tokenizer's decode is). Presses with a `seed` parameter left unset draw from libtorch's
+// default CPU generator, which libtorch locks: concurrent calls are safe but their draws
+// interleave, so only seeded calls are reproducible. make_press() and list_presses() may be
+// called from any thread (kvpress/registry.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,6 +76,7 @@ class ScorerPress : public BasePress {
   KV compress(const LayerInputs& inputs) const override;
 
   double compression_ratio() const override { return compression_ratio_; }
+  // Not synchronised: no other thread may use the press meanwhile (see the top of this file).
   void set_compression_ratio(double compression_ratio);
 
  private:

@@ -17,9 +17,9 @@ using ScorerFactory = std::function<std::shared_ptr<const ScorerPress>(double co
 
 // What kvpress's DecodingPress keeps between forwards of one generation (its per-layer
 // hidden-state buffer and step counter). Presses are const and stateless, so the engine owns one
-// DecodingState per sequence being generated and hands it to every decoding forward; a fresh
-// generation starts from a fresh (or reset()) state, as kvpress resets its press on leaving
-// `with press(model)`. Layers are sized on first use.
+// DecodingState per sequence being generated (used by one thread at a time) and hands it to every
+// decoding forward; a fresh generation starts from a fresh (or reset()) state, as kvpress resets
+// its press on leaving `with press(model)`. Layers are sized on first use.
 struct DecodingState {
   // Per layer: the attention inputs [B, n_i, hidden] of the forwards since the last compression,
   // oldest first (at most hidden_states_buffer_size of them; one forward may hold several tokens).

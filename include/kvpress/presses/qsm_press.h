@@ -86,7 +86,9 @@ class QSMPress : public ScorerPress {
   const QSMOptions& options() const { return options_; }
 
   // The token text source of the semantic weights (the Llama runner's tokenizer, for example).
-  // Without it, or without LayerInputs::input_ids, w = 0 (the semantic factor is 1).
+  // Without it, or without LayerInputs::input_ids, w = 0 (the semantic factor is 1). Not
+  // synchronised: set it before sharing the press; a shared press calls it from every thread that
+  // compresses with it (kvpress/presses/base_press.h, thread safety).
   void set_token_text(TokenTextFn token_text) { token_text_ = std::move(token_text); }
   bool has_token_text() const { return static_cast<bool>(token_text_); }
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# ThreadSanitizer: builds the library, kvpress::llama and the concurrency tests
+# (tests/test_concurrency.cpp: every registry press shared by 8 threads, ragged attention read from
+# 8 threads, one Llama model generating 8 sequences, the registry's first use from 8 threads) with
+# -fsanitize=thread into their own build folder, and runs them, halting on the first report
+# (docs/RELIABILITY.md). No CUDA kernels (KVPRESS_WITH_CUDA=OFF). Folder: $KVPRESS_TSAN_BUILD_DIR,
+# default build-tsan/.
+#
+# Only these tests: they are the only ones that start threads. libtorch's intra-op parallelism is
+# OpenMP (libgomp), whose barriers ThreadSanitizer cannot see (it reports races between libgomp's
+# workers and the thread that started them, inside libtorch), so every test process runs with one
+# intra-op thread (OMP_NUM_THREADS=1): at::parallel_for runs inline and the only threads are the
+# tests' own. The other tests are then single-threaded, with nothing for ThreadSanitizer to check.
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export KVPRESS_BUILD_DIR="${KVPRESS_TSAN_BUILD_DIR:-$here/../build-tsan}"
+source "$here/common.sh"
+
+# -O1: the sanitizers' recommended level. Only the library, kvpress::llama and the concurrency
+# tests are built.
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
+  -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DKVPRESS_SANITIZE=thread -DKVPRESS_WITH_CUDA=OFF \
+  -DKVPRESS_BUILD_TOOLS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$build" -j "$jobs" --target kvpress_concurrency_tests
+
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp"
+(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -R '^Concurrency\.')
