@@ -24,22 +24,15 @@
 #include "kvpress/kvpress.h"
 #include "kvpress/registry.h"
 
+#include "bench_util.h"
+
 namespace {
 
 constexpr int64_t kQHeads = 32, kKVHeads = 8, kHeadDim = 128;
 
+// Times with a device synchronisation after each call.
 double median_ms(const std::function<void()>& fn, int warmup, int repeats) {
-  for (int i = 0; i < warmup; ++i) fn();
-  torch::cuda::synchronize();
-  std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    torch::cuda::synchronize();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return kvpress_bench::median_ms(fn, repeats, warmup, [] { torch::cuda::synchronize(); });
 }
 
 }  // namespace

@@ -31,27 +31,13 @@
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
 
+#include "bench_util.h"
+
 namespace {
 
+using kvpress_bench::median_ms;
+
 constexpr int64_t kBatch = 1, kKvHeads = 8, kQHeads = 32, kDim = 128;
-
-std::vector<double> parse_list(const char* text) {
-  const auto list = kvpress::parse_double_list(text);
-  TORCH_CHECK(list, "kvpress_bench_ragged: expected comma-separated numbers, got '", text, "'");
-  return *list;
-}
-
-double median_ms(const std::function<void()>& fn, int repeats) {
-  fn();  // warm-up
-  std::vector<double> ms;
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 // Per-head budgets summing to `total`, head h weighted h + 1 (capped at seq_len).
 std::vector<int64_t> uneven_budgets(int64_t total, int64_t seq_len) {
@@ -71,18 +57,6 @@ std::vector<int64_t> uneven_budgets(int64_t total, int64_t seq_len) {
   return budget;
 }
 
-// The runner's dense decode attention (src/llama/model.cpp), optionally with a keep mask.
-at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                           const at::Tensor& keep_mask) {
-  const int64_t len = keys.size(2), groups = kQHeads / kKvHeads;
-  const at::Tensor qg = q.reshape({kBatch, kKvHeads, groups, kDim});
-  at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(kDim)));
-  if (keep_mask.defined())
-    scores = scores.masked_fill(keep_mask.logical_not().unsqueeze(2), -std::numeric_limits<double>::infinity());
-  const at::Tensor weights = at::softmax(scores, -1, at::kFloat);
-  return at::matmul(weights, values).view({kBatch, kQHeads, 1, kDim});
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,9 +64,9 @@ int main(int argc, char** argv) {
   int repeats = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--seq-lens"))
-      seq_lens = parse_list(argv[i + 1]);
+      seq_lens = kvpress_bench::number_list("--seq-lens", argv[i + 1]);
     else if (!std::strcmp(argv[i], "--ratios"))
-      ratios = parse_list(argv[i + 1]);
+      ratios = kvpress_bench::number_list("--ratios", argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats"))
       repeats = std::atoi(argv[i + 1]);
     else {
@@ -123,7 +97,8 @@ int main(int argc, char** argv) {
     dense_layer.append(new_k, new_v);
     const double dense_kernel_ms = median_ms([&] { kvpress::ops::ragged_attention(q, dense_layer); }, repeats);
     const at::Tensor all_k = keys.contiguous(), all_v = values.contiguous();
-    const double dense_aten_ms = median_ms([&] { dense_attention(q, all_k, all_v, at::Tensor()); }, repeats);
+    const double dense_aten_ms =
+        median_ms([&] { kvpress_bench::aten_decode_attention(q, all_k, all_v, at::Tensor()); }, repeats);
 
     for (double ratio : ratios) {
       const int64_t n_kept = kvpress::ops::n_kept(seq_len, ratio);
@@ -141,7 +116,8 @@ int main(int argc, char** argv) {
       layer.append(new_k, new_v);
       const double ragged_ms = median_ms([&] { kvpress::ops::ragged_attention(q, layer); }, repeats);
       const at::Tensor full_mask = at::cat({mask, at::ones({kBatch, kKvHeads, 1}, at::kBool)}, 2);
-      const double masked_ms = median_ms([&] { dense_attention(q, all_k, all_v, full_mask); }, repeats);
+      const double masked_ms =
+          median_ms([&] { kvpress_bench::aten_decode_attention(q, all_k, all_v, full_mask); }, repeats);
 
       const double mib = 1024.0 * 1024.0;
       std::printf("| %lld | %.2f | %lld-%lld | %.1f | %.2f | %.2f | %+.3f%% | %.3f | %.3f | %.3f | %.3f |\n",

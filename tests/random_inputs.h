@@ -1,5 +1,5 @@
-// Random LayerInputs holding every field a press may read, of consistent shapes (the property
-// and paged-cache tests).
+// Random LayerInputs holding every field a press may read, of consistent shapes (the press,
+// property, concurrency and paged-cache tests).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kvpress/types.h"
+#include "test_util.h"
 
 namespace kvpress::testing {
 
@@ -56,6 +57,30 @@ inline LayerInputs random_inputs(const Shape& s, uint64_t seed) {
   in.num_heads = heads;
   in.layer_idx = 1;
   in.num_layers = 3;
+  return in;
+}
+
+// One float32 layer, batch 1: keys, values and queries of every position, their causal attention
+// (softmax(q k^T), no 1/sqrt(D)), RoPE tables and an output projection; with_input_ids adds token
+// ids (QSMPress/CTRPress's token text).
+inline LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16,
+                                bool with_input_ids = false) {
+  LayerInputs in;
+  in.keys = randn({1, kv_heads, seq, d}, seed);
+  in.values = randn({1, kv_heads, seq, d}, seed + 1);
+  in.queries = randn({1, heads, seq, d}, seed + 2);
+  const at::Tensor logits = at::matmul(in.queries, in.keys.repeat_interleave(heads / kv_heads, 1).transpose(2, 3));
+  in.attentions = at::softmax(logits.masked_fill(at::ones({seq, seq}, at::kBool).triu(1), -INFINITY), -1);
+  // RoPE tables (pre-RoPE keys for LeverageScorePress / CompactorPress).
+  const at::Tensor inv_freq = at::pow(10000.0, -at::arange(0, d, 2, at::kDouble) / d);
+  const at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
+  in.cos = at::cat({angles, angles}, -1).cos().to(at::kFloat);
+  in.sin = at::cat({angles, angles}, -1).sin().to(at::kFloat);
+  in.o_proj = randn({64, heads * d}, seed + 3) * 0.1;  // output projection (CriticalKVPress, CriticalAdaKVPress)
+  if (with_input_ids) {
+    at::manual_seed(seed + 4);
+    in.input_ids = at::randint(0, 64, {1, seq}, at::kLong);
+  }
   return in;
 }
 

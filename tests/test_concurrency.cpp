@@ -21,12 +21,14 @@
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/tokenizer.h"
 #include "kvpress/presses/qsm_press.h"
+#include "random_inputs.h"
 #include "test_util.h"
 
 namespace kvpress {
 namespace {
 
 using testing::randn;
+using testing::random_layer;
 
 constexpr int kThreads = 8;
 
@@ -49,25 +51,6 @@ std::vector<std::string> run_together(int n, const std::function<void(int)>& fn)
   }
   for (auto& t : threads) t.join();
   return errors;
-}
-
-// Every input a registry press may read from one layer (as test_presses.cpp's random_layer), with
-// a sequence length and values of its own per thread.
-LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16) {
-  LayerInputs in;
-  in.keys = randn({1, kv_heads, seq, d}, seed);
-  in.values = randn({1, kv_heads, seq, d}, seed + 1);
-  in.queries = randn({1, heads, seq, d}, seed + 2);
-  const at::Tensor logits = at::matmul(in.queries, in.keys.repeat_interleave(heads / kv_heads, 1).transpose(2, 3));
-  in.attentions = at::softmax(logits.masked_fill(at::ones({seq, seq}, at::kBool).triu(1), -INFINITY), -1);
-  const at::Tensor inv_freq = at::pow(10000.0, -at::arange(0, d, 2, at::kDouble) / d);
-  const at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
-  in.cos = at::cat({angles, angles}, -1).cos().to(at::kFloat);
-  in.sin = at::cat({angles, angles}, -1).sin().to(at::kFloat);
-  in.o_proj = randn({64, heads * d}, seed + 3) * 0.1;
-  at::manual_seed(seed + 4);
-  in.input_ids = at::randint(0, 64, {1, seq}, at::kLong);  // QSMPress/CTRPress's token text
-  return in;
 }
 
 // What a press returns for one layer, whatever its shape: compress() for uniform presses,
@@ -97,7 +80,8 @@ bool same(const at::Tensor& a, const at::Tensor& b) {
 
 TEST(Concurrency, EveryPressSharedByEightThreadsMatchesSerialCalls) {
   std::vector<LayerInputs> inputs;
-  for (int i = 0; i < kThreads; ++i) inputs.push_back(random_layer(96 + 16 * i, 100 + 10 * i));
+  for (int i = 0; i < kThreads; ++i)
+    inputs.push_back(random_layer(96 + 16 * i, 100 + 10 * i, 8, 2, 16, /*with_input_ids=*/true));
   int presses_checked = 0;
   for (const PressInfo& info : list_presses()) {
     // As EveryPress.KeepsNKeptAscendingTokensMatchingTheGatheredCache: decoding presses compress

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kvpress/kvpress.h"
+#include "random_inputs.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -15,23 +16,7 @@ namespace {
 
 using testing::expect_error;
 using testing::randn;
-
-LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16) {
-  LayerInputs in;
-  in.keys = randn({1, kv_heads, seq, d}, seed);
-  in.values = randn({1, kv_heads, seq, d}, seed + 1);
-  in.queries = randn({1, heads, seq, d}, seed + 2);
-  // Causal attention of every position, so every press has what it needs.
-  const at::Tensor logits = at::matmul(in.queries, in.keys.repeat_interleave(heads / kv_heads, 1).transpose(2, 3));
-  in.attentions = at::softmax(logits.masked_fill(at::ones({seq, seq}, at::kBool).triu(1), -INFINITY), -1);
-  // RoPE tables (pre-RoPE keys for LeverageScorePress / CompactorPress).
-  const at::Tensor inv_freq = at::pow(10000.0, -at::arange(0, d, 2, at::kDouble) / d);
-  const at::Tensor angles = at::outer(at::arange(seq, at::kDouble), inv_freq);
-  in.cos = at::cat({angles, angles}, -1).cos().to(at::kFloat);
-  in.sin = at::cat({angles, angles}, -1).sin().to(at::kFloat);
-  in.o_proj = randn({64, heads * d}, seed + 3) * 0.1;  // output projection (CriticalKVPress, CriticalAdaKVPress)
-  return in;
-}
+using testing::random_layer;
 
 bool strictly_ascending(const at::Tensor& idx) {
   return idx.size(-1) < 2 ||

@@ -42,6 +42,12 @@ inline bool take_value(const std::vector<std::string>& args, size_t& i, std::str
   return false;
 }
 
+// An argument `command` does not take: an unknown option, or a stray word.
+[[noreturn]] inline void reject_argument(std::string_view command, const std::string& arg) {
+  if (!arg.empty() && arg[0] == '-') usage_error("{}: unknown option '{}' (see kvpress-cli --help)", command, arg);
+  usage_error("{}: unexpected argument '{}' (see kvpress-cli --help)", command, arg);
+}
+
 // Adds one --param KEY=VALUE to `params`; a malformed or repeated key is a usage error.
 inline void add_param(std::map<std::string, std::string>& params, const std::string& key_value) {
   const auto eq = key_value.find('=');

@@ -82,10 +82,8 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
       out.stop_at_eos = false;
     } else if (a == "--quiet" || a == "-q") {
       out.quiet = true;
-    } else if (!a.empty() && a[0] == '-') {
-      usage_error("generate: unknown option '{}' (see kvpress-cli --help)", a);
     } else {
-      usage_error("generate: unexpected argument '{}' (see kvpress-cli --help)", a);
+      kvpress_cli::reject_argument("generate", a);
     }
   }
   if (out.prompts.empty() && out.prompts_file.empty()) {

@@ -213,10 +213,8 @@ CompressArgs parse_compress_args(const std::vector<std::string>& args) {
       out.allow_unknown_tensors = true;
     } else if (a == "--quiet" || a == "-q") {
       out.quiet = true;
-    } else if (!a.empty() && a[0] == '-') {
-      usage_error("compress: unknown option '{}' (see kvpress-cli --help)", a);
     } else {
-      usage_error("compress: unexpected argument '{}' (see kvpress-cli --help)", a);
+      kvpress_cli::reject_argument("compress", a);
     }
   }
   if (out.press.empty()) usage_error("compress needs --press NAME (see kvpress-cli list)");

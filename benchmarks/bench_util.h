@@ -1,0 +1,61 @@
+// Helpers the stand-alone benchmark programs share: the timing rule and option lists.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvpress/registry.h"
+
+namespace kvpress_bench {
+
+// Median wall time of `repeats` calls of fn after `warmup` calls, in milliseconds. `sync`, when
+// given, runs after the warm-up and after each call (a device synchronisation), inside the timing.
+inline double median_ms(const std::function<void()>& fn, int repeats, int warmup = 1,
+                        const std::function<void()>& sync = {}) {
+  TORCH_CHECK(repeats > 0, "median_ms: repeats must be > 0, got ", repeats);
+  for (int i = 0; i < warmup; ++i) fn();
+  if (sync) sync();
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    if (sync) sync();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// A comma-separated list of numbers given to `option` (kvpress::parse_double_list).
+inline std::vector<double> number_list(const std::string& option, const std::string& text) {
+  const auto list = kvpress::parse_double_list(text);
+  TORCH_CHECK(list && !list->empty(), option, ": expected comma-separated numbers, got '", text, "'");
+  return *list;
+}
+
+// The Llama runner's dense decode attention (src/llama/model.cpp): matmul, float32 softmax, matmul,
+// GQA folded into the matmul rows; keep_mask (optional, [B, Hkv, L] bool) masks with -inf, which is
+// how kvpress applies per-head budgets.
+inline at::Tensor aten_decode_attention(const at::Tensor& queries,  // [B, Hq, 1, D]
+                                        const at::Tensor& keys,     // [B, Hkv, L, D]
+                                        const at::Tensor& values,   // [B, Hkv, L, D]
+                                        const at::Tensor& keep_mask = {}) {
+  const int64_t batch = queries.size(0), q_heads = queries.size(1), dim = queries.size(3);
+  const int64_t kv_heads = keys.size(1), groups = q_heads / kv_heads;
+  const at::Tensor qg = queries.reshape({batch, kv_heads, groups, dim});
+  at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(dim)));
+  if (keep_mask.defined())
+    scores = scores.masked_fill(keep_mask.logical_not().unsqueeze(2), -std::numeric_limits<double>::infinity());
+  const at::Tensor weights = at::softmax(scores, -1, at::kFloat);
+  return at::matmul(weights, values).view({batch, q_heads, 1, dim});
+}
+
+}  // namespace kvpress_bench
