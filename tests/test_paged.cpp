@@ -487,6 +487,90 @@ TEST(PagedCache, CompactMovesKeptTokensForwardAndReturnsEmptiedPages) {
 
 // ---- CUDA (skipped without a GPU) ----------------------------------------------------------------
 
+// The device tables the kernels read equal the host's page lists and lengths after every kind of
+// change: stores with and without a press, appends that take pages, removals, compactions, resets,
+// frees and slots reused by new sequences, with the tables growing past their first capacity.
+void expect_tables_match(const PagedKVCache& cache, int64_t layer, const std::vector<SequenceId>& seqs) {
+  const PagedBatchView view = cache.batch_view(layer, seqs);
+  const at::Tensor table = view.page_table.cpu(), lengths = view.lengths.cpu();
+  ASSERT_EQ(table.size(0), static_cast<int64_t>(seqs.size()));
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    for (int64_t h = 0; h < cache.options().kv_heads; ++h) {
+      const std::vector<int64_t>& pages = cache.pages(seqs[b], layer, h);
+      EXPECT_EQ(lengths[static_cast<int64_t>(b)][h].item<int64_t>(), cache.length(seqs[b], layer, h));
+      ASSERT_LE(static_cast<int64_t>(pages.size()), table.size(2));
+      for (size_t j = 0; j < pages.size(); ++j)
+        EXPECT_EQ(table[static_cast<int64_t>(b)][h][static_cast<int64_t>(j)].item<int64_t>(), pages[j])
+            << "sequence " << seqs[b] << " head " << h << " page " << j;
+    }
+  }
+}
+
+TEST(PagedCache, DeviceTablesFollowEveryChange) {
+  PagedKVCache cache(small_options(2000));
+  const PagedCacheOptions& opt = cache.options();
+  const int64_t hkv = opt.kv_heads, d = opt.head_dim;
+  at::manual_seed(7);
+  std::vector<SequenceId> live;
+  const auto check_all = [&] {
+    if (live.empty()) return;
+    for (int64_t layer = 0; layer < opt.num_layers; ++layer) {
+      expect_tables_match(cache, layer, live);
+      std::vector<SequenceId> reversed(live.rbegin(), live.rend());  // any order, any subset
+      expect_tables_match(cache, layer, reversed);
+    }
+  };
+  const auto press = make_press("AdaKVPress", 0.5, {{"press", "KnormPress"}});  // heads keep different counts
+  for (int round = 0; round < 12; ++round) {
+    // Two new sequences (more than the first 8 slots over the rounds), one stored through a press.
+    const std::vector<SequenceId> added = {cache.add_sequence(), cache.add_sequence()};
+    const int64_t s0 = 20 + 13 * round, s1 = 5 + 7 * round;
+    const at::Tensor cu = at::tensor({int64_t{0}, s0, s0 + s1});
+    for (int64_t layer = 0; layer < opt.num_layers; ++layer)
+      cache.store(layer, added, at::randn({s0 + s1, hkv, d}), at::randn({s0 + s1, hkv, d}), cu,
+                  layer == 0 ? press.get() : nullptr);
+    live.insert(live.end(), added.begin(), added.end());
+    check_all();
+    // Appends that cross page boundaries, then a removal of the last of them.
+    for (int64_t layer = 0; layer < opt.num_layers; ++layer) {
+      const auto batch = static_cast<int64_t>(live.size());
+      cache.append(layer, live, at::randn({batch, hkv, 9, d}), at::randn({batch, hkv, 9, d}));
+      cache.remove_last(layer, live, 3);
+    }
+    check_all();
+    // Compact the oldest sequence to every other token.
+    for (int64_t layer = 0; layer < opt.num_layers; ++layer) {
+      const std::vector<int64_t> len = cache.lengths(live.front(), layer);
+      const int64_t longest = *std::max_element(len.begin(), len.end());
+      at::Tensor keep = (at::arange(longest) % 2 == 0).unsqueeze(0).repeat({hkv, 1});
+      for (int64_t h = 0; h < hkv; ++h)
+        keep[h].narrow(0, len[static_cast<size_t>(h)], longest - len[static_cast<size_t>(h)]).fill_(false);
+      cache.compact(layer, live.front(), keep);
+    }
+    check_all();
+    // Free the oldest sequence (its slot goes to a later one); now and then reset and refill one.
+    if (live.size() > 6) {
+      cache.free_sequence(live.front());
+      live.erase(live.begin());
+      check_all();
+    }
+    if (round % 3 == 2) {
+      cache.reset_sequence(live.back());
+      check_all();
+      for (int64_t layer = 0; layer < opt.num_layers; ++layer)
+        cache.store(layer, {live.back()}, at::randn({40, hkv, d}), at::randn({40, hkv, d}),
+                    at::tensor({int64_t{0}, int64_t{40}}));
+      check_all();
+    }
+  }
+  EXPECT_GT(cache.stats().table_bytes, 0);
+  // After every sequence is freed, a new one starts with zero lengths in a reused slot.
+  for (SequenceId s : live) cache.free_sequence(s);
+  const SequenceId fresh = cache.add_sequence();
+  expect_tables_match(cache, 0, {fresh});
+  EXPECT_EQ(cache.stats().pages_used, 0);
+}
+
 TEST(PagedCuda, AttentionMatchesCpuIncludingSplitHeads) {
   KVPRESS_REQUIRE_CUDA_KERNELS();
   // Few units with long heads take the split-and-reduce path; many short ones a single split.

@@ -17,9 +17,12 @@
 //   cache.free_sequence(a);                                      // its pages go back to the pool
 //
 // Every mutating call either completes or raises a c10::Error leaving the cache as it was
-// (running out of pages included). Host-side bookkeeping (page lists, lengths, positions) is the
-// authority; batch_view() copies what a kernel needs to the device. Not thread-safe: one engine
-// thread mutates a cache (reads from several threads are safe while none mutates).
+// (running out of pages included). The page tables and per-head lengths live on the cache's device
+// (one [slots, Hkv, max_pages] table and one [slots, Hkv] length table per layer, a slot per
+// sequence); each mutation sends only the entries it changed, so a decoding step copies O(batch)
+// integers to the device, not the tables. The host keeps the same lists (and the tokens' original
+// positions) for bookkeeping. Not thread-safe: one engine thread mutates a cache (reads from
+// several threads are safe while none mutates).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -55,15 +58,18 @@ struct PagedCacheStats {
   int64_t pages_free = 0;       // over every layer
   int64_t peak_pages_used = 0;  // since construction or reset_peak()
   int64_t sequences = 0;
-  int64_t tokens = 0;  // stored over every (sequence, layer, head)
+  int64_t tokens = 0;       // stored over every (sequence, layer, head)
+  int64_t table_bytes = 0;  // the device page and length tables (grown as sequences and heads need)
   int64_t bytes_used() const { return pages_used * bytes_per_page; }
   int64_t bytes_total() const { return (pages_used + pages_free) * bytes_per_page; }
 };
 
 // What a kernel reads for a batch of sequences at one layer (ops::paged_attention's arguments).
 struct PagedBatchView {
-  at::Tensor page_table;  // [B, Hkv, max_pages] int64 on the cache's device (unused entries 0)
-  at::Tensor lengths;     // [B, Hkv] int64 on the cache's device
+  // [B, Hkv, max_pages] int64 on the cache's device, max_pages the most pages a head of the batch
+  // holds; entries past a head's ceil(length / page_size) pages are page ids of no meaning.
+  at::Tensor page_table;
+  at::Tensor lengths;  // [B, Hkv] int64 on the cache's device
 };
 
 // Completes sequence i's LayerInputs for a press at store(): the cache sets keys, values,
@@ -125,6 +131,7 @@ class PagedKVCache {
   at::Tensor attention(int64_t layer, const std::vector<SequenceId>& seqs,
                        const at::Tensor& queries,                          // [B, Hq, n, D]
                        std::optional<double> scale = std::nullopt) const;  // -> [B, Hq, n, D]
+  // The sequences' rows of the layer's device tables, gathered on the device.
   PagedBatchView batch_view(int64_t layer, const std::vector<SequenceId>& seqs) const;
 
   // ---- decode-time compression ---------------------------------------------------------------
@@ -161,6 +168,9 @@ class PagedKVCache {
   struct Head {
     std::vector<int64_t> pages;      // page ids in the layer's pools
     std::vector<int64_t> positions;  // original position of each stored token
+    // Entries of `pages` already in the device table. Page lists only change at their end (a write
+    // appends pages, compaction and removal drop the last ones), so this prefix stays valid.
+    size_t synced_pages = 0;
   };
   struct SequenceLayer {
     std::vector<Head> heads;  // kv_heads entries
@@ -169,10 +179,13 @@ class PagedKVCache {
   };
   struct Sequence {
     std::vector<SequenceLayer> layers;
+    int64_t slot = 0;  // its row of the device tables
   };
   struct Layer {
     at::Tensor key_pool, value_pool;  // [pages_per_layer, page_size, D]
     std::vector<int64_t> free_pages;  // a stack: the last entry is taken first
+    at::Tensor page_table;            // [slot_capacity, Hkv, page_capacity] int64, on the device
+    at::Tensor lengths;               // [slot_capacity, Hkv] int64, on the device
   };
 
   // One (sequence, head)'s share of a write: rows to put after the head's current tokens.
@@ -193,11 +206,17 @@ class PagedKVCache {
   void check_layer(int64_t layer, const char* op) const;
   void check_sequences(const std::vector<SequenceId>& seqs, const char* op) const;  // present and distinct
   int64_t pages_used_now() const;
+  // Sends the device tables of `layer` what changed for `seqs` since they were last synced.
+  void sync_tables(int64_t layer, const std::vector<SequenceId>& seqs);
+  // Grows every layer's tables to hold `slots` rows and `pages` entries per head (doubling).
+  void reserve_tables(int64_t slots, int64_t pages);
 
   PagedCacheOptions options_;
   std::vector<Layer> layers_;
   std::map<SequenceId, Sequence> sequences_;
   SequenceId next_id_ = 0;
+  std::vector<int64_t> free_slots_;  // rows of the device tables no sequence holds
+  int64_t slot_capacity_ = 0, page_capacity_ = 0;
   int64_t peak_pages_used_ = 0;
 };
 

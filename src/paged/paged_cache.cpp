@@ -51,6 +51,67 @@ PagedKVCache::PagedKVCache(const PagedCacheOptions& options) : options_(options)
     // A stack taken from the back: page 0 first.
     std::iota(l.free_pages.rbegin(), l.free_pages.rend(), int64_t{0});
   }
+  reserve_tables(8, 4);
+}
+
+// ---- device tables -------------------------------------------------------------------------------
+
+void PagedKVCache::reserve_tables(int64_t slots, int64_t pages) {
+  if (slots <= slot_capacity_ && pages <= page_capacity_) return;
+  const int64_t new_slots = slots <= slot_capacity_ ? slot_capacity_ : std::max(slots, 2 * slot_capacity_);
+  // A head never holds more than the layer's pages.
+  const int64_t new_pages = pages <= page_capacity_
+                                ? page_capacity_
+                                : std::min(std::max(pages, 2 * page_capacity_), options_.pages_per_layer);
+  const auto int64_options = at::TensorOptions().dtype(at::kLong).device(options_.device);
+  // Every layer's new tables first, so that a failed allocation changes nothing.
+  std::vector<std::pair<at::Tensor, at::Tensor>> grown;
+  for (const Layer& l : layers_) {
+    at::Tensor table = at::zeros({new_slots, options_.kv_heads, new_pages}, int64_options);
+    at::Tensor lengths = at::zeros({new_slots, options_.kv_heads}, int64_options);
+    if (slot_capacity_ > 0) {
+      table.narrow(0, 0, slot_capacity_).narrow(2, 0, page_capacity_).copy_(l.page_table);
+      lengths.narrow(0, 0, slot_capacity_).copy_(l.lengths);
+    }
+    grown.emplace_back(std::move(table), std::move(lengths));
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layers_[l].page_table = std::move(grown[l].first);
+    layers_[l].lengths = std::move(grown[l].second);
+  }
+  for (int64_t slot = new_slots - 1; slot >= slot_capacity_; --slot) free_slots_.push_back(slot);  // lowest first
+  slot_capacity_ = new_slots;
+  page_capacity_ = new_pages;
+}
+
+void PagedKVCache::sync_tables(int64_t layer, const std::vector<SequenceId>& seqs) {
+  // One host tensor [table entries | table values | length entries | length values], one copy.
+  std::vector<int64_t> table_index, table_value, length_index, length_value;
+  for (SequenceId id : seqs) {
+    Sequence& s = sequences_.at(id);
+    for (int64_t h = 0; h < options_.kv_heads; ++h) {
+      Head& head = s.layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+      const int64_t row = s.slot * options_.kv_heads + h;
+      for (size_t j = std::min(head.synced_pages, head.pages.size()); j < head.pages.size(); ++j) {
+        table_index.push_back(row * page_capacity_ + static_cast<int64_t>(j));
+        table_value.push_back(head.pages[j]);
+      }
+      head.synced_pages = head.pages.size();
+      length_index.push_back(row);
+      length_value.push_back(static_cast<int64_t>(head.positions.size()));
+    }
+  }
+  std::vector<int64_t> packed = table_index;
+  packed.insert(packed.end(), table_value.begin(), table_value.end());
+  packed.insert(packed.end(), length_index.begin(), length_index.end());
+  packed.insert(packed.end(), length_value.begin(), length_value.end());
+  const at::Tensor all = to_device(packed, options_.device);
+  const auto n_table = static_cast<int64_t>(table_index.size()), n_length = static_cast<int64_t>(length_index.size());
+  Layer& l = layers_[static_cast<size_t>(layer)];
+  if (n_table > 0) l.page_table.view(-1).index_copy_(0, all.narrow(0, 0, n_table), all.narrow(0, n_table, n_table));
+  if (n_length > 0)
+    l.lengths.view(-1).index_copy_(0, all.narrow(0, 2 * n_table, n_length),
+                                   all.narrow(0, 2 * n_table + n_length, n_length));
 }
 
 // ---- sequences -----------------------------------------------------------------------------------
@@ -59,16 +120,18 @@ SequenceId PagedKVCache::add_sequence() {
   Sequence s;
   s.layers.resize(static_cast<size_t>(options_.num_layers));
   for (SequenceLayer& l : s.layers) l.heads.resize(static_cast<size_t>(options_.kv_heads));
+  if (free_slots_.empty()) reserve_tables(slot_capacity_ + 1, page_capacity_);
+  s.slot = free_slots_.back();  // its length rows are 0: never used, or zeroed when freed
+  free_slots_.pop_back();
   const SequenceId id = next_id_++;
   sequences_.emplace(id, std::move(s));
   return id;
 }
 
 void PagedKVCache::free_sequence(SequenceId seq) {
-  Sequence& s = sequence_at(seq, "PagedKVCache::free_sequence");
-  for (size_t l = 0; l < s.layers.size(); ++l)
-    for (Head& h : s.layers[l].heads)
-      layers_[l].free_pages.insert(layers_[l].free_pages.end(), h.pages.rbegin(), h.pages.rend());
+  const int64_t slot = sequence_at(seq, "PagedKVCache::free_sequence").slot;
+  reset_sequence(seq);  // pages back to the pools, length rows zeroed for the slot's next holder
+  free_slots_.push_back(slot);
   sequences_.erase(seq);
 }
 
@@ -81,6 +144,7 @@ void PagedKVCache::reset_sequence(SequenceId seq) {
     }
     s.layers[l].next_position = 0;
     s.layers[l].stored = false;
+    sync_tables(static_cast<int64_t>(l), {seq});  // its lengths become 0
   }
 }
 
@@ -153,6 +217,9 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
     key_rows.push_back(writes[w].keys);
     value_rows.push_back(writes[w].values);
   }
+  int64_t most_pages = 0;
+  for (const auto& pages : new_pages) most_pages = std::max(most_pages, static_cast<int64_t>(pages.size()));
+  reserve_tables(slot_capacity_, most_pages);
   if (!slots.empty()) {
     const at::Tensor keys = at::cat(key_rows), values = at::cat(value_rows);
     ops::paged_write(pool.key_pool, pool.value_pool, keys, values, to_device(slots, options_.device));
@@ -166,6 +233,7 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
     head.pages = std::move(new_pages[w]);
     head.positions.insert(head.positions.end(), writes[w].positions.begin(), writes[w].positions.end());
   }
+  sync_tables(layer, seqs);
   peak_pages_used_ = std::max(peak_pages_used_, pages_used_now());
 }
 
@@ -339,6 +407,7 @@ void PagedKVCache::remove_last(int64_t layer, const std::vector<SequenceId>& seq
     }
     sl.next_position -= n;
   }
+  sync_tables(layer, seqs);
 }
 
 // ---- reading -------------------------------------------------------------------------------------
@@ -347,24 +416,17 @@ PagedBatchView PagedKVCache::batch_view(int64_t layer, const std::vector<Sequenc
   constexpr const char* op = "PagedKVCache::batch_view";
   check_layer(layer, op);
   check_sequences(seqs, op);
-  const int64_t batch = static_cast<int64_t>(seqs.size()), kv_heads = options_.kv_heads;
-  size_t max_pages = 1;
-  for (SequenceId s : seqs)
-    for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
-      max_pages = std::max(max_pages, h.pages.size());
-  at::Tensor table = at::zeros({batch, kv_heads, static_cast<int64_t>(max_pages)}, at::kLong);
-  at::Tensor lengths = at::empty({batch, kv_heads}, at::kLong);
-  int64_t* t = table.data_ptr<int64_t>();
-  int64_t* len = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    const auto& heads = sequences_.at(seqs[static_cast<size_t>(b)]).layers[static_cast<size_t>(layer)].heads;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const Head& head = heads[static_cast<size_t>(h)];
-      std::copy(head.pages.begin(), head.pages.end(), t + (b * kv_heads + h) * static_cast<int64_t>(max_pages));
-      len[b * kv_heads + h] = static_cast<int64_t>(head.positions.size());
-    }
+  std::vector<int64_t> slots;
+  int64_t max_pages = 1;
+  for (SequenceId id : seqs) {
+    const Sequence& s = sequences_.at(id);
+    slots.push_back(s.slot);
+    for (const Head& h : s.layers[static_cast<size_t>(layer)].heads)
+      max_pages = std::max(max_pages, static_cast<int64_t>(h.pages.size()));
   }
-  return {table.to(options_.device), lengths.to(options_.device)};
+  const Layer& l = layers_[static_cast<size_t>(layer)];
+  const at::Tensor rows = to_device(slots, options_.device);
+  return {l.page_table.narrow(2, 0, max_pages).index_select(0, rows), l.lengths.index_select(0, rows)};
 }
 
 at::Tensor PagedKVCache::attention(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& queries,
@@ -511,6 +573,7 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
                            head.pages.rbegin() + static_cast<std::ptrdiff_t>(head.pages.size() - keep_pages));
     head.pages.resize(keep_pages);
   }
+  sync_tables(layer, {seq});
 }
 
 // ---- memory --------------------------------------------------------------------------------------
@@ -532,6 +595,9 @@ PagedCacheStats PagedKVCache::stats() const {
   s.pages_free = options_.num_layers * options_.pages_per_layer - s.pages_used;
   s.peak_pages_used = std::max(peak_pages_used_, s.pages_used);
   s.sequences = static_cast<int64_t>(sequences_.size());
+  // Per layer a [slots, Hkv, page_capacity] page table and a [slots, Hkv] length table, int64.
+  s.table_bytes = static_cast<int64_t>(sizeof(int64_t)) * options_.num_layers * slot_capacity_ * options_.kv_heads *
+                  (page_capacity_ + 1);
   for (const auto& entry : sequences_)
     for (const SequenceLayer& l : entry.second.layers)
       for (const Head& h : l.heads) s.tokens += static_cast<int64_t>(h.positions.size());
