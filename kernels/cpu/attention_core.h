@@ -29,17 +29,14 @@ namespace kvpress::kernels {
 
 constexpr int64_t kAttentionBlock = 64;
 
-// Dot product with eight independent partial sums, so the compiler can vectorise it without
-// reassociating a single float reduction.
-inline float dot(const float* a, const float* b, int64_t dim) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t d = 0;
-  for (; d + 8 <= dim; d += 8)
-    for (int u = 0; u < 8; ++u) part[u] += a[d + u] * b[d + u];
-  float tail = 0.f;
-  for (; d < dim; ++d) tail += a[d] * b[d];
-  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) + tail;
-}
+// The two loops where the time goes, over one block of len <= kAttentionBlock float32 rows given by
+// their addresses (attention_core.cpp: compiled for AVX-512, AVX2 and the baseline, chosen at load
+// time). scores and probs are [G, kAttentionBlock], qf [G, D] (pre-scaled queries), acc [G, D].
+//   block_scores:      scores[g][j] = qf[g] . rows[j]
+//   block_accumulate:  acc[g] += probs[g][j] * rows[j], for every j
+void block_scores(const float* qf, const float* const* rows, int64_t len, int64_t groups, int64_t dim, float* scores);
+void block_accumulate(const float* probs, const float* const* rows, int64_t len, int64_t groups, int64_t dim,
+                      float* acc);
 
 // A row as float32: the row itself for float input, else converted into `buffer`.
 template <typename scalar_t>
@@ -61,7 +58,8 @@ struct Partial {
 };
 
 // Attends `unit` over its visible keys [j_begin, j_end) into `part`. `qf` ([G, D]), `scores`
-// ([G, kAttentionBlock]) and `row_buffer` ([D]) are scratch.
+// ([G, kAttentionBlock]) and `row_buffer` ([kAttentionBlock, D]: rows converted to float32) are
+// scratch.
 template <typename scalar_t, typename Layout>
 void attend(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end, Partial part, float* qf, float* scores,
             float* row_buffer) {
@@ -75,11 +73,10 @@ void attend(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end, Parti
   std::fill(part.sum, part.sum + groups, 0.f);
   for (int64_t j0 = j_begin; j0 < j_end; j0 += kAttentionBlock) {
     const int64_t len = std::min(kAttentionBlock, j_end - j0);
+    const float* rows[kAttentionBlock];
     // Scores of the block for every query head of the group.
-    for (int64_t j = 0; j < len; ++j) {
-      const float* k = as_float<scalar_t>(l.key(unit, j0 + j), row_buffer, dim);
-      for (int64_t g = 0; g < groups; ++g) scores[g * kAttentionBlock + j] = dot(qf + g * dim, k, dim);
-    }
+    for (int64_t j = 0; j < len; ++j) rows[j] = as_float<scalar_t>(l.key(unit, j0 + j), row_buffer + j * dim, dim);
+    block_scores(qf, rows, len, groups, dim, scores);
     // Online softmax: rescale what was accumulated when the running max grows.
     for (int64_t g = 0; g < groups; ++g) {
       float* sc = scores + g * kAttentionBlock;
@@ -99,14 +96,8 @@ void attend(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end, Parti
       part.max[g] = new_max;
       part.sum[g] = sum;
     }
-    for (int64_t j = 0; j < len; ++j) {
-      const float* v = as_float<scalar_t>(l.value(unit, j0 + j), row_buffer, dim);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float p = scores[g * kAttentionBlock + j];
-        float* a = part.acc + g * dim;
-        for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-      }
-    }
+    for (int64_t j = 0; j < len; ++j) rows[j] = as_float<scalar_t>(l.value(unit, j0 + j), row_buffer + j * dim, dim);
+    block_accumulate(scores, rows, len, groups, dim, part.acc);
   }
 }
 
@@ -134,7 +125,7 @@ template <typename scalar_t, typename Layout>
 void run_attention(const Layout& l) {
   const int64_t units = l.units, groups = l.groups, dim = l.dim;
   const size_t state = static_cast<size_t>(groups * (dim + 2));  // max, sum, acc of one partial
-  const size_t scratch = static_cast<size_t>(groups * dim + groups * kAttentionBlock + dim);
+  const size_t scratch = static_cast<size_t>(groups * dim + groups * kAttentionBlock + kAttentionBlock * dim);
 
   // Decoding has few units (B * Hkv) of very different lengths (per-head budgets): split every
   // unit's keys into chunks of about total / (4 * threads) keys, each attended separately, then

@@ -17,22 +17,13 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/vector_clones.h"
 #include "kernel_ops.h"
 
 namespace kvpress::kernels {
 namespace {
 
 constexpr int64_t kLanes = 16;  // independent partial sums, so the compiler can vectorise reductions
-
-// The hot loops are compiled for AVX-512, AVX2 and the baseline, chosen at load time (the library
-// itself is built for the baseline x86-64). Not under ThreadSanitizer: gcc instruments the clones'
-// ifunc resolver, which the dynamic loader runs before the TSan runtime is initialised (the library
-// crashes as it loads), so a TSan build (scripts/test_tsan.sh) runs the baseline loops.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
-#define KVPRESS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KVPRESS_VECTOR_CLONES
-#endif
 
 // Sum of the n floats at x with kLanes partial sums.
 inline float lane_sum(const float* x, int64_t n) {
