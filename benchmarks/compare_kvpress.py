@@ -54,10 +54,11 @@ ALL_PRESSES = [
     "RandomPress", "KnormPress", "StreamingLLMPress", "KeyDiffPress", "SnapKVPress", "LagKVPress",
     "TOVAPress", "ObservedAttentionPress", "LeverageScorePress", "NonCausalAttnPress", "CompactorPress",
 ]
-KEYS_ONLY = {"RandomPress", "KnormPress", "StreamingLLMPress", "KeyDiffPress", "LagKVPress"}
 PROJECTION_PRESSES = ["SnapKVPress", "TOVAPress", "LeverageScorePress", "NonCausalAttnPress", "CompactorPress"]
 RANDOMISED = {"RandomPress", "LeverageScorePress", "CompactorPress"}  # no agreement check
 WINDOW = 64  # SnapKVPress's default window_size
+CHUNK = 256  # NonCausalAttnPress's and CompactorPress's default chunk_size
+SKETCH = 48  # LeverageScorePress's and CompactorPress's default sketch_dimension
 ROPE_THETA = 500000.0  # Llama-3.1
 
 # ----------------------------------------------------------------------------- inputs
@@ -203,10 +204,54 @@ def copy_bandwidth(layer):
     return 2 * src.nbytes / best
 
 
+def gemm_rate(dtype):
+    """FLOP/s of a 2048^3 matrix product in `dtype` through this libtorch and thread count, best of 3."""
+    n = 2048
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def press_work(name, layer, n_kept):
+    """(bytes that must move, FLOPs that must be done) for press `name` on table (a)'s inputs: what
+    any implementation has to read to score, plus reading and writing the kept K/V rows; the FLOPs of
+    the products the method defines (elementwise work and exponentials are not counted).
+    docs/PERFORMANCE.md explains each line."""
+    B, Hq, Hkv, D, S = layer.B, layer.Hq, layer.Hkv, layer.D, layer.S
+    e = layer.keys.element_size()
+    kv = B * Hkv * S * D * e  # bytes of K (or of V)
+    gather = 2 * 2 * kv * n_kept / S  # read and write the kept rows of K and V
+    rope_tables = 2 * S * D * e  # cos, sin
+    leverage = 2 * B * Hkv * S * (D * SKETCH + 2 * SKETCH ** 2)  # K Phi, X^T X, G^-1 X^T, row dots
+    chunked_attention = 2 * B * Hq * S * CHUNK * D  # q k^T within each chunk of CHUNK queries and keys
+    work = {
+        "RandomPress": (0, 0),
+        "KnormPress": (kv, 2 * B * Hkv * S * D),
+        "StreamingLLMPress": (0, 0),
+        "KeyDiffPress": (2 * kv, 4 * B * Hkv * S * D),  # the mean key needs every key before any score
+        "LagKVPress": (2 * kv, 4 * B * Hkv * S * D),
+        "SnapKVPress": (kv + B * Hq * WINDOW * D * e, 2 * B * Hq * WINDOW * S * D),
+        "TOVAPress": (kv + B * Hq * D * e, 2 * B * Hq * S * D),
+        "ObservedAttentionPress": (B * Hq * S * S * e, B * Hq * S * S),
+        "LeverageScorePress": (kv + rope_tables, leverage),
+        "NonCausalAttnPress": (B * Hq * S * D * e + 2 * kv, chunked_attention),  # queries, K, ||v||
+        "CompactorPress": (B * Hq * S * D * e + 2 * kv + rope_tables, chunked_attention + leverage),
+    }
+    score_bytes, flops = work[name]
+    return score_bytes + gather, flops
+
+
 def run_table(title, presses, layer, args, full, kvpress_mod):
     rows = []
     n_kept = torch.ops.kvpress.n_kept(layer.S, args.ratio)
-    bw = copy_bandwidth(layer)
+    bw, rate = copy_bandwidth(layer), gemm_rate(layer.dtype)
+    print(f"  copy bandwidth {bw / 1e9:.1f} GB/s, GEMM rate {rate / 1e9:.1f} GFLOP/s ({layer.dtype}, "
+          f"{torch.get_num_threads()} threads)", flush=True)
     for name in presses:
         press = getattr(kvpress_mod, name)(compression_ratio=args.ratio)
         kv_args = layer.kvpress_args(name, full)
@@ -225,10 +270,12 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
             print(f"  {name:24s} FAILED: {str(e).splitlines()[0]}", flush=True)
             continue
         agree = None if args.no_check else agreement(press, layer, name, full, our_fn()[2], args.ratio)
-        floor = None
-        if name in KEYS_ONLY and name != "RandomPress":  # memory-bound: read K and V, write the kept part
-            floor = (layer.keys.nbytes + layer.values.nbytes + 2 * layer.keys.nbytes * n_kept / layer.S) / bw
-        rows.append(dict(press=name, kv=t_kv, ours=t_ours, speedup=t_kv / t_ours, agree=agree, floor=floor))
+        floor = bound = None
+        if not full:  # table (b) adds the projections, whose floor is not modelled
+            moved, flops = press_work(name, layer, n_kept)
+            floor, bound = max(moved / bw, flops / rate), "memory" if moved / bw >= flops / rate else "compute"
+        rows.append(dict(press=name, kv=t_kv, ours=t_ours, speedup=t_kv / t_ours, agree=agree, floor=floor,
+                         bound=bound))
         print(f"  {name:24s} kvpress {t_kv * 1e3:10.2f} ms   ours {t_ours * 1e3:9.2f} ms   "
               f"{t_kv / t_ours:7.2f}x" + ("" if agree is None else f"   agree {agree:.4f}") +
               f"   (all ms: kvpress {' '.join(f'{t * 1e3:.0f}' for t in all_kv)}; "
@@ -238,12 +285,15 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
     print()
     print(f"{title}")
     print()
-    print("| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | bandwidth floor (ms) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | floor (ms) | "
+          "ours / floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         agree = "-" if r["agree"] is None else f"{r['agree'] * 100:.2f}%"
-        floor = "-" if r["floor"] is None else f"{r['floor'] * 1e3:.2f} ({r['ours'] / r['floor']:.1f}x)"
-        print(f"| {r['press']} | {r['kv'] * 1e3:.2f} | {r['ours'] * 1e3:.2f} | {r['speedup']:.2f}x | {agree} | {floor} |")
+        floor = "-" if r["floor"] is None else f"{r['floor'] * 1e3:.2f} ({r['bound']})"
+        over = "-" if r["floor"] is None else f"{r['ours'] / r['floor']:.1f}x"
+        print(f"| {r['press']} | {r['kv'] * 1e3:.2f} | {r['ours'] * 1e3:.2f} | {r['speedup']:.2f}x | {agree} | {floor} "
+              f"| {over} |")
     print()
     return rows
 
