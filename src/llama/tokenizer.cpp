@@ -9,6 +9,8 @@
 // decode(ids): ids -> token strings (special ones dropped when asked), then the decoder chain.
 #include "kvpress/llama/tokenizer.h"
 
+#include "utf8.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -35,39 +37,6 @@ size_t utf8_length(unsigned char lead) {
   if ((lead >> 4) == 0xE) return 3;
   if ((lead >> 3) == 0x1E) return 4;
   return 1;
-}
-
-bool valid_utf8(const std::string& s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    size_t n = 0;
-    uint32_t cp = 0;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c >> 5) == 0x6) {
-      n = 2, cp = c & 0x1F;
-    } else if ((c >> 4) == 0xE) {
-      n = 3, cp = c & 0x0F;
-    } else if ((c >> 3) == 0x1E) {
-      n = 4, cp = c & 0x07;
-    } else {
-      return false;
-    }
-    if (i + n > s.size()) return false;
-    for (size_t k = 1; k < n; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc >> 6) != 0x2) return false;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    // Overlong encodings, surrogates and values past U+10FFFF are invalid (Rust's from_utf8).
-    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-        (cp >= 0xD800 && cp <= 0xDFFF))
-      return false;
-    i += n;
-  }
-  return true;
 }
 
 std::string replace_all(const std::string& s, const std::string& from, const std::string& to) {

@@ -11,10 +11,12 @@
 
 #include "fuzz_util.h"
 #include "kvpress/llama/tokenizer.h"
+#include "utf8.h"  // src/llama
 
 namespace {
 
 using kvpress::llama::Tokenizer;
+using kvpress::llama::valid_utf8;
 
 // Texts every loaded tokenizer encodes: ASCII, spaces, control characters, multi-byte UTF-8,
 // invalid UTF-8, special-token and byte-token look-alikes, SentencePiece's "▁".
@@ -29,37 +31,6 @@ const char* const kTexts[] = {
     "<0x41><0xZZ>",
     "\xE2\x96\x81the\xE2\x96\x81",
 };
-
-bool valid_utf8(const std::string& s) {
-  for (size_t i = 0; i < s.size();) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    size_t n = 0;
-    uint32_t cp = 0;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c >> 5) == 0x6) {
-      n = 2, cp = c & 0x1F;
-    } else if ((c >> 4) == 0xE) {
-      n = 3, cp = c & 0x0F;
-    } else if ((c >> 3) == 0x1E) {
-      n = 4, cp = c & 0x07;
-    } else {
-      return false;
-    }
-    if (i + n > s.size()) return false;
-    for (size_t k = 1; k < n; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc >> 6) != 0x2) return false;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-        (cp >= 0xD800 && cp <= 0xDFFF))
-      return false;
-    i += n;
-  }
-  return true;
-}
 
 void check_decode(const Tokenizer& tokenizer, const std::vector<int64_t>& ids) {
   for (bool skip_special : {true, false}) {
