@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
@@ -50,6 +51,31 @@ inline void check_gather(const char* op, const at::Tensor& keys, const at::Tenso
   TORCH_CHECK(indices.size(0) == keys.size(0) && indices.size(1) == keys.size(1), op, ": indices must be [",
               keys.size(0), ", ", keys.size(1), ", n_kept], got ", shape_str(indices));
   check_same_device(op, "indices", indices, "keys", keys);
+}
+
+// compact_kv_in_place: gather_kv's arguments, a unit stride along D, and indices strictly ascending
+// per head within [0, S) (checked on the indices' device before anything moves).
+inline void check_compact(const char* op, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
+  check_gather(op, keys, values, indices);
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, op,
+              ": keys and values need a unit stride along head_dim, got strides ", keys.strides(), " and ",
+              values.strides());
+  // Written in place: every element must be its own memory (no expanded views) and K apart from V.
+  TORCH_CHECK(at::has_internal_overlap(keys) != at::MemOverlap::Yes &&
+                  at::has_internal_overlap(values) != at::MemOverlap::Yes &&
+                  at::get_overlap_status(keys, values) != at::MemOverlapStatus::Full &&
+                  at::get_overlap_status(keys, values) != at::MemOverlapStatus::Partial,
+              op, ": keys and values must be writable tensors that share no memory (no expanded views)");
+  TORCH_CHECK(indices.size(2) <= keys.size(2), op, ": indices must keep at most seq_len (", keys.size(2),
+              ") positions per head, got ", indices.size(2));
+  if (indices.numel() == 0) return;
+  const int64_t lo = indices.min().item<int64_t>(), hi = indices.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < keys.size(2), op, ": indices must be in [0, seq_len (", keys.size(2),
+              ")), got values in [", lo, ", ", hi, "]");
+  if (indices.size(2) > 1) {
+    const at::Tensor steps = indices.narrow(2, 1, indices.size(2) - 1) - indices.narrow(2, 0, indices.size(2) - 1);
+    TORCH_CHECK(steps.min().item<int64_t>() > 0, op, ": indices must be strictly ascending per head");
+  }
 }
 
 // Raises for indices outside [0, seq_len) when there are any (a kernel found one), naming the range.
@@ -278,6 +304,9 @@ at::Tensor topk_indices(const at::Tensor& scores,                         // [B,
 std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& keys,      // [B, Hkv, S, D]
                                              const at::Tensor& values,    // [B, Hkv, S, D]
                                              const at::Tensor& indices);  // [B, Hkv, n] int64
+void compact_kv_(const at::Tensor& keys,                                  // [B, Hkv, S, D], written
+                 const at::Tensor& values,                                // [B, Hkv, S, D], written
+                 const at::Tensor& indices);                              // [B, Hkv, n] int64, ascending
 at::Tensor key_norm_scores(const at::Tensor& keys);                       // [B, Hkv, S, D] -> [B, Hkv, S] float32
 at::Tensor keydiff_scores(const at::Tensor& keys);                        // [B, Hkv, S, D] -> [B, Hkv, S] float32
 at::Tensor window_attention_mean(const at::Tensor& queries,               // [B, Hq, w, D]

@@ -129,6 +129,7 @@ TORCH_LIBRARY(kvpress, m) {
   // composite is registered below for every other device (src/kernel_ops.h).
   m.def("topk_indices(Tensor scores, int k) -> Tensor");
   m.def("gather_kv(Tensor keys, Tensor values, Tensor indices) -> (Tensor, Tensor)");
+  m.def("compact_kv_(Tensor(a!) keys, Tensor(b!) values, Tensor indices) -> ()");
   m.def("rotate_half(Tensor x) -> Tensor", &ops::rotate_half);
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::apply_rope);
   m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::invert_rope);
@@ -186,6 +187,7 @@ TORCH_LIBRARY(kvpress, m) {
 TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("topk_indices", &ops::composite::topk_indices);
   m.impl("gather_kv", &ops::composite::gather_kv);
+  m.impl("compact_kv_", &ops::composite::compact_kv_);
   m.impl("key_norm_scores", &ops::composite::key_norm_scores);
   m.impl("keydiff_scores", &ops::composite::keydiff_scores);
   m.impl("window_attention_mean", &ops::composite::window_attention_mean);

@@ -327,6 +327,47 @@ TEST(Llama, IncrementalDecodingMatchesOneForward) {
   expect_error([&] { model.forward(all.to(at::kInt), c3); }, {"input_ids must be a non-empty int64"});
 }
 
+// PrefillOptions::compress_in_place (the default): each layer is compressed inside the buffer the
+// prefill filled, which keeps its capacity; with it off the layer is replaced by a copy of the kept
+// tokens. Same kept tokens and the same logits while decoding, for a selecting press and for one
+// whose compression changes what it keeps (KeyRerotationPress: its result is copied into the front).
+TEST(Llama, PrefillCompressesInPlace) {
+  const LlamaModel& model = tiny_model();
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  ASSERT_GE(ids.size(), 74u);
+  const int64_t s = 70;  // SnapKV's window is 64
+  const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + s));
+  const auto& c = model.config();
+  const int64_t layer_bytes = 2 * c.num_kv_heads * s * c.head_dim * 4;  // K + V, float32
+  for (const std::string name : {"KnormPress", "SnapKVPress", "KeyRerotationPress"}) {
+    SCOPED_TRACE(name);
+    const auto press = kvpress::make_press(name, 0.5);
+    KVCache in_place = model.new_cache(), copied = model.new_cache();
+    PrefillOptions p;
+    p.press = press.get();
+    const auto a = model.prefill(prompt, in_place, p);
+    p.compress_in_place = false;
+    const auto b = model.prefill(prompt, copied, p);
+    const int64_t kept = kvpress::ops::n_kept(s, 0.5);
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      EXPECT_TRUE(at::equal(a.kept_indices[l], b.kept_indices[l])) << "layer " << l;
+      EXPECT_EQ(in_place.length(l), kept);
+      EXPECT_TRUE(at::equal(in_place.keys(l), copied.keys(l))) << "layer " << l;
+      EXPECT_TRUE(at::equal(in_place.values(l), copied.values(l))) << "layer " << l;
+    }
+    EXPECT_EQ(in_place.position(), copied.position());
+    // The in-place cache keeps the prefill's buffers (capacity s), the copy holds the kept tokens.
+    EXPECT_EQ(in_place.bytes(), c.num_layers * layer_bytes);
+    EXPECT_EQ(copied.bytes(), c.num_layers * layer_bytes * kept / s);
+    for (int64_t i = s; i < s + 4; ++i) {
+      const at::Tensor token = ids_tensor({ids[static_cast<size_t>(i)]});
+      EXPECT_TRUE(at::equal(model.forward(token, in_place).logits, model.forward(token, copied).logits));
+    }
+    // Appends filled the freed capacity: no reallocation.
+    EXPECT_EQ(in_place.bytes(), c.num_layers * layer_bytes);
+  }
+}
+
 // kvpress-cli eval's protocol (include/kvpress/llama/eval.h); its parity with kvpress is
 // tests/cli/test_eval_parity.py.
 TEST(Llama, ScoreContinuation) {
@@ -906,8 +947,9 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
   EXPECT_LE(fig.logits, kLogitTol) << "logits over the compressed cache";
   expect_greedy_agrees(q, d, ref_q, ref_d, tokens);
 
-  // 4. Presses that can do without attention weights (they recompute queries from hidden_states +
-  //    q_proj + RoPE, kvpress's path on non-eager models) keep the same tokens.
+  // 4. Presses that can do without attention weights (they compute their attention from the
+  //    prefill's queries, as kvpress on non-eager models does from hidden_states + q_proj + RoPE)
+  //    keep the same tokens.
   if (!kvpress::needs_attentions(press->name())) {
     KVCache c2 = model.new_cache();
     const auto out2 = run_prefill(PressAttentions::kNever, c2, false);

@@ -32,6 +32,17 @@ KV gather_kv(const at::Tensor& keys,      // [B, Hkv, S, D]
              const at::Tensor& values,    // [B, Hkv, S, D]
              const at::Tensor& indices);  // [B, Hkv, n] int64
 
+// gather_kv into the tensors themselves: row i of head (b, h) of keys and values becomes their old
+// row indices[b, h, i]; rows n..S-1 are left unspecified. Returns keys/values.narrow(2, 0, n) (views)
+// and the indices. indices must be strictly ascending per head (every selection returns them so),
+// which lets one forward pass move each row before anything overwrites it; they are checked, with
+// their range, before any row moves, so a refused call changes nothing. keys and values need a
+// unit stride along D (any layout otherwise, e.g. the front of a larger buffer). The CPU kernel
+// allocates nothing; other devices gather the kept rows into a temporary first.
+KV compact_kv_in_place(const at::Tensor& keys,      // [B, Hkv, S, D], written
+                       const at::Tensor& values,    // [B, Hkv, S, D], written
+                       const at::Tensor& indices);  // [B, Hkv, n] int64, ascending
+
 // ---- RoPE and heads (kvpress's utils.py) -------------------------------------------------
 
 // [x1, x2] -> [-x2, x1] along the last dim (HF rotate_half).
@@ -68,8 +79,9 @@ at::Tensor prerope_keys(const LayerInputs& inputs, const char* op);  // -> [B, H
 at::Tensor project_queries(const at::Tensor& hidden,                    // [B, n, hidden], attention input
                            const LayerInputs& inputs, const char* op);  // -> [B, Hq, n, D]
 
-// Pre-RoPE queries of positions [start, start + n): projected from hidden_states + q_proj
-// (+ q_norm), else the given post-RoPE queries of all S positions with RoPE inverted by cos/sin.
+// Pre-RoPE queries of positions [start, start + n): the given post-RoPE queries of all S positions
+// with RoPE inverted by cos/sin when there are such, else projected from hidden_states + q_proj
+// (+ q_norm).
 at::Tensor prerope_queries(const LayerInputs& inputs, int64_t start, int64_t n,
                            const char* op);  // -> [B, Hq, n, D] float32
 

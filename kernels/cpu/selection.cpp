@@ -1,5 +1,5 @@
-// CPU kernels of kvpress::topk_indices (top-k per row without a full sort) and kvpress::gather_kv
-// (one memcpy per kept K/V row).
+// CPU kernels of kvpress::topk_indices (top-k per row without a full sort), kvpress::gather_kv
+// (one memcpy per kept K/V row) and kvpress::compact_kv_ (the same rows moved forward in place).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -127,11 +127,39 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_cpu(const at::Tensor& keys_in, cons
   return {keys_out, values_out};
 }
 
+// Moves each head's kept rows forward within keys and values, heads in parallel, rows in ascending
+// order: indices strictly ascending means index[i] >= i, so row i is written only after every row
+// that still has to move from there (a position < i) has been read. No allocation.
+void compact_kv_cpu(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices_in) {
+  checks::check_compact("compact_kv_in_place", keys, values, indices_in);  // before any row moves
+  const at::Tensor indices = indices_in.contiguous();
+  const int64_t heads = keys.size(1), n = indices.size(2);
+  const size_t row_bytes = static_cast<size_t>(keys.size(3)) * keys.element_size();
+  auto* k_base = static_cast<char*>(keys.data_ptr());
+  auto* v_base = static_cast<char*>(values.data_ptr());
+  const int64_t* idx = indices.data_ptr<int64_t>();
+  const int64_t ke = keys.element_size(), ve = values.element_size();
+  at::parallel_for(0, keys.size(0) * heads, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      char* k_head = k_base + (b * keys.stride(0) + h * keys.stride(1)) * ke;
+      char* v_head = v_base + (b * values.stride(0) + h * values.stride(1)) * ve;
+      const int64_t* kept = idx + bh * n;
+      for (int64_t i = 0; i < n; ++i) {
+        if (kept[i] == i) continue;  // a kept prefix stays where it is
+        std::memcpy(k_head + i * keys.stride(2) * ke, k_head + kept[i] * keys.stride(2) * ke, row_bytes);
+        std::memcpy(v_head + i * values.stride(2) * ve, v_head + kept[i] * values.stride(2) * ve, row_bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvpress, CPU, m) {
   m.impl("topk_indices", &topk_indices_cpu);
   m.impl("gather_kv", &gather_kv_cpu);
+  m.impl("compact_kv_", &compact_kv_cpu);
 }
 
 }  // namespace kvpress::kernels

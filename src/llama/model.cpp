@@ -5,7 +5,9 @@
 //   RMSNorm      x.float() * rsqrt(mean(x^2) + eps), cast back, times the weight
 //   RoPE         inv_freq = 1 / theta^(arange(0, D, 2) / D) in float32; angles = position * inv_freq;
 //                cos/sin of cat(angles, angles); x * cos + rotate_half(x) * sin
-//   attention    softmax(q k^T * D^-0.5 + causal mask) in float32, cast to the model dtype, times v
+//   attention    softmax(q k^T * D^-0.5 + causal mask) in float32, cast to the model dtype, times v,
+//                where the weights are read (a press, return_attentions, eager_attention); else
+//                fused, at::scaled_dot_product_attention, as transformers' "sdpa" (agrees to ~1e-6)
 //   MLP          down(silu(gate(x)) * up(x))
 #include "kvpress/llama/model.h"
 
@@ -145,6 +147,18 @@ void KVCache::replace(int64_t layer, const at::Tensor& keys, const at::Tensor& v
   l.mask_buffer = at::Tensor();
   l.ragged = HeadRaggedLayer();
   l.length = keys.size(2);
+}
+
+KV KVCache::compress_in_place(int64_t layer, const BasePress& press, LayerInputs inputs) {
+  constexpr const char* op = "KVCache::compress_in_place";
+  Layer& l = layer_at(layer, op);
+  TORCH_CHECK(l.key_buffer.defined() && !l.ragged.defined() && !l.mask_buffer.defined(), op, ": layer ", layer,
+              " must hold dense tokens without a keep mask");
+  inputs.keys = keys(layer);
+  inputs.values = values(layer);
+  KV kv = press.compress_in_place(inputs);
+  l.length = kv.keys.size(2);
+  return kv;
 }
 
 void KVCache::replace_ragged(int64_t layer, HeadRaggedLayer ragged) {
@@ -361,7 +375,11 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
                     " cannot compress layer ", li, ", stored head-ragged");
         attn_out = ragged_attention(qkv.q, cache.ragged(li));
       } else {
-        attn_out = dense_attention(qkv.q, cache.keys(li), cache.values(li), cache.keep_mask(li), attn_weights);
+        // Weights only where someone reads them; fused attention otherwise (no n x L matrix).
+        const bool weights_needed =
+            options.eager_attention || options.return_attentions || press_attentions || decoding_attentions;
+        attn_out = dense_attention(qkv.q, cache.keys(li), cache.values(li), cache.keep_mask(li),
+                                   weights_needed ? &attn_weights : nullptr);
       }
       if (options.return_attentions) out.attentions.push_back(attn_weights);
 
@@ -370,8 +388,13 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
         LayerInputs in =
             hook_inputs(li, input_ids, h, rope_tables, cache.keys(li).contiguous(), cache.values(li).contiguous());
         if (press) {
+          // The queries this prefill computed anyway (all positions, from 0): a press reads them
+          // instead of projecting the hidden states again.
+          in.queries = qkv.q;
           if (press_attentions) in.attentions = attn_weights;
-          compress_at_prefill(*press, *prefill, li, std::move(in), cache, out);
+          // In place only in a layer this prefill filled: `before` shares no stored token of it.
+          const bool in_place = prefill->compress_in_place && before.length(li) == 0;
+          compress_at_prefill(*press, *prefill, li, std::move(in), in_place, cache, out);
         } else {
           if (decoding_attentions) in.attentions = attn_weights;
           compress_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
@@ -418,29 +441,45 @@ LlamaModel::LayerQKV LlamaModel::project_qkv(const Layer& w, const at::Tensor& h
 }
 
 at::Tensor LlamaModel::dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                       const at::Tensor& keep_mask, at::Tensor& weights_out) const {
+                                       const at::Tensor& keep_mask, at::Tensor* weights_out) const {
   const int64_t batch = q.size(0), n = q.size(2), len = keys.size(2);
   const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads, d = config_.head_dim, groups = hq / hkv;
   const double scaling = 1.0 / std::sqrt(static_cast<double>(d));  // head_dim ** -0.5
+  // New token i sits in cache slot len - n + i and sees slots <= that one; everything before the
+  // new tokens (the possibly compressed past) is visible.
+  const auto causal_visible = [&] {  // [n, L] bool
+    const at::Tensor row = at::arange(n, at::kLong).unsqueeze(1) + (len - n);
+    const at::Tensor col = at::arange(len, at::kLong).unsqueeze(0);
+    return col <= row;
+  };
+  if (weights_out == nullptr) {
+    // SDPA's is_causal aligns the mask top-left, which is ours only when the new tokens are the
+    // whole layer; otherwise the visibility goes in as a boolean mask (true = attend).
+    at::Tensor visible;
+    const bool is_causal = n == len && n > 1 && !keep_mask.defined();
+    if (!is_causal && n > 1) visible = causal_visible();
+    // A head-ragged selection kept densely (RaggedLayout::kMasked) hides its evicted tokens.
+    if (keep_mask.defined()) {
+      const at::Tensor kept = keep_mask.repeat_interleave(groups, 1).unsqueeze(2);  // [B, Hq, 1, L]
+      visible = visible.defined() ? at::logical_and(kept, visible) : kept;
+    }
+    const std::optional<at::Tensor> mask = visible.defined() ? std::optional<at::Tensor>(visible) : std::nullopt;
+    return at::scaled_dot_product_attention(q, keys, values, mask, 0.0, is_causal, scaling, /*enable_gqa=*/true)
+        .transpose(1, 2)
+        .reshape({batch, n, hq * d});
+  }
   // GQA without repeating K/V: the G query heads of a KV head become extra rows of one matmul.
   // Query head j*G + g uses KV head j, as repeat_kv does.
   const at::Tensor qg = q.reshape({batch, hkv, groups * n, d});
   at::Tensor scores = at::matmul(qg, keys.transpose(2, 3)) * scaling;  // [B, Hkv, G*n, L]
   scores = scores.view({batch, hkv, groups, n, len});
-  if (n > 1) {
-    // New token i sits in cache slot len - n + i and sees slots <= that one; everything before
-    // the new tokens (the possibly compressed past) is visible.
-    const at::Tensor row = at::arange(n, at::kLong).unsqueeze(1) + (len - n);
-    const at::Tensor col = at::arange(len, at::kLong).unsqueeze(0);
-    scores = scores.masked_fill(col > row, -std::numeric_limits<double>::infinity());
-  }
-  // A head-ragged selection kept densely (RaggedLayout::kMasked): evicted tokens get -inf.
+  if (n > 1) scores = scores.masked_fill(causal_visible().logical_not(), -std::numeric_limits<double>::infinity());
   if (keep_mask.defined())
     scores = scores.masked_fill(keep_mask.logical_not().view({batch, hkv, 1, 1, len}),
                                 -std::numeric_limits<double>::infinity());
   const at::Tensor weights = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());       // [B, Hkv, G, n, L]
   const at::Tensor attn = at::matmul(weights.view({batch, hkv, groups * n, len}), values);  // [B, Hkv, G*n, D]
-  weights_out = weights.view({batch, hq, n, len});
+  *weights_out = weights.view({batch, hq, n, len});
   return attn.view({batch, hq, n, d}).transpose(1, 2).reshape({batch, n, hq * d});
 }
 
@@ -476,7 +515,7 @@ LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, 
 }
 
 void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer,
-                                     LayerInputs in, KVCache& cache, ForwardOutput& out) const {
+                                     LayerInputs in, bool in_place, KVCache& cache, ForwardOutput& out) const {
   const int64_t batch = in.keys.size(0), hkv = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
   if (press.head_ragged()) {
     // Heads keep different numbers of tokens: store each head's kept tokens only (kPacked) or
@@ -492,6 +531,21 @@ void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOption
       cache.set_keep_mask(layer, keep_mask);
     out.keep_masks.push_back(keep_mask);
     if (options.on_compress_ragged) options.on_compress_ragged(in, kv);
+    return;
+  }
+  if (in_place) {
+    // The layer's buffer is this prefill's own: the kept tokens move to its front, nothing is
+    // allocated for them (peak S tokens, not S + kept), and decoding appends fill the freed tail.
+    // An observer sees the inputs as the press did, so it gets them before the move.
+    LayerInputs seen;
+    if (options.on_compress) {
+      seen = in;
+      seen.keys = in.keys.clone();
+      seen.values = in.values.clone();
+    }
+    const KV kv = cache.compress_in_place(layer, press, std::move(in));
+    out.kept_indices.push_back(kv.kept_indices);
+    if (options.on_compress) options.on_compress(seen, kv);
     return;
   }
   const KV kv = press.compress(in);

@@ -86,7 +86,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
         const int64_t start = cu[static_cast<size_t>(i)], len = cu[static_cast<size_t>(i + 1)] - start;
         attn[static_cast<size_t>(i)] =
             dense_attention(qkv.q.narrow(2, start, len), qkv.k.narrow(2, start, len), qkv.v.narrow(2, start, len),
-                            at::Tensor(), weights[static_cast<size_t>(i)]);
+                            at::Tensor(), press_attentions ? &weights[static_cast<size_t>(i)] : nullptr);
       }
       // Sequence i's press inputs are prefill()'s for that prompt alone; store() adds its K/V.
       const SequenceInputsFn inputs = [&](int64_t i, LayerInputs& in) {
@@ -94,6 +94,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
         const RopeTables rows{rope_tables.cos.narrow(0, start, len), rope_tables.sin.narrow(0, start, len)};
         in =
             hook_inputs(li, input_ids.narrow(1, start, len), h.narrow(1, start, len), rows, at::Tensor(), at::Tensor());
+        in.queries = qkv.q.narrow(2, start, len);  // computed anyway, as prefill() gives them
         if (press_attentions) in.attentions = weights[static_cast<size_t>(i)];
       };
       // [1, Hkv, T, D] -> [T, Hkv, D], the varlen layout.

@@ -150,7 +150,10 @@ at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, cons
   const int64_t batch = in.keys.size(0), seq = in.keys.size(2), head_dim = in.keys.size(3);
   TORCH_CHECK(start >= 0 && n >= 0 && start + n <= seq, op, ": positions [", start, ", ", start + n,
               ") must lie in [0, seq_len (", seq, "))");
-  if (in.hidden_states.defined() && in.q_proj.defined()) {
+  // The engine's queries of every position, when given, cost an elementwise RoPE inversion where
+  // recomputing them costs a GEMM over the hidden states.
+  const bool all_queries = in.queries.defined() && in.queries.dim() == 4 && in.queries.size(2) == seq;
+  if (!(all_queries && in.cos.defined() && in.sin.defined()) && in.hidden_states.defined() && in.q_proj.defined()) {
     check_hidden(op, in);
     return project_queries(in.hidden_states.narrow(1, start, n), in, op);
   }

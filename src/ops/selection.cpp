@@ -51,6 +51,25 @@ KV gather_kv(const at::Tensor& keys, const at::Tensor& values, const at::Tensor&
   return KV{std::move(kept_keys), std::move(kept_values), indices.contiguous()};
 }
 
+KV compact_kv_in_place(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
+  static const auto op =
+      dispatcher_op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kvpress::compact_kv_");
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor*>{"keys", &keys}, {"values", &values}, {"indices", &indices}})
+    checks::check_defined("compact_kv_in_place", name, *t);
+  op.call(keys, values, indices);
+  const int64_t n = indices.size(2);
+  return KV{keys.narrow(2, 0, n), values.narrow(2, 0, n), indices.contiguous()};
+}
+
+void composite::compact_kv_(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
+  checks::check_compact("compact_kv_in_place", keys, values, indices);
+  // Gathered first (a temporary of the kept size), so no row is overwritten before it is read.
+  const KV kept = ops::gather_kv(keys, values, indices);  // the dispatcher: the device's gather kernel
+  keys.narrow(2, 0, indices.size(2)).copy_(kept.keys);
+  values.narrow(2, 0, indices.size(2)).copy_(kept.values);
+}
+
 at::Tensor composite::topk_indices(const at::Tensor& scores, int64_t k) {
   constexpr const char* op = "topk_indices";
   checks::check_topk(op, scores, k);

@@ -34,6 +34,32 @@ RaggedKV BasePress::compress_ragged(const LayerInputs& inputs) const {
   return out;
 }
 
+at::Tensor BasePress::kept_positions(const LayerInputs&) const { return at::Tensor(); }
+
+KV BasePress::gather_kept(const LayerInputs& inputs) const {
+  const at::Tensor kept = kept_positions(inputs);
+  // kvpress returns the cache untouched at ratio 0: no copy.
+  if (compression_ratio() == 0.0) return KV{inputs.keys, inputs.values, kept};
+  return ops::gather_kv(inputs.keys, inputs.values, kept);
+}
+
+KV BasePress::compress_in_place(const LayerInputs& inputs) const {
+  const std::string op = name() + ".compress_in_place";
+  checks::check_kv(op.c_str(), inputs.keys, inputs.values);
+  if (head_ragged()) refuse_uniform_compress();
+  const at::Tensor kept = kept_positions(inputs);
+  if (kept.defined()) return ops::compact_kv_in_place(inputs.keys, inputs.values, kept);
+  // A press that changes what it keeps: its result, copied into the front of the buffers.
+  const KV kv = compress(inputs);
+  const int64_t n = kv.keys.size(2);
+  TORCH_CHECK(kv.keys.dim() == 4 && kv.keys.sizes() == kv.values.sizes() && n <= inputs.keys.size(2), op, ": ", name(),
+              " returned keys ", checks::shape_str(kv.keys), " for a cache of ", checks::shape_str(inputs.keys));
+  KV out{inputs.keys.narrow(2, 0, n), inputs.values.narrow(2, 0, n), kv.kept_indices};
+  if (kv.keys.data_ptr() != inputs.keys.data_ptr()) out.keys.copy_(kv.keys);  // ratio 0 returns the inputs
+  if (kv.values.data_ptr() != inputs.values.data_ptr()) out.values.copy_(kv.values);
+  return out;
+}
+
 void BasePress::refuse_uniform_compress() const {
   TORCH_CHECK(false, name(), ".compress: ", name(),
               " keeps a different number of tokens per KV head, which a [B, Hkv, n_kept, D] cache cannot hold; "
@@ -51,25 +77,25 @@ void ScorerPress::set_compression_ratio(double compression_ratio) {
   compression_ratio_ = compression_ratio;
 }
 
-KV ScorerPress::compress(const LayerInputs& inputs) const {
+KV ScorerPress::compress(const LayerInputs& inputs) const { return gather_kept(inputs); }
+
+at::Tensor ScorerPress::kept_positions(const LayerInputs& inputs) const {
   const std::string op = name() + ".compress";
   checks::check_kv(op.c_str(), inputs.keys, inputs.values);
   const int64_t batch = inputs.keys.size(0), kv_heads = inputs.keys.size(1), seq = inputs.keys.size(2);
-  if (compression_ratio_ == 0.0) return budget::keep_all(inputs);  // kvpress returns the cache untouched
+  if (compression_ratio_ == 0.0) return budget::keep_all(inputs).kept_indices;
   const at::Tensor scores = score(inputs);
   TORCH_CHECK(scores.dim() == 3 && scores.size(0) == batch && scores.size(1) == kv_heads && scores.size(2) == seq, op,
               ": scores must be [", batch, ", ", kv_heads, ", ", seq, "], got ", checks::shape_str(scores));
   TORCH_CHECK(at::isFloatingType(scores.scalar_type()), op, ": scores must be a floating tensor, got ",
               scores.scalar_type());
-  at::Tensor kept;
   try {
-    kept = ops::topk_indices(scores, ops::n_kept(seq, compression_ratio_));
+    return ops::topk_indices(scores, ops::n_kept(seq, compression_ratio_));
   } catch (const c10::Error&) {
     // The top-k kernels check finiteness on the way; only a failure pays for naming this press.
     checks::check_finite_scores(op.c_str(), scores);
     throw;
   }
-  return ops::gather_kv(inputs.keys, inputs.values, kept);
 }
 
 // ---- ScorerWrapperPress ---------------------------------------------------------------------

@@ -16,10 +16,10 @@ BlockPress::BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_s
   checks::check_positive("BlockPress", "block_size", block_size);
 }
 
-KV BlockPress::compress(const LayerInputs& in) const {
+at::Tensor BlockPress::kept_positions(const LayerInputs& in) const {
   constexpr const char* op = "BlockPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (compression_ratio() == 0.0) return budget::keep_all(in);
+  if (compression_ratio() == 0.0) return budget::keep_all(in).kept_indices;
   const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
   const int64_t block = std::min(block_size_, seq);
   const int64_t n_kept = ops::n_kept(seq, compression_ratio());
@@ -34,7 +34,7 @@ KV BlockPress::compress(const LayerInputs& in) const {
     const at::Tensor scores = inner_scores(sub, op);
     kept = cand.gather(-1, ops::topk_indices(scores, n_kept));
   }
-  return ops::gather_kv(in.keys, in.values, std::get<0>(kept.sort(-1)).contiguous());
+  return std::get<0>(kept.sort(-1)).contiguous();
 }
 
 }  // namespace kvpress

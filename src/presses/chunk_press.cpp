@@ -12,10 +12,10 @@
 
 namespace kvpress {
 
-KV ChunkPress::compress(const LayerInputs& in) const {
+at::Tensor ChunkPress::kept_positions(const LayerInputs& in) const {
   constexpr const char* op = "ChunkPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (compression_ratio() == 0.0) return budget::keep_all(in);
+  if (compression_ratio() == 0.0) return budget::keep_all(in).kept_indices;
   const int64_t seq = in.keys.size(2);
   TORCH_CHECK(!in.queries.defined() || (in.queries.dim() == 4 && in.queries.size(2) == seq), op,
               ": queries must cover all positions ([batch, num_heads, ", seq, ", head_dim]), got ",
@@ -33,7 +33,7 @@ KV ChunkPress::compress(const LayerInputs& in) const {
     const at::Tensor scores = inner_scores(chunk, op);
     kept.push_back(ops::topk_indices(scores, ops::n_kept(len, compression_ratio())) + start);
   }
-  return ops::gather_kv(in.keys, in.values, at::cat(kept, -1).contiguous());
+  return at::cat(kept, -1).contiguous();
 }
 
 }  // namespace kvpress

@@ -10,15 +10,15 @@
 
 namespace kvpress {
 
-KV ChunkKVPress::compress(const LayerInputs& in) const {
+at::Tensor ChunkKVPress::kept_positions(const LayerInputs& in) const {
   constexpr const char* op = "ChunkKVPress.compress";
   checks::check_kv(op, in.keys, in.values);
-  if (compression_ratio() == 0.0) return budget::keep_all(in);
+  if (compression_ratio() == 0.0) return budget::keep_all(in).kept_indices;
   const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
   const int64_t length = chunk_length();
   const int64_t n_full = seq / length, rest = seq % length;
   const LayerInputs no_attn = without_attentions(in);
-  if (n_full == 0) return press()->compress(no_attn);
+  if (n_full == 0) return press()->kept_positions(no_attn);
   const at::Tensor scores = inner_scores(no_attn, op).sum(1);  // [B, S]
   std::vector<at::Tensor> chunk_scores{scores.narrow(1, 0, n_full * length).view({batch, n_full, length}).mean(-1)};
   if (rest > 0) chunk_scores.push_back(scores.narrow(1, seq - rest, rest).mean(-1, true));
@@ -30,7 +30,7 @@ KV ChunkKVPress::compress(const LayerInputs& in) const {
   const at::Tensor pos = at::arange(seq, in.keys.options().dtype(at::kLong));
   const at::Tensor keep = at::isin(pos.div(length, "floor"), chunks.to(pos.device()));
   const at::Tensor kept = pos.masked_select(keep);
-  return ops::gather_kv(in.keys, in.values, kept.view({1, 1, -1}).expand({batch, kv_heads, kept.size(0)}).contiguous());
+  return kept.view({1, 1, -1}).expand({batch, kv_heads, kept.size(0)}).contiguous();
 }
 
 }  // namespace kvpress

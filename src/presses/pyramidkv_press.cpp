@@ -44,15 +44,15 @@ int64_t PyramidKVPress::layer_budget(int64_t seq_len, int64_t layer_idx, int64_t
   return python_round(max_num - static_cast<double>(layer_idx) * steps);
 }
 
-KV PyramidKVPress::compress(const LayerInputs& in) const {
+at::Tensor PyramidKVPress::kept_positions(const LayerInputs& in) const {
   const std::string op = name() + ".compress";
   checks::check_kv(op.c_str(), in.keys, in.values);
   const int64_t seq = in.keys.size(2);
-  if (compression_ratio() == 0.0) return budget::keep_all(in);
+  if (compression_ratio() == 0.0) return budget::keep_all(in).kept_indices;
   const int64_t n = layer_budget(seq, in.layer_idx, in.num_layers);
   const at::Tensor scores = score(in);
   checks::check_finite_scores(op.c_str(), scores);
-  return ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, n));
+  return ops::topk_indices(scores, n);
 }
 
 }  // namespace kvpress

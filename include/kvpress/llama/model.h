@@ -95,6 +95,13 @@ class KVCache {
   // Engine side (LlamaModel calls these; exposed for custom loops and tests).
   void append(int64_t layer, const at::Tensor& keys, const at::Tensor& values);   // [B, Hkv, n, D]
   void replace(int64_t layer, const at::Tensor& keys, const at::Tensor& values);  // e.g. a press's output
+  // Compresses a dense layer inside its own buffers: `press`.compress_in_place() on the stored
+  // tokens (inputs.keys/values are set to keys(layer)/values(layer)), after which the layer holds
+  // the kept tokens at its front and keeps its capacity, so appends fill it before reallocating.
+  // Returns the press's result (views of the layer). A press that raises leaves the layer as it was.
+  // The prefill uses it on layers it filled itself; a copy of the cache made earlier shares the
+  // buffers and would see the move.
+  KV compress_in_place(int64_t layer, const BasePress& press, LayerInputs inputs);
   // Stores the layer head-ragged; later append() calls go to its tail.
   void replace_ragged(int64_t layer, HeadRaggedLayer ragged);
   // Keeps the dense tokens but hides those where keep_mask is false ([B, Hkv, length] bool);
@@ -130,6 +137,11 @@ struct ForwardOptions {
   bool return_attentions = false;
   // Run lm_head on the last position only (kvpress/transformers' logits_to_keep=1).
   bool last_logits_only = false;
+  // Compute every layer's attention eagerly (full scores, float32 softmax, then values), as
+  // transformers' eager path, even where nobody reads the weights. Default: fused attention
+  // (at::scaled_dot_product_attention, transformers' "sdpa") wherever no weights are needed; the
+  // two agree to float rounding (~1e-6), the eager path bit for bit with transformers' eager.
+  bool eager_attention = false;
 
   // kvpress's DecodingPress (a PrefillDecodingPress's decoding part: kvpress::decoding_press_of).
   // In a forward that does not start at position 0, right after each layer's attention,
@@ -167,6 +179,11 @@ struct PrefillOptions : ForwardOptions {
     kMasked,  // the full dense layer with evicted positions masked to -inf (kvpress; the reference)
   };
   RaggedLayout ragged_layout = RaggedLayout::kPacked;
+  // Uniform presses compress each layer inside its own buffer (KVCache::compress_in_place): no
+  // allocation for the kept tokens, peak S tokens per layer instead of S + kept, and the capacity
+  // stays for the tokens decoding appends. false: the layer is replaced by a copy of the kept tokens
+  // (frees the evicted tokens' memory now; the first append then doubles the buffer).
+  bool compress_in_place = true;
   // Called after each head-ragged compression with what the press saw and returned.
   std::function<void(const LayerInputs&, const RaggedKV&)> on_compress_ragged;
   // Called after each layer's compression with what the press saw and returned (tests, analysis).
@@ -283,9 +300,12 @@ class LlamaModel {
                        const RopeTables& rope_tables) const;
   // Causal attention of q [B, Hq, n, D] over a dense layer's keys/values [B, Hkv, L, D] (the last n
   // are the new tokens), hiding positions where keep_mask [B, Hkv, L] (if defined) is false.
-  // -> [B, n, Hq * D]; weights_out: [B, Hq, n, L] in the model dtype.
+  // -> [B, n, Hq * D]. With weights_out, eagerly as transformers' eager path (scores, float32
+  // softmax, values) and *weights_out = the weights [B, Hq, n, L] in the model dtype; without,
+  // fused (at::scaled_dot_product_attention: no L x n matrix), which is what every layer uses
+  // unless someone reads the weights or ForwardOptions::eager_attention is set.
   at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                             const at::Tensor& keep_mask, at::Tensor& weights_out) const;
+                             const at::Tensor& keep_mask, at::Tensor* weights_out) const;
   at::Tensor ragged_attention(const at::Tensor& q, const HeadRaggedLayer& layer) const;  // -> [B, n, Hq * D]
   // What both presses' hooks see of one layer in this forward (all but the attention weights).
   LayerInputs hook_inputs(int64_t layer, const at::Tensor& input_ids, const at::Tensor& h,
@@ -295,7 +315,7 @@ class LlamaModel {
   void check_token_ids(const std::vector<int64_t>& ids, const char* op) const;
   // kvpress's forward hook at prefill: compress the layer, store it dense or head-ragged.
   void compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer, LayerInputs in,
-                           KVCache& cache, ForwardOutput& out) const;
+                           bool in_place, KVCache& cache, ForwardOutput& out) const;
   // kvpress's DecodingPress hook in a decoding forward.
   void compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer, LayerInputs in,
                                int64_t tokens_seen, KVCache& cache) const;

@@ -35,6 +35,23 @@ class BasePress {
   // heads keep different numbers of tokens (head_ragged()) raise here: use compress_ragged().
   virtual KV compress(const LayerInputs& inputs) const = 0;
 
+  // compress() inside the layer's own buffers: each head's kept tokens move to the front of
+  // inputs.keys / inputs.values themselves (positions 0..n_kept-1; what lies after is unspecified
+  // afterwards) and the result's keys/values are views of those fronts. Same kept tokens and
+  // kept_indices as compress(). For a press whose compression is a selection (kept_positions()
+  // defined) no K/V is allocated on CPU (ops::compact_kv_in_place); for the others compress()'s
+  // result is copied into the front. The caller owns the buffers (no one else may read them
+  // meanwhile) and they must have one row per token (stride 1 along D). Head-ragged presses raise,
+  // as compress() does.
+  KV compress_in_place(const LayerInputs& inputs) const;
+
+  // The positions compress() keeps, [B, Hkv, n_kept] int64 ascending per head, without moving a
+  // token: for presses whose compression is a selection of unchanged tokens (every ScorerPress,
+  // BlockPress, ChunkPress, ChunkKVPress, PyramidKVPress). Undefined (the default) for a press that
+  // changes what it keeps (KeyRerotationPress rotates the kept keys, KVComposePress builds composite
+  // tokens) or has not said it selects.
+  virtual at::Tensor kept_positions(const LayerInputs& inputs) const;
+
   // True when KV heads may keep different numbers of tokens (AdaKV, CriticalAdaKV, Compactor
   // across heads, KVCompose unstructured). Engines then store the layer head-ragged
   // (kvpress/cache.h) and call compress_ragged().
@@ -61,6 +78,9 @@ class BasePress {
  protected:
   // What compress() of a head-ragged press does: raises, pointing to compress_ragged().
   [[noreturn]] void refuse_uniform_compress() const;
+  // compress() of a selecting press: the inputs themselves at ratio 0 (kvpress returns the cache
+  // untouched), else the rows kept_positions() names, gathered.
+  KV gather_kept(const LayerInputs& inputs) const;
 };
 
 // A press that scores every cached token and keeps the int(S * (1 - ratio)) best per KV head
@@ -74,6 +94,7 @@ class ScorerPress : public BasePress {
   virtual at::Tensor score(const LayerInputs& inputs) const = 0;
 
   KV compress(const LayerInputs& inputs) const override;
+  at::Tensor kept_positions(const LayerInputs& inputs) const override;  // the n_kept best scores
 
   double compression_ratio() const override { return compression_ratio_; }
   // Not synchronised: no other thread may use the press meanwhile (see the top of this file).

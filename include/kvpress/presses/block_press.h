@@ -21,7 +21,8 @@ class BlockPress : public ScorerWrapperPress {
   explicit BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_size = kDefaultBlockSize);
 
   std::string name() const override { return "BlockPress"; }
-  KV compress(const LayerInputs& inputs) const override;
+  KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }
+  at::Tensor kept_positions(const LayerInputs& inputs) const override;
   int64_t block_size() const { return block_size_; }
 
  private:

@@ -21,7 +21,8 @@ class ChunkPress : public ChunkedWrapperPress {
       : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkPress") {}
 
   std::string name() const override { return "ChunkPress"; }
-  KV compress(const LayerInputs& inputs) const override;
+  KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }
+  at::Tensor kept_positions(const LayerInputs& inputs) const override;
 };
 
 }  // namespace kvpress

@@ -21,7 +21,8 @@ class ChunkKVPress : public ChunkedWrapperPress {
       : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkKVPress") {}
 
   std::string name() const override { return "ChunkKVPress"; }
-  KV compress(const LayerInputs& inputs) const override;
+  KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }
+  at::Tensor kept_positions(const LayerInputs& inputs) const override;
 };
 
 }  // namespace kvpress

@@ -27,7 +27,8 @@ class PyramidKVPress : public SnapKVPress {
   int64_t layer_budget(int64_t seq_len, int64_t layer_idx, int64_t num_layers) const;
 
   // SnapKV scores, the top layer_budget(S, inputs.layer_idx, inputs.num_layers) per head.
-  KV compress(const LayerInputs& inputs) const override;
+  KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }
+  at::Tensor kept_positions(const LayerInputs& inputs) const override;
 
  private:
   int64_t beta_;

@@ -108,6 +108,9 @@ class QSMPress : public ScorerPress {
 
   // Top kept_count(S) per head of score(); values merged when the merge is on.
   KV compress(const LayerInputs& inputs) const override;
+  // Undefined: the merge changes the kept values, and CTRPress rescues tokens after the selection
+  // (compress_in_place copies compress()'s result).
+  at::Tensor kept_positions(const LayerInputs&) const override { return at::Tensor(); }
 
   // The stage-I merge weight of every position given this head's kept positions (kept ones: 0):
   // kUniform 1; kScore (clip(s / tau, 0, 1), 0 below merge_min_score_ratio) ^ merge_score_power
