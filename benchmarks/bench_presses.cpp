@@ -14,15 +14,19 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kvpress/kvpress.h"
+#include "press_work.h"
 
 namespace {
 
@@ -152,6 +156,38 @@ void finish(benchmark::State& state, int64_t S, int64_t bytes_per_iter) {
   state.SetItemsProcessed(state.iterations() * kBatch * S);
 }
 
+// This machine's copy bandwidth and GEMM rate (press_work.h), measured once per dtype at the first
+// press that needs them, with the benchmarks' thread count.
+struct Rates {
+  double bandwidth, flop_rate;
+};
+const Rates& machine_rates(at::ScalarType dtype) {
+  static std::map<at::ScalarType, Rates> rates;
+  auto it = rates.find(dtype);
+  if (it == rates.end()) {
+    const int64_t kv_bytes = kBatch * kKVHeads * kSeqLens[0] * kHeadDim * at::elementSize(dtype);
+    it = rates.emplace(dtype, Rates{kvpress_bench::copy_bandwidth(kv_bytes), kvpress_bench::gemm_rate(dtype)}).first;
+  }
+  return it->second;
+}
+
+// With a floor model (press_work.h, CPU): bytes/s counts the bytes that must move and
+// floor_fraction is the floor over the time per call (1 = at the physical limit); x_floor is its
+// inverse. Without one, bytes/s counts the inputs read.
+void finish_press(benchmark::State& state, const std::string& name, int64_t S, at::ScalarType dtype,
+                  int64_t input_bytes, double seconds) {
+  const kvpress_bench::LayerShape shape{kBatch, kQHeads, kKVHeads, kHeadDim, S, at::elementSize(dtype), kWindow};
+  const auto work =
+      g_device.is_cpu() ? kvpress_bench::press_work(name, shape, kvpress::ops::n_kept(S, kRatio)) : std::nullopt;
+  if (!work) return finish(state, S, input_bytes);
+  finish(state, S, static_cast<int64_t>(work->bytes));
+  const Rates& rates = machine_rates(dtype);
+  const double floor = kvpress_bench::floor_seconds(*work, rates.bandwidth, rates.flop_rate);
+  const double per_call = seconds / static_cast<double>(std::max<benchmark::IterationCount>(state.iterations(), 1));
+  state.counters["floor_fraction"] = floor / per_call;
+  state.counters["x_floor"] = per_call / floor;
+}
+
 void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S, at::ScalarType dtype) {
   ShapeData& d = shape_data(S, dtype);
   std::unique_ptr<kvpress::BasePress> press;
@@ -207,6 +243,7 @@ void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S
   }
   sync();
 
+  const auto start = std::chrono::steady_clock::now();  // the loop's wall time, for the floor counters
   for (auto _ : state) {
     try {
       kvpress::KV kv = press->compress(in);
@@ -217,7 +254,8 @@ void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S
       break;
     }
   }
-  if (!state.error_occurred()) finish(state, S, bytes);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!state.error_occurred()) finish_press(state, name, S, dtype, bytes, seconds);
 }
 
 void bench_selection_gather(benchmark::State& state, int64_t S, at::ScalarType dtype) {

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -57,8 +58,6 @@ ALL_PRESSES = [
 PROJECTION_PRESSES = ["SnapKVPress", "TOVAPress", "LeverageScorePress", "NonCausalAttnPress", "CompactorPress"]
 RANDOMISED = {"RandomPress", "LeverageScorePress", "CompactorPress"}  # no agreement check
 WINDOW = 64  # SnapKVPress's default window_size
-CHUNK = 256  # NonCausalAttnPress's and CompactorPress's default chunk_size
-SKETCH = 48  # LeverageScorePress's and CompactorPress's default sketch_dimension
 ROPE_THETA = 500000.0  # Llama-3.1
 
 # ----------------------------------------------------------------------------- inputs
@@ -192,64 +191,26 @@ def agreement(press, layer, name, full, ours_kept, ratio):
     return common / total
 
 
-def copy_bandwidth(layer):
-    """Bytes/s of a multithreaded copy (read + write) of at least 256 MiB (past the caches), best of 5."""
-    src = torch.ones(max(layer.keys.nbytes, 256 << 20), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
-
-
-def gemm_rate(dtype):
-    """FLOP/s of a 2048^3 matrix product in `dtype` through this libtorch and thread count, best of 3."""
-    n = 2048
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    torch.mm(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-
-def press_work(name, layer, n_kept):
-    """(bytes that must move, FLOPs that must be done) for press `name` on table (a)'s inputs: what
-    any implementation has to read to score, plus reading and writing the kept K/V rows; the FLOPs of
-    the products the method defines (elementwise work and exponentials are not counted).
-    docs/PERFORMANCE.md explains each line."""
-    B, Hq, Hkv, D, S = layer.B, layer.Hq, layer.Hkv, layer.D, layer.S
-    e = layer.keys.element_size()
-    kv = B * Hkv * S * D * e  # bytes of K (or of V)
-    gather = 2 * 2 * kv * n_kept / S  # read and write the kept rows of K and V
-    rope_tables = 2 * S * D * e  # cos, sin
-    leverage = 2 * B * Hkv * S * (D * SKETCH + 2 * SKETCH ** 2)  # K Phi, X^T X, G^-1 X^T, row dots
-    chunked_attention = 2 * B * Hq * S * CHUNK * D  # q k^T within each chunk of CHUNK queries and keys
-    work = {
-        "RandomPress": (0, 0),
-        "KnormPress": (kv, 2 * B * Hkv * S * D),
-        "StreamingLLMPress": (0, 0),
-        "KeyDiffPress": (2 * kv, 4 * B * Hkv * S * D),  # the mean key needs every key before any score
-        "LagKVPress": (2 * kv, 4 * B * Hkv * S * D),
-        "SnapKVPress": (kv + B * Hq * WINDOW * D * e, 2 * B * Hq * WINDOW * S * D),
-        "TOVAPress": (kv + B * Hq * D * e, 2 * B * Hq * S * D),
-        "ObservedAttentionPress": (B * Hq * S * S * e, B * Hq * S * S),
-        "LeverageScorePress": (kv + rope_tables, leverage),
-        "NonCausalAttnPress": (B * Hq * S * D * e + 2 * kv, chunked_attention),  # queries, K, ||v||
-        "CompactorPress": (B * Hq * S * D * e + 2 * kv + rope_tables, chunked_attention + leverage),
-    }
-    score_bytes, flops = work[name]
-    return score_bytes + gather, flops
+def floor_model(layer, n_kept, lib):
+    """(copy bandwidth B/s, GEMM rate FLOP/s, {press: (bytes that must move, FLOPs)}) from
+    kvpress_press_work, built next to the library: benchmarks/press_work.h is the one definition of
+    each press's work (kvpress_bench reports the same floors); the rates are measured by it now, at
+    this process's thread count. docs/PERFORMANCE.md explains each press's line."""
+    tool = os.path.join(os.path.dirname(os.path.abspath(lib)), "benchmarks", "kvpress_press_work")
+    if not os.path.exists(tool):
+        sys.exit(f"compare_kvpress: {tool} not found (build the project's benchmarks)")
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[layer.dtype]
+    cmd = [tool, "--batch", layer.B, "--q-heads", layer.Hq, "--kv-heads", layer.Hkv, "--head-dim", layer.D,
+           "--seq", layer.S, "--dtype", dtype, "--n-kept", n_kept, "--threads", torch.get_num_threads()]
+    out = json.loads(subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout)
+    work = {name: (w["bytes"], w["flops"]) for name, w in out["presses"].items()}
+    return out["copy_bandwidth"], out["gemm_rate"], work
 
 
 def run_table(title, presses, layer, args, full, kvpress_mod):
     rows = []
     n_kept = torch.ops.kvpress.n_kept(layer.S, args.ratio)
-    bw, rate = copy_bandwidth(layer), gemm_rate(layer.dtype)
+    bw, rate, work = floor_model(layer, n_kept, args.lib)
     print(f"  copy bandwidth {bw / 1e9:.1f} GB/s, GEMM rate {rate / 1e9:.1f} GFLOP/s ({layer.dtype}, "
           f"{torch.get_num_threads()} threads)", flush=True)
     for name in presses:
@@ -272,7 +233,7 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
         agree = None if args.no_check else agreement(press, layer, name, full, our_fn()[2], args.ratio)
         floor = bound = None
         if not full:  # table (b) adds the projections, whose floor is not modelled
-            moved, flops = press_work(name, layer, n_kept)
+            moved, flops = work[name]
             floor, bound = max(moved / bw, flops / rate), "memory" if moved / bw >= flops / rate else "compute"
         rows.append(dict(press=name, kv=t_kv, ours=t_ours, speedup=t_kv / t_ours, agree=agree, floor=floor,
                          bound=bound))
@@ -373,7 +334,7 @@ def main():
         sys.exit(f"compare_kvpress: --seq must exceed {WINDOW + 16} (SnapKVPress's window)")
 
     torch.set_num_threads(args.threads)
-    lib = find_library(args.lib)
+    lib = args.lib = find_library(args.lib)
     torch.ops.load_library(lib)
     import kvpress as kvpress_mod  # after torch, as in kvpress's own use
 

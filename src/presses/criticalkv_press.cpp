@@ -60,7 +60,8 @@ at::Tensor CriticalKVPress::output_projected_value_norms(const LayerInputs& in, 
     for (int64_t start = 0; start < seq; start += block) {
       const int64_t n = std::min(block, seq - start);
       const at::Tensor prod = at::matmul(v.narrow(1, start, n), w).view({batch, n, groups, hidden});
-      blocks.push_back(prod.abs().sum(-1).mean(-1));  // L1 over hidden, mean over the group: [B, n]
+      // L1 over hidden in one reduction (no |prod| temporary), mean over the group: [B, n].
+      blocks.push_back(at::linalg_vector_norm(prod, 1, {-1}).mean(-1));
     }
     per_head.push_back(at::cat(blocks, 1));
   }

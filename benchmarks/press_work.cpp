@@ -1,0 +1,65 @@
+// kvpress_press_work: the floor model of benchmarks/press_work.h as JSON, for
+// benchmarks/compare_kvpress.py (so the script and kvpress_bench use one definition):
+//
+//   kvpress_press_work --batch 1 --q-heads 32 --kv-heads 8 --head-dim 128 --seq 16384 --dtype float32
+//                      --n-kept 8192 [--threads 2]
+//   {"copy_bandwidth": B/s, "gemm_rate": FLOP/s, "presses": {"KnormPress": {"bytes": ..., "flops": ...}, ...}}
+//
+// The rates are measured here, at --threads intra-op threads, right when the script asks.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <nlohmann/json.hpp>
+
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "kvpress/ops.h"
+#include "kvpress/registry.h"
+#include "press_work.h"
+
+namespace {
+
+int run(int argc, char** argv) {
+  std::map<std::string, std::string> options{{"--batch", "1"},      {"--q-heads", "32"}, {"--kv-heads", "8"},
+                                             {"--head-dim", "128"}, {"--seq", "16384"},  {"--dtype", "float32"},
+                                             {"--n-kept", "-1"},    {"--threads", "0"}};
+  for (int i = 1; i < argc; i += 2) {
+    const std::string option = argv[i];
+    TORCH_CHECK(options.count(option), "kvpress_press_work: unknown option ", option);
+    TORCH_CHECK(i + 1 < argc, "kvpress_press_work: ", option, " needs a value");
+    options[option] = argv[i + 1];
+  }
+  const auto integer = [&](const char* option) { return std::stoll(options.at(option)); };
+  const std::string dtype_name = options.at("--dtype");
+  TORCH_CHECK(dtype_name == "float32" || dtype_name == "bfloat16", "kvpress_press_work: --dtype must be float32 or ",
+              "bfloat16, got ", dtype_name);
+  const at::ScalarType dtype = dtype_name == "float32" ? at::kFloat : at::kBFloat16;
+  if (integer("--threads") > 0) at::set_num_threads(static_cast<int>(integer("--threads")));
+  kvpress_bench::LayerShape shape{integer("--batch"),    integer("--q-heads"), integer("--kv-heads"),
+                                  integer("--head-dim"), integer("--seq"),     dtype == at::kFloat ? 4 : 2};
+  const int64_t n_kept = integer("--n-kept") >= 0 ? integer("--n-kept") : kvpress::ops::n_kept(shape.seq, 0.5);
+  nlohmann::json presses = nlohmann::json::object();
+  for (const kvpress::PressInfo& info : kvpress::list_presses())
+    if (const auto work = kvpress_bench::press_work(info.name, shape, n_kept))
+      presses[info.name] = {{"bytes", work->bytes}, {"flops", work->flops}};
+  const int64_t kv_bytes = shape.batch * shape.kv_heads * shape.seq * shape.head_dim * shape.element_size;
+  const nlohmann::json out{{"copy_bandwidth", kvpress_bench::copy_bandwidth(kv_bytes)},
+                           {"gemm_rate", kvpress_bench::gemm_rate(dtype)},
+                           {"presses", presses}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  }
+}
