@@ -49,24 +49,26 @@ class TimedPress final : public kvpress::BasePress {
   explicit TimedPress(const kvpress::BasePress& inner) : inner_(inner) {}
   std::string name() const override { return inner_.name(); }
   kvpress::KV compress(const kvpress::LayerInputs& inputs) const override {
-    const auto start = Clock::now();
-    kvpress::KV kv = inner_.compress(inputs);
-    seconds_ += seconds_since(start);
-    return kv;
+    return timed([&] { return inner_.compress(inputs); });
   }
   bool head_ragged() const override { return inner_.head_ragged(); }
   at::Tensor keep_mask(const kvpress::LayerInputs& inputs) const override { return inner_.keep_mask(inputs); }
   kvpress::RaggedKV compress_ragged(const kvpress::LayerInputs& inputs) const override {
-    const auto start = Clock::now();
-    kvpress::RaggedKV kv = inner_.compress_ragged(inputs);
-    seconds_ += seconds_since(start);
-    return kv;
+    return timed([&] { return inner_.compress_ragged(inputs); });
   }
   bool rerotates_keys() const override { return inner_.rerotates_keys(); }
   double compression_ratio() const override { return inner_.compression_ratio(); }
   double seconds() const { return seconds_; }
 
  private:
+  template <typename Fn>
+  auto timed(Fn&& fn) const -> decltype(fn()) {
+    const auto start = Clock::now();
+    auto result = fn();
+    seconds_ += seconds_since(start);
+    return result;
+  }
+
   const kvpress::BasePress& inner_;
   mutable double seconds_ = 0.0;  // one thread at a time, as every press
 };
