@@ -53,6 +53,15 @@ inline void check_gather(const char* op, const at::Tensor& keys, const at::Tenso
   check_same_device(op, "indices", indices, "keys", keys);
 }
 
+// Raises for indices outside [0, seq_len) when there are any (a kernel found one), naming the range.
+inline void check_index_range(const char* op, const at::Tensor& indices, int64_t seq_len) {
+  if (indices.numel() == 0) return;
+  const int64_t lo = indices.min().item<int64_t>();
+  const int64_t hi = indices.max().item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < seq_len, op, ": indices must be in [0, seq_len (", seq_len, ")), got values in [", lo,
+              ", ", hi, "]");
+}
+
 // compact_kv_in_place: gather_kv's arguments, a unit stride along D, and indices strictly ascending
 // per head within [0, S) (checked on the indices' device before anything moves).
 inline void check_compact(const char* op, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& indices) {
@@ -68,23 +77,11 @@ inline void check_compact(const char* op, const at::Tensor& keys, const at::Tens
               op, ": keys and values must be writable tensors that share no memory (no expanded views)");
   TORCH_CHECK(indices.size(2) <= keys.size(2), op, ": indices must keep at most seq_len (", keys.size(2),
               ") positions per head, got ", indices.size(2));
-  if (indices.numel() == 0) return;
-  const int64_t lo = indices.min().item<int64_t>(), hi = indices.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < keys.size(2), op, ": indices must be in [0, seq_len (", keys.size(2),
-              ")), got values in [", lo, ", ", hi, "]");
+  check_index_range(op, indices, keys.size(2));
   if (indices.size(2) > 1) {
     const at::Tensor steps = indices.narrow(2, 1, indices.size(2) - 1) - indices.narrow(2, 0, indices.size(2) - 1);
     TORCH_CHECK(steps.min().item<int64_t>() > 0, op, ": indices must be strictly ascending per head");
   }
-}
-
-// Raises for indices outside [0, seq_len) when there are any (a kernel found one), naming the range.
-inline void check_index_range(const char* op, const at::Tensor& indices, int64_t seq_len) {
-  if (indices.numel() == 0) return;
-  const int64_t lo = indices.min().item<int64_t>();
-  const int64_t hi = indices.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < seq_len, op, ": indices must be in [0, seq_len (", seq_len, ")), got values in [", lo,
-              ", ", hi, "]");
 }
 
 // window_attention / window_attention_mean: queries [B, Hq, w, D] post-RoPE, keys [B, Hkv, S, D],
