@@ -2,6 +2,7 @@
 // (src/kernel_ops.h), which follow kvpress's formulas op by op, and the dispatch rule: an op on a
 // device without a kernel takes its composite.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 
@@ -9,6 +10,8 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "kernel_ops.h"
 #include "kvpress/ops.h"
@@ -78,6 +81,22 @@ TEST(KernelOps, RaggedAttentionKernelMatchesTheComposite) {
       const at::Tensor composite = ops::composite::ragged_attention(q, pk, pv, offsets, tk, tv, std::nullopt);
       const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
       EXPECT_TRUE(at::allclose(kernel.to(at::kFloat), composite.to(at::kFloat), tol, tol)) << dtype << " n " << n;
+    }
+  }
+}
+
+// The kernel's inner loops take the query heads of a group in tiles of up to four and the head
+// dimension in vectors of 64 and 16 floats with a scalar tail: every combination against the composite.
+TEST(KernelOps, RaggedAttentionCoversEveryGroupTileAndHeadDim) {
+  const at::Tensor offsets = at::tensor({0, 70, 75}, at::kLong);
+  for (int64_t groups : {1, 2, 3, 4, 5, 8}) {
+    for (int64_t dim : {8, 16, 40, 64, 72, 80, 136}) {
+      const at::Tensor pk = randn({75, dim}, 20), pv = randn({75, dim}, 21);
+      const at::Tensor tk = randn({1, 2, 2, dim}, 22), tv = randn({1, 2, 2, dim}, 23);
+      const at::Tensor q = randn({1, 2 * groups, 2, dim}, 24);
+      const at::Tensor kernel = ops::ragged_attention(q, pk, pv, offsets, tk, tv);
+      const at::Tensor composite = ops::composite::ragged_attention(q, pk, pv, offsets, tk, tv, std::nullopt);
+      EXPECT_TRUE(at::allclose(kernel, composite, 1e-5, 1e-5)) << "groups " << groups << " dim " << dim;
     }
   }
 }
@@ -215,6 +234,89 @@ TEST(LagKVKernel, RejectsShortSequences) {
   for (const auto& run : {std::function<void()>([&] { kernel.call(k, k, 4, 16, false); }),
                           std::function<void()>([&] { ops::composite::lagkv_partition_scores(k, k, 4, 16, false); })}) {
     expect_error(run, {"lagkv_partition_scores: seq_len must be >= n_sink + 2 * lag_size (36), got 20"});
+  }
+}
+
+// ---- the kernels' parallel loops -----------------------------------------------------------
+
+// Sets libtorch's intra-op thread count for a scope (the test processes run with one).
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int threads) : previous_(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~IntraOpThreads() { at::set_num_threads(previous_); }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  int previous_;
+};
+
+// Every CPU kernel with a parallel loop (rows, heads, runs or key chunks split among the intra-op
+// threads) gives on four threads what it gives on one. The inputs are larger than every loop's
+// grain size, so the four-thread run really splits the work. Attention merges key chunks whose
+// number depends on the thread count, so it is compared within float32 rounding; the rest must be
+// equal.
+TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
+  const at::Tensor keys = randn({2, 4, 1500, 64}, 40), values = randn({2, 4, 1500, 64}, 41);
+  const at::Tensor scores = randn({2, 4, 1500}, 42);
+  const at::Tensor window = randn({2, 8, 16, 64}, 43);
+  const at::Tensor queries = randn({2, 8, 1, 64}, 44);
+  // Head-ragged storage: 2 x 4 heads keeping 0 .. 1400 packed tokens, 3 tail tokens.
+  const at::Tensor offsets = at::tensor({0, 0, 1, 200, 900, 2300, 2301, 2400, 2460}, at::kLong);
+  const at::Tensor packed_k = randn({2460, 64}, 45), packed_v = randn({2460, 64}, 46);
+  const at::Tensor tail_k = randn({2, 4, 3, 64}, 47), tail_v = randn({2, 4, 3, 64}, 48);
+  // A paged layout: every head's tokens in pages of 16 taken from a shuffled pool.
+  const int64_t page = 16, pages_per_head = 1500 / page;
+  const at::Tensor page_table = at::randperm(8 * pages_per_head, at::kLong).view({2, 4, pages_per_head});
+  const at::Tensor lengths = at::full({2, 4}, pages_per_head * page, at::kLong);
+  const at::Tensor key_pool = randn({8 * pages_per_head, page, 64}, 49);
+  const at::Tensor value_pool = randn({8 * pages_per_head, page, 64}, 50);
+  const at::Tensor rows = randn({3000, 64}, 51),
+                   slots = at::randperm(8 * pages_per_head * page, at::kLong).narrow(0, 0, 3000);
+
+  const auto run_all = [&] {
+    std::vector<at::Tensor> out;
+    out.push_back(ops::key_norm_scores(keys));
+    out.push_back(ops::keydiff_scores(keys));
+    out.push_back(ops::lagkv_scores(keys, values, 4, 16, true));
+    const at::Tensor kept = ops::topk_indices(scores, 700);
+    out.push_back(kept);
+    const KV gathered = ops::gather_kv(keys, values, kept);
+    out.push_back(gathered.keys);
+    out.push_back(gathered.values);
+    at::Tensor k = keys.clone(), v = values.clone();
+    const KV compacted = ops::compact_kv_in_place(k, v, kept);
+    out.push_back(compacted.keys.clone());
+    out.push_back(compacted.values.clone());
+    out.push_back(ops::window_attention_mean(window, keys));
+    out.push_back(ops::ragged_attention(queries, packed_k, packed_v, offsets, tail_k, tail_v));
+    out.push_back(ops::paged_attention(queries, key_pool, value_pool, page_table, lengths));
+    at::Tensor kp = key_pool.clone(), vp = value_pool.clone();
+    ops::paged_write(kp, vp, rows, rows * 2, slots);
+    out.push_back(kp);
+    out.push_back(vp);
+    return out;
+  };
+  std::vector<at::Tensor> one, four;
+  {
+    IntraOpThreads threads(1);
+    one = run_all();
+  }
+  {
+    IntraOpThreads threads(4);
+    ASSERT_EQ(at::get_num_threads(), 4);
+    four = run_all();
+  }
+  const std::vector<std::string> names = {
+      "key_norm_scores",  "keydiff_scores",   "lagkv_scores",      "topk_indices",          "gather_kv keys",
+      "gather_kv values", "compact keys",     "compact values",    "window_attention_mean", "ragged_attention",
+      "paged_attention",  "paged_write keys", "paged_write values"};
+  ASSERT_EQ(one.size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == "ragged_attention" || names[i] == "paged_attention")
+      EXPECT_TRUE(at::allclose(one[i], four[i], 1e-5, 1e-6)) << names[i];
+    else
+      EXPECT_TRUE(at::equal(one[i], four[i])) << names[i];
   }
 }
 

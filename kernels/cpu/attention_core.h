@@ -4,9 +4,9 @@
 // Work unit = (batch row, KV head, new token): the G = Hq / Hkv query heads of the group are handled
 // together so each key and value row is read (and converted to float32) once per group instead of
 // once per query head. Keys are visited in blocks of kAttentionBlock; the softmax is online (running
-// max and sum per query head, the accumulator rescaled once per block), all in float32. With fewer
-// units than 4 x threads (decoding), each unit's keys are split into chunks attended in parallel and
-// merged afterwards (flash-decoding), so one long head does not serialise the call.
+// max and sum per query head, the accumulator rescaled once per block), all in float32. Every thread
+// gets an equal share of all units' keys (run_attention); a unit shared by two threads is attended
+// in pieces merged afterwards (flash-decoding), so one long head does not serialise the call.
 //
 // A kernel describes where its rows are with a Layout:
 //   int64_t units, groups, dim;  float scale;
@@ -57,6 +57,23 @@ struct Partial {
   float* acc;  // [G, D]
 };
 
+// Asks for the key and value rows of the next block while this one is computed: the rows of a
+// unit are scattered (pages, per-head lists), and the hardware prefetcher alone leaves the loops
+// waiting on memory.
+template <typename Layout>
+inline void prefetch_block(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end) {
+  const int64_t len = std::min(kAttentionBlock, j_end - j_begin);
+  const int64_t row_bytes = l.dim * static_cast<int64_t>(sizeof(*l.key(unit, j_begin)));
+  for (int64_t j = 0; j < len; ++j) {
+    const char* k = reinterpret_cast<const char*>(l.key(unit, j_begin + j));
+    const char* v = reinterpret_cast<const char*>(l.value(unit, j_begin + j));
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
+  }
+}
+
 // Attends `unit` over its visible keys [j_begin, j_end) into `part`. `qf` ([G, D]), `scores`
 // ([G, kAttentionBlock]) and `row_buffer` ([kAttentionBlock, D]: rows converted to float32) are
 // scratch.
@@ -76,6 +93,7 @@ void attend(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end, Parti
     const float* rows[kAttentionBlock];
     // Scores of the block for every query head of the group.
     for (int64_t j = 0; j < len; ++j) rows[j] = as_float<scalar_t>(l.key(unit, j0 + j), row_buffer + j * dim, dim);
+    prefetch_block(l, unit, j0 + len, j_end);
     block_scores(qf, rows, len, groups, dim, scores);
     // Online softmax: rescale what was accumulated when the running max grows.
     for (int64_t g = 0; g < groups; ++g) {
@@ -120,73 +138,80 @@ void write(const Layout& l, int64_t unit, const Partial* parts, int64_t n_parts)
   }
 }
 
-// Every unit of the layout, in parallel.
+// Every unit of the layout, in parallel. The keys of all units, concatenated, are cut into one
+// equal span per thread, so units of very different lengths (per-head budgets, a mixed-length
+// batch) and a few long units (decoding one sequence) are balanced alike. A unit cut by a span
+// boundary is attended in pieces whose partial softmaxes are merged afterwards (flash-decoding);
+// every other unit is normalised and written by the thread that attends it.
 template <typename scalar_t, typename Layout>
 void run_attention(const Layout& l) {
   const int64_t units = l.units, groups = l.groups, dim = l.dim;
   const size_t state = static_cast<size_t>(groups * (dim + 2));  // max, sum, acc of one partial
   const size_t scratch = static_cast<size_t>(groups * dim + groups * kAttentionBlock + kAttentionBlock * dim);
 
-  // Decoding has few units (B * Hkv) of very different lengths (per-head budgets): split every
-  // unit's keys into chunks of about total / (4 * threads) keys, each attended separately, then
-  // merge the partials. With enough units, each unit is one piece of work.
-  const int64_t threads = at::get_num_threads();
-  int64_t chunk = std::numeric_limits<int64_t>::max();
-  if (units < 4 * threads) {
-    int64_t total = 0;
-    for (int64_t u = 0; u < units; ++u) total += l.n_visible(u);
-    chunk = std::max<int64_t>(4 * kAttentionBlock, (total + 4 * threads - 1) / (4 * threads));
-  }
-  std::vector<int64_t> first_piece(static_cast<size_t>(units + 1), 0);  // pieces of unit u: [first[u], first[u+1])
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t pieces = chunk == std::numeric_limits<int64_t>::max() ? 1 : (l.n_visible(u) + chunk - 1) / chunk;
-    first_piece[static_cast<size_t>(u + 1)] = first_piece[static_cast<size_t>(u)] + std::max<int64_t>(1, pieces);
-  }
-  const int64_t n_pieces = first_piece.back();
-
-  if (n_pieces == units) {  // one piece per unit: normalise and write directly
-    at::parallel_for(0, units, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(state + scratch);
-      float* st = buf.data();
-      const Partial part{st, st + groups, st + 2 * groups};
-      float* qf = st + state;
-      for (int64_t u = begin; u < end; ++u) {
-        attend<scalar_t>(l, u, 0, l.n_visible(u), part, qf, qf + groups * dim,
-                         qf + groups * dim + groups * kAttentionBlock);
-        write<scalar_t>(l, u, &part, 1);
-      }
-    });
-    return;
-  }
-  std::vector<float> partials(static_cast<size_t>(n_pieces) * state);
-  std::vector<int64_t> piece_unit(static_cast<size_t>(n_pieces));
+  std::vector<int64_t> first_key(static_cast<size_t>(units + 1), 0);  // unit u: keys [first[u], first[u+1])
   for (int64_t u = 0; u < units; ++u)
-    for (int64_t p = first_piece[static_cast<size_t>(u)]; p < first_piece[static_cast<size_t>(u + 1)]; ++p)
-      piece_unit[static_cast<size_t>(p)] = u;
-  const auto partial_at = [&](int64_t p) {
-    float* st = partials.data() + static_cast<size_t>(p) * state;
+    first_key[static_cast<size_t>(u + 1)] = first_key[static_cast<size_t>(u)] + l.n_visible(u);
+  const int64_t total = first_key.back();
+  // At least 4 blocks per span: below that, splitting costs more than it saves.
+  const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / (4 * kAttentionBlock)));
+
+  struct Piece {
+    int64_t unit, j_begin, j_end;
+    int64_t partial;  // its slot in `partials`, or -1 when the piece is the whole unit
+  };
+  std::vector<Piece> pieces;
+  std::vector<size_t> span_first(static_cast<size_t>(spans + 1), 0);  // pieces of span s: [first[s], first[s+1])
+  std::vector<std::vector<int64_t>> unit_partials;                    // (unit, its partial slots) of every cut unit
+  std::vector<int64_t> cut_units;
+  int64_t n_partials = 0;
+  int64_t u = 0;
+  for (int64_t s = 0; s < spans; ++s) {
+    const int64_t lo = total * s / spans, hi = total * (s + 1) / spans;
+    while (u < units && first_key[static_cast<size_t>(u + 1)] <= lo) ++u;
+    for (int64_t v = u; v < units && first_key[static_cast<size_t>(v)] < hi; ++v) {
+      const int64_t begin = first_key[static_cast<size_t>(v)], end = first_key[static_cast<size_t>(v + 1)];
+      const int64_t j_begin = std::max(lo, begin) - begin, j_end = std::min(hi, end) - begin;
+      if (j_end <= j_begin) continue;
+      int64_t partial = -1;
+      if (j_begin > 0 || j_end < end - begin) {  // cut: its partial is merged later
+        if (cut_units.empty() || cut_units.back() != v) {
+          cut_units.push_back(v);
+          unit_partials.emplace_back();
+        }
+        unit_partials.back().push_back(partial = n_partials++);
+      }
+      pieces.push_back(Piece{v, j_begin, j_end, partial});
+    }
+    span_first[static_cast<size_t>(s + 1)] = pieces.size();
+  }
+
+  std::vector<float> partials(static_cast<size_t>(n_partials) * state);
+  const auto partial_at = [&](int64_t slot) {
+    float* st = partials.data() + static_cast<size_t>(slot) * state;
     return Partial{st, st + groups, st + 2 * groups};
   };
-  at::parallel_for(0, n_pieces, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(scratch);
-    float* qf = buf.data();
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t u = piece_unit[static_cast<size_t>(p)];
-      const int64_t j_begin = (p - first_piece[static_cast<size_t>(u)]) * chunk;
-      const int64_t j_end = std::min(j_begin + chunk, l.n_visible(u));
-      attend<scalar_t>(l, u, j_begin, j_end, partial_at(p), qf, qf + groups * dim,
-                       qf + groups * dim + groups * kAttentionBlock);
+  at::parallel_for(0, spans, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(state + scratch);
+    const Partial own{buf.data(), buf.data() + groups, buf.data() + 2 * groups};
+    float* qf = buf.data() + state;
+    for (int64_t s = begin; s < end; ++s) {
+      for (size_t p = span_first[static_cast<size_t>(s)]; p < span_first[static_cast<size_t>(s + 1)]; ++p) {
+        const Piece& piece = pieces[p];
+        const Partial part = piece.partial < 0 ? own : partial_at(piece.partial);
+        attend<scalar_t>(l, piece.unit, piece.j_begin, piece.j_end, part, qf, qf + groups * dim,
+                         qf + groups * dim + groups * kAttentionBlock);
+        if (piece.partial < 0) write<scalar_t>(l, piece.unit, &part, 1);
+      }
     }
   });
-  at::parallel_for(0, units, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
-    std::vector<Partial> parts;
-    for (int64_t u = begin; u < end; ++u) {
-      parts.clear();
-      for (int64_t p = first_piece[static_cast<size_t>(u)]; p < first_piece[static_cast<size_t>(u + 1)]; ++p)
-        parts.push_back(partial_at(p));
-      write<scalar_t>(l, u, parts.data(), static_cast<int64_t>(parts.size()));
-    }
-  });
+  // At most spans - 1 units are cut: merging them is cheap and serial.
+  std::vector<Partial> parts;
+  for (size_t c = 0; c < cut_units.size(); ++c) {
+    parts.clear();
+    for (int64_t slot : unit_partials[c]) parts.push_back(partial_at(slot));
+    write<scalar_t>(l, cut_units[c], parts.data(), static_cast<int64_t>(parts.size()));
+  }
 }
 
 }  // namespace kvpress::kernels
