@@ -77,16 +77,19 @@ at::Tensor centred_sketch(const at::Tensor& keys, const at::Tensor& sketch) {
 }
 
 // ℓ_i = x_iᵀ (G + λI)⁻¹ x_i with G = sym(XᵀX), by Cholesky (jitter shared by the whole batch, as
-// kvpress), clamped at 0. The solve runs one head at a time so its [S, k] temporaries stay per head.
+// kvpress), clamped at 0. With G + λI = L Lᵀ, ℓ_i = ||L⁻¹ x_i||²: the k x k inverse of the factor
+// is one small triangular solve, and L⁻¹ applied to every row is a GEMM (kvpress's cholesky_solve
+// does two triangular solves against all S rows, several times slower on the CPU).
 at::Tensor ridge_leverage_impl(const at::Tensor& x, const char* op) {  // [B, H, S, k] float32
   const at::Tensor gram = at::matmul(x.transpose(2, 3), x);
   const at::Tensor factor = cholesky_with_jitter((gram + gram.transpose(2, 3)) * 0.5, op);
+  const at::Tensor eye = at::eye(factor.size(-1), factor.options()).expand_as(factor);
+  const at::Tensor inverse = at::linalg_solve_triangular(factor, eye, /*upper=*/false);  // [B, H, k, k]
   at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  // One head at a time so the [S, k] product stays per head.
   for (int64_t h = 0; h < x.size(1); ++h) {
-    const at::Tensor xh = x.narrow(1, h, 1);
-    // (G + λI)⁻¹ Xᵀ without forming the inverse; ℓ_i = <x_i, ((G + λI)⁻¹ Xᵀ)_i>.
-    const at::Tensor solved = at::cholesky_solve(xh.transpose(2, 3), factor.narrow(1, h, 1), /*upper=*/false);
-    out.narrow(1, h, 1).copy_((xh * solved.transpose(2, 3)).sum(-1).clamp_min(0));
+    const at::Tensor y = at::matmul(x.narrow(1, h, 1), inverse.narrow(1, h, 1).transpose(2, 3));  // rows L⁻¹ x_i
+    out.narrow(1, h, 1).copy_(y.square().sum(-1));
   }
   return out;
 }
