@@ -20,6 +20,13 @@ tables too, except LeverageScorePress: given cos/sin our presses get the pre-RoP
 RoPE on the cached keys instead of projecting them (CompactorPress does so in table (b), as it
 needs cos/sin for its queries; kvpress projects K).
 
+Memory: both sides' outputs (the kept K/V, tens of MiB) are fresh allocations. glibc serves large
+ones by mmap and gives them back on free, so each call would page-fault and zero new memory: on the
+development VM that costs ~0.4 ms per MiB (2.5 GB/s), more than most presses' work, and whether a
+call pays it depends on glibc's heuristics, not on the press. Unless --fresh-pages, the script
+re-executes itself with MALLOC_MMAP_MAX_=0 and a high MALLOC_TRIM_THRESHOLD_, so both sides reuse
+freed heap memory, as an engine's caching allocator (or in-place compaction) would.
+
 Inputs are random (timings depend only on shapes). Unless --no-check, each deterministic press's
 kept positions are compared once, untimed, with kvpress's top-k ("agree" = share of positions in
 common).
@@ -323,7 +330,13 @@ def main():
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--fresh-pages", action="store_true",
+                   help="leave glibc's malloc as it is (outputs may page-fault fresh memory on every call)")
     args = p.parse_args()
+    if not args.fresh_pages and "MALLOC_MMAP_MAX_" not in os.environ:
+        # glibc reads these once, at start-up: run this script again with them (see the top).
+        env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     presses = ALL_PRESSES if args.presses == "all" else [x.strip() for x in args.presses.split(",") if x.strip()]
@@ -352,8 +365,9 @@ def main():
     from importlib.metadata import version
 
     print(f"kvpress {version('kvpress')} vs kvpress-cpp ({lib}), torch {torch.__version__}")
+    heap = "fresh pages allowed" if args.fresh_pages else "freed heap memory reused (MALLOC_MMAP_MAX_=0)"
     print(f"shape {shape}; threads {torch.get_num_threads()}; median of {args.repeats} alternating calls "
-          f"after {args.warmup} warm-up")
+          f"after {args.warmup} warm-up; {heap}")
     for s in skipped:
         print(s)
     print(flush=True)

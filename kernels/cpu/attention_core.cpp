@@ -3,54 +3,27 @@
 // Decode attention reads each key and value row once and does G dot products and G axpys with it,
 // so the loops must keep up with memory: the G query heads of the group are taken in tiles of up
 // to four, whose partial sums (scores) or output slices (values) stay in registers while the rows
-// stream past. Written with gcc's generic vector type (16 floats) so that one source serves every
-// clone: one register under AVX-512, two under AVX2, four in the baseline.
+// stream past (vec16.h).
 #include "cpu/attention_core.h"
 
-#include <cstring>
-
+#include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 
 namespace kvpress::kernels {
 namespace {
 
-#if defined(__GNUC__) && !defined(__clang__)
-// The helpers below pass 64-byte vectors by value; they are always inlined into the clones, so the
-// ABI note gcc gives for the baseline (no AVX-512) never applies.
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-#if defined(__GNUC__)
-#define KVPRESS_INLINE inline __attribute__((always_inline))
-#else
-#define KVPRESS_INLINE inline
-#endif
-
-constexpr int64_t kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
-typedef float Quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
-
-KVPRESS_INLINE Vec load(const float* p) {  // unaligned
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-KVPRESS_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-KVPRESS_INLINE Vec broadcast(float x) { return Vec{} + x; }
-
-// Sum of the 16 lanes by halving (a fixed order, so the result does not depend on the clone).
-KVPRESS_INLINE float lane_sum(Vec v) {
-  const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
+using vec16::broadcast;
+using vec16::kLanes;
+using vec16::lane_sum;
+using vec16::load;
+using vec16::store;
+using vec16::Vec;
 
 // scores[t][j] = q[t] . rows[j] for the T query heads of one tile; q [T, D] rows of stride dim,
 // scores rows of stride kAttentionBlock. The key row is loaded once per 16 dims for all T heads.
 template <int T>
-KVPRESS_INLINE void scores_tile(const float* __restrict q, const float* const* rows, int64_t len, int64_t dim,
-                                float* __restrict scores) {
+KVPRESS_VEC_INLINE void scores_tile(const float* __restrict q, const float* const* rows, int64_t len, int64_t dim,
+                                    float* __restrict scores) {
   const int64_t vector_dims = dim / kLanes * kLanes;
   for (int64_t j = 0; j < len; ++j) {
     const float* __restrict k = rows[j];
@@ -71,8 +44,8 @@ KVPRESS_INLINE void scores_tile(const float* __restrict q, const float* const* r
 // acc[t] += sum_j probs[t][j] * rows[j] for the T query heads of one tile; acc [T, D] rows of stride
 // dim. Four vectors (64 dims) of each head's output stay in registers across the block's rows.
 template <int T>
-KVPRESS_INLINE void accumulate_tile(const float* __restrict probs, const float* const* rows, int64_t len, int64_t dim,
-                                    float* __restrict acc) {
+KVPRESS_VEC_INLINE void accumulate_tile(const float* __restrict probs, const float* const* rows, int64_t len,
+                                        int64_t dim, float* __restrict acc) {
   constexpr int64_t kWide = 4 * kLanes;
   int64_t d = 0;
   for (; d + kWide <= dim; d += kWide) {

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/vec16.h"
+#include "cpu/vector_clones.h"
 
 namespace kvpress::kernels {
 namespace {
@@ -27,8 +29,30 @@ struct KeyDiffScratch {
       : anchor_sum(static_cast<size_t>(dim)), anchor(static_cast<size_t>(dim)), norms(static_cast<size_t>(seq)) {}
 };
 
+// One head of float32 keys, with vector dot products (compiled per ISA).
+KVPRESS_VECTOR_CLONES
+void keydiff_head_f32(const float* keys, int64_t seq, int64_t dim, float* out, double* anchor_sum, float* anchor,
+                      float* norms) {
+  std::fill(anchor_sum, anchor_sum + dim, 0.0);
+  for (int64_t s = 0; s < seq; ++s) {
+    const float* k = keys + s * dim;
+    const float norm = std::sqrt(vec16::dot(k, k, dim));
+    norms[s] = norm;
+    const float inv = 1.f / std::max(norm, 1e-12f);
+    for (int64_t d = 0; d < dim; ++d) anchor_sum[d] += static_cast<double>(k[d] * inv);
+  }
+  for (int64_t d = 0; d < dim; ++d) anchor[d] = static_cast<float>(anchor_sum[d] / static_cast<double>(seq));
+  const float anchor_norm = std::max(std::sqrt(vec16::dot(anchor, anchor, dim)), 1e-8f);
+  for (int64_t s = 0; s < seq; ++s)
+    out[s] = -vec16::dot(keys + s * dim, anchor, dim) / (std::max(norms[s], 1e-8f) * anchor_norm);
+}
+
 template <typename scalar_t, typename acc_t>
 void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, KeyDiffScratch<acc_t>& scratch) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    keydiff_head_f32(keys, seq, dim, out, scratch.anchor_sum.data(), scratch.anchor.data(), scratch.norms.data());
+    return;
+  }
   std::vector<double>& sum = scratch.anchor_sum;
   std::vector<acc_t>& anchor = scratch.anchor;
   std::vector<acc_t>& norms = scratch.norms;
