@@ -3,6 +3,7 @@
 // materialising [B, Hq, w, S] or repeated keys. KV heads go through in slabs whose float32 logits
 // take at most 32 MiB (the buffer is reused); per slab:
 //   logits = (q / sqrt(D)) k^T   one batched GEMM, each KV head's query heads stacked as rows
+//                                (up to kFewRows rows per head: vector dot products instead)
 //   causal mask on the last w columns, softmax per row in place (torch's vectorised kernel)
 //   mean over the w rows of each query head, written straight into the output.
 // Each step is one multi-threaded ATen call: BLAS must not run inside an at::parallel_for region
@@ -16,6 +17,8 @@
 #include <cmath>
 #include <limits>
 
+#include "cpu/vec16.h"
+#include "cpu/vector_clones.h"
 #include "kernel_ops.h"
 
 namespace kvpress::kernels {
@@ -23,6 +26,20 @@ namespace {
 
 // Upper bound of one slab's float32 logits; at least one KV head is always taken.
 constexpr int64_t kSlabBytes = int64_t{32} << 20;
+
+// Up to this many logits rows per KV head (group x window: TOVA's last query, small windows), the
+// logits are streaming dot products instead of a GEMM: with a handful of rows a GEMM spends its
+// time packing the keys, while the dot products read each key row once, at memory speed.
+constexpr int64_t kFewRows = 8;
+
+// logits[r][j] = q[r] . k[j] for the rows of one KV head and keys [begin, end); q [rows, dim],
+// k [seq, dim] and logits [rows, seq] contiguous.
+KVPRESS_VECTOR_CLONES
+void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t begin, int64_t end, int64_t dim, int64_t seq,
+                     float* logits) {
+  for (int64_t j = begin; j < end; ++j)
+    for (int64_t r = 0; r < rows; ++r) logits[r * seq + j] = vec16::dot(q + r * dim, k + j * dim, dim);
+}
 
 at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Tensor& keys_in) {
   constexpr const char* op = "window_attention_mean";
@@ -44,9 +61,22 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
       at::Tensor logits = logits_buffer.narrow(0, 0, nh);
       // float32 keys of the slab: a view when the cache is float32, else one converted copy.
       const at::Tensor k = keys_in.select(0, b).narrow(0, h0, nh).to(at::kFloat);  // [nh, S, D]
-      at::bmm_out(logits, queries.select(0, b).narrow(0, h0, nh), k.transpose(1, 2));
-      // Window query i sits at position S - w + i and sees keys 0 .. S - w + i.
+      const at::Tensor q = queries.select(0, b).narrow(0, h0, nh);                 // [nh, rows, D]
       float* lp = logits.data_ptr<float>();
+      if (rows <= kFewRows) {
+        const at::Tensor kc = k.contiguous();
+        const float *kp = kc.data_ptr<float>(), *qp = q.data_ptr<float>();
+        at::parallel_for(0, nh * seq, /*grain_size=*/1024, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end;) {  // (head, key) pairs [begin, end), head by head
+            const int64_t h = i / seq, j0 = i % seq, j1 = std::min(seq, j0 + (end - i));
+            few_rows_logits(qp + h * rows * dim, rows, kp + h * seq * dim, j0, j1, dim, seq, lp + h * rows * seq);
+            i += j1 - j0;
+          }
+        });
+      } else {
+        at::bmm_out(logits, q, k.transpose(1, 2));
+      }
+      // Window query i sits at position S - w + i and sees keys 0 .. S - w + i.
       at::parallel_for(0, nh * rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           const int64_t i = r % window;
