@@ -23,7 +23,7 @@
 namespace kvpress::kernels {
 namespace {
 
-constexpr int64_t kLanes = 16;  // independent partial sums, so the compiler can vectorise reductions
+constexpr int64_t kLanes = 16;        // independent partial sums, so the compiler can vectorise reductions
 constexpr int64_t kPrefetchRows = 8;  // rows ahead that partition_stds asks for
 
 // Sum of the n floats at x with kLanes partial sums.
