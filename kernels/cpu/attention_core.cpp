@@ -6,6 +6,8 @@
 // stream past (vec16.h).
 #include "cpu/attention_core.h"
 
+#include <type_traits>
+
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 
@@ -83,32 +85,38 @@ KVPRESS_VEC_INLINE void accumulate_tile(const float* __restrict probs, const flo
     }
 }
 
-}  // namespace
-
-KVPRESS_VECTOR_CLONES
-void block_scores(const float* __restrict qf, const float* const* rows, int64_t len, int64_t groups, int64_t dim,
-                  float* __restrict scores) {
+// Calls tile(std::integral_constant<int, T>{}, g) for tiles of T <= 4 query heads starting at g
+// that cover the group's heads [0, groups).
+template <typename Tile>
+KVPRESS_VEC_INLINE void for_each_head_tile(int64_t groups, Tile&& tile) {
   int64_t g = 0;
-  for (; g + 4 <= groups; g += 4) scores_tile<4>(qf + g * dim, rows, len, dim, scores + g * kAttentionBlock);
+  for (; g + 4 <= groups; g += 4) tile(std::integral_constant<int, 4>{}, g);
   switch (groups - g) {
-    case 3: scores_tile<3>(qf + g * dim, rows, len, dim, scores + g * kAttentionBlock); break;
-    case 2: scores_tile<2>(qf + g * dim, rows, len, dim, scores + g * kAttentionBlock); break;
-    case 1: scores_tile<1>(qf + g * dim, rows, len, dim, scores + g * kAttentionBlock); break;
+    case 3: tile(std::integral_constant<int, 3>{}, g); break;
+    case 2: tile(std::integral_constant<int, 2>{}, g); break;
+    case 1: tile(std::integral_constant<int, 1>{}, g); break;
     default: break;
   }
 }
 
-KVPRESS_VECTOR_CLONES
-void block_accumulate(const float* __restrict probs, const float* const* rows, int64_t len, int64_t groups, int64_t dim,
-                      float* __restrict acc) {
-  int64_t g = 0;
-  for (; g + 4 <= groups; g += 4) accumulate_tile<4>(probs + g * kAttentionBlock, rows, len, dim, acc + g * dim);
-  switch (groups - g) {
-    case 3: accumulate_tile<3>(probs + g * kAttentionBlock, rows, len, dim, acc + g * dim); break;
-    case 2: accumulate_tile<2>(probs + g * kAttentionBlock, rows, len, dim, acc + g * dim); break;
-    case 1: accumulate_tile<1>(probs + g * kAttentionBlock, rows, len, dim, acc + g * dim); break;
-    default: break;
-  }
+}  // namespace
+
+// flatten: the tile lambdas must be inlined into each clone, or they would run the baseline code.
+KVPRESS_VECTOR_CLONES __attribute__((flatten)) void block_scores(const float* __restrict qf, const float* const* rows,
+                                                                 int64_t len, int64_t groups, int64_t dim,
+                                                                 float* __restrict scores) {
+  for_each_head_tile(groups, [&](auto tile, int64_t g) {
+    scores_tile<decltype(tile)::value>(qf + g * dim, rows, len, dim, scores + g * kAttentionBlock);
+  });
+}
+
+KVPRESS_VECTOR_CLONES __attribute__((flatten)) void block_accumulate(const float* __restrict probs,
+                                                                     const float* const* rows, int64_t len,
+                                                                     int64_t groups, int64_t dim,
+                                                                     float* __restrict acc) {
+  for_each_head_tile(groups, [&](auto tile, int64_t g) {
+    accumulate_tile<decltype(tile)::value>(probs + g * kAttentionBlock, rows, len, dim, acc + g * dim);
+  });
 }
 
 }  // namespace kvpress::kernels
