@@ -291,6 +291,20 @@ inline void check_paged_write(const at::Tensor& key_pool, const at::Tensor& valu
               ")), got values in [", lo, ", ", hi, "]");
 }
 
+// apply_rope / invert_rope: x [B, H, n, D] floating with D even, cos/sin [n, D] on x's device.
+inline void check_rope(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rank(op, "x", x, 4, "[batch, heads, seq_len, head_dim]");
+  check_float(op, "x", x);
+  const int64_t n = x.size(2), d = x.size(3);
+  TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
+    check_defined(op, name, t);
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == d, op, ": ", name, " must be [", n, ", ", d,
+                "] ([seq_len, head_dim]), got ", shape_str(t));
+    check_same_device(op, name, t, "x", x);
+  }
+}
+
 }  // namespace checks
 
 // ---- ATen composites of the kernel ops (same contracts as kvpress/ops.h) ----------------------
@@ -304,6 +318,9 @@ std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& keys,      // [B,
 void compact_kv_(const at::Tensor& keys,                                  // [B, Hkv, S, D], written
                  const at::Tensor& values,                                // [B, Hkv, S, D], written
                  const at::Tensor& indices);                              // [B, Hkv, n] int64, ascending
+at::Tensor invert_rope(const at::Tensor& x,                               // [B, H, n, D]
+                       const at::Tensor& cos,                             // [n, D]
+                       const at::Tensor& sin);                            // [n, D] -> [B, H, n, D]
 at::Tensor key_norm_scores(const at::Tensor& keys);                       // [B, Hkv, S, D] -> [B, Hkv, S] float32
 at::Tensor keydiff_scores(const at::Tensor& keys);                        // [B, Hkv, S, D] -> [B, Hkv, S] float32
 at::Tensor window_attention_mean(const at::Tensor& queries,               // [B, Hq, w, D]

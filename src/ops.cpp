@@ -132,7 +132,7 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("compact_kv_(Tensor(a!) keys, Tensor(b!) values, Tensor indices) -> ()");
   m.def("rotate_half(Tensor x) -> Tensor", &ops::rotate_half);
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::apply_rope);
-  m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::invert_rope);
+  m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");  // kernels
   m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);
   m.def("window_attention(Tensor queries, Tensor keys) -> Tensor", &ops::window_attention);
   m.def("window_attention_mean(Tensor queries, Tensor keys) -> Tensor");  // kernels
@@ -188,6 +188,7 @@ TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("topk_indices", &ops::composite::topk_indices);
   m.impl("gather_kv", &ops::composite::gather_kv);
   m.impl("compact_kv_", &ops::composite::compact_kv_);
+  m.impl("invert_rope", &ops::composite::invert_rope);
   m.impl("key_norm_scores", &ops::composite::key_norm_scores);
   m.impl("keydiff_scores", &ops::composite::keydiff_scores);
   m.impl("window_attention_mean", &ops::composite::window_attention_mean);

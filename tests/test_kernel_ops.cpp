@@ -101,6 +101,19 @@ TEST(KernelOps, RaggedAttentionCoversEveryGroupTileAndHeadDim) {
   }
 }
 
+// The float32 kernel is the composite bit for bit (same rounded products, no fused multiply-add),
+// also on strided inputs; other dtypes take the composite.
+TEST(KernelOps, InvertRopeKernelIsTheCompositeBitForBit) {
+  const at::Tensor cos = randn({37, 64}, 30), sin = randn({37, 64}, 31);
+  const at::Tensor x = randn({2, 3, 37, 64}, 32);
+  EXPECT_TRUE(at::equal(ops::invert_rope(x, cos, sin), ops::composite::invert_rope(x, cos, sin)));
+  const at::Tensor strided = randn({2, 37, 3, 64}, 33).transpose(1, 2);
+  EXPECT_TRUE(at::equal(ops::invert_rope(strided, cos, sin), ops::composite::invert_rope(strided, cos, sin)));
+  const at::Tensor half = x.to(at::kBFloat16);
+  EXPECT_TRUE(at::equal(ops::invert_rope(half, cos.to(at::kBFloat16), sin.to(at::kBFloat16)),
+                        ops::composite::invert_rope(half, cos.to(at::kBFloat16), sin.to(at::kBFloat16))));
+}
+
 // A device with no kernel (here meta) is served by the composite instead of raising.
 TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   const at::Tensor keys = randn({1, 2, 30, 8}, 12).to(at::kMeta);
@@ -108,9 +121,10 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
   EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
             (at::IntArrayRef{1, 4, 27}));
-  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::key_norm_scores",
-                         "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
-                         "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write"}) {
+  for (const char* op :
+       {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope", "kvpress::key_norm_scores",
+        "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
+        "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;

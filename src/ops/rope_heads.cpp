@@ -11,19 +11,6 @@
 namespace kvpress::ops {
 namespace {
 
-void check_rope_args(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  checks::check_rank(op, "x", x, 4, "[batch, heads, seq_len, head_dim]");
-  checks::check_float(op, "x", x);
-  const int64_t n = x.size(2), d = x.size(3);
-  TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
-    checks::check_defined(op, name, t);
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == d, op, ": ", name, " must be [", n, ", ", d,
-                "] ([seq_len, head_dim]), got ", checks::shape_str(t));
-    checks::check_same_device(op, name, t, "x", x);
-  }
-}
-
 // RMSNorm over the last dim with weight [D] (Qwen3-style q_norm/k_norm), in float32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const char* op, const char* name) {
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": ", name, " must be [", x.size(-1),
@@ -67,12 +54,19 @@ at::Tensor rotate_half(const at::Tensor& x) {
 }
 
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_rope_args("apply_rope", x, cos, sin);
+  checks::check_rope("apply_rope", x, cos, sin);
   return x * cos.to(x.scalar_type()) + rotate_half(x) * sin.to(x.scalar_type());
 }
 
 at::Tensor invert_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_rope_args("invert_rope", x, cos, sin);
+  static const auto op =
+      dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kvpress::invert_rope");
+  checks::check_defined("invert_rope", "x", x);  // an undefined tensor would dispatch nowhere
+  return op.call(x, cos, sin);
+}
+
+at::Tensor composite::invert_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  checks::check_rope("invert_rope", x, cos, sin);
   // R(theta)^-1 = R(-theta): same cos, negated sin.
   return x * cos.to(x.scalar_type()) - rotate_half(x) * sin.to(x.scalar_type());
 }
