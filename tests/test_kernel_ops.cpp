@@ -23,6 +23,7 @@ namespace kvpress {
 namespace {
 
 using testing::expect_error;
+using testing::IntraOpThreads;
 using testing::randn;
 
 TEST(KernelOps, TopkKernelMatchesTheStableSortIncludingTies) {
@@ -252,18 +253,6 @@ TEST(LagKVKernel, RejectsShortSequences) {
 }
 
 // ---- the kernels' parallel loops -----------------------------------------------------------
-
-// Sets libtorch's intra-op thread count for a scope (the test processes run with one).
-class IntraOpThreads {
- public:
-  explicit IntraOpThreads(int threads) : previous_(at::get_num_threads()) { at::set_num_threads(threads); }
-  ~IntraOpThreads() { at::set_num_threads(previous_); }
-  IntraOpThreads(const IntraOpThreads&) = delete;
-  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
-
- private:
-  int previous_;
-};
 
 // Every CPU kernel with a parallel loop (rows, heads, runs or key chunks split among the intra-op
 // threads) gives on four threads what it gives on one. The inputs are larger than every loop's

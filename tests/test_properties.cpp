@@ -208,13 +208,12 @@ std::vector<Shape> random_shapes(int count, uint64_t seed) {
 }
 
 TEST(Properties, EveryPressOverRandomShapes) {
-  const int previous_threads = at::get_num_threads();
+  const testing::IntraOpThreads restore(at::get_num_threads());  // check_press changes the count
   const std::vector<Shape> shapes = random_shapes(14, 2026);
   for (const PressInfo& info : list_presses()) {
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
     for (size_t i = 0; i < shapes.size(); ++i) check_press(info, shapes[i], 100 + i);
   }
-  at::set_num_threads(previous_threads);
 }
 
 }  // namespace

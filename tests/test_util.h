@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -36,6 +37,18 @@ inline bool cuda_kernels_built() {
       .findSchemaOrThrow("kvpress::topk_indices", "")
       .hasKernelForDispatchKey(c10::DispatchKey::CUDA);
 }
+
+// Sets libtorch's intra-op thread count for a scope (the test processes run with one).
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int threads) : previous_(at::get_num_threads()) { at::set_num_threads(threads); }
+  ~IntraOpThreads() { at::set_num_threads(previous_); }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  int previous_;
+};
 
 }  // namespace kvpress::testing
 

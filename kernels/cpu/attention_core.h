@@ -162,8 +162,6 @@ void run_attention(const Layout& l) {
   };
   std::vector<Piece> pieces;
   std::vector<size_t> span_first(static_cast<size_t>(spans + 1), 0);  // pieces of span s: [first[s], first[s+1])
-  std::vector<std::vector<int64_t>> unit_partials;                    // (unit, its partial slots) of every cut unit
-  std::vector<int64_t> cut_units;
   int64_t n_partials = 0;
   int64_t u = 0;
   for (int64_t s = 0; s < spans; ++s) {
@@ -173,15 +171,8 @@ void run_attention(const Layout& l) {
       const int64_t begin = first_key[static_cast<size_t>(v)], end = first_key[static_cast<size_t>(v + 1)];
       const int64_t j_begin = std::max(lo, begin) - begin, j_end = std::min(hi, end) - begin;
       if (j_end <= j_begin) continue;
-      int64_t partial = -1;
-      if (j_begin > 0 || j_end < end - begin) {  // cut: its partial is merged later
-        if (cut_units.empty() || cut_units.back() != v) {
-          cut_units.push_back(v);
-          unit_partials.emplace_back();
-        }
-        unit_partials.back().push_back(partial = n_partials++);
-      }
-      pieces.push_back(Piece{v, j_begin, j_end, partial});
+      const bool cut = j_begin > 0 || j_end < end - begin;  // its partial is merged later
+      pieces.push_back(Piece{v, j_begin, j_end, cut ? n_partials++ : -1});
     }
     span_first[static_cast<size_t>(s + 1)] = pieces.size();
   }
@@ -205,12 +196,16 @@ void run_attention(const Layout& l) {
       }
     }
   });
-  // At most spans - 1 units are cut: merging them is cheap and serial.
+  // At most spans - 1 units are cut, and a cut unit's pieces are consecutive in `pieces`: merging
+  // them is cheap and serial.
   std::vector<Partial> parts;
-  for (size_t c = 0; c < cut_units.size(); ++c) {
-    parts.clear();
-    for (int64_t slot : unit_partials[c]) parts.push_back(partial_at(slot));
-    write<scalar_t>(l, cut_units[c], parts.data(), static_cast<int64_t>(parts.size()));
+  for (size_t p = 0; p < pieces.size(); ++p) {
+    if (pieces[p].partial < 0) continue;
+    parts.push_back(partial_at(pieces[p].partial));
+    if (p + 1 == pieces.size() || pieces[p + 1].unit != pieces[p].unit) {
+      write<scalar_t>(l, pieces[p].unit, parts.data(), static_cast<int64_t>(parts.size()));
+      parts.clear();
+    }
   }
 }
 

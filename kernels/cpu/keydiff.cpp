@@ -51,36 +51,36 @@ template <typename scalar_t, typename acc_t>
 void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, KeyDiffScratch<acc_t>& scratch) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     keydiff_head_f32(keys, seq, dim, out, scratch.anchor_sum.data(), scratch.anchor.data(), scratch.norms.data());
-    return;
-  }
-  std::vector<double>& sum = scratch.anchor_sum;
-  std::vector<acc_t>& anchor = scratch.anchor;
-  std::vector<acc_t>& norms = scratch.norms;
-  std::fill(sum.begin(), sum.end(), 0.0);
-  for (int64_t s = 0; s < seq; ++s) {
-    const scalar_t* k = keys + s * dim;
-    acc_t sq = 0;
-    for (int64_t d = 0; d < dim; ++d) {
-      const acc_t v = static_cast<acc_t>(k[d]);
-      sq += v * v;
+  } else {
+    std::vector<double>& sum = scratch.anchor_sum;
+    std::vector<acc_t>& anchor = scratch.anchor;
+    std::vector<acc_t>& norms = scratch.norms;
+    std::fill(sum.begin(), sum.end(), 0.0);
+    for (int64_t s = 0; s < seq; ++s) {
+      const scalar_t* k = keys + s * dim;
+      acc_t sq = 0;
+      for (int64_t d = 0; d < dim; ++d) {
+        const acc_t v = static_cast<acc_t>(k[d]);
+        sq += v * v;
+      }
+      const acc_t norm = std::sqrt(sq);
+      norms[static_cast<size_t>(s)] = norm;
+      const acc_t inv = acc_t(1) / std::max(norm, acc_t(1e-12));
+      for (int64_t d = 0; d < dim; ++d)
+        sum[static_cast<size_t>(d)] += static_cast<double>(static_cast<acc_t>(k[d]) * inv);
     }
-    const acc_t norm = std::sqrt(sq);
-    norms[static_cast<size_t>(s)] = norm;
-    const acc_t inv = acc_t(1) / std::max(norm, acc_t(1e-12));
-    for (int64_t d = 0; d < dim; ++d)
-      sum[static_cast<size_t>(d)] += static_cast<double>(static_cast<acc_t>(k[d]) * inv);
-  }
-  acc_t anchor_sq = 0;
-  for (int64_t d = 0; d < dim; ++d) {
-    anchor[static_cast<size_t>(d)] = static_cast<acc_t>(sum[static_cast<size_t>(d)] / static_cast<double>(seq));
-    anchor_sq += anchor[static_cast<size_t>(d)] * anchor[static_cast<size_t>(d)];
-  }
-  const acc_t anchor_norm = std::max(std::sqrt(anchor_sq), acc_t(1e-8));
-  for (int64_t s = 0; s < seq; ++s) {
-    const scalar_t* k = keys + s * dim;
-    acc_t dot = 0;
-    for (int64_t d = 0; d < dim; ++d) dot += static_cast<acc_t>(k[d]) * anchor[static_cast<size_t>(d)];
-    out[s] = static_cast<float>(-dot / (std::max(norms[static_cast<size_t>(s)], acc_t(1e-8)) * anchor_norm));
+    acc_t anchor_sq = 0;
+    for (int64_t d = 0; d < dim; ++d) {
+      anchor[static_cast<size_t>(d)] = static_cast<acc_t>(sum[static_cast<size_t>(d)] / static_cast<double>(seq));
+      anchor_sq += anchor[static_cast<size_t>(d)] * anchor[static_cast<size_t>(d)];
+    }
+    const acc_t anchor_norm = std::max(std::sqrt(anchor_sq), acc_t(1e-8));
+    for (int64_t s = 0; s < seq; ++s) {
+      const scalar_t* k = keys + s * dim;
+      acc_t dot = 0;
+      for (int64_t d = 0; d < dim; ++d) dot += static_cast<acc_t>(k[d]) * anchor[static_cast<size_t>(d)];
+      out[s] = static_cast<float>(-dot / (std::max(norms[static_cast<size_t>(s)], acc_t(1e-8)) * anchor_norm));
+    }
   }
 }
 

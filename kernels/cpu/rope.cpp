@@ -30,8 +30,8 @@ void invert_rope_rows(const float* x, const float* cos, const float* sin, float*
 }
 
 at::Tensor invert_rope_cpu(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  if (x_in.scalar_type() != at::kFloat) return ops::composite::invert_rope(x_in, cos_in, sin_in);  // checks too
   checks::check_rope("invert_rope", x_in, cos_in, sin_in);
-  if (x_in.scalar_type() != at::kFloat) return ops::composite::invert_rope(x_in, cos_in, sin_in);
   const at::Tensor x = x_in.contiguous();
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty_like(x);
