@@ -67,24 +67,34 @@ at::Tensor ctr_rescue_scores(const at::Tensor& queries, const at::Tensor& keys, 
   const at::Tensor keep =
       at::zeros({batch, kv_heads, seq}, keys.options().dtype(at::kBool)).scatter_(2, kept_indices, true);
   at::Tensor rho = at::full({batch, kv_heads, seq}, -1.0, keys.options().dtype(at::kFloat));
-  if (keep.all().item<bool>()) return rho;
 
-  // The query heads of a group become rows of one matmul per KV head; rows are processed in
-  // chunks (each row's softmax is independent) so the logits stay below ~64 MiB.
-  const int64_t rows = queries.size(1) / kv_heads * queries.size(2);
-  const at::Tensor q = queries.to(at::kFloat).reshape({batch, kv_heads, rows, dim});
-  const at::Tensor kt = keys.to(at::kFloat).transpose(2, 3);
-  const at::Tensor masked = keep.unsqueeze(2);  // [B, H, 1, S]
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(1, batch * kv_heads * seq));
-  at::Tensor best = at::zeros({batch, kv_heads, seq}, rho.options());
+  // Per KV head, only the evicted keys enter the matmul (the kept ones would be masked to -inf),
+  // and the group's query rows go through in chunks of about 4 MiB of logits: softmax_ri =
+  // exp(l_ri - lse_r), so the largest weight over the rows is exp of the column maximum of
+  // l - lse, kept as a running maximum. Scratch is one chunk, never [rows, S].
+  const int64_t group = queries.size(1) / kv_heads, rows = group * queries.size(2);
   const double scale = std::sqrt(static_cast<double>(dim));
-  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-    const int64_t len = std::min(chunk, rows - r0);
-    at::Tensor logits = at::matmul(q.narrow(2, r0, len), kt).div_(scale);  // [B, H, len, S]
-    logits.masked_fill_(masked, -std::numeric_limits<float>::infinity());
-    best = at::maximum(best, std::get<0>(at::softmax(logits, -1).max(2)));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const at::Tensor evicted = keep[b][h].logical_not().nonzero().view(-1);  // [R]
+      const int64_t n_evicted = evicted.numel();
+      if (n_evicted == 0) continue;
+      const at::Tensor evicted_keys_t = keys[b][h].index_select(0, evicted).to(at::kFloat).t();  // [D, R]
+      const at::Tensor q = queries[b].narrow(0, h * group, group).to(at::kFloat).reshape({rows, dim});
+      const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 20) / n_evicted, 1, rows);
+      at::Tensor column_max = at::full({n_evicted}, -std::numeric_limits<float>::infinity(), rho.options());
+      at::Tensor logits = at::empty({chunk, n_evicted}, rho.options());
+      for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t len = std::min(chunk, rows - r0);
+        at::Tensor l = logits.narrow(0, 0, len);
+        at::mm_out(l, q.narrow(0, r0, len), evicted_keys_t).div_(scale);
+        l.sub_(at::logsumexp(l, 1, /*keepdim=*/true));
+        at::maximum_out(column_max, column_max, at::amax(l, 0));
+      }
+      rho[b][h].index_put_({evicted}, column_max.exp_());
+    }
   }
-  return at::where(keep, rho, best);
+  return rho;
 }
 
 CTRPress::CTRPress(double compression_ratio, QSMOptions qsm, CTROptions ctr, TokenTextFn token_text)
