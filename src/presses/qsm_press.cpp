@@ -337,7 +337,7 @@ at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values, const at::Tens
   // product. Sums run in position order per slot, as a scatter_add over all positions would.
   const at::Tensor sources = w.nonzero();  // [M, 3] (b, h, p), ascending
   const at::Tensor b_idx = sources.select(1, 0), h_idx = sources.select(1, 1), p_idx = sources.select(1, 2);
-  const at::Tensor source_weight = w.index({b_idx, h_idx, p_idx});                   // [M]
+  const at::Tensor source_weight = w.index({b_idx, h_idx, p_idx});                               // [M]
   const at::Tensor flat_slot = (b_idx * heads + h_idx) * n + slot.index({b_idx, h_idx, p_idx});  // [M]
   const auto [touched, source_to_touched, unused_counts] = at::_unique2(flat_slot, /*sorted=*/true, true);
   const int64_t n_touched = touched.numel();
@@ -345,7 +345,8 @@ at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values, const at::Tens
       at::zeros({n_touched, dim}, w.options())
           .index_add_(0, source_to_touched,
                       values.index({b_idx, h_idx, p_idx}).to(at::kFloat) * source_weight.unsqueeze(-1));
-  const at::Tensor mass = at::zeros({n_touched}, w.options()).index_add_(0, source_to_touched, source_weight).unsqueeze(-1);
+  const at::Tensor mass =
+      at::zeros({n_touched}, w.options()).index_add_(0, source_to_touched, source_weight).unsqueeze(-1);
   const double eps = values.scalar_type() == at::kFloat  ? std::numeric_limits<float>::epsilon()
                      : values.scalar_type() == at::kHalf ? 9.765625e-4  // float16
                                                          : 7.8125e-3;   // bfloat16
