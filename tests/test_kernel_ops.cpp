@@ -36,6 +36,13 @@ TEST(KernelOps, TopkKernelMatchesTheStableSortIncludingTies) {
       EXPECT_TRUE(at::equal(ops::topk_indices(s, k), ops::composite::topk_indices(s, k))) << dtype << " k " << k;
     }
   }
+  // Float32 scores that differ only in their 12 lowest bits, of both signs, with repeats: the
+  // kernel's radix select must decide at its second and third digit.
+  at::manual_seed(7);
+  const at::Tensor low_bits = at::randint(0, 1 << 12, {2, 3, 5000}, at::kInt).add_(0x3F800000).view(at::kFloat);
+  const at::Tensor close = low_bits * (at::randint(0, 2, {2, 3, 5000}).to(at::kFloat) * 2 - 1);
+  for (int64_t k : {1, 2, 1000, 2500, 4999, 5000})
+    EXPECT_TRUE(at::equal(ops::topk_indices(close, k), ops::composite::topk_indices(close, k))) << "k " << k;
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     at::Tensor s = randn({1, 2, 100}, 2);
     s[0][1][50] = bad;

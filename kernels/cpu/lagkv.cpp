@@ -12,18 +12,19 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "cpu/order_key.h"
+#include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 #include "kernel_ops.h"
 
 namespace kvpress::kernels {
 namespace {
 
-constexpr int64_t kLanes = 16;        // independent partial sums, so the compiler can vectorise reductions
+constexpr int64_t kLanes = vec16::kLanes;  // independent partial sums, so the compiler can vectorise reductions
 constexpr int64_t kPrefetchRows = 8;  // rows ahead that partition_stds asks for
 
 // Sum of the n floats at x with kLanes partial sums.
@@ -38,11 +39,81 @@ inline float lane_sum(const float* x, int64_t n) {
   return total;
 }
 
+// Sum of the lanes of v in lane order after `total`: the order of lane_sum's final loop, so the
+// tiled path below adds exactly as the generic one does.
+KVPRESS_VEC_INLINE float add_lanes_in_order(float total, vec16::Vec v) {
+  for (int64_t j = 0; j < vec16::kLanes; ++j) total += v[j];
+  return total;
+}
+
+// partition_stds for dim = 16 * NV: the per-channel min/max, their inverse range and each row's
+// normalised values stay in registers, and R rows are reduced together so their in-order lane
+// sums (a chain of dependent adds each) overlap. The same operations, in the same order, as the
+// generic loop (the file is compiled with -ffp-contract=off so neither fuses a multiply-add).
+template <int NV>
+KVPRESS_VEC_INLINE void partition_stds_tiled(const float* __restrict cur, const float* __restrict ref, int64_t lag,
+                                             float* __restrict stds) {
+  using vec16::Vec;
+  constexpr int64_t dim = NV * vec16::kLanes;
+  Vec lo[NV], hi[NV], scale[NV];
+  for (int v = 0; v < NV; ++v) lo[v] = hi[v] = vec16::load(ref + v * vec16::kLanes);
+  for (int64_t t = 1; t < lag; ++t) {
+    const float* x = ref + t * dim;
+    if (t + kPrefetchRows < lag)
+      for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(x + kPrefetchRows * dim + d);
+    for (int v = 0; v < NV; ++v) {
+      const Vec xv = vec16::load(x + v * vec16::kLanes);
+      lo[v] = xv < lo[v] ? xv : lo[v];
+      hi[v] = xv > hi[v] ? xv : hi[v];
+    }
+  }
+  for (int v = 0; v < NV; ++v) scale[v] = vec16::broadcast(1.f) / (hi[v] - lo[v]);
+  const float inv_dim = 1.f / static_cast<float>(dim);
+  const float inv_dof = 1.f / static_cast<float>(dim - 1);
+  auto rows = [&](auto rows_tag, int64_t t0) {
+    constexpr int R = decltype(rows_tag)::value;
+    Vec y[R][NV];
+    Vec acc[R] = {};
+    for (int r = 0; r < R; ++r) {
+      const float* x = cur + (t0 + r) * dim;
+      for (int v = 0; v < NV; ++v) {
+        y[r][v] = (vec16::load(x + v * vec16::kLanes) - lo[v]) * scale[v];
+        acc[r] += y[r][v];
+      }
+    }
+    float mean[R], total[R];
+    for (int r = 0; r < R; ++r) mean[r] = add_lanes_in_order(0.f, acc[r]) * inv_dim;
+    for (int r = 0; r < R; ++r) {
+      acc[r] = Vec{};
+      for (int v = 0; v < NV; ++v) {
+        const Vec centred = y[r][v] - mean[r];
+        acc[r] += centred * centred;
+      }
+    }
+    for (int r = 0; r < R; ++r) total[r] = add_lanes_in_order(0.f, acc[r]);
+    for (int r = 0; r < R; ++r) stds[t0 + r] = std::sqrt(total[r] * inv_dof);
+  };
+  int64_t t = 0;
+  for (; t + 4 <= lag; t += 4) rows(std::integral_constant<int, 4>{}, t);
+  for (; t < lag; ++t) rows(std::integral_constant<int, 1>{}, t);
+}
+
 // Per-token unbiased std over channels of partition `cur` ([lag, dim] float32 rows), normalised
-// by the per-channel min/max of partition `ref`. `work` holds 3 * dim floats.
+// by the per-channel min/max of partition `ref`. `work` holds 3 * dim floats (generic path).
 KVPRESS_VECTOR_CLONES
 void partition_stds(const float* __restrict cur, const float* __restrict ref, int64_t lag, int64_t dim,
                     float* __restrict work, float* __restrict stds) {
+  switch (dim) {  // head dims up to 128 in steps of 16 keep their rows in registers
+    case 16: return partition_stds_tiled<1>(cur, ref, lag, stds);
+    case 32: return partition_stds_tiled<2>(cur, ref, lag, stds);
+    case 48: return partition_stds_tiled<3>(cur, ref, lag, stds);
+    case 64: return partition_stds_tiled<4>(cur, ref, lag, stds);
+    case 80: return partition_stds_tiled<5>(cur, ref, lag, stds);
+    case 96: return partition_stds_tiled<6>(cur, ref, lag, stds);
+    case 112: return partition_stds_tiled<7>(cur, ref, lag, stds);
+    case 128: return partition_stds_tiled<8>(cur, ref, lag, stds);
+    default: break;
+  }
   float* __restrict lo = work;
   float* __restrict hi = work + dim;
   float* __restrict y = work + 2 * dim;
@@ -94,7 +165,7 @@ void softmax_in_place(float* v, int64_t n) {
 struct LagScratch {
   std::vector<float> work, key_soft, value_soft;
   std::vector<float> conv[4];  // K cur, K ref, V cur, V ref
-  std::vector<int64_t> order;
+  std::vector<uint64_t> order;  // (score key << 32) | position
   LagScratch(int64_t dim, int64_t lag, bool convert) : work(3 * dim), key_soft(lag), value_soft(lag), order(lag) {
     if (convert)
       for (auto& c : conv) c.resize(static_cast<size_t>(lag * dim));
@@ -142,13 +213,15 @@ void score_head_partitions(const scalar_t* k, const scalar_t* v, int64_t p_begin
       std::copy(sc, sc + lag, dst);
       continue;
     }
-    // Stable rank within the partition (argsort(argsort)); ties go to the lower position.
-    std::iota(s.order.begin(), s.order.end(), int64_t{0});
-    std::sort(s.order.begin(), s.order.end(),
-              [sc](int64_t a, int64_t b) { return sc[a] < sc[b] || (sc[a] == sc[b] && a < b); });
+    // Stable rank within the partition (argsort(argsort)); ties go to the lower position: sorting
+    // (score key, position) as one integer orders ties by position with no comparator.
+    for (int64_t t = 0; t < lag; ++t)
+      s.order[t] = (static_cast<uint64_t>(order_key(sc[t])) << 32) | static_cast<uint64_t>(t);
+    std::sort(s.order.begin(), s.order.end());
     for (int64_t r = 0; r < lag; ++r) {
       // rank / lag in float32, rounded to the cache dtype as kvpress does.
-      dst[s.order[r]] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(r) / static_cast<float>(lag)));
+      dst[s.order[r] & 0xFFFFFFFFu] =
+          static_cast<float>(static_cast<scalar_t>(static_cast<float>(r) / static_cast<float>(lag)));
     }
   }
 }

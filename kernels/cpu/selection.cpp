@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <tuple>
@@ -18,6 +19,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "cpu/order_key.h"
 #include "kernel_ops.h"
 
 namespace kvpress::kernels {
@@ -37,34 +39,84 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// One row. `work` is scratch of at least `seq` elements. Returns false on a non-finite score.
-template <typename scalar_t, typename acc_t>
-bool topk_row(const scalar_t* row, int64_t seq, int64_t k, std::vector<acc_t>& work, int64_t* out) {
+// The k-th largest key of keys[0, n) by radix selection on 11 + 11 + 10 bits from the top (three
+// histogram passes, each over the keys left in the chosen bucket; `keys` is reordered and
+// overwritten). `above` receives how many keys are strictly larger. O(n), unlike a comparison sort.
+uint32_t kth_largest_key(uint32_t* keys, int64_t n, int64_t k, int64_t& above) {
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr uint32_t kMask[3] = {0x7FF, 0x7FF, 0x3FF};
+  uint32_t counts[2048];
+  uint32_t threshold = 0;
+  int64_t rank = k - 1;  // 0-based rank from the top among the keys left
+  above = 0;
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShift[level];
+    const uint32_t mask = kMask[level];
+    std::fill(counts, counts + mask + 1, 0u);
+    for (int64_t i = 0; i < n; ++i) ++counts[(keys[i] >> shift) & mask];
+    uint32_t bucket = mask;
+    while (counts[bucket] <= rank) {  // ends: the counts sum to n > rank
+      rank -= counts[bucket];
+      above += counts[bucket];
+      --bucket;
+    }
+    threshold |= bucket << shift;
+    if (level < 2) {  // keep the keys of the chosen bucket, in place
+      int64_t m = 0;
+      for (int64_t i = 0; i < n; ++i)
+        if (((keys[i] >> shift) & mask) == bucket) keys[m++] = keys[i];
+      n = m;
+    }
+  }
+  return threshold;
+}
+
+// One row: the indices of its k highest scores, ascending. Every score above the k-th largest is
+// kept, and the ties at that value in position order until k are kept (= a stable descending
+// sort's choice). `work` is scratch of at least `seq` elements. Returns false on a non-finite score.
+template <typename scalar_t>
+bool topk_row(const scalar_t* row, int64_t seq, int64_t k, std::vector<uint32_t>& work, int64_t* out) {
   bool finite = true;
   for (int64_t i = 0; i < seq; ++i) {
-    const acc_t v = static_cast<acc_t>(row[i]);
+    const auto v = static_cast<float>(row[i]);
     finite &= std::isfinite(v);
-    work[static_cast<size_t>(i)] = v;
+    work[static_cast<size_t>(i)] = order_key(v);
   }
   if (!finite) return false;
-  // The k-th largest value is the threshold; every score above it is kept, and the ties at the
-  // threshold are taken in position order until k are kept (= a stable descending sort's choice).
-  std::nth_element(work.begin(), work.begin() + (k - 1), work.begin() + seq, std::greater<acc_t>());
-  const acc_t threshold = work[static_cast<size_t>(k - 1)];
   int64_t above = 0;
-  for (int64_t i = 0; i < seq; ++i) above += static_cast<acc_t>(row[i]) > threshold;
+  const uint32_t threshold = kth_largest_key(work.data(), seq, k, above);
   int64_t ties_left = k - above;
   int64_t n = 0;
   for (int64_t i = 0; i < seq && n < k; ++i) {
-    const acc_t v = static_cast<acc_t>(row[i]);
-    if (v > threshold || (v == threshold && ties_left-- > 0)) out[n++] = i;
+    const uint32_t key = order_key(static_cast<float>(row[i]));
+    if (key > threshold || (key == threshold && ties_left-- > 0)) out[n++] = i;
   }
   return true;
 }
 
+// Float64 scores, whose order needs 64-bit keys: nth_element on a copy, then the same sweep.
+bool topk_row(const double* row, int64_t seq, int64_t k, std::vector<double>& work, int64_t* out) {
+  bool finite = true;
+  for (int64_t i = 0; i < seq; ++i) {
+    finite &= std::isfinite(row[i]);
+    work[static_cast<size_t>(i)] = row[i];
+  }
+  if (!finite) return false;
+  std::nth_element(work.begin(), work.begin() + (k - 1), work.begin() + seq, std::greater<double>());
+  const double threshold = work[static_cast<size_t>(k - 1)];
+  int64_t above = 0;
+  for (int64_t i = 0; i < seq; ++i) above += row[i] > threshold;
+  int64_t ties_left = k - above;
+  int64_t n = 0;
+  for (int64_t i = 0; i < seq && n < k; ++i)
+    if (row[i] > threshold || (row[i] == threshold && ties_left-- > 0)) out[n++] = i;
+  return true;
+}
+
 // The k highest scores of every row, ties to the lower position, returned in ascending position
-// order: the same set as a stable descending sort, in O(S) per row (nth_element on a copy, then one
-// ordered sweep). Finiteness is checked on the way; only a failure pays for the named error.
+// order: the same set as a stable descending sort, in O(S) per row (a radix select of the k-th
+// largest value, then one ordered sweep). Finiteness is checked on the way; only a failure pays
+// for the named error.
 at::Tensor topk_indices_cpu(const at::Tensor& scores_in, int64_t k) {
   constexpr const char* op = "topk_indices";
   checks::check_topk(op, scores_in, k);
@@ -74,12 +126,12 @@ at::Tensor topk_indices_cpu(const at::Tensor& scores_in, int64_t k) {
   int64_t* out_ptr = out.data_ptr<int64_t>();
   std::atomic<bool> all_finite{true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "topk_indices_cpu", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using work_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, uint32_t>;
     const scalar_t* s = scores.data_ptr<scalar_t>();
     at::parallel_for(0, rows, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> work(static_cast<size_t>(seq));
+      std::vector<work_t> work(static_cast<size_t>(seq));
       for (int64_t r = begin; r < end; ++r) {
-        if (!topk_row<scalar_t, acc_t>(s + r * seq, seq, k, work, out_ptr + r * k)) all_finite = false;
+        if (!topk_row(s + r * seq, seq, k, work, out_ptr + r * k)) all_finite = false;
       }
     });
   });
