@@ -25,7 +25,7 @@ namespace kvpress::kernels {
 namespace {
 
 constexpr int64_t kLanes = vec16::kLanes;  // independent partial sums, so the compiler can vectorise reductions
-constexpr int64_t kPrefetchRows = 8;  // rows ahead that partition_stds asks for
+constexpr int64_t kPrefetchRows = 8;       // rows ahead that partition_stds asks for
 
 // Sum of the n floats at x with kLanes partial sums.
 inline float lane_sum(const float* x, int64_t n) {
@@ -164,7 +164,7 @@ void softmax_in_place(float* v, int64_t n) {
 // reference of partition p is the current partition of p + 1.
 struct LagScratch {
   std::vector<float> work, key_soft, value_soft;
-  std::vector<float> conv[4];  // K cur, K ref, V cur, V ref
+  std::vector<float> conv[4];   // K cur, K ref, V cur, V ref
   std::vector<uint64_t> order;  // (score key << 32) | position
   LagScratch(int64_t dim, int64_t lag, bool convert) : work(3 * dim), key_soft(lag), value_soft(lag), order(lag) {
     if (convert)
