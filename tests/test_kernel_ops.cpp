@@ -223,6 +223,19 @@ TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
   }
 }
 
+TEST(LagKVKernel, CoversEveryTiledHeadDimAndTheGenericLoop) {
+  // Head dims 16..128 in steps of 16 take the register-tiled statistics (rows in groups of four,
+  // then single rows: lag 18), the others the generic loop.
+  for (int64_t dim : {16, 48, 64, 80, 96, 112, 128, 24, 136}) {
+    for (bool cross : {true, false}) {
+      const at::Tensor k = randn({1, 2, 2 + 5 * 18, dim}, 20 + dim), v = randn({1, 2, 2 + 5 * 18, dim}, 21 + dim);
+      expect_same_lag_scores(ops::lagkv_scores(k, v, 2, 18, cross),
+                             ops::composite::lagkv_partition_scores(k, v, 2, 18, cross), !cross,
+                             ("dim " + std::to_string(dim)).c_str());
+    }
+  }
+}
+
 TEST(LagKVKernel, HandlesNoSinksStridedInputsAndExactPartitions) {
   const at::Tensor k = randn({1, 40, 2, 8}, 12).transpose(1, 2);  // [1, 2, 40, 8], strided
   const at::Tensor v = randn({1, 2, 40, 8}, 13);
