@@ -238,7 +238,18 @@ at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int6
   }
   for (int64_t h = 0; h < heads; ++h) {
     one.keys = in.keys.narrow(1, h, 1);
-    x.narrow(1, h, 1).copy_(centred_sketch(prerope_keys(one, op).to(dtype), phi.narrow(1, h, 1)));
+    // centred_sketch's arithmetic without its temporaries: the head's fresh pre-RoPE keys are
+    // centred in place, and in float32 the GEMM writes X's rows directly.
+    at::Tensor keys = prerope_keys(one, op).to(dtype);  // [B, 1, S, D], owned
+    keys.sub_(keys.mean(2, /*keepdim=*/true));
+    for (int64_t b = 0; b < batch; ++b) {
+      const at::Tensor phi_bh = phi[b][h].to(dtype);  // [D, k]
+      at::Tensor x_bh = x[b][h];                      // [S, k], contiguous rows of x
+      if (dtype == at::kFloat)
+        at::mm_out(x_bh, keys[b][0], phi_bh);
+      else
+        x_bh.copy_(at::mm(keys[b][0], phi_bh));
+    }
   }
   return ridge_leverage_impl(x, op);
 }
