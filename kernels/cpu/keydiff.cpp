@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/float_rows.h"
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 
@@ -66,14 +67,8 @@ void negative_cosines(const float* rows, int64_t n, int64_t dim, const float* an
 // block of rows at a time.
 template <typename scalar_t>
 void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, KeyDiffScratch& scratch) {
-  auto rows = [&](int64_t s0, int64_t n) -> const float* {  // [n, dim] float32
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      return keys + s0 * dim;
-    } else {
-      const scalar_t* src = keys + s0 * dim;
-      for (int64_t i = 0; i < n * dim; ++i) scratch.block[static_cast<size_t>(i)] = static_cast<float>(src[i]);
-      return scratch.block.data();
-    }
+  auto rows = [&](int64_t s0, int64_t n) {  // [n, dim] float32
+    return as_float32(keys + s0 * dim, n * dim, scratch.block);
   };
   std::fill(scratch.anchor_sum.begin(), scratch.anchor_sum.end(), 0.0);
   for (int64_t s0 = 0; s0 < seq; s0 += kBlockRows) {

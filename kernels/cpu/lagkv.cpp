@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/float_rows.h"
 #include "cpu/order_key.h"
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
@@ -172,11 +173,6 @@ struct LagScratch {
   }
 };
 
-template <typename scalar_t>
-void to_float(const scalar_t* src, int64_t n, std::vector<float>& dst) {
-  for (int64_t i = 0; i < n; ++i) dst[static_cast<size_t>(i)] = static_cast<float>(src[i]);
-}
-
 // Scores of partitions [p_begin, p_end) of one head; k and v point at the first partition.
 template <typename scalar_t>
 void score_head_partitions(const scalar_t* k, const scalar_t* v, int64_t p_begin, int64_t p_end, int64_t lag,
@@ -188,14 +184,14 @@ void score_head_partitions(const scalar_t* k, const scalar_t* v, int64_t p_begin
       kc = k + p * part, kr = k + (p + 1) * part, vc = v + p * part, vr = v + (p + 1) * part;
     } else {
       if (p == p_begin) {
-        to_float(k + p * part, part, s.conv[0]);
-        to_float(v + p * part, part, s.conv[2]);
+        as_float32(k + p * part, part, s.conv[0]);
+        as_float32(v + p * part, part, s.conv[2]);
       } else {
         std::swap(s.conv[0], s.conv[1]);
         std::swap(s.conv[2], s.conv[3]);
       }
-      to_float(k + (p + 1) * part, part, s.conv[1]);
-      to_float(v + (p + 1) * part, part, s.conv[3]);
+      as_float32(k + (p + 1) * part, part, s.conv[1]);
+      as_float32(v + (p + 1) * part, part, s.conv[3]);
       kc = s.conv[0].data(), kr = s.conv[1].data(), vc = s.conv[2].data(), vr = s.conv[3].data();
     }
     partition_stds(kc, kr, lag, dim, s.work.data(), s.key_soft.data());

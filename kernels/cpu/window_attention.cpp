@@ -10,13 +10,17 @@
 // here, since torch turns MKL's dynamic threading off and nested GEMMs then oversubscribe the
 // cores (measured 10x slower on 2 busy cores).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
+#include "cpu/float_rows.h"
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 #include "kernel_ops.h"
@@ -32,13 +36,38 @@ constexpr int64_t kSlabBytes = int64_t{32} << 20;
 // time packing the keys, while the dot products read each key row once, at memory speed.
 constexpr int64_t kFewRows = 8;
 
-// logits[r][j] = q[r] . k[j] for the rows of one KV head and keys [begin, end); q [rows, dim],
-// k [seq, dim] and logits [rows, seq] contiguous.
+// logits[r * seq + j] = q[r] . k[j] for the rows of one KV head and n consecutive keys; q [rows,
+// dim] and k [n, dim] contiguous, logits rows `seq` apart.
 KVPRESS_VECTOR_CLONES
-void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t begin, int64_t end, int64_t dim, int64_t seq,
-                     float* logits) {
-  for (int64_t j = begin; j < end; ++j)
+void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t n, int64_t dim, int64_t seq, float* logits) {
+  for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < rows; ++r) logits[r * seq + j] = vec16::dot(q + r * dim, k + j * dim, dim);
+}
+
+// The few-rows logits of a slab: q [nh, rows, D] float32 contiguous, k [nh, S, D] in the cache
+// dtype, logits [nh, rows, S]. float16/bfloat16 keys are converted a block of rows at a time
+// (exactly), never as a float32 copy of the slab.
+void few_rows_slab(const at::Tensor& q, const at::Tensor& k_in, int64_t rows, float* logits) {
+  constexpr int64_t kBlockRows = 64;
+  const at::Tensor k = k_in.contiguous();
+  const int64_t nh = k.size(0), seq = k.size(1), dim = k.size(2);
+  const float* qp = q.data_ptr<float>();
+  AT_DISPATCH_V2(
+      k.scalar_type(), "window_attention_mean_cpu", AT_WRAP([&] {
+        const scalar_t* kp = k.data_ptr<scalar_t>();
+        at::parallel_for(0, nh * seq, /*grain_size=*/1024, [&](int64_t begin, int64_t end) {
+          std::vector<float> block(std::is_same_v<scalar_t, float> ? 0 : static_cast<size_t>(kBlockRows * dim));
+          for (int64_t i = begin; i < end;) {  // (head, key) pairs [begin, end), head by head, in blocks
+            const int64_t h = i / seq, j0 = i % seq;
+            const int64_t j1 = std::min({seq, j0 + (end - i), j0 + kBlockRows});
+            // keys j0 .. j1 as float32, [j1 - j0, dim]
+            const float* rows_f32 = as_float32(kp + (h * seq + j0) * dim, (j1 - j0) * dim, block);
+            few_rows_logits(qp + h * rows * dim, rows, rows_f32, j1 - j0, dim, seq, logits + h * rows * seq + j0);
+            i += j1 - j0;
+          }
+        });
+      }),
+      at::kFloat, at::kHalf, at::kBFloat16);
 }
 
 at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Tensor& keys_in) {
@@ -59,21 +88,13 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
     for (int64_t h0 = 0; h0 < kv_heads; h0 += slab) {
       const int64_t nh = std::min(slab, kv_heads - h0);
       at::Tensor logits = logits_buffer.narrow(0, 0, nh);
-      // float32 keys of the slab: a view when the cache is float32, else one converted copy.
-      const at::Tensor k = keys_in.select(0, b).narrow(0, h0, nh).to(at::kFloat);  // [nh, S, D]
-      const at::Tensor q = queries.select(0, b).narrow(0, h0, nh);                 // [nh, rows, D]
+      const at::Tensor q = queries.select(0, b).narrow(0, h0, nh);  // [nh, rows, D]
       float* lp = logits.data_ptr<float>();
       if (rows <= kFewRows) {
-        const at::Tensor kc = k.contiguous();
-        const float *kp = kc.data_ptr<float>(), *qp = q.data_ptr<float>();
-        at::parallel_for(0, nh * seq, /*grain_size=*/1024, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end;) {  // (head, key) pairs [begin, end), head by head
-            const int64_t h = i / seq, j0 = i % seq, j1 = std::min(seq, j0 + (end - i));
-            few_rows_logits(qp + h * rows * dim, rows, kp + h * seq * dim, j0, j1, dim, seq, lp + h * rows * seq);
-            i += j1 - j0;
-          }
-        });
+        few_rows_slab(q, keys_in.select(0, b).narrow(0, h0, nh), rows, lp);
       } else {
+        // float32 keys of the slab: a view when the cache is float32, else one converted copy.
+        const at::Tensor k = keys_in.select(0, b).narrow(0, h0, nh).to(at::kFloat);  // [nh, S, D]
         at::bmm_out(logits, q, k.transpose(1, 2));
       }
       // Window query i sits at position S - w + i and sees keys 0 .. S - w + i.
