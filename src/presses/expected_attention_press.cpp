@@ -72,16 +72,20 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
   if (use_covariance_) {
     const at::Tensor outer = mean_shifted.unsqueeze(-1) * mean_shifted.unsqueeze(-2);  // [B, Hq, D, D]
     at::Tensor cov = (second / static_cast<double>(n) - outer).to(at::kFloat);
-    cov = at::matmul(R, at::matmul(cov, R.t())).view({batch, kv_heads, group, d, d});
-    // k_iᵀ Σ'_h k_i for every query head h of the group, one chunk of keys at a time
-    // ([B, Hkv, G, rows, D] per chunk, the size of a query chunk, instead of G times the keys).
-    std::vector<at::Tensor> quads;
+    cov = at::matmul(R, at::matmul(cov, R.t()));  // [B, Hq, D, D]
+    // k_iᵀ Σ'_h k_i for every query head h of a group as one GEMM per chunk of keys: the group's
+    // covariances side by side, [D, G * D], times the chunk's keys, then each D-wide block of the
+    // product dotted with the key. Scratch is one chunk: [B, Hkv, rows, G * D].
+    const at::Tensor side_by_side =
+        cov.view({batch, kv_heads, group, d, d}).permute({0, 1, 3, 2, 4}).reshape({batch, kv_heads, d, group * d});
+    at::Tensor quad = at::empty({batch, kv_heads, n, group}, z.options());
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t rows = std::min(chunk, n - start);
-      const at::Tensor kc = k.narrow(2, start, rows).unsqueeze(2);  // [B, Hkv, 1, rows, D]
-      quads.push_back((at::matmul(kc, cov) * kc).sum(-1));          // [B, Hkv, G, rows]
+      const at::Tensor kc = k.narrow(2, start, rows);  // [B, Hkv, rows, D]
+      const at::Tensor products = at::matmul(kc, side_by_side).view({batch, kv_heads, rows, group, d});
+      quad.narrow(2, start, rows).copy_(products.mul_(kc.unsqueeze(3)).sum(-1));
     }
-    z = z + at::cat(quads, 3).transpose(2, 3) / static_cast<double>(d) / 2.0;
+    z = z + quad / static_cast<double>(d) / 2.0;
   }
   at::Tensor s = at::softmax(z, 2).mean(3);  // softmax over positions per query head, group mean -> [B, Hkv, n]
   if (use_vnorm_) s = (s + epsilon_) * at::linalg_vector_norm(in.values.narrow(2, n_sink_, n).to(at::kFloat), 2, {-1});
