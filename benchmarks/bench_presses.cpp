@@ -176,7 +176,8 @@ const Rates& machine_rates(at::ScalarType dtype) {
 // inverse. Without one, bytes/s counts the inputs read.
 void finish_press(benchmark::State& state, const std::string& name, int64_t S, at::ScalarType dtype,
                   int64_t input_bytes, double seconds) {
-  const kvpress_bench::LayerShape shape{kBatch, kQHeads, kKVHeads, kHeadDim, S, at::elementSize(dtype), kWindow};
+  const kvpress_bench::LayerShape shape{
+      kBatch, kQHeads, kKVHeads, kHeadDim, S, static_cast<int64_t>(at::elementSize(dtype)), kWindow};
   const auto work =
       g_device.is_cpu() ? kvpress_bench::press_work(name, shape, kvpress::ops::n_kept(S, kRatio)) : std::nullopt;
   if (!work) return finish(state, S, input_bytes);

@@ -24,6 +24,7 @@
 #include "kvpress/presses/critical_adakv_press.h"
 #include "kvpress/presses/criticalkv_press.h"
 #include "kvpress/presses/ctr_press.h"
+#include "kvpress/presses/cur_press.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
@@ -416,6 +417,28 @@ std::vector<Entry> scorer_entries() {
        "mean attention received (H2O-like)",
        {{{{"attentions"}, true}}},
        [](double r, Params&) { return std::make_unique<ObservedAttentionPress>(r); }},
+      {"CURPress",
+       K::kScorer,
+       "CurDKV: key and value leverage (squared norms), window-normalised, combined",
+       {},
+       [](double r, Params& p) {
+         using Type = CURPress::LeverageType;
+         const int64_t sinks = p.get("num_sinks", CURPress::kDefaultNumSinks, "initial tokens always kept");
+         const std::string type = p.get_choice("leverage_type", {"kv_product", "key", "value", "kv_avg"},
+                                               "which leverage scores the ranking uses");
+         const bool random = p.get("use_random_leverage", CURPress::kDefaultUseRandomLeverage,
+                                   "project K and V onto 20 random Gaussian directions first");
+         const bool local = p.get("use_local_approximation", CURPress::kDefaultUseLocalApproximation,
+                                  "normalise the scores within windows of local_window_size tokens");
+         const int64_t window = p.get("local_window_size", CURPress::kDefaultLocalWindowSize, "window length");
+         const std::optional<int64_t> seed = p.get_optional_int(
+             "seed", "seed of the random projection's CPU generator (C++ only; unset: torch's global generator)");
+         const Type t = type == "key"      ? Type::kKey
+                        : type == "value"  ? Type::kValue
+                        : type == "kv_avg" ? Type::kKvAvg
+                                           : Type::kKvProduct;
+         return std::make_unique<CURPress>(r, sinks, t, random, local, window, seed);
+       }},
   };
 }
 

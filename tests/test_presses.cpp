@@ -219,7 +219,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 28u);
+  ASSERT_EQ(list_presses().size(), 29u);
   for (const PressInfo& info : list_presses())  // a DecodingPress takes no ratio (its budget is target_size)
     EXPECT_EQ(make_press(info.name, info.name == "DecodingPress" ? 0.0 : 0.5)->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});
@@ -227,6 +227,11 @@ TEST(Registry, BuildsEveryPressWithItsKvpressName) {
   EXPECT_DOUBLE_EQ(snap->compression_ratio(), 0.3);
   const auto lag = make_press("LagKVPress", 0.5, {{"cross_scoring", "true"}, {"lag_size", "32"}});
   EXPECT_TRUE(dynamic_cast<LagKVPress&>(*lag).cross_scoring());
+  // CURPress's leverage_type is parsed from text: the registry's default is the press's.
+  EXPECT_EQ(dynamic_cast<CURPress&>(*make_press("CURPress", 0.5)).leverage_type(), CURPress::kDefaultLeverageType);
+  const auto cur = make_press("CURPress", 0.5, {{"leverage_type", "kv_avg"}, {"local_window_size", "7"}});
+  EXPECT_EQ(dynamic_cast<CURPress&>(*cur).leverage_type(), CURPress::LeverageType::kKvAvg);
+  EXPECT_EQ(dynamic_cast<CURPress&>(*cur).local_window_size(), 7);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "kvpress/presses/critical_adakv_press.h"
 #include "kvpress/presses/criticalkv_press.h"
 #include "kvpress/presses/ctr_press.h"
+#include "kvpress/presses/cur_press.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/key_rerotation_press.h"

@@ -75,6 +75,10 @@ PRESSES = [
     ("LagKVPress", {"lag_size": "32", "cross_scoring": "True"}, KEYS_ONLY, ()),
     ("TOVAPress", {}, ATTENTION_BASED, (0.25,)),
     ("ObservedAttentionPress", {}, ("attentions",), ()),
+    ("CURPress", {}, KEYS_ONLY, (0.25, 0.75)),
+    ("CURPress", {"leverage_type": "key", "num_sinks": "0", "local_window_size": "7"}, KEYS_ONLY, ()),
+    ("CURPress", {"leverage_type": "value", "use_local_approximation": "False"}, KEYS_ONLY, ()),
+    ("CURPress", {"leverage_type": "kv_avg", "use_random_leverage": "True", "seed": "9"}, KEYS_ONLY, ()),
     # Compactor (seeded sketch; chunk 64 exercises the padded last chunk on every length).
     ("LeverageScorePress", {"seed": "7"}, ("rope", "k_proj"), (0.25, 0.75)),
     ("LeverageScorePress", {"sketch_dimension": "16", "seed": "3"}, ("rope", "k_proj"), ()),
@@ -125,7 +129,9 @@ def param_tag(params: dict[str, str]) -> str:
                         f"{v.replace(',', '+')}" for k, v in params.items())
     short = {"window_size": "w", "kernel_size": "k", "lag_size": "lag", "n_sink": "sink",
              "cross_scoring": "cross", "seed": "seed", "sketch_dimension": "sk", "chunk_size": "c",
-             "blending": "bl", "sink_size_start": "ss", "sink_size_end": "se"}
+             "blending": "bl", "sink_size_start": "ss", "sink_size_end": "se", "leverage_type": "lt",
+             "num_sinks": "ns", "local_window_size": "lw", "use_local_approximation": "local",
+             "use_random_leverage": "rand"}
     return "_".join(f"{short.get(k, k)}{'' if v == 'True' else v}" for k, v in params.items())
 
 

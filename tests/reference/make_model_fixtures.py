@@ -67,6 +67,7 @@ PRESSES = [
     ("NonCausalAttnPress", {}),
     ("CompactorPress", {"seed": "0"}),
     ("ExpectedAttentionPress", {}),
+    ("CURPress", {}),
     # The question and decode steps continue at the compressed length (kvpress's pipeline).
     ("KeyRerotationPress", {"press": "KnormPress"}),
     ("KeyRerotationPress", {"press": "SnapKVPress"}),
