@@ -16,6 +16,7 @@
 
 #include "kvpress/presses/adakv_press.h"
 #include "kvpress/presses/block_press.h"
+#include "kvpress/presses/cap_press.h"
 #include "kvpress/presses/chunk_press.h"
 #include "kvpress/presses/chunkkv_press.h"
 #include "kvpress/presses/compactor_press.h"
@@ -357,6 +358,11 @@ struct Entry {
 // Where attention-based presses take their attention from (ops::window_attention_mean).
 const PressInputs kWindowAttentionInputs{
     {{{"attentions"}}, {{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
+// Presses that need the pre-RoPE queries of every position (ExpectedAttentionPress, CapPress) and the
+// RoPE frequencies of the future positions.
+const PressInputs kPreRopeQueryInputs{{{{"hidden_states", "q_proj", "inv_freq"}},
+                                       {{"hidden_states", "q_proj", "cos", "sin"}},
+                                       {{"queries", "cos", "sin"}, true}}};
 // Presses that need the queries of every position (non-causal attention).
 const PressInputs kAllQueriesInputs{{{{"queries"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
 constexpr const char* kSemanticNote = "input_ids and a token-text callback on the press enable its semantic weights";
@@ -486,12 +492,8 @@ std::vector<Entry> rebuilding_scorer_entries() {
              r, start, end, chunk, sketch, blending, seed,
              selection == "per_head" ? TokenSelection::kPerHead : TokenSelection::kAcrossHeads);
        }},
-      {"ExpectedAttentionPress",
-       K::kScorer,
-       "expected attention of future queries (query mean/covariance, averaged RoPE)",
-       {{{{"hidden_states", "q_proj", "inv_freq"}},
-         {{"hidden_states", "q_proj", "cos", "sin"}},
-         {{"queries", "cos", "sin"}, true}}},
+      {"ExpectedAttentionPress", K::kScorer,
+       "expected attention of future queries (query mean/covariance, averaged RoPE)", kPreRopeQueryInputs,
        [](double r, Params& p) {
          const int64_t n_future = p.get("n_future_positions", ExpectedAttentionPress::kDefaultNFuturePositions,
                                         "future positions the RoPE is averaged over");
@@ -503,6 +505,17 @@ std::vector<Entry> rebuilding_scorer_entries() {
          const double eps = p.get("epsilon", ExpectedAttentionPress::kDefaultEpsilon,
                                   "added to the scores before the ||v|| rescaling");
          return std::make_unique<ExpectedAttentionPress>(r, n_future, n_sink, cov, vnorm, eps);
+       }},
+      {"CapPress", K::kScorer,
+       "CAPKV: capacity leverage of the values under query relevance (averaged-RoPE query anchor)", kPreRopeQueryInputs,
+       [](double r, Params& p) {
+         const double tau = p.get("tau", CapPress::kDefaultTau, "temperature of the query-key alignment weights");
+         const int64_t n_future = p.get("n_future_positions", CapPress::kDefaultNFuturePositions,
+                                        "future positions the RoPE is averaged over");
+         const int64_t n_sink =
+             p.get("n_sink", CapPress::kDefaultNSink, "first tokens always kept and left out of the query anchor");
+         const double eps = p.get("epsilon", CapPress::kDefaultEpsilon, "added to the weights in the capacity matrix");
+         return std::make_unique<CapPress>(r, tau, n_future, n_sink, eps);
        }},
   };
 }

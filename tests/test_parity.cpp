@@ -46,6 +46,13 @@
 //   * ExpectedAttentionPress: float32 5e-6, 5e-6 [<= 1.5e-6] (float32 both sides; R̄ summed in
 //     another order, RoPE inverted on given queries for the queries_rope source); bfloat16 5e-2,
 //     5e-2 [<= 2.5e-2]: kvpress computes μ, Σ, R̄, the logits and the softmax in bf16.
+//   * CURPress: the float32 rule above; the same ATen steps in the cache dtype as kvpress, so
+//     its scores are kvpress's bit for bit in float32 and bfloat16 alike               [0]
+//   * CapPress: float32 5e-6, 5e-6 [<= 1.2e-6] (the query anchor summed in another order, R̄
+//     built from averaged cos/sin); bfloat16 0.1, 0.1 [<= 5.3e-2 from inverted-RoPE queries,
+//     2.5e-2 from hidden states]: kvpress computes the anchor, the normalised keys, the
+//     exp(τ·cos) weights (τ = 5 magnifies bf16's rounding of the cosine) and the capacity
+//     matrix in bf16, we in float32.
 //   * Wrappers (KeyRerotation, ChunkKV, Chunk, Block, Composed): see check_wrapper_run.
 // The bounds carry a margin of about 2x over the worst case measured on this machine's fixtures.
 #include <ATen/ATen.h>
@@ -152,7 +159,8 @@ bool lagkv_ranked(const FixtureCase& c, const FixtureRun& r) {
 // is taken over this range so that padding or constant 1s do not inflate it.
 std::pair<int64_t, int64_t> scored_range(const FixtureCase& c, const FixtureRun& r) {
   const int64_t s = c.seq_len;
-  if (r.press == "ExpectedAttentionPress") return {std::min(param_int(r, "n_sink", 4), s), s};
+  if (r.press == "ExpectedAttentionPress" || r.press == "CapPress") return {std::min(param_int(r, "n_sink", 4), s), s};
+  if (r.press == "CURPress") return {std::min(param_int(r, "num_sinks", 4), s), s};
   if (r.press == "TOVAPress") return {0, s - 1};
   if (r.press == "SnapKVPress") return {0, s - param_int(r, "window_size", 64)};
   if (r.press == "LagKVPress") {
@@ -208,11 +216,18 @@ std::pair<double, double> expected_attention_tolerance(const FixtureCase& c) {
   return {5e-2, 5e-2};
 }
 
+// CapPress: exp(τ·cos(anchor, k)) weights times a leverage through a D x D solve.
+std::pair<double, double> cap_tolerance(const FixtureCase& c) {
+  if (c.dtype == "float32") return {5e-6, 5e-6};
+  return {1e-1, 1e-1};
+}
+
 // {rtol, atol as a fraction of the scale} (see the top of the file).
 std::pair<double, double> tolerance_fractions(const FixtureCase& c, const FixtureRun& r) {
   if (r.press == "RandomPress" && r.params.count("seed")) return {0.0, 0.0};  // same generator
   if (is_compactor_family(r)) return compactor_tolerance(c, r);
   if (r.press == "ExpectedAttentionPress") return expected_attention_tolerance(c);
+  if (r.press == "CapPress") return cap_tolerance(c);
   // float32, and the presses kvpress computes in float32 (Knorm) or exactly (StreamingLLM's 0/1)
   // whatever the cache dtype.
   if (c.dtype == "float32" || r.press == "KnormPress" || r.press == "StreamingLLMPress") return {1e-5, 1e-6};

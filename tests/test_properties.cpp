@@ -62,6 +62,9 @@ const std::map<std::string, Promise>& promises() {
       {"ExpectedAttentionPress",
        {ExpectedAttentionPress::kDefaultNSink + 1, default_kept,
         [](const BasePress&, int64_t) { return range(0, ExpectedAttentionPress::kDefaultNSink); }}},
+      {"CapPress",
+       {CapPress::kDefaultNSink + 1, default_kept,
+        [](const BasePress&, int64_t) { return range(0, CapPress::kDefaultNSink); }}},
       {"CompactorPress",
        {1, default_kept,
         [](const BasePress&, int64_t seq) {

@@ -8,6 +8,7 @@
 #include "kvpress/presses/adakv_press.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/presses/block_press.h"
+#include "kvpress/presses/cap_press.h"
 #include "kvpress/presses/chunk_press.h"
 #include "kvpress/presses/chunkkv_press.h"
 #include "kvpress/presses/compactor_press.h"

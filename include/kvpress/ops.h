@@ -89,6 +89,12 @@ at::Tensor prerope_queries(const LayerInputs& inputs, int64_t start, int64_t n,
 // float32 tables, since every HF frequency is below pi).
 at::Tensor rope_inv_freq(const LayerInputs& inputs, const char* op);  // -> [D / 2] float32
 
+// The RoPE rotation averaged over positions [start, start + count): R̄ = mean_t cos_t·I + sin_t·P,
+// P the matrix of rotate_half, so that R̄x = x·c̄ + rotate_half(x)·s̄ (ExpectedAttentionPress's and
+// CapPress's future-query rotation).
+at::Tensor average_rope_rotation(const at::Tensor& inv_freq,     // [D / 2] float32
+                                 int64_t start, int64_t count);  // -> [D, D] float32
+
 // Causal softmax attention of the last w positions (queries) over the first S - w keys.
 // Query i sits at position S - w + i. Softmax over all S keys in float32; GQA without
 // repeat_kv.

@@ -184,6 +184,19 @@ at::Tensor rope_inv_freq(const LayerInputs& in, const char* op) {
   return at::atan2(s, c).to(in.keys.device());
 }
 
+at::Tensor average_rope_rotation(const at::Tensor& inv_freq, int64_t start, int64_t count) {
+  constexpr const char* op = "average_rope_rotation";
+  checks::check_rank(op, "inv_freq", inv_freq, 1, "[head_dim / 2]");
+  checks::check_positive(op, "count", count);
+  const int64_t dim = 2 * inv_freq.size(0);
+  const at::Tensor pos = at::arange(start, start + count, inv_freq.options());
+  const at::Tensor angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);        // [T, D/2]
+  const at::Tensor cbar = at::cat({angles.cos(), angles.cos()}, 1).mean(0);  // [D]
+  const at::Tensor sbar = at::cat({angles.sin(), angles.sin()}, 1).mean(0);
+  const at::Tensor P = rotate_half(at::eye(dim, inv_freq.options())).t();  // P[:, j] = rotate_half(e_j)
+  return at::diag(cbar) + sbar.unsqueeze(1) * P;
+}
+
 at::Tensor window_attention_mean(const LayerInputs& in, int64_t window, const char* op) {
   checks::check_kv(op, in.keys, in.values);
   const int64_t seq = in.keys.size(2);

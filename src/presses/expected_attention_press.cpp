@@ -55,15 +55,7 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
   at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
 
   // R̄ = mean over the future positions of cos_t·I + sin_t·P (P: rotate_half as a matrix).
-  const at::Tensor inv_freq = ops::rope_inv_freq(in, op);  // [D/2]
-  const at::Tensor pos = at::arange(seq, seq + n_future_positions_, inv_freq.options());
-  const at::Tensor angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);        // [T, D/2]
-  const at::Tensor cbar = at::cat({angles.cos(), angles.cos()}, 1).mean(0);  // [D]
-  const at::Tensor sbar = at::cat({angles.sin(), angles.sin()}, 1).mean(0);
-  // R̄x = x·c̄ + rotate_half(x)·s̄, so R̄ = diag(c̄) + diag(s̄)·P with P the matrix of rotate_half.
-  const at::Tensor eye = at::eye(d, inv_freq.options());
-  const at::Tensor P = ops::rotate_half(eye).t();               // P[:, j] = rotate_half(e_j)
-  const at::Tensor R = at::diag(cbar) + sbar.unsqueeze(1) * P;  // [D, D]
+  const at::Tensor R = ops::average_rope_rotation(ops::rope_inv_freq(in, op), seq, n_future_positions_);  // [D, D]
 
   mu = at::matmul(mu, R.t());                                         // [B, Hq, D]
   const at::Tensor k = in.keys.narrow(2, n_sink_, n).to(at::kFloat);  // [B, Hkv, n, D]

@@ -92,6 +92,8 @@ PRESSES = [
     ("ExpectedAttentionPress", {"use_covariance": "False", "use_vnorm": "False", "epsilon": "0.01"},
      ("hidden_states",), ()),
     ("ExpectedAttentionPress", {"n_future_positions": "64", "n_sink": "0", "epsilon": "0.01"}, ("hidden_states",), ()),
+    ("CapPress", {}, ("hidden_states", "queries_rope"), (0.25, 0.75)),
+    ("CapPress", {"tau": "2.0", "n_sink": "0", "n_future_positions": "64", "epsilon": "0.001"}, ("hidden_states",), ()),
     # Wrappers.
     ("KeyRerotationPress", {"press": "KnormPress"}, ("keys_inv_freq",), (0.25,)),
     ("KeyRerotationPress", {"press": "SnapKVPress", "press.window_size": "16"}, ("hidden_states",), ()),

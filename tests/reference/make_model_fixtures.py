@@ -68,6 +68,7 @@ PRESSES = [
     ("CompactorPress", {"seed": "0"}),
     ("ExpectedAttentionPress", {}),
     ("CURPress", {}),
+    ("CapPress", {}),
     # The question and decode steps continue at the compressed length (kvpress's pipeline).
     ("KeyRerotationPress", {"press": "KnormPress"}),
     ("KeyRerotationPress", {"press": "SnapKVPress"}),

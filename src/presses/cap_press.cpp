@@ -1,0 +1,81 @@
+// CapPress (kvpress 0.5.5's CAPKV press). docs/PRESS_NOTES.md lists where it differs from kvpress.
+#include "kvpress/presses/cap_press.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress {
+namespace {
+
+// x / max(||x||, 1e-12) along the last dimension (F.normalize).
+at::Tensor unit_rows(const at::Tensor& x) { return x / at::linalg_vector_norm(x, 2, {-1}, true).clamp_min(1e-12); }
+
+}  // namespace
+
+CapPress::CapPress(double compression_ratio, double tau, int64_t n_future_positions, int64_t n_sink, double epsilon)
+    : ScorerPress(compression_ratio),
+      tau_(tau),
+      n_future_positions_(n_future_positions),
+      n_sink_(n_sink),
+      epsilon_(epsilon) {
+  constexpr const char* op = "CapPress";
+  TORCH_CHECK(std::isfinite(tau), op, ": tau must be finite, got ", tau);
+  checks::check_positive(op, "n_future_positions", n_future_positions);
+  checks::check_non_negative(op, "n_sink", n_sink);
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, op, ": epsilon must be >= 0, got ", epsilon);
+}
+
+at::Tensor CapPress::score(const LayerInputs& in) const {
+  constexpr const char* op = "CapPress";
+  checks::check_kv(op, in.keys, in.values);
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
+  TORCH_CHECK(seq > n_sink_, op, ": seq_len must be > n_sink (", n_sink_, "), got ", seq);
+  const int64_t n = seq - n_sink_;
+
+  // The anchor: mean over positions of the pre-RoPE queries times R̄ᵀ, the queries taken in
+  // chunks of about 16 MiB (all of them are Hq / Hkv times the size of K), the sum in float64.
+  const at::Tensor rotation_t = ops::average_rope_rotation(ops::rope_inv_freq(in, op), seq, n_future_positions_).t();
+  const int64_t first_rows = std::min<int64_t>(n, 256);
+  const at::Tensor first = ops::prerope_queries(in, n_sink_, first_rows, op);  // [B, Hq, rows, D] float32
+  const int64_t heads = first.size(1);
+  checks::check_gqa(op, heads, kv_heads);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, batch * heads * d * 4));
+  at::Tensor anchor_sum = at::matmul(first, rotation_t).sum(2).to(at::kDouble);  // [B, Hq, D]
+  for (int64_t start = first_rows; start < n; start += chunk) {
+    const int64_t rows = std::min(chunk, n - start);
+    anchor_sum += at::matmul(ops::prerope_queries(in, n_sink_ + start, rows, op), rotation_t).sum(2).to(at::kDouble);
+  }
+  const int64_t group = heads / kv_heads;
+  const at::Tensor anchor = unit_rows((anchor_sum / static_cast<double>(n)).to(at::kFloat));  // [B, Hq, D]
+
+  at::Tensor scores = at::empty({batch, kv_heads, n}, anchor.options());
+  const at::Tensor eye = at::eye(d, anchor.options());
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const at::Tensor k = unit_rows(in.keys[b][h].narrow(0, n_sink_, n).to(at::kFloat));  // [n, D]
+      const at::Tensor v = in.values[b][h].narrow(0, n_sink_, n).to(at::kFloat);         // [n, D]
+      const at::Tensor vt = v.t();
+      // Query relevance of each token for the group's query heads: [G, n].
+      at::Tensor logits = at::matmul(anchor[b].narrow(0, h * group, group), k.t()).clamp_(-1.0, 1.0).mul_(tau_);
+      const at::Tensor weights = (logits - logits.amax(-1, /*keepdim=*/true)).exp_();
+      at::Tensor head_scores = at::zeros({n}, anchor.options());
+      for (int64_t g = 0; g < group; ++g) {
+        const at::Tensor scaled = v * (weights[g] + epsilon_).sqrt_().unsqueeze(1);  // [n, D]
+        const at::Tensor capacity = eye + at::matmul(scaled.t(), scaled);          // [D, D]
+        const at::Tensor leverage = (vt * at::linalg_solve(capacity, vt)).sum(0);  // v_iᵀ A⁻¹ v_i
+        head_scores += weights[g] * leverage;
+      }
+      scores[b][h].copy_(head_scores / static_cast<double>(group));
+    }
+  }
+  if (n_sink_ == 0) return scores;
+  const double pad = scores.max().item<double>() + 1.0;
+  return at::cat({at::full({batch, kv_heads, n_sink_}, pad, scores.options()), scores}, 2).contiguous();
+}
+
+}  // namespace kvpress
