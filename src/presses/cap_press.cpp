@@ -58,7 +58,7 @@ at::Tensor CapPress::score(const LayerInputs& in) const {
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       const at::Tensor k = unit_rows(in.keys[b][h].narrow(0, n_sink_, n).to(at::kFloat));  // [n, D]
-      const at::Tensor v = in.values[b][h].narrow(0, n_sink_, n).to(at::kFloat);         // [n, D]
+      const at::Tensor v = in.values[b][h].narrow(0, n_sink_, n).to(at::kFloat);           // [n, D]
       const at::Tensor vt = v.t();
       // Query relevance of each token for the group's query heads: [G, n].
       at::Tensor logits = at::matmul(anchor[b].narrow(0, h * group, group), k.t()).clamp_(-1.0, 1.0).mul_(tau_);
@@ -66,8 +66,8 @@ at::Tensor CapPress::score(const LayerInputs& in) const {
       at::Tensor head_scores = at::zeros({n}, anchor.options());
       for (int64_t g = 0; g < group; ++g) {
         const at::Tensor scaled = v * (weights[g] + epsilon_).sqrt_().unsqueeze(1);  // [n, D]
-        const at::Tensor capacity = eye + at::matmul(scaled.t(), scaled);          // [D, D]
-        const at::Tensor leverage = (vt * at::linalg_solve(capacity, vt)).sum(0);  // v_iᵀ A⁻¹ v_i
+        const at::Tensor capacity = eye + at::matmul(scaled.t(), scaled);            // [D, D]
+        const at::Tensor leverage = (vt * at::linalg_solve(capacity, vt)).sum(0);    // v_iᵀ A⁻¹ v_i
         head_scores += weights[g] * leverage;
       }
       scores[b][h].copy_(head_scores / static_cast<double>(group));
