@@ -43,6 +43,7 @@
 #include "kvpress/presses/random_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "kvpress/presses/streaming_llm_press.h"
+#include "kvpress/presses/think_press.h"
 #include "kvpress/presses/tova_press.h"
 
 namespace kvpress {
@@ -520,6 +521,21 @@ std::vector<Entry> rebuilding_scorer_entries() {
   };
 }
 
+// Presses that prune key channels instead of tokens.
+std::vector<Entry> channel_entries() {
+  return {
+      {"ThinKPress",
+       PressKind::kChannel,
+       "ThinK: zeroes the key channels the last queries use least (ratio = fraction of key channels; every token kept)",
+       {{{{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}},
+       [](double r, Params& p) {
+         const int64_t window = p.get("window_size", ThinKPress::kDefaultWindowSize,
+                                      "last queries whose channel magnitudes score the key channels");
+         return std::make_unique<ThinKPress>(r, window);
+       }},
+  };
+}
+
 // Presses that need the engine's second pass over the context.
 std::vector<Entry> second_pass_entries() {
   using K = PressKind;
@@ -739,7 +755,7 @@ std::vector<Entry> ctr_entries() {
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = [] {
     std::vector<Entry> all;
-    for (auto group : {scorer_entries, rebuilding_scorer_entries, second_pass_entries, wrapper_entries,
+    for (auto group : {scorer_entries, rebuilding_scorer_entries, channel_entries, second_pass_entries, wrapper_entries,
                        decoding_entries, budget_entries, ctr_entries}) {
       std::vector<Entry> entries = group();
       all.insert(all.end(), std::make_move_iterator(entries.begin()), std::make_move_iterator(entries.end()));

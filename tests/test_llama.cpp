@@ -501,7 +501,9 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     // PyramidKVPress and PerLayerCompressionPress give each layer its own budget.
     const bool chunked = info.name == "ChunkKVPress" || info.name == "CTRPress" || info.name == "PyramidKVPress" ||
                          info.name == "PerLayerCompressionPress";
-    const int64_t n_kept = chunked ? out.kept_indices[0].size(2) : kvpress::ops::n_kept(s, 0.5);
+    const int64_t n_kept = chunked                                     ? out.kept_indices[0].size(2)
+                           : info.kind == kvpress::PressKind::kChannel ? s  // ThinKPress prunes channels
+                                                                       : kvpress::ops::n_kept(s, 0.5);
     std::vector<int64_t> lengths;
     for (int64_t l = 0; l < 2; ++l) {
       const int64_t n_l = chunked ? out.kept_indices[l].size(2) : n_kept;

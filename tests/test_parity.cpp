@@ -77,6 +77,7 @@
 #include "fixtures.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/base_press.h"
+#include "kvpress/presses/think_press.h"
 #include "kvpress/registry.h"
 
 namespace {
@@ -447,7 +448,7 @@ TEST(Parity, EveryPressHasAnExactComparison) {
   for (const auto& c : s.manifest->cases) {
     for (const auto& r : c.runs) {
       const bool required = c.dtype == "float32" || r.press == "KnormPress" || r.press == "StreamingLLMPress";
-      if (!required || is_wrapper(r)) continue;
+      if (!required || is_wrapper(r) || r.press == "ThinKPress") continue;  // no scores: check_channel_run
       const auto& file = kvpress::testing::load_fixture_file(s.manifest->dir + "/" + r.file);
       const at::Tensor scores = kvpress::testing::fixture_tensor(file, "scores", r.file);
       const at::Tensor kept = kvpress::testing::fixture_tensor(file, "kept_indices", r.file);
@@ -554,6 +555,44 @@ void check_wrapper_run(const FixtureCase& c, const FixtureRun& r, const kvpress:
   record_comparison(c, r, tie_free, exact);
 }
 
+// ThinKPress (prunes key channels): kvpress's run file holds the keys it returned. Ours must zero
+// the same channels and leave every other value as it was; a channel zeroed by one side only must
+// score within tolerance of the pruning threshold (a near-tie: kvpress computes the channel
+// scores in the cache dtype, we in float32).
+void check_channel_run(const FixtureCase& c, const FixtureRun& r, const kvpress::LayerInputs& inputs,
+                       const kvpress::ThinKPress& press, const kvpress::io::SafetensorsFile& ref_file) {
+  const at::Tensor ref_keys = kvpress::testing::fixture_tensor(ref_file, "keys", r.file);
+  kvpress::KV kv;
+  at::Tensor pruned;
+  try {
+    kv = press.compress(inputs);
+    pruned = press.pruned_channels(inputs);  // [B, Hkv, n]
+  } catch (const c10::Error& e) {
+    FAIL() << "compress() raised: " << e.what_without_backtrace();
+  }
+  ASSERT_EQ(kv.keys.sizes(), ref_keys.sizes());
+  const int64_t batch = inputs.keys.size(0), heads = inputs.keys.size(1), seq = inputs.keys.size(2);
+  EXPECT_TRUE(at::equal(kv.kept_indices, at::arange(seq, at::kLong).expand({batch, heads, seq})));
+  EXPECT_TRUE(at::equal(kv.values, inputs.values));
+  const at::Tensor ours = at::zeros({batch, heads, inputs.keys.size(3)}, at::kBool).scatter_(2, pruned, true);
+  EXPECT_TRUE(at::equal(kv.keys, inputs.keys.masked_fill(ours.unsqueeze(2), 0))) << "keys are not the input with "
+                                                                                    "the pruned channels zeroed";
+  // kvpress's pruned channels: zero at every position in its keys, not in the input's.
+  const at::Tensor theirs = (ref_keys == 0).all(2) & ~(inputs.keys == 0).all(2);
+  EXPECT_TRUE(at::equal(ref_keys, inputs.keys.masked_fill(theirs.unsqueeze(2), 0))) << "kvpress changed other values";
+  const at::Tensor differ = ours ^ theirs;
+  bool exact = !differ.any().item<bool>();
+  if (!exact) {
+    const at::Tensor scores = press.channel_scores(inputs);
+    const at::Tensor threshold = scores.masked_fill(~ours, 0).amax(-1, true);  // the highest pruned score
+    const double rtol = c.dtype == "float32" ? 1e-5 : 2e-2;
+    const at::Tensor near = ((scores - threshold).abs() <= rtol * threshold) | ~differ;
+    EXPECT_TRUE(near.all().item<bool>()) << "pruned channels of " << r.name
+                                         << " differ beyond near-ties: " << differ.sum().item<int64_t>() << " channels";
+  }
+  record_comparison(c, r, exact, exact);
+}
+
 TEST_P(ParityRun, MatchesKvpress) {
   const auto& s = manifest_state();
   ASSERT_TRUE(s.manifest.has_value()) << s.error;
@@ -571,6 +610,11 @@ TEST_P(ParityRun, MatchesKvpress) {
       FAIL() << "make_press raised: " << e.what_without_backtrace();
     }
     check_wrapper_run(c, r, inputs, *wrapper, ref_file);
+    return;
+  }
+  if (r.press == "ThinKPress") {  // the registry ratio is its key_channel_compression_ratio
+    const auto press = kvpress::make_press(r.press, r.compression_ratio, r.params);
+    check_channel_run(c, r, inputs, dynamic_cast<const kvpress::ThinKPress&>(*press), ref_file);
     return;
   }
   const at::Tensor ref_scores = kvpress::testing::fixture_tensor(ref_file, "scores", r.file);

@@ -29,6 +29,7 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
     if (info.kind == PressKind::kDecoding) continue;    // no prefill ratio: tests/test_decoding.cpp
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
     if (info.name == "CTRPress") continue;              // adaptive budget, rescued values: tests/test_ctr.cpp
+    if (info.kind == PressKind::kChannel) continue;     // keeps every token: ThinKPress tests below
     for (double ratio : {0.25, 0.5, 0.75}) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
       // Presses with a random draw get a seed, so that the same call gives the same answer.
@@ -136,6 +137,44 @@ TEST(LagKVPress, KeepsSinksAndTheTailPartition) {
   EXPECT_TRUE(at::equal(kept.narrow(0, kept.size(0) - 138, 138), at::arange(4 + 256, 4 + 384 + 10)));
 }
 
+// ThinKPress against its formula, written out in double: channel score = mean over the last w
+// queries of q_c² (group-averaged) times mean over the sequence of k_c²; the int(D · ratio)
+// lowest channels are zeroed in every key; every token and every value kept.
+TEST(ThinKPress, ZeroesTheLowestScoringKeyChannels) {
+  const LayerInputs in = random_layer(40, 21, 8, 2, 16);
+  for (int64_t window : {5, 32, 64}) {  // 64 > S: every query, as kvpress's slice
+    const auto press = make_press("ThinKPress", 0.5, {{"window_size", std::to_string(window)}});
+    const auto& think = dynamic_cast<const ThinKPress&>(*press);
+    EXPECT_DOUBLE_EQ(press->compression_ratio(), 0.25);  // kvpress: half the channel ratio
+    const int64_t w = std::min<int64_t>(window, 40);
+    const at::Tensor q = in.queries.narrow(2, 40 - w, w).to(at::kDouble);
+    const at::Tensor k = in.keys.to(at::kDouble);
+    const at::Tensor expected = (q * q).mean(2).view({1, 2, 4, 16}).mean(2) * (k * k).mean(2);  // [1, 2, 16]
+    EXPECT_TRUE(at::allclose(think.channel_scores(in).to(at::kDouble), expected, 1e-6, 1e-9)) << window;
+    const at::Tensor pruned = think.pruned_channels(in);
+    ASSERT_EQ(pruned.sizes(), (at::IntArrayRef{1, 2, 8}));
+    for (int64_t h = 0; h < 2; ++h) {
+      const at::Tensor lowest = std::get<0>(std::get<1>(expected[0][h].sort()).narrow(0, 0, 8).sort());
+      EXPECT_TRUE(at::equal(pruned[0][h], lowest)) << window << " head " << h;
+    }
+    const KV kv = press->compress(in);
+    const at::Tensor zeroed = at::zeros({1, 2, 16}, at::kBool).scatter_(2, pruned, true).unsqueeze(2);
+    EXPECT_TRUE(at::equal(kv.keys, in.keys.masked_fill(zeroed, 0)));
+    EXPECT_TRUE(at::equal(kv.values, in.values));
+    EXPECT_TRUE(at::equal(kv.kept_indices, at::arange(40, at::kLong).expand({1, 2, 40})));
+  }
+  // Ratio 0 returns the cache untouched; a ratio below 1/D prunes no channel.
+  EXPECT_TRUE(make_press("ThinKPress", 0.0)->compress(in).keys.is_same(in.keys));
+  EXPECT_TRUE(at::equal(make_press("ThinKPress", 0.05)->compress(in).keys, in.keys));
+  // With a token press after it (later presses of ComposedPress see keys and values only).
+  const auto composed = make_press("ComposedPress", 0.5, {{"presses", "ThinKPress,KnormPress"}});
+  const KV kv = composed->compress(in);
+  EXPECT_EQ(kv.kept_indices.size(2), 20);
+  EXPECT_EQ((kv.keys == 0).all(2).sum().item<int64_t>(), 2 * 8);  // 8 zeroed channels per head
+  expect_error([] { ThinKPress(1.0); }, {"ThinKPress: key_channel_compression_ratio must be in [0, 1), got 1"});
+  expect_error([] { ThinKPress(0.5, 0); }, {"ThinKPress: window_size must be"});
+}
+
 TEST(Registry, KindsMatchTheBuiltPresses) {
   const std::set<std::string> wrappers{"KeyRerotationPress", "ChunkKVPress",       "ChunkPress",
                                        "BlockPress",         "ComposedPress",      "AdaKVPress",
@@ -145,6 +184,7 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
     const PressKind expected = wrappers.count(info.name)       ? PressKind::kWrapper
                                : decoding.count(info.name)     ? PressKind::kDecoding
                                : info.name == "KVComposePress" ? PressKind::kSecondPass
+                               : info.name == "ThinKPress"     ? PressKind::kChannel
                                                                : PressKind::kScorer;
     EXPECT_EQ(info.kind, expected) << info.name;
     // Scorers are ScorerPresses (CriticalKVPress is one too, around its inner press).
@@ -219,7 +259,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 30u);
+  ASSERT_EQ(list_presses().size(), 31u);
   for (const PressInfo& info : list_presses())  // a DecodingPress takes no ratio (its budget is target_size)
     EXPECT_EQ(make_press(info.name, info.name == "DecodingPress" ? 0.0 : 0.5)->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

@@ -465,6 +465,7 @@ const char* kind_name(kvpress::PressKind kind) {
     case kvpress::PressKind::kWrapper: return "wrapper";
     case kvpress::PressKind::kDecoding: return "decoding";
     case kvpress::PressKind::kSecondPass: return "second_pass";
+    case kvpress::PressKind::kChannel: return "channel";
   }
   return "unknown";
 }

@@ -36,6 +36,7 @@
 #include "kvpress/presses/score_blend_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "kvpress/presses/streaming_llm_press.h"
+#include "kvpress/presses/think_press.h"
 #include "kvpress/presses/tova_press.h"
 #include "kvpress/registry.h"
 #include "kvpress/types.h"

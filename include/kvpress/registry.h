@@ -34,6 +34,8 @@ enum class PressKind {
                 // is not a prefill compression at the registry ratio, so layer loops leave it out
   kSecondPass,  // needs the engine's second pass over the context (KVComposePress); its compress()
                 // raises and kvpress::llama's runner runs it at prefill
+  kChannel,     // prunes key channels, not tokens (ThinKPress): compress() keeps every token and
+                // zeroes channels; the registry ratio is the fraction of key channels pruned
 };
 
 // A set of LayerInputs fields a press can work from, all needed together.

@@ -307,6 +307,8 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
                                                     compression_ratios=ratios)
         inner = build_press(params["press"], sub_params, ratio)
         return getattr(kvpress, name)(press=inner, **{k: parse_value(v) for k, v in rest.items()})
+    if name == "ThinKPress":  # its ratio is the fraction of key channels (kvpress-cpp's registry too)
+        return kvpress.ThinKPress(key_channel_compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
     return getattr(kvpress, name)(compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
 
 

@@ -93,6 +93,9 @@ PRESSES = [
      ("hidden_states",), ()),
     ("ExpectedAttentionPress", {"n_future_positions": "64", "n_sink": "0", "epsilon": "0.01"}, ("hidden_states",), ()),
     ("CapPress", {}, ("hidden_states", "queries_rope"), (0.25, 0.75)),
+    # ThinKPress: the ratio is key_channel_compression_ratio (its compression_ratio is half of it).
+    ("ThinKPress", {}, ("hidden_states", "queries"), (0.25, 0.75)),
+    ("ThinKPress", {"window_size": "8"}, ("hidden_states",), ()),
     ("CapPress", {"tau": "2.0", "n_sink": "0", "n_future_positions": "64", "epsilon": "0.001"}, ("hidden_states",), ()),
     # Wrappers.
     ("KeyRerotationPress", {"press": "KnormPress"}, ("keys_inv_freq",), (0.25,)),
@@ -107,6 +110,7 @@ PRESSES = [
     ("ComposedPress", {"presses": "SnapKVPress,KnormPress", "presses.0.window_size": "16"}, ("hidden_states",), ()),
 ]
 WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress")
+CHANNEL_PRESSES = ("ThinKPress",)  # prune key channels: the run file holds kvpress's returned keys
 BASE_RATIO = 0.5
 
 # Random-weight Llama cases: (head_dim, dtype, seq_len, store attentions). 8 query heads,
@@ -181,6 +185,17 @@ def run_press(press, layer: dict, source: str, seed: int | None = None):
     assert torch.equal(gathered_v, new_values)
     kept = topk.sort(dim=-1).values.to(torch.int64).contiguous()
     return scores.to(torch.float32).contiguous(), kept, n_kept
+
+
+def run_channel_press(press, layer: dict) -> dict[str, torch.Tensor]:
+    """A press that prunes key channels (ThinKPress) as kvpress's hook runs it: its kwargs carry the
+    hidden states; it writes into the keys it is given, so it gets a copy. Returns the new keys."""
+    kwargs = dict(layer["kwargs"], hidden_states=layer["hidden_states"])
+    with torch.no_grad():
+        new_keys, new_values = press.compress(layer["module"], layer["hidden_states"], layer["keys"].clone(),
+                                              layer["values"], None, kwargs)
+    assert torch.equal(new_values, layer["values"])
+    return {"keys": new_keys.contiguous()}
 
 
 def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
@@ -296,6 +311,10 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
                 elif press_name in WRAPPERS:
                     file = f"{run_name}.safetensors"
                     save(run_wrapper(press, layer, source), out / file)
+                    files[kv_run] = file
+                elif press_name in CHANNEL_PRESSES:
+                    file = f"{run_name}.safetensors"
+                    save(run_channel_press(press, layer), out / file)
                     files[kv_run] = file
                 else:
                     scores, kept, n_kept = run_press(press, layer, source, seed)

@@ -69,6 +69,7 @@ PRESSES = [
     ("ExpectedAttentionPress", {}),
     ("CURPress", {}),
     ("CapPress", {}),
+    ("ThinKPress", {}),
     # The question and decode steps continue at the compressed length (kvpress's pipeline).
     ("KeyRerotationPress", {"press": "KnormPress"}),
     ("KeyRerotationPress", {"press": "SnapKVPress"}),
@@ -216,6 +217,10 @@ def spy_on(press, reseed: int | None):
             assert not rerotated and torch.equal(kept, kept.sort(-1).values), "one ascending selection per layer"
             assert torch.equal(values.gather(2, kept.unsqueeze(-1).expand_as(new_values)), new_values)
             entry = {"kept": kept.contiguous()}
+        elif isinstance(press, kvpress.ThinKPress):  # zeroes key channels, keeps every token in place
+            assert torch.equal(new_values, values) and new_keys.shape == keys.shape
+            b, h, s = keys.shape[:3]
+            entry = {"kept": torch.arange(s).expand(b, h, s).contiguous()}
         else:
             entry = {"kept": kept_positions(keys, values, new_keys, new_values)}
         if scores is not None:
