@@ -356,9 +356,15 @@ struct Entry {
   Factory make;
 };
 
-// Where attention-based presses take their attention from (ops::window_attention_mean).
-const PressInputs kWindowAttentionInputs{
-    {{{"attentions"}}, {{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}};
+// Where the last queries come from (ops::window_queries), and attention-based presses their
+// attention (ops::window_attention_mean: the given attentions, else those queries).
+const std::vector<InputSet> kWindowQuerySources{{{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}};
+const PressInputs kWindowQueryInputs{kWindowQuerySources};
+const PressInputs kWindowAttentionInputs{[] {
+  std::vector<InputSet> sets{{{"attentions"}}};
+  sets.insert(sets.end(), kWindowQuerySources.begin(), kWindowQuerySources.end());
+  return sets;
+}()};
 // Presses that need the pre-RoPE queries of every position (ExpectedAttentionPress, CapPress) and the
 // RoPE frequencies of the future positions.
 const PressInputs kPreRopeQueryInputs{{{{"hidden_states", "q_proj", "inv_freq"}},
@@ -524,10 +530,9 @@ std::vector<Entry> rebuilding_scorer_entries() {
 // Presses that prune key channels instead of tokens.
 std::vector<Entry> channel_entries() {
   return {
-      {"ThinKPress",
-       PressKind::kChannel,
+      {"ThinKPress", PressKind::kChannel,
        "ThinK: zeroes the key channels the last queries use least (ratio = fraction of key channels; every token kept)",
-       {{{{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}},
+       kWindowQueryInputs,
        [](double r, Params& p) {
          const int64_t window = p.get("window_size", ThinKPress::kDefaultWindowSize,
                                       "last queries whose channel magnitudes score the key channels");

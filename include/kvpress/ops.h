@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 #include "kvpress/types.h"
@@ -84,6 +85,13 @@ at::Tensor project_queries(const at::Tensor& hidden,                    // [B, n
 // (+ q_norm).
 at::Tensor prerope_queries(const LayerInputs& inputs, int64_t start, int64_t n,
                            const char* op);  // -> [B, Hq, n, D] float32
+
+// prerope_queries of positions [start, start + n) handed to `visit` chunk by chunk, so that no more
+// than one chunk exists at a time (the queries of every position are Hq / Hkv times the size of K):
+// first min(n, 256) rows, then about 16 MiB per chunk. visit(q [B, Hq, rows, D] float32, offset of
+// its first row within [0, n)).
+void for_each_prerope_query_chunk(const LayerInputs& inputs, int64_t start, int64_t n, const char* op,
+                                  const std::function<void(const at::Tensor&, int64_t)>& visit);
 
 // RoPE inverse frequencies: inputs.inv_freq, else derived from row 1 of cos/sin (atan2; exact for
 // float32 tables, since every HF frequency is below pi).

@@ -7,6 +7,10 @@
 
 namespace kvpress::kernels {
 
+// Rows converted at a time by the kernels that stream float16/bfloat16 keys through float32 loops:
+// a block stays in L1/L2 while it is used.
+constexpr int64_t kConvertBlockRows = 64;
+
 inline const float* as_float32(const float* src, int64_t /*n*/, std::vector<float>& /*scratch*/) { return src; }
 
 // The n elements at src, converted into scratch (at least n long).

@@ -20,8 +20,6 @@
 namespace kvpress::kernels {
 namespace {
 
-constexpr int64_t kBlockRows = 64;  // rows of float16/bfloat16 keys converted to float32 at a time
-
 // Scratch of one thread: the anchor's running sum (double: over millions of rows a float sum
 // drifts), the anchor itself, every row's norm and, for float16/bfloat16 keys, one block of rows
 // in float32.
@@ -31,7 +29,7 @@ struct KeyDiffScratch {
   std::vector<float> block;
   KeyDiffScratch(int64_t dim, int64_t seq, bool convert)
       : anchor_sum(static_cast<size_t>(dim)), anchor(static_cast<size_t>(dim)), norms(static_cast<size_t>(seq)) {
-    if (convert) block.resize(static_cast<size_t>(kBlockRows * dim));
+    if (convert) block.resize(static_cast<size_t>(kConvertBlockRows * dim));
   }
 };
 
@@ -71,13 +69,13 @@ void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, Ke
     return as_float32(keys + s0 * dim, n * dim, scratch.block);
   };
   std::fill(scratch.anchor_sum.begin(), scratch.anchor_sum.end(), 0.0);
-  for (int64_t s0 = 0; s0 < seq; s0 += kBlockRows) {
-    const int64_t n = std::min(kBlockRows, seq - s0);
+  for (int64_t s0 = 0; s0 < seq; s0 += kConvertBlockRows) {
+    const int64_t n = std::min(kConvertBlockRows, seq - s0);
     add_unit_rows(rows(s0, n), n, dim, scratch.norms.data() + s0, scratch.anchor_sum.data());
   }
   const float anchor_norm = finish_anchor(scratch.anchor_sum.data(), seq, dim, scratch.anchor.data());
-  for (int64_t s0 = 0; s0 < seq; s0 += kBlockRows) {
-    const int64_t n = std::min(kBlockRows, seq - s0);
+  for (int64_t s0 = 0; s0 < seq; s0 += kConvertBlockRows) {
+    const int64_t n = std::min(kConvertBlockRows, seq - s0);
     negative_cosines(rows(s0, n), n, dim, scratch.anchor.data(), anchor_norm, scratch.norms.data() + s0, out + s0);
   }
 }

@@ -48,7 +48,6 @@ void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t n, in
 // dtype, logits [nh, rows, S]. float16/bfloat16 keys are converted a block of rows at a time
 // (exactly), never as a float32 copy of the slab.
 void few_rows_slab(const at::Tensor& q, const at::Tensor& k_in, int64_t rows, float* logits) {
-  constexpr int64_t kBlockRows = 64;
   const at::Tensor k = k_in.contiguous();
   const int64_t nh = k.size(0), seq = k.size(1), dim = k.size(2);
   const float* qp = q.data_ptr<float>();
@@ -56,10 +55,10 @@ void few_rows_slab(const at::Tensor& q, const at::Tensor& k_in, int64_t rows, fl
       k.scalar_type(), "window_attention_mean_cpu", AT_WRAP([&] {
         const scalar_t* kp = k.data_ptr<scalar_t>();
         at::parallel_for(0, nh * seq, /*grain_size=*/1024, [&](int64_t begin, int64_t end) {
-          std::vector<float> block(std::is_same_v<scalar_t, float> ? 0 : static_cast<size_t>(kBlockRows * dim));
+          std::vector<float> block(std::is_same_v<scalar_t, float> ? 0 : static_cast<size_t>(kConvertBlockRows * dim));
           for (int64_t i = begin; i < end;) {  // (head, key) pairs [begin, end), head by head, in blocks
             const int64_t h = i / seq, j0 = i % seq;
-            const int64_t j1 = std::min({seq, j0 + (end - i), j0 + kBlockRows});
+            const int64_t j1 = std::min({seq, j0 + (end - i), j0 + kConvertBlockRows});
             // keys j0 .. j1 as float32, [j1 - j0, dim]
             const float* rows_f32 = as_float32(kp + (h * seq + j0) * dim, (j1 - j0) * dim, block);
             few_rows_logits(qp + h * rows * dim, rows, rows_f32, j1 - j0, dim, seq, logits + h * rows * seq + j0);

@@ -76,6 +76,21 @@ at::Tensor centred_sketch(const at::Tensor& keys, const at::Tensor& sketch) {
   return at::matmul(keys - keys.mean(2, /*keepdim=*/true), sketch.to(keys.scalar_type())).to(at::kFloat);
 }
 
+// centred_sketch of one KV head written into X, without its temporaries: `keys` ([B, 1, S, D], owned
+// by the caller) are centred in place, and in float32 the GEMM writes X's rows directly. The same
+// values as centred_sketch. sketch [D, k] or [B, 1, D, k]; x_head [B, 1, S, k] float32.
+void centred_sketch_into(at::Tensor keys, const at::Tensor& sketch, const at::Tensor& x_head) {
+  keys.sub_(keys.mean(2, /*keepdim=*/true));
+  for (int64_t b = 0; b < keys.size(0); ++b) {
+    const at::Tensor phi = (sketch.dim() == 2 ? sketch : sketch[b][0]).to(keys.scalar_type());  // [D, k]
+    at::Tensor x_bh = x_head[b][0];  // [S, k], contiguous rows of X
+    if (keys.scalar_type() == at::kFloat)
+      at::mm_out(x_bh, keys[b][0], phi);
+    else
+      x_bh.copy_(at::mm(keys[b][0], phi));
+  }
+}
+
 // ℓ_i = x_iᵀ (G + λI)⁻¹ x_i with G = sym(XᵀX), by Cholesky (jitter shared by the whole batch, as
 // kvpress), clamped at 0. With G + λI = L Lᵀ, ℓ_i = ||L⁻¹ x_i||²: the k x k inverse of the factor
 // is one small triangular solve, and L⁻¹ applied to every row is a GEMM (kvpress's cholesky_solve
@@ -184,10 +199,9 @@ at::Tensor sketch_keys(const at::Tensor& prerope_keys, const at::Tensor& sketch)
   at::Tensor x = at::empty({prerope_keys.size(0), prerope_keys.size(1), prerope_keys.size(2), sketch.size(-1)},
                            prerope_keys.options().dtype(at::kFloat));
   // One head at a time: the centred copy of the keys never exceeds one head.
-  for (int64_t h = 0; h < prerope_keys.size(1); ++h) {
-    x.narrow(1, h, 1).copy_(
-        centred_sketch(prerope_keys.narrow(1, h, 1), sketch.dim() == 2 ? sketch : sketch.narrow(1, h, 1)));
-  }
+  for (int64_t h = 0; h < prerope_keys.size(1); ++h)
+    centred_sketch_into(prerope_keys.narrow(1, h, 1).clone(), sketch.dim() == 2 ? sketch : sketch.narrow(1, h, 1),
+                        x.narrow(1, h, 1));
   return x;
 }
 
@@ -238,18 +252,7 @@ at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int6
   }
   for (int64_t h = 0; h < heads; ++h) {
     one.keys = in.keys.narrow(1, h, 1);
-    // centred_sketch's arithmetic without its temporaries: the head's fresh pre-RoPE keys are
-    // centred in place, and in float32 the GEMM writes X's rows directly.
-    at::Tensor keys = prerope_keys(one, op).to(dtype);  // [B, 1, S, D], owned
-    keys.sub_(keys.mean(2, /*keepdim=*/true));
-    for (int64_t b = 0; b < batch; ++b) {
-      const at::Tensor phi_bh = phi[b][h].to(dtype);  // [D, k]
-      at::Tensor x_bh = x[b][h];                      // [S, k], contiguous rows of x
-      if (dtype == at::kFloat)
-        at::mm_out(x_bh, keys[b][0], phi_bh);
-      else
-        x_bh.copy_(at::mm(keys[b][0], phi_bh));
-    }
+    centred_sketch_into(prerope_keys(one, op).to(dtype), phi.narrow(1, h, 1), x.narrow(1, h, 1));  // fresh keys
   }
   return ridge_leverage_impl(x, op);
 }

@@ -163,6 +163,18 @@ at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, cons
                      in.sin.narrow(0, start, n).to(at::kFloat));
 }
 
+void for_each_prerope_query_chunk(const LayerInputs& in, int64_t start, int64_t n, const char* op,
+                                  const std::function<void(const at::Tensor&, int64_t)>& visit) {
+  constexpr int64_t kChunkBytes = int64_t{16} << 20;
+  const int64_t first_rows = std::min<int64_t>(n, 256);
+  const at::Tensor first = prerope_queries(in, start, first_rows, op);  // validates the inputs
+  visit(first, 0);
+  const int64_t row_bytes = first.size(0) * first.size(1) * first.size(3) * 4;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, row_bytes));
+  for (int64_t offset = first_rows; offset < n; offset += chunk)
+    visit(prerope_queries(in, start + offset, std::min(chunk, n - offset), op), offset);
+}
+
 at::Tensor rope_inv_freq(const LayerInputs& in, const char* op) {
   checks::check_keys(op, in.keys);
   const int64_t head_dim = in.keys.size(3);

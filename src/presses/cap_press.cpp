@@ -37,19 +37,21 @@ at::Tensor CapPress::score(const LayerInputs& in) const {
   TORCH_CHECK(seq > n_sink_, op, ": seq_len must be > n_sink (", n_sink_, "), got ", seq);
   const int64_t n = seq - n_sink_;
 
-  // The anchor: mean over positions of the pre-RoPE queries times R̄ᵀ, the queries taken in
-  // chunks of about 16 MiB (all of them are Hq / Hkv times the size of K), the sum in float64.
+  // The anchor: mean over positions of the pre-RoPE queries times R̄ᵀ, summed chunk by chunk in
+  // float64.
   const at::Tensor rotation_t = ops::average_rope_rotation(ops::rope_inv_freq(in, op), seq, n_future_positions_).t();
-  const int64_t first_rows = std::min<int64_t>(n, 256);
-  const at::Tensor first = ops::prerope_queries(in, n_sink_, first_rows, op);  // [B, Hq, rows, D] float32
-  const int64_t heads = first.size(1);
-  checks::check_gqa(op, heads, kv_heads);
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, batch * heads * d * 4));
-  at::Tensor anchor_sum = at::matmul(first, rotation_t).sum(2).to(at::kDouble);  // [B, Hq, D]
-  for (int64_t start = first_rows; start < n; start += chunk) {
-    const int64_t rows = std::min(chunk, n - start);
-    anchor_sum += at::matmul(ops::prerope_queries(in, n_sink_ + start, rows, op), rotation_t).sum(2).to(at::kDouble);
-  }
+  int64_t heads = 0;
+  at::Tensor anchor_sum;  // [B, Hq, D]
+  ops::for_each_prerope_query_chunk(in, n_sink_, n, op, [&](const at::Tensor& q, int64_t offset) {
+    const at::Tensor part = at::matmul(q, rotation_t).sum(2).to(at::kDouble);
+    if (offset == 0) {
+      heads = q.size(1);
+      checks::check_gqa(op, heads, kv_heads);
+      anchor_sum = part;
+    } else {
+      anchor_sum += part;
+    }
+  });
   const int64_t group = heads / kv_heads;
   const at::Tensor anchor = unit_rows((anchor_sum / static_cast<double>(n)).to(at::kFloat));  // [B, Hq, D]
 

@@ -32,25 +32,23 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
   const int64_t n = seq - n_sink_;
 
-  // Query statistics over positions n_sink..S-1 (mean, biased covariance), accumulated over
-  // chunks of positions so that no more than one chunk of queries exists at a time (the queries
-  // of every position are Hq / Hkv times the size of K). Sums are shifted by the first chunk's
-  // mean, for accuracy, and carried in float64 across chunks.
-  const int64_t first_rows = std::min<int64_t>(n, 256);
-  const at::Tensor first = ops::prerope_queries(in, n_sink_, first_rows, op);  // [B, Hq, first_rows, D]
-  const int64_t heads = first.size(1);
-  checks::check_gqa(op, heads, kv_heads);
-  const int64_t group = heads / kv_heads;
-  const at::Tensor shift = first.mean(2, true);  // [B, Hq, 1, D]
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, batch * heads * d * 4));
-  at::Tensor sum = at::zeros({batch, heads, d}, first.options().dtype(at::kDouble));
-  at::Tensor second = use_covariance_ ? at::zeros({batch, heads, d, d}, sum.options()) : at::Tensor();
-  for (int64_t start = 0; start < n; start += chunk) {
-    const int64_t rows = std::min(chunk, n - start);
-    const at::Tensor qc = ops::prerope_queries(in, n_sink_ + start, rows, op) - shift;  // [B, Hq, rows, D]
+  // Query statistics over positions n_sink..S-1 (mean, biased covariance), accumulated chunk by
+  // chunk in float64, the sums shifted by the first chunk's mean for accuracy.
+  int64_t heads = 0;
+  at::Tensor shift, sum, second;  // [B, Hq, 1, D], [B, Hq, D], [B, Hq, D, D]
+  ops::for_each_prerope_query_chunk(in, n_sink_, n, op, [&](const at::Tensor& q, int64_t offset) {
+    if (offset == 0) {
+      heads = q.size(1);
+      checks::check_gqa(op, heads, kv_heads);
+      shift = q.mean(2, true);
+      sum = at::zeros({batch, heads, d}, q.options().dtype(at::kDouble));
+      if (use_covariance_) second = at::zeros({batch, heads, d, d}, sum.options());
+    }
+    const at::Tensor qc = q - shift;  // [B, Hq, rows, D]
     sum += qc.sum(2).to(at::kDouble);
     if (use_covariance_) second += at::matmul(qc.transpose(2, 3), qc).to(at::kDouble);
-  }
+  });
+  const int64_t group = heads / kv_heads;
   const at::Tensor mean_shifted = sum / static_cast<double>(n);  // [B, Hq, D] float64
   at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
 
@@ -71,6 +69,7 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
     const at::Tensor side_by_side =
         cov.view({batch, kv_heads, group, d, d}).permute({0, 1, 3, 2, 4}).reshape({batch, kv_heads, d, group * d});
     at::Tensor quad = at::empty({batch, kv_heads, n, group}, z.options());
+    const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, batch * heads * d * 4));
     for (int64_t start = 0; start < n; start += chunk) {
       const int64_t rows = std::min(chunk, n - start);
       const at::Tensor kc = k.narrow(2, start, rows);  // [B, Hkv, rows, D]
