@@ -27,6 +27,7 @@
 #include "kvpress/presses/ctr_press.h"
 #include "kvpress/presses/cur_press.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
@@ -587,6 +588,18 @@ std::vector<Entry> wrapper_entries() {
          auto inner = inner_scorer(p, r);
          return std::make_unique<ChunkKVPress>(
              inner, p.get("chunk_length", ChunkKVPress::kDefaultChunkLength, "tokens per chunk"));
+       }},
+      {"EntropyGatedChunkKVPress",
+       K::kWrapper,
+       "ChunkKV whose important low-entropy chunks keep only their best tokens",
+       {{}, {}, {}, "no attentions (kvpress refuses them)"},
+       [](double r, Params& p) {
+         using P = EntropyGatedChunkKVPress;
+         auto inner = inner_scorer(p, r);
+         const int64_t length = p.get("chunk_length", P::kDefaultChunkLength, "tokens per chunk");
+         const int64_t low = p.get("low_entropy_chunk_length", P::kDefaultLowEntropyChunkLength,
+                                   "tokens kept from an important chunk whose scores are spiky");
+         return std::make_unique<P>(inner, length, low);
        }},
       {"ChunkPress",
        K::kWrapper,

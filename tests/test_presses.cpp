@@ -176,9 +176,16 @@ TEST(ThinKPress, ZeroesTheLowestScoringKeyChannels) {
 }
 
 TEST(Registry, KindsMatchTheBuiltPresses) {
-  const std::set<std::string> wrappers{"KeyRerotationPress", "ChunkKVPress",       "ChunkPress",
-                                       "BlockPress",         "ComposedPress",      "AdaKVPress",
-                                       "CriticalKVPress",    "CriticalAdaKVPress", "PerLayerCompressionPress"};
+  const std::set<std::string> wrappers{"KeyRerotationPress",
+                                       "ChunkKVPress",
+                                       "EntropyGatedChunkKVPress",
+                                       "ChunkPress",
+                                       "BlockPress",
+                                       "ComposedPress",
+                                       "AdaKVPress",
+                                       "CriticalKVPress",
+                                       "CriticalAdaKVPress",
+                                       "PerLayerCompressionPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
     const PressKind expected = wrappers.count(info.name)       ? PressKind::kWrapper
@@ -259,7 +266,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 31u);
+  ASSERT_EQ(list_presses().size(), 32u);
   for (const PressInfo& info : list_presses())  // a DecodingPress takes no ratio (its budget is target_size)
     EXPECT_EQ(make_press(info.name, info.name == "DecodingPress" ? 0.0 : 0.5)->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

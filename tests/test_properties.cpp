@@ -81,6 +81,7 @@ const std::map<std::string, Promise>& promises() {
         },
         nullptr}},
       {"ChunkKVPress", {1, nullptr, nullptr}},  // whole chunks: the count depends on which chunks win
+      {"EntropyGatedChunkKVPress", {1, default_kept, nullptr}},
       {"ChunkPress",
        {1,
         [](const BasePress&, int64_t seq, double ratio) {

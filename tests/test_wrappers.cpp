@@ -161,6 +161,32 @@ TEST(ChunkKVPress, KeepsWholeChunksWithTheBestMeanScore) {
   expect_error([] { ChunkKVPress(nullptr); }, {"ChunkKVPress: press must be a ScorerPress"});
 }
 
+TEST(EntropyGatedChunkKVPress, CutsImportantSpikyChunksToTheirBestTokens) {
+  // Knorm scores -||k|| (summed over the 2 heads): four chunks of 5 with key norms
+  //   A [1 9 9 9 9]   mean -7.4, one spike: entropy 0          (important and spiky)
+  //   B [3 3.5 3 3.5 3]   mean -3.2, entropy log 3 / log 5     (important)
+  //   C [5 5 5 5 6]   mean -5.2, entropy log 4 / log 5         (important)
+  //   D [8 8.5 8 8.5 8]   mean -8.2, entropy log 3 / log 5
+  // Lower medians: mean -7.4 (A), entropy log 3 / log 5: only A is spiky (strictly below).
+  const std::vector<double> norms{1, 9, 9, 9, 9, 3, 3.5, 3, 3.5, 3, 5, 5, 5, 5, 6, 8, 8.5, 8, 8.5, 8};
+  const at::Tensor keys = at::zeros({1, 2, 20, 4});
+  keys.select(3, 0).copy_(at::tensor(norms, at::kDouble).to(at::kFloat).expand({1, 2, 20}));
+  LayerInputs in;
+  in.keys = keys;
+  in.values = randn({1, 2, 20, 4}, 3);
+  const auto knorm = std::make_shared<KnormPress>(0.4);  // budget int(20 * 0.6) = 12
+  // B and C whole (10), then A's two best tokens (its spike, then the earlier of the ties).
+  const at::Tensor two = at::cat({at::arange(0, 2), at::arange(5, 15)});
+  EXPECT_TRUE(at::equal(EntropyGatedChunkKVPress(knorm, 5, 2).compress(in).kept_indices[0][1], two));
+  // With low_entropy_chunk_length 1, A gives one token and D (not spiky) the last: its best, position 15.
+  const at::Tensor one = at::cat({at::arange(0, 1), at::arange(5, 16)});
+  EXPECT_TRUE(at::equal(EntropyGatedChunkKVPress(knorm, 5, 1).compress(in).kept_indices[0][0], one));
+  expect_error([&] { EntropyGatedChunkKVPress(knorm, 5, 5); },
+               {"EntropyGatedChunkKVPress: low_entropy_chunk_length must be in [1, chunk_length - 1] = [1, 4], got 5"});
+  expect_error([&] { EntropyGatedChunkKVPress(knorm, 5, 0); }, {"low_entropy_chunk_length", "got 0"});
+  expect_error([] { EntropyGatedChunkKVPress(nullptr); }, {"EntropyGatedChunkKVPress: press must be a ScorerPress"});
+}
+
 TEST(ChunkPress, ScoresEveryChunkAlone) {
   const Layer l = make_layer(70, 6);
   const KV kv = ChunkPress(std::make_shared<KnormPress>(0.5), 32).compress(l.in);  // 32 + 32 + 6

@@ -19,6 +19,7 @@
 #include "kvpress/presses/ctr_press.h"
 #include "kvpress/presses/cur_press.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"

@@ -134,7 +134,7 @@ fi
 
 presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
-         ChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
+         ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
          PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
          CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress)
 if expect_ok "list" list; then

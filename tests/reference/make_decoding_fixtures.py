@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from kvpress.utils import compute_n_kept
 from kvpress import (
     BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CompressionRatioDecodingPress, DecodingPress,
-    KeyDiffPress, KeyRerotationPress, PrefillDecodingPress, SnapKVPress, TOVAPress)
+    EntropyGatedChunkKVPress, KeyDiffPress, KeyRerotationPress, PrefillDecodingPress, SnapKVPress, TOVAPress)
 
 # (name, story, context tokens incl. BOS, question tokens, max new tokens). The question is the
 # story's next tokens after the context.
@@ -94,6 +94,10 @@ WRAPPER_RUNS = [
      lambda r: KeyRerotationPress(press=SnapKVPress(compression_ratio=r, window_size=16))),
     ("chunkkv_snapkv", "ChunkKVPress", {"press": "SnapKVPress", "press.window_size": "16", "chunk_length": "20"},
      lambda r: ChunkKVPress(press=SnapKVPress(compression_ratio=r, window_size=16), chunk_length=20)),
+    # KeyDiff, not SnapKV: SnapKV's window tokens tie (each scores the maximum), and a chunk of them
+    # is cut to its low_entropy_chunk_length tokens in torch.topk's order among ties.
+    ("entropy_gated_keydiff", "EntropyGatedChunkKVPress", {"press": "KeyDiffPress"},
+     lambda r: EntropyGatedChunkKVPress(press=KeyDiffPress(compression_ratio=r))),
     ("chunk_keydiff", "ChunkPress", {"press": "KeyDiffPress", "chunk_length": "64"},
      lambda r: ChunkPress(press=KeyDiffPress(compression_ratio=r), chunk_length=64)),
     ("block_keydiff", "BlockPress", {"press": "KeyDiffPress", "block_size": "32"},

@@ -45,11 +45,12 @@ MAX_ATTENTION_BYTES = 40 * 1024 * 1024
 #   "keys_inv_freq" keys, values, inv_freq (RoPE inverse frequencies, float32)
 # ("hidden_states" also gives inv_freq.)
 #
-# Wrappers (ChunkKVPress, ChunkPress, BlockPress, KeyRerotationPress, ComposedPress) name their
+# Wrappers (ChunkKVPress, EntropyGatedChunkKVPress, ChunkPress, BlockPress, KeyRerotationPress, ComposedPress) name their
 # inner press with the C++ registry's syntax: "press" = inner class name, "press.<param>" its
 # parameters; ComposedPress: "presses" = "A,B", "presses.<i>.<param>". Their run files hold the
 # kept positions (recovered from the returned cache) and, for KeyRerotationPress, the re-rotated
-# keys, and the inner scorer's scores where the selection is a top-k of them.
+# keys, and the inner scorer's scores where the selection is a top-k of them or, for
+# EntropyGatedChunkKVPress, where the test replays its gate on them.
 # kvpress itself always recomputes queries / pre-RoPE keys from the hidden states, so every source
 # but "attentions" shares one kvpress run (the C++ side must reach the same numbers by its path).
 #
@@ -102,6 +103,10 @@ PRESSES = [
     ("KeyRerotationPress", {"press": "SnapKVPress", "press.window_size": "16"}, ("hidden_states",), ()),
     ("ChunkKVPress", {"press": "KnormPress"}, KEYS_ONLY, (0.25,)),
     ("ChunkKVPress", {"press": "SnapKVPress", "press.window_size": "16", "chunk_length": "16"}, ("hidden_states",), ()),
+    ("EntropyGatedChunkKVPress", {"press": "KnormPress"}, KEYS_ONLY, (0.25, 0.75)),
+    ("EntropyGatedChunkKVPress", {"press": "KeyDiffPress", "chunk_length": "16", "low_entropy_chunk_length": "1"},
+     KEYS_ONLY, ()),
+    ("EntropyGatedChunkKVPress", {"press": "SnapKVPress", "press.window_size": "16"}, ("hidden_states",), ()),
     ("ChunkPress", {"press": "KnormPress", "chunk_length": "256"}, KEYS_ONLY, (0.25,)),
     ("ChunkPress", {"press": "SnapKVPress", "press.window_size": "16", "chunk_length": "256"}, ("hidden_states",), ()),
     ("BlockPress", {"press": "KeyDiffPress", "block_size": "64"}, KEYS_ONLY, (0.25,)),
@@ -109,7 +114,8 @@ PRESSES = [
     ("ComposedPress", {"presses": "KnormPress,KeyDiffPress"}, KEYS_ONLY, ()),
     ("ComposedPress", {"presses": "SnapKVPress,KnormPress", "presses.0.window_size": "16"}, ("hidden_states",), ()),
 ]
-WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress")
+WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "ChunkPress", "BlockPress",
+            "ComposedPress")
 CHANNEL_PRESSES = ("ThinKPress",)  # prune key channels: the run file holds kvpress's returned keys
 BASE_RATIO = 0.5
 
@@ -219,6 +225,9 @@ def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
             out["keys"] = new_keys.contiguous()
         else:
             kept = kept_positions(keys, values, new_keys, new_values, sort=False)  # in the order kvpress left them
+        if isinstance(press, kvpress.EntropyGatedChunkKVPress):  # its gate replayed on these scores,
+            # in the dtype kvpress sums them in (float32 from KnormPress, the cache dtype from others)
+            out["scores"] = press.press.score(module, hidden, keys, values, None, kwargs).contiguous()
     gathered_v = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
     assert torch.equal(gathered_v, new_values), type(press).__name__
     out["kept_indices"] = kept.sort(dim=-1).values.to(torch.int64).contiguous()
