@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
       layer.attentions = at::softmax(at::randn({1, kQHeads, seq, seq}, f32), -1).tril_().to(dtype);
     }
     try {
-      const auto press = kvpress::make_press(info.name, 0.5, {});
+      const auto press = kvpress::make_press(info.name, kvpress::ratio_for(info, 0.5), {});
       const double ms = median_ms([&] { (void)press->compress(layer); }, 2, repeats);
       std::printf("%-36s %10.3f %10.1f\n", info.name.c_str(), ms, ms / floor_ms);
     } catch (const c10::Error& e) {

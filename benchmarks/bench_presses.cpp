@@ -193,7 +193,7 @@ void bench_press(benchmark::State& state, std::string name, Feed feed, int64_t S
   ShapeData& d = shape_data(S, dtype);
   std::unique_ptr<kvpress::BasePress> press;
   try {
-    press = kvpress::make_press(name, kRatio);
+    press = kvpress::make_press(name, kvpress::ratio_for(*kvpress::find_press(name), kRatio));
   } catch (const c10::Error& e) {
     state.SkipWithError(e.what_without_backtrace());
     return;

@@ -178,7 +178,7 @@ int measure(const Config& c, int64_t seq, at::ScalarType dtype) {
   mallopt(M_MMAP_THRESHOLD, 64 * 1024);  // fixed: large blocks are mmapped and unmapped on free
   auto* counting = new CountingAllocator(c10::GetCPUAllocator());
   c10::SetCPUAllocator(counting, /*priority=*/100);
-  auto press = kvpress::make_press(c.press, 0.5, {});
+  auto press = kvpress::make_press(c.press, kvpress::ratio_for(*kvpress::find_press(c.press), 0.5), {});
   auto* scorer = dynamic_cast<kvpress::ScorerPress*>(press.get());
   TORCH_CHECK(c.compress || scorer != nullptr, "kvpress_memory: ", c.press, " is not a ScorerPress (use --all)");
   // --all: compress(), whose result (the kept K/V) is counted apart; otherwise score().

@@ -42,6 +42,7 @@
 #include "kvpress/presses/pyramidkv_press.h"
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/presses/random_press.h"
+#include "kvpress/presses/simlayerkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "kvpress/presses/streaming_llm_press.h"
 #include "kvpress/presses/think_press.h"
@@ -241,14 +242,18 @@ ScorerFactory scorer_factory(Params& p, const char* help) {
   return make;
 }
 
+bool takes_ratio(const std::string& name);  // false for a known press without a ratio (no_ratio)
+
 // A press named by parameter `key` ("None" or empty: none), `<key>.<param>` its parameters and
-// `<key>.compression_ratio` its ratio (default: `ratio`).
+// `<key>.compression_ratio` its ratio (default: `ratio`, or 0 for a press without one, such as
+// a DecodingPress, whose budget is target_size).
 std::shared_ptr<const BasePress> named_press(Params& p, const std::string& key, const std::string& name, double ratio) {
   std::map<std::string, std::string> params = p.take_prefixed(key + ".");
   if (name.empty() || is_none(name)) {
     TORCH_CHECK(params.empty(), p.press_name(), ": parameters ", key, ".* given without ", key);
     return nullptr;
   }
+  if (!takes_ratio(name)) ratio = 0.0;
   if (const auto it = params.find("compression_ratio"); it != params.end()) {
     ratio = p.ratio(key + ".compression_ratio", it->second);
     params.erase(it);
@@ -355,6 +360,7 @@ struct Entry {
   std::string summary;
   PressInputs inputs;
   Factory make;
+  std::string no_ratio = {};  // PressInfo::no_ratio
 };
 
 // Where the last queries come from (ops::window_queries), and attention-based presses their
@@ -542,6 +548,30 @@ std::vector<Entry> channel_entries() {
   };
 }
 
+// Presses that decide per layer how many tokens to keep.
+std::vector<Entry> layer_entries() {
+  return {
+      {"SimLayerKVPress",
+       PressKind::kLayer,
+       "SimLayerKV: a layer whose last queries attend mostly to its first and last tokens keeps only those",
+       {kWindowAttentionInputs.alternatives,
+        {},
+        {},
+        "read only where a layer is judged (lazy_threshold < 1, S > n_initial + n_recent + n_last)"},
+       [](double, Params& p) {
+         using P = SimLayerKVPress;
+         const double threshold =
+             p.get("lazy_threshold", P::kDefaultLazyThreshold, "a layer is lazy above this attention share (1: never)");
+         const int64_t last = p.get("n_last", P::kDefaultNLast, "last queries whose attention decides");
+         const int64_t recent =
+             p.get("n_recent", P::kDefaultNRecent, "recent tokens a lazy layer keeps (their last n_recent - n_last)");
+         const int64_t initial = p.get("n_initial", P::kDefaultNInitial, "initial (sink) tokens a lazy layer keeps");
+         return std::make_unique<P>(threshold, last, recent, initial);
+       },
+       "each layer keeps every token or only its initial and recent ones, by lazy_threshold"},
+  };
+}
+
 // Presses that need the engine's second pass over the context.
 std::vector<Entry> second_pass_entries() {
   using K = PressKind;
@@ -636,10 +666,6 @@ std::vector<Entry> decoding_entries() {
        "compresses during decoding: every compression_interval steps, to target_size tokens",
        {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
        [](double r, Params& p) {
-         TORCH_CHECK(r == 0.0,
-                     "DecodingPress: compression_ratio must be 0 (the budget is target_size; "
-                     "CompressionRatioDecodingPress keeps a fraction), got ",
-                     r);
          ScorerFactory inner =
              scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
          const int64_t interval = p.get("compression_interval", DecodingPress::kDefaultCompressionInterval,
@@ -649,7 +675,8 @@ std::vector<Entry> decoding_entries() {
          const int64_t buffer = p.get("hidden_states_buffer_size", DecodingPress::kDefaultHiddenStatesBufferSize,
                                       "decoding steps of hidden states kept for the inner press");
          return std::make_unique<DecodingPress>(inner, interval, target, buffer);
-       }},
+       },
+       "the budget is target_size; CompressionRatioDecodingPress keeps a fraction"},
       {"CompressionRatioDecodingPress",
        K::kDecoding,
        "compresses during decoding: every compression_interval steps, to (1 - ratio) of the tokens seen",
@@ -674,9 +701,7 @@ std::vector<Entry> decoding_entries() {
          const std::string decoding_name =
              p.get_text("decoding_press", "None",
                         "DecodingPress or CompressionRatioDecodingPress (parameters as decoding_press.<name>)");
-         // A DecodingPress's budget is its target_size: it gets ratio 0 unless told otherwise.
-         auto decoding_part = named_press(p, "decoding_press", decoding_name,
-                                          decoding_name == "CompressionRatioDecodingPress" ? r : 0.0);
+         auto decoding_part = named_press(p, "decoding_press", decoding_name, r);
          auto decoding = std::dynamic_pointer_cast<const DecodingPress>(decoding_part);
          TORCH_CHECK(!decoding_part || decoding,
                      "PrefillDecodingPress: decoding_press must be DecodingPress or "
@@ -773,8 +798,8 @@ std::vector<Entry> ctr_entries() {
 const std::vector<Entry>& entries() {
   static const std::vector<Entry> table = [] {
     std::vector<Entry> all;
-    for (auto group : {scorer_entries, rebuilding_scorer_entries, channel_entries, second_pass_entries, wrapper_entries,
-                       decoding_entries, budget_entries, ctr_entries}) {
+    for (auto group : {scorer_entries, rebuilding_scorer_entries, channel_entries, layer_entries, second_pass_entries,
+                       wrapper_entries, decoding_entries, budget_entries, ctr_entries}) {
       std::vector<Entry> entries = group();
       all.insert(all.end(), std::make_move_iterator(entries.begin()), std::make_move_iterator(entries.end()));
     }
@@ -787,6 +812,11 @@ const Entry* find_entry(const std::string& name) {
   for (const auto& e : entries())
     if (e.name == name) return &e;
   return nullptr;
+}
+
+bool takes_ratio(const std::string& name) {
+  const Entry* entry = find_entry(name);
+  return entry == nullptr || entry->no_ratio.empty();
 }
 
 std::string join(const std::vector<std::string>& items, const char* separator) {
@@ -803,7 +833,7 @@ const std::vector<PressInfo>& list_presses() {
     for (const auto& e : entries()) {
       Params declared(e.name, {});
       e.make(0.0, declared);  // every factory declares its parameters as it reads them
-      out.push_back(PressInfo{e.name, e.kind, e.summary, e.inputs, declared.declared()});
+      out.push_back(PressInfo{e.name, e.kind, e.summary, e.inputs, declared.declared(), e.no_ratio});
     }
     return out;
   }();
@@ -814,6 +844,10 @@ const PressInfo* find_press(const std::string& name) {
   for (const auto& info : list_presses())
     if (info.name == name) return &info;
   return nullptr;
+}
+
+double ratio_for(const PressInfo& info, double compression_ratio) {
+  return info.no_ratio.empty() ? compression_ratio : 0.0;
 }
 
 std::string describe_inputs(const PressInfo& info) {
@@ -850,6 +884,8 @@ std::unique_ptr<BasePress> make_press(const std::string& name, double compressio
     for (const auto& e : entries()) names.push_back(e.name);
     TORCH_CHECK(false, "make_press: unknown press '", name, "' (known: ", join(names, ", "), ")");
   }
+  TORCH_CHECK(entry->no_ratio.empty() || compression_ratio == 0.0, name, ": compression_ratio must be 0 (",
+              entry->no_ratio, "), got ", compression_ratio);
   Params p(name, params);
   std::unique_ptr<BasePress> press = entry->make(compression_ratio, p);
   p.check_all_used();

@@ -92,7 +92,7 @@ TEST(Concurrency, EveryPressSharedByEightThreadsMatchesSerialCalls) {
     std::map<std::string, std::string> params;
     for (const PressParam& p : info.params)
       if (p.name == "seed") params["seed"] = "1";
-    std::unique_ptr<BasePress> built = make_press(info.name, 0.5, params);
+    std::unique_ptr<BasePress> built = make_press(info.name, ratio_for(info, 0.5), params);
     // QSMPress and CTRPress call their token text function from every thread.
     if (auto* qsm = dynamic_cast<QSMPress*>(built.get()))
       qsm->set_token_text([](int64_t id) { return id % 4 == 0 ? std::string("the") : "word" + std::to_string(id); });

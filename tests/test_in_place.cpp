@@ -116,7 +116,8 @@ TEST(CompressInPlace, EveryRegistryPressMatchesCompress) {
     if (info.kind == PressKind::kDecoding) continue;    // they compress while decoding (step())
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: its second pass (tests/test_kvcompose.cpp)
     // RandomPress unseeded draws new scores at every call.
-    const auto press = make_press(info.name, 0.5, info.name == "RandomPress" ? Params{{"seed", "3"}} : Params{});
+    const auto press =
+        make_press(info.name, ratio_for(info, 0.5), info.name == "RandomPress" ? Params{{"seed", "3"}} : Params{});
     const LayerInputs in = testing::random_layer(96, 11, 8, 2, 16, /*with_input_ids=*/true);
     if (press->head_ragged()) {
       expect_error([&] { press->compress_in_place(in); }, {info.name, "compress_ragged"});

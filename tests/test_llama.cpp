@@ -463,7 +463,7 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     SCOPED_TRACE(info.name);
     if (info.kind == kvpress::PressKind::kDecoding) continue;  // they compress while decoding: tests/test_decoding.cpp
     if (info.kind == kvpress::PressKind::kSecondPass) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
-    const auto press = kvpress::make_press(info.name, 0.5);
+    const auto press = kvpress::make_press(info.name, kvpress::ratio_for(info, 0.5));
     KVCache cache = model.new_cache();
     PrefillOptions opt;
     opt.press = press.get();
@@ -501,9 +501,9 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     // PyramidKVPress and PerLayerCompressionPress give each layer its own budget.
     const bool chunked = info.name == "ChunkKVPress" || info.name == "CTRPress" || info.name == "PyramidKVPress" ||
                          info.name == "PerLayerCompressionPress";
-    const int64_t n_kept = chunked                                     ? out.kept_indices[0].size(2)
-                           : info.kind == kvpress::PressKind::kChannel ? s  // ThinKPress prunes channels
-                                                                       : kvpress::ops::n_kept(s, 0.5);
+    // ThinKPress prunes channels; SimLayerKVPress's default threshold judges no layer.
+    const bool keeps_all = info.kind == kvpress::PressKind::kChannel || info.kind == kvpress::PressKind::kLayer;
+    const int64_t n_kept = chunked ? out.kept_indices[0].size(2) : keeps_all ? s : kvpress::ops::n_kept(s, 0.5);
     std::vector<int64_t> lengths;
     for (int64_t l = 0; l < 2; ++l) {
       const int64_t n_l = chunked ? out.kept_indices[l].size(2) : n_kept;

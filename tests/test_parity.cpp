@@ -53,6 +53,7 @@
 //     2.5e-2 from hidden states]: kvpress computes the anchor, the normalised keys, the
 //     exp(τ·cos) weights (τ = 5 magnifies bf16's rounding of the cosine) and the capacity
 //     matrix in bf16, we in float32.
+//   * SimLayerKVPress: see check_layer_run.
 //   * Wrappers (KeyRerotation, ChunkKV, EntropyGatedChunkKV, Chunk, Block, Composed): see
 //     check_wrapper_run; EntropyGatedChunkKV's gate also check_entropy_gate_replay.
 // The bounds carry a margin of about 2x over the worst case measured on this machine's fixtures.
@@ -79,6 +80,7 @@
 #include "kvpress/ops.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
+#include "kvpress/presses/simlayerkv_press.h"
 #include "kvpress/presses/think_press.h"
 #include "kvpress/registry.h"
 
@@ -450,7 +452,8 @@ TEST(Parity, EveryPressHasAnExactComparison) {
   for (const auto& c : s.manifest->cases) {
     for (const auto& r : c.runs) {
       const bool required = c.dtype == "float32" || r.press == "KnormPress" || r.press == "StreamingLLMPress";
-      if (!required || is_wrapper(r) || r.press == "ThinKPress") continue;  // no scores: check_channel_run
+      if (!required || is_wrapper(r) || r.press == "ThinKPress" || r.press == "SimLayerKVPress")
+        continue;  // no scores: check_channel_run, check_layer_run
       const auto& file = kvpress::testing::load_fixture_file(s.manifest->dir + "/" + r.file);
       const at::Tensor scores = kvpress::testing::fixture_tensor(file, "scores", r.file);
       const at::Tensor kept = kvpress::testing::fixture_tensor(file, "kept_indices", r.file);
@@ -615,6 +618,44 @@ void check_entropy_gate_replay(const FixtureCase& c, const FixtureRun& r, const 
                                         << ")";
 }
 
+// SimLayerKVPress (keeps every token, or a lazy layer's first and last ones): our lazy score (the
+// attention share of those tokens) within float32 2e-6 / bfloat16 1e-2 of kvpress's [measured
+// <= 2.4e-7 / 2.7e-3: kvpress rounds the attention to bf16 before averaging it], the same kept
+// positions unless kvpress's score lies within that tolerance of lazy_threshold.
+void check_layer_run(const FixtureCase& c, const FixtureRun& r, const kvpress::LayerInputs& inputs,
+                     const kvpress::SimLayerKVPress& press, const kvpress::io::SafetensorsFile& ref_file) {
+  const at::Tensor ref_kept = kvpress::testing::fixture_tensor(ref_file, "kept_indices", r.file);
+  kvpress::KV kv;
+  std::optional<double> score;
+  try {
+    kv = press.compress(inputs);
+    score = press.lazy_score(inputs);
+  } catch (const c10::Error& e) {
+    FAIL() << "compress() raised: " << e.what_without_backtrace();
+  }
+  const bool judged = ref_file.tensors.count("lazy_score") > 0;
+  ASSERT_EQ(score.has_value(), judged) << "kvpress judged the layer: " << judged;
+  bool exact = at::equal(kv.kept_indices, ref_kept);
+  if (judged) {
+    const double ref_score = kvpress::testing::fixture_tensor(ref_file, "lazy_score", r.file).item<double>();
+    const double tol = c.dtype == "float32" ? 2e-6 : 1e-2;
+    EXPECT_NEAR(*score, ref_score, tol) << "lazy score of " << r.name;
+    if (std::getenv("KVPRESS_PARITY_CALIBRATE"))
+      std::cout << "[ calibrate] " << c.dtype << " lazy score " << r.name << " " << std::abs(*score - ref_score)
+                << "\n";
+    if (!exact)
+      EXPECT_LE(std::abs(ref_score - press.lazy_threshold()), tol)
+          << "kept positions of " << r.name << " differ although kvpress's lazy score " << ref_score
+          << " is not near lazy_threshold " << press.lazy_threshold();
+  } else {
+    EXPECT_TRUE(exact) << "kept positions of " << r.name << " (a layer kvpress does not judge keeps every token)";
+  }
+  const at::Tensor gather_idx = kv.kept_indices.unsqueeze(-1).expand({-1, -1, -1, inputs.keys.size(3)});
+  EXPECT_TRUE(at::equal(kv.keys, inputs.keys.gather(2, gather_idx)));
+  EXPECT_TRUE(at::equal(kv.values, inputs.values.gather(2, gather_idx)));
+  record_comparison(c, r, exact, exact);
+}
+
 // ThinKPress (prunes key channels): kvpress's run file holds the keys it returned. Ours must zero
 // the same channels and leave every other value as it was; a channel zeroed by one side only must
 // score within tolerance of the pruning threshold (a near-tie: kvpress computes the channel
@@ -671,6 +712,11 @@ TEST_P(ParityRun, MatchesKvpress) {
     }
     check_wrapper_run(c, r, inputs, *wrapper, ref_file);
     if (r.press == "EntropyGatedChunkKVPress") check_entropy_gate_replay(c, r, inputs, ref_file);
+    return;
+  }
+  if (r.press == "SimLayerKVPress") {  // no ratio: the manifest's is 0
+    const auto press = kvpress::make_press(r.press, r.compression_ratio, r.params);
+    check_layer_run(c, r, inputs, dynamic_cast<const kvpress::SimLayerKVPress&>(*press), ref_file);
     return;
   }
   if (r.press == "ThinKPress") {  // the registry ratio is its key_channel_compression_ratio

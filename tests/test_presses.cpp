@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -30,6 +31,7 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
     if (info.name == "CTRPress") continue;              // adaptive budget, rescued values: tests/test_ctr.cpp
     if (info.kind == PressKind::kChannel) continue;     // keeps every token: ThinKPress tests below
+    if (info.kind == PressKind::kLayer) continue;       // no ratio: SimLayerKVPress tests below
     for (double ratio : {0.25, 0.5, 0.75}) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
       // Presses with a random draw get a seed, so that the same call gives the same answer.
@@ -175,6 +177,50 @@ TEST(ThinKPress, ZeroesTheLowestScoringKeyChannels) {
   expect_error([] { ThinKPress(0.5, 0); }, {"ThinKPress: window_size must be"});
 }
 
+TEST(SimLayerKVPress, KeepsALazyLayersFirstAndLastTokens) {
+  const int64_t seq = 60, initial = 3, recent = 10, last = 2;
+  const LayerInputs with_attentions = random_layer(seq, 23, 8, 2, 16);
+  LayerInputs in = with_attentions;
+  in.attentions = at::Tensor();                    // the queries' attention, recomputed
+  auto ends_share = [&](const at::Tensor& attn) {  // [S - last]
+    return (attn.narrow(0, 0, initial).sum() + attn.narrow(0, seq - last - recent, recent).sum()).item<double>();
+  };
+  // The share of the last `last` queries' attention (mean over heads and those queries) on the
+  // first `initial` and the `recent` keys just before them, computed here in double.
+  const at::Tensor q = in.queries.narrow(2, seq - last, last).to(at::kDouble);              // [1, 8, 2, 16]
+  const at::Tensor k = in.keys.to(at::kDouble).repeat_interleave(4, 1);                     // [1, 8, S, 16]
+  at::Tensor logits = at::matmul(q, k.transpose(2, 3)) / 4.0;                               // [1, 8, 2, S]
+  logits.select(2, 0).select(-1, seq - 1).fill_(-std::numeric_limits<double>::infinity());  // causal
+  const double share = ends_share(at::softmax(logits, -1).narrow(-1, 0, seq - last).mean({0, 1, 2}));
+  auto press = [&](double threshold) { return SimLayerKVPress(threshold, last, recent, initial); };
+  ASSERT_TRUE(press(0.5).lazy_score(in).has_value());
+  EXPECT_NEAR(*press(0.5).lazy_score(in), share, 1e-6);
+  // Given attentions: their last rows.
+  const at::Tensor given = with_attentions.attentions.narrow(2, seq - last, last).narrow(3, 0, seq - last);
+  EXPECT_NEAR(*press(0.5).lazy_score(with_attentions), ends_share(given.to(at::kDouble).mean({0, 1, 2})), 1e-6);
+  // Above the threshold: the first 3 and the last recent - last = 8 tokens; below it: every token.
+  const KV lazy = press(share - 1e-3).compress(in);
+  const at::Tensor ends = at::cat({at::arange(initial), at::arange(seq - (recent - last), seq)});
+  EXPECT_TRUE(at::equal(lazy.kept_indices, ends.expand({1, 2, ends.size(0)})));
+  EXPECT_TRUE(at::equal(lazy.values, ops::gather_kv(in.keys, in.values, lazy.kept_indices).values));
+  EXPECT_TRUE(press(share + 1e-3).compress(in).keys.is_same(in.keys));
+  // Threshold 1 (the default) or too few tokens: the layer is not judged.
+  EXPECT_FALSE(press(1.0).lazy_score(in).has_value());
+  EXPECT_FALSE(SimLayerKVPress(0.0, last, seq - initial - last, initial).lazy_score(in).has_value());
+  EXPECT_TRUE(SimLayerKVPress(0.0, last, seq - initial - last - 1, initial).is_lazy(in));
+  // No ratio: the registry takes 0 only, and a ComposedPress gives it 0.
+  expect_error([] { make_press("SimLayerKVPress", 0.5); },
+               {"SimLayerKVPress: compression_ratio must be 0 (each layer keeps", "got 0.5"});
+  const auto composed = make_press(
+      "ComposedPress", 0.5,
+      {{"presses", "SimLayerKVPress,KnormPress"}, {"presses.0.lazy_threshold", "0"}, {"presses.0.n_recent", "20"}});
+  EXPECT_EQ(composed->compress(in).kept_indices.size(2), ops::n_kept(4 + 19, 0.5));  // default n_initial, n_last
+  expect_error([] { SimLayerKVPress(1.5); }, {"SimLayerKVPress: lazy_threshold must be in [0, 1], got 1.5"});
+  expect_error([] { SimLayerKVPress(0.5, 0); }, {"SimLayerKVPress: n_last must be > 0, got 0"});
+  expect_error([] { SimLayerKVPress(0.5, 4, 4); }, {"SimLayerKVPress: n_recent must be > n_last = 4", "got 4"});
+  expect_error([] { SimLayerKVPress(0.5, 1, 8, -1); }, {"SimLayerKVPress: n_initial must be >= 0, got -1"});
+}
+
 TEST(Registry, KindsMatchTheBuiltPresses) {
   const std::set<std::string> wrappers{"KeyRerotationPress",
                                        "ChunkKVPress",
@@ -188,11 +234,12 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "PerLayerCompressionPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
-    const PressKind expected = wrappers.count(info.name)       ? PressKind::kWrapper
-                               : decoding.count(info.name)     ? PressKind::kDecoding
-                               : info.name == "KVComposePress" ? PressKind::kSecondPass
-                               : info.name == "ThinKPress"     ? PressKind::kChannel
-                                                               : PressKind::kScorer;
+    const PressKind expected = wrappers.count(info.name)        ? PressKind::kWrapper
+                               : decoding.count(info.name)      ? PressKind::kDecoding
+                               : info.name == "KVComposePress"  ? PressKind::kSecondPass
+                               : info.name == "ThinKPress"      ? PressKind::kChannel
+                               : info.name == "SimLayerKVPress" ? PressKind::kLayer
+                                                                : PressKind::kScorer;
     EXPECT_EQ(info.kind, expected) << info.name;
     // Scorers are ScorerPresses (CriticalKVPress is one too, around its inner press).
     const auto press = make_press(info.name, 0.0);
@@ -266,9 +313,9 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 32u);
-  for (const PressInfo& info : list_presses())  // a DecodingPress takes no ratio (its budget is target_size)
-    EXPECT_EQ(make_press(info.name, info.name == "DecodingPress" ? 0.0 : 0.5)->name(), info.name);
+  ASSERT_EQ(list_presses().size(), 33u);
+  for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
+    EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});
   EXPECT_EQ(dynamic_cast<SnapKVPress&>(*snap).window_size(), 16);
   EXPECT_DOUBLE_EQ(snap->compression_ratio(), 0.3);

@@ -104,6 +104,8 @@ const std::map<std::string, Promise>& promises() {
         }}},
       {"CTRPress", {1, nullptr, nullptr}},  // entropy-adaptive budget (tests/test_ctr.cpp)
       {"ThinKPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},  // prunes channels
+      // Its default lazy_threshold 1 judges no layer (tests/test_presses.cpp: lazy layers).
+      {"SimLayerKVPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},
       {"DecodingPress",
        {1, [](const BasePress&, int64_t seq, double) { return std::min(seq, DecodingPress::kDefaultTargetSize); },
         nullptr}},
@@ -141,7 +143,7 @@ void check_press(const PressInfo& info, const Shape& s, uint64_t seed) {
   std::map<std::string, std::string> params;
   for (const PressParam& p : info.params)
     if (p.name == "seed") params["seed"] = "3";
-  const double ratio = info.name == "DecodingPress" ? 0.0 : s.ratio;
+  const double ratio = ratio_for(info, s.ratio);
   const auto press = make_press(info.name, ratio, params);
   const LayerInputs in = random_inputs(s, seed);
 

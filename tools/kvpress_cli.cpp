@@ -466,6 +466,7 @@ const char* kind_name(kvpress::PressKind kind) {
     case kvpress::PressKind::kDecoding: return "decoding";
     case kvpress::PressKind::kSecondPass: return "second_pass";
     case kvpress::PressKind::kChannel: return "channel";
+    case kvpress::PressKind::kLayer: return "layer";
   }
   return "unknown";
 }
@@ -483,6 +484,7 @@ nlohmann::json registry_json() {
     presses.push_back({{"name", p.name},
                        {"kind", kind_name(p.kind)},
                        {"summary", p.summary},
+                       {"no_ratio", p.no_ratio},
                        {"needs", kvpress::describe_inputs(p)},
                        {"inputs",
                         {{"alternatives", alternatives},
@@ -525,6 +527,7 @@ int run_list(const std::vector<std::string>& args) {
     if (i) out += "\n";
     out += fmt::format("{}\n  {}\n  kind: {}\n  needs: {}\n", p.name, p.summary, kind_name(p.kind),
                        kvpress::describe_inputs(p));
+    if (!p.no_ratio.empty()) out += fmt::format("  ratio: none, --ratio 0 ({})\n", p.no_ratio);
     if (p.params.empty()) {
       out += "  params: none\n";
       continue;

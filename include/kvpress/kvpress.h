@@ -35,6 +35,7 @@
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/presses/random_press.h"
 #include "kvpress/presses/score_blend_press.h"
+#include "kvpress/presses/simlayerkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "kvpress/presses/streaming_llm_press.h"
 #include "kvpress/presses/think_press.h"

@@ -36,6 +36,8 @@ enum class PressKind {
                 // raises and kvpress::llama's runner runs it at prefill
   kChannel,     // prunes key channels, not tokens (ThinKPress): compress() keeps every token and
                 // zeroes channels; the registry ratio is the fraction of key channels pruned
+  kLayer,       // decides per layer how many tokens to keep, without a ratio (SimLayerKVPress: a
+                // "lazy" layer keeps its first and last tokens, any other every token)
 };
 
 // A set of LayerInputs fields a press can work from, all needed together.
@@ -59,6 +61,9 @@ struct PressInfo {
   std::string summary;  // one line
   PressInputs inputs;   // its own; wrappers and decoding presses also read their inner presses' inputs
   std::vector<PressParam> params;
+  // Non-empty for a press without a compression ratio (DecodingPress: its target_size;
+  // SimLayerKVPress: each layer decides): why. make_press then refuses any ratio but 0.
+  std::string no_ratio = {};
 };
 
 // Every press the registry can build, in a stable order.
@@ -66,6 +71,10 @@ const std::vector<PressInfo>& list_presses();
 
 // The entry named `name`, or nullptr.
 const PressInfo* find_press(const std::string& name);
+
+// `compression_ratio` for a press that takes one, 0 for one that does not (PressInfo::no_ratio):
+// for code that builds every press alike (benchmarks, tests).
+double ratio_for(const PressInfo& info, double compression_ratio);
 
 // What a press reads, as one line ("attentions | queries | hidden_states+q_proj+cos+sin"), for
 // `kvpress-cli list` and the docs.

@@ -132,7 +132,7 @@ if expect_ok "--version" --version; then
   grep -Eq '^kvpress-cli [0-9]+\.[0-9]+\.[0-9]+' "$tmp/stdout" || fail "--version: got '$(cat "$tmp/stdout")'"
 fi
 
-presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress
+presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
          PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
@@ -156,7 +156,7 @@ listing = json.load(open(sys.argv[1]))
 doc = open(sys.argv[2]).read()
 names = sorted(p["name"] for p in listing["presses"])
 assert names == sorted(sys.argv[3:]), names
-assert all(p["kind"] in ("scorer", "wrapper", "decoding", "second_pass", "channel") for p in listing["presses"])
+assert all(p["kind"] in ("scorer", "wrapper", "decoding", "second_pass", "channel", "layer") for p in listing["presses"])
 missing = [f["name"] for f in listing["layer_inputs"] if f"`{f['name']}`" not in doc]
 assert not missing, f"docs/CLI.md does not describe the input fields {missing}"
 PY

@@ -309,7 +309,20 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
         return getattr(kvpress, name)(press=inner, **{k: parse_value(v) for k, v in rest.items()})
     if name == "ThinKPress":  # its ratio is the fraction of key channels (kvpress-cpp's registry too)
         return kvpress.ThinKPress(key_channel_compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
-    return getattr(kvpress, name)(compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
+    kwargs = {k: parse_value(v) for k, v in params.items()}
+    if name not in NO_RATIO:
+        kwargs["compression_ratio"] = ratio
+    return getattr(kvpress, name)(**kwargs)
+
+
+# kvpress presses built without a compression ratio (SimLayerKVPress: each layer decides; its
+# compression_ratio is computed after a forward pass). kvpress-cpp's registry builds them with 0.
+NO_RATIO = ("SimLayerKVPress",)
+
+
+def registry_ratio(name: str, ratio: float) -> float:
+    """The ratio kvpress-cpp's registry builds `name` with: `ratio`, or 0 for a press without one."""
+    return 0.0 if name in NO_RATIO else ratio
 
 
 def split_seed(name: str, params: dict[str, str]) -> tuple[dict[str, str], int | None]:

@@ -19,8 +19,8 @@ from pathlib import Path
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
 from common import (DTYPE_NAMES, KVPRESS_VERSION, MODEL, SHORT_DTYPE, apply_rope, build_press, capture,
                     first_story_with, inv_freq, kept_positions, load_model, load_stories, load_tokenizer,
-                    model_dir, parse_args, prepare_out, random_llama, save, setup, split_seed, versions,
-                    write_json)
+                    model_dir, parse_args, prepare_out, random_llama, registry_ratio, save, setup, split_seed,
+                    versions, write_json)
 
 import torch
 from transformers import DynamicCache
@@ -97,6 +97,11 @@ PRESSES = [
     # ThinKPress: the ratio is key_channel_compression_ratio (its compression_ratio is half of it).
     ("ThinKPress", {}, ("hidden_states", "queries"), (0.25, 0.75)),
     ("ThinKPress", {"window_size": "8"}, ("hidden_states",), ()),
+    # SimLayerKVPress: no ratio (registry ratio 0); the default threshold 1 keeps every token.
+    ("SimLayerKVPress", {}, ("hidden_states",), ()),
+    ("SimLayerKVPress", {"lazy_threshold": "0.5", "n_recent": "64"}, ATTENTION_BASED, ()),
+    ("SimLayerKVPress", {"lazy_threshold": "0.1", "n_last": "4", "n_recent": "32", "n_initial": "8"},
+     ("hidden_states",), ()),
     ("CapPress", {"tau": "2.0", "n_sink": "0", "n_future_positions": "64", "epsilon": "0.001"}, ("hidden_states",), ()),
     # Wrappers.
     ("KeyRerotationPress", {"press": "KnormPress"}, ("keys_inv_freq",), (0.25,)),
@@ -117,6 +122,7 @@ PRESSES = [
 WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "ChunkPress", "BlockPress",
             "ComposedPress")
 CHANNEL_PRESSES = ("ThinKPress",)  # prune key channels: the run file holds kvpress's returned keys
+LAYER_PRESSES = ("SimLayerKVPress",)  # keep all or a layer's ends: kept positions and kvpress's lazy score
 BASE_RATIO = 0.5
 
 # Random-weight Llama cases: (head_dim, dtype, seq_len, store attentions). 8 query heads,
@@ -143,7 +149,8 @@ def param_tag(params: dict[str, str]) -> str:
              "cross_scoring": "cross", "seed": "seed", "sketch_dimension": "sk", "chunk_size": "c",
              "blending": "bl", "sink_size_start": "ss", "sink_size_end": "se", "leverage_type": "lt",
              "num_sinks": "ns", "local_window_size": "lw", "use_local_approximation": "local",
-             "use_random_leverage": "rand"}
+             "use_random_leverage": "rand", "lazy_threshold": "lazy", "n_recent": "rec", "n_last": "last",
+             "n_initial": "init"}
     return "_".join(f"{short.get(k, k)}{'' if v == 'True' else v}" for k, v in params.items())
 
 
@@ -234,6 +241,22 @@ def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def run_layer_press(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
+    """SimLayerKVPress: the kept positions (as run_wrapper records them) and, where the layer is
+    judged, kvpress's lazy score (float32 [1]: the attention share is_lazy compares with
+    lazy_threshold), so the C++ test can tell a decision taken on a near-tie."""
+    out = run_wrapper(press, layer, source)
+    keys = layer["keys"]
+    if press.lazy_threshold < 1.0 and keys.shape[2] > press.n_initial + press.n_recent + press.n_last:
+        with torch.no_grad():
+            attn = kvpress.SnapKVPress.compute_window_attention(layer["module"], layer["hidden_states"], keys,
+                                                                press.n_last, layer["kwargs"]["position_embeddings"])
+            attn = attn.mean((0, 1, 2))
+            share = attn[: press.n_initial].sum() + attn[-press.n_recent:].sum()
+        out["lazy_score"] = share.to(torch.float32).reshape(1)
+    return out
+
+
 def lagkv_statistic(press, layer: dict) -> torch.Tensor:
     """LagKV's per-token statistic before the within-partition ranking: the scores of the same
     press with cross_scoring=True (sinks and tail are 1). The C++ test needs it to tell which
@@ -304,11 +327,11 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
     stats = {"runs": 0, "ties": 0}
     for press_name, params, sources, extra in PRESSES:
         kv_params, seed = split_seed(press_name, params)
-        for ratio in (BASE_RATIO, *extra):
+        for ratio in (registry_ratio(press_name, BASE_RATIO), *extra):
             press = build_press(press_name, kv_params, ratio)
             # Extra ratios only for the first available source.
             srcs = [x for x in sources if x != "attentions" or has_attn]
-            if ratio != BASE_RATIO:
+            if ratio != registry_ratio(press_name, BASE_RATIO):
                 srcs = srcs[:1]
             files: dict[str, str] = {}
             for source in srcs:
@@ -324,6 +347,10 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
                 elif press_name in CHANNEL_PRESSES:
                     file = f"{run_name}.safetensors"
                     save(run_channel_press(press, layer), out / file)
+                    files[kv_run] = file
+                elif press_name in LAYER_PRESSES:
+                    file = f"{run_name}.safetensors"
+                    save(run_layer_press(press, layer, source), out / file)
                     files[kv_run] = file
                 else:
                     scores, kept, n_kept = run_press(press, layer, source, seed)

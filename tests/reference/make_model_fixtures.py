@@ -39,7 +39,8 @@ from pathlib import Path
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
 from common import (EVAL_PREFIX_FRACTION, KVPRESS_VERSION, MODEL, PROMPTS, build_press, continuation_nll, decode_tail,
                     eval_prefix, kept_positions, load_model, load_stories, load_tokenizer, model_dir, parse_args,
-                    pipeline_context_length, prepare_out, save, setup, split_seed, token_ids, versions, write_json)
+                    pipeline_context_length, prepare_out, registry_ratio, save, setup, split_seed, token_ids,
+                    versions, write_json)
 
 import tokenizers
 import torch
@@ -70,6 +71,9 @@ PRESSES = [
     ("CURPress", {}),
     ("CapPress", {}),
     ("ThinKPress", {}),
+    # No ratio; thresholds and windows that judge the bundled model's short prompts (a lazy layer
+    # keeps its first 4 and last 31 tokens).
+    ("SimLayerKVPress", {"lazy_threshold": "0.5", "n_recent": "32"}),
     # The question and decode steps continue at the compressed length (kvpress's pipeline).
     ("KeyRerotationPress", {"press": "KnormPress"}),
     ("KeyRerotationPress", {"press": "SnapKVPress"}),
@@ -232,7 +236,7 @@ def spy_on(press, reseed: int | None):
     return record
 
 
-def prompt_fixture(out: Path, model, tok, stories, prompt) -> tuple[dict, dict]:
+def prompt_fixture(out: Path, model, sdpa_model, tok, stories, prompt) -> tuple[dict, dict]:
     name, story, prefix_len, n_question, n_decode = prompt
     ids = token_ids(tok, stories[story])
     assert ids.shape[1] >= prefix_len + n_question, (name, ids.shape)
@@ -270,7 +274,12 @@ def prompt_fixture(out: Path, model, tok, stories, prompt) -> tuple[dict, dict]:
             with press(model):
                 model.model(input_ids=prefix, past_key_values=cache)
             context_length = pipeline_context_length(press, cache, prefix_len)
-            q_logits, fed, d_logits = decode_tail(model, cache, question, context_length, n_decode)
+            # Layers of different lengths (SimLayerKVPress's lazy ones): transformers' eager masks
+            # have one length for every layer, so the question goes one token per forward through
+            # the same weights with SDPA, which needs no mask for one token (the same computation).
+            ragged = len({cache.get_seq_length(layer) for layer in range(num_layers)}) > 1
+            q_logits, fed, d_logits = decode_tail(sdpa_model if ragged else model, cache, question, context_length,
+                                                  n_decode, one_by_one=ragged)
         assert sorted(record) == list(range(num_layers)), (press_name, sorted(record))
         tensors = {"question_logits": q_logits, "decode_tokens": fed, "decode_logits": d_logits}
         for layer, rec in record.items():
@@ -280,7 +289,7 @@ def prompt_fixture(out: Path, model, tok, stories, prompt) -> tuple[dict, dict]:
         run = f"{name}__{run_tag(press_name, params)}"
         save(tensors, out / f"{run}.safetensors")
         entry["runs"].append({"name": run, "press": press_name, "params": dict(params),
-                              "compression_ratio": RATIO, "file": f"{run}.safetensors",
+                              "compression_ratio": registry_ratio(press_name, RATIO), "file": f"{run}.safetensors",
                               "has_scores": "scores" in record[0], "context_length": context_length})
         stats["runs"] += 1
     return entry, stats
@@ -349,10 +358,10 @@ def main():
     synthetic_tokenizer(out)
 
     tok = load_tokenizer(path)
-    model = load_model(path, "eager")
+    model, sdpa_model = load_model(path, "eager"), load_model(path, "sdpa")
     prompts, n_runs = [], 0
     for prompt in PROMPTS:
-        entry, stats = prompt_fixture(out, model, tok, stories, prompt)
+        entry, stats = prompt_fixture(out, model, sdpa_model, tok, stories, prompt)
         prompts.append(entry)
         n_runs += stats["runs"]
     eval_file = eval_fixture(out, model, tok, stories, path, args.data)

@@ -1,0 +1,59 @@
+#include "kvpress/presses/simlayerkv_press.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "budget.h"
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress {
+
+SimLayerKVPress::SimLayerKVPress(double lazy_threshold, int64_t n_last, int64_t n_recent, int64_t n_initial)
+    : lazy_threshold_(lazy_threshold), n_last_(n_last), n_recent_(n_recent), n_initial_(n_initial) {
+  constexpr const char* op = "SimLayerKVPress";
+  checks::check_fraction(op, "lazy_threshold", lazy_threshold);
+  checks::check_positive(op, "n_last", n_last);
+  TORCH_CHECK(n_recent > n_last, op, ": n_recent must be > n_last = ", n_last,
+              " (a lazy layer keeps its last n_recent - n_last tokens), got ", n_recent);
+  checks::check_non_negative(op, "n_initial", n_initial);
+}
+
+std::optional<double> SimLayerKVPress::lazy_score(const LayerInputs& in) const {
+  constexpr const char* op = "SimLayerKVPress.compress";
+  checks::check_kv(op, in.keys, in.values);
+  const int64_t seq = in.keys.size(2);
+  if (lazy_threshold_ == 1.0 || seq <= n_initial_ + n_recent_ + n_last_) return std::nullopt;
+  // The last n_last queries' attention over the keys before them, averaged over the batch, the
+  // query heads and those queries: [S - n_last]. seq > n_initial + n_recent + n_last, so the two
+  // ends do not overlap.
+  const at::Tensor attention = ops::window_attention_mean(in, n_last_, op).mean(at::IntArrayRef{0, 1});
+  const int64_t observed = attention.size(0);
+  const at::Tensor share =
+      attention.narrow(0, 0, n_initial_).sum() + attention.narrow(0, observed - n_recent_, n_recent_).sum();
+  return share.item<double>();
+}
+
+bool SimLayerKVPress::is_lazy(const LayerInputs& in) const {
+  const std::optional<double> score = lazy_score(in);
+  return score && *score > lazy_threshold_;
+}
+
+at::Tensor SimLayerKVPress::lazy_positions(const LayerInputs& in) const {
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
+  const int64_t recent = n_recent_ - n_last_;
+  const at::TensorOptions opts = in.keys.options().dtype(at::kLong);
+  const at::Tensor kept = at::cat({at::arange(n_initial_, opts), at::arange(seq - recent, seq, opts)});
+  return kept.view({1, 1, -1}).expand({batch, kv_heads, kept.size(0)}).contiguous();
+}
+
+at::Tensor SimLayerKVPress::kept_positions(const LayerInputs& in) const {
+  return is_lazy(in) ? lazy_positions(in) : budget::keep_all(in).kept_indices;
+}
+
+KV SimLayerKVPress::compress(const LayerInputs& in) const {
+  if (!is_lazy(in)) return budget::keep_all(in);  // the cache untouched, as kvpress returns it
+  return ops::gather_kv(in.keys, in.values, lazy_positions(in));
+}
+
+}  // namespace kvpress
