@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
   int status = 0;
   for (const auto& info : kvpress::list_presses()) {
     if (info.kind == kvpress::PressKind::kDecoding || info.kind == kvpress::PressKind::kSecondPass) continue;
+    if (kvpress::needs_file(info)) continue;  // QFilterPress: its filters come from a model's file
     kvpress::LayerInputs layer = in;
     if (kvpress::needs_attentions(info.name)) {
       if (attn_bytes > (int64_t{4} << 30)) {

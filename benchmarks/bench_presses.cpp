@@ -307,12 +307,16 @@ std::vector<char*> parse_own_flags(int argc, char** argv) {
 
 void register_all() {
   const auto& presses = kvpress::list_presses();
-  std::vector<std::string> skipped;
+  std::vector<std::string> skipped, needs_a_file;
   for (int64_t S : kSeqLens) {
     for (at::ScalarType dtype : kDTypes) {
       const std::string suffix = std::string("/") + dtype_name(dtype) + "/S:" + std::to_string(S);
       for (const auto& info : presses) {
         if (info.kind == kvpress::PressKind::kSecondPass) continue;  // no layer-level compress (KVComposePress)
+        if (kvpress::needs_file(info)) {  // QFilterPress: its filters come from a model's file
+          needs_a_file.push_back(info.name + suffix);
+          continue;
+        }
         const Feed feed = feed_for(info);
         if (feed == Feed::kAttentions && attention_gib(S, dtype) > g_attn_budget_gib) {
           skipped.push_back(info.name + suffix);
@@ -335,10 +339,12 @@ void register_all() {
       "shape",
       "B=1 Hq=32 Hkv=8 D=128 (Llama-3.1-8B layer), ratio 0.5, queries [1,32,64,128] "
       "(NonCausalAttnPress, CompactorPress: [1,32,S,128] + cos/sin; LeverageScorePress: cos/sin)");
-  if (!skipped.empty()) {
+  for (const auto& [key, names] :
+       {std::pair{"not_run_attentions_over_budget", &skipped}, std::pair{"not_run_needs_a_file", &needs_a_file}}) {
+    if (names->empty()) continue;
     std::string list;
-    for (const auto& s : skipped) list += (list.empty() ? "" : ", ") + s;
-    benchmark::AddCustomContext("not_run_attentions_over_budget", list);
+    for (const auto& s : *names) list += (list.empty() ? "" : ", ") + s;
+    benchmark::AddCustomContext(key, list);
   }
 }
 

@@ -291,6 +291,10 @@ int measure_all(int64_t seq, const std::string& dtype_name, int64_t elem) {
   const std::string path = self_path("kvpress_memory");
   for (const auto& info : kvpress::list_presses()) {
     if (info.kind == kvpress::PressKind::kDecoding || info.kind == kvpress::PressKind::kSecondPass) continue;
+    if (kvpress::needs_file(info)) {
+      std::printf("%-36s skipped: reads a file made for a model (its \"path\" parameter)\n", info.name.c_str());
+      continue;
+    }
     // Attentions only for presses that take nothing else (ObservedAttentionPress).
     Config c{info.name, false, true, kvpress::needs_attentions(info.name)};
     if (c.attentions && kQHeads * seq * seq * elem > (int64_t{2} << 30)) {

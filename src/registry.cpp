@@ -29,6 +29,7 @@
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
+#include "kvpress/presses/expected_attention_stats_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
@@ -40,6 +41,7 @@
 #include "kvpress/presses/per_layer_compression_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/presses/pyramidkv_press.h"
+#include "kvpress/presses/qfilter_press.h"
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/presses/random_press.h"
 #include "kvpress/presses/simlayerkv_press.h"
@@ -148,6 +150,12 @@ class Params {
   std::string get_text(const std::string& key, const std::string& fallback, const char* help) {
     declare(key, "str", fallback, help);
     return take(key).value_or(fallback);
+  }
+
+  // A file the press reads (QFilterPress's filters); "" when not given.
+  std::string get_path(const std::string& key, const char* help) {
+    declare(key, "path", "", help);
+    return take(key).value_or("");
   }
 
   // Every parameter "<prefix><rest>" as rest -> value (the inner press's parameters of a wrapper).
@@ -350,6 +358,24 @@ CTROptions ctr_options(Params& p) {
   return o;
 }
 
+// ExpectedAttentionPress's parameters, shared by ExpectedAttentionStatsPress.
+struct ExpectedAttentionOptions {
+  int64_t n_future, n_sink;
+  bool cov, vnorm;
+  double eps;
+};
+
+ExpectedAttentionOptions expected_attention_options(Params& p) {
+  using EA = ExpectedAttentionPress;
+  ExpectedAttentionOptions o;
+  o.n_future = p.get("n_future_positions", EA::kDefaultNFuturePositions, "future positions the RoPE is averaged over");
+  o.n_sink = p.get("n_sink", EA::kDefaultNSink, "first tokens always kept and left out of the query statistics");
+  o.cov = p.get("use_covariance", EA::kDefaultUseCovariance, "add the query covariance term");
+  o.vnorm = p.get("use_vnorm", EA::kDefaultUseVnorm, "rescale by ||v||");
+  o.eps = p.get("epsilon", EA::kDefaultEpsilon, "added to the scores before the ||v|| rescaling");
+  return o;
+}
+
 // ---- the table ----------------------------------------------------------------------------
 
 using Factory = std::function<std::unique_ptr<BasePress>(double, Params&)>;
@@ -437,6 +463,15 @@ std::vector<Entry> scorer_entries() {
        "mean attention received (H2O-like)",
        {{{{"attentions"}, true}}},
        [](double r, Params&) { return std::make_unique<ObservedAttentionPress>(r); }},
+      {"QFilterPress",
+       K::kScorer,
+       "Q-Filters: -(filter · k), one filter per layer and KV head from a local file",
+       {{}, {}, {"layer_idx"}, "the filters come from the file named by q_filters"},
+       [](double r, Params& p) {
+         const std::string path =
+             p.get_path("q_filters", "safetensors file with q_filters [num_layers, num_kv_heads, head_dim]");
+         return std::make_unique<QFilterPress>(r, path.empty() ? at::Tensor() : QFilterPress::load_filters(path));
+       }},
       {"CURPress",
        K::kScorer,
        "CurDKV: key and value leverage (squared norms), window-normalised, combined",
@@ -509,16 +544,26 @@ std::vector<Entry> rebuilding_scorer_entries() {
       {"ExpectedAttentionPress", K::kScorer,
        "expected attention of future queries (query mean/covariance, averaged RoPE)", kPreRopeQueryInputs,
        [](double r, Params& p) {
-         const int64_t n_future = p.get("n_future_positions", ExpectedAttentionPress::kDefaultNFuturePositions,
-                                        "future positions the RoPE is averaged over");
-         const int64_t n_sink = p.get("n_sink", ExpectedAttentionPress::kDefaultNSink,
-                                      "first tokens always kept and left out of the query statistics");
-         const bool cov =
-             p.get("use_covariance", ExpectedAttentionPress::kDefaultUseCovariance, "add the query covariance term");
-         const bool vnorm = p.get("use_vnorm", ExpectedAttentionPress::kDefaultUseVnorm, "rescale by ||v||");
-         const double eps = p.get("epsilon", ExpectedAttentionPress::kDefaultEpsilon,
-                                  "added to the scores before the ||v|| rescaling");
-         return std::make_unique<ExpectedAttentionPress>(r, n_future, n_sink, cov, vnorm, eps);
+         const ExpectedAttentionOptions o = expected_attention_options(p);
+         return std::make_unique<ExpectedAttentionPress>(r, o.n_future, o.n_sink, o.cov, o.vnorm, o.eps);
+       }},
+      {"ExpectedAttentionStatsPress",
+       K::kScorer,
+       "expected attention from query statistics computed once for the model (read from stats_folder)",
+       {{{{"inv_freq"}}, {{"cos", "sin"}}}, {}, {"layer_idx"}},
+       [](double r, Params& p) {
+         using P = ExpectedAttentionStatsPress;
+         const ExpectedAttentionOptions o = expected_attention_options(p);
+         const int64_t seq_len = p.get("sample_seq_len", P::kDefaultSampleSeqLen,
+                                       "characters of each calibration sample (names kvpress's hub statistics)");
+         const int64_t samples =
+             p.get("num_samples", P::kDefaultNumSamples, "calibration samples (names kvpress's hub statistics)");
+         const std::string dataset =
+             p.get_text("dataset_name", P::kDefaultDatasetName, "calibration dataset (names kvpress's hub statistics)");
+         const std::string folder =
+             p.get_path("stats_folder", "kvpress's statistics folder: model.safetensors with query_mean and query_cov");
+         return std::make_unique<P>(r, folder.empty() ? P::Statistics{} : P::load_statistics(folder), o.n_future,
+                                    o.n_sink, o.cov, o.vnorm, o.eps, seq_len, samples, dataset);
        }},
       {"CapPress", K::kScorer,
        "CAPKV: capacity leverage of the values under query relevance (averaged-RoPE query anchor)", kPreRopeQueryInputs,
@@ -844,6 +889,10 @@ const PressInfo* find_press(const std::string& name) {
   for (const auto& info : list_presses())
     if (info.name == name) return &info;
   return nullptr;
+}
+
+bool needs_file(const PressInfo& info) {
+  return std::any_of(info.params.begin(), info.params.end(), [](const PressParam& p) { return p.type == "path"; });
 }
 
 double ratio_for(const PressInfo& info, double compression_ratio) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvpress/io/safetensors.h"
+#include "kvpress/registry.h"
 #include "kvpress/types.h"
 
 namespace kvpress::testing {
@@ -142,6 +143,22 @@ inline const at::Tensor& fixture_tensor(const io::SafetensorsFile& file, const s
   const auto it = file.tensors.find(key);
   if (it == file.tensors.end()) throw std::runtime_error("fixture " + path + " has no tensor '" + key + "'");
   return it->second;
+}
+
+// A run's press parameters with the files they name (the registry's "path" parameters: QFilterPress's
+// q_filters, ExpectedAttentionStatsPress's stats_folder), given relative to the fixture folder `dir`
+// by the generators, as paths the press can open.
+inline std::map<std::string, std::string> with_artifact_paths(const std::string& press,
+                                                              std::map<std::string, std::string> params,
+                                                              const std::string& dir) {
+  const PressInfo* info = find_press(press);
+  if (info == nullptr) return params;
+  for (const PressParam& p : info->params) {
+    auto it = params.find(p.name);
+    if (p.type == "path" && it != params.end() && !it->second.empty() && it->second.front() != '/')
+      it->second = dir + "/" + it->second;
+  }
+  return params;
 }
 
 // The LayerInputs a C++ caller would pass for `run.source`: keys and values always, plus only

@@ -22,6 +22,7 @@
 #include "kvpress/llama/tokenizer.h"
 #include "kvpress/presses/qsm_press.h"
 #include "random_inputs.h"
+#include "runnable_press.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -89,10 +90,8 @@ TEST(Concurrency, EveryPressSharedByEightThreadsMatchesSerialCalls) {
     if (info.kind == PressKind::kDecoding || info.kind == PressKind::kSecondPass) continue;
     SCOPED_TRACE(info.name);
     // Presses with a random draw get a seed: without one every call draws fresh scores.
-    std::map<std::string, std::string> params;
-    for (const PressParam& p : info.params)
-      if (p.name == "seed") params["seed"] = "1";
-    std::unique_ptr<BasePress> built = make_press(info.name, ratio_for(info, 0.5), params);
+    std::unique_ptr<BasePress> built =
+        make_press(info.name, ratio_for(info, 0.5), testing::runnable_params(info, inputs.front()));
     // QSMPress and CTRPress call their token text function from every thread.
     if (auto* qsm = dynamic_cast<QSMPress*>(built.get()))
       qsm->set_token_text([](int64_t id) { return id % 4 == 0 ? std::string("the") : "word" + std::to_string(id); });

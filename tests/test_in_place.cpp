@@ -10,6 +10,7 @@
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
 #include "random_inputs.h"
+#include "runnable_press.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -116,9 +117,8 @@ TEST(CompressInPlace, EveryRegistryPressMatchesCompress) {
     if (info.kind == PressKind::kDecoding) continue;    // they compress while decoding (step())
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: its second pass (tests/test_kvcompose.cpp)
     // RandomPress unseeded draws new scores at every call.
-    const auto press =
-        make_press(info.name, ratio_for(info, 0.5), info.name == "RandomPress" ? Params{{"seed", "3"}} : Params{});
     const LayerInputs in = testing::random_layer(96, 11, 8, 2, 16, /*with_input_ids=*/true);
+    const auto press = make_press(info.name, ratio_for(info, 0.5), testing::runnable_params(info, in, "3"));
     if (press->head_ragged()) {
       expect_error([&] { press->compress_in_place(in); }, {info.name, "compress_ragged"});
       continue;

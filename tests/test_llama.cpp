@@ -40,6 +40,7 @@
 #include "kvpress/ops.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/registry.h"
+#include "runnable_press.h"
 #include "test_util.h"
 
 namespace {
@@ -463,7 +464,10 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     SCOPED_TRACE(info.name);
     if (info.kind == kvpress::PressKind::kDecoding) continue;  // they compress while decoding: tests/test_decoding.cpp
     if (info.kind == kvpress::PressKind::kSecondPass) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
-    const auto press = kvpress::make_press(info.name, kvpress::ratio_for(info, 0.5));
+    const auto& c = model.config();
+    const auto press = kvpress::make_press(
+        info.name, kvpress::ratio_for(info, 0.5),
+        kvpress::testing::runnable_params(info, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim}, ""));
     KVCache cache = model.new_cache();
     PrefillOptions opt;
     opt.press = press.get();
@@ -869,8 +873,10 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
   const auto& infos = kvpress::list_presses();
   if (std::none_of(infos.begin(), infos.end(), [&](const auto& i) { return i.name == press_name; }))
     GTEST_SKIP() << press_name << " is not in the C++ registry yet";
-  const auto press = kvpress::make_press(press_name, jr.at("compression_ratio").get<double>(),
-                                         jr.at("params").get<std::map<std::string, std::string>>());
+  const auto press =
+      kvpress::make_press(press_name, jr.at("compression_ratio").get<double>(),
+                          kvpress::testing::with_artifact_paths(
+                              press_name, jr.at("params").get<std::map<std::string, std::string>>(), fx.dir));
   const kvpress::ScorerPress* scorer = selection_scorer(*press);
   const LlamaModel& model = tiny_model();
   const int64_t num_layers = model.config().num_layers;

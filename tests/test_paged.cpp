@@ -18,6 +18,7 @@
 #include "kvpress/kvpress.h"
 #include "kvpress/paged.h"
 #include "random_inputs.h"
+#include "runnable_press.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -257,7 +258,8 @@ TEST(PagedCache, StoreKeepsWhatEachSequenceAloneKeepsForEveryPrefillPress) {
   ASSERT_GE(names.size(), 20u);
   for (const std::string& name : names) {
     SCOPED_TRACE(name);
-    const auto press = make_press(name, 0.6);
+    // RandomPress unseeded: it draws in sequence order (below).
+    const auto press = make_press(name, 0.6, testing::runnable_params(*find_press(name), batch.inputs[0], ""));
     for (bool padded : {false, true}) {
       PagedKVCache cache(small_options(256));
       const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
@@ -10,6 +11,7 @@
 
 #include "kvpress/kvpress.h"
 #include "random_inputs.h"
+#include "runnable_press.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -35,10 +37,7 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
     for (double ratio : {0.25, 0.5, 0.75}) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
       // Presses with a random draw get a seed, so that the same call gives the same answer.
-      std::map<std::string, std::string> params;
-      for (const PressParam& p : info.params)
-        if (p.name == "seed") params["seed"] = "1";
-      const auto press = make_press(info.name, ratio, params);
+      const auto press = make_press(info.name, ratio, testing::runnable_params(info, in));
       if (press->head_ragged()) {  // heads keep different counts; the layer keeps Hkv * n_kept
         EXPECT_EQ(press->compress_ragged(in).keep_mask.sum().item<int64_t>(), 2 * ops::n_kept(300, ratio));
         continue;
@@ -221,6 +220,97 @@ TEST(SimLayerKVPress, KeepsALazyLayersFirstAndLastTokens) {
   expect_error([] { SimLayerKVPress(0.5, 1, 8, -1); }, {"SimLayerKVPress: n_initial must be >= 0, got -1"});
 }
 
+TEST(QFilterPress, ScoresKeysAgainstTheLayersFilterFromAFile) {
+  LayerInputs in = random_layer(50, 31, 8, 2, 16);
+  in.layer_idx = 1;
+  in.num_layers = 3;
+  const std::string path = testing::random_artifact("q_filters", {3, 8, 2, 16});
+  const at::Tensor filters = QFilterPress::load_filters(path);  // [3, 2, 16]
+  const auto press = make_press("QFilterPress", 0.5, {{"q_filters", path}});
+  // score = -(filter of layer 1, head h) . k, computed here in double.
+  const at::Tensor expected =
+      -(in.keys.to(at::kDouble) * filters[1].to(at::kDouble).view({1, 2, 1, 16})).sum(-1);  // [1, 2, 50]
+  const at::Tensor scores = dynamic_cast<const QFilterPress&>(*press).score(in);
+  EXPECT_TRUE(at::allclose(scores.to(at::kDouble), expected, 1e-5, 1e-6));
+  EXPECT_TRUE(at::equal(press->compress(in).kept_indices, ops::topk_indices(scores, 25)));
+  // Without filters, with a layer or shape the filters do not have, or a file without them: errors.
+  expect_error([&] { make_press("QFilterPress", 0.5)->compress(in); },
+               {"QFilterPress.score: no Q-filters: give q_filters=PATH", "scripts/make_artifact.py"});
+  LayerInputs beyond = in;
+  beyond.layer_idx = 3;
+  beyond.num_layers = 4;
+  expect_error([&] { press->compress(beyond); }, {"QFilterPress.score: layer_idx must be in [0, 3)", "got 3"});
+  expect_error([&] { QFilterPress(0.5, filters.narrow(2, 0, 8)).compress(in); },
+               {"QFilterPress.score: q_filters must be [3, 2, 16] to match keys", "got [3, 2, 8]"});
+  expect_error([] { QFilterPress(0.5, at::zeros({2, 16})); }, {"QFilterPress: q_filters must be [num_layers"});
+  const std::string other = testing::random_artifact("q_filters", {1, 1, 1, 4}) + ".renamed";
+  io::save_safetensors(other, {{"filters", at::zeros({1, 1, 4})}});
+  expect_error([&] { QFilterPress::load_filters(other); }, {"QFilterPress: ", other, "holds no tensor 'q_filters'"});
+  std::filesystem::remove(other);
+  expect_error(
+      [] {
+        make_press("QFilterPress", 0.5, {{"q_filters", "/nonexistent/f.safetensors"}});
+      },
+      {"load_safetensors: /nonexistent/f.safetensors"});
+  EXPECT_TRUE(needs_file(*find_press("QFilterPress")));
+  EXPECT_FALSE(needs_file(*find_press("KnormPress")));
+}
+
+TEST(ExpectedAttentionStatsPress, GivenThePromptsOwnStatisticsScoresAsExpectedAttentionPress) {
+  LayerInputs in = random_layer(80, 41, 8, 2, 16);
+  in.layer_idx = 1;
+  in.num_layers = 2;
+  // The pre-RoPE queries (RoPE undone) of positions n_sink.., their mean and biased covariance:
+  // what ExpectedAttentionPress measures on the prompt.
+  const int64_t n_sink = ExpectedAttentionPress::kDefaultNSink, d = 16;
+  const at::Tensor rotated = at::cat({in.queries.narrow(-1, d / 2, d / 2), -in.queries.narrow(-1, 0, d / 2)}, -1);
+  const at::Tensor pre = (in.queries * in.cos + rotated * in.sin).narrow(2, n_sink, 80 - n_sink)[0].to(at::kDouble);
+  const at::Tensor mean = pre.mean(1);                                                  // [8, 16]
+  const at::Tensor centred = pre - mean.unsqueeze(1);                                   // [8, n, 16]
+  const at::Tensor cov = at::matmul(centred.transpose(1, 2), centred) / (80 - n_sink);  // [8, 16, 16]
+  // Layer 1 of the file holds them; layer 0 something else.
+  const ExpectedAttentionStatsPress::Statistics stats{at::stack({at::zeros_like(mean), mean}).to(at::kFloat),
+                                                      at::stack({at::zeros_like(cov), cov}).to(at::kFloat)};
+  const ExpectedAttentionStatsPress press(0.5, stats);
+  EXPECT_TRUE(at::allclose(press.score(in), ExpectedAttentionPress(0.5).score(in), 1e-4, 1e-6));
+  LayerInputs keys_only;  // no queries needed: keys, values, layer_idx and RoPE frequencies
+  keys_only.keys = in.keys;
+  keys_only.values = in.values;
+  keys_only.cos = in.cos;
+  keys_only.sin = in.sin;
+  keys_only.layer_idx = 1;
+  keys_only.num_layers = 2;
+  EXPECT_TRUE(at::equal(press.score(keys_only), press.score(in)));
+  // From a folder as kvpress saves it, through the registry.
+  const std::string folder = testing::random_artifact("stats_folder", {2, 8, 2, 16});
+  io::save_safetensors(folder + "/model.safetensors",
+                       {{"query_mean", stats.query_mean}, {"query_cov", stats.query_cov}});
+  const auto built = make_press("ExpectedAttentionStatsPress", 0.5, {{"stats_folder", folder}});
+  EXPECT_TRUE(at::equal(dynamic_cast<const ExpectedAttentionStatsPress&>(*built).score(in), press.score(in)));
+  // Errors: no statistics (naming what kvpress would download), a layer or head dim they lack,
+  // mismatched shapes, a folder without them.
+  expect_error([&] { make_press("ExpectedAttentionStatsPress", 0.5)->compress(in); },
+               {"ExpectedAttentionStatsPress.score: no query statistics: give stats_folder=DIR",
+                "exp_att_stats_<model>_kmfoda/booksum_100_1000_4"});
+  LayerInputs beyond = in;
+  beyond.layer_idx = 2;
+  beyond.num_layers = 3;
+  expect_error([&] { press.score(beyond); }, {"layer_idx must be in [0, 2)", "got 2"});
+  expect_error(
+      [&] {
+        ExpectedAttentionStatsPress(0.5, {stats.query_mean, stats.query_cov.narrow(3, 0, 8)});
+      },
+      {"ExpectedAttentionStatsPress: query_cov must be a float [2, 8, 16, 16] tensor", "got [2, 8, 16, 8]"});
+  io::save_safetensors(folder + "/model.safetensors", {{"query_mean", stats.query_mean}});
+  expect_error([&] { ExpectedAttentionStatsPress::load_statistics(folder); },
+               {"ExpectedAttentionStatsPress: ", folder, "holds no tensor 'query_cov'"});
+  expect_error(
+      [] {
+        make_press("ExpectedAttentionStatsPress", 0.5, {{"num_samples", "0"}});
+      },
+      {"ExpectedAttentionStatsPress: num_samples must be > 0, got 0"});
+}
+
 TEST(Registry, KindsMatchTheBuiltPresses) {
   const std::set<std::string> wrappers{"KeyRerotationPress",
                                        "ChunkKVPress",
@@ -313,7 +403,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 33u);
+  ASSERT_EQ(list_presses().size(), 35u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

@@ -21,6 +21,7 @@
 
 #include "kvpress/kvpress.h"
 #include "random_inputs.h"
+#include "runnable_press.h"
 
 namespace kvpress {
 namespace {
@@ -60,6 +61,9 @@ const std::map<std::string, Promise>& promises() {
       {"TOVAPress", {2, default_kept, [](const BasePress&, int64_t seq) { return range(seq - 1, seq); }}},
       {"LagKVPress", {1, default_kept, [](const BasePress&, int64_t) { return range(0, LagKVPress::kDefaultNSink); }}},
       {"ExpectedAttentionPress",
+       {ExpectedAttentionPress::kDefaultNSink + 1, default_kept,
+        [](const BasePress&, int64_t) { return range(0, ExpectedAttentionPress::kDefaultNSink); }}},
+      {"ExpectedAttentionStatsPress",
        {ExpectedAttentionPress::kDefaultNSink + 1, default_kept,
         [](const BasePress&, int64_t) { return range(0, ExpectedAttentionPress::kDefaultNSink); }}},
       {"CapPress",
@@ -140,12 +144,9 @@ void check_press(const PressInfo& info, const Shape& s, uint64_t seed) {
   SCOPED_TRACE(info.name + " " + testing::describe(s));
   const auto it = promises().find(info.name);
   const Promise promise = it == promises().end() ? Promise{1, default_kept, nullptr} : it->second;
-  std::map<std::string, std::string> params;
-  for (const PressParam& p : info.params)
-    if (p.name == "seed") params["seed"] = "3";
   const double ratio = ratio_for(info, s.ratio);
-  const auto press = make_press(info.name, ratio, params);
   const LayerInputs in = random_inputs(s, seed);
+  const auto press = make_press(info.name, ratio, testing::runnable_params(info, in, "3"));
 
   at::set_num_threads(1);
   Result first;

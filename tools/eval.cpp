@@ -190,9 +190,13 @@ class Progress {
   Clock::time_point last_{};
 };
 
-// A DecodingPress's budget is its target_size, not a ratio (the registry refuses one): it runs once,
-// whatever --ratios says, and its rows carry no ratio (NaN here; null in JSON, empty in CSV, "-").
-bool fixed_budget(const PressSpec& p) { return p.name == "DecodingPress"; }
+// A press without a ratio (PressInfo::no_ratio: DecodingPress's budget is its target_size,
+// SimLayerKVPress's layers decide; the registry refuses one) runs once, whatever --ratios says, and
+// its rows carry no ratio (NaN here; null in JSON, empty in CSV, "-").
+bool fixed_budget(const PressSpec& p) {
+  const kvpress::PressInfo* info = kvpress::find_press(p.name);
+  return info != nullptr && !info->no_ratio.empty();
+}
 
 // The wrappers with head or layer budgets join the default press list configured as kvpress's
 // evaluation uses them (the other wrappers are left out: built by name alone they only wrap
@@ -469,9 +473,11 @@ int run_eval(const std::vector<std::string>& argv) {
   EvalArgs args = parse_eval_args(argv);
   if (args.presses.empty()) {
     // Every scorer with its defaults, and KVComposePress (kSecondPass): the runner's prefill runs its
-    // second pass (kvpress::llama::kvcompose_prefill) inside score_continuation.
+    // second pass (kvpress::llama::kvcompose_prefill) inside score_continuation. Not the presses
+    // that read a file made for a model (QFilterPress: name it with --param q_filters=F).
     for (const auto& info : kvpress::list_presses())
-      if (info.kind == kvpress::PressKind::kScorer || info.kind == kvpress::PressKind::kSecondPass)
+      if ((info.kind == kvpress::PressKind::kScorer || info.kind == kvpress::PressKind::kSecondPass) &&
+          !kvpress::needs_file(info))
         args.presses.push_back({info.name, {}, info.name});
     for (const auto& p : default_budget_wrappers()) args.presses.push_back(p);
   }

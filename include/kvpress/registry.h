@@ -21,7 +21,8 @@ namespace kvpress {
 
 struct PressParam {
   std::string name;           // kvpress's parameter name, e.g. "window_size"
-  std::string type;           // "int", "float", "bool", "str", "int?" or "float?" (optional: "None" unsets)
+  std::string type;           // "int", "float", "bool", "str", "path" (a file the press reads; "" when
+                              // not given), "int?" or "float?" (optional: "None" unsets)
   std::string default_value;  // as text, "None" for an unset optional
   std::string help;
 };
@@ -71,6 +72,10 @@ const std::vector<PressInfo>& list_presses();
 
 // The entry named `name`, or nullptr.
 const PressInfo* find_press(const std::string& name);
+
+// True for a press that reads a file named by a parameter of type "path" (QFilterPress's filters):
+// built with its defaults, it cannot compress.
+bool needs_file(const PressInfo& info);
 
 // `compression_ratio` for a press that takes one, 0 for one that does not (PressInfo::no_ratio):
 // for code that builds every press alike (benchmarks, tests).

@@ -48,21 +48,32 @@ at::Tensor ExpectedAttentionPress::score(const LayerInputs& in) const {
     sum += qc.sum(2).to(at::kDouble);
     if (use_covariance_) second += at::matmul(qc.transpose(2, 3), qc).to(at::kDouble);
   });
-  const int64_t group = heads / kv_heads;
   const at::Tensor mean_shifted = sum / static_cast<double>(n);  // [B, Hq, D] float64
-  at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
+  const at::Tensor mu = (shift.squeeze(2).to(at::kDouble) + mean_shifted).to(at::kFloat);
+  at::Tensor cov;
+  if (use_covariance_) {
+    const at::Tensor outer = mean_shifted.unsqueeze(-1) * mean_shifted.unsqueeze(-2);  // [B, Hq, D, D]
+    cov = (second / static_cast<double>(n) - outer).to(at::kFloat);
+  }
+  return score_from_statistics(in, mu, cov);
+}
+
+at::Tensor ExpectedAttentionPress::score_from_statistics(const LayerInputs& in, const at::Tensor& query_mean,
+                                                         const at::Tensor& query_cov) const {
+  const std::string press = name();
+  const char* op = press.c_str();
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
+  const int64_t n = seq - n_sink_, heads = query_mean.size(1), group = heads / kv_heads;
 
   // R̄ = mean over the future positions of cos_t·I + sin_t·P (P: rotate_half as a matrix).
   const at::Tensor R = ops::average_rope_rotation(ops::rope_inv_freq(in, op), seq, n_future_positions_);  // [D, D]
 
-  mu = at::matmul(mu, R.t());                                         // [B, Hq, D]
+  const at::Tensor mu = at::matmul(query_mean, R.t());                // [B, Hq, D]
   const at::Tensor k = in.keys.narrow(2, n_sink_, n).to(at::kFloat);  // [B, Hkv, n, D]
   // Fold each group's query heads into a matmul with its KV head: [B, Hkv, n, G].
   at::Tensor z = at::matmul(k, mu.view({batch, kv_heads, group, d}).transpose(2, 3)) / std::sqrt(double(d));
   if (use_covariance_) {
-    const at::Tensor outer = mean_shifted.unsqueeze(-1) * mean_shifted.unsqueeze(-2);  // [B, Hq, D, D]
-    at::Tensor cov = (second / static_cast<double>(n) - outer).to(at::kFloat);
-    cov = at::matmul(R, at::matmul(cov, R.t()));  // [B, Hq, D, D]
+    const at::Tensor cov = at::matmul(R, at::matmul(query_cov, R.t()));  // [B, Hq, D, D]
     // k_iᵀ Σ'_h k_i for every query head h of a group as one GEMM per chunk of keys: the group's
     // covariances side by side, [D, G * D], times the chunk's keys, then each D-wide block of the
     // product dotted with the key. Scratch is one chunk: [B, Hkv, rows, G * D].

@@ -68,6 +68,8 @@ def fail(message):
 def params_of(press):
     # Presses that draw random numbers get a seed, so that the CLI and the ops agree.
     params = ["seed=1"] if any(p["name"] == "seed" for p in press["params"]) else []
+    # Files a press reads (QFilterPress's filters, ExpectedAttentionStatsPress's statistics): random ones.
+    params += [f"{p['name']}={ARTIFACTS[p['name']]}" for p in press["params"] if p["type"] == "path"]
     if press["name"] == "SimLayerKVPress":  # it reads its inputs only where it judges a layer
         params += ["lazy_threshold=0.5", "n_recent=16"]
     return params
@@ -87,6 +89,14 @@ def ratio_of(press):
 
 with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
+    # Random artifacts of this model's shape (num_layers for scalars' layer_idx 1 of 2).
+    g = torch.Generator().manual_seed(5)
+    ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats"}
+    save_file({"q_filters": torch.randn(scalars["num_layers"], HKV, D, generator=g)}, str(ARTIFACTS["q_filters"]))
+    ARTIFACTS["stats_folder"].mkdir()
+    a = torch.randn(scalars["num_layers"], HQ, D, D, generator=g)
+    save_file({"query_mean": torch.randn(scalars["num_layers"], HQ, D, generator=g),
+               "query_cov": (a @ a.transpose(-1, -2) / D).contiguous()}, str(ARTIFACTS["stats_folder"] / "model.safetensors"))
     for press in registry["presses"]:
         name = press["name"]
         chosen, optional = given_fields(press)

@@ -53,7 +53,7 @@ KVPRESS_VERSION = require_pinned_kvpress()
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import rotate_half  # noqa: E402
 
@@ -286,6 +286,13 @@ def parse_value(text: str):
             return text
 
 
+# Where a press's artifact files named by relative paths are (QFilterPress's q_filters,
+# ExpectedAttentionStatsPress's stats_folder): the generators set it to their output folder; the
+# C++ tests resolve those paths (the registry's "path" parameters) against the fixture folder.
+ARTIFACT_DIR = Path(".")
+ARTIFACT_PARAMS = ("q_filters", "stats_folder")
+
+
 def build_press(name: str, params: dict[str, str], ratio: float | None):
     """A kvpress press from the C++ registry's parameter syntax: a wrapper names its inner press
     with "press" (its parameters "press.<param>"), ComposedPress its presses with "presses" = "A,B"
@@ -307,6 +314,13 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
                                                     compression_ratios=ratios)
         inner = build_press(params["press"], sub_params, ratio)
         return getattr(kvpress, name)(press=inner, **{k: parse_value(v) for k, v in rest.items()})
+    params = {k: str(ARTIFACT_DIR / v) if k in ARTIFACT_PARAMS else v for k, v in params.items()}
+    if name == "QFilterPress":  # kvpress downloads its filters by model name; ours come from the file
+        filters = load_file(params["q_filters"])["q_filters"]
+        press = kvpress.QFilterPress(compression_ratio=ratio)
+        press.q_filters = filters
+        press.load_q_filters = lambda model_name: filters  # what post_init_from_model would download
+        return press
     if name == "ThinKPress":  # its ratio is the fraction of key channels (kvpress-cpp's registry too)
         return kvpress.ThinKPress(key_channel_compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
     kwargs = {k: parse_value(v) for k, v in params.items()}

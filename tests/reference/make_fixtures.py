@@ -13,10 +13,13 @@ CPU only, deterministic (fixed seeds), two threads.
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from pathlib import Path
 
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+import common
 from common import (DTYPE_NAMES, KVPRESS_VERSION, MODEL, SHORT_DTYPE, apply_rope, build_press, capture,
                     first_story_with, inv_freq, kept_positions, load_model, load_stories, load_tokenizer,
                     model_dir, parse_args, prepare_out, random_llama, registry_ratio, save, setup, split_seed,
@@ -27,6 +30,9 @@ from transformers import DynamicCache
 
 import kvpress
 from kvpress.utils import compute_n_kept, get_prerope_query_states
+
+sys.path.insert(0, str(common.REPO / "scripts"))
+import make_artifact  # noqa: E402 (scripts/ is not a package)
 
 # Attention weights are stored only when B * Hq * S * S * 4 bytes stays below this.
 MAX_ATTENTION_BYTES = 40 * 1024 * 1024
@@ -97,6 +103,14 @@ PRESSES = [
     # ThinKPress: the ratio is key_channel_compression_ratio (its compression_ratio is half of it).
     ("ThinKPress", {}, ("hidden_states", "queries"), (0.25, 0.75)),
     ("ThinKPress", {"window_size": "8"}, ("hidden_states",), ()),
+    # QFilterPress: "{case}" is the case's name; its filters file holds random filters of the case's
+    # shape (write_case), given to kvpress's press in the cache dtype (what post_init_from_model does).
+    ("QFilterPress", {"q_filters": "{case}.qfilters.safetensors"}, KEYS_ONLY, (0.25, 0.75)),
+    # ExpectedAttentionStatsPress: kvpress's statistics folder of random statistics of the case's
+    # shape (write_case), loaded by its post_init_from_model.
+    ("ExpectedAttentionStatsPress", {"stats_folder": "{case}.eastats"}, ("keys_inv_freq", "rope"), (0.25,)),
+    ("ExpectedAttentionStatsPress", {"stats_folder": "{case}.eastats", "use_covariance": "False", "n_sink": "0",
+                                     "epsilon": "0.01"}, ("keys_inv_freq",), ()),
     # SimLayerKVPress: no ratio (registry ratio 0); the default threshold 1 keeps every token.
     ("SimLayerKVPress", {}, ("hidden_states",), ()),
     ("SimLayerKVPress", {"lazy_threshold": "0.5", "n_recent": "64"}, ATTENTION_BASED, ()),
@@ -140,6 +154,7 @@ RANDOM_CASES = [
 
 
 def param_tag(params: dict[str, str]) -> str:
+    params = {k: v for k, v in params.items() if k != "q_filters"}  # one file per case, not a variant
     if not params:
         return "default"
     if "press" in params or "presses" in params:
@@ -269,6 +284,17 @@ def lagkv_statistic(press, layer: dict) -> torch.Tensor:
     return stat.to(torch.float32).contiguous()
 
 
+def write_random_query_statistics(folder: Path, num_layers: int, num_heads: int, head_dim: int,
+                                  generator: torch.Generator):
+    """kvpress's ExpectedAttentionStats folder (model.safetensors + config.json) holding random
+    statistics: query_mean ~ N(0, 1), query_cov = A Aᵀ / head_dim (positive semi-definite)."""
+    mean = torch.randn(num_layers, num_heads, head_dim, generator=generator)
+    a = torch.randn(num_layers, num_heads, head_dim, head_dim, generator=generator)
+    make_artifact.save_stats_folder(folder, mean, (a @ a.transpose(-1, -2) / head_dim).contiguous(),
+                                    {"dataset_name": "random", "model_name": "random", "num_samples": 1,
+                                     "sample_seq_len": 1, "n_sink": 4})
+
+
 def straddling_tie(scores: torch.Tensor, n_kept: int) -> bool:
     """True when some row has equal scores on both sides of the selection threshold."""
     s = scores.reshape(-1, scores.shape[-1])
@@ -325,10 +351,19 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
         "runs": [],
     }
     stats = {"runs": 0, "ties": 0}
-    for press_name, params, sources, extra in PRESSES:
+    generator = torch.Generator().manual_seed(1234)
+    save({"q_filters": torch.randn(num_layers, hkv, d, generator=generator)}, out / f"{name}.qfilters.safetensors")
+    write_random_query_statistics(out / f"{name}.eastats", num_layers, module.config.num_attention_heads, d, generator)
+    common.ARTIFACT_DIR = out
+    for press_name, case_params, sources, extra in PRESSES:
+        params = {k: v.format(case=name) for k, v in case_params.items()}
         kv_params, seed = split_seed(press_name, params)
         for ratio in (registry_ratio(press_name, BASE_RATIO), *extra):
             press = build_press(press_name, kv_params, ratio)
+            if isinstance(press, kvpress.QFilterPress):
+                press.q_filters = press.q_filters.to(dtype)
+            if isinstance(press, kvpress.ExpectedAttentionStatsPress):  # what press(model) does first
+                press.post_init_from_model(types.SimpleNamespace(device=keys.device, dtype=dtype))
             # Extra ratios only for the first available source.
             srcs = [x for x in sources if x != "attentions" or has_attn]
             if ratio != registry_ratio(press_name, BASE_RATIO):

@@ -33,6 +33,7 @@ CPU only, two threads, deterministic. Takes a few seconds.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -42,12 +43,16 @@ from common import (EVAL_PREFIX_FRACTION, KVPRESS_VERSION, MODEL, PROMPTS, build
                     pipeline_context_length, prepare_out, registry_ratio, save, setup, split_seed, token_ids,
                     versions, write_json)
 
+import common
 import tokenizers
 import torch
 from transformers import DynamicCache
 
 import kvpress
 from kvpress import KeyRerotationPress
+
+sys.path.insert(0, str(common.REPO / "scripts"))
+import make_artifact  # noqa: E402 (scripts/ is not a package)
 from kvpress.presses.scorer_press import ScorerPress
 
 # Every press of the C++ registry (kvpress class name, parameters as text, named as kvpress
@@ -55,6 +60,8 @@ from kvpress.presses.scorer_press import ScorerPress
 # the global generator) means: the global CPU generator is reseeded with it right before each
 # layer's compression, which is what the C++ press does with that seed. A wrapper names its inner
 # press with "press" (common.build_press).
+QFILTERS_FILE = "qfilters.safetensors"
+STATS_FOLDER = "eastats"
 PRESSES = [
     ("RandomPress", {"seed": "42"}),
     ("KnormPress", {}),
@@ -71,6 +78,9 @@ PRESSES = [
     ("CURPress", {}),
     ("CapPress", {}),
     ("ThinKPress", {}),
+    # The filters and statistics scripts/make_artifact.py computes for the model over the stories (main()).
+    ("QFilterPress", {"q_filters": QFILTERS_FILE}),
+    ("ExpectedAttentionStatsPress", {"stats_folder": STATS_FOLDER}),
     # No ratio; thresholds and windows that judge the bundled model's short prompts (a lazy layer
     # keeps its first 4 and last 31 tokens).
     ("SimLayerKVPress", {"lazy_threshold": "0.5", "n_recent": "32"}),
@@ -359,6 +369,13 @@ def main():
 
     tok = load_tokenizer(path)
     model, sdpa_model = load_model(path, "eager"), load_model(path, "sdpa")
+    filters, _ = make_artifact.qfilters(sdpa_model, tok, stories)
+    save({"q_filters": filters}, out / QFILTERS_FILE)
+    mean, cov, _ = make_artifact.expected_attention_stats(sdpa_model, tok, stories, sample_seq_len=1000, n_sink=4)
+    make_artifact.save_stats_folder(out / STATS_FOLDER, mean, cov,
+                                    {"dataset_name": str(args.data), "model_name": str(path), "num_samples": 100,
+                                     "sample_seq_len": 1000, "n_sink": 4})
+    common.ARTIFACT_DIR = out
     prompts, n_runs = [], 0
     for prompt in PROMPTS:
         entry, stats = prompt_fixture(out, model, sdpa_model, tok, stories, prompt)

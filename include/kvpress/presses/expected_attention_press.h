@@ -37,6 +37,13 @@ class ExpectedAttentionPress : public ScorerPress {
 
   at::Tensor score(const LayerInputs& inputs) const override;  // -> [B, Hkv, S] float32
 
+ protected:
+  // The scores from the pre-RoPE queries' statistics: query_mean [B, Hq, D] float32, query_cov
+  // [B, Hq, D, D] float32 (undefined without use_covariance). Checks done by the caller: keys and
+  // values, S > n_sink, even D, Hq a multiple of Hkv.
+  at::Tensor score_from_statistics(const LayerInputs& inputs, const at::Tensor& query_mean,
+                                   const at::Tensor& query_cov) const;  // -> [B, Hkv, S] float32
+
  private:
   int64_t n_future_positions_;
   int64_t n_sink_;

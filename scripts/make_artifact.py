@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Artifacts that kvpress downloads for some presses, computed locally for a model.
+
+    make_artifact.py qfilters --model DIR --out FILE.safetensors [--stories FILE] [--max-stories N]
+        QFilterPress's filters: for every layer and KV head, the principal direction of the model's
+        post-RoPE queries (the queries of the group's query heads over every position of the
+        stories): the first right singular vector u of the raw query matrix (no centring), oriented
+        so that the queries' mean projection on it is positive. The file holds
+        q_filters [num_layers, num_kv_heads, head_dim] float32 = -u, so that QFilterPress's score
+        -(q_filters · k) = u · k, the key's alignment with what the queries mostly point at (the
+        Q-Filters recipe, arXiv 2503.02812; the authors' published filters are not reachable here).
+        Metadata: model, stories file, stories and tokens used.
+
+    make_artifact.py expected-attention-stats --model DIR --out FOLDER [--stories FILE]
+            [--num-samples N] [--sample-seq-len C] [--n-sink S]
+        ExpectedAttentionStatsPress's query statistics by kvpress's recipe (its
+        expected_attention_with_stats.collect_queries), on the stories instead of kmfoda/booksum:
+        the first N stories (default 100), each cut to its first C characters (default 1000),
+        tokenized with BOS, one forward each; the pre-RoPE queries of every layer and head without
+        each sample's first S tokens (default 4) are pooled; query_mean [num_layers, num_heads,
+        head_dim] is their mean, query_cov [num_layers, num_heads, head_dim, head_dim] their
+        covariance (divided by count - 1). FOLDER gets kvpress's save_pretrained layout:
+        model.safetensors (float32) and config.json (its ExpectedAttentionStats arguments), so
+        kvpress's stats_folder reads it as ours does.
+
+The model is read with transformers (float32, CPU); the stories file is text with stories separated
+by "<|endoftext|>" lines (the bundled tinystories_valid_100.txt). The output is written to a
+temporary file beside FILE and renamed, so it is never half-written. Errors: one line
+"make_artifact.py: error: ..." on stderr, exit code 2.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+import transformers
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+STORY_SEPARATOR = "<|endoftext|>"
+
+
+def fail(message: str):
+    print(f"make_artifact.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def layer_queries(model, input_ids: torch.Tensor, rope: bool) -> list[torch.Tensor]:
+    """Per layer, the queries [num_heads, S, head_dim] of one forward over input_ids, after RoPE or
+    before it."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(layer_idx):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"]
+            batch, seq, _ = hidden.shape
+            q = module.q_proj(hidden).view(batch, seq, -1, module.head_dim).transpose(1, 2)
+            captured[layer_idx] = (q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1) if rope else q)[0]
+        return hook
+
+    handles = [layer.self_attn.register_forward_pre_hook(capture(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return [captured[i] for i in range(len(model.model.layers))]
+
+
+def qfilters(model, tok, stories: list[str]) -> tuple[torch.Tensor, int]:
+    config = model.config
+    kv_heads = config.num_key_value_heads
+    group = config.num_attention_heads // kv_heads
+    per_layer: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    tokens = 0
+    for story in stories:
+        ids = tok(story, return_tensors="pt").input_ids
+        tokens += ids.shape[1]
+        for layer, q in enumerate(layer_queries(model, ids, rope=True)):
+            per_layer[layer].append(q)
+    filters = []
+    for queries in per_layer:
+        q = torch.cat(queries, dim=1).double()  # [num_heads, tokens, head_dim]
+        heads = []
+        for h in range(kv_heads):
+            x = q[h * group:(h + 1) * group].reshape(-1, q.shape[-1])  # the group's queries
+            u = torch.linalg.svd(x, full_matrices=False).Vh[0]
+            if (x @ u).mean() < 0:
+                u = -u
+            heads.append(-u)
+        filters.append(torch.stack(heads))
+    return torch.stack(filters).float().contiguous(), tokens
+
+
+def expected_attention_stats(model, tok, stories: list[str], sample_seq_len: int,
+                             n_sink: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    per_layer: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    for story in stories:
+        ids = tok(story[:sample_seq_len], return_tensors="pt").input_ids
+        for layer, q in enumerate(layer_queries(model, ids, rope=False)):
+            per_layer[layer].append(q[:, n_sink:])
+    queries = torch.stack([torch.cat(qs, dim=1) for qs in per_layer])  # [num_layers, num_heads, N, head_dim]
+    mean = queries.mean(dim=-2)
+    centered = queries - mean.unsqueeze(-2)
+    count = queries.shape[-2]
+    cov = centered.transpose(-2, -1) @ centered / (count - 1)
+    return mean.contiguous(), cov.contiguous(), count
+
+
+def save_stats_folder(folder: Path, mean: torch.Tensor, cov: torch.Tensor, about: dict):
+    """kvpress's ExpectedAttentionStats.save_pretrained layout: model.safetensors (query_mean,
+    query_cov) and config.json (its constructor's arguments: the shape, then `about`: dataset_name,
+    model_name, num_samples, sample_seq_len, n_sink)."""
+    num_layers, num_heads, head_dim = mean.shape
+    config = {"num_layers": num_layers, "num_heads": num_heads, "head_dim": head_dim, **about}
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomically(folder / "model.safetensors", lambda tmp: save_file({"query_mean": mean, "query_cov": cov}, tmp))
+    write_atomically(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+
+
+def write_atomically(path: Path, write):
+    """write(tmp) then rename to path, so that path is never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main():
+    transformers.utils.logging.disable_progress_bar()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="artifact", required=True)
+    q = sub.add_parser("qfilters", help="QFilterPress's filters")
+    q.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    q.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    q.add_argument("--max-stories", type=int, default=0, help="use only the first N stories (0: all)")
+    q.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    e = sub.add_parser("expected-attention-stats", help="ExpectedAttentionStatsPress's query statistics")
+    e.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    e.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    e.add_argument("--num-samples", type=int, default=100, help="stories used (kvpress's num_samples)")
+    e.add_argument("--sample-seq-len", type=int, default=1000, help="characters kept of each (sample_seq_len)")
+    e.add_argument("--n-sink", type=int, default=4, help="first tokens of each sample left out (n_sink)")
+    e.add_argument("--out", type=Path, required=True, help="output folder")
+    args = parser.parse_args()
+
+    if not (args.model / "config.json").exists():
+        fail(f"--model: no config.json in {args.model}")
+    stories_file = args.stories or args.model.parent.parent / "data" / "tinystories_valid_100.txt"
+    if not stories_file.exists():
+        fail(f"--stories: {stories_file} does not exist")
+    stories = [s.strip() for s in stories_file.read_text(encoding="utf-8").split(STORY_SEPARATOR) if s.strip()]
+    if not stories:
+        fail(f"--stories: no story in {stories_file}")
+    model = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(args.model))
+
+    if args.artifact == "qfilters":
+        if args.max_stories < 0:
+            fail(f"--max-stories must be >= 0, got {args.max_stories}")
+        stories = stories[:args.max_stories] if args.max_stories else stories
+        filters, tokens = qfilters(model, tok, stories)
+        metadata = {"artifact": "qfilters", "model": str(args.model), "stories_file": str(stories_file),
+                    "stories": str(len(stories)), "tokens": str(tokens)}
+        write_atomically(args.out, lambda tmp: save_file({"q_filters": filters}, tmp, metadata=metadata))
+        print(f"make_artifact.py: q_filters {list(filters.shape)} from {len(stories)} stories ({tokens} tokens) "
+              f"-> {args.out}")
+        return
+
+    for name in ("num_samples", "sample_seq_len"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.n_sink < 0:
+        fail(f"--n-sink must be >= 0, got {args.n_sink}")
+    stories = stories[:args.num_samples]
+    mean, cov, count = expected_attention_stats(model, tok, stories, args.sample_seq_len, args.n_sink)
+    save_stats_folder(args.out, mean, cov, {"dataset_name": str(stories_file), "model_name": str(args.model),
+                                            "num_samples": args.num_samples, "sample_seq_len": args.sample_seq_len,
+                                            "n_sink": args.n_sink})
+    print(f"make_artifact.py: query_mean {list(mean.shape)}, query_cov {list(cov.shape)} from {len(stories)} "
+          f"stories ({count} queries per head) -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

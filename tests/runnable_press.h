@@ -1,0 +1,86 @@
+// Presses built by name so that they run, for the tests that walk the registry.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "kvpress/io/safetensors.h"
+#include "kvpress/presses/expected_attention_stats_press.h"
+#include "kvpress/presses/qfilter_press.h"
+#include "kvpress/registry.h"
+#include "kvpress/types.h"
+
+namespace kvpress::testing {
+
+// The model dimensions a press's files must match.
+struct ModelShape {
+  int64_t num_layers, num_heads, kv_heads, head_dim;
+};
+
+// Files of random model artifacts (seeded), written once per kind and shape and process into the
+// temporary folder, removed at exit: QFilterPress's filters [L, Hkv, D] (a file) and
+// ExpectedAttentionStatsPress's statistics (a folder with model.safetensors: query_mean [L, Hq, D],
+// query_cov [L, Hq, D, D] positive semi-definite).
+inline std::string random_artifact(const std::string& kind, const ModelShape& s) {
+  // Removed with the C library at exit: std::filesystem there may resolve into libtorch's copy,
+  // already torn down.
+  struct Paths : std::map<std::string, std::string> {
+    ~Paths() {
+      for (const auto& [key, path] : *this) {
+        std::remove((path + "/model.safetensors").c_str());  // a statistics folder's file
+        std::remove(path.c_str());                           // the file, or the emptied folder
+      }
+    }
+  };
+  static std::mutex mutex;
+  static Paths written;
+  const std::string shape = std::to_string(s.num_layers) + "x" + std::to_string(s.num_heads) + "x" +
+                            std::to_string(s.kv_heads) + "x" + std::to_string(s.head_dim);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& path = written[kind + shape];
+  if (!path.empty()) return path;
+  const std::filesystem::path base = std::filesystem::temp_directory_path() /
+                                     ("kvpress_tests_" + std::to_string(::getpid()) + "_" + kind + "_" + shape);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  if (kind == "q_filters") {
+    path = base.string() + ".safetensors";
+    io::save_safetensors(path, {{QFilterPress::kTensorName, at::randn({s.num_layers, s.kv_heads, s.head_dim}, gen)}});
+  } else {  // stats_folder
+    path = base.string();
+    std::filesystem::create_directories(path);
+    const at::Tensor a = at::randn({s.num_layers, s.num_heads, s.head_dim, s.head_dim}, gen);
+    io::save_safetensors(path + "/model.safetensors",
+                         {{"query_mean", at::randn({s.num_layers, s.num_heads, s.head_dim}, gen)},
+                          {"query_cov", at::matmul(a, a.transpose(-1, -2)) / static_cast<double>(s.head_dim)}});
+  }
+  return path;
+}
+
+// What `info`'s press needs beyond its defaults to run on layers of a model shaped `shape`: a seed
+// where it draws random numbers (so that the same call gives the same answer; none if `seed` is
+// empty) and, for its "path" parameters, random files of that shape.
+inline std::map<std::string, std::string> runnable_params(const PressInfo& info, const ModelShape& shape,
+                                                          const std::string& seed = "1") {
+  std::map<std::string, std::string> params;
+  for (const PressParam& p : info.params) {
+    if (p.name == "seed" && !seed.empty()) params["seed"] = seed;
+    if (p.type == "path") params[p.name] = random_artifact(p.name, shape);
+  }
+  return params;
+}
+
+// The same for layers shaped like `in` (its num_layers, query heads, KV heads and head dim).
+inline std::map<std::string, std::string> runnable_params(const PressInfo& info, const LayerInputs& in,
+                                                          const std::string& seed = "1") {
+  const int64_t heads = in.num_heads > 0 ? in.num_heads : in.queries.defined() ? in.queries.size(1) : in.keys.size(1);
+  return runnable_params(info, {in.num_layers, heads, in.keys.size(1), in.keys.size(3)}, seed);
+}
+
+}  // namespace kvpress::testing
