@@ -138,8 +138,10 @@ int main(int argc, char** argv) {
     std::printf("%-24s %6s %8s %8s %7s\n", "press", "ratio", "NLL", "dNLL", "agree");
     std::printf("%-24s %6s %8.4f %8s %7.3f\n", "full cache", "-", full_nll, "-", 1.0);
     for (const auto& info : kvpress::list_presses()) {
-      // Wrappers and decoding presses need an inner press chosen by the caller.
+      // Wrappers and decoding presses need an inner press chosen by the caller; SimLayerKVPress takes
+      // no ratio; QFilterPress and ExpectedAttentionStatsPress read files made for a model.
       if (info.kind == kvpress::PressKind::kWrapper || info.kind == kvpress::PressKind::kDecoding) continue;
+      if (!info.no_ratio.empty() || kvpress::needs_file(info)) continue;
       for (double ratio : kRatios) {
         const auto press = kvpress::make_press(info.name, ratio);
         double nll = 0.0, agree = 0.0;
