@@ -13,6 +13,8 @@ CPU only, deterministic (fixed seeds), two threads.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import time
 import types
@@ -363,7 +365,8 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
             if isinstance(press, kvpress.QFilterPress):
                 press.q_filters = press.q_filters.to(dtype)
             if isinstance(press, kvpress.ExpectedAttentionStatsPress):  # what press(model) does first
-                press.post_init_from_model(types.SimpleNamespace(device=keys.device, dtype=dtype))
+                with contextlib.redirect_stdout(io.StringIO()):  # its "Loading weights ..." line
+                    press.post_init_from_model(types.SimpleNamespace(device=keys.device, dtype=dtype))
             # Extra ratios only for the first available source.
             srcs = [x for x in sources if x != "attentions" or has_attn]
             if ratio != registry_ratio(press_name, BASE_RATIO):
