@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
     std::printf("%-24s %6s %8.4f %8s %7.3f\n", "full cache", "-", full_nll, "-", 1.0);
     for (const auto& info : kvpress::list_presses()) {
       // Wrappers and decoding presses need an inner press chosen by the caller; SimLayerKVPress takes
-      // no ratio; QFilterPress and ExpectedAttentionStatsPress read files made for a model.
+      // no ratio; QFilterPress, ExpectedAttentionStatsPress and KVzapPress read files made for a model.
       if (info.kind == kvpress::PressKind::kWrapper || info.kind == kvpress::PressKind::kDecoding) continue;
       if (!info.no_ratio.empty() || kvpress::needs_file(info)) continue;
       for (double ratio : kRatios) {

@@ -34,6 +34,7 @@
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/kvcompose_press.h"
+#include "kvpress/presses/kvzap_press.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
 #include "kvpress/presses/non_causal_attn_press.h"
@@ -471,6 +472,20 @@ std::vector<Entry> scorer_entries() {
          const std::string path =
              p.get_path("q_filters", "safetensors file with q_filters [num_layers, num_kv_heads, head_dim]");
          return std::make_unique<QFilterPress>(r, path.empty() ? at::Tensor() : QFilterPress::load_filters(path));
+       }},
+      {"KVzapPress",
+       K::kScorer,
+       "KVzap: a per-layer surrogate model predicts each token's score from its hidden state (from a local folder)",
+       {{{{"hidden_states"}}}, {}, {"layer_idx"}},
+       [](double r, Params& p) {
+         using P = KVzapPress;
+         const P::ModelType type =
+             p.get_choice("model_type", {"mlp", "linear"}, "the surrogate: mlp or linear") == "mlp"
+                 ? P::ModelType::kMlp
+                 : P::ModelType::kLinear;
+         const std::string folder =
+             p.get_path("kvzap_model", "folder of a KVzap surrogate as kvpress's KVzapModel.save_pretrained writes it");
+         return std::make_unique<P>(r, type, folder.empty() ? P::Surrogate{} : P::load_surrogate(folder));
        }},
       {"CURPress",
        K::kScorer,

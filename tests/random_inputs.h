@@ -61,8 +61,8 @@ inline LayerInputs random_inputs(const Shape& s, uint64_t seed) {
 }
 
 // One float32 layer, batch 1: keys, values and queries of every position, their causal attention
-// (softmax(q k^T), no 1/sqrt(D)), RoPE tables and an output projection; with_input_ids adds token
-// ids (QSMPress/CTRPress's token text).
+// (softmax(q k^T), no 1/sqrt(D)), RoPE tables, an output projection and hidden states [1, S, 32]; with_input_ids adds
+// token ids (QSMPress/CTRPress's token text).
 inline LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16,
                                 bool with_input_ids = false) {
   LayerInputs in;
@@ -77,6 +77,7 @@ inline LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, i
   in.cos = at::cat({angles, angles}, -1).cos().to(at::kFloat);
   in.sin = at::cat({angles, angles}, -1).sin().to(at::kFloat);
   in.o_proj = randn({64, heads * d}, seed + 3) * 0.1;  // output projection (CriticalKVPress, CriticalAdaKVPress)
+  in.hidden_states = randn({1, seq, 32}, seed + 5);    // without q_proj: only KVzapPress reads them
   if (with_input_ids) {
     at::manual_seed(seed + 4);
     in.input_ids = at::randint(0, 64, {1, seq}, at::kLong);

@@ -22,12 +22,14 @@ namespace kvpress::testing {
 // The model dimensions a press's files must match.
 struct ModelShape {
   int64_t num_layers, num_heads, kv_heads, head_dim;
+  int64_t hidden = 0;  // the hidden size (KVzapPress's surrogate input)
 };
 
 // Files of random model artifacts (seeded), written once per kind and shape and process into the
 // temporary folder, removed at exit: QFilterPress's filters [L, Hkv, D] (a file) and
 // ExpectedAttentionStatsPress's statistics (a folder with model.safetensors: query_mean [L, Hq, D],
-// query_cov [L, Hq, D, D] positive semi-definite).
+// query_cov [L, Hq, D, D] positive semi-definite) and KVzapPress's surrogate (a folder with an MLP
+// hidden -> 8 -> Hkv per layer, as KVzapModel.save_pretrained names its weights).
 inline std::string random_artifact(const std::string& kind, const ModelShape& s) {
   // Removed with the C library at exit: std::filesystem there may resolve into libtorch's copy,
   // already torn down.
@@ -42,7 +44,8 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
   static std::mutex mutex;
   static Paths written;
   const std::string shape = std::to_string(s.num_layers) + "x" + std::to_string(s.num_heads) + "x" +
-                            std::to_string(s.kv_heads) + "x" + std::to_string(s.head_dim);
+                            std::to_string(s.kv_heads) + "x" + std::to_string(s.head_dim) + "x" +
+                            std::to_string(s.hidden);
   std::lock_guard<std::mutex> lock(mutex);
   auto& path = written[kind + shape];
   if (!path.empty()) return path;
@@ -52,13 +55,25 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
   if (kind == "q_filters") {
     path = base.string() + ".safetensors";
     io::save_safetensors(path, {{QFilterPress::kTensorName, at::randn({s.num_layers, s.kv_heads, s.head_dim}, gen)}});
-  } else {  // stats_folder
+  } else if (kind == "stats_folder") {
     path = base.string();
     std::filesystem::create_directories(path);
     const at::Tensor a = at::randn({s.num_layers, s.num_heads, s.head_dim, s.head_dim}, gen);
     io::save_safetensors(path + "/model.safetensors",
                          {{"query_mean", at::randn({s.num_layers, s.num_heads, s.head_dim}, gen)},
                           {"query_cov", at::matmul(a, a.transpose(-1, -2)) / static_cast<double>(s.head_dim)}});
+  } else {  // kvzap_model
+    path = base.string();
+    std::filesystem::create_directories(path);
+    std::map<std::string, at::Tensor> weights;
+    for (int64_t l = 0; l < s.num_layers; ++l) {
+      const std::string layer = "layers." + std::to_string(l);
+      weights[layer + ".0.weight"] = at::randn({8, s.hidden}, gen);
+      weights[layer + ".0.bias"] = at::randn({8}, gen);
+      weights[layer + ".2.weight"] = at::randn({s.kv_heads, 8}, gen);
+      weights[layer + ".2.bias"] = at::randn({s.kv_heads}, gen);
+    }
+    io::save_safetensors(path + "/model.safetensors", weights);
   }
   return path;
 }
@@ -80,7 +95,8 @@ inline std::map<std::string, std::string> runnable_params(const PressInfo& info,
 inline std::map<std::string, std::string> runnable_params(const PressInfo& info, const LayerInputs& in,
                                                           const std::string& seed = "1") {
   const int64_t heads = in.num_heads > 0 ? in.num_heads : in.queries.defined() ? in.queries.size(1) : in.keys.size(1);
-  return runnable_params(info, {in.num_layers, heads, in.keys.size(1), in.keys.size(3)}, seed);
+  const int64_t hidden = in.hidden_states.defined() ? in.hidden_states.size(-1) : 0;
+  return runnable_params(info, {in.num_layers, heads, in.keys.size(1), in.keys.size(3), hidden}, seed);
 }
 
 }  // namespace kvpress::testing

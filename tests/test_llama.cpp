@@ -465,9 +465,10 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     if (info.kind == kvpress::PressKind::kDecoding) continue;  // they compress while decoding: tests/test_decoding.cpp
     if (info.kind == kvpress::PressKind::kSecondPass) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
     const auto& c = model.config();
-    const auto press = kvpress::make_press(
-        info.name, kvpress::ratio_for(info, 0.5),
-        kvpress::testing::runnable_params(info, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim}, ""));
+    const auto press =
+        kvpress::make_press(info.name, kvpress::ratio_for(info, 0.5),
+                            kvpress::testing::runnable_params(
+                                info, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size}, ""));
     KVCache cache = model.new_cache();
     PrefillOptions opt;
     opt.press = press.get();

@@ -52,6 +52,8 @@
 //     default 8e-3 [<= 2.4e-3]: kvpress multiplies filters and keys in bf16, we in float32.
 //   * ExpectedAttentionStatsPress: ExpectedAttentionPress's bounds (float32 ≤ 4e-7 of the scale
 //     measured; bfloat16 ≤ 1.2e-2: kvpress rotates the stored statistics and scores in bf16).
+//   * KVzapPress: the float32 rule (bit for bit measured: the same ATen linear layers); bfloat16 the
+//     default 8e-3 [<= 3.8e-3]: kvpress runs the surrogate in bf16.
 //   * CapPress: float32 5e-6, 5e-6 [<= 1.2e-6] (the query anchor summed in another order, R̄
 //     built from averaged cos/sin); bfloat16 0.1, 0.1 [<= 5.3e-2 from inverted-RoPE queries,
 //     2.5e-2 from hidden states]: kvpress computes the anchor, the normalised keys, the

@@ -311,6 +311,43 @@ TEST(ExpectedAttentionStatsPress, GivenThePromptsOwnStatisticsScoresAsExpectedAt
       {"ExpectedAttentionStatsPress: num_samples must be > 0, got 0"});
 }
 
+TEST(KVzapPress, ScoresTokensWithTheLayersSurrogateOfTheirHiddenStates) {
+  LayerInputs in = random_layer(40, 51, 8, 2, 16);  // hidden_states [1, 40, 32]
+  in.layer_idx = 1;
+  in.num_layers = 2;
+  const std::string folder = testing::random_artifact("kvzap_model", {2, 8, 2, 16, 32});
+  const KVzapPress::Surrogate s = KVzapPress::load_surrogate(folder);  // hidden 32 -> 8 -> 2 per layer
+  ASSERT_EQ(s.w1.sizes(), (at::IntArrayRef{2, 8, 32}));
+  const auto press = make_press("KVzapPress", 0.5, {{"kvzap_model", folder}});
+  // Layer 1's MLP with the exact GELU x·Φ(x), in double.
+  const at::Tensor x = in.hidden_states[0].to(at::kDouble);                                   // [40, 32]
+  const at::Tensor h = at::matmul(x, s.w1[1].to(at::kDouble).t()) + s.b1[1].to(at::kDouble);  // [40, 8]
+  const at::Tensor gelu = h * 0.5 * (1 + at::erf(h / std::sqrt(2.0)));
+  const at::Tensor expected = (at::matmul(gelu, s.w2[1].to(at::kDouble).t()) + s.b2[1].to(at::kDouble)).t();  // [2, 40]
+  const at::Tensor scores = dynamic_cast<const KVzapPress&>(*press).score(in);
+  EXPECT_TRUE(at::allclose(scores[0].to(at::kDouble), expected, 1e-5, 1e-5));
+  // A linear surrogate: hidden -> Hkv.
+  const KVzapPress linear(0.5, KVzapPress::ModelType::kLinear, {s.w1.narrow(1, 0, 2), s.b1.narrow(1, 0, 2), {}, {}});
+  const at::Tensor lin =
+      (at::matmul(x, s.w1[1].narrow(0, 0, 2).to(at::kDouble).t()) + s.b1[1].narrow(0, 0, 2).to(at::kDouble)).t();
+  EXPECT_TRUE(at::allclose(linear.score(in)[0].to(at::kDouble), lin, 1e-5, 1e-5));
+  // Errors: none given, another model_type than the folder's, mismatched hidden size or heads.
+  expect_error([&] { make_press("KVzapPress", 0.5)->compress(in); },
+               {"KVzapPress.score: no surrogate: give kvzap_model=DIR", "nvidia/KVzap-mlp-<model>"});
+  expect_error(
+      [&] {
+        make_press("KVzapPress", 0.5, {{"kvzap_model", folder}, {"model_type", "linear"}});
+      },
+      {"KVzapPress: model_type is linear but the surrogate is an mlp"});
+  LayerInputs wider = in;
+  wider.hidden_states = at::randn({1, 40, 48});
+  expect_error([&] { press->compress(wider); }, {"the surrogate takes hidden size 32, hidden_states have 48"});
+  LayerInputs one_head = in;
+  one_head.keys = in.keys.narrow(1, 0, 1);
+  one_head.values = in.values.narrow(1, 0, 1);
+  expect_error([&] { press->compress(one_head); }, {"the surrogate predicts 2 heads, keys have 1"});
+}
+
 TEST(Registry, KindsMatchTheBuiltPresses) {
   const std::set<std::string> wrappers{"KeyRerotationPress",
                                        "ChunkKVPress",
@@ -403,7 +440,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 35u);
+  ASSERT_EQ(list_presses().size(), 36u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

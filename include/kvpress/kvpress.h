@@ -26,6 +26,7 @@
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/kvcompose_press.h"
+#include "kvpress/presses/kvzap_press.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
 #include "kvpress/presses/non_causal_attn_press.h"

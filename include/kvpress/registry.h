@@ -73,7 +73,8 @@ const std::vector<PressInfo>& list_presses();
 // The entry named `name`, or nullptr.
 const PressInfo* find_press(const std::string& name);
 
-// True for a press that reads a file named by a parameter of type "path" (QFilterPress's filters):
+// True for a press that reads a file named by a parameter of type "path" (QFilterPress's filters,
+// ExpectedAttentionStatsPress's statistics, KVzapPress's surrogate):
 // built with its defaults, it cannot compress.
 bool needs_file(const PressInfo& info);
 

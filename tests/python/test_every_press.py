@@ -91,12 +91,17 @@ with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
     # Random artifacts of this model's shape (num_layers for scalars' layer_idx 1 of 2).
     g = torch.Generator().manual_seed(5)
-    ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats"}
+    ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats",
+                 "kvzap_model": tmp / "kvzap"}
     save_file({"q_filters": torch.randn(scalars["num_layers"], HKV, D, generator=g)}, str(ARTIFACTS["q_filters"]))
     ARTIFACTS["stats_folder"].mkdir()
     a = torch.randn(scalars["num_layers"], HQ, D, D, generator=g)
     save_file({"query_mean": torch.randn(scalars["num_layers"], HQ, D, generator=g),
                "query_cov": (a @ a.transpose(-1, -2) / D).contiguous()}, str(ARTIFACTS["stats_folder"] / "model.safetensors"))
+    ARTIFACTS["kvzap_model"].mkdir()  # an MLP surrogate hidden -> 8 -> Hkv per layer
+    save_file({f"layers.{i}.{j}.{w}": torch.randn(*shape, generator=g) for i in range(scalars["num_layers"])
+               for j, w, shape in ((0, "weight", (8, HIDDEN)), (0, "bias", (8,)), (2, "weight", (HKV, 8)),
+                                   (2, "bias", (HKV,)))}, str(ARTIFACTS["kvzap_model"] / "model.safetensors"))
     for press in registry["presses"]:
         name = press["name"]
         chosen, optional = given_fields(press)

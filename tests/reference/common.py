@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
+import io
 import json
 import logging
 import math
@@ -290,7 +291,7 @@ def parse_value(text: str):
 # ExpectedAttentionStatsPress's stats_folder): the generators set it to their output folder; the
 # C++ tests resolve those paths (the registry's "path" parameters) against the fixture folder.
 ARTIFACT_DIR = Path(".")
-ARTIFACT_PARAMS = ("q_filters", "stats_folder")
+ARTIFACT_PARAMS = ("q_filters", "stats_folder", "kvzap_model")
 
 
 def build_press(name: str, params: dict[str, str], ratio: float | None):
@@ -321,6 +322,13 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
         press.q_filters = filters
         press.load_q_filters = lambda model_name: filters  # what post_init_from_model would download
         return press
+    if name == "KVzapPress":  # kvpress downloads nvidia/KVzap-<type>-<model>; ours comes from the folder
+        from kvpress.presses.kvzap_press import KVzapModel
+        press = kvpress.KVzapPress(compression_ratio=ratio, model_type=params.get("model_type", "mlp"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            press.kvzap_model = KVzapModel.from_pretrained(params["kvzap_model"])
+        press.post_init_from_model = lambda model: None  # what would download it
+        return press
     if name == "ThinKPress":  # its ratio is the fraction of key channels (kvpress-cpp's registry too)
         return kvpress.ThinKPress(key_channel_compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
     kwargs = {k: parse_value(v) for k, v in params.items()}
@@ -337,6 +345,16 @@ NO_RATIO = ("SimLayerKVPress",)
 def registry_ratio(name: str, ratio: float) -> float:
     """The ratio kvpress-cpp's registry builds `name` with: `ratio`, or 0 for a press without one."""
     return 0.0 if name in NO_RATIO else ratio
+
+
+def write_random_kvzap(folder: Path, hidden_size: int, kv_heads: int, num_layers: int, hidden_dim: int | None):
+    """kvpress's KVzapModel (linear, or an MLP with hidden_dim) with seeded random weights, saved
+    as kvpress saves it."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+    torch.manual_seed(4321)
+    config = KVzapConfig(input_dim=hidden_size, output_dim=kv_heads, n_modules=num_layers, hidden_dim=hidden_dim)
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+        KVzapModel(config).save_pretrained(str(folder))
 
 
 def split_seed(name: str, params: dict[str, str]) -> tuple[dict[str, str], int | None]:

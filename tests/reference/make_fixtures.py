@@ -111,6 +111,9 @@ PRESSES = [
     # ExpectedAttentionStatsPress: kvpress's statistics folder of random statistics of the case's
     # shape (write_case), loaded by its post_init_from_model.
     ("ExpectedAttentionStatsPress", {"stats_folder": "{case}.eastats"}, ("keys_inv_freq", "rope"), (0.25,)),
+    # KVzapPress: kvpress's KVzapModel folders of random surrogates for the case's hidden size (write_case).
+    ("KVzapPress", {"kvzap_model": "{case}.kvzap_mlp"}, ("hidden_states",), (0.25,)),
+    ("KVzapPress", {"kvzap_model": "{case}.kvzap_linear", "model_type": "linear"}, ("hidden_states",), ()),
     ("ExpectedAttentionStatsPress", {"stats_folder": "{case}.eastats", "use_covariance": "False", "n_sink": "0",
                                      "epsilon": "0.01"}, ("keys_inv_freq",), ()),
     # SimLayerKVPress: no ratio (registry ratio 0); the default threshold 1 keeps every token.
@@ -156,7 +159,8 @@ RANDOM_CASES = [
 
 
 def param_tag(params: dict[str, str]) -> str:
-    params = {k: v for k, v in params.items() if k != "q_filters"}  # one file per case, not a variant
+    # One artifact per case, not a variant (model_type tells the KVzap runs apart).
+    params = {k: v for k, v in params.items() if k not in ("q_filters", "stats_folder", "kvzap_model")}
     if not params:
         return "default"
     if "press" in params or "presses" in params:
@@ -356,6 +360,9 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
     generator = torch.Generator().manual_seed(1234)
     save({"q_filters": torch.randn(num_layers, hkv, d, generator=generator)}, out / f"{name}.qfilters.safetensors")
     write_random_query_statistics(out / f"{name}.eastats", num_layers, module.config.num_attention_heads, d, generator)
+    for kind, hidden_dim in (("mlp", 16), ("linear", None)):
+        common.write_random_kvzap(out / f"{name}.kvzap_{kind}", module.config.hidden_size, hkv, num_layers,
+                                  hidden_dim)
     common.ARTIFACT_DIR = out
     for press_name, case_params, sources, extra in PRESSES:
         params = {k: v.format(case=name) for k, v in case_params.items()}

@@ -62,6 +62,7 @@ from kvpress.presses.scorer_press import ScorerPress
 # press with "press" (common.build_press).
 QFILTERS_FILE = "qfilters.safetensors"
 STATS_FOLDER = "eastats"
+KVZAP_FOLDER = "kvzap_random"
 PRESSES = [
     ("RandomPress", {"seed": "42"}),
     ("KnormPress", {}),
@@ -81,6 +82,8 @@ PRESSES = [
     # The filters and statistics scripts/make_artifact.py computes for the model over the stories (main()).
     ("QFilterPress", {"q_filters": QFILTERS_FILE}),
     ("ExpectedAttentionStatsPress", {"stats_folder": STATS_FOLDER}),
+    # No trained surrogate exists for this model: seeded random weights test the mechanism.
+    ("KVzapPress", {"kvzap_model": KVZAP_FOLDER}),
     # No ratio; thresholds and windows that judge the bundled model's short prompts (a lazy layer
     # keeps its first 4 and last 31 tokens).
     ("SimLayerKVPress", {"lazy_threshold": "0.5", "n_recent": "32"}),
@@ -375,6 +378,8 @@ def main():
     make_artifact.save_stats_folder(out / STATS_FOLDER, mean, cov,
                                     {"dataset_name": str(args.data), "model_name": str(path), "num_samples": 100,
                                      "sample_seq_len": 1000, "n_sink": 4})
+    common.write_random_kvzap(out / KVZAP_FOLDER, model.config.hidden_size, model.config.num_key_value_heads,
+                              model.config.num_hidden_layers, hidden_dim=16)
     common.ARTIFACT_DIR = out
     prompts, n_runs = [], 0
     for prompt in PROMPTS:
