@@ -296,6 +296,12 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
 
 }  // namespace
 
+const at::Tensor& required_tensor(const SafetensorsFile& file, const std::string& key, const std::string& where) {
+  const auto it = file.tensors.find(key);
+  TORCH_CHECK(it != file.tensors.end(), where, " holds no tensor '", key, "'");
+  return it->second;
+}
+
 SafetensorsFile load_safetensors(const std::string& path) {
   const Where where{"load_safetensors", path};
   ST_LOAD_CHECK(!is_directory(path), "is a directory, not a safetensors file");

@@ -48,13 +48,9 @@ ExpectedAttentionStatsPress::ExpectedAttentionStatsPress(double compression_rati
 ExpectedAttentionStatsPress::Statistics ExpectedAttentionStatsPress::load_statistics(const std::string& stats_folder) {
   const std::string path = stats_folder + "/model.safetensors";
   const io::SafetensorsFile file = io::load_safetensors(path);
-  Statistics s;
-  for (auto [key, slot] : {std::pair{"query_mean", &s.query_mean}, std::pair{"query_cov", &s.query_cov}}) {
-    const auto it = file.tensors.find(key);
-    TORCH_CHECK(it != file.tensors.end(), kName, ": ", path, " holds no tensor '", key, "'");
-    *slot = it->second;
-  }
-  check_statistics(std::string(kName) + ": " + path, s);
+  const std::string where = std::string(kName) + ": " + path;
+  const Statistics s{io::required_tensor(file, "query_mean", where), io::required_tensor(file, "query_cov", where)};
+  check_statistics(where, s);
   return {s.query_mean.to(at::kFloat).contiguous(), s.query_cov.to(at::kFloat).contiguous()};
 }
 

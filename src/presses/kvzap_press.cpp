@@ -47,11 +47,8 @@ KVzapPress::Surrogate KVzapPress::load_surrogate(const std::string& folder) {
   TORCH_CHECK(mlp || file.tensors.count("layers.0.weight"), kName, ": ", path,
               " holds neither layers.0.weight (linear) nor layers.0.0.weight (mlp)");
   std::vector<at::Tensor> w1, b1, w2, b2;
-  auto get = [&](const std::string& key) {
-    const auto it = file.tensors.find(key);
-    TORCH_CHECK(it != file.tensors.end(), kName, ": ", path, " holds no tensor '", key, "'");
-    return it->second;
-  };
+  const std::string where = std::string(kName) + ": " + path;
+  auto get = [&](const std::string& key) { return io::required_tensor(file, key, where); };
   for (int64_t i = 0;; ++i) {
     const std::string layer = "layers." + std::to_string(i) + (mlp ? ".0." : ".");
     if (!file.tensors.count(layer + "weight")) break;
@@ -67,7 +64,7 @@ KVzapPress::Surrogate KVzapPress::load_surrogate(const std::string& folder) {
     s.w2 = at::stack(w2).to(at::kFloat);
     s.b2 = at::stack(b2).to(at::kFloat);
   }
-  check_surrogate(std::string(kName) + ": " + path, mlp ? ModelType::kMlp : ModelType::kLinear, s);
+  check_surrogate(where, mlp ? ModelType::kMlp : ModelType::kLinear, s);
   return s;
 }
 

@@ -25,11 +25,10 @@ QFilterPress::QFilterPress(double compression_ratio, at::Tensor q_filters) : Sco
 
 at::Tensor QFilterPress::load_filters(const std::string& path) {
   const io::SafetensorsFile file = io::load_safetensors(path);
-  const auto it = file.tensors.find(kTensorName);
-  TORCH_CHECK(it != file.tensors.end(), "QFilterPress: ", path, " holds no tensor '", kTensorName,
-              "' [num_layers, num_kv_heads, head_dim]");
-  check_filters(("QFilterPress: " + path).c_str(), it->second);
-  return it->second.to(at::kFloat).contiguous();
+  const std::string where = "QFilterPress: " + path;
+  const at::Tensor& filters = io::required_tensor(file, kTensorName, where);
+  check_filters(where.c_str(), filters);
+  return filters.to(at::kFloat).contiguous();
 }
 
 at::Tensor QFilterPress::score(const LayerInputs& in) const {

@@ -160,7 +160,7 @@ RANDOM_CASES = [
 
 def param_tag(params: dict[str, str]) -> str:
     # One artifact per case, not a variant (model_type tells the KVzap runs apart).
-    params = {k: v for k, v in params.items() if k not in ("q_filters", "stats_folder", "kvzap_model")}
+    params = {k: v for k, v in params.items() if k not in common.ARTIFACT_PARAMS}
     if not params:
         return "default"
     if "press" in params or "presses" in params:

@@ -25,6 +25,10 @@ SafetensorsFile load_safetensors(const std::string& path);
 // load_safetensors would.
 SafetensorsFile parse_safetensors(const std::string& bytes, const std::string& origin = "<bytes>");
 
+// file.tensors[key]; raises c10::Error "<where> holds no tensor '<key>'" when it is missing (where:
+// who reads which file, e.g. "QFilterPress: filters.safetensors").
+const at::Tensor& required_tensor(const SafetensorsFile& file, const std::string& key, const std::string& where);
+
 // Writes every tensor (moved to CPU, made contiguous). Deterministic: header keys in name order,
 // data widest dtype first then by name (every tensor aligned to its element size), header padded
 // with spaces to a multiple of 8 bytes. Written to "<path>.tmp" and renamed into place, so a
