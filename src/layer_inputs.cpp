@@ -136,6 +136,8 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
   TORCH_CHECK(in.num_layers >= 1, op, ": num_layers must be >= 1, got ", in.num_layers);
   TORCH_CHECK(in.layer_idx >= 0 && in.layer_idx < in.num_layers, op, ": layer_idx must be in [0, ", in.num_layers,
               "), got ", in.layer_idx);
+  TORCH_CHECK(in.question_length >= 0 && in.question_length <= S, op, ": question_length must be in [0, ", S,
+              "] (seq_len), got ", in.question_length);
   TORCH_CHECK(std::isfinite(in.norm_eps) && in.norm_eps >= 0, op, ": norm_eps must be a finite number >= 0, got ",
               in.norm_eps);
 }

@@ -134,7 +134,8 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("apply_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &ops::apply_rope);
   m.def("invert_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");  // kernels
   m.def("group_mean(Tensor per_query_head, int num_kv_heads) -> Tensor", &ops::group_mean);
-  m.def("window_attention(Tensor queries, Tensor keys) -> Tensor", &ops::window_attention);
+  m.def("window_attention(Tensor queries, Tensor keys) -> Tensor",
+        static_cast<at::Tensor (*)(const at::Tensor&, const at::Tensor&)>(&ops::window_attention));
   m.def("window_attention_mean(Tensor queries, Tensor keys) -> Tensor");  // kernels
   m.def("key_norm_scores(Tensor keys) -> Tensor");                        // kernels
   m.def("keydiff_scores(Tensor keys) -> Tensor");                         // kernels

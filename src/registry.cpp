@@ -30,6 +30,7 @@
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/expected_attention_stats_press.h"
+#include "kvpress/presses/finch_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
@@ -445,6 +446,22 @@ std::vector<Entry> scorer_entries() {
          const int64_t kernel =
              p.get("kernel_size", SnapKVPress::kDefaultKernelSize, "odd width of the average pooling");
          return std::make_unique<SnapKVPress>(r, window, kernel);
+       }},
+      {"FinchPress",
+       K::kQueryAware,
+       "SnapKV-style attention of the question (the prefill's last question_length tokens), re-rotated",
+       {kWindowAttentionInputs.alternatives,
+        {"question_length"},
+        {"inv_freq"},
+        "rerotate_keys needs inv_freq or cos/sin; kvpress marks the question with a delimiter token"},
+       [](double r, Params& p) {
+         const std::optional<int64_t> chunk =
+             p.get_optional_int("chunk_length", "select the best of every chunk_length positions; None = whole layer");
+         const bool normalize = p.get("normalize_scores", FinchPress::kDefaultNormalizeScores,
+                                      "weigh each question row's attention by its position");
+         const bool rerotate = p.get("rerotate_keys", FinchPress::kDefaultRerotateKeys,
+                                     "re-rotate the kept keys to positions 0..n_kept-1");
+         return std::make_unique<FinchPress>(r, chunk, normalize, rerotate);
        }},
       {"LagKVPress",
        K::kScorer,

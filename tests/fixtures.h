@@ -49,6 +49,7 @@ struct FixtureCase {
   int64_t seq_len = 0;
   int64_t layer_idx = 0;
   int64_t num_layers = 1;
+  int64_t question_length = 0;  // the last positions playing the user's question (FinchPress)
   bool has_attentions = false;
   std::vector<FixtureRun> runs;
 };
@@ -112,6 +113,7 @@ inline Manifest load_manifest(const std::string& dir) {
     c.seq_len = jc.at("seq_len").get<int64_t>();
     c.layer_idx = jc.at("layer_idx").get<int64_t>();
     c.num_layers = jc.at("num_layers").get<int64_t>();
+    c.question_length = jc.value("question_length", int64_t{0});
     c.has_attentions = jc.at("has_attentions").get<bool>();
     for (const auto& jr : jc.at("runs")) {
       FixtureRun r;
@@ -173,6 +175,7 @@ inline LayerInputs make_layer_inputs(const Manifest& m, const FixtureCase& c, co
   in.num_heads = c.num_heads;
   in.layer_idx = c.layer_idx;
   in.num_layers = c.num_layers;
+  in.question_length = c.question_length;
   if (r.source == "attentions") {
     in.attentions = get("attentions");
   } else if (r.source == "hidden_states") {

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -25,6 +26,10 @@ inline std::string describe(const Shape& s) {
          " S=" + std::to_string(s.seq) + " D=" + std::to_string(s.head_dim) + " " + c10::toString(s.dtype) +
          (s.strided ? " strided" : "") + " ratio=" + std::to_string(s.ratio);
 }
+
+// The last positions of a random layer that play a user question (LayerInputs::question_length;
+// only a query-aware press, FinchPress, reads it): 8, fewer in a shorter layer, none in one token.
+inline int64_t question_length(int64_t seq) { return std::min<int64_t>(8, seq - 1); }
 
 // Every LayerInputs field a press may read, of consistent shapes; keys and values in s.dtype, as
 // strided views when s.strided.
@@ -57,12 +62,13 @@ inline LayerInputs random_inputs(const Shape& s, uint64_t seed) {
   in.num_heads = heads;
   in.layer_idx = 1;
   in.num_layers = 3;
+  in.question_length = question_length(s.seq);
   return in;
 }
 
 // One float32 layer, batch 1: keys, values and queries of every position, their causal attention
 // (softmax(q k^T), no 1/sqrt(D)), RoPE tables, an output projection and hidden states [1, S, 32]; with_input_ids adds
-// token ids (QSMPress/CTRPress's token text).
+// token ids (QSMPress/CTRPress's token text); question_length(seq).
 inline LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, int64_t kv_heads = 2, int64_t d = 16,
                                 bool with_input_ids = false) {
   LayerInputs in;
@@ -78,6 +84,7 @@ inline LayerInputs random_layer(int64_t seq, uint64_t seed, int64_t heads = 8, i
   in.sin = at::cat({angles, angles}, -1).sin().to(at::kFloat);
   in.o_proj = randn({64, heads * d}, seed + 3) * 0.1;  // output projection (CriticalKVPress, CriticalAdaKVPress)
   in.hidden_states = randn({1, seq, 32}, seed + 5);    // without q_proj: only KVzapPress reads them
+  in.question_length = question_length(seq);
   if (with_input_ids) {
     at::manual_seed(seed + 4);
     in.input_ids = at::randint(0, 64, {1, seq}, at::kLong);

@@ -472,8 +472,12 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     KVCache cache = model.new_cache();
     PrefillOptions opt;
     opt.press = press.get();
+    // A query-aware press (FinchPress) observes a question: the prompt's last 8 tokens play it.
+    const bool query_aware = info.kind == kvpress::PressKind::kQueryAware;
+    if (query_aware) opt.question_length = 8;
     int calls = 0;
     opt.on_compress = [&](const kvpress::LayerInputs& in, const kvpress::KV& kv) {
+      EXPECT_EQ(in.question_length, opt.question_length);
       EXPECT_EQ(in.layer_idx, calls++);
       EXPECT_EQ(in.keys.size(2), s);
       EXPECT_EQ(in.hidden_states.sizes(), at::IntArrayRef({1, s, 128}));
@@ -525,6 +529,7 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     EXPECT_EQ(cache.position(), next_position + 2);
     EXPECT_EQ(cache.length(0), n_kept + 2);
 
+    if (query_aware) continue;  // generate_greedy prefills no question: answer_questions (tests/test_pipeline.cpp)
     kvpress::llama::GenerationOptions g;
     g.press = press.get();
     g.max_new_tokens = 4;
@@ -758,9 +763,12 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
   const std::set<std::string> ragged_fixtures{"AdaKVPress", "CriticalKVPress", "CriticalAdaKVPress", "PyramidKVPress",
                                               "PerLayerCompressionPress"};
   for (const auto& info : kvpress::list_presses())
-    // KVComposePress has its own fixtures (tests/reference/make_kvcompose_fixtures.py).
+    // KVComposePress has its own fixtures (tests/reference/make_kvcompose_fixtures.py); a query-aware
+    // press (FinchPress) runs in kvpress's question-answering pipeline
+    // (tests/reference/make_pipeline_fixtures.py, PipelineParity.* in tests/test_pipeline.cpp).
     if (!wrappers.count(info.name) && !not_in_kvpress.count(info.name) && !ragged_fixtures.count(info.name) &&
-        info.kind != kvpress::PressKind::kDecoding && info.kind != kvpress::PressKind::kSecondPass)
+        info.kind != kvpress::PressKind::kDecoding && info.kind != kvpress::PressKind::kSecondPass &&
+        info.kind != kvpress::PressKind::kQueryAware)
       EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
 }
 

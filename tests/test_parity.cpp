@@ -59,6 +59,9 @@
 //     2.5e-2 from hidden states]: kvpress computes the anchor, the normalised keys, the
 //     exp(τ·cos) weights (τ = 5 magnifies bf16's rounding of the cosine) and the capacity
 //     matrix in bf16, we in float32.
+//   * FinchPress (window: the case's question_length, as kvpress's delimiter hook would set it):
+//     the rules above by source, like SnapKVPress; its kept set modulo near-ties, and where the
+//     sets agree the re-rotated keys as KeyRerotationPress's.
 //   * SimLayerKVPress: see check_layer_run.
 //   * Wrappers (KeyRerotation, ChunkKV, EntropyGatedChunkKV, Chunk, Block, Composed): see
 //     check_wrapper_run; EntropyGatedChunkKV's gate also check_entropy_gate_replay.
@@ -86,6 +89,7 @@
 #include "kvpress/ops.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
+#include "kvpress/presses/finch_press.h"
 #include "kvpress/presses/simlayerkv_press.h"
 #include "kvpress/presses/think_press.h"
 #include "kvpress/registry.h"
@@ -174,6 +178,7 @@ std::pair<int64_t, int64_t> scored_range(const FixtureCase& c, const FixtureRun&
   if (r.press == "CURPress") return {std::min(param_int(r, "num_sinks", 4), s), s};
   if (r.press == "TOVAPress") return {0, s - 1};
   if (r.press == "SnapKVPress") return {0, s - param_int(r, "window_size", 64)};
+  if (r.press == "FinchPress") return {0, s - c.question_length};
   if (r.press == "LagKVPress") {
     const int64_t sink = param_int(r, "n_sink", 4), lag = param_int(r, "lag_size", 128);
     if (s < sink + 2 * lag) return {std::min(sink, s), s};
@@ -473,6 +478,21 @@ TEST(Parity, EveryPressHasAnExactComparison) {
 
 class ParityRun : public ::testing::TestWithParam<ParityParam> {};
 
+// Keys re-rotated to the slots 0..n_kept-1 (KeyRerotationPress, FinchPress) against kvpress's:
+// float32 1e-5, bfloat16 2^-7 of max|k| (the same bf16 products, cos/sin of float32 angles).
+void expect_rerotated_keys_close(const FixtureCase& c, const FixtureRun& r, const at::Tensor& keys,
+                                 const kvpress::io::SafetensorsFile& ref_file) {
+  const at::Tensor ref_keys = kvpress::testing::fixture_tensor(ref_file, "keys", r.file).to(at::kFloat);
+  ASSERT_EQ(keys.sizes(), ref_keys.sizes());
+  const double frac = c.dtype == "float32" ? 1e-5 : 1.0 / 128;
+  const double tol = frac * ref_keys.abs().max().item<double>();
+  const double err = (keys.to(at::kFloat) - ref_keys).abs().max().item<double>();
+  EXPECT_LE(err, tol) << "re-rotated keys differ from kvpress's";
+  if (std::getenv("KVPRESS_PARITY_CALIBRATE"))
+    std::cout << "[ calibrate] " << c.dtype << " rerotated keys " << r.name << " "
+              << err / ref_keys.abs().max().item<double>() << "\n";
+}
+
 // Wrappers: the kept positions equal kvpress's (recovered from the cache kvpress returned), values
 // are the inputs gathered there, keys too except KeyRerotationPress's, which are compared with
 // kvpress's re-rotated keys (float32 1e-5, bfloat16 2^-7 of max|k|: the same bf16 products, cos/sin
@@ -506,16 +526,7 @@ void check_wrapper_run(const FixtureCase& c, const FixtureRun& r, const kvpress:
     EXPECT_TRUE(KeptSetsAgreeModuloNearTies(kv.kept_indices, ref_kept, ref_scores, allowed, &exact))
         << "kept positions of " << r.name;
     if (tie_free) EXPECT_TRUE(exact) << "kept sets differ although the kvpress reference has no near-tie";
-    if (exact) {
-      const at::Tensor ref_keys = kvpress::testing::fixture_tensor(ref_file, "keys", r.file).to(at::kFloat);
-      const double frac = c.dtype == "float32" ? 1e-5 : 1.0 / 128;
-      const double tol = frac * ref_keys.abs().max().item<double>();
-      const double err = (kv.keys.to(at::kFloat) - ref_keys).abs().max().item<double>();
-      EXPECT_LE(err, tol) << "re-rotated keys differ from kvpress's";
-      if (std::getenv("KVPRESS_PARITY_CALIBRATE"))
-        std::cout << "[ calibrate] " << c.dtype << " rerotated keys " << r.name << " "
-                  << err / ref_keys.abs().max().item<double>() << "\n";
-    }
+    if (exact) expect_rerotated_keys_close(c, r, kv.keys, ref_file);
   } else {
     EXPECT_TRUE(at::equal(kv.keys, inputs.keys.gather(2, gather_idx))) << "keys are not keys[kept_indices]";
     // The wrappers' selections have no single score to judge near-ties by, so:
@@ -748,13 +759,16 @@ TEST_P(ParityRun, MatchesKvpress) {
   } catch (const c10::Error& e) {
     FAIL() << "make_press raised: " << e.what_without_backtrace();
   }
+  // FinchPress scores like a ScorerPress but is not one (as in kvpress): it selects by chunks and
+  // re-rotates the kept keys.
   auto* scorer = dynamic_cast<kvpress::ScorerPress*>(press.get());
-  ASSERT_NE(scorer, nullptr) << r.press << " is not a ScorerPress";
+  auto* finch = dynamic_cast<kvpress::FinchPress*>(press.get());
+  ASSERT_TRUE(scorer != nullptr || finch != nullptr) << r.press << " is not a ScorerPress";
 
   // 1. scores
   at::Tensor scores;
   try {
-    scores = scorer->score(inputs);
+    scores = scorer ? scorer->score(inputs) : finch->score(inputs);
   } catch (const c10::Error& e) {
     FAIL() << "score() raised: " << e.what_without_backtrace();
   }
@@ -775,7 +789,7 @@ TEST_P(ParityRun, MatchesKvpress) {
 
   // 2. compress
   const int64_t n_kept = ref_kept.size(-1);
-  ASSERT_EQ(kvpress::ops::n_kept(c.seq_len, r.compression_ratio), n_kept);
+  if (!r.params.count("chunk_length")) ASSERT_EQ(kvpress::ops::n_kept(c.seq_len, r.compression_ratio), n_kept);
   kvpress::KV kv;
   try {
     kv = press->compress(inputs);
@@ -794,16 +808,41 @@ TEST_P(ParityRun, MatchesKvpress) {
     EXPECT_TRUE((steps > 0).all().item<bool>()) << "kept_indices are not strictly ascending";
   }
   const at::Tensor gather_idx = kv.kept_indices.unsqueeze(-1).expand({-1, -1, -1, ksz[3]});
-  EXPECT_TRUE(at::equal(kv.keys, inputs.keys.gather(2, gather_idx))) << "keys are not keys[kept_indices]";
+  const bool rerotated = press->rerotates_keys();
+  if (!rerotated)
+    EXPECT_TRUE(at::equal(kv.keys, inputs.keys.gather(2, gather_idx))) << "keys are not keys[kept_indices]";
   EXPECT_TRUE(at::equal(kv.values, inputs.values.gather(2, gather_idx))) << "values are not values[kept_indices]";
 
   bool exact = false;
-  const bool tie_free = reference_tie_free(ref_scores, ref_kept, allowed);
-  EXPECT_TRUE(KeptSetsAgreeModuloNearTies(kv.kept_indices, ref_kept, ref_scores, allowed, &exact))
-      << "kept positions of " << r.name;
+  bool tie_free = true;
+  if (r.params.count("chunk_length")) {
+    // FinchPress's chunked selection: each chunk has its own threshold (a short last chunk inside
+    // the question ties its max + 1 scores), so each chunk is compared on its own.
+    exact = true;
+    const int64_t chunk = param_int(r, "chunk_length", c.seq_len);
+    const auto in_chunk = [](const at::Tensor& kept, int64_t start, int64_t len) {  // [B, H, n_chunk], from 0
+      const at::Tensor m = (kept >= start) & (kept < start + len);
+      return kept.masked_select(m).view({kept.size(0), kept.size(1), -1}) - start;
+    };
+    for (int64_t start = 0; start < c.seq_len; start += chunk) {
+      const int64_t len = std::min(chunk, c.seq_len - start);
+      const at::Tensor ours_c = in_chunk(kv.kept_indices, start, len), ref_c = in_chunk(ref_kept, start, len);
+      const at::Tensor scores_c = ref_scores.narrow(-1, start, len), allowed_c = allowed.narrow(-1, start, len);
+      bool chunk_exact = false;
+      tie_free = tie_free && reference_tie_free(scores_c, ref_c, allowed_c);
+      EXPECT_TRUE(KeptSetsAgreeModuloNearTies(ours_c, ref_c, scores_c, allowed_c, &chunk_exact))
+          << "kept positions of " << r.name << " in the chunk from " << start;
+      exact = exact && chunk_exact;
+    }
+  } else {
+    tie_free = reference_tie_free(ref_scores, ref_kept, allowed);
+    EXPECT_TRUE(KeptSetsAgreeModuloNearTies(kv.kept_indices, ref_kept, ref_scores, allowed, &exact))
+        << "kept positions of " << r.name;
+  }
   if (tie_free) {
     EXPECT_TRUE(exact) << "kept sets differ although the kvpress reference has no near-tie at the threshold";
   }
+  if (rerotated && exact) expect_rerotated_keys_close(c, r, kv.keys, ref_file);
 
   record_comparison(c, r, tie_free, exact);
 }

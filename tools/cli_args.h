@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <map>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -70,6 +72,25 @@ inline int64_t parse_int_option(std::string_view option, const std::string& text
   const auto n = kvpress::parse_int(text);
   if (!n || *n < lo || *n > hi) usage_error("{} must be an integer in [{}, {}], got '{}'", option, lo, hi, text);
   return *n;
+}
+
+// The press of a command's --press/--ratio/--param (nullptr without --press). A press that drops
+// tokens by a ratio needs --ratio; one whose budget is its own (decoding, second-pass, per-layer)
+// defaults to 0.
+inline std::unique_ptr<kvpress::BasePress> build_cli_press(std::string_view command, const std::string& name,
+                                                           const std::optional<double>& ratio,
+                                                           const std::map<std::string, std::string>& params) {
+  if (name.empty()) {
+    if (ratio || !params.empty())
+      usage_error("{}: --ratio and --param apply to a --press, and none was given", command);
+    return nullptr;
+  }
+  const kvpress::PressInfo* info = kvpress::find_press(name);
+  const bool ratio_required =
+      info != nullptr && (info->kind == kvpress::PressKind::kScorer || info->kind == kvpress::PressKind::kWrapper ||
+                          info->kind == kvpress::PressKind::kQueryAware);
+  if (ratio_required && !ratio) usage_error("{}: --press {} needs --ratio R, in [0, 1)", command, name);
+  return kvpress::make_press(name, ratio.value_or(0.0), params);
 }
 
 }  // namespace kvpress_cli

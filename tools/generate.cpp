@@ -89,9 +89,6 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   if (out.prompts.empty() && out.prompts_file.empty()) {
     usage_error("generate needs --prompts FILE (one prompt per line) or --prompt TEXT");
   }
-  if (out.press.empty() && (out.ratio || !out.params.empty())) {
-    usage_error("generate: --ratio and --param apply to a --press, and none was given");
-  }
   if (!out.paged && (out.pages_per_layer > 0 || out.max_batch != 8 ||
                      out.page_size != kvpress::PagedCacheOptions::kDefaultPageSize)) {
     usage_error("generate: --page-size, --pages-per-layer and --max-batch need --paged");
@@ -112,16 +109,6 @@ std::vector<std::string> read_prompt_lines(const std::string& path) {
   TORCH_CHECK(!in.bad(), "generate: --prompts ", path, ": read error");
   TORCH_CHECK(!out.empty(), "generate: --prompts ", path, ": no prompt (the file has no non-blank line)");
   return out;
-}
-
-// A press needs --ratio unless its budget is its own (decoding and second-pass presses).
-std::unique_ptr<kvpress::BasePress> build_press(const GenerateArgs& args) {
-  if (args.press.empty()) return nullptr;
-  const kvpress::PressInfo* info = kvpress::find_press(args.press);
-  const bool ratio_required =
-      info != nullptr && (info->kind == kvpress::PressKind::kScorer || info->kind == kvpress::PressKind::kWrapper);
-  if (ratio_required && !args.ratio) usage_error("generate: --press {} needs --ratio R, in [0, 1)", args.press);
-  return kvpress::make_press(args.press, args.ratio.value_or(0.0), args.params);
 }
 
 nlohmann::json stats_json(const llama::PagedGenerationStats& s) {
@@ -160,7 +147,8 @@ void print_pool(const llama::PagedGenerationStats& s, size_t prompts) {
 
 int run_generate(const std::vector<std::string>& argv) {
   GenerateArgs args = parse_generate_args(argv);
-  const std::unique_ptr<kvpress::BasePress> press = build_press(args);  // bad press: fail before loading
+  // A bad press fails before the model loads.
+  const std::unique_ptr<kvpress::BasePress> press = build_cli_press("generate", args.press, args.ratio, args.params);
   if (!args.prompts_file.empty()) {
     for (std::string& p : read_prompt_lines(args.prompts_file)) args.prompts.push_back(std::move(p));
   }

@@ -2,6 +2,7 @@
 // the registry, and list the presses. See docs/CLI.md.
 //
 //   kvpress-cli compress --press NAME --ratio R [--param KEY=VALUE ...] --input IN --output OUT
+//   kvpress-cli ask --context FILE --question Q [--question Q ...] [--press NAME --ratio R ...]
 //   kvpress-cli list [--names | --json]
 //   kvpress-cli --help | --version
 //
@@ -45,6 +46,7 @@
 #include "kvpress/types.h"
 #include "kvpress/version.h"
 
+#include "ask.h"
 #include "cli_args.h"
 #include "eval.h"
 #include "generate.h"
@@ -78,6 +80,10 @@ Usage:
                    [--param KEY=VALUE ...]] [--max-new-tokens N] [--model DIR] [--paged
                    [--page-size P] [--pages-per-layer N] [--max-batch B]] [--no-stop-at-eos]
                    [--threads N] [--json OUT] [--quiet]
+  kvpress-cli ask --context FILE --question Q [--question Q ...] [--press NAME --ratio R
+                   [--param KEY=VALUE ...]] [--query-aware] [--max-new-tokens N]
+                   [--answer-prefix TEXT] [--max-context-length N] [--model DIR] [--threads N]
+                   [--json OUT] [--quiet]
   kvpress-cli list [--names | --json]
   kvpress-cli --help
   kvpress-cli --version
@@ -90,7 +96,7 @@ compress options:
                            needs them, any other input by its name (queries, attentions,
                            hidden_states, q_proj, k_proj, o_proj, q_norm, k_norm, cos, sin,
                            inv_freq, input_ids); metadata num_heads, layer_idx, num_layers,
-                           norm_eps (docs/CLI.md; `kvpress-cli list --json` lists them)
+                           norm_eps, question_length (docs/CLI.md; `list --json` lists them)
   --output PATH, -o PATH   written with keys, values [B, Hkv, n_kept, D], scores [B, Hkv, S]
                            float32, kept_indices [B, Hkv, n_kept] int64 (ascending); for a
                            head-ragged press (e.g. CompactorPress selection=across_heads):
@@ -145,6 +151,22 @@ generate options (greedy continuations with the kvpress::llama runner):
   --no-stop-at-eos         generate N tokens even after the end-of-story token
   --threads N              intra-op threads (default 1)
   --json OUT               prompts, tokens, texts, cache lengths and the pool's figures
+  --quiet, -q              print nothing (with --json)
+
+ask options (kvpress's KVPressTextGenerationPipeline: compress once, answer each question):
+  --context FILE           the text the questions are about (prefilled after BOS)
+  --question TEXT          a question (repeatable); each runs over the same compressed cache,
+                           followed by a newline, and is answered greedily
+  --press NAME, --ratio R  the press and its ratio, --param KEY=VALUE as for compress
+                           (a decoding press takes one question)
+  --query-aware            compress each question's own prefill of context + question (the
+                           press sees the question; FinchPress needs it)
+  --max-new-tokens N       tokens per answer (default 50, kvpress's)
+  --answer-prefix TEXT     text after each question's newline, before the answer
+  --max-context-length N   cut the prefill to its first N tokens
+  --model NAME|DIR         checkpoint folder or model name (default tinystories-656k)
+  --threads N              intra-op threads (default 1)
+  --json OUT               questions, answers, tokens and cache lengths
   --quiet, -q              print nothing (with --json)
 
 list options:
@@ -467,6 +489,7 @@ const char* kind_name(kvpress::PressKind kind) {
     case kvpress::PressKind::kSecondPass: return "second_pass";
     case kvpress::PressKind::kChannel: return "channel";
     case kvpress::PressKind::kLayer: return "layer";
+    case kvpress::PressKind::kQueryAware: return "query_aware";
   }
   return "unknown";
 }
@@ -568,7 +591,8 @@ int run(int argc, char** argv) {
   if (command == "calibrate") return run_calibrate(rest);
   if (command == "eval") return kvpress_cli::run_eval(rest);
   if (command == "generate") return kvpress_cli::run_generate(rest);
-  usage_error("unknown command '{}' (commands: compress, calibrate, eval, generate, list; see kvpress-cli --help)",
+  if (command == "ask") return kvpress_cli::run_ask(rest);
+  usage_error("unknown command '{}' (commands: compress, calibrate, eval, generate, ask, list; see kvpress-cli --help)",
               command);
 }
 

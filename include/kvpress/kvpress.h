@@ -22,6 +22,7 @@
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/expected_attention_stats_press.h"
+#include "kvpress/presses/finch_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"

@@ -119,6 +119,11 @@ at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D] po
 at::Tensor window_attention_mean(const LayerInputs& inputs, int64_t window,
                                  const char* op);  // -> [B, Hq, S - window] float32
 
+// The window attention itself for a layer's inputs (FinchPress weighs its rows): the last `window`
+// rows of the given attentions, else window_attention over window_queries(inputs, window).
+at::Tensor window_attention(const LayerInputs& inputs, int64_t window,
+                            const char* op);  // -> [B, Hq, window, S - window] float32
+
 // ---- scores -----------------------------------------------------------------------------
 
 // -||k_i||_2.

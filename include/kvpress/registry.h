@@ -39,6 +39,9 @@ enum class PressKind {
                 // zeroes channels; the registry ratio is the fraction of key channels pruned
   kLayer,       // decides per layer how many tokens to keep, without a ratio (SimLayerKVPress: a
                 // "lazy" layer keeps its first and last tokens, any other every token)
+  kQueryAware,  // observes the user's question at the end of the prefill (FinchPress): it needs
+                // LayerInputs::question_length > 0, so loops over a context alone leave it out
+                // (kvpress::llama's answer_questions() runs it query-aware)
 };
 
 // A set of LayerInputs fields a press can work from, all needed together.

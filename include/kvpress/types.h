@@ -52,6 +52,10 @@ struct LayerInputs {
 
   int64_t layer_idx = 0;  // for layer-aware budgets
   int64_t num_layers = 1;
+
+  // The last question_length positions are the user's question (a query-aware prefill: context then
+  // question); 0 = no question. Presses that observe the question (FinchPress) need it.
+  int64_t question_length = 0;
 };
 
 // One field of LayerInputs, for code that handles every field by name: the CLI's input files,
@@ -93,6 +97,8 @@ void for_each_field(Inputs& in, Visitor&& visit) {
         in.num_heads);
   visit(LayerInputField{"layer_idx", "", "index of this layer", false, false}, in.layer_idx);
   visit(LayerInputField{"num_layers", "", "layers in the model", false, false}, in.num_layers);
+  visit(LayerInputField{"question_length", "", "trailing positions that are the question (0: none)", false, false},
+        in.question_length);
 }
 
 // Every field, in the order of for_each_field.
@@ -101,7 +107,7 @@ std::vector<LayerInputField> layer_input_fields();
 // Checks the fields against each other: keys/values [B, Hkv, S, D] with S, D > 0, one dtype; every
 // other tensor floating (input_ids: integer), on the keys' device and of the shape above; cos and
 // sin together; every source of Hq (num_heads, queries, attentions, q_proj, o_proj) agreeing and a
-// multiple of Hkv; 0 <= layer_idx < num_layers; norm_eps >= 0. Raises a c10::Error
+// multiple of Hkv; 0 <= layer_idx < num_layers; 0 <= question_length <= S; norm_eps >= 0. Raises a c10::Error
 // "<op>: <field> must be <expected>, got <actual>". For inputs at prefill (S positions 0..S-1); a
 // decoding step's inputs (hidden_states and cos/sin of the latest forward only) do not pass.
 void validate_layer_inputs(const LayerInputs& inputs, const std::string& op);

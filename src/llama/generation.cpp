@@ -4,21 +4,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "greedy.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
-namespace {
-
-at::Tensor as_batch(const std::vector<int64_t>& ids) {
-  return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);
-}
-
-int64_t argmax_last(const at::Tensor& logits) {  // [1, n, V] -> argmax of the last row
-  return logits[0][logits.size(1) - 1].argmax().item<int64_t>();
-}
-
-}  // namespace
 
 Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& context,
                            const std::vector<int64_t>& question, const GenerationOptions& options) {
@@ -34,7 +24,7 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   prefill.press = prefill_press_of(options.press);  // kvpress's pipeline: a DecodingPress skips the prefill
   prefill.press_attentions = options.press_attentions;
   prefill.last_logits_only = true;
-  at::Tensor logits = model.prefill(as_batch(context), cache, prefill).logits;
+  const at::Tensor logits = model.prefill(detail::as_batch(context), cache, prefill).logits;
   g.cache_lengths = cache.lengths();
 
   DecodingState decoding_state;  // this generation's buffers (kvpress resets its press per pipeline call)
@@ -43,16 +33,7 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   step.decoding_press = decoding_press_of(options.press);
   step.decoding_state = &decoding_state;
   step.decoding_attentions = options.decoding_attentions;
-  if (!question.empty()) logits = model.forward(as_batch(question), cache, step).logits;
-
-  const int64_t eos = model.config().eos_token_id;
-  while (true) {
-    const int64_t next = argmax_last(logits);
-    g.tokens.push_back(next);
-    if (static_cast<int64_t>(g.tokens.size()) >= options.max_new_tokens) break;
-    if (options.stop_at_eos && next == eos) break;
-    logits = model.forward(as_batch({next}), cache, step).logits;
-  }
+  g.tokens = detail::greedy_continue(model, cache, logits, question, step, options.max_new_tokens, options.stop_at_eos);
   g.final_cache_lengths = cache.lengths();
   return g;
 }

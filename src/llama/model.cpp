@@ -319,6 +319,9 @@ at::Tensor LlamaModel::rms_norm(const at::Tensor& x, const at::Tensor& weight) c
 ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options) const {
   TORCH_CHECK(cache.position() == 0, "LlamaModel::prefill: the cache already holds ", cache.position(),
               " tokens; prefill starts from an empty cache (use forward() to continue)");
+  TORCH_CHECK(options.question_length >= 0 && (input_ids.dim() != 2 || options.question_length <= input_ids.size(1)),
+              "LlamaModel::prefill: question_length must be in [0, ", input_ids.dim() == 2 ? input_ids.size(1) : 0,
+              "] (the prefill's tokens), got ", options.question_length);
   // KVCompose cannot compress layer by layer: it needs its second pass (kvpress/llama/kvcompose.h).
   if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
     return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
@@ -392,6 +395,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
           // instead of projecting the hidden states again.
           in.queries = qkv.q;
           if (press_attentions) in.attentions = attn_weights;
+          in.question_length = prefill->question_length;
           // In place only in a layer this prefill filled: `before` shares no stored token of it.
           const bool in_place = prefill->compress_in_place && before.length(li) == 0;
           compress_at_prefill(*press, *prefill, li, std::move(in), in_place, cache, out);

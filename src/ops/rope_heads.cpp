@@ -209,21 +209,36 @@ at::Tensor average_rope_rotation(const at::Tensor& inv_freq, int64_t start, int6
   return at::diag(cbar) + sbar.unsqueeze(1) * P;
 }
 
+namespace {
+
+// The last `window` rows of the given attentions over the first S - window keys, checked against
+// the keys: [B, Hq, window, S - window] in the attentions' dtype.
+at::Tensor given_window_rows(const LayerInputs& in, int64_t window, const char* op) {
+  const at::Tensor& a = in.attentions;
+  const int64_t seq = in.keys.size(2);
+  checks::check_rank(op, "attentions", a, 4, "[batch, num_heads, q_len, seq_len]");
+  checks::check_same_device(op, "attentions", a, "keys", in.keys);
+  TORCH_CHECK(a.size(0) == in.keys.size(0) && a.size(3) == seq, op, ": attentions must be [", in.keys.size(0),
+              ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
+  TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window, " query rows, got q_len ",
+              a.size(2));
+  return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window);
+}
+
+}  // namespace
+
 at::Tensor window_attention_mean(const LayerInputs& in, int64_t window, const char* op) {
   checks::check_kv(op, in.keys, in.values);
-  const int64_t seq = in.keys.size(2);
-  checks::check_window(op, "window_size", window, seq);
-  if (in.attentions.defined()) {
-    const at::Tensor& a = in.attentions;
-    checks::check_rank(op, "attentions", a, 4, "[batch, num_heads, q_len, seq_len]");
-    checks::check_same_device(op, "attentions", a, "keys", in.keys);
-    TORCH_CHECK(a.size(0) == in.keys.size(0) && a.size(3) == seq, op, ": attentions must be [", in.keys.size(0),
-                ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
-    TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window, " query rows, got q_len ",
-                a.size(2));
-    return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window).to(at::kFloat).mean(2);
-  }
+  checks::check_window(op, "window_size", window, in.keys.size(2));
+  if (in.attentions.defined()) return given_window_rows(in, window, op).to(at::kFloat).mean(2);
   return window_attention_mean(window_queries(in, window, op), in.keys);
+}
+
+at::Tensor window_attention(const LayerInputs& in, int64_t window, const char* op) {
+  checks::check_kv(op, in.keys, in.values);
+  checks::check_window(op, "window_size", window, in.keys.size(2));
+  if (in.attentions.defined()) return given_window_rows(in, window, op).to(at::kFloat);
+  return window_attention(window_queries(in, window, op), in.keys);
 }
 
 at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {

@@ -16,6 +16,11 @@ KV KeyRerotationPress::compress(const LayerInputs& in) const {
   const at::Tensor inv_freq = ops::rope_inv_freq(in, op);
   const at::Tensor scores = inner_scores(in, op);
   KV kv = ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, compression_ratio())));
+  rerotate_kept_keys(kv, inv_freq);
+  return kv;
+}
+
+void KeyRerotationPress::rerotate_kept_keys(KV& kv, const at::Tensor& inv_freq) {
   // Δ = new slot - old position, angles in float32; products in the cache dtype (as kvpress).
   // One (batch row, KV head) at a time, in place: the temporaries stay a head's size instead of
   // several float32 copies of all kept keys.
@@ -31,7 +36,6 @@ KV KeyRerotationPress::compress(const LayerInputs& in) const {
       head.copy_(head * emb.cos().to(dt) + ops::rotate_half(head) * emb.sin().to(dt));
     }
   }
-  return kv;
 }
 
 }  // namespace kvpress

@@ -5,11 +5,13 @@
 # else $KVPRESS_VENV/bin/python, else ~/.cache/kvpress-cpp/venv/bin/python), runs the CLI on them,
 # checks the outputs with Python's safetensors (so the C++ writer is read by the reference
 # reader), and checks every error path: exit code 2 and exactly one stderr line starting with
-# "kvpress-cli: error: ". The fixtures dir is accepted for symmetry with the other tests and unused.
+# "kvpress-cli: error: ". From the fixtures dir it reads pipeline/pipeline.json (kvpress's pipeline
+# answers, tests/reference/make_pipeline_fixtures.py) to check `ask` against kvpress.
 # Exits non-zero and names each failed check.
 set -uo pipefail
 
 cli="${1:?usage: test_cli.sh <path-to-kvpress-cli> [<fixtures-dir>]}"
+fixtures="${2:-}"
 [ -x "$cli" ] || { echo "test_cli.sh: $cli is not an executable" >&2; exit 1; }
 
 python="${KVPRESS_PYTHON:-}"
@@ -132,7 +134,7 @@ if expect_ok "--version" --version; then
   grep -Eq '^kvpress-cli [0-9]+\.[0-9]+\.[0-9]+' "$tmp/stdout" || fail "--version: got '$(cat "$tmp/stdout")'"
 fi
 
-presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress QFilterPress ExpectedAttentionStatsPress KVzapPress
+presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress FinchPress QFilterPress ExpectedAttentionStatsPress KVzapPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
          PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
@@ -156,7 +158,8 @@ listing = json.load(open(sys.argv[1]))
 doc = open(sys.argv[2]).read()
 names = sorted(p["name"] for p in listing["presses"])
 assert names == sorted(sys.argv[3:]), names
-assert all(p["kind"] in ("scorer", "wrapper", "decoding", "second_pass", "channel", "layer") for p in listing["presses"])
+assert all(p["kind"] in ("scorer", "wrapper", "decoding", "second_pass", "channel", "layer", "query_aware")
+           for p in listing["presses"])
 missing = [f["name"] for f in listing["layer_inputs"] if f"`{f['name']}`" not in doc]
 assert not missing, f"docs/CLI.md does not describe the input fields {missing}"
 PY
@@ -531,6 +534,65 @@ expect_error "generate pool too small" "prompt 0 (8 tokens) can need 16 pages pe
   generate --paged --prompt "Once upon a time, a cat" --max-new-tokens 40 --page-size 16 --pages-per-layer 4
 expect_error "generate press failing on a short prompt" "SnapKVPress" generate --paged --prompt "A dog" \
   --press SnapKVPress --ratio 0.5
+
+# ---- ask: kvpress's question-answering pipeline ---------------------------------------------------
+# The answers of kvpress's pipeline on the same context and questions (SnapKVPress, several questions
+# from one cache; FinchPress query-aware): the CLI must give the same texts.
+pipeline_fixture="$fixtures/pipeline/pipeline.json"
+checks=$((checks + 1))
+if [ -z "$fixtures" ] || [ ! -f "$pipeline_fixture" ]; then
+  fail "ask: no $pipeline_fixture (tests/reference/make_pipeline_fixtures.py makes it; scripts/test.sh does)"
+else
+  "$python" - "$pipeline_fixture" "$tmp" <<'EOF2'
+import json, sys
+fx = json.load(open(sys.argv[1]))
+open(f"{sys.argv[2]}/context.txt", "w").write(fx["context"])
+cases = [c for c in fx["cases"] if (c["press"], c["params"], c["query_aware"]) in
+         (("SnapKVPress", {}, False), ("FinchPress", {}, True))]
+assert len(cases) == 2, cases
+json.dump(cases, open(f"{sys.argv[2]}/ask_cases.json", "w"))
+EOF2
+  max_new=$("$python" -c "import json,sys; print(json.load(open(sys.argv[1]))['max_new_tokens'])" "$pipeline_fixture")
+  for i in 0 1; do
+    mapfile -t spec < <("$python" - "$tmp/ask_cases.json" "$i" <<'EOF2'
+import json, sys
+c = json.load(open(sys.argv[1]))[int(sys.argv[2])]
+print(c["press"]); print(c["compression_ratio"]); print("--query-aware" if c["query_aware"] else "")
+for q in c["questions"]: print(q)
+EOF2
+    )
+    args=(ask --context "$tmp/context.txt" --press "${spec[0]}" --ratio "${spec[1]}" --max-new-tokens "$max_new"
+          --quiet --json "$tmp/ask_$i.json")
+    [ -n "${spec[2]}" ] && args+=("${spec[2]}")
+    for q in "${spec[@]:3}"; do args+=(--question "$q"); done
+    if expect_ok "ask ${spec[0]}" "${args[@]}"; then
+      "$python" - "$tmp/ask_cases.json" "$i" "$tmp/ask_$i.json" <<'EOF2' || fail "ask ${spec[0]}: answers differ from kvpress's pipeline"
+import json, sys
+want = json.load(open(sys.argv[1]))[int(sys.argv[2])]["answers"]
+got = [a["answer"] for a in json.load(open(sys.argv[3]))["answers"]]
+assert got == want, (got, want)
+EOF2
+    fi
+  done
+fi
+printf 'Lily and Tom went to the park. They played with a red ball all day.' >"$tmp/short.txt"
+if expect_ok "ask prints question and answer" ask --context "$tmp/short.txt" --question "Who went to the park?" \
+  --max-new-tokens 4; then
+  grep -q '^\[0\] Q: Who went to the park?' "$tmp/stdout" || fail "ask: no question line: $(cat "$tmp/stdout")"
+  grep -q '^    A: ' "$tmp/stdout" || fail "ask: no answer line: $(cat "$tmp/stdout")"
+fi
+expect_error "ask without context" "ask needs --context FILE" ask --question "Who?"
+expect_error "ask without question" "ask needs at least one --question" ask --context "$tmp/short.txt"
+expect_error "ask missing context" "--context $tmp/none.txt: cannot open the file" ask --context "$tmp/none.txt" \
+  --question "Who?"
+: >"$tmp/empty.txt"
+expect_error "ask empty context" "the file is empty" ask --context "$tmp/empty.txt" --question "Who?"
+expect_error "ask scorer without ratio" "ask: --press KnormPress needs --ratio R" ask --context "$tmp/short.txt" \
+  --question "Who?" --press KnormPress
+expect_error "ask FinchPress needs query-aware" "FinchPress observes the question: set query_aware" ask \
+  --context "$tmp/short.txt" --question "Who?" --press FinchPress --ratio 0.5
+expect_error "ask decoding press takes one question" "takes a single question" ask --context "$tmp/short.txt" \
+  --question "Who?" --question "Where?" --press DecodingPress
 
 # ---- outputs appear whole or not at all (kvpress::io::write_file_atomically) -------------------
 mkdir -p "$tmp/outs"

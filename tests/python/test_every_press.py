@@ -56,6 +56,8 @@ def full_inputs():
 registry = json.loads(subprocess.run([cli, "list", "--json"], check=True, capture_output=True, text=True).stdout)
 tensor_fields = {f["name"] for f in registry["layer_inputs"] if f["shape"] and f["name"] not in ("keys", "values")}
 scalars = {"layer_idx": 1, "num_layers": 2}  # layer-aware budgets see the last of two layers
+# Scalar fields a press may require, at a value that runs it (0 is their "not given").
+REQUIRED_SCALARS = {"question_length": 8}  # FinchPress: the last 8 positions are the question
 everything = full_inputs()
 failures, checks = [], 0
 
@@ -106,6 +108,8 @@ with tempfile.TemporaryDirectory() as tmp:
         name = press["name"]
         chosen, optional = given_fields(press)
         fields = chosen + optional
+        press_scalars = {**scalars, **{f: REQUIRED_SCALARS[f] for f in fields if f in REQUIRED_SCALARS}}
+        fields = [f for f in fields if f not in REQUIRED_SCALARS]
         for field in fields:
             if field not in tensor_fields:
                 fail(f"{name}: declares '{field}', which is no LayerInputs tensor field")
@@ -113,7 +117,7 @@ with tempfile.TemporaryDirectory() as tmp:
         tensors.update({f: everything[f] for f in fields})
         path, out = tmp / f"{name}.safetensors", tmp / f"{name}.out.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
-                  metadata={k: str(v) for k, v in scalars.items()})
+                  metadata={k: str(v) for k, v in press_scalars.items()})
         cmd = [cli, "compress", "--press", name, "--ratio", str(ratio_of(press)), "--input", str(path),
                "--output", str(out), "--quiet"]
         for p in params_of(press):
@@ -121,7 +125,7 @@ with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         checks += 1
         args = (name, ratio_of(press), params_of(press), everything["keys"], everything["values"])
-        kwargs = {**{f: everything[f] for f in fields}, **scalars}
+        kwargs = {**{f: everything[f] for f in fields}, **press_scalars}
 
         if press["kind"] == "second_pass":
             # It cannot compress a layer on its own: both entry points refuse, pointing to the second pass.
@@ -166,9 +170,10 @@ with tempfile.TemporaryDirectory() as tmp:
         for field in chosen:
             checks += 1
             rest = set(fields) - {field}
-            still_enough = any(alternative <= rest for alternative in alternatives)
+            still_enough = any(alternative <= rest | set(press_scalars) - {field} for alternative in alternatives)
             try:
-                ops.press_compress_ragged(*args, **{f: everything[f] for f in rest}, **scalars)
+                left = {k: v for k, v in press_scalars.items() if k != field}
+                ops.press_compress_ragged(*args, **{f: everything[f] for f in rest if f in everything}, **left)
                 if not still_enough:
                     fail(f"{name}: runs without '{field}', so the registry should not list it as needed")
             except RuntimeError as error:

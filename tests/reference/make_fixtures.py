@@ -122,6 +122,11 @@ PRESSES = [
     ("SimLayerKVPress", {"lazy_threshold": "0.1", "n_last": "4", "n_recent": "32", "n_initial": "8"},
      ("hidden_states",), ()),
     ("CapPress", {"tau": "2.0", "n_sink": "0", "n_future_positions": "64", "epsilon": "0.001"}, ("hidden_states",), ()),
+    # FinchPress: its window is the case's question (the last QUESTION_LENGTH positions), which
+    # kvpress's delimiter hook would set; re-rotation needs the RoPE frequencies ("hidden_states").
+    ("FinchPress", {}, ("hidden_states",), (0.25, 0.75)),
+    ("FinchPress", {"rerotate_keys": "False"}, ATTENTION_BASED, ()),
+    ("FinchPress", {"chunk_length": "96", "normalize_scores": "False"}, ("hidden_states",), ()),
     # Wrappers.
     ("KeyRerotationPress", {"press": "KnormPress"}, ("keys_inv_freq",), (0.25,)),
     ("KeyRerotationPress", {"press": "SnapKVPress", "press.window_size": "16"}, ("hidden_states",), ()),
@@ -142,6 +147,9 @@ WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "C
             "ComposedPress")
 CHANNEL_PRESSES = ("ThinKPress",)  # prune key channels: the run file holds kvpress's returned keys
 LAYER_PRESSES = ("SimLayerKVPress",)  # keep all or a layer's ends: kept positions and kvpress's lazy score
+QUERY_AWARE_PRESSES = ("FinchPress",)  # observe the question: scores, kept positions and returned keys
+# The last positions of every case that play the user's question (LayerInputs::question_length).
+QUESTION_LENGTH = 12
 BASE_RATIO = 0.5
 
 # Random-weight Llama cases: (head_dim, dtype, seq_len, store attentions). 8 query heads,
@@ -262,6 +270,33 @@ def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def run_query_aware_press(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
+    """FinchPress with its window set to the question, as its delimiter hook sets it: its scores,
+    the positions it keeps (its own selection: the best n_kept, or of every chunk) and, re-rotated,
+    the keys it returns."""
+    press.window_size = QUESTION_LENGTH
+    attentions = layer["attentions"] if source == "attentions" else None
+    args = (layer["module"], layer["hidden_states"], layer["keys"], layer["values"], attentions, layer["kwargs"])
+    with torch.no_grad():
+        scores = press.score(*args)
+        new_keys, new_values = press.compress(*args)
+    keys, s = layer["keys"], layer["keys"].shape[2]
+    chunk = press.chunk_length or s
+    # kvpress's own selection, in its order (topk per chunk, sorted when it re-rotates), checked
+    # against the values it returned.
+    kept = torch.cat([start + scores[:, :, start:start + chunk].topk(
+        compute_n_kept(min(chunk, s - start), press.compression_ratio), dim=-1).indices
+        for start in range(0, s, chunk)], dim=-1)
+    if press.rerotate_keys:
+        kept = kept.sort(dim=-1).values
+    assert torch.equal(layer["values"].gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])), new_values)
+    kept = kept.sort(dim=-1).values
+    out = {"scores": scores.to(torch.float32).contiguous(), "kept_indices": kept.to(torch.int64).contiguous()}
+    if press.rerotate_keys:
+        out["keys"] = new_keys.contiguous()
+    return out
+
+
 def run_layer_press(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
     """SimLayerKVPress: the kept positions (as run_wrapper records them) and, where the layer is
     judged, kvpress's lazy score (float32 [1]: the attention share is_lazy compares with
@@ -353,6 +388,7 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
         "seq_len": s,
         "layer_idx": module.layer_idx,
         "num_layers": num_layers,
+        "question_length": QUESTION_LENGTH,
         "has_attentions": has_attn,
         "runs": [],
     }
@@ -392,6 +428,10 @@ def write_case(out: Path, name: str, family: str, description: str, model_cfg, l
                 elif press_name in CHANNEL_PRESSES:
                     file = f"{run_name}.safetensors"
                     save(run_channel_press(press, layer), out / file)
+                    files[kv_run] = file
+                elif press_name in QUERY_AWARE_PRESSES:
+                    file = f"{run_name}.safetensors"
+                    save(run_query_aware_press(press, layer, source), out / file)
                     files[kv_run] = file
                 elif press_name in LAYER_PRESSES:
                     file = f"{run_name}.safetensors"

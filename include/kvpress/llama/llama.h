@@ -7,5 +7,6 @@
 #include "kvpress/llama/generation.h"
 #include "kvpress/llama/kvcompose.h"
 #include "kvpress/llama/model.h"
+#include "kvpress/llama/pipeline.h"
 #include "kvpress/llama/stories.h"
 #include "kvpress/llama/tokenizer.h"

@@ -179,6 +179,9 @@ struct PrefillOptions : ForwardOptions {
     kMasked,  // the full dense layer with evicted positions masked to -inf (kvpress; the reference)
   };
   RaggedLayout ragged_layout = RaggedLayout::kPacked;
+  // The prefill's last question_length tokens are the user's question (query-aware): the presses
+  // see it as LayerInputs::question_length (FinchPress observes the question). 0: no question.
+  int64_t question_length = 0;
   // Uniform presses compress each layer inside its own buffer (KVCache::compress_in_place): no
   // allocation for the kept tokens, peak S tokens per layer instead of S + kept, and the capacity
   // stays for the tokens decoding appends. false: the layer is replaced by a copy of the kept tokens

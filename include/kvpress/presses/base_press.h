@@ -72,6 +72,10 @@ class BasePress {
   // or n_kept after a press that re-rotates keys. The one rule every cache follows.
   int64_t position_after(int64_t seq_len, int64_t n_kept) const { return rerotates_keys() ? n_kept : seq_len; }
 
+  // True when the press observes the user's question at the end of the prefill (FinchPress): the
+  // engine must prefill context then question and set LayerInputs::question_length.
+  virtual bool observes_question() const { return false; }
+
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;
 

@@ -21,6 +21,11 @@ class KeyRerotationPress : public ScorerWrapperPress {
   std::string name() const override { return "KeyRerotationPress"; }
   KV compress(const LayerInputs& inputs) const override;
   bool rerotates_keys() const override { return true; }
+
+  // Rotates kv.keys in place from their original positions kv.kept_indices (ascending per head) to
+  // the slots 0..n_kept-1 (FinchPress shares it).
+  static void rerotate_kept_keys(KV& kv,                       // keys [B, Hkv, n_kept, D], written
+                                 const at::Tensor& inv_freq);  // [D / 2] float32
 };
 
 }  // namespace kvpress

@@ -1,0 +1,46 @@
+// Question answering over a compressed context, as kvpress's KVPressTextGenerationPipeline does
+// (for models without a chat template): the context is prefilled once and compressed by the press,
+// then each question runs over the same compressed cache and is answered greedily, the cache cut
+// back to the compressed context between questions. Query-aware: each question is prefilled with
+// the context instead, so the press sees it (kvpress's evaluation: context + question as one
+// text, an empty question after it; FinchPress: the question tokenized on its own, as kvpress's
+// delimiter token makes it, and given to the press as LayerInputs::question_length).
+//
+//   auto answers = kvpress::llama::answer_questions(model, tokenizer, context, {"Who is Lily?"}, options);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvpress/llama/model.h"
+#include "kvpress/llama/tokenizer.h"
+
+namespace kvpress::llama {
+
+struct PipelineOptions {
+  const BasePress* press = nullptr;  // nullptr: no compression
+  PressAttentions press_attentions = PressAttentions::kAuto;
+  int64_t max_new_tokens = 50;     // per answer, the first included (kvpress's default)
+  std::string answer_prefix;       // text after each question's "\n", before the answer
+  int64_t max_context_length = 0;  // > 0: the context's tokens (BOS included) are cut to this many
+  bool query_aware = false;        // compress each question's own prefill of context + question
+};
+
+struct Answer {
+  std::string text;                    // decoded without special tokens (an EOS that ended it is dropped)
+  std::vector<int64_t> tokens;         // generated ids, EOS included when it ended the answer
+  int64_t prefill_length = 0;          // tokens prefilled (the context, and the question when query-aware)
+  std::vector<int64_t> cache_lengths;  // per layer, after the prefill's compression
+};
+
+// One answer per question, in order. Tokenization (kvpress's, without a chat template): the
+// prefill is "<bos>" + context (+ question when query-aware), each question is followed by "\n" +
+// answer_prefix, all encoded without adding special tokens. A DecodingPress (or a
+// PrefillDecodingPress) takes a single question, as in kvpress; a press that observes the question
+// (BasePress::observes_question(): FinchPress) requires query_aware. Raises c10::Error on an empty
+// question list, a model config without bos_token_id, or options out of range.
+std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& tokenizer, const std::string& context,
+                                     const std::vector<std::string>& questions, const PipelineOptions& options = {});
+
+}  // namespace kvpress::llama

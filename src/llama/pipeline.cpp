@@ -1,0 +1,114 @@
+// kvpress's KVPressTextGenerationPipeline on the kvpress::llama runner (docs/LLAMA_RUNNER.md).
+#include "kvpress/llama/pipeline.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "greedy.h"
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/prefill_decoding_press.h"
+
+namespace kvpress::llama {
+namespace {
+
+constexpr const char* kOp = "answer_questions";
+// What kvpress's pipeline puts after each question when the tokenizer has no chat template.
+constexpr const char* kQuestionSuffix = "\n";
+
+struct Prefilled {
+  KVCache cache;
+  at::Tensor logits;  // [1, 1, V]: the last position's
+  int64_t length = 0;
+};
+
+Prefilled prefill(const LlamaModel& model, std::vector<int64_t> ids, int64_t question_length,
+                  const PipelineOptions& options) {
+  if (options.max_context_length > 0 && static_cast<int64_t>(ids.size()) > options.max_context_length) {
+    // kvpress cuts its context text's tokens, the question's too when it is part of that text.
+    const int64_t cut = static_cast<int64_t>(ids.size()) - options.max_context_length;
+    ids.resize(static_cast<size_t>(options.max_context_length));
+    question_length = std::max<int64_t>(0, question_length - cut);
+  }
+  Prefilled p;
+  p.cache = model.new_cache();
+  p.length = static_cast<int64_t>(ids.size());
+  PrefillOptions prefill;
+  prefill.press = prefill_press_of(options.press);  // a DecodingPress leaves the prefill alone
+  prefill.press_attentions = options.press_attentions;
+  prefill.last_logits_only = true;
+  prefill.question_length = question_length;
+  p.logits = model.prefill(detail::as_batch(ids), p.cache, prefill).logits;
+  return p;
+}
+
+}  // namespace
+
+std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& tokenizer, const std::string& context,
+                                     const std::vector<std::string>& questions, const PipelineOptions& options) {
+  TORCH_CHECK(!questions.empty(), kOp, ": questions must hold at least one question, got none");
+  TORCH_CHECK(options.max_new_tokens >= 1, kOp, ": max_new_tokens must be >= 1, got ", options.max_new_tokens);
+  TORCH_CHECK(options.max_context_length >= 0, kOp, ": max_context_length must be >= 0 (0: no limit), got ",
+              options.max_context_length);
+  const BasePress* press = options.press;
+  const DecodingPress* decoding = decoding_press_of(press);
+  TORCH_CHECK(decoding == nullptr || questions.size() == 1, kOp, ": ", press ? press->name() : std::string(),
+              " compresses while decoding and takes a single question (as kvpress's pipeline), got ", questions.size());
+  const bool observes_question = press != nullptr && press->observes_question();
+  TORCH_CHECK(!observes_question || options.query_aware, kOp, ": ", press ? press->name() : std::string(),
+              " observes the question: set query_aware (kvpress: the question after its delimiter token in the "
+              "context)");
+  const int64_t bos = model.config().bos_token_id;
+  TORCH_CHECK(bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
+  const std::string bos_text = tokenizer.id_to_token(bos);
+  const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
+  const std::vector<int64_t> answer_start = encode(std::string(kQuestionSuffix) + options.answer_prefix);
+
+  // Each question's answer over `p`'s cache, which is cut back to the prefill afterwards.
+  const auto answer = [&](Prefilled& p, const std::vector<int64_t>& question_ids) {
+    const std::vector<int64_t> lengths = p.cache.lengths();
+    const int64_t position = p.cache.position();
+    DecodingState decoding_state;  // fresh per answer, as kvpress's press per pipeline call
+    ForwardOptions step;
+    step.last_logits_only = true;
+    step.decoding_press = decoding;
+    step.decoding_state = &decoding_state;
+    Answer a;
+    a.prefill_length = p.length;
+    a.cache_lengths = lengths;
+    a.tokens = detail::greedy_continue(model, p.cache, p.logits, question_ids, step, options.max_new_tokens,
+                                       /*stop_at_eos=*/true);
+    a.text = tokenizer.decode(a.tokens, /*skip_special_tokens=*/true);
+    if (decoding == nullptr) p.cache.truncate(lengths, position);  // a decoding press changed the context
+    return a;
+  };
+
+  std::vector<Answer> answers;
+  if (!options.query_aware) {
+    Prefilled p = prefill(model, encode(bos_text + context), 0, options);
+    for (const std::string& q : questions) {
+      std::vector<int64_t> ids = encode(q + kQuestionSuffix + options.answer_prefix);
+      answers.push_back(answer(p, ids));
+    }
+    return answers;
+  }
+  for (const std::string& q : questions) {
+    std::vector<int64_t> ids;
+    int64_t question_length = 0;
+    if (observes_question) {
+      // kvpress's delimiter token splits the text, so the question is tokenized on its own.
+      ids = encode(bos_text + context);
+      const std::vector<int64_t> question_ids = encode(q);
+      ids.insert(ids.end(), question_ids.begin(), question_ids.end());
+      question_length = static_cast<int64_t>(question_ids.size());
+    } else {
+      ids = encode(bos_text + context + q);  // kvpress's evaluation: one text
+    }
+    Prefilled p = prefill(model, std::move(ids), question_length, options);
+    answers.push_back(answer(p, answer_start));
+  }
+  return answers;
+}
+
+}  // namespace kvpress::llama

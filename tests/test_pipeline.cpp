@@ -1,0 +1,170 @@
+// kvpress::llama::answer_questions, kvpress's KVPressTextGenerationPipeline on the Llama runner.
+//
+// Pipeline.*        unit tests on the bundled TinyStories-656K: answers from one compressed cache
+//                   equal those of separate runs (the cache is cut back between questions), the
+//                   query-aware prefill holds the question, bad input.
+// PipelineParity.*  against kvpress 0.5.5's pipeline on the same model, context, questions and
+//                   press (fixtures: tests/reference/make_pipeline_fixtures.py, <fixtures>/pipeline;
+//                   ctest entry parity.pipeline_kvpress): the answers' texts are identical.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fixtures.h"
+#include "kvpress/kvpress.h"
+#include "kvpress/llama/llama.h"
+#include "test_util.h"
+
+namespace {
+
+using kvpress::llama::Answer;
+using kvpress::llama::answer_questions;
+using kvpress::llama::LlamaModel;
+using kvpress::llama::PipelineOptions;
+using kvpress::llama::Tokenizer;
+using kvpress::testing::expect_error;
+using json = nlohmann::json;
+
+struct TinyModel {
+  LlamaModel model;
+  Tokenizer tokenizer;
+};
+
+const TinyModel& tiny() {
+  static const TinyModel m = [] {
+    const std::string dir = kvpress::llama::resolve_model_dir("tinystories-656k");
+    return TinyModel{LlamaModel::load(dir), Tokenizer::load(dir + "/tokenizer.json")};
+  }();
+  return m;
+}
+
+// The first held-out story of at least 160 tokens: SnapKVPress at 0.5 keeps more than its window.
+const std::string& story() {
+  static const std::string s = [] {
+    for (const std::string& text : kvpress::llama::read_stories(kvpress::llama::default_stories_path()))
+      if (tiny().tokenizer.encode(text).size() >= 160) return text;
+    throw std::runtime_error("no held-out story of 160 tokens");
+  }();
+  return s;
+}
+
+std::vector<std::string> texts(const std::vector<Answer>& answers) {
+  std::vector<std::string> out;
+  for (const Answer& a : answers) out.push_back(a.text);
+  return out;
+}
+
+TEST(Pipeline, AnswersFromOneCacheEqualSeparateRuns) {
+  const auto& [model, tok] = tiny();
+  const std::vector<std::string> questions{"Who is in the story?", "What happened next?", ""};
+  for (const char* name : {"SnapKVPress", "KeyRerotationPress", "AdaKVPress"}) {
+    SCOPED_TRACE(name);
+    const auto press = kvpress::make_press(name, 0.5);
+    PipelineOptions opt;
+    opt.press = press.get();
+    opt.max_new_tokens = 12;
+    const std::vector<Answer> together = answer_questions(model, tok, story(), questions, opt);
+    ASSERT_EQ(together.size(), questions.size());
+    for (size_t i = 0; i < questions.size(); ++i) {
+      const std::vector<Answer> alone = answer_questions(model, tok, story(), {questions[i]}, opt);
+      EXPECT_EQ(together[i].tokens, alone[0].tokens) << "question " << i;
+      EXPECT_EQ(together[i].cache_lengths, alone[0].cache_lengths);
+      EXPECT_EQ(together[i].text, tok.decode(together[i].tokens));
+    }
+    // The context was compressed: every layer keeps about half of it.
+    EXPECT_LT(together[0].cache_lengths[0], together[0].prefill_length);
+  }
+}
+
+TEST(Pipeline, QueryAwarePrefillHoldsTheQuestion) {
+  const auto& [model, tok] = tiny();
+  const std::string question = " Where did they go?";
+  const int64_t bos = model.config().bos_token_id;
+  const int64_t context_tokens = static_cast<int64_t>(tok.encode(tok.id_to_token(bos) + story(), false).size());
+  const auto finch = kvpress::make_press("FinchPress", 0.5);
+  PipelineOptions opt;
+  opt.press = finch.get();
+  opt.max_new_tokens = 4;
+  opt.query_aware = true;
+  const Answer a = answer_questions(model, tok, story(), {question}, opt).at(0);
+  // FinchPress: the question tokenized on its own after the context (kvpress's delimiter splits them).
+  EXPECT_EQ(a.prefill_length, context_tokens + static_cast<int64_t>(tok.encode(question, false).size()));
+  EXPECT_EQ(a.cache_lengths[0], kvpress::ops::n_kept(a.prefill_length, 0.5));
+  // Other presses: context and question as one text.
+  const auto snapkv = kvpress::make_press("SnapKVPress", 0.5);
+  opt.press = snapkv.get();
+  EXPECT_EQ(answer_questions(model, tok, story(), {question}, opt).at(0).prefill_length,
+            static_cast<int64_t>(tok.encode(tok.id_to_token(bos) + story() + question, false).size()));
+  // max_context_length cuts the prefill (the question's end first, as kvpress cuts its context text).
+  const auto knorm = kvpress::make_press("KnormPress", 0.5);
+  opt.press = knorm.get();
+  opt.max_context_length = 40;
+  EXPECT_EQ(answer_questions(model, tok, story(), {question}, opt).at(0).prefill_length, 40);
+}
+
+TEST(Pipeline, RefusesBadInput) {
+  const auto& [model, tok] = tiny();
+  PipelineOptions opt;
+  expect_error([&] { answer_questions(model, tok, story(), {}, opt); },
+               {"answer_questions", "questions must hold at least one question"});
+  opt.max_new_tokens = 0;
+  expect_error([&] { answer_questions(model, tok, story(), {"Q?"}, opt); },
+               {"answer_questions", "max_new_tokens must be >= 1", "got 0"});
+  opt.max_new_tokens = 4;
+  opt.max_context_length = -1;
+  expect_error([&] { answer_questions(model, tok, story(), {"Q?"}, opt); },
+               {"answer_questions", "max_context_length must be >= 0", "got -1"});
+  opt.max_context_length = 0;
+  const auto finch = kvpress::make_press("FinchPress", 0.5);
+  opt.press = finch.get();
+  expect_error([&] { answer_questions(model, tok, story(), {"Q?"}, opt); },
+               {"answer_questions", "FinchPress observes the question", "query_aware"});
+  const auto decoding = kvpress::make_press("DecodingPress", 0.0);
+  opt.press = decoding.get();
+  expect_error(
+      [&] {
+        answer_questions(model, tok, story(), {"Q?", "R?"}, opt);
+      },
+      {"answer_questions", "DecodingPress", "single question", "got 2"});
+  EXPECT_EQ(answer_questions(model, tok, story(), {"Q?"}, opt).size(), 1u);
+}
+
+// ---- against kvpress's pipeline ----------------------------------------------------------------
+
+TEST(PipelineParity, AnswersMatchKvpressPipeline) {
+  const std::string dir = kvpress::testing::fixtures_dir();
+  ASSERT_FALSE(dir.empty()) << "KVPRESS_FIXTURES is not set; " << kvpress::testing::fixtures_howto();
+  std::ifstream in(dir + "/pipeline/pipeline.json");
+  ASSERT_TRUE(in.good()) << "no " << dir << "/pipeline/pipeline.json; generate it with "
+                         << "tests/reference/make_pipeline_fixtures.py --out " << dir
+                         << "/pipeline (scripts/test.sh does)";
+  const json fx = json::parse(in);
+  ASSERT_EQ(fx.at("kvpress_version").get<std::string>(), "0.5.5");
+  const auto& [model, tok] = tiny();
+  const std::string context = fx.at("context").get<std::string>();
+  ASSERT_FALSE(fx.at("cases").empty());
+  for (const json& c : fx.at("cases")) {
+    const std::vector<std::string> questions = c.at("questions").get<std::vector<std::string>>();
+    const double ratio = c.at("compression_ratio").get<double>();
+    const auto params = c.at("params").get<std::map<std::string, std::string>>();
+    std::unique_ptr<kvpress::BasePress> press;
+    if (!c.at("press").is_null()) press = kvpress::make_press(c.at("press").get<std::string>(), ratio, params);
+    SCOPED_TRACE(c.dump());
+    PipelineOptions opt;
+    opt.press = press.get();
+    opt.max_new_tokens = fx.at("max_new_tokens").get<int64_t>();
+    opt.query_aware = c.at("query_aware").get<bool>();
+    const std::vector<Answer> answers = answer_questions(model, tok, context, questions, opt);
+    EXPECT_EQ(texts(answers), c.at("answers").get<std::vector<std::string>>());
+  }
+}
+
+}  // namespace
