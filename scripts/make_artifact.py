@@ -23,6 +23,26 @@
         model.safetensors (float32) and config.json (its ExpectedAttentionStats arguments), so
         kvpress's stats_folder reads it as ours does.
 
+    make_artifact.py duo-attention --model DIR --out FOLDER [--stories FILE] [--num-samples N]
+            [--q-len Q]
+        DuoAttentionPress's attention pattern by kvpress's on-the-fly recipe (its
+        duo_attention_on_the_fly), on the stories instead of kmfoda/booksum: N stories (default 50)
+        drawn as kvpress draws its samples (pandas' DataFrame.sample(N, random_state=42)), each run
+        through the model; per layer the mean query and mean key over the story's tokens are
+        repeated Q times (default 500), rotated at positions 0..Q-1, and the last query's softmax
+        attention over the Q keys gives the area under its cumulative curve, averaged over the
+        group's query heads and the samples: scores [num_layers, num_kv_heads]. FOLDER gets the
+        DuoAttention repository's layout: config.json (sink_size 128, recent_size 256: kvpress's
+        on-the-fly values) and full_attention_heads.tsv (one tab-separated row per layer).
+
+    make_artifact.py lukv-curve --npy FILE.npy --out FILE.safetensors
+        LUKVPress's budget curve: converts a curve in LU-KV's published format (a NumPy .npy of
+        prune fractions [99, num_layers, num_kv_heads], one row per target ratio 0.01..0.99, as
+        kvpress downloads from the LU-KV repository) into the safetensors file LUKVPress reads
+        (budget_curves, float32). Computing a curve for a new model needs LU-KV's own two-step
+        pipeline (per-context scorer statistics, then its global budget optimisation:
+        github.com/baidu-baige/LU-KV, evaluation/curve_data), which is not reproduced here.
+
 The model is read with transformers (float32, CPU); the stories file is text with stories separated
 by "<|endoftext|>" lines (the bundled tinystories_valid_100.txt). The output is written to a
 temporary file beside FILE and renamed, so it is never half-written. Errors: one line
@@ -41,6 +61,8 @@ import transformers
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 STORY_SEPARATOR = "<|endoftext|>"
+# kvpress's DuoAttentionPress with on_the_fly_scoring: sink and recent tokens of a streaming head.
+DUO_SINK_SIZE, DUO_RECENT_SIZE = 128, 256
 
 
 def fail(message: str):
@@ -129,6 +151,61 @@ def save_stats_folder(folder: Path, mean: torch.Tensor, cov: torch.Tensor, about
     write_atomically(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
 
 
+def duo_attention_scores(model, tok, stories: list[str], num_samples: int, q_len: int) -> torch.Tensor:
+    """kvpress's duo_attention_on_the_fly over `stories` (see the module doc): [num_layers, num_kv_heads]."""
+    import pandas as pd
+    config = model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    texts = pd.DataFrame({"chapter": stories}).sample(num_samples, random_state=42)["chapter"].tolist()
+    positions = torch.arange(q_len).unsqueeze(0)
+    scores = torch.zeros(config.num_hidden_layers, config.num_key_value_heads)
+    with torch.no_grad():
+        for text in texts:
+            hidden = model(**tok(text, return_tensors="pt"), output_hidden_states=True).hidden_states[:-1]
+            for layer_idx, h in enumerate(hidden):
+                layer = model.model.layers[layer_idx]
+                d = layer.self_attn.head_dim
+                h = layer.input_layernorm(h)
+                # Mean query and key over the tokens, repeated q_len times, then rotated.
+                q = layer.self_attn.q_proj(h).view(1, h.shape[1], -1, d).mean(1, keepdim=True)
+                k = layer.self_attn.k_proj(h).view(1, h.shape[1], -1, d).mean(1, keepdim=True)
+                q, k = q.repeat(1, q_len, 1, 1).transpose(1, 2), k.repeat(1, q_len, 1, 1).transpose(1, 2)
+                cos, sin = model.model.rotary_emb(h, positions)
+                q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+                k = (k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)).repeat_interleave(groups, dim=1)
+                # The last query's attention; its cumulative curve's mean, per KV head.
+                attn = (torch.matmul(q[:, :, -1:, :], k.transpose(2, 3)) / d**0.5).softmax(-1, dtype=torch.float32)
+                area = torch.cumsum(attn.squeeze(), dim=1).mean(1)
+                scores[layer_idx] += area.view(-1, groups).mean(1) / num_samples
+    return scores
+
+
+def save_duo_attention_pattern(folder: Path, scores: torch.Tensor, sink_size: int, recent_size: int, about: dict):
+    """The DuoAttention repository's layout: config.json and full_attention_heads.tsv."""
+    import numpy as np
+    config = {"sink_size": sink_size, "recent_size": recent_size, **about}
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomically(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    write_atomically(folder / "full_attention_heads.tsv",
+                     lambda tmp: np.savetxt(tmp, scores.double().numpy(), delimiter="\t", fmt="%.17g"))
+
+
+def convert_lukv_curve(npy: Path, out: Path):
+    """LU-KV's .npy curve -> budget_curves [99, L, Hkv] float32 in a safetensors file."""
+    import numpy as np
+    try:
+        curve = np.load(npy, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        fail(f"--npy: cannot read {npy}: {error}")
+    if curve.ndim != 3 or curve.shape[0] != 99 or not np.issubdtype(curve.dtype, np.floating):
+        fail(f"--npy: {npy} must hold floating prune fractions [99, num_layers, num_kv_heads], "
+             f"got {curve.dtype} {list(curve.shape)}")
+    curves = torch.from_numpy(np.ascontiguousarray(curve)).to(torch.float32)
+    metadata = {"artifact": "lukv-curve", "source": str(npy)}
+    write_atomically(out, lambda tmp: save_file({"budget_curves": curves}, tmp, metadata=metadata))
+    print(f"make_artifact.py: budget_curves {list(curves.shape)} from {npy} -> {out}")
+
+
 def write_atomically(path: Path, write):
     """write(tmp) then rename to path, so that path is never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +235,20 @@ def main():
     e.add_argument("--sample-seq-len", type=int, default=1000, help="characters kept of each (sample_seq_len)")
     e.add_argument("--n-sink", type=int, default=4, help="first tokens of each sample left out (n_sink)")
     e.add_argument("--out", type=Path, required=True, help="output folder")
+    d = sub.add_parser("duo-attention", help="DuoAttentionPress's attention pattern (kvpress's on-the-fly recipe)")
+    d.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    d.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    d.add_argument("--num-samples", type=int, default=50, help="stories drawn (kvpress's num_samples)")
+    d.add_argument("--q-len", type=int, default=500, help="positions the mean query and key are repeated over")
+    d.add_argument("--out", type=Path, required=True, help="output folder")
+    c = sub.add_parser("lukv-curve", help="LUKVPress's budget curve, converted from LU-KV's .npy")
+    c.add_argument("--npy", type=Path, required=True, help="LU-KV curve [99, num_layers, num_kv_heads] (.npy)")
+    c.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     args = parser.parse_args()
+
+    if args.artifact == "lukv-curve":
+        convert_lukv_curve(args.npy, args.out)
+        return
 
     if not (args.model / "config.json").exists():
         fail(f"--model: no config.json in {args.model}")
@@ -181,6 +271,20 @@ def main():
         write_atomically(args.out, lambda tmp: save_file({"q_filters": filters}, tmp, metadata=metadata))
         print(f"make_artifact.py: q_filters {list(filters.shape)} from {len(stories)} stories ({tokens} tokens) "
               f"-> {args.out}")
+        return
+
+    if args.artifact == "duo-attention":
+        if not 1 <= args.num_samples <= len(stories):
+            fail(f"--num-samples must be in [1, {len(stories)}] (the stories), got {args.num_samples}")
+        if args.q_len < 1:
+            fail(f"--q-len must be >= 1, got {args.q_len}")
+        scores = duo_attention_scores(model, tok, stories, args.num_samples, args.q_len)
+        save_duo_attention_pattern(args.out, scores, DUO_SINK_SIZE, DUO_RECENT_SIZE,
+                                   {"recipe": "kvpress duo_attention_on_the_fly", "model": str(args.model),
+                                    "stories_file": str(stories_file), "num_samples": args.num_samples,
+                                    "q_len": args.q_len})
+        print(f"make_artifact.py: DuoAttention scores {list(scores.shape)} from {args.num_samples} stories -> "
+              f"{args.out}")
         return
 
     for name in ("num_samples", "sample_seq_len"):

@@ -27,6 +27,7 @@
 #include "kvpress/presses/ctr_press.h"
 #include "kvpress/presses/cur_press.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/duo_attention_press.h"
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/expected_attention_stats_press.h"
@@ -38,6 +39,7 @@
 #include "kvpress/presses/kvzap_press.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
+#include "kvpress/presses/lukv_press.h"
 #include "kvpress/presses/non_causal_attn_press.h"
 #include "kvpress/presses/observed_attention_press.h"
 #include "kvpress/presses/per_layer_compression_press.h"
@@ -646,6 +648,26 @@ std::vector<Entry> layer_entries() {
          return std::make_unique<P>(threshold, last, recent, initial);
        },
        "each layer keeps every token or only its initial and recent ones, by lazy_threshold"},
+      {"DuoAttentionPress",
+       PressKind::kLayer,
+       "DuoAttention: streaming KV heads (lowest pattern scores) keep only sink and recent tokens; head-ragged",
+       {{}, {}, {"layer_idx"}, "the pattern comes from the folder named by attention_pattern; layer_idx picks its row"},
+       [](double, Params& p) {
+         const double ratio =
+             p.get("head_compression_ratio", 0.0, "fraction of the model's KV heads made streaming heads");
+         const bool on_the_fly = p.get("on_the_fly_scoring", false,
+                                       "kvpress: estimate the pattern at run time (here: make it offline, see "
+                                       "attention_pattern)");
+         TORCH_CHECK(!on_the_fly,
+                     "DuoAttentionPress: on_the_fly_scoring needs the model and a dataset at run time; "
+                     "compute the pattern offline (scripts/make_artifact.py duo-attention, kvpress's on-the-fly "
+                     "recipe) and give attention_pattern=FOLDER");
+         const std::string folder =
+             p.get_path("attention_pattern", "DuoAttention pattern folder: config.json and full_attention_heads.tsv");
+         return std::make_unique<DuoAttentionPress>(
+             ratio, folder.empty() ? DuoAttentionPress::Pattern{} : DuoAttentionPress::load_pattern(folder));
+       },
+       "each KV head keeps its whole cache or only sink and recent tokens, by the pattern and head_compression_ratio"},
   };
 }
 
@@ -801,6 +823,36 @@ std::vector<Entry> budget_entries() {
          auto inner = inner_scorer(p, r);
          return std::make_unique<AdaKVPress>(inner, p.get("alpha_safeguard", AdaKVPress::kDefaultAlphaSafeguard,
                                                           "fraction of n_kept every head keeps at least"));
+       }},
+      {"LUKVPress",
+       K::kWrapper,
+       "LU-KV: head budgets from a precomputed budget curve (read from budget_curves) around an inner scorer; "
+       "head-ragged",
+       {kPreRopeQueryInputs.alternatives,
+        {},
+        {"layer_idx"},
+        "the inputs of its default inner press, ExpectedAttentionPress (another inner press reads its own); the curve "
+        "comes from the file named by budget_curves, its row from layer_idx; the ratio is LU-KV's own"},
+       [](double r, Params& p) {
+         // kvpress's default inner press is ExpectedAttentionPress(epsilon=2e-2), scoring only (ratio 0).
+         const std::string inner =
+             p.get_text("press", "ExpectedAttentionPress",
+                        "inner ScorerPress (its parameters as press.<name>; an "
+                        "ExpectedAttentionPress gets epsilon=0.02 unless press.epsilon is given)");
+         std::map<std::string, std::string> inner_params = p.take_prefixed("press.");
+         double inner_ratio = 0.0;
+         if (const auto it = inner_params.find("compression_ratio"); it != inner_params.end()) {
+           inner_ratio = p.ratio("press.compression_ratio", it->second);
+           inner_params.erase(it);
+         }
+         if (inner == "ExpectedAttentionPress" && !inner_params.count("epsilon")) inner_params["epsilon"] = "0.02";
+         auto scorer = as_scorer(make_press(inner, inner_ratio, inner_params), p.press_name(), inner);
+         const std::string path =
+             p.get_path("budget_curves", "safetensors file with budget_curves [99, num_layers, num_kv_heads]");
+         const int64_t sink = p.get("sink", LUKVPress::kDefaultSink, "first tokens always kept");
+         const int64_t window = p.get("window", LUKVPress::kDefaultWindow, "last tokens always kept");
+         return std::make_unique<LUKVPress>(
+             std::move(scorer), r, path.empty() ? at::Tensor() : LUKVPress::load_budget_curves(path), sink, window);
        }},
       {"CriticalKVPress",
        K::kWrapper,

@@ -7,12 +7,14 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
 
 #include "kvpress/io/safetensors.h"
 #include "kvpress/presses/expected_attention_stats_press.h"
+#include "kvpress/presses/lukv_press.h"
 #include "kvpress/presses/qfilter_press.h"
 #include "kvpress/registry.h"
 #include "kvpress/types.h"
@@ -29,15 +31,18 @@ struct ModelShape {
 // temporary folder, removed at exit: QFilterPress's filters [L, Hkv, D] (a file) and
 // ExpectedAttentionStatsPress's statistics (a folder with model.safetensors: query_mean [L, Hq, D],
 // query_cov [L, Hq, D, D] positive semi-definite) and KVzapPress's surrogate (a folder with an MLP
-// hidden -> 8 -> Hkv per layer, as KVzapModel.save_pretrained names its weights).
+// hidden -> 8 -> Hkv per layer, as KVzapModel.save_pretrained names its weights) and LUKVPress's
+// budget curves (a file: prune fractions [99, L, Hkv] uniform in [0, 1)) and DuoAttentionPress's
+// attention pattern (a folder: sink 4, recent 16, head scores uniform in [0, 1)).
 inline std::string random_artifact(const std::string& kind, const ModelShape& s) {
   // Removed with the C library at exit: std::filesystem there may resolve into libtorch's copy,
   // already torn down.
   struct Paths : std::map<std::string, std::string> {
     ~Paths() {
       for (const auto& [key, path] : *this) {
-        std::remove((path + "/model.safetensors").c_str());  // a statistics folder's file
-        std::remove(path.c_str());                           // the file, or the emptied folder
+        for (const char* file : {"/model.safetensors", "/config.json", "/full_attention_heads.tsv"})
+          std::remove((path + file).c_str());  // a folder's files
+        std::remove(path.c_str());             // the file, or the emptied folder
       }
     }
   };
@@ -62,6 +67,18 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
     io::save_safetensors(path + "/model.safetensors",
                          {{"query_mean", at::randn({s.num_layers, s.num_heads, s.head_dim}, gen)},
                           {"query_cov", at::matmul(a, a.transpose(-1, -2)) / static_cast<double>(s.head_dim)}});
+  } else if (kind == "attention_pattern") {  // DuoAttentionPress: sink 4, recent 16, scores [L, Hkv]
+    path = base.string();
+    std::filesystem::create_directories(path);
+    std::ofstream(path + "/config.json") << "{\"sink_size\": 4, \"recent_size\": 16}\n";
+    std::ofstream tsv(path + "/full_attention_heads.tsv");
+    const at::Tensor scores = at::rand({s.num_layers, s.kv_heads}, gen);
+    for (int64_t l = 0; l < s.num_layers; ++l)
+      for (int64_t h = 0; h < s.kv_heads; ++h) tsv << scores[l][h].item<double>() << (h + 1 < s.kv_heads ? '\t' : '\n');
+  } else if (kind == "budget_curves") {  // LUKVPress: prune fractions [99, L, Hkv] in [0, 1)
+    path = base.string() + ".safetensors";
+    io::save_safetensors(
+        path, {{LUKVPress::kTensorName, at::rand({LUKVPress::kCurveRatios, s.num_layers, s.kv_heads}, gen)}});
   } else {  // kvzap_model
     path = base.string();
     std::filesystem::create_directories(path);

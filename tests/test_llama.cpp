@@ -39,6 +39,7 @@
 #include "kvpress/llama/llama.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/key_rerotation_press.h"
+#include "kvpress/presses/lukv_press.h"
 #include "kvpress/registry.h"
 #include "runnable_press.h"
 #include "test_util.h"
@@ -498,8 +499,16 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     if (press->head_ragged()) {
       // Heads keep different numbers of tokens; the layer keeps Hkv * n_kept (tests/test_ragged_presses.cpp).
       ASSERT_EQ(out.keep_masks.size(), 2u);
-      for (const at::Tensor& mask : out.keep_masks)
-        EXPECT_EQ(mask.sum().item<int64_t>(), 4 * kvpress::ops::n_kept(s, 0.5));
+      const auto* lukv = dynamic_cast<const kvpress::LUKVPress*>(press.get());  // its curve's head budgets
+      for (int64_t l = 0; l < 2; ++l) {
+        const at::Tensor& mask = out.keep_masks[static_cast<size_t>(l)];
+        if (lukv)
+          EXPECT_TRUE(at::equal(mask.sum(-1)[0], lukv->head_budgets(l, 4, s)));
+        else if (info.kind == kvpress::PressKind::kLayer)  // DuoAttentionPress: no streaming head by default
+          EXPECT_EQ(mask.sum().item<int64_t>(), 4 * s);
+        else
+          EXPECT_EQ(mask.sum().item<int64_t>(), 4 * kvpress::ops::n_kept(s, 0.5));
+      }
       EXPECT_TRUE(at::isfinite(model.forward(ids_tensor({ids[s], ids[s + 1]}), cache).logits).all().item<bool>());
       continue;
     }
@@ -760,8 +769,9 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
   const std::set<std::string> not_in_kvpress{"QSMPress", "CTRPress"};
   // Presses with head/layer budgets: their model-loop runs are in tests/reference/make_ragged_fixtures.py
   // (SDPA model: kvpress's AdaKV refuses eager; RaggedParity.ModelRuns in tests/test_ragged_presses.cpp).
-  const std::set<std::string> ragged_fixtures{"AdaKVPress", "CriticalKVPress", "CriticalAdaKVPress", "PyramidKVPress",
-                                              "PerLayerCompressionPress"};
+  const std::set<std::string> ragged_fixtures{"AdaKVPress",       "CriticalKVPress",          "CriticalAdaKVPress",
+                                              "PyramidKVPress",   "PerLayerCompressionPress", "LUKVPress",
+                                              "DuoAttentionPress"};
   for (const auto& info : kvpress::list_presses())
     // KVComposePress has its own fixtures (tests/reference/make_kvcompose_fixtures.py); a query-aware
     // press (FinchPress) runs in kvpress's question-answering pipeline

@@ -38,6 +38,11 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
       SCOPED_TRACE(info.name + " ratio " + std::to_string(ratio));
       // Presses with a random draw get a seed, so that the same call gives the same answer.
       const auto press = make_press(info.name, ratio, testing::runnable_params(info, in));
+      if (const auto* lukv = dynamic_cast<const LUKVPress*>(press.get())) {  // its curve's head budgets
+        EXPECT_TRUE(
+            at::equal(press->compress_ragged(in).keep_mask.sum(-1)[0], lukv->head_budgets(in.layer_idx, 2, 300)));
+        continue;
+      }
       if (press->head_ragged()) {  // heads keep different counts; the layer keeps Hkv * n_kept
         EXPECT_EQ(press->compress_ragged(in).keep_mask.sum().item<int64_t>(), 2 * ops::n_kept(300, ratio));
         continue;
@@ -358,16 +363,17 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "AdaKVPress",
                                        "CriticalKVPress",
                                        "CriticalAdaKVPress",
-                                       "PerLayerCompressionPress"};
+                                       "PerLayerCompressionPress",
+                                       "LUKVPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
-    const PressKind expected = wrappers.count(info.name)        ? PressKind::kWrapper
-                               : decoding.count(info.name)      ? PressKind::kDecoding
-                               : info.name == "KVComposePress"  ? PressKind::kSecondPass
-                               : info.name == "ThinKPress"      ? PressKind::kChannel
-                               : info.name == "SimLayerKVPress" ? PressKind::kLayer
-                               : info.name == "FinchPress"      ? PressKind::kQueryAware
-                                                                : PressKind::kScorer;
+    const PressKind expected = wrappers.count(info.name)       ? PressKind::kWrapper
+                               : decoding.count(info.name)     ? PressKind::kDecoding
+                               : info.name == "KVComposePress" ? PressKind::kSecondPass
+                               : info.name == "ThinKPress"     ? PressKind::kChannel
+                               : info.name == "SimLayerKVPress" || info.name == "DuoAttentionPress" ? PressKind::kLayer
+                               : info.name == "FinchPress" ? PressKind::kQueryAware
+                                                           : PressKind::kScorer;
     EXPECT_EQ(info.kind, expected) << info.name;
     // Scorers are ScorerPresses (CriticalKVPress is one too, around its inner press).
     const auto press = make_press(info.name, 0.0);
@@ -441,7 +447,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 37u);
+  ASSERT_EQ(list_presses().size(), 39u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

@@ -62,6 +62,10 @@ const std::map<std::string, Promise>& promises() {
       {"FinchPress",
        {2, default_kept,
         [](const BasePress&, int64_t seq) { return range(seq - testing::question_length(seq), seq); }}},
+      // Its default inner press, ExpectedAttentionPress, needs S > its n_sink.
+      {"LUKVPress", {ExpectedAttentionPress::kDefaultNSink + 1, nullptr, nullptr}},
+      // No streaming head by default (head_compression_ratio 0).
+      {"DuoAttentionPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},
       {"TOVAPress", {2, default_kept, [](const BasePress&, int64_t seq) { return range(seq - 1, seq); }}},
       {"LagKVPress", {1, default_kept, [](const BasePress&, int64_t) { return range(0, LagKVPress::kDefaultNSink); }}},
       {"ExpectedAttentionPress",
@@ -163,8 +167,11 @@ void check_press(const PressInfo& info, const Shape& s, uint64_t seed) {
   }
   EXPECT_GE(s.seq, promise.min_seq) << "accepted an input shorter than its documented minimum";
   ASSERT_EQ(first.keep_mask.sizes(), (at::IntArrayRef{s.batch, s.kv_heads, s.seq}));
-  const at::Tensor per_head = first.keep_mask.sum(-1);  // [B, Hkv]
-  if (press->head_ragged()) {
+  const at::Tensor per_head = first.keep_mask.sum(-1);                   // [B, Hkv]
+  if (const auto* lukv = dynamic_cast<const LUKVPress*>(press.get())) {  // its curve's budgets, every row
+    EXPECT_TRUE(at::equal(per_head, lukv->head_budgets(in.layer_idx, s.kv_heads, s.seq).expand({s.batch, -1})) ||
+                ratio == 0.0);
+  } else if (press->head_ragged() && it == promises().end()) {  // the layer keeps Hkv * n_kept
     EXPECT_TRUE(
         at::equal(per_head.sum(-1), at::full({s.batch}, s.kv_heads * default_kept(*press, s.seq, ratio), at::kLong)));
   } else if (promise.kept) {

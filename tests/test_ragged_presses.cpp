@@ -1,5 +1,5 @@
-// Presses with head or layer budgets: AdaKVPress, CriticalKVPress, CriticalAdaKVPress (head-ragged
-// where noted), PyramidKVPress, PerLayerCompressionPress.
+// Presses with head or layer budgets: AdaKVPress, CriticalKVPress, CriticalAdaKVPress, LUKVPress,
+// DuoAttentionPress (head-ragged where noted), PyramidKVPress, PerLayerCompressionPress.
 //
 // Unit tests (no fixtures): budgets against direct formulas, validation messages.
 // Parity with kvpress 0.5.5 (fixtures from tests/reference/make_ragged_fixtures.py, one ctest entry):
@@ -13,7 +13,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -243,6 +247,141 @@ TEST(RaggedPresses, RegistryBuildsThemWithTheirParameters) {
       EXPECT_EQ(info.kind, PressKind::kScorer);
 }
 
+// ---- LUKVPress ----------------------------------------------------------------------------------
+
+// A curve whose row for ratio r (row round(100 r) - 1) prunes fractions `row` in every layer.
+at::Tensor lukv_curve(int64_t layers, std::vector<float> row) {
+  at::Tensor c = at::zeros({LUKVPress::kCurveRatios, layers, static_cast<int64_t>(row.size())});
+  c.select(0, 49).copy_(at::tensor(row).expand({layers, -1}));  // ratio 0.5
+  return c;
+}
+
+TEST(LUKVPress, HeadBudgetsFollowTheCurveWithTheRemainderToTheLargestFraction) {
+  // S = 10, prune 0.25 and 0.6: ideal keep 7.5 and 4 -> round(11.5) = 12 (half to even) -> floor
+  // 7 + 4, the remainder to head 0 (fraction 0.5): 8 and 4.
+  const LUKVPress press(std::make_shared<KnormPress>(0.0), 0.5, lukv_curve(1, {0.25f, 0.6f}));
+  EXPECT_TRUE(at::equal(press.head_budgets(0, 2, 10), at::tensor({8, 4}, at::kLong)));
+  // Everything pruned still keeps one token per head; the layer at least Hkv.
+  const LUKVPress all(std::make_shared<KnormPress>(0.0), 0.5, lukv_curve(1, {1.0f, 1.0f}));
+  EXPECT_TRUE(at::equal(all.head_budgets(0, 2, 10), at::tensor({1, 1}, at::kLong)));
+  // Ratios map to rows round(100 r) - 1: 0.004 uses row 0 (clamped), so a curve set at row 49 keeps all.
+  EXPECT_TRUE(
+      at::equal(LUKVPress(std::make_shared<KnormPress>(0.0), 0.004, lukv_curve(1, {0.5f, 0.5f})).head_budgets(0, 2, 10),
+                at::tensor({10, 10}, at::kLong)));
+}
+
+TEST(LUKVPress, KeepsEachHeadsBestScoresWithSinkAndWindowProtected) {
+  const LayerInputs in = random_layer(40, 12);
+  const auto knorm = std::make_shared<KnormPress>(0.0);
+  const LUKVPress press(knorm, 0.5, lukv_curve(1, {0.25f, 0.75f}), /*sink=*/2, /*window=*/3);
+  const at::Tensor mask = press.keep_mask(in);
+  const at::Tensor budgets = press.head_budgets(0, 2, 40);
+  EXPECT_TRUE(at::equal(mask.sum(-1)[0], budgets));
+  const at::Tensor scores = knorm->score(in);
+  for (int64_t h = 0; h < 2; ++h) {
+    EXPECT_TRUE(mask[0][h].narrow(0, 0, 2).all().item<bool>()) << "sink of head " << h;
+    EXPECT_TRUE(mask[0][h].narrow(0, 37, 3).all().item<bool>()) << "window of head " << h;
+    // The rest of the budget: the best inner scores among positions 2..36.
+    const int64_t rest = budgets[h].item<int64_t>() - 5;
+    const at::Tensor middle = scores[0][h].narrow(0, 2, 35);
+    const at::Tensor best = std::get<1>(middle.topk(rest)) + 2;
+    EXPECT_TRUE(mask[0][h].index_select(0, best).all().item<bool>());
+    EXPECT_EQ(mask[0][h].narrow(0, 2, 35).sum().item<int64_t>(), rest);
+  }
+  // Ratio 0 keeps everything, with or without a curve.
+  EXPECT_TRUE(LUKVPress(knorm, 0.0).keep_mask(in).all().item<bool>());
+}
+
+TEST(LUKVPress, Errors) {
+  const LayerInputs in = random_layer(40, 13);
+  const auto knorm = std::make_shared<KnormPress>(0.0);
+  expect_error([&] { LUKVPress(knorm, 0.5).keep_mask(in); }, {"LUKVPress.head_budgets: no budget curves"});
+  LayerInputs later = in;
+  later.layer_idx = 3;
+  later.num_layers = 4;
+  expect_error(
+      [&] {
+        LUKVPress(knorm, 0.5, lukv_curve(2, {0.5f, 0.5f})).keep_mask(later);
+      },
+      {"LUKVPress.head_budgets: layer_idx must be in [0, 2)", "got 3"});
+  expect_error(
+      [&] {
+        LUKVPress(knorm, 0.5, lukv_curve(1, {0.5f, 0.5f, 0.5f})).keep_mask(in);
+      },
+      {"budget_curves has 3 KV heads, the keys have 2"});
+  expect_error(
+      [&] {
+        LUKVPress(knorm, 0.5, at::zeros({98, 1, 2}));
+      },
+      {"LUKVPress: budget_curves must be [99, num_layers, num_kv_heads], got [98, 1, 2]"});
+  expect_error([&] { LUKVPress(knorm, 1.0); }, {"LUKVPress", "compression_ratio"});
+  expect_error([&] { LUKVPress(knorm, 0.5, {}, -1); }, {"LUKVPress: sink must be >= 0, got -1"});
+  expect_error(
+      [&] {
+        make_press("LUKVPress", 0.5, {{"budget_curves", "/nonexistent/curve.safetensors"}});
+      },
+      {"/nonexistent/curve.safetensors"});
+}
+
+// ---- DuoAttentionPress --------------------------------------------------------------------------
+
+TEST(DuoAttentionPress, StreamingHeadsKeepSinkAndRecentTokens) {
+  // Scores [[0.9, 0.1], [0.5, 0.2]] at head_compression_ratio 0.5: the 2 lowest, head 1 of both
+  // layers, stream.
+  DuoAttentionPress::Pattern pattern{2, 4, at::tensor({0.9, 0.1, 0.5, 0.2}, at::kDouble).view({2, 2})};
+  const DuoAttentionPress press(0.5, pattern);
+  EXPECT_TRUE(at::equal(press.streaming_heads(), at::tensor({0, 1, 0, 1}).to(at::kBool).view({2, 2})));
+  LayerInputs in = random_layer(20, 14, /*batch=*/2);
+  in.num_layers = 2;
+  in.layer_idx = 1;
+  const at::Tensor mask = press.keep_mask(in);
+  EXPECT_TRUE(mask.select(1, 0).all().item<bool>());  // retrieval head: everything
+  const at::Tensor streaming = at::zeros({20}, at::kBool);
+  streaming.narrow(0, 0, 2).fill_(true);
+  streaming.narrow(0, 16, 4).fill_(true);
+  EXPECT_TRUE(at::equal(mask.select(1, 1), streaming.expand({2, 20})));
+  // A layer no longer than sink + recent keeps everything; ratio 0 keeps everything without a pattern.
+  EXPECT_TRUE(press.keep_mask(random_layer(6, 15)).all().item<bool>());
+  EXPECT_TRUE(DuoAttentionPress(0.0).keep_mask(in).all().item<bool>());
+  // The registry's ratio is 0 and its compress_ragged stores what the mask keeps.
+  EXPECT_EQ(press.compress_ragged(in).keep_mask.sum().item<int64_t>(), mask.sum().item<int64_t>());
+}
+
+TEST(DuoAttentionPress, ReadsThePatternFolderAndRefusesBadOnes) {
+  const std::string dir = std::filesystem::temp_directory_path() / ("kvpress_duo_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << R"({"sink_size": 3, "recent_size": 5, "other": "ignored"})";
+  std::ofstream(dir + "/full_attention_heads.tsv") << "0.5\t1.5\n-0.2\t0.25\n";
+  const DuoAttentionPress::Pattern p = DuoAttentionPress::load_pattern(dir);
+  EXPECT_EQ(p.sink_size, 3);
+  EXPECT_EQ(p.recent_size, 5);
+  EXPECT_TRUE(at::allclose(p.head_scores, at::tensor({0.5, 1.5, -0.2, 0.25}, at::kDouble).view({2, 2})));
+  // Clipped to [0, 1] as kvpress does: the clipped -0.2 is the lowest, then 0.25.
+  const auto press =
+      make_press("DuoAttentionPress", 0.0, {{"attention_pattern", dir}, {"head_compression_ratio", "0.5"}});
+  EXPECT_TRUE(at::equal(dynamic_cast<const DuoAttentionPress&>(*press).streaming_heads(),
+                        at::tensor({0, 0, 1, 1}).to(at::kBool).view({2, 2})));
+  std::ofstream(dir + "/full_attention_heads.tsv") << "0.5\t0.5\n0.5\n";
+  expect_error([&] { DuoAttentionPress::load_pattern(dir); }, {"full_attention_heads.tsv: row 2 has 1 scores"});
+  std::ofstream(dir + "/full_attention_heads.tsv") << "0.5\tx\n";
+  expect_error([&] { DuoAttentionPress::load_pattern(dir); }, {"row 1: 'x' is not a finite number"});
+  std::ofstream(dir + "/config.json") << R"({"sink_size": 3})";
+  expect_error([&] { DuoAttentionPress::load_pattern(dir); }, {"config.json: needs an integer 'recent_size'"});
+  // The C library's remove: std::filesystem::remove_all may resolve into libtorch's broken copy.
+  for (const char* file : {"/config.json", "/full_attention_heads.tsv", ""}) std::remove((dir + file).c_str());
+  expect_error([&] { DuoAttentionPress::load_pattern(dir); }, {"config.json: cannot open the file"});
+  expect_error(
+      [] {
+        make_press("DuoAttentionPress", 0.0, {{"on_the_fly_scoring", "true"}});
+      },
+      {"DuoAttentionPress: on_the_fly_scoring needs the model", "scripts/make_artifact.py duo-attention"});
+  expect_error([] { DuoAttentionPress(1.5); },
+               {"DuoAttentionPress: head_compression_ratio must be in [0, 1], got 1.5"});
+  expect_error([] { DuoAttentionPress(0.5).keep_mask(random_layer(20, 16)); },
+               {"DuoAttentionPress.compress_ragged: no attention pattern"});
+  expect_error([] { DuoAttentionPress(0.5).compress(random_layer(20, 16)); }, {"compress_ragged"});
+}
+
 TEST(RaggedPresses, Errors) {
   const LayerInputs in = random_layer(100, 9);
   const auto knorm = std::make_shared<KnormPress>(0.5);
@@ -367,8 +506,10 @@ LayerInputs case_layer(const json& c, int64_t l) {
   return in;
 }
 
+// A run's parameters, file parameters (LUKVPress's budget_curves) resolved against the fixture folder.
 std::map<std::string, std::string> params_of(const json& r) {
-  return r.at("params").get<std::map<std::string, std::string>>();
+  return testing::with_artifact_paths(r.at("press").get<std::string>(),
+                                      r.at("params").get<std::map<std::string, std::string>>(), ragged_fixtures().dir);
 }
 
 // [B, Hkv, S] bool kept mask of any press (head-ragged or not).

@@ -37,8 +37,9 @@ enum class PressKind {
                 // raises and kvpress::llama's runner runs it at prefill
   kChannel,     // prunes key channels, not tokens (ThinKPress): compress() keeps every token and
                 // zeroes channels; the registry ratio is the fraction of key channels pruned
-  kLayer,       // decides per layer how many tokens to keep, without a ratio (SimLayerKVPress: a
-                // "lazy" layer keeps its first and last tokens, any other every token)
+  kLayer,       // decides per layer or head how many tokens to keep, without a ratio (SimLayerKVPress:
+                // a "lazy" layer keeps its first and last tokens, any other every token;
+                // DuoAttentionPress: a streaming head keeps its sink and recent tokens)
   kQueryAware,  // observes the user's question at the end of the prefill (FinchPress): it needs
                 // LayerInputs::question_length > 0, so loops over a context alone leave it out
                 // (kvpress::llama's answer_questions() runs it query-aware)

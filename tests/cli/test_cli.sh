@@ -134,11 +134,11 @@ if expect_ok "--version" --version; then
   grep -Eq '^kvpress-cli [0-9]+\.[0-9]+\.[0-9]+' "$tmp/stdout" || fail "--version: got '$(cat "$tmp/stdout")'"
 fi
 
-presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress FinchPress QFilterPress ExpectedAttentionStatsPress KVzapPress
+presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress DuoAttentionPress FinchPress QFilterPress ExpectedAttentionStatsPress KVzapPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
          PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
-         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress)
+         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"

@@ -70,10 +70,13 @@ def fail(message):
 def params_of(press):
     # Presses that draw random numbers get a seed, so that the CLI and the ops agree.
     params = ["seed=1"] if any(p["name"] == "seed" for p in press["params"]) else []
-    # Files a press reads (QFilterPress's filters, ExpectedAttentionStatsPress's statistics): random ones.
+    # Files a press reads (QFilterPress's filters, ExpectedAttentionStatsPress's statistics, KVzapPress's
+    # surrogate, LUKVPress's budget curves, DuoAttentionPress's pattern): random ones.
     params += [f"{p['name']}={ARTIFACTS[p['name']]}" for p in press["params"] if p["type"] == "path"]
     if press["name"] == "SimLayerKVPress":  # it reads its inputs only where it judges a layer
         params += ["lazy_threshold=0.5", "n_recent=16"]
+    if press["name"] == "DuoAttentionPress":  # streaming heads only with a head ratio
+        params += ["head_compression_ratio=0.5"]
     return params
 
 
@@ -94,12 +97,18 @@ with tempfile.TemporaryDirectory() as tmp:
     # Random artifacts of this model's shape (num_layers for scalars' layer_idx 1 of 2).
     g = torch.Generator().manual_seed(5)
     ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats",
-                 "kvzap_model": tmp / "kvzap"}
+                 "kvzap_model": tmp / "kvzap", "budget_curves": tmp / "lukv_curves.safetensors",
+                 "attention_pattern": tmp / "duo_pattern"}
     save_file({"q_filters": torch.randn(scalars["num_layers"], HKV, D, generator=g)}, str(ARTIFACTS["q_filters"]))
     ARTIFACTS["stats_folder"].mkdir()
     a = torch.randn(scalars["num_layers"], HQ, D, D, generator=g)
     save_file({"query_mean": torch.randn(scalars["num_layers"], HQ, D, generator=g),
                "query_cov": (a @ a.transpose(-1, -2) / D).contiguous()}, str(ARTIFACTS["stats_folder"] / "model.safetensors"))
+    save_file({"budget_curves": torch.rand(99, scalars["num_layers"], HKV, generator=g)}, str(ARTIFACTS["budget_curves"]))
+    ARTIFACTS["attention_pattern"].mkdir()  # DuoAttention: sink 4, recent 16, scores [num_layers, Hkv]
+    (ARTIFACTS["attention_pattern"] / "config.json").write_text('{"sink_size": 4, "recent_size": 16}')
+    (ARTIFACTS["attention_pattern"] / "full_attention_heads.tsv").write_text("\n".join(
+        "\t".join(str(float(x)) for x in row) for row in torch.rand(scalars["num_layers"], HKV, generator=g)) + "\n")
     ARTIFACTS["kvzap_model"].mkdir()  # an MLP surrogate hidden -> 8 -> Hkv per layer
     save_file({f"layers.{i}.{j}.{w}": torch.randn(*shape, generator=g) for i in range(scalars["num_layers"])
                for j, w, shape in ((0, "weight", (8, HIDDEN)), (0, "bias", (8,)), (2, "weight", (HKV, 8)),

@@ -52,6 +52,7 @@ def require_pinned_kvpress() -> str:
 
 KVPRESS_VERSION = require_pinned_kvpress()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -291,7 +292,7 @@ def parse_value(text: str):
 # ExpectedAttentionStatsPress's stats_folder): the generators set it to their output folder; the
 # C++ tests resolve those paths (the registry's "path" parameters) against the fixture folder.
 ARTIFACT_DIR = Path(".")
-ARTIFACT_PARAMS = ("q_filters", "stats_folder", "kvzap_model")
+ARTIFACT_PARAMS = ("q_filters", "stats_folder", "kvzap_model", "budget_curves", "attention_pattern")
 
 
 def build_press(name: str, params: dict[str, str], ratio: float | None):
@@ -299,6 +300,26 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
     with "press" (its parameters "press.<param>"), ComposedPress its presses with "presses" = "A,B"
     ("presses.<i>.<param>"); PerLayerCompressionPress takes "compression_ratios" = "r0,r1,..."
     (ratio unused). The inner presses get `ratio`."""
+    if name == "LUKVPress":  # kvpress downloads its curve by model name; ours comes from the file
+        params = dict(params)
+        # kvpress gets the .npy the file was converted from (LU-KV's published format, what it downloads).
+        curves = np.load(ARTIFACT_DIR / Path(params.pop("budget_curves")).with_suffix(".npy"), allow_pickle=False)
+        kwargs = {k: parse_value(v) for k, v in params.items() if k != "press" and not k.startswith("press.")}
+        if "press" in params:  # the inner press scores only: kvpress's default ratio 0
+            sub = {k[len("press."):]: v for k, v in params.items() if k.startswith("press.")}
+            kwargs["press"] = build_press(params["press"], sub, 0.0)
+        press = kvpress.LUKVPress(compression_ratio=ratio, **kwargs)
+        press._budget_curves = curves  # what post_init_from_model would download
+        return press
+    if name == "DuoAttentionPress":  # kvpress downloads its pattern by model name; ours is the folder
+        params = dict(params)
+        folder = ARTIFACT_DIR / params.pop("attention_pattern")
+        config = json.loads((folder / "config.json").read_text())
+        scores = np.clip(np.loadtxt(folder / "full_attention_heads.tsv", dtype=float, delimiter="\t", ndmin=2), 0, 1)
+        press = kvpress.DuoAttentionPress(**{k: parse_value(v) for k, v in params.items()})
+        # What load_attention_pattern would download (post_init_from_model then makes the mask).
+        press.load_attention_pattern = lambda model: (config["sink_size"], config["recent_size"], scores)
+        return press
     if "presses" in params:
         inner = []
         for i, sub in enumerate(params["presses"].split(",")):
@@ -339,7 +360,7 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
 
 # kvpress presses built without a compression ratio (SimLayerKVPress: each layer decides; its
 # compression_ratio is computed after a forward pass). kvpress-cpp's registry builds them with 0.
-NO_RATIO = ("SimLayerKVPress",)
+NO_RATIO = ("SimLayerKVPress", "DuoAttentionPress")
 
 
 def registry_ratio(name: str, ratio: float) -> float:

@@ -4,7 +4,10 @@
     python make_ragged_fixtures.py --out DIR [--models DIR] [--data FILE]
 
 Presses: AdaKVPress, CriticalKVPress, CriticalAdaKVPress, PyramidKVPress,
-PerLayerCompressionPress. Each run goes through kvpress's own mechanism on a model with SDPA
+PerLayerCompressionPress, LUKVPress (seeded random budget curves: lukv_curves_*.npy as LU-KV
+publishes them, given to kvpress, and their conversion by scripts/make_artifact.py lukv-curve,
+given to kvpress-cpp), DuoAttentionPress (pattern folders: random ones, and for TinyStories-656K
+scripts/make_artifact.py's on-the-fly recipe, checked against kvpress's duo_attention_on_the_fly). Each run goes through kvpress's own mechanism on a model with SDPA
 attention (kvpress's AdaKV refuses eager): `with press(model): model(prefix, past_key_values=cache)`,
 then new tokens at the original positions (kvpress's pipeline), one token per forward
 (transformers cannot build a multi-token mask over layers of different lengths), through kvpress's
@@ -28,6 +31,10 @@ CPU only, one thread, deterministic.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -36,13 +43,29 @@ from common import (DTYPE_NAMES, PROMPTS, SHORT_DTYPE, build_press, capture, dec
                     kept_positions, load_model, load_stories, load_tokenizer, model_dir, parse_args, prepare_out,
                     random_llama, save, setup, token_ids, versions, write_json)
 
+import common
+import numpy as np
+
+sys.path.insert(0, str(common.REPO / "scripts"))
+import make_artifact  # noqa: E402 (scripts/ is not a package)
+
 import torch
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kvpress
 
-MASKED = ("AdaKVPress", "CriticalAdaKVPress")
+MASKED = ("AdaKVPress", "CriticalAdaKVPress", "LUKVPress", "DuoAttentionPress")
+# LUKVPress's budget curves (no published curve fits these models): seeded random prune fractions
+# [99, num_layers, Hkv] around each target ratio (write_budget_curves), in the output folder.
+RANDOM_CURVES = "lukv_curves_random.safetensors"
+MODEL_CURVES = "lukv_curves_tinystories.safetensors"
+# DuoAttentionPress's patterns (the DuoAttention repository's folder layout): seeded random head
+# scores for the random models (sink 16, recent 64); for TinyStories-656K the pattern
+# scripts/make_artifact.py computes by kvpress's on-the-fly recipe, checked against kvpress's own
+# duo_attention_on_the_fly on the same stories (main()).
+RANDOM_PATTERN = "duo_pattern_random"
+MODEL_PATTERN = "duo_pattern_tinystories"
 N_NEW = 3  # new tokens after the compressed prefix (layer runs)
 
 # (press, parameters in the C++ registry's syntax, ratios). PerLayerCompressionPress's ratio is the
@@ -64,6 +87,12 @@ LAYER_RUNS = [
     # (max + 1), so a smaller budget would cut through a tie that kvpress breaks arbitrarily.
     ("PyramidKVPress", {}, (0.5, 0.6)),
     ("PyramidKVPress", {"window_size": "16", "beta": "5"}, (0.5, 0.25)),
+    # Default inner press (ExpectedAttentionPress, epsilon 2e-2), sink 4, window 1; then Knorm, no sink.
+    ("LUKVPress", {"budget_curves": RANDOM_CURVES}, (0.5, 0.3)),
+    ("LUKVPress", {"press": "KnormPress", "budget_curves": RANDOM_CURVES, "sink": "0", "window": "8"}, (0.75,)),
+    # No ratio: round(0.5 * 6) = 3 and round(0.34 * 6) = 2 of the 6 KV heads stream.
+    ("DuoAttentionPress", {"attention_pattern": RANDOM_PATTERN, "head_compression_ratio": "0.5"}, (None,)),
+    ("DuoAttentionPress", {"attention_pattern": RANDOM_PATTERN, "head_compression_ratio": "0.34"}, (None,)),
     ("PerLayerCompressionPress", {"press": "KnormPress", "compression_ratios": "0.25,0.5,0.75"}, (None,)),
     ("PerLayerCompressionPress", {"press": "SnapKVPress", "press.window_size": "16",
                                   "compression_ratios": "0.75,0,0.5"}, (None,)),
@@ -86,14 +115,61 @@ MODEL_RUNS = [
     ("CriticalKVPress", {"press": "SnapKVPress"}),
     ("CriticalAdaKVPress", {"press": "KnormPress"}),
     ("PyramidKVPress", {}),
+    ("LUKVPress", {"budget_curves": MODEL_CURVES}),
+    ("DuoAttentionPress", {"attention_pattern": MODEL_PATTERN, "head_compression_ratio": "0.5"}),
     # Ratios leaving >= 64 (SnapKV's window) of the 140-token prompt: see PyramidKVPress above.
     ("PerLayerCompressionPress", {"press": "SnapKVPress", "compression_ratios": "0.25,0.5"}),
 ]
 MODEL_RATIO = 0.5
 
 
+def write_budget_curves(path: Path, num_layers: int, kv_heads: int, seed: int) -> None:
+    """LUKVPress's curve: for target ratio (t + 1) / 100, prune fractions uniform within 0.3 of it
+    per (layer, KV head), clamped to [0, 1], float64, written as LU-KV publishes curves (a .npy
+    beside `path`, what kvpress downloads) and converted to `path` by scripts/make_artifact.py."""
+    g = torch.Generator().manual_seed(seed)
+    target = (torch.arange(1, 100, dtype=torch.float64) / 100).view(99, 1, 1)
+    curves = (target + 0.6 * (torch.rand(99, num_layers, kv_heads, generator=g, dtype=torch.float64) - 0.5)).clamp(0, 1)
+    np.save(path.with_suffix(".npy"), curves.numpy())
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_artifact.convert_lukv_curve(path.with_suffix(".npy"), path)
+
+
+def write_random_pattern(folder: Path, num_layers: int, kv_heads: int, seed: int) -> None:
+    """A DuoAttention pattern folder: sink 16, recent 64, head scores uniform in [0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_artifact.save_duo_attention_pattern(folder, torch.rand(num_layers, kv_heads, generator=g), 16, 64, {})
+
+
+def write_model_pattern(folder: Path, path: Path, data: Path) -> None:
+    """TinyStories-656K's pattern by scripts/make_artifact.py's recipe, which must equal kvpress's own
+    duo_attention_on_the_fly given the same stories in place of BookSum."""
+    from kvpress.presses import duo_attention_press
+    model, tok = load_model(path, "sdpa"), load_tokenizer(path)
+    stories = load_stories(data)
+    ours = make_artifact.duo_attention_scores(model, tok, stories, num_samples=50, q_len=500)
+
+    class Stories:  # what load_dataset("kmfoda/booksum", split="train") gives, with the stories
+        def to_pandas(self):
+            import pandas as pd
+            return pd.DataFrame({"chapter": stories})
+
+    real_load_dataset = duo_attention_press.load_dataset
+    duo_attention_press.load_dataset = lambda *args, **kwargs: Stories()
+    try:
+        with torch.no_grad():
+            theirs = torch.as_tensor(duo_attention_press.duo_attention_on_the_fly(model, num_samples=50, q_len=500))
+    finally:
+        duo_attention_press.load_dataset = real_load_dataset
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-6), (ours, theirs)
+    make_artifact.save_duo_attention_pattern(folder, ours, make_artifact.DUO_SINK_SIZE, make_artifact.DUO_RECENT_SIZE,
+                                             {"recipe": "kvpress duo_attention_on_the_fly", "num_samples": 50})
+
+
 def run_tag(name: str, params: dict[str, str], ratio) -> str:
-    tag = name + "".join(f"_{k.replace('press.', '')}{v.replace(',', '+')}" for k, v in params.items() if k != "press")
+    tag = name + "".join(f"_{k.replace('press.', '')}{v.replace(',', '+')}" for k, v in params.items()
+                         if k not in ("press", *common.ARTIFACT_PARAMS))
     if "press" in params:
         tag += "_" + params["press"]
     return tag + ("" if ratio is None else f"_r{ratio:g}")
@@ -219,7 +295,8 @@ def layer_case(out: Path, recorder: AttentionRecorder, head_dim, dtype, seq_len,
                 tensors[f"out_l{l}"] = torch.cat([st[l][1] for st in steps], 2)
             save(tensors, out / f"{run}.safetensors")
             case["runs"].append({"name": run, "press": press_name, "params": dict(params),
-                                 "compression_ratio": press.compression_ratio, "masked": press_name in MASKED,
+                                 "compression_ratio": common.registry_ratio(press_name, press.compression_ratio),
+                                 "masked": press_name in MASKED,
                                  "file": f"{run}.safetensors"})
     return case
 
@@ -253,7 +330,8 @@ def model_runs(out: Path, models: Path, data: Path) -> dict:
                 tensors[f"kept_l{l}"] = mask
             save(tensors, out / f"{run}.safetensors")
             prompt["runs"].append({"name": run, "press": press_name, "params": dict(params),
-                                   "compression_ratio": MODEL_RATIO, "masked": press_name in MASKED,
+                                   "compression_ratio": common.registry_ratio(press_name, MODEL_RATIO),
+                                   "masked": press_name in MASKED,
                                    "file": f"{run}.safetensors"})
         entry["prompts"].append(prompt)
     return entry
@@ -263,6 +341,13 @@ def main():
     args = parse_args(__doc__)
     start = setup(threads=1)  # tiny matmuls: a second thread only adds synchronisation
     out = prepare_out(args.out, stale=("*.safetensors", "manifest.json"))
+    common.ARTIFACT_DIR = out  # LUKVPress's curve files, named relative to it
+    write_budget_curves(out / RANDOM_CURVES, num_layers=3, kv_heads=2, seed=99)
+    with (model_dir(args.models) / "config.json").open() as f:
+        config = json.load(f)
+    write_budget_curves(out / MODEL_CURVES, config["num_hidden_layers"], config["num_key_value_heads"], seed=98)
+    write_random_pattern(out / RANDOM_PATTERN, num_layers=3, kv_heads=2, seed=97)
+    write_model_pattern(out / MODEL_PATTERN, model_dir(args.models), args.data)
 
     recorder = AttentionRecorder()
     try:
