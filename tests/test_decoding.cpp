@@ -34,6 +34,7 @@
 #include "kvpress/kvpress.h"
 #include "kvpress/llama/llama.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 namespace {
 
@@ -53,10 +54,7 @@ using json = nlohmann::json;
 
 constexpr double kLogitTol = 1e-4;
 
-const LlamaModel& tiny_model() {
-  static const LlamaModel model = LlamaModel::load(kvpress::llama::resolve_model_dir("tinystories-656k"));
-  return model;
-}
+using kvpress::testing::tiny_model;
 
 // The inner scorer `name` built by the registry at the ratio DecodingPress asks for.
 kvpress::ScorerFactory scorer(const std::string& name, std::map<std::string, std::string> params = {}) {

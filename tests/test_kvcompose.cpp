@@ -28,6 +28,7 @@
 #include "kvpress/presses/kvcompose_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 namespace {
 
@@ -286,10 +287,7 @@ TEST(KVCompose, Registry) {
 
 // ---- the Llama runner ----------------------------------------------------------------------------
 
-const LlamaModel& tiny_model() {
-  static const LlamaModel model = LlamaModel::load(kvpress::llama::resolve_model_dir("tinystories-656k"));
-  return model;
-}
+using kvpress::testing::tiny_model;
 
 at::Tensor story_ids(int64_t n) {
   // A deterministic token sequence from the vocabulary (the runner does not care what it means).

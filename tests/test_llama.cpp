@@ -43,6 +43,7 @@
 #include "kvpress/registry.h"
 #include "runnable_press.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 namespace {
 
@@ -62,14 +63,8 @@ const std::string& model_dir() {
   static const std::string dir = kvpress::llama::resolve_model_dir("tinystories-656k");
   return dir;
 }
-const LlamaModel& tiny_model() {
-  static const LlamaModel model = LlamaModel::load(model_dir());
-  return model;
-}
-const Tokenizer& tiny_tokenizer() {
-  static const Tokenizer tok = Tokenizer::load(model_dir() + "/tokenizer.json");
-  return tok;
-}
+using kvpress::testing::tiny_model;
+using kvpress::testing::tiny_tokenizer;
 
 at::Tensor ids_tensor(const std::vector<int64_t>& ids) {
   return at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);

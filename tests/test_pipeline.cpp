@@ -22,6 +22,7 @@
 #include "kvpress/kvpress.h"
 #include "kvpress/llama/llama.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 namespace {
 
@@ -33,18 +34,13 @@ using kvpress::llama::Tokenizer;
 using kvpress::testing::expect_error;
 using json = nlohmann::json;
 
+// The bundled model and its tokenizer (tests/tiny_model.h).
 struct TinyModel {
-  LlamaModel model;
-  Tokenizer tokenizer;
+  const LlamaModel& model;
+  const Tokenizer& tokenizer;
 };
 
-const TinyModel& tiny() {
-  static const TinyModel m = [] {
-    const std::string dir = kvpress::llama::resolve_model_dir("tinystories-656k");
-    return TinyModel{LlamaModel::load(dir), Tokenizer::load(dir + "/tokenizer.json")};
-  }();
-  return m;
-}
+TinyModel tiny() { return {kvpress::testing::tiny_model(), kvpress::testing::tiny_tokenizer()}; }
 
 // The first held-out story of at least 160 tokens: SnapKVPress at 0.5 keeps more than its window.
 const std::string& story() {

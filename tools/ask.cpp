@@ -31,9 +31,7 @@ struct AskArgs {
   std::string model = "tinystories-656k";
   std::string context_file;
   std::vector<std::string> questions;
-  std::string press;
-  std::optional<double> ratio;
-  std::map<std::string, std::string> params;
+  PressArgs press;
   llama::PipelineOptions pipeline;  // press set once built
   int64_t threads = 1;
   std::string json;
@@ -52,13 +50,7 @@ AskArgs parse_ask_args(const std::vector<std::string>& args) {
       out.context_file = value;
     } else if (take_value(args, i, "--question", "", value)) {
       out.questions.push_back(value);
-    } else if (take_value(args, i, "--press", "", value)) {
-      if (!out.press.empty()) usage_error("option --press given more than once");
-      out.press = value;
-    } else if (take_value(args, i, "--ratio", "", value)) {
-      out.ratio = parse_ratio(value);
-    } else if (take_value(args, i, "--param", "", value)) {
-      add_param(out.params, value);
+    } else if (out.press.take(args, i)) {
     } else if (take_value(args, i, "--max-new-tokens", "", value)) {
       out.pipeline.max_new_tokens = parse_int_option("--max-new-tokens", value, 1, 1 << 20);
     } else if (take_value(args, i, "--max-context-length", "", value)) {
@@ -111,7 +103,7 @@ void refuse_chat_template(const std::string& dir) {
 int run_ask(const std::vector<std::string>& argv) {
   AskArgs args = parse_ask_args(argv);
   // A bad press or context fails before the model loads.
-  const std::unique_ptr<kvpress::BasePress> press = build_cli_press("ask", args.press, args.ratio, args.params);
+  const std::unique_ptr<kvpress::BasePress> press = args.press.build("ask");
   args.pipeline.press = press.get();
   const std::string context = read_context(args.context_file);
   at::set_num_threads(static_cast<int>(args.threads));
@@ -124,7 +116,7 @@ int run_ask(const std::vector<std::string>& argv) {
 
   if (!args.quiet) {
     fmt::print("model: {}; press: {}{}\n", dir,
-               press ? fmt::format("{} (compression_ratio {})", press->name(), args.ratio.value_or(0.0)) : "none",
+               press ? fmt::format("{} (compression_ratio {})", press->name(), args.press.ratio.value_or(0.0)) : "none",
                args.pipeline.query_aware ? "; query-aware" : "");
     for (size_t i = 0; i < answers.size(); ++i) {
       const llama::Answer& a = answers[i];
@@ -136,8 +128,8 @@ int run_ask(const std::vector<std::string>& argv) {
     nlohmann::json j;
     j["model"] = dir;
     j["press"] = press ? nlohmann::json(press->name()) : nlohmann::json(nullptr);
-    j["compression_ratio"] = args.ratio ? nlohmann::json(*args.ratio) : nlohmann::json(nullptr);
-    j["params"] = args.params;
+    j["compression_ratio"] = args.press.ratio ? nlohmann::json(*args.press.ratio) : nlohmann::json(nullptr);
+    j["params"] = args.press.params;
     j["query_aware"] = args.pipeline.query_aware;
     j["max_new_tokens"] = args.pipeline.max_new_tokens;
     nlohmann::json items = nlohmann::json::array();

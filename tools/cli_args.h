@@ -74,23 +74,43 @@ inline int64_t parse_int_option(std::string_view option, const std::string& text
   return *n;
 }
 
-// The press of a command's --press/--ratio/--param (nullptr without --press). A press that drops
-// tokens by a ratio needs --ratio; one whose budget is its own (decoding, second-pass, per-layer)
-// defaults to 0.
-inline std::unique_ptr<kvpress::BasePress> build_cli_press(std::string_view command, const std::string& name,
-                                                           const std::optional<double>& ratio,
-                                                           const std::map<std::string, std::string>& params) {
-  if (name.empty()) {
-    if (ratio || !params.empty())
-      usage_error("{}: --ratio and --param apply to a --press, and none was given", command);
-    return nullptr;
+// A command's --press NAME, --ratio R and --param KEY=VALUE (generate, ask).
+struct PressArgs {
+  std::string name;  // empty: no press
+  std::optional<double> ratio;
+  std::map<std::string, std::string> params;
+
+  // Takes args[i] (and its value) when it is one of the three options; advances i past them.
+  bool take(const std::vector<std::string>& args, size_t& i) {
+    std::string value;
+    if (take_value(args, i, "--press", "", value)) {
+      if (!name.empty()) usage_error("option --press given more than once");
+      name = value;
+    } else if (take_value(args, i, "--ratio", "", value)) {
+      ratio = parse_ratio(value);
+    } else if (take_value(args, i, "--param", "", value)) {
+      add_param(params, value);
+    } else {
+      return false;
+    }
+    return true;
   }
-  const kvpress::PressInfo* info = kvpress::find_press(name);
-  const bool ratio_required =
-      info != nullptr && (info->kind == kvpress::PressKind::kScorer || info->kind == kvpress::PressKind::kWrapper ||
-                          info->kind == kvpress::PressKind::kQueryAware);
-  if (ratio_required && !ratio) usage_error("{}: --press {} needs --ratio R, in [0, 1)", command, name);
-  return kvpress::make_press(name, ratio.value_or(0.0), params);
-}
+
+  // The press (nullptr without --press). A press that drops tokens by a ratio needs --ratio; one
+  // whose budget is its own (decoding, second-pass, per-layer) defaults to 0.
+  std::unique_ptr<kvpress::BasePress> build(std::string_view command) const {
+    if (name.empty()) {
+      if (ratio || !params.empty())
+        usage_error("{}: --ratio and --param apply to a --press, and none was given", command);
+      return nullptr;
+    }
+    const kvpress::PressInfo* info = kvpress::find_press(name);
+    const bool ratio_required =
+        info != nullptr && (info->kind == kvpress::PressKind::kScorer || info->kind == kvpress::PressKind::kWrapper ||
+                            info->kind == kvpress::PressKind::kQueryAware);
+    if (ratio_required && !ratio) usage_error("{}: --press {} needs --ratio R, in [0, 1)", command, name);
+    return kvpress::make_press(name, ratio.value_or(0.0), params);
+  }
+};
 
 }  // namespace kvpress_cli

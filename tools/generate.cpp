@@ -30,9 +30,7 @@ struct GenerateArgs {
   std::string model = "tinystories-656k";
   std::vector<std::string> prompts;  // --prompt texts, then the --prompts file's lines
   std::string prompts_file;
-  std::string press;
-  std::optional<double> ratio;
-  std::map<std::string, std::string> params;
+  PressArgs press;
   int64_t max_new_tokens = 32;
   bool paged = false;
   int64_t page_size = kvpress::PagedCacheOptions::kDefaultPageSize;
@@ -57,13 +55,7 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
     } else if (take_value(args, i, "--prompts", "", value)) {
       if (!out.prompts_file.empty()) usage_error("option --prompts given more than once");
       out.prompts_file = value;
-    } else if (take_value(args, i, "--press", "", value)) {
-      if (!out.press.empty()) usage_error("option --press given more than once");
-      out.press = value;
-    } else if (take_value(args, i, "--ratio", "", value)) {
-      out.ratio = parse_ratio(value);
-    } else if (take_value(args, i, "--param", "", value)) {
-      add_param(out.params, value);
+    } else if (out.press.take(args, i)) {
     } else if (take_value(args, i, "--max-new-tokens", "", value)) {
       out.max_new_tokens = parse_int_option("--max-new-tokens", value, 1, 1 << 20);
     } else if (take_value(args, i, "--page-size", "", value)) {
@@ -148,7 +140,7 @@ void print_pool(const llama::PagedGenerationStats& s, size_t prompts) {
 int run_generate(const std::vector<std::string>& argv) {
   GenerateArgs args = parse_generate_args(argv);
   // A bad press fails before the model loads.
-  const std::unique_ptr<kvpress::BasePress> press = build_cli_press("generate", args.press, args.ratio, args.params);
+  const std::unique_ptr<kvpress::BasePress> press = args.press.build("generate");
   if (!args.prompts_file.empty()) {
     for (std::string& p : read_prompt_lines(args.prompts_file)) args.prompts.push_back(std::move(p));
   }
@@ -182,7 +174,7 @@ int run_generate(const std::vector<std::string>& argv) {
 
   if (!args.quiet) {
     fmt::print("model: {}; press: {}; {} mode\n", dir,
-               press ? fmt::format("{} (compression_ratio {})", press->name(), args.ratio.value_or(0.0)) : "none",
+               press ? fmt::format("{} (compression_ratio {})", press->name(), args.press.ratio.value_or(0.0)) : "none",
                args.paged ? "paged" : "dense");
     for (size_t i = 0; i < prompts.size(); ++i) {
       fmt::print("[{}] {} ({} tokens)\n    -> {}\n", i, args.prompts[i], prompts[i].size(),
@@ -194,8 +186,8 @@ int run_generate(const std::vector<std::string>& argv) {
     nlohmann::json j;
     j["model"] = dir;
     j["press"] = press ? nlohmann::json(press->name()) : nlohmann::json(nullptr);
-    j["compression_ratio"] = args.ratio ? nlohmann::json(*args.ratio) : nlohmann::json(nullptr);
-    j["params"] = args.params;
+    j["compression_ratio"] = args.press.ratio ? nlohmann::json(*args.press.ratio) : nlohmann::json(nullptr);
+    j["params"] = args.press.params;
     j["mode"] = args.paged ? "paged" : "dense";
     nlohmann::json items = nlohmann::json::array();
     for (size_t i = 0; i < prompts.size(); ++i) {
