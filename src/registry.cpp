@@ -40,6 +40,7 @@
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
 #include "kvpress/presses/lukv_press.h"
+#include "kvpress/presses/merging_press.h"
 #include "kvpress/presses/non_causal_attn_press.h"
 #include "kvpress/presses/observed_attention_press.h"
 #include "kvpress/presses/per_layer_compression_press.h"
@@ -823,6 +824,18 @@ std::vector<Entry> budget_entries() {
          auto inner = inner_scorer(p, r);
          return std::make_unique<AdaKVPress>(inner, p.get("alpha_safeguard", AdaKVPress::kDefaultAlphaSafeguard,
                                                           "fraction of n_kept every head keeps at least"));
+       }},
+      {"MergingPress",
+       K::kWrapper,
+       "inner scorer's selection; each evicted value folded into its most key-similar kept token",
+       {},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, r);
+         const double threshold = p.get("similarity_threshold", MergingPress::kDefaultSimilarityThreshold,
+                                        "least cosine similarity for a merge");
+         const double fraction = p.get("merge_fraction", MergingPress::kDefaultMergeFraction,
+                                       "fraction of the evicted tokens merged (the most similar)");
+         return std::make_unique<MergingPress>(std::move(inner), threshold, fraction);
        }},
       {"LUKVPress",
        K::kWrapper,

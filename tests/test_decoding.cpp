@@ -12,7 +12,8 @@
 //     compression (the forward it happens in, the layer, the cache length, the kept original
 //     positions) equals kvpress's, the logits of the question and of every generated token agree
 //     within 1e-4, greedy generation gives kvpress's tokens, and the final cache lengths are equal;
-//   * wrappers (KeyRerotation, ChunkKV, EntropyGatedChunkKV, Chunk, Block, Composed with an inner scorer) at ratio 0.5:
+//   * wrappers (KeyRerotation, ChunkKV, EntropyGatedChunkKV, Chunk, Block, Composed, Merging with an inner scorer) at
+//   ratio 0.5:
 //     the kept positions of every layer after prefill equal kvpress's pipeline and the logits of
 //     the question and decode steps over the compressed cache agree within 1e-4;
 //   * kvpress-cli eval's protocol with a decoding press (tokens fed one per forward): per-story

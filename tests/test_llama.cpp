@@ -758,8 +758,8 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
   // model-loop runs against kvpress's pipeline in tests/reference/make_decoding_fixtures.py
   // (tests/test_decoding.cpp, DecodingParity.*), besides layer-level runs (tests/test_parity.cpp).
   // KeyRerotationPress has runs here too (it moves the positions the question continues at).
-  const std::set<std::string> wrappers{"ChunkKVPress", "EntropyGatedChunkKVPress", "ChunkPress", "BlockPress",
-                                       "ComposedPress"};
+  const std::set<std::string> wrappers{
+      "ChunkKVPress", "EntropyGatedChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress", "MergingPress"};
   // Not in kvpress 0.5.5: QSMPress/CTRPress are checked against the CTRPress fork (tests/test_ctr.cpp).
   const std::set<std::string> not_in_kvpress{"QSMPress", "CTRPress"};
   // Presses with head/layer budgets: their model-loop runs are in tests/reference/make_ragged_fixtures.py

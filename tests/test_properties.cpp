@@ -187,7 +187,8 @@ void check_press(const PressInfo& info, const Shape& s, uint64_t seed) {
   const at::Tensor expected_values = in.values.index({rows[0], rows[1], rows[2]});
   // KeyRerotationPress and FinchPress re-rotate the kept keys, a channel press (ThinKPress) zeroes channels.
   if (!press->rerotates_keys() && info.kind != PressKind::kChannel) EXPECT_TRUE(at::equal(first.keys, expected_keys));
-  if (info.name != "CTRPress") EXPECT_TRUE(at::equal(first.values, expected_values));
+  // CTRPress rescues and MergingPress merges evicted values into the kept ones.
+  if (info.name != "CTRPress" && info.name != "MergingPress") EXPECT_TRUE(at::equal(first.values, expected_values));
 
   // Protected positions are kept when the budget covers them.
   if (promise.protected_positions && promise.kept && ratio > 0.0) {

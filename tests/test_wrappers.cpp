@@ -226,6 +226,39 @@ TEST(ComposedPress, AppliesPressesInOrder) {
   expect_error([] { ComposedPress({}); }, {"ComposedPress: presses must hold at least one press"});
 }
 
+TEST(MergingPress, FoldsTheEvictedValueIntoTheMostSimilarKeptKey) {
+  // Three tokens, one head: KnormPress at 0.3 keeps the two shortest keys, k0 = (1, 0) and
+  // k2 = (0.9, 0.1), and evicts k1 = (0, 2), whose cosine with k2 is s = 0.1 / |k2| (0 with k0).
+  // Its value v1 = (2, 0) goes into v2 = (0, 1) with w = s · |v1| / (|v1| + |v2| + 1e-6):
+  // v2' = (v2 + w v1) / (1 + w); keys and v0 stay.
+  LayerInputs in;
+  in.keys = at::tensor({1.0f, 0.0f, 0.0f, 2.0f, 0.9f, 0.1f}).view({1, 1, 3, 2});
+  in.values = at::tensor({5.0f, 5.0f, 2.0f, 0.0f, 0.0f, 1.0f}).view({1, 1, 3, 2});
+  const auto knorm = std::make_shared<KnormPress>(0.3);
+  const KV kv = MergingPress(knorm).compress(in);
+  EXPECT_TRUE(at::equal(kv.kept_indices, at::tensor({0, 2}, at::kLong).view({1, 1, 2})));
+  EXPECT_TRUE(at::equal(kv.keys, in.keys.index_select(2, at::tensor({0, 2}, at::kLong))));
+  const double s = 0.1 / std::sqrt(0.82), w = s * 2.0 / (2.0 + 1.0 + 1e-6);
+  const at::Tensor want = at::tensor({5.0, 5.0, 2 * w / (1 + w), 1 / (1 + w)}, at::kFloat).view({1, 1, 2, 2});
+  EXPECT_TRUE(at::allclose(kv.values, want, 1e-6, 1e-7)) << kv.values;
+  // Below the similarity threshold nothing merges; the values are the kept ones.
+  const KV none = MergingPress(knorm, /*similarity_threshold=*/0.2).compress(in);
+  EXPECT_TRUE(at::equal(none.values, in.values.index_select(2, at::tensor({0, 2}, at::kLong))));
+  // Ratio 0: the cache untouched.
+  EXPECT_TRUE(MergingPress(std::make_shared<KnormPress>(0.0)).compress(in).values.is_same(in.values));
+  // merge_fraction 0.5 of two evicted tokens merges only the more similar one.
+  LayerInputs two = in;
+  two.keys = at::tensor({1.0f, 0.0f, 0.0f, 2.0f, 0.9f, 0.1f, 2.0f, 0.1f}).view({1, 1, 4, 2});
+  two.values = at::tensor({5.0f, 5.0f, 2.0f, 0.0f, 0.0f, 1.0f, 0.0f, 3.0f}).view({1, 1, 4, 2});
+  const KV half = MergingPress(std::make_shared<KnormPress>(0.5), 0.0, 0.5).compress(two);
+  // Kept k0, k2; evicted k1 (cos 0.11 with k2) and k3 (cos ~1 with k0): only k3 merges, into v0.
+  EXPECT_TRUE(at::equal(half.values[0][0][1], two.values[0][0][2]));
+  EXPECT_FALSE(at::equal(half.values[0][0][0], two.values[0][0][0]));
+  expect_error([&] { MergingPress(knorm, 1.5); }, {"MergingPress: similarity_threshold must be in [0, 1], got 1.5"});
+  expect_error([&] { MergingPress(knorm, 0.0, 0.0); }, {"MergingPress: merge_fraction must be in (0, 1], got 0"});
+  expect_error([&] { MergingPress(nullptr); }, {"MergingPress: press must be a ScorerPress, got nullptr"});
+}
+
 TEST(Registry, BuildsNestedPresses) {
   const auto chunkkv =
       make_press("ChunkKVPress", 0.4, {{"press", "SnapKVPress"}, {"press.window_size", "16"}, {"chunk_length", "10"}});

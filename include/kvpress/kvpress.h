@@ -32,6 +32,7 @@
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
 #include "kvpress/presses/lukv_press.h"
+#include "kvpress/presses/merging_press.h"
 #include "kvpress/presses/non_causal_attn_press.h"
 #include "kvpress/presses/observed_attention_press.h"
 #include "kvpress/presses/per_layer_compression_press.h"

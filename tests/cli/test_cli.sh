@@ -138,7 +138,7 @@ presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKV
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
          PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
-         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress)
+         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress MergingPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"

@@ -42,7 +42,7 @@ from transformers import DynamicCache
 from kvpress.utils import compute_n_kept
 from kvpress import (
     BlockPress, ChunkKVPress, ChunkPress, ComposedPress, CompressionRatioDecodingPress, DecodingPress,
-    EntropyGatedChunkKVPress, KeyDiffPress, KeyRerotationPress, PrefillDecodingPress, SnapKVPress, TOVAPress)
+    EntropyGatedChunkKVPress, KeyDiffPress, KeyRerotationPress, MergingPress, PrefillDecodingPress, SnapKVPress, TOVAPress)
 
 # (name, story, context tokens incl. BOS, question tokens, max new tokens). The question is the
 # story's next tokens after the context.
@@ -106,6 +106,9 @@ WRAPPER_RUNS = [
      {"presses": "SnapKVPress,KeyDiffPress", "presses.0.window_size": "16"},
      lambda r: ComposedPress(presses=[SnapKVPress(compression_ratio=r, window_size=16),
                                       KeyDiffPress(compression_ratio=r)])),
+    # The question and decode steps attend over the merged values.
+    ("merging_keydiff", "MergingPress", {"press": "KeyDiffPress"},
+     lambda r: MergingPress(press=KeyDiffPress(compression_ratio=r))),
 ]
 # (name, story, prefix tokens incl. BOS, question tokens, decode steps)
 WRAPPER_PROMPT = ("story1", 1, 140, 8, 8)
@@ -260,6 +263,8 @@ def wrapper_run(out: Path, model, tok, stories, run) -> dict:
             kept = inner_scores[-1].topk(n_kept, dim=-1).indices.sort(-1).values
             assert torch.equal(values.gather(2, kept.unsqueeze(-1).expand_as(new_values)), new_values)
             record[module.layer_idx] = kept.contiguous()
+        elif isinstance(press, MergingPress):  # values blended: the rows found by their unchanged keys
+            record[module.layer_idx] = kept_positions(keys, None, new_keys, None)
         else:
             record[module.layer_idx] = kept_positions(keys, values, new_keys, new_values)
         return new_keys, new_values

@@ -141,10 +141,15 @@ PRESSES = [
     ("BlockPress", {"press": "KeyDiffPress", "block_size": "64"}, KEYS_ONLY, (0.25,)),
     ("BlockPress", {"press": "KnormPress"}, KEYS_ONLY, ()),
     ("ComposedPress", {"presses": "KnormPress,KeyDiffPress"}, KEYS_ONLY, ()),
+    # MergingPress: inner scorers without exact ties (a tie would change the kept set and so every
+    # merge target); the run file holds kvpress's merged values.
+    ("MergingPress", {"press": "KeyDiffPress"}, KEYS_ONLY, (0.25, 0.75)),
+    ("MergingPress", {"press": "KeyDiffPress", "similarity_threshold": "0.2", "merge_fraction": "0.75"}, KEYS_ONLY,
+     ()),
     ("ComposedPress", {"presses": "SnapKVPress,KnormPress", "presses.0.window_size": "16"}, ("hidden_states",), ()),
 ]
 WRAPPERS = ("KeyRerotationPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "ChunkPress", "BlockPress",
-            "ComposedPress")
+            "ComposedPress", "MergingPress")
 CHANNEL_PRESSES = ("ThinKPress",)  # prune key channels: the run file holds kvpress's returned keys
 LAYER_PRESSES = ("SimLayerKVPress",)  # keep all or a layer's ends: kept positions and kvpress's lazy score
 QUERY_AWARE_PRESSES = ("FinchPress",)  # observe the question: scores, kept positions and returned keys
@@ -259,13 +264,17 @@ def run_wrapper(press, layer: dict, source: str) -> dict[str, torch.Tensor]:
             kept = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
             out["scores"] = scores.to(torch.float32).contiguous()
             out["keys"] = new_keys.contiguous()
+        elif isinstance(press, kvpress.MergingPress):  # values blended: rows found by their (unchanged) keys
+            kept = kept_positions(keys, None, new_keys, None, sort=False)
+            order = kept.argsort(dim=-1).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+            out["values"] = new_values.gather(2, order).contiguous()  # in ascending kept order
         else:
             kept = kept_positions(keys, values, new_keys, new_values, sort=False)  # in the order kvpress left them
         if isinstance(press, kvpress.EntropyGatedChunkKVPress):  # its gate replayed on these scores,
             # in the dtype kvpress sums them in (float32 from KnormPress, the cache dtype from others)
             out["scores"] = press.press.score(module, hidden, keys, values, None, kwargs).contiguous()
     gathered_v = values.gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
-    assert torch.equal(gathered_v, new_values), type(press).__name__
+    assert isinstance(press, kvpress.MergingPress) or torch.equal(gathered_v, new_values), type(press).__name__
     out["kept_indices"] = kept.sort(dim=-1).values.to(torch.int64).contiguous()
     return out
 

@@ -1,0 +1,41 @@
+#pragma once
+
+#include <memory>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// MergingPress (kvpress 0.5.5; after Token Merging, arXiv 2210.09461, and D2O, arXiv 2406.13035):
+// the inner scorer keeps its n_kept best tokens per head, as a ScorerPress does, but each evicted
+// token's value is first folded into the kept token whose key is most cosine-similar (float32;
+// norms clamped at 1e-6; ties: the lower kept position). A merge needs that similarity >=
+// similarity_threshold and, with merge_fraction < 1, to be among the top merge_fraction of the
+// head's eligible similarities (the 1 - merge_fraction quantile, linear interpolation, ineligible
+// ones counted as -inf, as kvpress). Evicted token e with similarity s into target t weighs
+// w = max(s, 0) · |v_e| / (|v_e| + |v_t| + 1e-6); a target that received any weight becomes
+// (v_t + Σ w v_e) / (1 + Σ w), in float32, rounded to the cache dtype. Keys are kept unchanged
+// (RoPE-safe). kept_indices ascending; the values differ from the cache's, so kept_positions() is
+// undefined. The compression ratio is the inner press's.
+class MergingPress : public ScorerWrapperPress {
+ public:
+  static constexpr double kDefaultSimilarityThreshold = 0.0;
+  static constexpr double kDefaultMergeFraction = 1.0;
+
+  // Raises unless press is non-null, 0 <= similarity_threshold <= 1 and 0 < merge_fraction <= 1.
+  explicit MergingPress(std::shared_ptr<const ScorerPress> press,
+                        double similarity_threshold = kDefaultSimilarityThreshold,
+                        double merge_fraction = kDefaultMergeFraction);
+
+  std::string name() const override { return "MergingPress"; }
+  KV compress(const LayerInputs& inputs) const override;
+
+  double similarity_threshold() const { return similarity_threshold_; }
+  double merge_fraction() const { return merge_fraction_; }
+
+ private:
+  double similarity_threshold_;
+  double merge_fraction_;
+};
+
+}  // namespace kvpress

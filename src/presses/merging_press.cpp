@@ -1,0 +1,74 @@
+#include "kvpress/presses/merging_press.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+#include "budget.h"
+#include "checks.h"
+#include "kvpress/ops.h"
+
+namespace kvpress {
+namespace {
+
+constexpr double kEps = 1e-6;  // kvpress's: safe for float16 and bfloat16
+
+at::Tensor unit_rows(const at::Tensor& x) {  // [..., D] float32, each row / max(|row|, eps)
+  return x / x.norm(2, -1, true).clamp_min(kEps);
+}
+
+}  // namespace
+
+MergingPress::MergingPress(std::shared_ptr<const ScorerPress> press, double similarity_threshold, double merge_fraction)
+    : ScorerWrapperPress(std::move(press), "MergingPress"),
+      similarity_threshold_(similarity_threshold),
+      merge_fraction_(merge_fraction) {
+  checks::check_fraction("MergingPress", "similarity_threshold", similarity_threshold);
+  TORCH_CHECK(std::isfinite(merge_fraction) && merge_fraction > 0 && merge_fraction <= 1,
+              "MergingPress: merge_fraction must be in (0, 1], got ", merge_fraction);
+}
+
+KV MergingPress::compress(const LayerInputs& in) const {
+  constexpr const char* op = "MergingPress.compress";
+  checks::check_kv(op, in.keys, in.values);
+  if (compression_ratio() == 0.0) return budget::keep_all(in);
+  const int64_t seq = in.keys.size(2);
+  const at::Tensor kept = ops::topk_indices(inner_scores(in, op), ops::n_kept(seq, compression_ratio()));
+  KV kv = ops::gather_kv(in.keys, in.values, kept);
+  const int64_t n_kept = kept.size(2), n_evicted = seq - n_kept;
+  if (n_evicted == 0) return kv;
+
+  // The evicted positions, ascending: the complement of the kept ones, [B, Hkv, n_evicted].
+  const at::Tensor evicted_mask =
+      at::ones(in.keys.sizes().slice(0, 3), kept.options().dtype(at::kBool)).scatter_(2, kept, false);
+  const at::Tensor evicted = evicted_mask.nonzero().select(1, 2).view({kept.size(0), kept.size(1), n_evicted});
+  const KV gone = ops::gather_kv(in.keys, in.values, evicted);
+
+  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted].
+  const at::Tensor sim =
+      at::matmul(unit_rows(gone.keys.to(at::kFloat)), unit_rows(kv.keys.to(at::kFloat)).transpose(-1, -2));
+  const auto [max_sim, target] = sim.max(-1);
+  at::Tensor merge = max_sim >= similarity_threshold_;
+  if (merge_fraction_ < 1.0 && merge.any().item<bool>()) {
+    const at::Tensor eligible = max_sim.masked_fill(~merge, -std::numeric_limits<double>::infinity());
+    merge = merge & (max_sim >= at::quantile(eligible, 1.0 - merge_fraction_, /*dim=*/-1, /*keepdim=*/true));
+  }
+  const at::Tensor kept_values = kv.values.to(at::kFloat), evicted_values = gone.values.to(at::kFloat);
+  const at::Tensor target_norm = kept_values.norm(2, -1).gather(2, target);
+  const at::Tensor evicted_norm = evicted_values.norm(2, -1);
+  const at::Tensor weight =
+      max_sim.clamp_min(0) * merge.to(at::kFloat) * evicted_norm / (evicted_norm + target_norm + kEps);
+
+  // Σ w·v_e and Σ w per kept token, then the normalised blend where anything arrived.
+  const at::Tensor value_sum =
+      at::zeros_like(kept_values)
+          .scatter_add_(2, target.unsqueeze(-1).expand_as(evicted_values), weight.unsqueeze(-1) * evicted_values);
+  const at::Tensor weight_sum = at::zeros(kept.sizes(), kept_values.options()).scatter_add_(2, target, weight);
+  const at::Tensor blended = ((kept_values + value_sum) / (1.0 + weight_sum).unsqueeze(-1)).to(kv.values.scalar_type());
+  kv.values = at::where((weight_sum > 0).unsqueeze(-1), blended, kv.values).contiguous();
+  return kv;
+}
+
+}  // namespace kvpress
