@@ -138,9 +138,13 @@ int main(int argc, char** argv) {
     std::printf("%-24s %6s %8s %8s %7s\n", "press", "ratio", "NLL", "dNLL", "agree");
     std::printf("%-24s %6s %8.4f %8s %7.3f\n", "full cache", "-", full_nll, "-", 1.0);
     for (const auto& info : kvpress::list_presses()) {
-      // Wrappers and decoding presses need an inner press chosen by the caller; SimLayerKVPress takes
-      // no ratio; QFilterPress, ExpectedAttentionStatsPress and KVzapPress read files made for a model.
-      if (info.kind == kvpress::PressKind::kWrapper || info.kind == kvpress::PressKind::kDecoding) continue;
+      // Wrappers and decoding presses need an inner press chosen by the caller; a query-aware press
+      // (FinchPress) a question, which this protocol has not; SimLayerKVPress and DuoAttentionPress take
+      // no ratio; QFilterPress, ExpectedAttentionStatsPress, KVzapPress, LUKVPress and DuoAttentionPress
+      // read files made for a model.
+      if (info.kind == kvpress::PressKind::kWrapper || info.kind == kvpress::PressKind::kDecoding ||
+          info.kind == kvpress::PressKind::kQueryAware)
+        continue;
       if (!info.no_ratio.empty() || kvpress::needs_file(info)) continue;
       for (double ratio : kRatios) {
         const auto press = kvpress::make_press(info.name, ratio);
