@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "greedy.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
@@ -19,7 +20,7 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
   TORCH_CHECK(prefix >= 1 && prefix <= n - 2, "score_continuation: prefix must be in [1, ", n - 2, "] for a story of ",
               n, " tokens, got ", prefix);
   c10::InferenceMode guard;
-  const at::Tensor all = at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);
+  const at::Tensor all = detail::as_batch(ids);
   KVCache cache = model.new_cache();
   PrefillOptions prefill;
   prefill.press = press;            // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part

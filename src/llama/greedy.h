@@ -1,4 +1,5 @@
-// The greedy loop shared by generate_greedy() and answer_questions().
+// The runner's small shared helpers: ids -> a batch of one, and the greedy loop of
+// generate_greedy() and answer_questions().
 #pragma once
 
 #include <ATen/ATen.h>

@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "greedy.h"
 #include "kvpress/llama/model.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/kvcompose_press.h"
@@ -71,7 +72,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
   const bool press_attentions = press && wants_attentions(options.press_attentions, ForwardOptions{}, press->name());
 
   const auto batch = static_cast<int64_t>(prompts.size());
-  const at::Tensor input_ids = at::tensor(at::ArrayRef<int64_t>(ids), at::kLong).unsqueeze(0);  // [1, T]
+  const at::Tensor input_ids = detail::as_batch(ids);  // [1, T]
   const at::Tensor cu_seqlens = at::tensor(at::ArrayRef<int64_t>(cu), at::kLong);
   const RopeTables rope_tables = rope_at(positions);  // [T, D]: each prompt from position 0
   at::Tensor x = embed(input_ids);                    // [1, T, hidden]
