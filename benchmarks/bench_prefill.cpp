@@ -11,8 +11,9 @@
 // press), the prefill runs `repeats` times on a fresh cache, last position's logits only (as
 // kvpress's pipeline prefills the context); the fastest run is reported. The press's own time
 // (score + selection + gather, every layer) is measured by wrapping it, except where the runner
-// dispatches on the press's type (KVComposePress, whose second pass is part of its compression):
-// there it is the prefill's time minus the time without a press. One JSON object per line:
+// runs a second pass (BasePress::needs_second_pass: KVComposePress, KVzipPress, whose extra model
+// passes are part of their compression): there it is the prefill's time minus the time without a
+// press. KVzipPress needs MODEL_DIR/tokenizer.json for its repeat prompt. One JSON object per line:
 //   {"press": ..., "seq": S, "prefill_s": ..., "compress_s": ..., "compress_measured": "wrapped"|"difference"}
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,17 +24,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvpress/io/safetensors.h"
 #include "kvpress/llama/llama.h"
-#include "kvpress/presses/kvcompose_press.h"
 #include "kvpress/registry.h"
 
 namespace {
@@ -121,6 +123,11 @@ int run(int argc, char** argv) {
   c10::InferenceMode guard;
 
   const llama::LlamaModel model = llama::LlamaModel::load(model_dir);
+  // A random-weight model (compare_prefill.py's) has no tokenizer; only KVzipPress asks for one.
+  const std::string tokenizer_path = model_dir + "/tokenizer.json";
+  const std::optional<llama::Tokenizer> tokenizer =
+      std::ifstream(tokenizer_path).good() ? std::optional<llama::Tokenizer>(llama::Tokenizer::load(tokenizer_path))
+                                           : std::nullopt;
   const auto ids_tensors = kvpress::io::load_safetensors(ids_file).tensors;
   const auto found = ids_tensors.find("input_ids");
   TORCH_CHECK(found != ids_tensors.end(), "kvpress_bench_prefill: ", ids_file, " has no tensor 'input_ids'");
@@ -130,13 +137,14 @@ int run(int argc, char** argv) {
   double baseline = std::numeric_limits<double>::quiet_NaN();
   for (const std::string& name : presses) {
     const std::unique_ptr<kvpress::BasePress> press = name == "none" ? nullptr : press_from_spec(name, ratio);
-    const bool wrappable = press && dynamic_cast<const kvpress::KVComposePress*>(press.get()) == nullptr;
+    const bool wrappable = press && !press->needs_second_pass();
     double best = std::numeric_limits<double>::infinity(), best_compress = 0.0;
     for (int r = 0; r < repeats; ++r) {
       std::unique_ptr<TimedPress> timed = wrappable ? std::make_unique<TimedPress>(*press) : nullptr;
       llama::PrefillOptions options;
       options.last_logits_only = true;
       options.press = timed ? timed.get() : press.get();
+      options.tokenizer = tokenizer ? &*tokenizer : nullptr;
       llama::KVCache cache = model.new_cache();
       const auto start = Clock::now();
       const at::Tensor logits = model.prefill(input_ids, cache, options).logits;

@@ -101,8 +101,10 @@ def time_kvpress(path: Path, ids, spec, ratio, repeats):
 def time_ours(bench: Path, path: Path, ids_file: Path, spec, ratio, repeats, threads):
     """(fastest prefill s, the press's compress time inside it) from kvpress_bench_prefill, one
     process per press so that the two sides alternate press by press."""
-    # Where the press cannot be wrapped (KVComposePress), its time is the difference to "none".
-    presses = [spec] if spec == "none" or not spec.startswith("KVComposePress") else ["none", spec]
+    # Where the press cannot be wrapped (its second pass: KVComposePress, KVzipPress), its time is the
+    # difference to "none".
+    second_pass = spec.startswith(("KVComposePress", "KVzipPress"))
+    presses = ["none", spec] if second_pass else [spec]
     cmd = [str(bench), str(path), str(ids_file), "--presses", ",".join(presses), "--ratio", str(ratio),
            "--repeats", str(repeats), "--threads", str(threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout

@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
 
     llama::GenerationOptions options;
     options.max_new_tokens = kNewTokens;
+    options.tokenizer = &tokenizer;
     const llama::Generation full = llama::generate_greedy(model, context, {}, options);
     std::printf("\n[full cache, %lld tokens per layer]\n%s\n", (long long)full.cache_lengths[0],
                 tokenizer.decode(full.tokens).c_str());
@@ -150,7 +151,7 @@ int main(int argc, char** argv) {
         const auto press = kvpress::make_press(info.name, ratio);
         double nll = 0.0, agree = 0.0;
         for (const auto& s : eval) {
-          const llama::ContinuationScore r = llama::score_continuation(model, s.ids, s.prefix, press.get());
+          const llama::ContinuationScore r = llama::score_continuation(model, s.ids, s.prefix, press.get(), &tokenizer);
           nll += r.mean_nll / static_cast<double>(eval.size());
           agree += llama::greedy_agreement(r, s.full) / static_cast<double>(eval.size());
         }

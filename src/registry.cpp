@@ -37,6 +37,7 @@
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/kvcompose_press.h"
 #include "kvpress/presses/kvzap_press.h"
+#include "kvpress/presses/kvzip_press.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/leverage_score_press.h"
 #include "kvpress/presses/lukv_press.h"
@@ -697,6 +698,25 @@ std::vector<Entry> second_pass_entries() {
          o.keep_token_lower_bound =
              p.get("keep_token_lower_bound", o.keep_token_lower_bound, "minimum tokens per layer");
          return std::make_unique<KVComposePress>(r, std::move(o));
+       }},
+      {"KVzipPress",
+       K::kSecondPass,
+       "tokens scored by how much the model attends to them while repeating the context; evicted globally over "
+       "layers and heads",
+       {{},
+        {},
+        {},
+        "the context replayed after a repeat prompt through the model (kvpress::llama::kvzip_prefill, or "
+        "KVzipPress::replay_chunks, chunk_scores and keep_masks)"},
+       [](double r, Params& p) {
+         const bool layerwise =
+             p.get("layerwise", KVzipPress::kDefaultLayerwise, "the same ratio in every layer (else global)");
+         const int64_t n_sink = p.get("n_sink", KVzipPress::kDefaultNSink, "first tokens always kept");
+         const bool plus = p.get("kvzip_plus_normalization", KVzipPress::kDefaultKVzipPlusNormalization,
+                                 "KVzip+: weights divided by ||h|| and multiplied by ||W_o v||");
+         const int64_t chunk_size =
+             p.get("chunk_size", KVzipPress::kDefaultChunkSize, "context tokens repeated per replay pass");
+         return std::make_unique<KVzipPress>(r, layerwise, n_sink, plus, chunk_size);
        }},
   };
 }

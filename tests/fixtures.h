@@ -130,6 +130,35 @@ inline Manifest load_manifest(const std::string& dir) {
   return m;
 }
 
+// The manifest of one generator's fixture folder (<fixtures>/<folder>/<manifest>), made by
+// tests/reference/<script>. `error` says what is missing and how to make it; empty when loaded.
+struct FolderFixtures {
+  std::string dir, error;
+  nlohmann::json manifest;
+};
+inline FolderFixtures load_folder_fixtures(const std::string& folder, const std::string& script,
+                                           const std::string& manifest = "manifest.json") {
+  FolderFixtures out;
+  const std::string base = fixtures_dir();
+  if (base.empty()) {
+    out.error = std::string("KVPRESS_FIXTURES is not set; ") + fixtures_howto();
+    return out;
+  }
+  out.dir = base + "/" + folder;
+  std::ifstream in(out.dir + "/" + manifest);
+  if (!in) {
+    out.error = "no manifest at " + out.dir + "/" + manifest + "; generate it with tests/reference/" + script +
+                " --out " + out.dir + " (scripts/test.sh does)";
+    return out;
+  }
+  try {
+    in >> out.manifest;
+  } catch (const std::exception& e) {
+    out.error = "malformed " + out.dir + "/" + manifest + ": " + e.what();
+  }
+  return out;
+}
+
 // Loads a fixture file once per process (every run of a case shares its inputs).
 inline const io::SafetensorsFile& load_fixture_file(const std::string& path) {
   static std::mutex mutex;

@@ -16,7 +16,6 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -260,8 +259,6 @@ TEST(KVCompose, Registry) {
     EXPECT_EQ(info.kind, kvpress::PressKind::kSecondPass);
   }
   EXPECT_TRUE(listed);
-  for (const auto& info : kvpress::list_presses())
-    if (info.name != "KVComposePress") EXPECT_NE(info.kind, kvpress::PressKind::kSecondPass) << info.name;
   const auto p = kvpress::make_press("KVComposePress", 0.4,
                                      {{"structured", "false"},
                                       {"agg_task", "mean"},
@@ -420,33 +417,8 @@ TEST(KVCompose, RunnerErrors) {
 
 using json = nlohmann::json;
 
-struct KVComposeFixtures {
-  std::string dir, error;
-  json manifest;
-};
-
-const KVComposeFixtures& kvcompose_fixtures() {
-  static const KVComposeFixtures f = [] {
-    KVComposeFixtures out;
-    const std::string base = kvpress::testing::fixtures_dir();
-    if (base.empty()) {
-      out.error = std::string("KVPRESS_FIXTURES is not set; ") + kvpress::testing::fixtures_howto();
-      return out;
-    }
-    out.dir = base + "/kvcompose";
-    std::ifstream in(out.dir + "/manifest.json");
-    if (!in) {
-      out.error = "no manifest at " + out.dir + "/manifest.json; generate it with " +
-                  "tests/reference/make_kvcompose_fixtures.py --out " + out.dir + " (scripts/test.sh does)";
-      return out;
-    }
-    try {
-      in >> out.manifest;
-    } catch (const std::exception& e) {
-      out.error = std::string("malformed manifest: ") + e.what();
-    }
-    return out;
-  }();
+const kvpress::testing::FolderFixtures& kvcompose_fixtures() {
+  static const auto f = kvpress::testing::load_folder_fixtures("kvcompose", "make_kvcompose_fixtures.py");
   return f;
 }
 
@@ -469,7 +441,7 @@ class KVComposeSummary : public ::testing::Environment {
 [[maybe_unused]] ::testing::Environment* const kSummary = ::testing::AddGlobalTestEnvironment(new KVComposeSummary);
 
 TEST(KVComposeParity, MatchesKvpress) {
-  const KVComposeFixtures& fx = kvcompose_fixtures();
+  const auto& fx = kvcompose_fixtures();
   ASSERT_TRUE(fx.error.empty()) << fx.error;
   ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5");
   const LlamaModel& model = tiny_model();

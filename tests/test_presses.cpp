@@ -369,10 +369,10 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "MergingPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
-    const PressKind expected = wrappers.count(info.name)       ? PressKind::kWrapper
-                               : decoding.count(info.name)     ? PressKind::kDecoding
-                               : info.name == "KVComposePress" ? PressKind::kSecondPass
-                               : info.name == "ThinKPress"     ? PressKind::kChannel
+    const PressKind expected = wrappers.count(info.name)                                    ? PressKind::kWrapper
+                               : decoding.count(info.name)                                  ? PressKind::kDecoding
+                               : info.name == "KVComposePress" || info.name == "KVzipPress" ? PressKind::kSecondPass
+                               : info.name == "ThinKPress"                                  ? PressKind::kChannel
                                : info.name == "SimLayerKVPress" || info.name == "DuoAttentionPress" ? PressKind::kLayer
                                : info.name == "FinchPress" ? PressKind::kQueryAware
                                                            : PressKind::kScorer;
@@ -380,6 +380,8 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
     // Scorers are ScorerPresses (CriticalKVPress is one too, around its inner press).
     const auto press = make_press(info.name, 0.0);
     if (info.kind == PressKind::kScorer) EXPECT_NE(dynamic_cast<const ScorerPress*>(press.get()), nullptr) << info.name;
+    // The press object says what its registry kind says about a second pass.
+    EXPECT_EQ(press->needs_second_pass(), info.kind == PressKind::kSecondPass) << info.name;
   }
 }
 
@@ -449,7 +451,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 40u);
+  ASSERT_EQ(list_presses().size(), 41u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

@@ -367,7 +367,7 @@ Evaluation evaluate(const EvalArgs& args) {
       for (const auto& s : e.stories) {
         llama::ContinuationScore c;
         try {
-          c = llama::score_continuation(model, s.ids, s.prefix, press.get());
+          c = llama::score_continuation(model, s.ids, s.prefix, press.get(), &tokenizer);
         } catch (const c10::Error& error) {
           progress.finish();
           TORCH_CHECK(false, p.label, " at ratio ", ratio, " on story ", s.index, " (prefix ", s.prefix,
@@ -472,8 +472,9 @@ std::string to_csv(const Evaluation& e) {
 int run_eval(const std::vector<std::string>& argv) {
   EvalArgs args = parse_eval_args(argv);
   if (args.presses.empty()) {
-    // Every scorer with its defaults, and KVComposePress (kSecondPass): the runner's prefill runs its
-    // second pass (kvpress::llama::kvcompose_prefill) inside score_continuation. Not the presses
+    // Every scorer with its defaults, and KVComposePress and KVzipPress (kSecondPass): the runner's
+    // prefill runs their second pass inside score_continuation (KVzip's repeat prompt needs the
+    // tokenizer, which score_continuation is given). Not the presses
     // that read a file made for a model (QFilterPress: name it with --param q_filters=F).
     for (const auto& info : kvpress::list_presses())
       if ((info.kind == kvpress::PressKind::kScorer || info.kind == kvpress::PressKind::kSecondPass) &&

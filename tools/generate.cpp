@@ -167,6 +167,7 @@ int run_generate(const std::vector<std::string>& argv) {
   } else {
     llama::GenerationOptions opt;
     opt.press = press.get();
+    opt.tokenizer = &tokenizer;
     opt.max_new_tokens = args.max_new_tokens;
     opt.stop_at_eos = args.stop_at_eos;
     for (const auto& p : prompts) generations.push_back(llama::generate_greedy(model, p, {}, opt));

@@ -33,7 +33,7 @@ enum class PressKind {
                 // wraps KnormPress, so default press lists (demo, eval) leave it out
   kDecoding,    // compresses while the model generates (kvpress::decoding_press_of); its compress()
                 // is not a prefill compression at the registry ratio, so layer loops leave it out
-  kSecondPass,  // needs the engine's second pass over the context (KVComposePress); its compress()
+  kSecondPass,  // runs the model again over the context (KVComposePress, KVzipPress); its compress()
                 // raises and kvpress::llama's runner runs it at prefill
   kChannel,     // prunes key channels, not tokens (ThinKPress): compress() keeps every token and
                 // zeroes channels; the registry ratio is the fraction of key channels pruned

@@ -15,7 +15,7 @@
 namespace kvpress::llama {
 
 ContinuationScore score_continuation(const LlamaModel& model, const std::vector<int64_t>& ids, int64_t prefix,
-                                     const BasePress* press) {
+                                     const BasePress* press, const Tokenizer* tokenizer) {
   const int64_t n = static_cast<int64_t>(ids.size());
   TORCH_CHECK(prefix >= 1 && prefix <= n - 2, "score_continuation: prefix must be in [1, ", n - 2, "] for a story of ",
               n, " tokens, got ", prefix);
@@ -25,6 +25,7 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
   PrefillOptions prefill;
   prefill.press = press;            // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part
   prefill.last_logits_only = true;  // token `prefix` is not scored
+  prefill.tokenizer = tokenizer;
   model.prefill(all.narrow(1, 0, prefix), cache, prefill);
   // Feed tokens prefix .. n-2 at positions cache.position() on (prefix .. n-2, or from n_kept after
   // KeyRerotationPress); they predict tokens prefix+1 .. n-1.

@@ -24,6 +24,7 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   prefill.press = prefill_press_of(options.press);  // kvpress's pipeline: a DecodingPress skips the prefill
   prefill.press_attentions = options.press_attentions;
   prefill.last_logits_only = true;
+  prefill.tokenizer = options.tokenizer;
   const at::Tensor logits = model.prefill(detail::as_batch(context), cache, prefill).logits;
   g.cache_lengths = cache.lengths();
 

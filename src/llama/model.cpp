@@ -24,6 +24,7 @@
 #include "kvpress/cache.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/llama/kvcompose.h"
+#include "kvpress/llama/kvzip.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
@@ -298,7 +299,28 @@ LlamaModel::LayerQKV LlamaModel::layer_qkv(int64_t layer, const at::Tensor& x, c
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_qkv: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  return project_qkv(w, rms_norm(x, w.input_norm), rope_tables);
+  const at::Tensor h = rms_norm(x, w.input_norm);
+  LayerQKV qkv = project_qkv(w, h, rope_tables);
+  qkv.h = h;
+  return qkv;
+}
+
+at::Tensor LlamaModel::layer_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) const {
+  constexpr const char* op = "LlamaModel::layer_attention";
+  const LlamaConfig& c = config_;
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == c.num_heads && q.size(3) == c.head_dim, op, ": q must be [B, ", c.num_heads,
+              ", n, ", c.head_dim, "], got ", shape_str(q));
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == q.size(0) && keys.size(1) == c.num_kv_heads &&
+                  keys.size(2) >= q.size(2) && keys.size(3) == c.head_dim && values.sizes() == keys.sizes(),
+              op, ": keys and values must be [", q.size(0), ", ", c.num_kv_heads, ", L >= ", q.size(2), ", ",
+              c.head_dim, "], got ", shape_str(keys), " and ", shape_str(values));
+  return dense_attention(q, keys, values, at::Tensor(), nullptr);
+}
+
+const at::Tensor& LlamaModel::o_proj(int64_t layer) const {
+  TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::o_proj: layer must be in [0, ", config_.num_layers,
+              "), got ", layer);
+  return layers_[static_cast<size_t>(layer)].o_proj;
 }
 
 at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const {
@@ -322,9 +344,16 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   TORCH_CHECK(options.question_length >= 0 && (input_ids.dim() != 2 || options.question_length <= input_ids.size(1)),
               "LlamaModel::prefill: question_length must be in [0, ", input_ids.dim() == 2 ? input_ids.size(1) : 0,
               "] (the prefill's tokens), got ", options.question_length);
-  // KVCompose cannot compress layer by layer: it needs its second pass (kvpress/llama/kvcompose.h).
+  // KVCompose and KVzip cannot compress layer by layer: they run the model again over the context
+  // (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
   if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
     return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
+  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {
+    TORCH_CHECK(options.tokenizer != nullptr,
+                "LlamaModel::prefill: KVzipPress replays the context after a text prompt, so it needs the "
+                "model's tokenizer: set PrefillOptions::tokenizer");
+    return kvzip_prefill(*this, input_ids, cache, *kvzip, *options.tokenizer, options).prefill;
+  }
   return run(input_ids, cache, options, &options);
 }
 

@@ -11,7 +11,6 @@
 #include "greedy.h"
 #include "kvpress/llama/model.h"
 #include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/kvcompose_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
 
@@ -67,8 +66,8 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
     cu.push_back(static_cast<int64_t>(ids.size()));
   }
   const BasePress* press = prefill_press_of(options.press);
-  TORCH_CHECK(dynamic_cast<const KVComposePress*>(press) == nullptr, op,
-              ": KVComposePress needs its second pass over a dense cache (use prefill())");
+  TORCH_CHECK(press == nullptr || !press->needs_second_pass(), op, ": ", press->name(),
+              " runs the model again over the context before compressing (use prefill())");
   const bool press_attentions = press && wants_attentions(options.press_attentions, ForwardOptions{}, press->name());
 
   const auto batch = static_cast<int64_t>(prompts.size());

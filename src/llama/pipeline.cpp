@@ -23,8 +23,8 @@ struct Prefilled {
   int64_t length = 0;
 };
 
-Prefilled prefill(const LlamaModel& model, std::vector<int64_t> ids, int64_t question_length,
-                  const PipelineOptions& options) {
+Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<int64_t> ids,
+                  int64_t question_length, const PipelineOptions& options) {
   if (options.max_context_length > 0 && static_cast<int64_t>(ids.size()) > options.max_context_length) {
     // kvpress cuts its context text's tokens, the question's too when it is part of that text.
     const int64_t cut = static_cast<int64_t>(ids.size()) - options.max_context_length;
@@ -39,6 +39,7 @@ Prefilled prefill(const LlamaModel& model, std::vector<int64_t> ids, int64_t que
   prefill.press_attentions = options.press_attentions;
   prefill.last_logits_only = true;
   prefill.question_length = question_length;
+  prefill.tokenizer = &tokenizer;  // KVzipPress's repeat prompt
   p.logits = model.prefill(detail::as_batch(ids), p.cache, prefill).logits;
   return p;
 }
@@ -86,7 +87,7 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
 
   std::vector<Answer> answers;
   if (!options.query_aware) {
-    Prefilled p = prefill(model, encode(bos_text + context), 0, options);
+    Prefilled p = prefill(model, tokenizer, encode(bos_text + context), 0, options);
     for (const std::string& q : questions) {
       std::vector<int64_t> ids = encode(q + kQuestionSuffix + options.answer_prefix);
       answers.push_back(answer(p, ids));
@@ -105,7 +106,7 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
     } else {
       ids = encode(bos_text + context + q);  // kvpress's evaluation: one text
     }
-    Prefilled p = prefill(model, std::move(ids), question_length, options);
+    Prefilled p = prefill(model, tokenizer, std::move(ids), question_length, options);
     answers.push_back(answer(p, answer_start));
   }
   return answers;

@@ -137,7 +137,7 @@ fi
 presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress DuoAttentionPress FinchPress QFilterPress ExpectedAttentionStatsPress KVzapPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
-         PrefillDecodingPress QSMPress CTRPress KVComposePress AdaKVPress CriticalKVPress
+         PrefillDecodingPress QSMPress CTRPress KVComposePress KVzipPress AdaKVPress CriticalKVPress
          CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress MergingPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
@@ -373,6 +373,7 @@ expect_error "unknown option" "unknown option '--pres'" compress --pres KnormPre
 expect_error "unknown press" "unknown press 'NopePress'" compress --press NopePress --ratio 0.5 --input "$in" --output "$out"
 # KVComposePress needs the engine's second pass (a model): compress on one layer refuses clearly.
 expect_error "KVComposePress needs a second pass" "needs the engine's second pass" compress --press KVComposePress --ratio 0.5 --input "$in" --output "$out"
+expect_error "KVzipPress needs its replay" "KVzip cannot compress one layer on its own" compress --press KVzipPress --ratio 0.5 --input "$in" --output "$out"
 expect_error "unknown --param" "unknown parameter 'window'" compress --press SnapKVPress --ratio 0.5 --param window=8 --input "$in" --output "$out"
 expect_error "--param on a press without params" "unknown parameter 'n_sink'" compress --press KnormPress --ratio 0.5 --param n_sink=3 --input "$in" --output "$out"
 expect_error "malformed --param" "--param expects KEY=VALUE, got 'window_size'" compress --press SnapKVPress --ratio 0.5 --param window_size --input "$in" --output "$out"

@@ -55,6 +55,9 @@ CASES = [
     # torch.topk breaks arbitrarily).
     ("FinchPress", {"chunk_length": "third"}, 0.5, True, QUESTIONS[:1]),
     ("FinchPress", {"normalize_scores": "False"}, 0.6, True, QUESTIONS[:1]),
+    # The context replayed after the repeat prompt (one chunk; then three, with layerwise budgets).
+    ("KVzipPress", {}, 0.5, False, QUESTIONS),
+    ("KVzipPress", {"chunk_size": "64", "layerwise": "true"}, 0.6, False, QUESTIONS[:2]),
 ]
 
 

@@ -33,9 +33,9 @@ struct ContinuationScore {
 };
 
 // Runs the protocol above on `ids` (a whole story). Requires 1 <= prefix <= ids.size() - 2.
-// press == nullptr: the full cache.
+// press == nullptr: the full cache. tokenizer: PrefillOptions::tokenizer (KVzipPress needs it).
 ContinuationScore score_continuation(const LlamaModel& model, const std::vector<int64_t>& ids, int64_t prefix,
-                                     const BasePress* press = nullptr);
+                                     const BasePress* press = nullptr, const Tokenizer* tokenizer = nullptr);
 
 // Fraction of positions where the two argmax sequences agree (same length required).
 double greedy_agreement(const ContinuationScore& a, const ContinuationScore& b);

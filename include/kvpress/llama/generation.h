@@ -18,8 +18,9 @@ struct GenerationOptions {
   int64_t max_new_tokens = 64;
   const BasePress* press = nullptr;  // compresses the context after prefill; nullptr: full cache
   PressAttentions press_attentions = PressAttentions::kAuto;
-  bool decoding_attentions = false;  // ForwardOptions::decoding_attentions (decoding presses)
-  bool stop_at_eos = true;           // stop after generating config().eos_token_id (it is kept)
+  bool decoding_attentions = false;      // ForwardOptions::decoding_attentions (decoding presses)
+  bool stop_at_eos = true;               // stop after generating config().eos_token_id (it is kept)
+  const Tokenizer* tokenizer = nullptr;  // PrefillOptions::tokenizer (KVzipPress needs it)
 };
 
 struct Generation {

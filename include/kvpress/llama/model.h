@@ -42,6 +42,8 @@ struct DecodingState;
 
 namespace kvpress::llama {
 
+class Tokenizer;  // kvpress/llama/tokenizer.h
+
 // ---- model files ------------------------------------------------------------------------------
 
 // Where models live: $KVPRESS_MODELS when set, else <source tree>/../shared/models.
@@ -182,6 +184,9 @@ struct PrefillOptions : ForwardOptions {
   // The prefill's last question_length tokens are the user's question (query-aware): the presses
   // see it as LayerInputs::question_length (FinchPress observes the question). 0: no question.
   int64_t question_length = 0;
+  // The model's tokenizer, for presses that prompt the model themselves (KVzipPress replays the
+  // context after a text prompt, kvpress/llama/kvzip.h); such a press raises without it.
+  const Tokenizer* tokenizer = nullptr;
   // Uniform presses compress each layer inside its own buffer (KVCache::compress_in_place): no
   // allocation for the kept tokens, peak S tokens per layer instead of S + kept, and the capacity
   // stays for the tokens decoding appends. false: the layer is replaced by a copy of the kept tokens
@@ -275,15 +280,23 @@ class LlamaModel {
                           const PagedDecodeOptions& options = {}) const;
 
   // ---- one decoder layer at a time, for engines that run a pass layer by layer (the second pass of
-  // kvcompose_prefill, kvpress/llama/kvcompose.h); the same operations as forward() -------------------
+  // kvcompose_prefill, kvpress/llama/kvcompose.h; KVzip's replay, kvpress/llama/kvzip.h); the same
+  // operations as forward() -------------------------------------------------------------------------
   struct LayerQKV {
     at::Tensor q;     // [B, Hq, n, D] post-RoPE
     at::Tensor k, v;  // [B, Hkv, n, D], k post-RoPE
+    at::Tensor h;     // [B, n, hidden]: the attention input (after the input RMSNorm)
   };
   at::Tensor embed(const at::Tensor& input_ids) const;  // [B, n] int64 -> [B, n, hidden]
   // Input RMSNorm, q/k/v projections and RoPE of the residual stream x [B, n, hidden] entering
   // `layer`, at the positions of `rope_tables` ([n, D] each).
   LayerQKV layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables) const;
+  // Causal attention of the last n of L positions, as forward() computes it where nobody reads
+  // the weights (fused): q [B, Hq, n, D] are the queries of positions L - n .. L - 1, which see
+  // every earlier key and themselves. keys/values [B, Hkv, L, D] -> [B, n, Hq * D].
+  at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) const;
+  // The layer's output projection weight [hidden, Hq * D].
+  const at::Tensor& o_proj(int64_t layer) const;
   // The rest of the layer: x + o_proj(attn), then the MLP with its residual. attn [B, n, Hq * D]
   // (heads concatenated) -> [B, n, hidden].
   at::Tensor layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const;

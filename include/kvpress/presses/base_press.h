@@ -76,6 +76,11 @@ class BasePress {
   // engine must prefill context then question and set LayerInputs::question_length.
   virtual bool observes_question() const { return false; }
 
+  // True when one layer's inputs are not enough: the press runs the model again over the context
+  // before it can compress (KVComposePress's task prompt, KVzipPress's replay). compress() raises;
+  // kvpress::llama's prefill runs the pass, a paged prefill refuses the press.
+  virtual bool needs_second_pass() const { return false; }
+
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;
 

@@ -74,6 +74,7 @@ class KVComposePress : public BasePress {
   std::string name() const override { return "KVComposePress"; }
   double compression_ratio() const override { return compression_ratio_; }
   bool head_ragged() const override { return !options_.structured; }
+  bool needs_second_pass() const override { return true; }
   const KVComposeOptions& options() const { return options_; }
 
   // Always raise: KVCompose needs the engine's second pass (start_session, or

@@ -1,0 +1,67 @@
+// KVzip on the Llama runner: score every context token by replaying the context, then prefill
+// with each layer compressed to KVzip's global selection (docs/LLAMA_RUNNER.md, "KVzipPress").
+//
+//   kvpress::KVzipPress press(0.5);                            // or make_press("KVzipPress", 0.5)
+//   kvpress::llama::KVCache cache = model.new_cache();
+//   auto r = kvpress::llama::kvzip_prefill(model, context_ids, cache, press, tokenizer);
+//   // cache: head-ragged layers (or dense with keep masks); r.scores [L, Hkv, N]
+//
+// LlamaModel::prefill calls this when its press is a KVzipPress and PrefillOptions::tokenizer is
+// set, so generation, the pipeline, eval and the CLI run KVzip like any press.
+//
+// Memory. kvpress prefills the whole cache, then forwards each repeat chunk over it (the cache
+// grows by the chunk in every layer until its hook cuts it back). Here the scoring pass runs LAYER
+// BY LAYER over the context and every replay chunk together: a layer's context keys/values exist
+// only while that layer is processed (with the replay's own keys/values of that layer), then are
+// dropped; the replay's queries run in blocks of query_chunk rows. Once every layer is scored, the
+// selection is global, and a second prefill (the ordinary one) stores each layer already
+// compressed. So no full cache ever exists: the peak is the compressed cache plus one layer's full
+// keys/values, plus the activations (the residual streams of the context and the replay chunks),
+// at the price of one more prefill of compute (kvpress: prefill + replay; here 2 prefills + replay).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "kvpress/llama/model.h"
+#include "kvpress/llama/tokenizer.h"
+#include "kvpress/presses/kvzip_press.h"
+
+namespace kvpress::llama {
+
+struct KVzipRunOptions {
+  // Replay queries per attention block: bounds the scores held at once to
+  // [Hq, query_chunk, n_sink + chunk_size + repeat length] float32.
+  int64_t query_chunk = 128;
+};
+
+// Bytes the scoring pass held beyond the model weights at its peak, and what that moment held.
+struct KVzipMemory {
+  int64_t peak_bytes = 0;
+  int64_t layer_kv_bytes = 0;    // one layer's keys/values: the context's and the replay's
+  int64_t activation_bytes = 0;  // residual streams of the context and of every replay chunk
+  int64_t attention_bytes = 0;   // one block's scores and weights, or its output
+  int64_t scores_bytes = 0;      // the token scores [L, Hkv, N] float32
+  // The full cache of the context in every layer (what kvpress holds before compressing, plus
+  // a replay chunk's keys/values in every layer).
+  int64_t full_cache_bytes = 0;
+};
+
+struct KVzipResult {
+  ForwardOutput prefill;  // the second (compressing) prefill's output: logits, keep_masks per layer
+  at::Tensor scores;      // [L, Hkv, N] float32: KVzip's token scores (before the sinks' + 1)
+  KVzipMemory memory;
+};
+
+// Scores context_ids [1, N] by KVzip's replay (the repeat prompts tokenized by `tokenizer`
+// without special tokens; kvpress's texts for a model without a chat template), selects globally
+// (KVzipPress::keep_masks) and prefills the empty `cache` with each layer compressed to its
+// selection. From `prefill`: ForwardOptions, ragged_layout (kPacked: HeadRaggedLayers; kMasked:
+// dense layers with keep masks, kvpress's way), on_compress_ragged; prefill.press is ignored.
+// At ratio 0 it is the plain prefill (kvpress skips the replay). A failure leaves the cache as it was.
+KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                          const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
+                          const KVzipRunOptions& run = {});
+
+}  // namespace kvpress::llama

@@ -1,0 +1,121 @@
+// KVzipPress (kvpress 0.5.5 kvzip_press.py; KVzip, arXiv 2505.23416): query-agnostic importance
+// from context reconstruction.
+//
+// After the context's prefill, the model is asked to repeat the context ("\n\nRepeat the previous
+// context exactly." + "\n" + the context, in chunks of chunk_size tokens). A cached token matters
+// as much as the most any repeat query attends to it: per (layer, KV head, token), the maximum
+// over the group's query heads and the repeat's rows of a softmax taken over the sink tokens, the
+// chunk being repeated and the repeat's own keys (causal). The n_sink first tokens are always kept;
+// then the int(L * Hkv * N * ratio) lowest scores over ALL layers and heads are evicted
+// (layerwise: int(Hkv * N * ratio) per layer), so layers and heads keep different amounts. With
+// kvzip_plus_normalization (KVzip+), each weight is divided by the repeat row's ||h|| (attention
+// input) and multiplied by the token's ||W_o v|| for that query head.
+//
+// Like KVComposePress, one layer's cache is not enough, so compress() raises. The press gives an
+// engine the model-agnostic pieces (token ids, scores, selection):
+//
+//   auto chunks = press.replay_chunks(context_ids, tok(KVzipPress::kFirstRepeatPrompt),
+//                                     tok(KVzipPress::kNextRepeatPrompt), tok(KVzipPress::kRepeatSuffix));
+//   at::Tensor scores = at::zeros({L, Hkv, N});          // float32
+//   // forward each chunk.repeat_ids over the context's cache (positions N..); per layer and rows:
+//   scores[l].narrow(1, chunk.start, chunk.end - chunk.start) =
+//       max(that, press.chunk_scores(queries, keys.narrow(2, 0, sink), keys.narrow(2, chunk.start, ..),
+//                                    repeat_keys, first_row, row_scale, column_scale));
+//   std::vector<at::Tensor> masks = press.keep_masks(scores);   // per layer [1, Hkv, N] bool
+//
+// kvpress::llama::kvzip_prefill (kvpress/llama/kvzip.h) runs it on the Llama runner with peak
+// memory of the compressed cache plus one layer's full K/V. Batch 1 only, as kvpress.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvpress/presses/base_press.h"
+
+namespace kvpress {
+
+// One replay pass: the context tokens [start, end) and the ids the model reads to repeat them.
+struct KVzipReplayChunk {
+  int64_t start = 0, end = 0;
+  std::vector<int64_t> repeat_ids;  // prompt (+ the previous chunk's last tokens) + suffix + context[start, end)
+};
+
+class KVzipPress : public BasePress {
+ public:
+  static constexpr bool kDefaultLayerwise = false;
+  static constexpr int64_t kDefaultNSink = 4;
+  static constexpr bool kDefaultKVzipPlusNormalization = false;
+  static constexpr int64_t kDefaultChunkSize = 2048;
+  // kvpress's repeat prompts (for a tokenizer without a chat template: suffix "\n", no prefix).
+  static constexpr const char* kFirstRepeatPrompt = "\n\nRepeat the previous context exactly.";
+  static constexpr const char* kNextRepeatPrompt = "\n\nRepeat the part of the previous context exactly, starting with";
+  static constexpr const char* kRepeatSuffix = "\n";
+  // A later chunk's prompt ends with this many last tokens of the chunk before it.
+  static constexpr int64_t kPreviousTailTokens = 8;
+
+  // Raises c10::Error unless 0 <= compression_ratio < 1, n_sink >= 0 and chunk_size > 0.
+  explicit KVzipPress(double compression_ratio = 0.0, bool layerwise = kDefaultLayerwise,
+                      int64_t n_sink = kDefaultNSink, bool kvzip_plus_normalization = kDefaultKVzipPlusNormalization,
+                      int64_t chunk_size = kDefaultChunkSize);
+
+  std::string name() const override { return "KVzipPress"; }
+  double compression_ratio() const override { return compression_ratio_; }
+  bool head_ragged() const override { return true; }
+  bool needs_second_pass() const override { return true; }
+  bool layerwise() const { return layerwise_; }
+  int64_t n_sink() const { return n_sink_; }
+  bool kvzip_plus_normalization() const { return kvzip_plus_normalization_; }
+  int64_t chunk_size() const { return chunk_size_; }
+
+  // Always raise: KVzip needs the context replayed through the model (kvpress::llama::kvzip_prefill,
+  // or the pieces below).
+  KV compress(const LayerInputs& inputs) const override;
+  RaggedKV compress_ragged(const LayerInputs& inputs) const override;
+  at::Tensor keep_mask(const LayerInputs& inputs) const override;
+
+  // The replay passes for a context of N tokens: chunks of chunk_size tokens; the first chunk's
+  // prompt is first_prompt_ids, a later one's next_prompt_ids + the previous chunk's last
+  // kPreviousTailTokens tokens; each followed by suffix_ids and the chunk. Raises on an empty context.
+  std::vector<KVzipReplayChunk> replay_chunks(const std::vector<int64_t>& context_ids,
+                                              const std::vector<int64_t>& first_prompt_ids,
+                                              const std::vector<int64_t>& next_prompt_ids,
+                                              const std::vector<int64_t>& suffix_ids) const;
+
+  // The chunk's token scores from `r` rows of one replay pass in one layer: per KV head and chunk
+  // token, the maximum over the group's query heads and the rows of the softmax over
+  // [sink keys | chunk keys | the repeat's keys up to each row]. Rows are repeat positions
+  // first_row .. first_row + r - 1; repeat_keys holds the repeat's keys 0 .. first_row + r - 1.
+  // Softmax in float32. KVzip+ (both or neither): row_scale = 1 / ||h|| of the rows, column_scale
+  // = value_output_norms() of the chunk's values.
+  at::Tensor chunk_scores(const at::Tensor& queries,                            // [1, Hq, r, D] post-RoPE
+                          const at::Tensor& sink_keys,                          // [1, Hkv, s, D]
+                          const at::Tensor& chunk_keys,                         // [1, Hkv, c, D]
+                          const at::Tensor& repeat_keys,                        // [1, Hkv, first_row + r, D]
+                          int64_t first_row, const at::Tensor& row_scale = {},  // [1, r]
+                          const at::Tensor& column_scale = {}) const;           // [1, Hkv, G, c]
+  // -> [1, Hkv, c] float32
+
+  // ||W_o v|| per query head of each value: the size of what token t writes into the residual
+  // stream through head (h, g). Computed as sqrt(v^T (W_hg^T W_hg) v): no [c, hidden] product.
+  static at::Tensor value_output_norms(const at::Tensor& values,   // [1, Hkv, c, D]
+                                       const at::Tensor& o_proj);  // [hidden, Hq * D]
+  // -> [1, Hkv, G, c] float32
+
+  // The kept tokens of every layer from the scores of all layers: the n_sink first tokens first
+  // (kvpress gives them max + 1), then the lowest scores are evicted, globally over layers (or per
+  // layer when layerwise), each layer's evictions taken across its heads. At ratio 0 everything
+  // is kept. Ties: the higher position (flattened head-major) is evicted first.
+  std::vector<at::Tensor> keep_masks(const at::Tensor& scores) const;  // [L, Hkv, N] -> L x [1, Hkv, N] bool
+
+ private:
+  double compression_ratio_;
+  bool layerwise_;
+  int64_t n_sink_;
+  bool kvzip_plus_normalization_;
+  int64_t chunk_size_;
+};
+
+}  // namespace kvpress

@@ -1,0 +1,179 @@
+// KVzip's replay on the Llama runner (include/kvpress/llama/kvzip.h).
+#include "kvpress/llama/kvzip.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+namespace kvpress::llama {
+namespace {
+
+int64_t bytes_of(std::initializer_list<const at::Tensor*> tensors) {
+  int64_t total = 0;
+  for (const at::Tensor* t : tensors)
+    if (t->defined()) total += static_cast<int64_t>(t->nbytes());
+  return total;
+}
+
+int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
+  int64_t total = 0;
+  for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
+  return total;
+}
+
+// Keeps the largest footprint seen, with the breakdown of that moment.
+void record_peak(KVzipMemory& m, int64_t layer_kv, int64_t activations, int64_t attention, int64_t scores) {
+  const int64_t total = layer_kv + activations + attention + scores;
+  if (total <= m.peak_bytes) return;
+  m.peak_bytes = total;
+  m.layer_kv_bytes = layer_kv;
+  m.activation_bytes = activations;
+  m.attention_bytes = attention;
+  m.scores_bytes = scores;
+}
+
+// The second prefill's press: each layer keeps the selection KVzip made for it.
+class SelectedTokensPress : public BasePress {
+ public:
+  SelectedTokensPress(const KVzipPress& press, std::vector<at::Tensor> masks)
+      : press_(press), masks_(std::move(masks)) {}
+  std::string name() const override { return press_.name(); }
+  double compression_ratio() const override { return press_.compression_ratio(); }
+  bool head_ragged() const override { return true; }
+  KV compress(const LayerInputs&) const override { refuse_uniform_compress(); }
+  at::Tensor keep_mask(const LayerInputs& inputs) const override {
+    return masks_.at(static_cast<size_t>(inputs.layer_idx)).to(inputs.keys.device());
+  }
+
+ private:
+  const KVzipPress& press_;
+  std::vector<at::Tensor> masks_;  // per layer [1, Hkv, N] bool
+};
+
+// KVzip's scores of every context token: the context and every replay chunk go through the
+// model together, layer by layer, so only one layer's keys/values exist at a time.
+at::Tensor replay_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
+                         const std::vector<KVzipReplayChunk>& chunks, int64_t query_chunk, KVzipMemory& memory) {
+  const LlamaConfig& c = model.config();
+  const int64_t n = context_ids.size(1), hkv = c.num_kv_heads, d = c.head_dim;
+  const auto options = model.embed(context_ids.narrow(1, 0, 1)).options();
+  at::Tensor scores = at::zeros({c.num_layers, hkv, n}, options.dtype(at::kFloat));
+
+  // Residual streams entering the current layer: the context's [1, N, hidden] and each chunk's
+  // [1, P_i, hidden]. A replay block's rows are overwritten by the layer's output as soon as the
+  // block is done: later blocks read only their own rows (earlier rows live on as keys/values).
+  at::Tensor x = model.embed(context_ids);
+  std::vector<at::Tensor> streams;
+  int64_t longest = 0;
+  for (const KVzipReplayChunk& chunk : chunks) {
+    streams.push_back(model.embed(at::tensor(chunk.repeat_ids, at::kLong).unsqueeze(0).to(context_ids.device())));
+    longest = std::max(longest, static_cast<int64_t>(chunk.repeat_ids.size()));
+  }
+  const RopeTables context_rope = model.rope(0, n);
+
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    const bool last = li + 1 == c.num_layers;  // its outputs feed nothing KVzip reads
+    // This layer's keys/values: the context's at [0, N), then one replay chunk's at [N, N + P).
+    at::Tensor layer_keys = at::empty({1, hkv, n + longest, d}, options);
+    at::Tensor layer_values = at::empty({1, hkv, n + longest, d}, options);
+    {
+      LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, context_rope);
+      layer_keys.narrow(2, 0, n).copy_(qkv.k);
+      layer_values.narrow(2, 0, n).copy_(qkv.v);
+      qkv.k.reset();
+      qkv.v.reset();
+      if (!last) {
+        const at::Tensor attn = model.layer_attention(qkv.q, layer_keys.narrow(2, 0, n), layer_values.narrow(2, 0, n));
+        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q}), bytes_of({&x}) + bytes_of(streams),
+                    bytes_of({&attn, &qkv.h}), bytes_of({&scores}));
+        x = model.layer_output(li, x, attn);
+      }
+    }
+    const at::Tensor context_keys = layer_keys.narrow(2, 0, n);
+    for (size_t ci = 0; ci < chunks.size(); ++ci) {
+      const KVzipReplayChunk& chunk = chunks[ci];
+      at::Tensor& stream = streams[ci];
+      const int64_t p = stream.size(1), len = chunk.end - chunk.start;
+      const int64_t sink = std::min(press.n_sink(), chunk.start);
+      // KVzip+: ||W_o v|| of the chunk's values, per query head.
+      const at::Tensor column_scale =
+          press.kvzip_plus_normalization()
+              ? KVzipPress::value_output_norms(layer_values.narrow(2, chunk.start, len), model.o_proj(li))
+              : at::Tensor();
+      at::Tensor chunk_max = scores[li].narrow(1, chunk.start, len);  // [Hkv, len] view
+      for (int64_t r0 = 0; r0 < p; r0 += query_chunk) {
+        const int64_t rows = std::min(query_chunk, p - r0), seen = r0 + rows;
+        const at::Tensor x_rows = stream.narrow(1, r0, rows);
+        LlamaModel::LayerQKV qkv = model.layer_qkv(li, x_rows, model.rope(n + r0, rows));
+        layer_keys.narrow(2, n + r0, rows).copy_(qkv.k);
+        layer_values.narrow(2, n + r0, rows).copy_(qkv.v);
+        const at::Tensor row_scale =
+            column_scale.defined() ? at::reciprocal(qkv.h.to(at::kFloat).norm(2, {-1})) : at::Tensor();
+        const at::Tensor block =
+            press.chunk_scores(qkv.q, context_keys.narrow(2, 0, sink), context_keys.narrow(2, chunk.start, len),
+                               layer_keys.narrow(2, n, seen), r0, row_scale, column_scale);
+        chunk_max.copy_(at::maximum(chunk_max, block[0]));
+        // What chunk_scores held: float32 logits and weights over sink + chunk + seen keys.
+        const int64_t block_bytes = 2 * 4 * c.num_heads * rows * (sink + len + seen);
+        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q, &column_scale}),
+                    bytes_of({&x}) + bytes_of(streams), block_bytes, bytes_of({&scores}));
+        if (last) continue;
+        const at::Tensor attn =
+            model.layer_attention(qkv.q, layer_keys.narrow(2, 0, n + seen), layer_values.narrow(2, 0, n + seen));
+        stream.narrow(1, r0, rows).copy_(model.layer_output(li, x_rows, attn));
+      }
+    }
+  }
+  return scores;
+}
+
+}  // namespace
+
+KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                          const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill,
+                          const KVzipRunOptions& run) {
+  constexpr const char* op = "kvzip_prefill";
+  const LlamaConfig& c = model.config();
+  std::ostringstream shape;
+  shape << context_ids.sizes();
+  TORCH_CHECK(context_ids.dim() == 2 && context_ids.size(0) == 1 && context_ids.size(1) > 0 &&
+                  context_ids.scalar_type() == at::kLong,
+              op, ": context_ids must be a non-empty int64 [1, n] tensor (batch 1, as kvpress), got ", shape.str(), " ",
+              context_ids.scalar_type());
+  TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
+  TORCH_CHECK(cache.position() == 0, op, ": the cache already holds ", cache.position(),
+              " tokens; KVzip prefills an empty cache");
+
+  PrefillOptions plain = prefill;
+  plain.press = nullptr;
+  KVzipResult result;
+  const int64_t n = context_ids.size(1);
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(model.dtype()));
+  result.memory.full_cache_bytes = c.num_layers * 2 * c.num_kv_heads * n * c.head_dim * elt;
+  if (press.compression_ratio() == 0.0) {  // kvpress skips the replay: nothing is evicted
+    result.prefill = model.prefill(context_ids, cache, plain);
+    result.scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
+    return result;
+  }
+
+  const auto encode = [&](const char* text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
+  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
+  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
+  const std::vector<KVzipReplayChunk> chunks =
+      press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
+                          encode(KVzipPress::kRepeatSuffix));
+  result.scores = replay_scores(model, context_ids, press, chunks, run.query_chunk, result.memory);
+
+  const SelectedTokensPress selected(press, press.keep_masks(result.scores));
+  PrefillOptions compressing = plain;
+  compressing.press = &selected;
+  result.prefill = model.prefill(context_ids, cache, compressing);  // leaves the cache as it was on failure
+  return result;
+}
+
+}  // namespace kvpress::llama

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""KVzipPress fixtures: the pinned kvpress's KVzip on TinyStories-656K.
+
+    python make_kvzip_fixtures.py --out DIR [--models DIR] [--data FILE]
+
+For each run kvpress's own mechanism runs, as its pipeline does: `with press(model):
+model.model(context, past_key_values=cache)` (the prefill; on leaving the block kvpress replays the
+context after its repeat prompt, chunk by chunk, then sets each attention module's
+masked_key_indices). We record:
+
+* scores       [L, Hkv, N] float32  kvpress's score_val, before compress_post gives the sinks max + 1
+* keep_mask    [L, Hkv, N] bool     the complement of every module's masked_key_indices
+* decode_tokens, decode_logits      the story's next token at position N, then greedy tokens, one
+                                    per forward, over kvpress's masked cache (its attention patch)
+
+The runs cover the defaults (one replay chunk), other ratios, layerwise budgets, KVzip+
+normalization, and several replay chunks (chunk_size below N, with and without sinks).
+CPU only, two threads, float32. Takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+# First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+from common import (KVPRESS_VERSION, MODEL, greedy_steps, load_model, load_stories, load_tokenizer, model_dir,
+                    parse_args, parse_value, prepare_out, save, setup, token_ids, versions, write_json)
+
+import torch
+from transformers import DynamicCache
+
+from kvpress import KVzipPress
+
+STORY = 2          # held-out story index
+CONTEXT_LEN = 240  # N, BOS included
+DECODE_STEPS = 4   # the story's next token, then 3 greedy tokens
+
+# (name, KVzipPress parameters as text, kvpress names)
+RUNS = [
+    ("default_r0.5", {"compression_ratio": "0.5"}),
+    ("default_r0.25", {"compression_ratio": "0.25"}),
+    ("default_r0.8", {"compression_ratio": "0.8"}),
+    ("layerwise_r0.5", {"compression_ratio": "0.5", "layerwise": "true"}),
+    ("plus_r0.5", {"compression_ratio": "0.5", "kvzip_plus_normalization": "true"}),
+    ("chunks_r0.5", {"compression_ratio": "0.5", "chunk_size": "96"}),
+    ("chunks_nosink_r0.6", {"compression_ratio": "0.6", "chunk_size": "100", "n_sink": "0"}),
+    ("chunks_plus_layerwise_r0.4", {"compression_ratio": "0.4", "chunk_size": "64", "layerwise": "true",
+                                    "kvzip_plus_normalization": "true", "n_sink": "8"}),
+]
+
+
+def run_press(model, context, first_token, params: dict):
+    press = KVzipPress(**{k: parse_value(v) for k, v in params.items()})
+    n = context.shape[1]
+    record = {}
+    compress_post = press.compress_post
+
+    def spy(m):
+        record["scores"] = press.score_val[:, 0].detach().to(torch.float32).clone().contiguous()
+        compress_post(m)
+
+    press.compress_post = spy
+    for layer in model.model.layers:  # an earlier run's masks
+        layer.self_attn.masked_key_indices = None
+    with torch.no_grad():
+        cache = DynamicCache()
+        with press(model):
+            model.model(input_ids=context, past_key_values=cache)
+        assert [layer.keys.shape[2] for layer in cache.layers] == [n] * len(cache.layers)
+        masks = []
+        for layer in model.model.layers:
+            b, h, s = layer.self_attn.masked_key_indices
+            assert bool((b == 0).all()) and bool((s < n).all())
+            mask = torch.ones(model.config.num_key_value_heads, n, dtype=torch.bool)
+            mask[h, s] = False
+            masks.append(mask)
+        tokens, logits = greedy_steps(model, cache, first_token, n, DECODE_STEPS)
+    return {"scores": record["scores"], "keep_mask": torch.stack(masks).contiguous(), "decode_tokens": tokens,
+            "decode_logits": logits}
+
+
+def main():
+    args = parse_args(__doc__)
+    path = model_dir(args.models)
+    start = setup(threads=2)
+    out = prepare_out(args.out)
+
+    stories = load_stories(args.data)
+    tok = load_tokenizer(path)
+    # sdpa: kvpress's attention patch (which applies masked_key_indices) wraps the non-eager
+    # attention functions, and KVzipPress refuses an eager model.
+    model = load_model(path, "sdpa")
+    ids = token_ids(tok, stories[STORY])
+    assert ids.shape[1] > CONTEXT_LEN, ids.shape
+    context, first_token = ids[:, :CONTEXT_LEN].contiguous(), ids[0, CONTEXT_LEN]
+    save({"context_ids": context}, out / "inputs.safetensors")
+
+    runs = []
+    for name, params in RUNS:
+        save(run_press(model, context, first_token, params), out / f"{name}.safetensors")
+        runs.append({"name": name, "file": f"{name}.safetensors",
+                     "params": {k: v for k, v in params.items() if k != "compression_ratio"},
+                     "compression_ratio": float(params["compression_ratio"])})
+
+    write_json(out / "manifest.json", {**versions(), "model": MODEL, "dtype": "float32", "story": STORY,
+                                       "context_len": CONTEXT_LEN, "decode_steps": DECODE_STEPS,
+                                       "inputs": "inputs.safetensors", "runs": runs})
+    print(f"make_kvzip_fixtures: kvpress {KVPRESS_VERSION}: {len(runs)} runs in {out} "
+          f"({time.time() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

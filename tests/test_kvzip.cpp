@@ -1,0 +1,353 @@
+// KVzipPress and kvpress::llama::kvzip_prefill.
+//
+// KVzip.*        unit tests (no fixtures): replay chunks, the global selection and the chunk scores
+//                against hand computations or a float64 reference; every error; the runner on
+//                TinyStories-656K (the cache is the plain prefill's selected tokens, query-chunk
+//                invariance, memory figures, ratio 0, LlamaModel::prefill's dispatch).
+// KVzipParity.*  against tests/reference/make_kvzip_fixtures.py (kvpress's own KVzip on the same
+//                model and context): scores, kept tokens per head, next-token logits.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fixtures.h"
+#include "kvpress/llama/kvzip.h"
+#include "kvpress/llama/llama.h"
+#include "kvpress/presses/kvzip_press.h"
+#include "kvpress/registry.h"
+#include "test_util.h"
+#include "tiny_model.h"
+
+namespace {
+
+using kvpress::KVzipPress;
+using kvpress::llama::KVCache;
+using kvpress::llama::LlamaModel;
+using kvpress::llama::PrefillOptions;
+using kvpress::testing::expect_error;
+using kvpress::testing::tiny_model;
+using kvpress::testing::tiny_tokenizer;
+
+std::vector<int64_t> to_vector(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous().flatten();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+at::Tensor story_ids(int64_t n) {
+  const auto ids = tiny_tokenizer().encode(
+      "Once upon a time, there was a little girl named Lily. She loved to play "
+      "outside in the park with her red ball. One day, she saw a big dog. The "
+      "dog was sad because it lost its bone. Lily wanted to help the dog find it.");
+  EXPECT_GE(static_cast<int64_t>(ids.size()), n);
+  return at::tensor(std::vector<int64_t>(ids.begin(), ids.begin() + n), at::kLong).unsqueeze(0);
+}
+
+TEST(KVzip, ReplayChunks) {
+  const std::vector<int64_t> ctx = {10, 11, 12, 13, 14, 15, 16};
+  const auto chunks = KVzipPress(0.5, false, 4, false, 3).replay_chunks(ctx, {1, 2}, {3}, {9});
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0].start, 0);
+  EXPECT_EQ(chunks[0].end, 3);
+  EXPECT_EQ(chunks[0].repeat_ids, (std::vector<int64_t>{1, 2, 9, 10, 11, 12}));
+  // A later chunk: the next prompt, the previous chunk's last min(8, chunk_size) tokens, the suffix.
+  EXPECT_EQ(chunks[1].repeat_ids, (std::vector<int64_t>{3, 10, 11, 12, 9, 13, 14, 15}));
+  EXPECT_EQ(chunks[2].start, 6);
+  EXPECT_EQ(chunks[2].end, 7);
+  EXPECT_EQ(chunks[2].repeat_ids, (std::vector<int64_t>{3, 13, 14, 15, 9, 16}));
+  // One chunk when the context fits.
+  EXPECT_EQ(KVzipPress(0.5).replay_chunks(ctx, {1}, {3}, {9}).size(), 1u);
+}
+
+TEST(KVzip, KeepMasksGlobalAndLayerwise) {
+  // Two layers, two heads, four tokens; n_sink = 1 (position 0 always kept).
+  const at::Tensor scores = at::tensor({.9f, .1f, .2f, .3f, /**/ .5f, .6f, .05f, .7f,        // layer 0
+                                        .01f, .02f, .8f, .03f, /**/ .4f, .04f, .06f, .07f},  // layer 1
+                                       at::kFloat)
+                                .view({2, 2, 4});
+  // Global, ratio 0.5: int(16 * 0.5) = 8 go, the lowest outside the sinks (.01 is one):
+  // .02 .03 .04 .05 .06 .07 .1 .2 -> layer 0 loses 3, layer 1 loses 5.
+  const auto global = KVzipPress(0.5, false, 1).keep_masks(scores);
+  ASSERT_EQ(global.size(), 2u);
+  EXPECT_EQ(to_vector(global[0]), (std::vector<int64_t>{1, 0, 0, 1, 1, 1, 0, 1}));
+  EXPECT_EQ(to_vector(global[1]), (std::vector<int64_t>{1, 0, 1, 0, 1, 0, 0, 0}));
+  // Layerwise: int(8 * 0.5) = 4 per layer, across its heads (layer 0: .05 .1 .2 .3).
+  const auto layerwise = KVzipPress(0.5, true, 1).keep_masks(scores);
+  EXPECT_EQ(to_vector(layerwise[0]), (std::vector<int64_t>{1, 0, 0, 0, 1, 1, 0, 1}));
+  EXPECT_EQ(to_vector(layerwise[1]), (std::vector<int64_t>{1, 0, 1, 0, 1, 0, 0, 1}));
+  // Without sinks the lowest position may go; ratio 0 keeps everything.
+  EXPECT_EQ(to_vector(KVzipPress(0.5, true, 0).keep_masks(scores)[1]), (std::vector<int64_t>{0, 0, 1, 0, 1, 0, 1, 1}));
+  EXPECT_TRUE(KVzipPress(0.0).keep_masks(scores)[1].all().item<bool>());
+  // Equal scores: the higher position (head-major) is evicted first.
+  EXPECT_EQ(to_vector(KVzipPress(0.5, true, 0).keep_masks(at::ones({1, 2, 2}))[0]), (std::vector<int64_t>{1, 1, 0, 0}));
+}
+
+// float64 reference of KVzip's chunk scores, written from the definition.
+at::Tensor reference_chunk_scores(const at::Tensor& q, const at::Tensor& sink, const at::Tensor& chunk,
+                                  const at::Tensor& repeat, int64_t first_row, const at::Tensor& row_scale,
+                                  const at::Tensor& column_scale) {
+  const int64_t hq = q.size(1), hkv = chunk.size(1), g = hq / hkv, rows = q.size(2), s = sink.size(2);
+  const int64_t c = chunk.size(2), d = q.size(3);
+  at::Tensor out = at::zeros({1, hkv, c}, at::kDouble);
+  for (int64_t h = 0; h < hq; ++h) {
+    const int64_t kv = h / g;
+    for (int64_t i = 0; i < rows; ++i) {
+      const at::Tensor keys =
+          at::cat({sink[0][kv], chunk[0][kv], repeat[0][kv].narrow(0, 0, first_row + i + 1)}).to(at::kDouble);
+      const at::Tensor w = at::softmax(at::mv(keys, q[0][h][i].to(at::kDouble)) / std::sqrt(double(d)), 0);
+      at::Tensor col = w.narrow(0, s, c);
+      if (row_scale.defined()) col = col * row_scale[0][i].item<double>() * column_scale[0][kv][h % g].to(at::kDouble);
+      out[0][kv] = at::maximum(out[0][kv], col);
+    }
+  }
+  return out;
+}
+
+TEST(KVzip, ChunkScoresMatchTheDefinition) {
+  at::manual_seed(3);
+  const int64_t hq = 4, hkv = 2, d = 8, rows = 5, first_row = 3;
+  const at::Tensor q = at::randn({1, hq, rows, d}), sink = at::randn({1, hkv, 2, d});
+  const at::Tensor chunk = at::randn({1, hkv, 6, d}), repeat = at::randn({1, hkv, first_row + rows, d});
+  const KVzipPress press(0.5);
+  const at::Tensor ours = press.chunk_scores(q, sink, chunk, repeat, first_row);
+  EXPECT_TRUE(at::allclose(ours.to(at::kDouble), reference_chunk_scores(q, sink, chunk, repeat, first_row, {}, {}),
+                           1e-6, 1e-7));
+  // Rows in two blocks give the same maximum as one block (to float32 rounding: other matmul shapes).
+  const at::Tensor a =
+      press.chunk_scores(q.narrow(2, 0, 2), sink, chunk, repeat.narrow(2, 0, first_row + 2), first_row);
+  const at::Tensor b = press.chunk_scores(q.narrow(2, 2, 3), sink, chunk, repeat, first_row + 2);
+  EXPECT_TRUE(at::allclose(at::maximum(a, b), ours, 1e-6, 1e-7));
+  // KVzip+: row and column scales.
+  const at::Tensor o_proj = at::randn({12, hq * d});
+  const at::Tensor values = at::randn({1, hkv, 6, d});
+  const at::Tensor column = KVzipPress::value_output_norms(values, o_proj);
+  const at::Tensor row = at::rand({1, rows}) + 0.5;
+  EXPECT_TRUE(at::allclose(press.chunk_scores(q, sink, chunk, repeat, first_row, row, column).to(at::kDouble),
+                           reference_chunk_scores(q, sink, chunk, repeat, first_row, row, column), 1e-6, 1e-7));
+  // ||W_o v|| per query head, directly.
+  for (int64_t h = 0; h < hq; ++h) {
+    const at::Tensor w = o_proj.narrow(1, h * d, d);                              // [hidden, D]
+    const at::Tensor direct = at::matmul(values[0][h / 2], w.t()).norm(2, {-1});  // [c]
+    EXPECT_TRUE(at::allclose(column[0][h / 2][h % 2], direct, 1e-5, 1e-5)) << "head " << h;
+  }
+}
+
+TEST(KVzip, Errors) {
+  expect_error([] { KVzipPress(1.0); }, {"KVzipPress: compression_ratio must be in [0, 1), got 1"});
+  expect_error([] { KVzipPress(0.5, false, -1); }, {"KVzipPress: n_sink must be >= 0, got -1"});
+  expect_error([] { KVzipPress(0.5, false, 4, false, 0); }, {"KVzipPress: chunk_size must be > 0, got 0"});
+  const KVzipPress press(0.5);
+  kvpress::LayerInputs in;
+  in.keys = in.values = at::randn({1, 2, 8, 4});
+  expect_error([&] { press.compress(in); },
+               {"KVzipPress.compress: KVzip cannot compress one layer on its own", "kvpress::llama::kvzip_prefill"});
+  expect_error([&] { press.compress_ragged(in); }, {"KVzipPress.compress_ragged: KVzip cannot compress"});
+  expect_error([&] { press.replay_chunks({}, {1}, {2}, {3}); },
+               {"KVzipPress.replay_chunks: context_ids must be non-empty, got 0 tokens"});
+  const at::Tensor q = at::randn({1, 4, 2, 4}), k = at::randn({1, 2, 3, 4});
+  expect_error(
+      [&] {
+        press.chunk_scores(q, k, k, at::randn({1, 2, 5, 4}), 0);
+      },
+      {"KVzipPress.chunk_scores: repeat_keys must hold the repeat's keys 0 .. 1 (first_row + rows = 2), "
+       "got 5"});
+  expect_error(
+      [&] {
+        press.chunk_scores(q, k, k, at::randn({1, 2, 2, 4}), 0, at::ones({1, 2}));
+      },
+      {"KVzipPress.chunk_scores: row_scale and column_scale come together (KVzip+), got only row_scale"});
+  expect_error(
+      [&] {
+        press.chunk_scores(at::randn({2, 4, 2, 4}), k, at::randn({2, 2, 3, 4}), k, 0);
+      },
+      {"KVzipPress.chunk_scores: batch must be 1 (as kvpress), got 2"});
+  expect_error(
+      [&] {
+        press.keep_masks(at::ones({2, 3}));
+      },
+      {"KVzipPress.keep_masks: scores must be [num_layers, kv_heads, seq_len]"});
+  expect_error(
+      [&] {
+        KVzipPress::value_output_norms(at::randn({1, 2, 3, 4}), at::randn({5, 7}));
+      },
+      {"KVzipPress.value_output_norms: o_proj must have a multiple of kv_heads * head_dim (8) columns, got "
+       "[5, 7]"});
+
+  // The runner's refusals.
+  const LlamaModel& model = tiny_model();
+  KVCache cache = model.new_cache();
+  PrefillOptions opt;
+  opt.press = &press;
+  expect_error(
+      [&] { model.prefill(story_ids(16), cache, opt); },
+      {"LlamaModel::prefill: KVzipPress replays the context after a text prompt", "PrefillOptions::tokenizer"});
+  EXPECT_EQ(cache.position(), 0);
+  expect_error(
+      [&] {
+        kvpress::llama::kvzip_prefill(model, story_ids(16).repeat({2, 1}), cache, press, tiny_tokenizer());
+      },
+      {"kvzip_prefill: context_ids must be a non-empty int64 [1, n] tensor (batch 1, as kvpress), got [2, 16]"});
+  kvpress::llama::KVzipRunOptions run;
+  run.query_chunk = 0;
+  expect_error([&] { kvpress::llama::kvzip_prefill(model, story_ids(16), cache, press, tiny_tokenizer(), {}, run); },
+               {"kvzip_prefill: query_chunk must be > 0, got 0"});
+  kvpress::PagedKVCache paged = model.new_paged_cache(64, 16);
+  const kvpress::SequenceId seq = paged.add_sequence();
+  kvpress::llama::PagedPrefillOptions popt;
+  popt.press = &press;
+  expect_error(
+      [&] {
+        model.prefill_paged({{1, 2, 3}}, {seq}, paged, popt);
+      },
+      {"KVzipPress runs the model again over the context before compressing (use prefill())"});
+}
+
+TEST(KVzip, RunnerKeepsThePlainPrefillsSelectedTokens) {
+  const LlamaModel& model = tiny_model();
+  const auto& c = model.config();
+  const at::Tensor ids = story_ids(30);
+  KVCache plain = model.new_cache();
+  model.prefill(ids, plain);
+
+  const KVzipPress press(0.6, false, 4, false, 12);  // three replay chunks
+  KVCache cache = model.new_cache();
+  const auto r = kvpress::llama::kvzip_prefill(model, ids, cache, press, tiny_tokenizer());
+  ASSERT_EQ(r.prefill.keep_masks.size(), static_cast<size_t>(c.num_layers));
+  int64_t kept = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    ASSERT_TRUE(cache.is_ragged(l));
+    const at::Tensor mask = r.prefill.keep_masks[l];
+    EXPECT_TRUE(mask.narrow(2, 0, 4).all().item<bool>()) << "the sinks are kept";
+    kept += mask.sum().item<int64_t>();
+    const auto expected = kvpress::HeadRaggedLayer::from_mask(plain.keys(l), plain.values(l), mask);
+    EXPECT_TRUE(at::equal(cache.ragged(l).packed_keys(), expected.packed_keys())) << "layer " << l;
+    EXPECT_TRUE(at::equal(cache.ragged(l).packed_values(), expected.packed_values())) << "layer " << l;
+  }
+  const int64_t total = c.num_layers * c.num_kv_heads * 30;
+  EXPECT_EQ(kept, total - static_cast<int64_t>(total * 0.6));
+  EXPECT_EQ(cache.position(), 30);
+
+  // Query blocks of 5 rows score as blocks of 128 (float32 noise).
+  kvpress::llama::KVzipRunOptions small;
+  small.query_chunk = 5;
+  KVCache other = model.new_cache();
+  const auto r5 = kvpress::llama::kvzip_prefill(model, ids, other, press, tiny_tokenizer(), {}, small);
+  EXPECT_LT((r5.scores - r.scores).abs().max().item<double>(), 1e-6);
+
+  // Memory: the scoring pass held one layer's keys/values (context + the longest repeat), never the cache.
+  const auto first = tiny_tokenizer().encode(KVzipPress::kFirstRepeatPrompt, false);
+  const auto suffix = tiny_tokenizer().encode(KVzipPress::kRepeatSuffix, false);
+  const auto next_prompt = tiny_tokenizer().encode(KVzipPress::kNextRepeatPrompt, false);
+  const int64_t longest = static_cast<int64_t>(std::max(first.size(), next_prompt.size() + 8) + suffix.size()) + 12;
+  const int64_t layer_kv = 2 * c.num_kv_heads * (30 + longest) * c.head_dim * 4;
+  EXPECT_GE(r.memory.layer_kv_bytes, layer_kv);
+  // + the queries being attended (the context's 30 rows at most)
+  EXPECT_LE(r.memory.layer_kv_bytes, layer_kv + c.num_heads * std::max<int64_t>(30, longest) * c.head_dim * 4);
+  EXPECT_EQ(r.memory.peak_bytes,
+            r.memory.layer_kv_bytes + r.memory.activation_bytes + r.memory.attention_bytes + r.memory.scores_bytes);
+  EXPECT_EQ(r.memory.full_cache_bytes, c.num_layers * 2 * c.num_kv_heads * 30 * c.head_dim * 4);
+
+  // LlamaModel::prefill with the tokenizer runs the same; the masked layout keeps the same tokens.
+  PrefillOptions opt;
+  opt.press = &press;
+  opt.tokenizer = &tiny_tokenizer();
+  opt.ragged_layout = PrefillOptions::RaggedLayout::kMasked;
+  KVCache masked = model.new_cache();
+  const auto out = model.prefill(ids, masked, opt);
+  for (int64_t l = 0; l < c.num_layers; ++l) EXPECT_TRUE(at::equal(out.keep_masks[l], r.prefill.keep_masks[l]));
+  const at::Tensor next = story_ids(32).narrow(1, 30, 2);
+  EXPECT_LT((model.forward(next, masked).logits - model.forward(next, cache).logits).abs().max().item<double>(), 1e-4);
+
+  // Ratio 0: the plain prefill (kvpress skips the replay).
+  KVCache zero = model.new_cache();
+  kvpress::llama::kvzip_prefill(model, ids, zero, KVzipPress(0.0), tiny_tokenizer());
+  EXPECT_FALSE(zero.is_ragged(0));
+  EXPECT_TRUE(at::equal(zero.keys(1), plain.keys(1)));
+}
+
+// ---- parity with kvpress 0.5.5 ----------------------------------------------------------------------
+
+const kvpress::testing::FolderFixtures& kvzip_fixtures() {
+  static const auto f = kvpress::testing::load_folder_fixtures("kvzip", "make_kvzip_fixtures.py");
+  return f;
+}
+
+at::Tensor fixture(const std::string& file, const std::string& key) {
+  const std::string path = kvzip_fixtures().dir + "/" + file;
+  return kvpress::testing::fixture_tensor(kvpress::testing::load_fixture_file(path), key, path);
+}
+
+std::map<std::string, std::string>& parity_summary() {
+  static std::map<std::string, std::string> s;
+  return s;
+}
+class KVzipSummary : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    for (const auto& [name, line] : parity_summary())
+      std::cout << "[ kvzip ] " << std::left << std::setw(28) << name << line << "\n";
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kSummary = ::testing::AddGlobalTestEnvironment(new KVzipSummary);
+
+TEST(KVzipParity, MatchesKvpress) {
+  const auto& fx = kvzip_fixtures();
+  ASSERT_TRUE(fx.error.empty()) << fx.error;
+  ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5");
+  const LlamaModel& model = tiny_model();
+  const at::Tensor context = fixture(fx.manifest.at("inputs").get<std::string>(), "context_ids");
+  const int64_t n = context.size(1), num_layers = model.config().num_layers;
+  ASSERT_EQ(n, fx.manifest.at("context_len").get<int64_t>());
+  ASSERT_GE(fx.manifest.at("runs").size(), 8u);
+
+  for (const auto& jr : fx.manifest.at("runs")) {
+    const std::string name = jr.at("name").get<std::string>(), file = jr.at("file").get<std::string>();
+    SCOPED_TRACE(name);
+    const auto press = kvpress::make_press("KVzipPress", jr.at("compression_ratio").get<double>(),
+                                           jr.at("params").get<std::map<std::string, std::string>>());
+    KVCache cache = model.new_cache();
+    const auto r =
+        kvpress::llama::kvzip_prefill(model, context, cache, dynamic_cast<const KVzipPress&>(*press), tiny_tokenizer());
+
+    // 1. Scores within float32 noise (our replay runs layer by layer in query blocks; kvpress runs
+    // whole forwards).
+    const at::Tensor ref_scores = fixture(file, "scores"), ref_mask = fixture(file, "keep_mask");
+    const double scores_rel = ((r.scores - ref_scores).abs().max() / ref_scores.abs().max()).item<double>();
+    EXPECT_LT(scores_rel, 1e-5);
+    // 2. Kept tokens per head; where they differ, only at near-ties of kvpress's scores with the
+    // layer's selection threshold (the selection is global: a layer's threshold is its lowest kept score).
+    int64_t n_diff = 0;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const at::Tensor diff = r.prefill.keep_masks[l][0].logical_xor(ref_mask[l]);
+      n_diff += diff.sum().item<int64_t>();
+      if (!diff.any().item<bool>()) continue;
+      const at::Tensor s = ref_scores[l];
+      const double threshold = at::where(ref_mask[l], s, at::full_like(s, INFINITY)).min().item<double>();
+      const at::Tensor far = diff.logical_and((s - threshold).abs() > 1e-5 * ref_scores.abs().max());
+      EXPECT_FALSE(far.any().item<bool>()) << "layer " << l << ": " << far.sum().item<int64_t>()
+                                           << " positions kept by one side only, far from the threshold";
+    }
+    // 3. Next-token logits over the compressed cache (kvpress: its masked attention), one per forward.
+    const at::Tensor tokens = fixture(file, "decode_tokens"), ref_logits = fixture(file, "decode_logits");
+    double max_diff = 0;
+    for (int64_t i = 0; i < tokens.size(0); ++i) {
+      const auto out = model.forward(tokens.narrow(0, i, 1).view({1, 1}), cache);
+      max_diff = std::max(max_diff, (out.logits[0][0] - ref_logits[i]).abs().max().item<double>());
+    }
+    EXPECT_LT(max_diff, 1e-4);
+    std::ostringstream line;
+    line << "kept " << (n_diff == 0 ? std::string("exact") : "modulo " + std::to_string(n_diff) + " near-ties")
+         << ", max rel |d score| " << std::setprecision(3) << scores_rel << ", max |d logits| " << max_diff;
+    parity_summary()[name] = line.str();
+  }
+}
+
+}  // namespace
