@@ -35,6 +35,25 @@
         DuoAttention repository's layout: config.json (sink_size 128, recent_size 256: kvpress's
         on-the-fly values) and full_attention_heads.tsv (one tab-separated row per layer).
 
+    make_artifact.py kvzap --model DIR --out FOLDER [--stories FILE] [--num-train N] [--num-test M]
+            [--model-type linear|mlp] [--hidden-dim H] [--alpha A] [--epochs E] [--seed S]
+        KVzapPress's surrogate by KVzap's training recipe (kvpress's kvzap/train.py), on the stories
+        instead of the Nemotron sample: each story is followed by KVzip's repeat prompt and repeated,
+        "<bos>" + story + "\n\nRepeat the previous context exactly." + "\n" + story (the pieces
+        tokenized apart, as KVzipPress builds its replay; no chat template on this model), and run
+        once with eager attention. Per layer, the target of each story token t and KV head is the
+        log of its KVzip+ score: the attention weight from the repeated story's rows to t, divided
+        by the row's ||h|| (attention input) and multiplied by ||W_o v_t|| of the query head, maxed
+        over the rows and the group's query heads; the input is t's attention input h_t. The first
+        N stories (default 80) train, the next M (default 10) test; every story token is used (the
+        recipe samples 500 per text; these stories are shorter). linear: per layer, ridge regression
+        (alpha 1, intercept unpenalised, as scikit-learn's Ridge) in closed form; mlp: the recipe's
+        Linear-GELU-Linear (hidden 512), MSE, AdamW (lr 5e-3, batch 512, gradient norm clipped at
+        1, cosine schedule over E epochs, default 15), seeded. FOLDER gets kvpress's
+        KVzapModel.save_pretrained layout (config.json, model.safetensors), so kvpress's KVzapPress
+        reads it as ours does; the test split's R^2 per layer is printed and saved in
+        FOLDER/fit.json.
+
     make_artifact.py lukv-curve --npy FILE.npy --out FILE.safetensors
         LUKVPress's budget curve: converts a curve in LU-KV's published format (a NumPy .npy of
         prune fractions [99, num_layers, num_kv_heads], one row per target ratio 0.01..0.99, as
@@ -190,6 +209,128 @@ def save_duo_attention_pattern(folder: Path, scores: torch.Tensor, sink_size: in
                      lambda tmp: np.savetxt(tmp, scores.double().numpy(), delimiter="\t", fmt="%.17g"))
 
 
+KVZIP_REPEAT_PROMPT = "\n\nRepeat the previous context exactly."  # KVzipPress's first replay prompt
+
+
+@torch.no_grad()
+def kvzap_training_data(model, tok, stories: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe's (X, y) over `stories`: X [tokens, num_layers, hidden] the story tokens' attention
+    inputs, y [tokens, num_layers, num_kv_heads] the log of their KVzip+ scores."""
+    config = model.config
+    kv_heads, groups = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    captured = {}
+
+    def hook(module, args, kwargs, output):
+        captured[module.layer_idx] = (kwargs["hidden_states"][0], output[1][0])  # h [T, hidden], w [Hq, T, T]
+
+    hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    xs, ys = [], []
+    try:
+        for story in stories:
+            text = tok.encode(story, add_special_tokens=False)
+            ids = ([tok.bos_token_id] + text + tok.encode(KVZIP_REPEAT_PROMPT, add_special_tokens=False)
+                   + tok.encode("\n", add_special_tokens=False) + text)
+            n, total = len(text), len(ids)
+            cache = transformers.DynamicCache()
+            model.model(input_ids=torch.tensor([ids]), past_key_values=cache, output_attentions=True)
+            per_layer_x, per_layer_y = [], []
+            for layer_idx, layer in enumerate(model.model.layers):
+                h, w = captured[layer_idx]
+                d = layer.self_attn.head_dim
+                values = cache.layers[layer_idx].values[0, :, 1:n + 1]  # [Hkv, n, D], the story's tokens
+                w_o = layer.self_attn.o_proj.weight.view(-1, kv_heads, groups, d)  # [hidden, Hkv, G, D]
+                wov = torch.einsum("jhgd,htd->hgtj", w_o, values).norm(dim=-1)  # [Hkv, G, n]
+                rows = slice(total - n, total)
+                weights = w[:, rows, 1:n + 1] / h[rows].norm(dim=-1)[None, :, None]  # [Hq, n rows, n]
+                scores = (weights.view(kv_heads, groups, n, n) * wov[:, :, None, :]).amax(dim=(1, 2))  # [Hkv, n]
+                per_layer_x.append(h[1:n + 1])
+                per_layer_y.append(scores.log().T)
+            xs.append(torch.stack(per_layer_x, dim=1))
+            ys.append(torch.stack(per_layer_y, dim=1))
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return torch.cat(xs).float(), torch.cat(ys).float()
+
+
+def fit_ridge(x: torch.Tensor, y: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's Ridge(alpha) with an intercept: x [n, d], y [n, k] -> weight [k, d], bias [k]."""
+    x, y = x.double(), y.double()
+    x_mean, y_mean = x.mean(0), y.mean(0)
+    xc, yc = x - x_mean, y - y_mean
+    gram = xc.T @ xc + alpha * torch.eye(x.shape[1], dtype=torch.float64)
+    weight = torch.linalg.solve(gram, xc.T @ yc).T
+    return weight.float(), (y_mean - weight @ x_mean).float()
+
+
+def fit_kvzap(x: torch.Tensor, y: torch.Tensor, model_type: str, hidden_dim: int, alpha: float, epochs: int,
+              seed: int):
+    """kvpress's KVzapModel fitted to (x, y) [n, L, *]."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+    num_layers = x.shape[1]
+    config = KVzapConfig(input_dim=x.shape[2], output_dim=y.shape[2], n_modules=num_layers,
+                         hidden_dim=hidden_dim if model_type == "mlp" else None)
+    torch.manual_seed(seed)
+    surrogate = KVzapModel(config).float()
+    if model_type == "linear":
+        with torch.no_grad():
+            for layer_idx, linear in enumerate(surrogate.layers):
+                weight, bias = fit_ridge(x[:, layer_idx], y[:, layer_idx], alpha)
+                linear.weight.copy_(weight)
+                linear.bias.copy_(bias)
+        return surrogate
+    optimizer = torch.optim.AdamW(surrogate.parameters(), lr=5e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for batch in torch.randperm(x.shape[0], generator=generator).split(512):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(surrogate(x[batch]), y[batch])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(surrogate.parameters(), 1.0)
+            optimizer.step()
+        schedule.step()
+    return surrogate.eval()
+
+
+def train_kvzap(eager_model, tok, stories: list[str], num_train: int, num_test: int, model_type: str,
+                hidden_dim: int = 512, alpha: float = 1.0, epochs: int = 15, seed: int = 0):
+    """The recipe on stories[:num_train], tested on the next num_test: (KVzapModel, fit summary)."""
+    x, y = kvzap_training_data(eager_model, tok, stories[:num_train])
+    x_test, y_test = kvzap_training_data(eager_model, tok, stories[num_train:num_train + num_test])
+    surrogate = fit_kvzap(x, y, model_type, hidden_dim, alpha, epochs, seed)
+    with torch.no_grad():
+        r2 = r_squared(surrogate(x_test), y_test)
+    return surrogate, {"recipe": "KVzap (kvpress kvzap/train.py)", "model_type": model_type,
+                       "train_stories": num_train, "test_stories": num_test, "train_tokens": int(x.shape[0]),
+                       "test_tokens": int(x_test.shape[0]), "test_r2_per_layer": r2}
+
+
+def save_kvzap_folder(folder: Path, surrogate, fit: dict):
+    """kvpress's KVzapModel.save_pretrained layout (config.json, model.safetensors) plus fit.json; each
+    file replaced whole."""
+    import contextlib
+    import io
+    import shutil
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder, prefix=".kvzap"))
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+            surrogate.save_pretrained(str(staging))
+        for name in ("config.json", "model.safetensors"):
+            os.replace(staging / name, folder / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    write_atomically(folder / "fit.json", lambda tmp: Path(tmp).write_text(json.dumps(fit, indent=1) + "\n"))
+
+
+def r_squared(prediction: torch.Tensor, target: torch.Tensor) -> list[float]:
+    """Per layer, 1 - SSE / SST over tokens and KV heads ([n, L, Hkv] each)."""
+    sse = (prediction - target).square().sum(dim=(0, 2))
+    sst = (target - target.mean(dim=0, keepdim=True)).square().sum(dim=(0, 2))
+    return (1 - sse / sst).tolist()
+
+
 def convert_lukv_curve(npy: Path, out: Path):
     """LU-KV's .npy curve -> budget_curves [99, L, Hkv] float32 in a safetensors file."""
     import numpy as np
@@ -241,6 +382,17 @@ def main():
     d.add_argument("--num-samples", type=int, default=50, help="stories drawn (kvpress's num_samples)")
     d.add_argument("--q-len", type=int, default=500, help="positions the mean query and key are repeated over")
     d.add_argument("--out", type=Path, required=True, help="output folder")
+    z = sub.add_parser("kvzap", help="KVzapPress's surrogate, fitted to KVzip+ scores (KVzap's recipe)")
+    z.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    z.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    z.add_argument("--num-train", type=int, default=80, help="stories the surrogate is fitted on (the first N)")
+    z.add_argument("--num-test", type=int, default=10, help="stories after those, for the printed R^2")
+    z.add_argument("--model-type", choices=("linear", "mlp"), default="linear", help="KVzapPress's model_type")
+    z.add_argument("--hidden-dim", type=int, default=512, help="mlp: hidden units")
+    z.add_argument("--alpha", type=float, default=1.0, help="linear: ridge penalty")
+    z.add_argument("--epochs", type=int, default=15, help="mlp: training epochs")
+    z.add_argument("--seed", type=int, default=0, help="mlp: initialisation and shuffling")
+    z.add_argument("--out", type=Path, required=True, help="output folder")
     c = sub.add_parser("lukv-curve", help="LUKVPress's budget curve, converted from LU-KV's .npy")
     c.add_argument("--npy", type=Path, required=True, help="LU-KV curve [99, num_layers, num_kv_heads] (.npy)")
     c.add_argument("--out", type=Path, required=True, help="output .safetensors file")
@@ -271,6 +423,23 @@ def main():
         write_atomically(args.out, lambda tmp: save_file({"q_filters": filters}, tmp, metadata=metadata))
         print(f"make_artifact.py: q_filters {list(filters.shape)} from {len(stories)} stories ({tokens} tokens) "
               f"-> {args.out}")
+        return
+
+    if args.artifact == "kvzap":
+        if args.num_train < 1 or args.num_test < 1 or args.num_train + args.num_test > len(stories):
+            fail(f"--num-train and --num-test must be >= 1 with a sum <= {len(stories)} (the stories), got "
+                 f"{args.num_train} and {args.num_test}")
+        if args.hidden_dim < 1 or args.epochs < 1 or not args.alpha >= 0:
+            fail(f"--hidden-dim and --epochs must be >= 1 and --alpha >= 0, got {args.hidden_dim}, {args.epochs}, "
+                 f"{args.alpha}")
+        eager = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+        surrogate, fit = train_kvzap(eager, tok, stories, args.num_train, args.num_test, args.model_type,
+                                     args.hidden_dim, args.alpha, args.epochs, args.seed)
+        save_kvzap_folder(args.out, surrogate, {**fit, "model": str(args.model), "stories_file": str(stories_file)})
+        r2 = fit["test_r2_per_layer"]
+        print(f"make_artifact.py: KVzap {args.model_type} surrogate from {args.num_train} stories "
+              f"({fit['train_tokens']} tokens); test R^2 per layer {[round(v, 3) for v in r2]} -> {args.out}")
         return
 
     if args.artifact == "duo-attention":
