@@ -54,6 +54,27 @@
         reads it as ours does; the test split's R^2 per layer is printed and saved in
         FOLDER/fit.json.
 
+    make_artifact.py fastkvzip --model DIR --out FILE.safetensors [--stories FILE] [--num-train N]
+            [--num-test M] [--steps S] [--seed S]
+        FastKVzipPress's gates by Fast KVzip's training recipe (the FastKVzip repository's optim.py):
+        one gate per layer (kvpress's FastKVzipGate: 16 dimensions, 16 learned sink keys, the
+        model's query groups), trained to predict the plain KVzip score of every context token from
+        the token's attention input. The targets come from kvpress's own KVzipPress on each story
+        ("<bos>" + story, the repeat prompt replayed after it), the inputs are that prefill's
+        attention inputs; the story tokens after BOS are used. Loss: binary cross-entropy between
+        the gate's score and the KVzip score, averaged over tokens, summed over heads and layers;
+        SGD (lr 0.2, momentum 0.9) for S steps (default 5000) of 1000 random positions shared by
+        all layers, the learning rate warmed up over 50 steps then halved at S/2 and again at 3S/4;
+        seeded. The first N stories (default 80) train, the next M (default 10) test (the printed
+        test loss per layer). One deliberate difference: the authors' training forward adds the
+        gate's bias b twice while every inference adds it once; here training uses the inference
+        form, so the saved b means what it was trained for. FILE: per layer the gate's state dict
+        as layers.<i>.<name> (the names of the authors' files).
+
+    make_artifact.py fastkvzip-convert --pt FILE.pt --out FILE.safetensors
+        Converts gates as the authors publish them (Jang-Hyun/Fast-KVzip <model>/q<G>_dim16_sink16.pt:
+        a torch.save dict whose "module" is the list of per-layer state dicts) into that file.
+
     make_artifact.py lukv-curve --npy FILE.npy --out FILE.safetensors
         LUKVPress's budget curve: converts a curve in LU-KV's published format (a NumPy .npy of
         prune fractions [99, num_layers, num_kv_heads], one row per target ratio 0.01..0.99, as
@@ -331,6 +352,116 @@ def r_squared(prediction: torch.Tensor, target: torch.Tensor) -> list[float]:
     return (1 - sse / sst).tolist()
 
 
+FASTKVZIP_GATE_DIM, FASTKVZIP_GATE_SINK = 16, 16  # the authors' released gates: q<G>_dim16_sink16
+
+
+@torch.no_grad()
+def kvzip_training_targets(sdpa_model, tok, stories: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per story token (after BOS): the attention input of every layer X [tokens, L, hidden] and
+    kvpress KVzipPress's plain score y [tokens, L, Hkv], from "<bos>" + story."""
+    import logging
+    from kvpress import KVzipPress
+    logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzipPress warns about its cost on every construction
+    layers = sdpa_model.model.layers
+    xs, ys = [], []
+    for story in stories:
+        ids = tok(story, return_tensors="pt").input_ids  # BOS + story
+        press = KVzipPress(compression_ratio=0.5)  # > 0, or kvpress skips the replay
+        captured, record = {}, {}
+
+        def hook(module, args, kwargs, output):
+            captured.setdefault(module.layer_idx, kwargs["hidden_states"][0, 1:].clone())  # the prefill's
+
+        def spy(model):
+            record["scores"] = press.score_val[:, 0, :, 1:].float().clone()  # [L, Hkv, n], before the sinks' + 1
+
+        press.compress_post = spy
+        hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+        try:
+            with press(sdpa_model):
+                sdpa_model.model(input_ids=ids, past_key_values=transformers.DynamicCache())
+        finally:
+            for handle in hooks:
+                handle.remove()
+        xs.append(torch.stack([captured[i] for i in range(len(layers))], dim=1))
+        ys.append(record["scores"].permute(2, 0, 1))
+    return torch.cat(xs).float(), torch.cat(ys).float()
+
+
+def fastkvzip_learning_rate(step: int, steps: int) -> float:
+    """The recipe's multiplier of the base rate: warm-up over 50 steps, halved at steps/2 and 3*steps/4."""
+    if step < 50:
+        return 0.01 * step
+    return 1.0 if step < steps // 2 else 0.5 if step < 3 * steps // 4 else 0.25
+
+
+def train_fastkvzip(sdpa_model, tok, stories: list[str], num_train: int, num_test: int, steps: int = 5000,
+                    seed: int = 0):
+    """The recipe on stories[:num_train], tested on the next num_test: (per-layer gates, fit summary)."""
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+    config = sdpa_model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    x, y = kvzip_training_targets(sdpa_model, tok, stories[:num_train])
+    x_test, y_test = kvzip_training_targets(sdpa_model, tok, stories[num_train:num_train + num_test])
+    torch.manual_seed(seed)
+    gates = [FastKVzipGate(i, config.hidden_size, config.num_key_value_heads, groups, torch.float32,
+                           FASTKVZIP_GATE_DIM, FASTKVZIP_GATE_SINK) for i in range(config.num_hidden_layers)]
+    parameters = [p for gate in gates for p in gate.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=0.2, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fastkvzip_learning_rate(step, steps))
+    generator = torch.Generator().manual_seed(seed)
+    order, cursor = torch.randperm(x.shape[0], generator=generator), 0
+
+    def loss_of(inputs, targets):  # summed over layers and heads, averaged over tokens
+        return sum(torch.nn.functional.binary_cross_entropy(gate(inputs[None, :, i]).clamp(1e-6, 1 - 1e-6)[0].T,
+                                                            targets[:, i], reduction="none").mean(0).sum()
+                   for i, gate in enumerate(gates))
+
+    for _ in range(steps):
+        if cursor + 1000 > order.numel():
+            order, cursor = torch.randperm(x.shape[0], generator=generator), 0
+        batch = order[cursor:cursor + 1000]
+        cursor += 1000
+        optimizer.zero_grad()
+        loss_of(x[batch], y[batch]).backward()
+        optimizer.step()
+        schedule.step()
+    with torch.no_grad():
+        test_loss = [float(torch.nn.functional.binary_cross_entropy(
+            gate(x_test[None, :, i]).clamp(1e-6, 1 - 1e-6)[0].T, y_test[:, i], reduction="none").mean(0).sum())
+            for i, gate in enumerate(gates)]
+        # What a constant predictor (the training mean per head) would lose, for scale.
+        mean = y.mean(0)
+        constant_loss = [float(torch.nn.functional.binary_cross_entropy(
+            mean[i].expand_as(y_test[:, i]), y_test[:, i], reduction="none").mean(0).sum()) for i in range(len(gates))]
+    return gates, {"recipe": "Fast KVzip (FastKVzip repository optim.py)", "train_stories": num_train,
+                   "test_stories": num_test, "train_tokens": int(x.shape[0]), "test_tokens": int(x_test.shape[0]),
+                   "steps": steps, "test_bce_per_layer": test_loss, "constant_bce_per_layer": constant_loss}
+
+
+def save_fastkvzip_gates(path: Path, state_dicts: list[dict], metadata: dict):
+    """layers.<i>.<name> for every gate's state dict, float32, in one safetensors file."""
+    tensors = {f"layers.{i}.{name}": t.detach().float().contiguous()
+               for i, sd in enumerate(state_dicts) for name, t in sd.items()}
+    write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata={k: str(v) for k, v in metadata.items()}))
+
+
+def convert_fastkvzip_gates(pt: Path, out: Path):
+    """The authors' .pt (a dict whose "module" lists per-layer state dicts) -> our safetensors."""
+    import numpy as np
+    try:
+        with torch.serialization.safe_globals([np.ndarray, np.dtype, np.dtypes.Float64DType, np.dtypes.Float32DType,
+                                               (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]):
+            data = torch.load(pt, weights_only=True, map_location="cpu")
+    except Exception as error:  # noqa: BLE001 (any unreadable file)
+        fail(f"--pt: cannot read {pt}: {error}")
+    modules = data.get("module") if isinstance(data, dict) else None
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, dict) for m in modules):
+        fail(f"--pt: {pt} must hold a dict whose \"module\" is a list of per-layer state dicts")
+    save_fastkvzip_gates(out, modules, {"artifact": "fastkvzip-gates", "source": str(pt)})
+    print(f"make_artifact.py: {len(modules)} FastKVzip gates from {pt} -> {out}")
+
+
 def convert_lukv_curve(npy: Path, out: Path):
     """LU-KV's .npy curve -> budget_curves [99, L, Hkv] float32 in a safetensors file."""
     import numpy as np
@@ -393,6 +524,17 @@ def main():
     z.add_argument("--epochs", type=int, default=15, help="mlp: training epochs")
     z.add_argument("--seed", type=int, default=0, help="mlp: initialisation and shuffling")
     z.add_argument("--out", type=Path, required=True, help="output folder")
+    f = sub.add_parser("fastkvzip", help="FastKVzipPress's gates, trained on KVzip scores (Fast KVzip's recipe)")
+    f.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    f.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    f.add_argument("--num-train", type=int, default=80, help="stories the gates are trained on (the first N)")
+    f.add_argument("--num-test", type=int, default=10, help="stories after those, for the printed test loss")
+    f.add_argument("--steps", type=int, default=5000, help="SGD steps of 1000 positions")
+    f.add_argument("--seed", type=int, default=0, help="initialisation and sampling")
+    f.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    fc = sub.add_parser("fastkvzip-convert", help="FastKVzipPress's gates, converted from the authors' .pt")
+    fc.add_argument("--pt", type=Path, required=True, help="the authors' q<G>_dim16_sink16.pt")
+    fc.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     c = sub.add_parser("lukv-curve", help="LUKVPress's budget curve, converted from LU-KV's .npy")
     c.add_argument("--npy", type=Path, required=True, help="LU-KV curve [99, num_layers, num_kv_heads] (.npy)")
     c.add_argument("--out", type=Path, required=True, help="output .safetensors file")
@@ -400,6 +542,9 @@ def main():
 
     if args.artifact == "lukv-curve":
         convert_lukv_curve(args.npy, args.out)
+        return
+    if args.artifact == "fastkvzip-convert":
+        convert_fastkvzip_gates(args.pt, args.out)
         return
 
     if not (args.model / "config.json").exists():
@@ -440,6 +585,21 @@ def main():
         r2 = fit["test_r2_per_layer"]
         print(f"make_artifact.py: KVzap {args.model_type} surrogate from {args.num_train} stories "
               f"({fit['train_tokens']} tokens); test R^2 per layer {[round(v, 3) for v in r2]} -> {args.out}")
+        return
+
+    if args.artifact == "fastkvzip":
+        if args.num_train < 1 or args.num_test < 1 or args.num_train + args.num_test > len(stories):
+            fail(f"--num-train and --num-test must be >= 1 with a sum <= {len(stories)} (the stories), got "
+                 f"{args.num_train} and {args.num_test}")
+        if args.steps < 1:
+            fail(f"--steps must be >= 1, got {args.steps}")
+        sdpa = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa").eval()
+        gates, fit = train_fastkvzip(sdpa, tok, stories, args.num_train, args.num_test, args.steps, args.seed)
+        save_fastkvzip_gates(args.out, [gate.state_dict() for gate in gates],
+                             {**fit, "model": str(args.model), "stories_file": str(stories_file)})
+        print(f"make_artifact.py: {len(gates)} FastKVzip gates from {args.num_train} stories ({fit['train_tokens']} "
+              f"tokens, {args.steps} steps); test BCE per layer {[round(v, 3) for v in fit['test_bce_per_layer']]} "
+              f"(a constant: {[round(v, 3) for v in fit['constant_bce_per_layer']]}) -> {args.out}")
         return
 
     if args.artifact == "duo-attention":

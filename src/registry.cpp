@@ -31,6 +31,7 @@
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
 #include "kvpress/presses/expected_attention_stats_press.h"
+#include "kvpress/presses/fastkvzip_press.h"
 #include "kvpress/presses/finch_press.h"
 #include "kvpress/presses/key_rerotation_press.h"
 #include "kvpress/presses/keydiff_press.h"
@@ -717,6 +718,28 @@ std::vector<Entry> second_pass_entries() {
          const int64_t chunk_size =
              p.get("chunk_size", KVzipPress::kDefaultChunkSize, "context tokens repeated per replay pass");
          return std::make_unique<KVzipPress>(r, layerwise, n_sink, plus, chunk_size);
+       }},
+      {"FastKVzipPress",
+       K::kSecondPass,
+       "KVzip's importance predicted by a trained gate per layer from the attention input; evicted globally over "
+       "layers and heads (layerwise: per layer)",
+       {{{{"hidden_states"}}},
+        {},
+        {"layer_idx"},
+        "every layer's gate scores before the global selection (kvpress::llama::fast_kvzip_prefill); layerwise=true "
+        "compresses one layer alone"},
+       [](double r, Params& p) {
+         using P = FastKVzipPress;
+         const bool layerwise = p.get("layerwise", P::kDefaultLayerwise, "per-layer budgets (else global)");
+         const int64_t n_sink = p.get("n_sink", P::kDefaultNSink, "first tokens always kept");
+         const int64_t window_size =
+             p.get("window_size", P::kDefaultWindowSize, "trailing tokens kept from 32000 tokens on");
+         const double window_ratio =
+             p.get("window_ratio", P::kDefaultWindowRatio, "fraction of a shorter context kept at its end");
+         const std::string gates = p.get_path(
+             "gates", "the model's gates, safetensors (scripts/make_artifact.py fastkvzip or fastkvzip-convert)");
+         return std::make_unique<P>(r, layerwise, n_sink, window_size, window_ratio,
+                                    gates.empty() ? P::Gates{} : P::load_gates(gates));
        }},
   };
 }

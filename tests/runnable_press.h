@@ -33,7 +33,8 @@ struct ModelShape {
 // query_cov [L, Hq, D, D] positive semi-definite) and KVzapPress's surrogate (a folder with an MLP
 // hidden -> 8 -> Hkv per layer, as KVzapModel.save_pretrained names its weights) and LUKVPress's
 // budget curves (a file: prune fractions [99, L, Hkv] uniform in [0, 1)) and DuoAttentionPress's
-// attention pattern (a folder: sink 4, recent 16, head scores uniform in [0, 1)).
+// attention pattern (a folder: sink 4, recent 16, head scores uniform in [0, 1)) and FastKVzipPress's
+// gates (a file: 16 dimensions, 4 sink keys per layer).
 inline std::string random_artifact(const std::string& kind, const ModelShape& s) {
   // Removed with the C library at exit: std::filesystem there may resolve into libtorch's copy,
   // already torn down.
@@ -79,6 +80,21 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
     path = base.string() + ".safetensors";
     io::save_safetensors(
         path, {{LUKVPress::kTensorName, at::rand({LUKVPress::kCurveRatios, s.num_layers, s.kv_heads}, gen)}});
+  } else if (kind == "gates") {  // FastKVzipPress
+    path = base.string() + ".safetensors";
+    const int64_t g = s.num_heads / s.kv_heads, o = 16;
+    std::map<std::string, at::Tensor> weights;
+    for (int64_t l = 0; l < s.num_layers; ++l) {
+      const std::string layer = "layers." + std::to_string(l) + ".";
+      weights[layer + "q_proj.weight"] = at::randn({s.kv_heads * g * o, s.hidden}, gen);
+      weights[layer + "q_proj.bias"] = at::randn({s.kv_heads * g * o}, gen);
+      weights[layer + "k_proj.weight"] = at::randn({s.kv_heads * o, s.hidden}, gen);
+      weights[layer + "q_norm.weight"] = at::rand({o}, gen) + 0.5;
+      weights[layer + "k_norm.weight"] = at::rand({o}, gen) + 0.5;
+      weights[layer + "k_base"] = at::randn({s.kv_heads, 1, 4, o}, gen);
+      weights[layer + "b"] = at::randn({s.kv_heads, 1, g}, gen);
+    }
+    io::save_safetensors(path, weights);
   } else {  // kvzap_model
     path = base.string();
     std::filesystem::create_directories(path);

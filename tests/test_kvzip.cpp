@@ -1,17 +1,19 @@
 // KVzipPress and kvpress::llama::kvzip_prefill.
 //
-// KVzip.*        unit tests (no fixtures): replay chunks, the global selection and the chunk scores
+// KVzip.*, FastKVzip.*  unit tests (no fixtures): replay chunks, the global selection and the chunk scores
 //                against hand computations or a float64 reference; every error; the runner on
 //                TinyStories-656K (the cache is the plain prefill's selected tokens, query-chunk
 //                invariance, memory figures, ratio 0, LlamaModel::prefill's dispatch).
-// KVzipParity.*  against tests/reference/make_kvzip_fixtures.py (kvpress's own KVzip on the same
-//                model and context): scores, kept tokens per head, next-token logits.
+// KVzipParity.*  against tests/reference/make_kvzip_fixtures.py (kvpress's own KVzip and FastKVzip,
+//                the latter with the same trained gates, on the same model and context): scores,
+//                kept tokens per head, next-token logits.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -20,8 +22,11 @@
 #include <vector>
 
 #include "fixtures.h"
+#include "kvpress/io/safetensors.h"
 #include "kvpress/llama/kvzip.h"
 #include "kvpress/llama/llama.h"
+#include "kvpress/presses/fastkvzip_press.h"
+#include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/kvzip_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
@@ -273,6 +278,175 @@ TEST(KVzip, RunnerKeepsThePlainPrefillsSelectedTokens) {
   EXPECT_TRUE(at::equal(zero.keys(1), plain.keys(1)));
 }
 
+// ---- FastKVzipPress ----------------------------------------------------------------------------------
+
+kvpress::FastKVzipPress::Gates random_gates(int64_t layers, int64_t hkv, int64_t groups, int64_t hidden, int64_t sink,
+                                            uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t o = 16;
+  return {at::randn({layers, hkv * groups * o, hidden}, gen),
+          at::randn({layers, hkv * groups * o}, gen),
+          at::randn({layers, hkv * o, hidden}, gen),
+          at::rand({layers, o}, gen) + 0.5,
+          at::rand({layers, o}, gen) + 0.5,
+          at::randn({layers, hkv, sink, o}, gen),
+          at::randn({layers, hkv, groups}, gen)};
+}
+
+// The gate of layer l on h [S, hidden], from its definition, in float64: [Hkv, S].
+at::Tensor reference_gate(const kvpress::FastKVzipPress::Gates& g, int64_t l, const at::Tensor& h) {
+  const int64_t hkv = g.k_base.size(1), sink = g.k_base.size(2), groups = g.b.size(2), o = 16, s = h.size(0);
+  const auto norm = [](const at::Tensor& x, const at::Tensor& w) {
+    return w * x / at::sqrt(x.pow(2).mean(-1, true) + 1e-6);
+  };
+  const at::Tensor hd = h.to(at::kDouble);
+  const at::Tensor q = norm(
+      at::linear(hd, g.q_proj_weight[l].to(at::kDouble), g.q_proj_bias[l].to(at::kDouble)).view({s, hkv, groups, o}),
+      g.q_norm[l].to(at::kDouble));
+  const at::Tensor k =
+      norm(at::linear(hd, g.k_proj_weight[l].to(at::kDouble)).view({s, hkv, o}), g.k_norm[l].to(at::kDouble));
+  at::Tensor out = at::zeros({hkv, s}, at::kDouble);
+  for (int64_t h_ = 0; h_ < hkv; ++h_)
+    for (int64_t t = 0; t < s; ++t) {
+      double sum = 0;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const at::Tensor qg = q[t][h_][gi];
+        const double logit = (k[t][h_] * qg).sum().item<double>() / 4 + g.b[l][h_][gi].item<double>();
+        double denominator = 1;
+        for (int64_t j = 0; j < sink; ++j)
+          denominator += std::exp((g.k_base[l][h_][j].to(at::kDouble) * qg).sum().item<double>() / 4 - logit);
+        sum += 1 / denominator;
+      }
+      out[h_][t] = sum / static_cast<double>(groups);
+    }
+  return out;
+}
+
+TEST(FastKVzip, GateScoresMatchTheDefinition) {
+  const auto gates = random_gates(2, 2, 2, 8, 3, 11);
+  const kvpress::FastKVzipPress press(0.5, false, 2, 4096, 0.1, gates);
+  kvpress::LayerInputs in;
+  in.keys = in.values = at::randn({1, 2, 40, 4});
+  in.hidden_states = at::randn({1, 40, 8});
+  in.layer_idx = 1;
+  const at::Tensor ours = press.layer_scores(in)[0];
+  at::Tensor ref = reference_gate(gates, 1, in.hidden_states[0]);
+  ref.narrow(1, 0, 2).fill_(1.0);   // n_sink
+  ref.narrow(1, 36, 4).fill_(1.0);  // int(40 * 0.1) trailing positions
+  EXPECT_TRUE(at::allclose(ours.to(at::kDouble), ref, 1e-5, 1e-6)) << (ours - ref).abs().max();
+  // Blocks of 4096 positions give the scores of one pass; from 32000 positions on the window is window_size.
+  const kvpress::FastKVzipPress long_press(0.5, false, 0, 7, 0.5, gates);
+  in.keys = in.values = at::zeros({1, 2, 32000, 4});
+  in.hidden_states = at::randn({1, 32000, 8});
+  const at::Tensor long_scores = long_press.layer_scores(in)[0];
+  EXPECT_TRUE(long_scores.narrow(1, 32000 - 7, 7).eq(1).all().item<bool>());
+  EXPECT_TRUE(long_scores.narrow(1, 0, 32000 - 7).lt(1).all().item<bool>());
+  for (int64_t t0 : {4090, 8190}) {
+    const at::Tensor part = reference_gate(gates, 1, in.hidden_states[0].narrow(0, t0, 10));
+    EXPECT_TRUE(at::allclose(long_scores.narrow(1, t0, 10).to(at::kDouble), part, 1e-5, 1e-6)) << t0;
+  }
+}
+
+TEST(FastKVzip, LayerwiseCompressesOneLayerGlobalRefuses) {
+  const auto gates = random_gates(2, 2, 2, 8, 3, 12);
+  kvpress::LayerInputs in;
+  in.keys = in.values = at::randn({1, 2, 50, 4});
+  in.hidden_states = at::randn({1, 50, 8});
+  in.layer_idx = 0;
+  const kvpress::FastKVzipPress layerwise(0.6, true, 4, 4096, 0.02, gates);
+  EXPECT_FALSE(layerwise.needs_second_pass());
+  const at::Tensor mask = layerwise.keep_mask(in);
+  EXPECT_EQ(mask.sum().item<int64_t>(), 100 - static_cast<int64_t>(100 * 0.6));
+  EXPECT_TRUE(at::equal(mask, layerwise.keep_masks(layerwise.layer_scores(in)[0].unsqueeze(0))[0]));
+  EXPECT_TRUE(mask.narrow(2, 0, 4).all().item<bool>());   // sinks
+  EXPECT_TRUE(mask.narrow(2, 49, 1).all().item<bool>());  // the window: max(1, int(50 * 0.02))
+  const auto ragged = layerwise.compress_ragged(in);
+  EXPECT_EQ(ragged.keep_mask.sum().item<int64_t>(), mask.sum().item<int64_t>());
+  const kvpress::FastKVzipPress global(0.6, false, 4, 4096, 0.02, gates);
+  EXPECT_TRUE(global.needs_second_pass());
+  expect_error([&] { global.keep_mask(in); },
+               {"FastKVzipPress.keep_mask: with layerwise=false the selection is global", "second pass"});
+  expect_error([&] { kvpress::FastKVzipPress(0.5).layer_scores(in); },
+               {"FastKVzipPress.layer_scores: no gates: give gates=FILE"});
+  expect_error([] { kvpress::FastKVzipPress(0.5, false, 4, 0); }, {"FastKVzipPress: window_size must be > 0, got 0"});
+  expect_error([] { kvpress::FastKVzipPress(0.5, false, 4, 8, 1.5); },
+               {"FastKVzipPress: window_ratio must be in [0, 1], got 1.5"});
+  auto bad = gates;
+  bad.b = at::zeros({2, 3, 2});
+  expect_error([&] { kvpress::FastKVzipPress(0.5, false, 4, 8, 0.1, bad); }, {"FastKVzipPress: gate shapes disagree"});
+  in.hidden_states = at::randn({1, 50, 9});
+  expect_error([&] { layerwise.layer_scores(in); },
+               {"FastKVzipPress.layer_scores: the gates take hidden size 8, hidden_states have 9"});
+}
+
+TEST(FastKVzip, LoadsTheAuthorsLayoutAndRefusesOthers) {
+  const auto gates = random_gates(2, 2, 2, 8, 3, 13);
+  std::map<std::string, at::Tensor> file;
+  for (int64_t l = 0; l < 2; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    file[p + "q_proj.weight"] = gates.q_proj_weight[l];
+    file[p + "q_proj.bias"] = gates.q_proj_bias[l];
+    file[p + "k_proj.weight"] = gates.k_proj_weight[l];
+    file[p + "q_norm.weight"] = gates.q_norm[l];
+    file[p + "k_norm.weight"] = gates.k_norm[l];
+    file[p + "k_base"] = gates.k_base[l].unsqueeze(1);  // [Hkv, 1, sink, 16], as the authors save it
+    file[p + "b"] = gates.b[l].unsqueeze(1);            // [Hkv, 1, G]
+  }
+  const std::string path = ::testing::TempDir() + "kvpress_fastkvzip_gates.safetensors";
+  kvpress::io::save_safetensors(path, file);
+  const auto loaded = kvpress::FastKVzipPress::load_gates(path);
+  EXPECT_TRUE(at::equal(loaded.k_base, gates.k_base));
+  EXPECT_TRUE(at::equal(loaded.b, gates.b));
+  EXPECT_TRUE(at::equal(loaded.q_proj_weight, gates.q_proj_weight));
+  const auto built = kvpress::make_press("FastKVzipPress", 0.5, {{"gates", path}, {"layerwise", "true"}});
+  EXPECT_FALSE(built->needs_second_pass());
+  file.erase("layers.1.k_base");
+  kvpress::io::save_safetensors(path, file);
+  expect_error([&] { kvpress::FastKVzipPress::load_gates(path); }, {"layers.1.k_base"});
+  std::remove(path.c_str());
+}
+
+TEST(FastKVzip, RunnerKeepsThePlainPrefillsSelectedTokens) {
+  const LlamaModel& model = tiny_model();
+  const auto& c = model.config();
+  const auto gates = random_gates(c.num_layers, c.num_kv_heads, c.num_heads / c.num_kv_heads, c.hidden_size, 16, 14);
+  const kvpress::FastKVzipPress press(0.5, false, 4, 4096, 0.02, gates);
+  const at::Tensor ids = story_ids(30);
+  KVCache plain = model.new_cache();
+  model.prefill(ids, plain);
+  KVCache cache = model.new_cache();
+  const auto r = kvpress::llama::fast_kvzip_prefill(model, ids, cache, press);
+  int64_t kept = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const at::Tensor mask = r.prefill.keep_masks[l];
+    kept += mask.sum().item<int64_t>();
+    const auto expected = kvpress::HeadRaggedLayer::from_mask(plain.keys(l), plain.values(l), mask);
+    EXPECT_TRUE(at::equal(cache.ragged(l).packed_keys(), expected.packed_keys())) << "layer " << l;
+  }
+  const int64_t total = c.num_layers * c.num_kv_heads * 30;
+  EXPECT_EQ(kept, total - static_cast<int64_t>(total * 0.5));
+  // The scores are the gates' on each layer's attention input (the plain prefill's, seen by a press).
+  PrefillOptions seen;
+  std::vector<at::Tensor> expected_scores;
+  seen.on_compress = [&](const kvpress::LayerInputs& in, const kvpress::KV&) {
+    expected_scores.push_back(press.layer_scores(in)[0]);
+  };
+  const kvpress::KnormPress observer(0.0);
+  seen.press = &observer;
+  KVCache observed = model.new_cache();
+  model.prefill(ids, observed, seen);
+  ASSERT_EQ(expected_scores.size(), static_cast<size_t>(c.num_layers));
+  EXPECT_LT((r.scores - at::stack(expected_scores)).abs().max().item<double>(), 1e-5);
+  // Only one layer's keys/values existed during the scoring pass.
+  EXPECT_LE(r.memory.layer_kv_bytes, 2 * c.num_kv_heads * 30 * c.head_dim * 4 + c.num_heads * 30 * c.head_dim * 4);
+  // LlamaModel::prefill dispatches to it.
+  PrefillOptions opt;
+  opt.press = &press;
+  KVCache via_prefill = model.new_cache();
+  const auto out = model.prefill(ids, via_prefill, opt);
+  for (int64_t l = 0; l < c.num_layers; ++l) EXPECT_TRUE(at::equal(out.keep_masks[l], r.prefill.keep_masks[l]));
+}
+
 // ---- parity with kvpress 0.5.5 ----------------------------------------------------------------------
 
 const kvpress::testing::FolderFixtures& kvzip_fixtures() {
@@ -298,6 +472,20 @@ class KVzipSummary : public ::testing::Environment {
 };
 [[maybe_unused]] ::testing::Environment* const kSummary = ::testing::AddGlobalTestEnvironment(new KVzipSummary);
 
+// Keeps, in every layer, the tokens a reference selection kept ([L, Hkv, N] bool).
+class ReplayedMasks : public kvpress::BasePress {
+ public:
+  explicit ReplayedMasks(at::Tensor masks) : masks_(std::move(masks)) {}
+  std::string name() const override { return "ReplayedMasks"; }
+  double compression_ratio() const override { return 0.0; }
+  bool head_ragged() const override { return true; }
+  kvpress::KV compress(const kvpress::LayerInputs&) const override { refuse_uniform_compress(); }
+  at::Tensor keep_mask(const kvpress::LayerInputs& in) const override { return masks_[in.layer_idx].unsqueeze(0); }
+
+ private:
+  at::Tensor masks_;
+};
+
 TEST(KVzipParity, MatchesKvpress) {
   const auto& fx = kvzip_fixtures();
   ASSERT_TRUE(fx.error.empty()) << fx.error;
@@ -306,16 +494,30 @@ TEST(KVzipParity, MatchesKvpress) {
   const at::Tensor context = fixture(fx.manifest.at("inputs").get<std::string>(), "context_ids");
   const int64_t n = context.size(1), num_layers = model.config().num_layers;
   ASSERT_EQ(n, fx.manifest.at("context_len").get<int64_t>());
-  ASSERT_GE(fx.manifest.at("runs").size(), 8u);
+  ASSERT_GE(fx.manifest.at("runs").size(), 12u);
 
   for (const auto& jr : fx.manifest.at("runs")) {
     const std::string name = jr.at("name").get<std::string>(), file = jr.at("file").get<std::string>();
+    const std::string press_name = jr.at("press").get<std::string>();
     SCOPED_TRACE(name);
-    const auto press = kvpress::make_press("KVzipPress", jr.at("compression_ratio").get<double>(),
-                                           jr.at("params").get<std::map<std::string, std::string>>());
+    const auto press =
+        kvpress::make_press(press_name, jr.at("compression_ratio").get<double>(),
+                            kvpress::testing::with_artifact_paths(
+                                press_name, jr.at("params").get<std::map<std::string, std::string>>(), fx.dir));
     KVCache cache = model.new_cache();
-    const auto r =
-        kvpress::llama::kvzip_prefill(model, context, cache, dynamic_cast<const KVzipPress&>(*press), tiny_tokenizer());
+    const auto* fast = dynamic_cast<const kvpress::FastKVzipPress*>(press.get());
+    const auto r = fast ? kvpress::llama::fast_kvzip_prefill(model, context, cache, *fast)
+                        : kvpress::llama::kvzip_prefill(model, context, cache, dynamic_cast<const KVzipPress&>(*press),
+                                                        tiny_tokenizer());
+    if (fast && fast->layerwise()) {
+      // Layerwise, the ordinary prefill compresses layer by layer from LayerInputs: the same tokens.
+      KVCache direct = model.new_cache();
+      PrefillOptions opt;
+      opt.press = fast;
+      const auto out = model.prefill(context, direct, opt);
+      for (int64_t l = 0; l < num_layers; ++l)
+        EXPECT_TRUE(at::equal(out.keep_masks[l], r.prefill.keep_masks[l])) << "layer " << l;
+    }
 
     // 1. Scores within float32 noise (our replay runs layer by layer in query blocks; kvpress runs
     // whole forwards).
@@ -336,6 +538,15 @@ TEST(KVzipParity, MatchesKvpress) {
                                            << " positions kept by one side only, far from the threshold";
     }
     // 3. Next-token logits over the compressed cache (kvpress: its masked attention), one per forward.
+    // Where a tie was broken the other way, over a cache holding kvpress's kept tokens instead (its
+    // layer-0 gate scores repeated tokens alike: their attention input is their embedding).
+    if (n_diff > 0) {
+      const ReplayedMasks replayed(ref_mask);
+      cache = model.new_cache();
+      PrefillOptions opt;
+      opt.press = &replayed;
+      model.prefill(context, cache, opt);
+    }
     const at::Tensor tokens = fixture(file, "decode_tokens"), ref_logits = fixture(file, "decode_logits");
     double max_diff = 0;
     for (int64_t i = 0; i < tokens.size(0); ++i) {
@@ -345,7 +556,8 @@ TEST(KVzipParity, MatchesKvpress) {
     EXPECT_LT(max_diff, 1e-4);
     std::ostringstream line;
     line << "kept " << (n_diff == 0 ? std::string("exact") : "modulo " + std::to_string(n_diff) + " near-ties")
-         << ", max rel |d score| " << std::setprecision(3) << scores_rel << ", max |d logits| " << max_diff;
+         << ", max rel |d score| " << std::setprecision(3) << scores_rel << ", max |d logits| " << max_diff
+         << (n_diff > 0 ? " (kvpress's kept tokens replayed)" : "");
     parity_summary()[name] = line.str();
   }
 }

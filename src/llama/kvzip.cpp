@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <functional>
 #include <initializer_list>
 #include <sstream>
 #include <utility>
@@ -37,10 +38,10 @@ void record_peak(KVzipMemory& m, int64_t layer_kv, int64_t activations, int64_t 
   m.scores_bytes = scores;
 }
 
-// The second prefill's press: each layer keeps the selection KVzip made for it.
+// The second prefill's press: each layer keeps the selection the scoring pass made for it.
 class SelectedTokensPress : public BasePress {
  public:
-  SelectedTokensPress(const KVzipPress& press, std::vector<at::Tensor> masks)
+  SelectedTokensPress(const BasePress& press, std::vector<at::Tensor> masks)
       : press_(press), masks_(std::move(masks)) {}
   std::string name() const override { return press_.name(); }
   double compression_ratio() const override { return press_.compression_ratio(); }
@@ -51,14 +52,20 @@ class SelectedTokensPress : public BasePress {
   }
 
  private:
-  const KVzipPress& press_;
+  const BasePress& press_;
   std::vector<at::Tensor> masks_;  // per layer [1, Hkv, N] bool
 };
 
-// KVzip's scores of every context token: the context and every replay chunk go through the
-// model together, layer by layer, so only one layer's keys/values exist at a time.
-at::Tensor replay_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
-                         const std::vector<KVzipReplayChunk>& chunks, int64_t query_chunk, KVzipMemory& memory) {
+// Scores a layer's context tokens from its attention input: [1, Hkv, N] (FastKVzip's gates).
+using ContextScorer = std::function<at::Tensor(int64_t layer, const LlamaModel::LayerQKV& context)>;
+
+// The scores of every context token: the context and every replay chunk (none for FastKVzip) go
+// through the model together, layer by layer, so only one layer's keys/values exist at a time. A
+// layer's scores come from context_scorer (when given) and the replay blocks (KVzip's chunk scores,
+// a running maximum).
+at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress* press,
+                        const std::vector<KVzipReplayChunk>& chunks, const ContextScorer& context_scorer,
+                        int64_t query_chunk, KVzipMemory& memory) {
   const LlamaConfig& c = model.config();
   const int64_t n = context_ids.size(1), hkv = c.num_kv_heads, d = c.head_dim;
   const auto options = model.embed(context_ids.narrow(1, 0, 1)).options();
@@ -83,6 +90,7 @@ at::Tensor replay_scores(const LlamaModel& model, const at::Tensor& context_ids,
     at::Tensor layer_values = at::empty({1, hkv, n + longest, d}, options);
     {
       LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, context_rope);
+      if (context_scorer) scores[li].copy_(context_scorer(li, qkv)[0]);
       layer_keys.narrow(2, 0, n).copy_(qkv.k);
       layer_values.narrow(2, 0, n).copy_(qkv.v);
       qkv.k.reset();
@@ -96,13 +104,14 @@ at::Tensor replay_scores(const LlamaModel& model, const at::Tensor& context_ids,
     }
     const at::Tensor context_keys = layer_keys.narrow(2, 0, n);
     for (size_t ci = 0; ci < chunks.size(); ++ci) {
+      TORCH_CHECK(press != nullptr, "scoring_pass: replay chunks need the KVzipPress that scores them");
       const KVzipReplayChunk& chunk = chunks[ci];
       at::Tensor& stream = streams[ci];
       const int64_t p = stream.size(1), len = chunk.end - chunk.start;
-      const int64_t sink = std::min(press.n_sink(), chunk.start);
+      const int64_t sink = std::min(press->n_sink(), chunk.start);
       // KVzip+: ||W_o v|| of the chunk's values, per query head.
       const at::Tensor column_scale =
-          press.kvzip_plus_normalization()
+          press->kvzip_plus_normalization()
               ? KVzipPress::value_output_norms(layer_values.narrow(2, chunk.start, len), model.o_proj(li))
               : at::Tensor();
       at::Tensor chunk_max = scores[li].narrow(1, chunk.start, len);  // [Hkv, len] view
@@ -115,8 +124,8 @@ at::Tensor replay_scores(const LlamaModel& model, const at::Tensor& context_ids,
         const at::Tensor row_scale =
             column_scale.defined() ? at::reciprocal(qkv.h.to(at::kFloat).norm(2, {-1})) : at::Tensor();
         const at::Tensor block =
-            press.chunk_scores(qkv.q, context_keys.narrow(2, 0, sink), context_keys.narrow(2, chunk.start, len),
-                               layer_keys.narrow(2, n, seen), r0, row_scale, column_scale);
+            press->chunk_scores(qkv.q, context_keys.narrow(2, 0, sink), context_keys.narrow(2, chunk.start, len),
+                                layer_keys.narrow(2, n, seen), r0, row_scale, column_scale);
         chunk_max.copy_(at::maximum(chunk_max, block[0]));
         // What chunk_scores held: float32 logits and weights over sink + chunk + seen keys.
         const int64_t block_bytes = 2 * 4 * c.num_heads * rows * (sink + len + seen);
@@ -134,27 +143,46 @@ at::Tensor replay_scores(const LlamaModel& model, const at::Tensor& context_ids,
 
 }  // namespace
 
-KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
-                          const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill,
-                          const KVzipRunOptions& run) {
-  constexpr const char* op = "kvzip_prefill";
-  const LlamaConfig& c = model.config();
+namespace {
+
+// The checks both entry points share; returns the full cache's bytes (for KVzipMemory).
+int64_t check_prefill_args(const char* op, const LlamaModel& model, const at::Tensor& context_ids,
+                           const KVCache& cache) {
   std::ostringstream shape;
   shape << context_ids.sizes();
   TORCH_CHECK(context_ids.dim() == 2 && context_ids.size(0) == 1 && context_ids.size(1) > 0 &&
                   context_ids.scalar_type() == at::kLong,
               op, ": context_ids must be a non-empty int64 [1, n] tensor (batch 1, as kvpress), got ", shape.str(), " ",
               context_ids.scalar_type());
-  TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
   TORCH_CHECK(cache.position() == 0, op, ": the cache already holds ", cache.position(),
-              " tokens; KVzip prefills an empty cache");
+              " tokens; it prefills an empty cache");
+  const LlamaConfig& c = model.config();
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(model.dtype()));
+  return c.num_layers * 2 * c.num_kv_heads * context_ids.size(1) * c.head_dim * elt;
+}
 
+// The ordinary prefill with each layer compressed to its mask right after its attention.
+ForwardOutput prefill_selected(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                               const BasePress& press, std::vector<at::Tensor> masks, const PrefillOptions& prefill) {
+  const SelectedTokensPress selected(press, std::move(masks));
+  PrefillOptions compressing = prefill;
+  compressing.press = &selected;
+  return model.prefill(context_ids, cache, compressing);  // leaves the cache as it was on failure
+}
+
+}  // namespace
+
+KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                          const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill,
+                          const KVzipRunOptions& run) {
+  constexpr const char* op = "kvzip_prefill";
+  KVzipResult result;
+  result.memory.full_cache_bytes = check_prefill_args(op, model, context_ids, cache);
+  TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
+  const LlamaConfig& c = model.config();
+  const int64_t n = context_ids.size(1);
   PrefillOptions plain = prefill;
   plain.press = nullptr;
-  KVzipResult result;
-  const int64_t n = context_ids.size(1);
-  const int64_t elt = static_cast<int64_t>(c10::elementSize(model.dtype()));
-  result.memory.full_cache_bytes = c.num_layers * 2 * c.num_kv_heads * n * c.head_dim * elt;
   if (press.compression_ratio() == 0.0) {  // kvpress skips the replay: nothing is evicted
     result.prefill = model.prefill(context_ids, cache, plain);
     result.scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
@@ -167,12 +195,30 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
   const std::vector<KVzipReplayChunk> chunks =
       press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
                           encode(KVzipPress::kRepeatSuffix));
-  result.scores = replay_scores(model, context_ids, press, chunks, run.query_chunk, result.memory);
+  result.scores = scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, result.memory);
+  result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
+  return result;
+}
 
-  const SelectedTokensPress selected(press, press.keep_masks(result.scores));
-  PrefillOptions compressing = plain;
-  compressing.press = &selected;
-  result.prefill = model.prefill(context_ids, cache, compressing);  // leaves the cache as it was on failure
+KVzipResult fast_kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                               const FastKVzipPress& press, const PrefillOptions& prefill) {
+  constexpr const char* op = "fast_kvzip_prefill";
+  KVzipResult result;
+  result.memory.full_cache_bytes = check_prefill_args(op, model, context_ids, cache);
+  const int64_t num_layers = model.config().num_layers;
+  const ContextScorer gate = [&](int64_t layer, const LlamaModel::LayerQKV& context) {
+    LayerInputs in;
+    in.keys = context.k;
+    in.values = context.v;
+    in.hidden_states = context.h;
+    in.layer_idx = layer;
+    in.num_layers = num_layers;
+    return press.layer_scores(in);
+  };
+  result.scores = scoring_pass(model, context_ids, nullptr, {}, gate, /*query_chunk=*/1, result.memory);
+  PrefillOptions plain = prefill;
+  plain.press = nullptr;
+  result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
   return result;
 }
 

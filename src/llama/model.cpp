@@ -344,8 +344,8 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   TORCH_CHECK(options.question_length >= 0 && (input_ids.dim() != 2 || options.question_length <= input_ids.size(1)),
               "LlamaModel::prefill: question_length must be in [0, ", input_ids.dim() == 2 ? input_ids.size(1) : 0,
               "] (the prefill's tokens), got ", options.question_length);
-  // KVCompose and KVzip cannot compress layer by layer: they run the model again over the context
-  // (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
+  // KVCompose, KVzip and FastKVzip (global) cannot compress layer by layer: they run the model
+  // again over the context (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
   if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
     return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
   if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {
@@ -354,6 +354,8 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
                 "model's tokenizer: set PrefillOptions::tokenizer");
     return kvzip_prefill(*this, input_ids, cache, *kvzip, *options.tokenizer, options).prefill;
   }
+  if (const auto* fast = dynamic_cast<const FastKVzipPress*>(options.press); fast && fast->needs_second_pass())
+    return fast_kvzip_prefill(*this, input_ids, cache, *fast, options).prefill;
   return run(input_ids, cache, options, &options);
 }
 

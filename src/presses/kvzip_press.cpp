@@ -150,33 +150,40 @@ at::Tensor KVzipPress::value_output_norms(const at::Tensor& values, const at::Te
   return (at::matmul(v, gram) * v).sum(-1).clamp_min(0.0).sqrt().unsqueeze(0);                      // [1, Hkv, G, c]
 }
 
+std::vector<at::Tensor> kvzip_evict_lowest(const at::Tensor& scores, double compression_ratio, bool layerwise,
+                                           const char* op) {
+  check_rank(op, "scores", scores, 3, "[num_layers, kv_heads, seq_len]");
+  check_float(op, "scores", scores);
+  check_non_empty(op, "scores", scores);
+  check_finite_scores(op, scores);
+  check_ratio(op, compression_ratio);
+  const int64_t layers = scores.size(0), hkv = scores.size(1), n = scores.size(2), per_layer = hkv * n;
+  const at::Tensor s = scores.to(at::kFloat);
+  std::vector<int64_t> evicted(static_cast<size_t>(layers), evicted_count(per_layer, compression_ratio));
+  if (!layerwise && compression_ratio > 0.0) {
+    const int64_t total = layers * per_layer;
+    const at::Tensor kept = best_mask(s.reshape(-1), total - evicted_count(total, compression_ratio));
+    const at::Tensor kept_per_layer = kept.view({layers, per_layer}).sum(1).cpu();
+    for (int64_t l = 0; l < layers; ++l)
+      evicted[static_cast<size_t>(l)] = per_layer - kept_per_layer[l].item<int64_t>();
+  }
+  std::vector<at::Tensor> masks;
+  for (int64_t l = 0; l < layers; ++l)
+    masks.push_back(best_mask(s[l].reshape(-1), per_layer - evicted[static_cast<size_t>(l)]).view({1, hkv, n}));
+  return masks;
+}
+
 std::vector<at::Tensor> KVzipPress::keep_masks(const at::Tensor& scores) const {
   constexpr const char* op = "KVzipPress.keep_masks";
   check_rank(op, "scores", scores, 3, "[num_layers, kv_heads, seq_len]");
   check_float(op, "scores", scores);
   check_non_empty(op, "scores", scores);
   check_finite_scores(op, scores);
-  const int64_t layers = scores.size(0), hkv = scores.size(1), n = scores.size(2), per_layer = hkv * n;
-  std::vector<at::Tensor> masks;
-  if (compression_ratio_ == 0.0) {
-    for (int64_t l = 0; l < layers; ++l) masks.push_back(at::ones({1, hkv, n}, scores.options().dtype(at::kBool)));
-    return masks;
-  }
   at::Tensor s = scores.to(at::kFloat).clone();
   // The sinks are never evicted: kvpress gives them the highest score + 1.
-  if (n_sink_ > 0) s.narrow(2, 0, std::min(n_sink_, n)).fill_(s.max().item<double>() + 1.0);
-
-  std::vector<int64_t> evicted(static_cast<size_t>(layers), evicted_count(per_layer, compression_ratio_));
-  if (!layerwise_) {
-    const int64_t total = layers * per_layer;
-    const at::Tensor kept = best_mask(s.view(-1), total - evicted_count(total, compression_ratio_));
-    const at::Tensor kept_per_layer = kept.view({layers, per_layer}).sum(1).cpu();
-    for (int64_t l = 0; l < layers; ++l)
-      evicted[static_cast<size_t>(l)] = per_layer - kept_per_layer[l].item<int64_t>();
-  }
-  for (int64_t l = 0; l < layers; ++l)
-    masks.push_back(best_mask(s[l].reshape(-1), per_layer - evicted[static_cast<size_t>(l)]).view({1, hkv, n}));
-  return masks;
+  if (n_sink_ > 0 && compression_ratio_ > 0.0)
+    s.narrow(2, 0, std::min(n_sink_, s.size(2))).fill_(s.max().item<double>() + 1.0);
+  return kvzip_evict_lowest(s, compression_ratio_, layerwise_, op);
 }
 
 }  // namespace kvpress

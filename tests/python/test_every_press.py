@@ -71,7 +71,7 @@ def params_of(press):
     # Presses that draw random numbers get a seed, so that the CLI and the ops agree.
     params = ["seed=1"] if any(p["name"] == "seed" for p in press["params"]) else []
     # Files a press reads (QFilterPress's filters, ExpectedAttentionStatsPress's statistics, KVzapPress's
-    # surrogate, LUKVPress's budget curves, DuoAttentionPress's pattern): random ones.
+    # surrogate, LUKVPress's budget curves, DuoAttentionPress's pattern, FastKVzipPress's gates): random ones.
     params += [f"{p['name']}={ARTIFACTS[p['name']]}" for p in press["params"] if p["type"] == "path"]
     if press["name"] == "SimLayerKVPress":  # it reads its inputs only where it judges a layer
         params += ["lazy_threshold=0.5", "n_recent=16"]
@@ -98,7 +98,7 @@ with tempfile.TemporaryDirectory() as tmp:
     g = torch.Generator().manual_seed(5)
     ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats",
                  "kvzap_model": tmp / "kvzap", "budget_curves": tmp / "lukv_curves.safetensors",
-                 "attention_pattern": tmp / "duo_pattern"}
+                 "attention_pattern": tmp / "duo_pattern", "gates": tmp / "fastkvzip_gates.safetensors"}
     save_file({"q_filters": torch.randn(scalars["num_layers"], HKV, D, generator=g)}, str(ARTIFACTS["q_filters"]))
     ARTIFACTS["stats_folder"].mkdir()
     a = torch.randn(scalars["num_layers"], HQ, D, D, generator=g)
@@ -113,6 +113,11 @@ with tempfile.TemporaryDirectory() as tmp:
     save_file({f"layers.{i}.{j}.{w}": torch.randn(*shape, generator=g) for i in range(scalars["num_layers"])
                for j, w, shape in ((0, "weight", (8, HIDDEN)), (0, "bias", (8,)), (2, "weight", (HKV, 8)),
                                    (2, "bias", (HKV,)))}, str(ARTIFACTS["kvzap_model"] / "model.safetensors"))
+    gate_shapes = {"q_proj.weight": (HKV * (HQ // HKV) * 16, HIDDEN), "q_proj.bias": (HKV * (HQ // HKV) * 16,),
+                   "k_proj.weight": (HKV * 16, HIDDEN), "q_norm.weight": (16,), "k_norm.weight": (16,),
+                   "k_base": (HKV, 1, 4, 16), "b": (HKV, 1, HQ // HKV)}  # FastKVzipPress: 4 sink keys per gate
+    save_file({f"layers.{i}.{k}": torch.randn(*shape, generator=g) for i in range(scalars["num_layers"])
+               for k, shape in gate_shapes.items()}, str(ARTIFACTS["gates"]))
     for press in registry["presses"]:
         name = press["name"]
         chosen, optional = given_fields(press)

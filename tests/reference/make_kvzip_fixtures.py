@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""KVzipPress fixtures: the pinned kvpress's KVzip on TinyStories-656K.
+"""KVzipPress and FastKVzipPress fixtures: the pinned kvpress's KVzip family on TinyStories-656K.
 
     python make_kvzip_fixtures.py --out DIR [--models DIR] [--data FILE]
 
@@ -15,49 +15,86 @@ masked_key_indices). We record:
 
 The runs cover the defaults (one replay chunk), other ratios, layerwise budgets, KVzip+
 normalization, and several replay chunks (chunk_size below N, with and without sinks).
+
+FastKVzipPress runs (global and layerwise, other sinks and window) read gates that
+scripts/make_artifact.py's fastkvzip recipe trains on the first 40 stories (300 steps: enough to
+give the scores a realistic spread; parity needs only that both sides read the same gates), saved
+as `fastkvzip_gates.safetensors` for the C++ side and handed to kvpress as its FastKVzipGate
+modules (instead of its download). For them `scores` is kvpress's stacked score_val.
 CPU only, two threads, float32. Takes a few seconds.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
-from common import (KVPRESS_VERSION, MODEL, greedy_steps, load_model, load_stories, load_tokenizer, model_dir,
+from common import (KVPRESS_VERSION, MODEL, REPO, greedy_steps, load_model, load_stories, load_tokenizer, model_dir,
                     parse_args, parse_value, prepare_out, save, setup, token_ids, versions, write_json)
 
 import torch
 from transformers import DynamicCache
 
-from kvpress import KVzipPress
+from kvpress import FastKVzipPress, KVzipPress
+from kvpress.presses.fastkvzip_press import FastKVzipGate
+
+sys.path.insert(0, str(REPO / "scripts"))
+import make_artifact  # noqa: E402 (scripts/ is not a package)
 
 STORY = 2          # held-out story index
 CONTEXT_LEN = 240  # N, BOS included
 DECODE_STEPS = 4   # the story's next token, then 3 greedy tokens
 
-# (name, KVzipPress parameters as text, kvpress names)
+GATES_FILE = "fastkvzip_gates.safetensors"
+
+# (name, press, parameters as text, kvpress names)
 RUNS = [
-    ("default_r0.5", {"compression_ratio": "0.5"}),
-    ("default_r0.25", {"compression_ratio": "0.25"}),
-    ("default_r0.8", {"compression_ratio": "0.8"}),
-    ("layerwise_r0.5", {"compression_ratio": "0.5", "layerwise": "true"}),
-    ("plus_r0.5", {"compression_ratio": "0.5", "kvzip_plus_normalization": "true"}),
-    ("chunks_r0.5", {"compression_ratio": "0.5", "chunk_size": "96"}),
-    ("chunks_nosink_r0.6", {"compression_ratio": "0.6", "chunk_size": "100", "n_sink": "0"}),
-    ("chunks_plus_layerwise_r0.4", {"compression_ratio": "0.4", "chunk_size": "64", "layerwise": "true",
-                                    "kvzip_plus_normalization": "true", "n_sink": "8"}),
+    ("default_r0.5", "KVzipPress", {"compression_ratio": "0.5"}),
+    ("default_r0.25", "KVzipPress", {"compression_ratio": "0.25"}),
+    ("default_r0.8", "KVzipPress", {"compression_ratio": "0.8"}),
+    ("layerwise_r0.5", "KVzipPress", {"compression_ratio": "0.5", "layerwise": "true"}),
+    ("plus_r0.5", "KVzipPress", {"compression_ratio": "0.5", "kvzip_plus_normalization": "true"}),
+    ("chunks_r0.5", "KVzipPress", {"compression_ratio": "0.5", "chunk_size": "96"}),
+    ("chunks_nosink_r0.6", "KVzipPress", {"compression_ratio": "0.6", "chunk_size": "100", "n_sink": "0"}),
+    ("chunks_plus_layerwise_r0.4", "KVzipPress", {"compression_ratio": "0.4", "chunk_size": "64",
+                                                  "layerwise": "true", "kvzip_plus_normalization": "true",
+                                                  "n_sink": "8"}),
+    ("fast_r0.5", "FastKVzipPress", {"compression_ratio": "0.5"}),
+    ("fast_r0.75", "FastKVzipPress", {"compression_ratio": "0.75"}),
+    ("fast_layerwise_r0.5", "FastKVzipPress", {"compression_ratio": "0.5", "layerwise": "true"}),
+    ("fast_window_r0.6", "FastKVzipPress", {"compression_ratio": "0.6", "n_sink": "0", "window_ratio": "0.1"}),
 ]
 
 
-def run_press(model, context, first_token, params: dict):
-    press = KVzipPress(**{k: parse_value(v) for k, v in params.items()})
+def kvpress_gates(state_dicts: list[dict], model) -> list[FastKVzipGate]:
+    """kvpress's gate modules holding the given weights (what its download would give)."""
+    config = model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    gates = []
+    for i, sd in enumerate(state_dicts):
+        sink, dim = sd["k_base"].shape[2], sd["k_base"].shape[3]
+        gate = FastKVzipGate(i, config.hidden_size, config.num_key_value_heads, groups, torch.float32, dim, sink)
+        gate.load_state_dict(sd)
+        gates.append(gate.eval())
+    return gates
+
+
+def run_press(model, context, first_token, name: str, params: dict, gates):
+    kwargs = {k: parse_value(v) for k, v in params.items()}
+    press = KVzipPress(**kwargs) if name == "KVzipPress" else FastKVzipPress(**kwargs)
+    if name == "FastKVzipPress":
+        press.gates = gates
     n = context.shape[1]
     record = {}
     compress_post = press.compress_post
 
     def spy(m):
-        record["scores"] = press.score_val[:, 0].detach().to(torch.float32).clone().contiguous()
+        if name == "KVzipPress":  # before compress_post gives the sinks max + 1
+            record["scores"] = press.score_val[:, 0].detach().to(torch.float32).clone().contiguous()
         compress_post(m)
+        if name == "FastKVzipPress":  # stacked by compress_post
+            record["scores"] = press.score_val[:, 0].detach().to(torch.float32).clone().contiguous()
 
     press.compress_post = spy
     for layer in model.model.layers:  # an earlier run's masks
@@ -95,10 +132,17 @@ def main():
     context, first_token = ids[:, :CONTEXT_LEN].contiguous(), ids[0, CONTEXT_LEN]
     save({"context_ids": context}, out / "inputs.safetensors")
 
+    trained, _ = make_artifact.train_fastkvzip(model, tok, stories, num_train=40, num_test=1, steps=300)
+    state_dicts = [{k: v.detach().clone() for k, v in gate.state_dict().items()} for gate in trained]
+    make_artifact.save_fastkvzip_gates(out / GATES_FILE, state_dicts, {"recipe": "make_artifact.py fastkvzip, 300 steps"})
+    gates = kvpress_gates(state_dicts, model)
+
     runs = []
-    for name, params in RUNS:
-        save(run_press(model, context, first_token, params), out / f"{name}.safetensors")
-        runs.append({"name": name, "file": f"{name}.safetensors",
+    for name, press, params in RUNS:
+        save(run_press(model, context, first_token, press, params, gates), out / f"{name}.safetensors")
+        if press == "FastKVzipPress":
+            params = {**params, "gates": GATES_FILE}
+        runs.append({"name": name, "press": press, "file": f"{name}.safetensors",
                      "params": {k: v for k, v in params.items() if k != "compression_ratio"},
                      "compression_ratio": float(params["compression_ratio"])})
 

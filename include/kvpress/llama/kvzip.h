@@ -1,5 +1,6 @@
-// KVzip on the Llama runner: score every context token by replaying the context, then prefill
-// with each layer compressed to KVzip's global selection (docs/LLAMA_RUNNER.md, "KVzipPress").
+// KVzip (and FastKVzip) on the Llama runner: score every context token by replaying the context
+// (FastKVzip: by its gates), then prefill with each layer compressed to the global selection
+// (docs/LLAMA_RUNNER.md, "KVzipPress").
 //
 //   kvpress::KVzipPress press(0.5);                            // or make_press("KVzipPress", 0.5)
 //   kvpress::llama::KVCache cache = model.new_cache();
@@ -26,6 +27,7 @@
 
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/tokenizer.h"
+#include "kvpress/presses/fastkvzip_press.h"
 #include "kvpress/presses/kvzip_press.h"
 
 namespace kvpress::llama {
@@ -63,5 +65,13 @@ struct KVzipResult {
 KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                           const KVzipRunOptions& run = {});
+
+// FastKVzip with its global selection (layerwise = false): the same scoring pass without a replay
+// (each layer's gate reads its attention input; the context's keys/values of one layer at a time),
+// FastKVzipPress::keep_masks, then the compressing prefill. result.scores are the gates' scores
+// (sinks and window at 1). LlamaModel::prefill calls it for a FastKVzipPress that needs it; a
+// layerwise one compresses layer by layer in the ordinary prefill.
+KVzipResult fast_kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                               const FastKVzipPress& press, const PrefillOptions& prefill = {});
 
 }  // namespace kvpress::llama

@@ -37,6 +37,14 @@
 
 namespace kvpress {
 
+// The KVzip family's selection (KVzipPress, FastKVzipPress): the int(L * Hkv * N * ratio) lowest of
+// `scores` over all layers and heads are evicted (layerwise: int(Hkv * N * ratio) per layer), each
+// layer's evictions taken across its heads. Ties: the higher (layer, head, position) goes first.
+// Ratio 0 keeps everything. Raises on NaN/Inf scores.
+std::vector<at::Tensor> kvzip_evict_lowest(const at::Tensor& scores,  // [L, Hkv, N]
+                                           double compression_ratio, bool layerwise, const char* op);
+// -> L x [1, Hkv, N] bool
+
 // One replay pass: the context tokens [start, end) and the ids the model reads to repeat them.
 struct KVzipReplayChunk {
   int64_t start = 0, end = 0;
