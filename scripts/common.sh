@@ -27,5 +27,6 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_ragged_fixtures.py" --out "$build/fixtures/ragged"
   "$python" "$root/tests/reference/make_kvcompose_fixtures.py" --out "$build/fixtures/kvcompose"
   "$python" "$root/tests/reference/make_kvzip_fixtures.py" --out "$build/fixtures/kvzip"
+  "$python" "$root/tests/reference/make_dms_fixtures.py" --out "$build/fixtures/dms"
   "$python" "$root/tests/reference/make_pipeline_fixtures.py" --out "$build/fixtures/pipeline"
 }

@@ -27,6 +27,7 @@
 #include "kvpress/presses/ctr_press.h"
 #include "kvpress/presses/cur_press.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/dms_press.h"
 #include "kvpress/presses/duo_attention_press.h"
 #include "kvpress/presses/entropy_gated_chunkkv_press.h"
 #include "kvpress/presses/expected_attention_press.h"
@@ -868,6 +869,21 @@ std::vector<Entry> budget_entries() {
          return std::make_unique<AdaKVPress>(inner, p.get("alpha_safeguard", AdaKVPress::kDefaultAlphaSafeguard,
                                                           "fraction of n_kept every head keeps at least"));
        }},
+      {"DMSPress",
+       K::kWrapper,
+       "tokens leaving a sliding window evicted per head where the inner score is below a threshold (prefill, and "
+       "with decoding=true while generating; head-ragged)",
+       {{}, {}, {}, "the inner press gets no attention weights (kvpress passes none)"},
+       [](double r, Params& p) {
+         auto inner = inner_scorer(p, 0.0);
+         const std::optional<double> threshold =
+             p.get_optional_double("threshold", "evict a token whose inner score is below it (must be set)");
+         const int64_t window =
+             p.get("sliding_window_size", DMSPress::kDefaultSlidingWindowSize, "most recent tokens never evicted");
+         const bool decoding = p.get("decoding", DMSPress::kDefaultDecoding, "also evict while generating");
+         return std::make_unique<DMSPress>(inner, threshold, window, decoding);
+       },
+       "the threshold and the content set how much is evicted"},
       {"MergingPress",
        K::kWrapper,
        "inner scorer's selection; each evicted value folded into its most key-similar kept token",

@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -113,13 +114,19 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
 
 // What `info`'s press needs beyond its defaults to run on layers of a model shaped `shape`: a seed
 // where it draws random numbers (so that the same call gives the same answer; none if `seed` is
-// empty) and, for its "path" parameters, random files of that shape.
+// empty), for its "path" parameters random files of that shape, and DMSPress a threshold (its
+// default None cannot compress) and a window short enough to judge some tokens: its default inner
+// KnormPress scores -||k||, which random keys of D dimensions put near -sqrt(D).
 inline std::map<std::string, std::string> runnable_params(const PressInfo& info, const ModelShape& shape,
                                                           const std::string& seed = "1") {
   std::map<std::string, std::string> params;
   for (const PressParam& p : info.params) {
     if (p.name == "seed" && !seed.empty()) params["seed"] = seed;
     if (p.type == "path") params[p.name] = random_artifact(p.name, shape);
+  }
+  if (info.name == "DMSPress") {
+    params["threshold"] = std::to_string(-std::sqrt(static_cast<double>(shape.head_dim)));
+    params["sliding_window_size"] = "4";
   }
   return params;
 }

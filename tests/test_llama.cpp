@@ -501,6 +501,8 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
           EXPECT_TRUE(at::equal(mask.sum(-1)[0], lukv->head_budgets(l, 4, s)));
         else if (info.kind == kvpress::PressKind::kLayer)  // DuoAttentionPress: no streaming head by default
           EXPECT_EQ(mask.sum().item<int64_t>(), 4 * s);
+        else if (info.name == "DMSPress")  // its threshold decides; its window of 4 is always kept
+          EXPECT_TRUE(mask.narrow(2, s - 4, 4).all().item<bool>());
         else
           EXPECT_EQ(mask.sum().item<int64_t>(), 4 * kvpress::ops::n_kept(s, 0.5));
       }
@@ -762,6 +764,9 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
       "ChunkKVPress", "EntropyGatedChunkKVPress", "ChunkPress", "BlockPress", "ComposedPress", "MergingPress"};
   // Not in kvpress 0.5.5: QSMPress/CTRPress are checked against the CTRPress fork (tests/test_ctr.cpp).
   const std::set<std::string> not_in_kvpress{"QSMPress", "CTRPress"};
+  // DMSPress acts in the prefill and the decoding with one window: its model-loop runs follow kvpress's
+  // pipeline in tests/reference/make_dms_fixtures.py (DMSParity.* in tests/test_dms.cpp).
+  const std::set<std::string> own_fixtures{"DMSPress"};
   // Presses with head/layer budgets: their model-loop runs are in tests/reference/make_ragged_fixtures.py
   // (SDPA model: kvpress's AdaKV refuses eager; RaggedParity.ModelRuns in tests/test_ragged_presses.cpp).
   const std::set<std::string> ragged_fixtures{"AdaKVPress",       "CriticalKVPress",          "CriticalAdaKVPress",
@@ -772,8 +777,8 @@ TEST(LlamaParity, EveryRegistryPressHasARun) {
     // press (FinchPress) runs in kvpress's question-answering pipeline
     // (tests/reference/make_pipeline_fixtures.py, PipelineParity.* in tests/test_pipeline.cpp).
     if (!wrappers.count(info.name) && !not_in_kvpress.count(info.name) && !ragged_fixtures.count(info.name) &&
-        info.kind != kvpress::PressKind::kDecoding && info.kind != kvpress::PressKind::kSecondPass &&
-        info.kind != kvpress::PressKind::kQueryAware)
+        !own_fixtures.count(info.name) && info.kind != kvpress::PressKind::kDecoding &&
+        info.kind != kvpress::PressKind::kSecondPass && info.kind != kvpress::PressKind::kQueryAware)
       EXPECT_GT(runs[info.name], 0) << info.name << " has no run in tests/reference/make_model_fixtures.py's PRESSES";
 }
 

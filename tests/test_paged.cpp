@@ -259,7 +259,8 @@ TEST(PagedCache, StoreKeepsWhatEachSequenceAloneKeepsForEveryPrefillPress) {
   for (const std::string& name : names) {
     SCOPED_TRACE(name);
     // RandomPress unseeded: it draws in sequence order (below).
-    const auto press = make_press(name, 0.6, testing::runnable_params(*find_press(name), batch.inputs[0], ""));
+    const PressInfo& info = *find_press(name);
+    const auto press = make_press(name, ratio_for(info, 0.6), testing::runnable_params(info, batch.inputs[0], ""));
     for (bool padded : {false, true}) {
       PagedKVCache cache(small_options(256));
       const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence(), cache.add_sequence()};

@@ -32,6 +32,7 @@ TEST(EveryPress, KeepsNKeptAscendingTokensMatchingTheGatheredCache) {
     if (info.kind == PressKind::kDecoding) continue;    // no prefill ratio: tests/test_decoding.cpp
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
     if (info.name == "CTRPress") continue;              // adaptive budget, rescued values: tests/test_ctr.cpp
+    if (info.name == "DMSPress") continue;              // no ratio, a threshold: tests/test_dms.cpp
     if (info.kind == PressKind::kChannel) continue;     // keeps every token: ThinKPress tests below
     if (info.kind == PressKind::kLayer) continue;       // no ratio: SimLayerKVPress tests below
     for (double ratio : {0.25, 0.5, 0.75}) {
@@ -73,6 +74,7 @@ TEST(EveryPress, RatioZeroReturnsTheCacheUntouched) {
   for (const PressInfo& info : list_presses()) {
     SCOPED_TRACE(info.name);
     if (info.kind == PressKind::kSecondPass) continue;  // KVComposePress: tests/test_kvcompose.cpp
+    if (info.name == "DMSPress") continue;              // no ratio: its threshold decides (tests/test_dms.cpp)
     if (make_press(info.name, 0.0)->head_ragged()) {
       const RaggedKV kv = make_press(info.name, 0.0)->compress_ragged(in);
       EXPECT_TRUE(kv.keep_mask.all().item<bool>());
@@ -366,7 +368,8 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "CriticalAdaKVPress",
                                        "PerLayerCompressionPress",
                                        "LUKVPress",
-                                       "MergingPress"};
+                                       "MergingPress",
+                                       "DMSPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
   for (const PressInfo& info : list_presses()) {
     const PressKind expected =
@@ -453,7 +456,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 42u);
+  ASSERT_EQ(list_presses().size(), 43u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

@@ -66,6 +66,8 @@ const std::map<std::string, Promise>& promises() {
       {"LUKVPress", {ExpectedAttentionPress::kDefaultNSink + 1, nullptr, nullptr}},
       // No streaming head by default (head_compression_ratio 0).
       {"DuoAttentionPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},
+      // The threshold and the content decide how many go (tests/test_dms.cpp checks which).
+      {"DMSPress", {1, nullptr, nullptr}},
       {"TOVAPress", {2, default_kept, [](const BasePress&, int64_t seq) { return range(seq - 1, seq); }}},
       {"LagKVPress", {1, default_kept, [](const BasePress&, int64_t) { return range(0, LagKVPress::kDefaultNSink); }}},
       {"ExpectedAttentionPress",

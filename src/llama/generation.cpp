@@ -6,6 +6,7 @@
 
 #include "greedy.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/dms_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
@@ -25,6 +26,8 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   prefill.press_attentions = options.press_attentions;
   prefill.last_logits_only = true;
   prefill.tokenizer = options.tokenizer;
+  DMSWindow dms_window;  // a DMSPress's window, from the prefill through the decoding
+  prefill.dms_window = &dms_window;
   const at::Tensor logits = model.prefill(detail::as_batch(context), cache, prefill).logits;
   g.cache_lengths = cache.lengths();
 
@@ -34,6 +37,8 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   step.decoding_press = decoding_press_of(options.press);
   step.decoding_state = &decoding_state;
   step.decoding_attentions = options.decoding_attentions;
+  step.dms_press = dms_decoding_press_of(options.press);
+  step.dms_window = &dms_window;
   g.tokens = detail::greedy_continue(model, cache, logits, question, step, options.max_new_tokens, options.stop_at_eos);
   g.final_cache_lengths = cache.lengths();
   return g;

@@ -27,6 +27,7 @@
 #include "kvpress/llama/kvzip.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/dms_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
 
@@ -185,6 +186,38 @@ void KVCache::set_keep_mask(int64_t layer, const at::Tensor& keep_mask) {
       at::ones({keys.size(0), keys.size(1), l.key_buffer.size(2)}, keep_mask.options().device(keys.device()));
   mask.narrow(2, 0, l.length).copy_(keep_mask);
   l.mask_buffer = mask;
+}
+
+void KVCache::evict(int64_t layer, int64_t first, const at::Tensor& evict) {
+  constexpr const char* op = "KVCache::evict";
+  Layer& l = layer_at(layer, op);
+  TORCH_CHECK(evict.defined() && evict.scalar_type() == at::kBool && evict.dim() == 3, op,
+              ": evict must be bool [B, Hkv, m], got ", evict.defined() ? shape_str(evict) : std::string("undefined"));
+  const int64_t m = evict.size(2);
+  // During a forward the layer already holds the forward's tokens while position() does not count them.
+  const int64_t extent = l.ragged.defined() ? l.ragged.next_position() : l.length;
+  TORCH_CHECK(first >= 0 && first + m <= extent, op, ": positions ", first, " .. ", first + m - 1,
+              " must be cached in layer ", layer, " (", extent, " positions)");
+  if (l.ragged.defined()) {
+    RaggedKV kv = l.ragged.to_ragged();
+    at::Tensor drop = at::zeros_like(kv.keep_mask);
+    drop.narrow(2, first, m).copy_(evict);
+    for (int64_t b = 0; b < kv.batch; ++b)
+      for (int64_t h = 0; h < kv.kv_heads; ++h) {
+        HeadKV& head = kv.heads[static_cast<size_t>(b * kv.kv_heads + h)];
+        const at::Tensor keep = drop[b][h].index_select(0, head.kept_indices.to(drop.device())).logical_not();
+        head.keys = head.keys.index({keep});
+        head.values = head.values.index({keep});
+        head.kept_indices = head.kept_indices.index({keep.to(head.kept_indices.device())});
+      }
+    kv.keep_mask = kv.keep_mask.logical_and(drop.logical_not());
+    l.ragged = HeadRaggedLayer::from_ragged(kv, l.ragged.next_position());
+    return;
+  }
+  at::Tensor mask = keep_mask(layer);
+  mask = mask.defined() ? mask.clone() : at::ones({evict.size(0), evict.size(1), l.length}, evict.options());
+  mask.narrow(2, first, m).logical_and_(evict.logical_not().to(mask.device()));
+  set_keep_mask(layer, mask);
 }
 
 bool KVCache::is_ragged(int64_t layer) const { return layer_at(layer, "KVCache::is_ragged").ragged.defined(); }
@@ -387,6 +420,12 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
               " needs a decoding_state (one per generation), got nullptr");
   const bool decoding_attentions =
       decoding && (options.decoding_attentions || needs_attentions(decoding->press()->name()));
+  // DMSPress: its prefill fills the window it judges while decoding (ForwardOptions::dms_window).
+  const auto* dms_prefill = dynamic_cast<const DMSPress*>(press);
+  DMSWindow* dms_window = options.dms_window;
+  const DMSPress* dms_decoding = start > 0 ? options.dms_press : nullptr;
+  TORCH_CHECK(dms_decoding == nullptr || dms_window != nullptr, "LlamaModel: ", dms_decoding->name(),
+              " needs a dms_window (the window's scores since the prefill), got nullptr");
 
   ForwardOutput out;
   const RopeTables rope_tables = rope(start, n);
@@ -429,11 +468,20 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
           in.question_length = prefill->question_length;
           // In place only in a layer this prefill filled: `before` shares no stored token of it.
           const bool in_place = prefill->compress_in_place && before.length(li) == 0;
-          compress_at_prefill(*press, *prefill, li, std::move(in), in_place, cache, out);
+          const at::Tensor mask =
+              dms_prefill && dms_window ? dms_prefill->prefill_window(in, *dms_window) : at::Tensor();
+          compress_at_prefill(*press, *prefill, li, std::move(in), in_place, cache, out, mask);
         } else {
           if (decoding_attentions) in.attentions = attn_weights;
           compress_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
         }
+      }
+
+      // DMSPress while decoding: the forward's tokens join its window; those leaving it may go.
+      if (dms_decoding) {
+        const LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, qkv.k, qkv.v);
+        const DMSEviction e = dms_decoding->decoding_step(in, start + n, *dms_window);
+        if (e.evict.numel() > 0 && e.evict.any().item<bool>()) cache.evict(li, e.first, e.evict);
       }
 
       x = x + at::linear(attn_out, w.o_proj);
@@ -550,12 +598,14 @@ LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, 
 }
 
 void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer,
-                                     LayerInputs in, bool in_place, KVCache& cache, ForwardOutput& out) const {
+                                     LayerInputs in, bool in_place, KVCache& cache, ForwardOutput& out,
+                                     const at::Tensor& keep_mask_given) const {
   const int64_t batch = in.keys.size(0), hkv = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
   if (press.head_ragged()) {
     // Heads keep different numbers of tokens: store each head's kept tokens only (kPacked) or
     // mask the evicted ones in the dense layer (kMasked).
-    const RaggedKV kv = press.compress_ragged(in);
+    const RaggedKV kv =
+        keep_mask_given.defined() ? ops::gather_ragged(in.keys, in.values, keep_mask_given) : press.compress_ragged(in);
     TORCH_CHECK(kv.batch == batch && kv.kv_heads == hkv, "LlamaModel: ", press.name(), " returned ", kv.batch, " x ",
                 kv.kv_heads, " heads for a cache of ", shape_str(in.keys));
     HeadRaggedLayer ragged = HeadRaggedLayer::from_ragged(kv, seq);

@@ -9,6 +9,7 @@
 
 #include "kvpress/llama/generation.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/dms_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
@@ -40,6 +41,9 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
   constexpr const char* op = "generate_paged";
   TORCH_CHECK(options.max_new_tokens >= 0, op, ": max_new_tokens must be >= 0, got ", options.max_new_tokens);
   TORCH_CHECK(options.max_batch > 0, op, ": max_batch must be > 0, got ", options.max_batch);
+  TORCH_CHECK(dms_decoding_press_of(options.press) == nullptr, op,
+              ": DMSPress with decoding=true evicts per head while generating on the dense runner only "
+              "(generate_greedy); decoding=false compresses the paged prefill");
   TORCH_CHECK(options.page_size > 0, op, ": page_size must be > 0, got ", options.page_size);
   TORCH_CHECK(options.pages_per_layer >= 0, op, ": pages_per_layer must be >= 0 (0: sized for max_batch), got ",
               options.pages_per_layer);

@@ -8,6 +8,7 @@
 
 #include "greedy.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/dms_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
@@ -21,6 +22,7 @@ struct Prefilled {
   KVCache cache;
   at::Tensor logits;  // [1, 1, V]: the last position's
   int64_t length = 0;
+  DMSWindow dms_window;  // a DMSPress's window after the prefill, for its decoding
 };
 
 Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<int64_t> ids,
@@ -40,6 +42,7 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   prefill.last_logits_only = true;
   prefill.question_length = question_length;
   prefill.tokenizer = &tokenizer;  // KVzipPress's repeat prompt
+  prefill.dms_window = &p.dms_window;
   p.logits = model.prefill(detail::as_batch(ids), p.cache, prefill).logits;
   return p;
 }
@@ -54,8 +57,13 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
               options.max_context_length);
   const BasePress* press = options.press;
   const DecodingPress* decoding = decoding_press_of(press);
-  TORCH_CHECK(decoding == nullptr || questions.size() == 1, kOp, ": ", press ? press->name() : std::string(),
-              " compresses while decoding and takes a single question (as kvpress's pipeline), got ", questions.size());
+  const DMSPress* dms_decoding = dms_decoding_press_of(press);
+  // A press evicting while decoding changes the context's cache, which the next question would reuse.
+  const bool evicts_while_decoding = decoding != nullptr || dms_decoding != nullptr;
+  TORCH_CHECK(!evicts_while_decoding || questions.size() == 1, kOp, ": ", press ? press->name() : std::string(),
+              " compresses while decoding and takes a single question (as kvpress's pipeline for decoding "
+              "presses), got ",
+              questions.size());
   const bool observes_question = press != nullptr && press->observes_question();
   TORCH_CHECK(!observes_question || options.query_aware, kOp, ": ", press ? press->name() : std::string(),
               " observes the question: set query_aware (kvpress: the question after its delimiter token in the "
@@ -75,13 +83,15 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
     step.last_logits_only = true;
     step.decoding_press = decoding;
     step.decoding_state = &decoding_state;
+    step.dms_press = dms_decoding;
+    step.dms_window = &p.dms_window;
     Answer a;
     a.prefill_length = p.length;
     a.cache_lengths = lengths;
     a.tokens = detail::greedy_continue(model, p.cache, p.logits, question_ids, step, options.max_new_tokens,
                                        /*stop_at_eos=*/true);
     a.text = tokenizer.decode(a.tokens, /*skip_special_tokens=*/true);
-    if (decoding == nullptr) p.cache.truncate(lengths, position);  // a decoding press changed the context
+    if (!evicts_while_decoding) p.cache.truncate(lengths, position);  // else the context changed
     return a;
   };
 

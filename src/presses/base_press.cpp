@@ -115,7 +115,7 @@ ChunkedWrapperPress::ChunkedWrapperPress(std::shared_ptr<const ScorerPress> pres
   checks::check_positive(wrapper_name, "chunk_length", chunk_length);
 }
 
-LayerInputs ChunkedWrapperPress::without_attentions(const LayerInputs& inputs) {
+LayerInputs ScorerWrapperPress::without_attentions(const LayerInputs& inputs) {
   LayerInputs out = inputs;
   out.attentions = at::Tensor();
   return out;

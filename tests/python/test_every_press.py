@@ -77,6 +77,8 @@ def params_of(press):
         params += ["lazy_threshold=0.5", "n_recent=16"]
     if press["name"] == "DuoAttentionPress":  # streaming heads only with a head ratio
         params += ["head_compression_ratio=0.5"]
+    if press["name"] == "DMSPress":  # its default threshold None cannot compress; Knorm scores -||k||
+        params += [f"threshold={-D ** 0.5}", "sliding_window_size=4"]
     return params
 
 

@@ -38,6 +38,8 @@
 namespace kvpress {
 class DecodingPress;  // kvpress/presses/decoding_press.h
 struct DecodingState;
+class DMSPress;  // kvpress/presses/dms_press.h
+struct DMSWindow;
 }  // namespace kvpress
 
 namespace kvpress::llama {
@@ -112,6 +114,10 @@ class KVCache {
   void advance(int64_t n_tokens) { position_ += n_tokens; }
   // The position id the next token gets (after a KeyRerotationPress, the compressed length).
   void set_position(int64_t position);
+  // Drops, in each head, the tokens of positions first .. first + m - 1 where evict [B, Hkv, m] is
+  // true (DMSPress while decoding). A head-ragged layer is repacked; a dense one gets (or updates)
+  // its keep mask, which needs its slots to be its positions (no uniform compression before).
+  void evict(int64_t layer, int64_t first, const at::Tensor& evict);
   // Drops everything stored after lengths[layer] in each layer and sets position (e.g. to remove a
   // generated answer and reuse a compressed context, as kvpress's pipeline does per question).
   // A head-ragged layer can drop only appended tokens: max_length() - lengths[layer] of them.
@@ -159,6 +165,15 @@ struct ForwardOptions {
   bool decoding_attentions = false;
   // Called after each decoding compression with what the press saw and returned.
   std::function<void(const LayerInputs&, const KV&)> on_decoding_compress;
+
+  // kvpress's DMSPress with decoding=true (the same press also compresses the prefill): in a forward
+  // that does not start at position 0, after each layer's attention, dms_press->decoding_step()
+  // scores the forward's tokens and each head drops the tokens leaving the press's sliding window
+  // with a score below its threshold (KVCache::evict: the NEXT forward reads the result). dms_window
+  // is required with it: the window's scores, which prefill() fills when its press is a DMSPress and
+  // dms_window is given. One per sequence, from its prefill through its decoding.
+  const DMSPress* dms_press = nullptr;
+  DMSWindow* dms_window = nullptr;
 };
 
 // Whether a press gets the layer's eager attention weights in LayerInputs::attentions.
@@ -330,8 +345,10 @@ class LlamaModel {
   void check_paged_cache(const PagedKVCache& cache, const char* op) const;
   void check_token_ids(const std::vector<int64_t>& ids, const char* op) const;
   // kvpress's forward hook at prefill: compress the layer, store it dense or head-ragged.
+  // A head-ragged press's keep mask computed beforehand may be given (DMSPress filling its window).
   void compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer, LayerInputs in,
-                           bool in_place, KVCache& cache, ForwardOutput& out) const;
+                           bool in_place, KVCache& cache, ForwardOutput& out,
+                           const at::Tensor& keep_mask = at::Tensor()) const;
   // kvpress's DecodingPress hook in a decoding forward.
   void compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer, LayerInputs in,
                                int64_t tokens_seen, KVCache& cache) const;

@@ -129,6 +129,9 @@ class ScorerWrapperPress : public BasePress {
   // error messages.
   at::Tensor inner_scores(const LayerInputs& inputs, const char* op) const;
 
+  // `inputs` without attentions (for inner presses that must not see them).
+  static LayerInputs without_attentions(const LayerInputs& inputs);
+
  private:
   std::shared_ptr<const ScorerPress> press_;
 };
@@ -143,9 +146,6 @@ class ChunkedWrapperPress : public ScorerWrapperPress {
  protected:
   // Raises unless press is non-null and chunk_length > 0.
   ChunkedWrapperPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length, const char* wrapper_name);
-
-  // `inputs` without attentions.
-  static LayerInputs without_attentions(const LayerInputs& inputs);
 
  private:
   int64_t chunk_length_;

@@ -43,7 +43,7 @@ struct DMSEviction {
   at::Tensor evict;  // [B, Hkv, m] bool: true where that head drops the token
 };
 
-class DMSPress : public ScorerWrapperPress {
+class DMSPress : public HeadRaggedWrapperPress {
  public:
   static constexpr int64_t kDefaultSlidingWindowSize = 128;
   static constexpr bool kDefaultDecoding = false;
@@ -54,7 +54,6 @@ class DMSPress : public ScorerWrapperPress {
 
   std::string name() const override { return "DMSPress"; }
   double compression_ratio() const override { return 0.0; }  // set by the threshold and the content
-  bool head_ragged() const override { return true; }
   std::optional<double> threshold() const { return threshold_; }
   int64_t sliding_window_size() const { return window_; }
   // Whether the press also evicts while decoding (kvpress's `decoding`).
@@ -63,7 +62,6 @@ class DMSPress : public ScorerWrapperPress {
   // The prefill: [B, Hkv, S] bool, false for the tokens older than the window scoring below the
   // threshold.
   at::Tensor keep_mask(const LayerInputs& inputs) const override;
-  KV compress(const LayerInputs& inputs) const override;  // raises: head-ragged
   // keep_mask(), and the window's scores left in window.scores[inputs.layer_idx].
   at::Tensor prefill_window(const LayerInputs& inputs, DMSWindow& window) const;
 
@@ -77,11 +75,16 @@ class DMSPress : public ScorerWrapperPress {
  private:
   // The inner scores of the inputs' tokens (no attention weights), [B, Hkv, n] float32.
   at::Tensor scores_of(const LayerInputs& inputs, const char* op) const;
+  // The prefill's keep mask; the window's scores into *window_scores when given.
+  at::Tensor judge_prefill(const LayerInputs& inputs, at::Tensor* window_scores) const;
   double threshold_or_raise(const char* op) const;
 
   std::optional<double> threshold_;
   int64_t window_;
   bool decoding_;
 };
+
+// `press` as a DMSPress that also evicts while decoding (decoding() true), else nullptr.
+const DMSPress* dms_decoding_press_of(const BasePress* press);
 
 }  // namespace kvpress
