@@ -28,5 +28,6 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_kvcompose_fixtures.py" --out "$build/fixtures/kvcompose"
   "$python" "$root/tests/reference/make_kvzip_fixtures.py" --out "$build/fixtures/kvzip"
   "$python" "$root/tests/reference/make_dms_fixtures.py" --out "$build/fixtures/dms"
+  "$python" "$root/tests/reference/make_cam_fixtures.py" --out "$build/fixtures/cam"
   "$python" "$root/tests/reference/make_pipeline_fixtures.py" --out "$build/fixtures/pipeline"
 }

@@ -478,6 +478,13 @@ def convert_lukv_curve(npy: Path, out: Path):
     print(f"make_artifact.py: budget_curves {list(curves.shape)} from {npy} -> {out}")
 
 
+def check_train_test(args, n_stories: int):
+    """--num-train and --num-test: both >= 1, together at most the stories."""
+    if args.num_train < 1 or args.num_test < 1 or args.num_train + args.num_test > n_stories:
+        fail(f"--num-train and --num-test must be >= 1 with a sum <= {n_stories} (the stories), got "
+             f"{args.num_train} and {args.num_test}")
+
+
 def write_atomically(path: Path, write):
     """write(tmp) then rename to path, so that path is never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -571,9 +578,7 @@ def main():
         return
 
     if args.artifact == "kvzap":
-        if args.num_train < 1 or args.num_test < 1 or args.num_train + args.num_test > len(stories):
-            fail(f"--num-train and --num-test must be >= 1 with a sum <= {len(stories)} (the stories), got "
-                 f"{args.num_train} and {args.num_test}")
+        check_train_test(args, len(stories))
         if args.hidden_dim < 1 or args.epochs < 1 or not args.alpha >= 0:
             fail(f"--hidden-dim and --epochs must be >= 1 and --alpha >= 0, got {args.hidden_dim}, {args.epochs}, "
                  f"{args.alpha}")
@@ -588,9 +593,7 @@ def main():
         return
 
     if args.artifact == "fastkvzip":
-        if args.num_train < 1 or args.num_test < 1 or args.num_train + args.num_test > len(stories):
-            fail(f"--num-train and --num-test must be >= 1 with a sum <= {len(stories)} (the stories), got "
-                 f"{args.num_train} and {args.num_test}")
+        check_train_test(args, len(stories))
         if args.steps < 1:
             fail(f"--steps must be >= 1, got {args.steps}")
         sdpa = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -16,6 +16,7 @@
 
 #include "kvpress/presses/adakv_press.h"
 #include "kvpress/presses/block_press.h"
+#include "kvpress/presses/cam_press.h"
 #include "kvpress/presses/cap_press.h"
 #include "kvpress/presses/chunk_press.h"
 #include "kvpress/presses/chunkkv_press.h"
@@ -801,6 +802,24 @@ std::vector<Entry> wrapper_entries() {
   };
 }
 
+// The parameters every decoding press declares, in this order: the inner scorer, the interval,
+// the target (unless the budget is a ratio) and the hidden-state buffer.
+struct DecodingParams {
+  ScorerFactory inner;
+  int64_t interval = 0, target = 0, buffer = 0;
+};
+DecodingParams decoding_params(Params& p, bool with_target) {
+  DecodingParams d;
+  d.inner = scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
+  d.interval =
+      p.get("compression_interval", DecodingPress::kDefaultCompressionInterval, "decoding steps between compressions");
+  if (with_target)
+    d.target = p.get("target_size", DecodingPress::kDefaultTargetSize, "tokens kept per layer after a compression");
+  d.buffer = p.get("hidden_states_buffer_size", DecodingPress::kDefaultHiddenStatesBufferSize,
+                   "decoding steps of hidden states kept for the inner press");
+  return d;
+}
+
 // Presses that compress while the model generates.
 std::vector<Entry> decoding_entries() {
   using K = PressKind;
@@ -810,29 +829,29 @@ std::vector<Entry> decoding_entries() {
        "compresses during decoding: every compression_interval steps, to target_size tokens",
        {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
        [](double r, Params& p) {
-         ScorerFactory inner =
-             scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
-         const int64_t interval = p.get("compression_interval", DecodingPress::kDefaultCompressionInterval,
-                                        "decoding steps between compressions");
-         const int64_t target =
-             p.get("target_size", DecodingPress::kDefaultTargetSize, "tokens kept per layer after a compression");
-         const int64_t buffer = p.get("hidden_states_buffer_size", DecodingPress::kDefaultHiddenStatesBufferSize,
-                                      "decoding steps of hidden states kept for the inner press");
-         return std::make_unique<DecodingPress>(inner, interval, target, buffer);
+         const DecodingParams d = decoding_params(p, true);
+         return std::make_unique<DecodingPress>(d.inner, d.interval, d.target, d.buffer);
        },
        "the budget is target_size; CompressionRatioDecodingPress keeps a fraction"},
+      {"CAMPress",
+       K::kDecoding,
+       "compresses during decoding like DecodingPress, first merging evicted values into their kept successors "
+       "(Bernoulli by running attention)",
+       {{}, {}, {}, "the inner press gets keys/values and queries of the buffered hidden states"},
+       [](double r, Params& p) {
+         const DecodingParams d = decoding_params(p, true);
+         const int64_t merge_budget =
+             p.get("merge_budget", CAMPress::kDefaultMergeBudget, "kept successors each merged value spreads over");
+         return std::make_unique<CAMPress>(d.inner, d.interval, d.target, d.buffer, merge_budget);
+       },
+       "the budget is target_size"},
       {"CompressionRatioDecodingPress",
        K::kDecoding,
        "compresses during decoding: every compression_interval steps, to (1 - ratio) of the tokens seen",
        {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
        [](double r, Params& p) {
-         ScorerFactory inner =
-             scorer_factory(p, "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)");
-         const int64_t interval = p.get("compression_interval", DecodingPress::kDefaultCompressionInterval,
-                                        "decoding steps between compressions");
-         const int64_t buffer = p.get("hidden_states_buffer_size", DecodingPress::kDefaultHiddenStatesBufferSize,
-                                      "decoding steps of hidden states kept for the inner press");
-         return std::make_unique<CompressionRatioDecodingPress>(inner, r, interval, buffer);
+         const DecodingParams d = decoding_params(p, false);
+         return std::make_unique<CompressionRatioDecodingPress>(d.inner, r, d.interval, d.buffer);
        }},
       {"PrefillDecodingPress",
        K::kDecoding,

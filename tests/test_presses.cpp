@@ -370,7 +370,8 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "LUKVPress",
                                        "MergingPress",
                                        "DMSPress"};
-  const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"};
+  const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress",
+                                       "CAMPress"};
   for (const PressInfo& info : list_presses()) {
     const PressKind expected =
         wrappers.count(info.name)   ? PressKind::kWrapper
@@ -456,7 +457,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 43u);
+  ASSERT_EQ(list_presses().size(), 44u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

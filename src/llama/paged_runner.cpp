@@ -128,6 +128,8 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
       TORCH_CHECK(state != nullptr, op, ": decoding_states must not hold nullptr");
     TORCH_CHECK(!needs_attentions(decoding->press()->name()), op, ": ", decoding->name(), "'s inner press ",
                 decoding->press()->name(), " needs attention weights, which paged attention does not compute");
+    TORCH_CHECK(!decoding->reads_cache_every_step(), op, ": ", decoding->name(),
+                " reads the layer's whole cache on every step, which the paged decode gives only when it compresses");
   }
   const auto batch = static_cast<int64_t>(seqs.size());
   // Every page the step takes, in every layer, before anything is written.

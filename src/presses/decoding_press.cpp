@@ -98,6 +98,11 @@ KV DecodingPress::compress_to(const LayerInputs& in, int64_t target) const {
   const int64_t seq = in.keys.size(2);
   const double ratio = find_target_compression_ratio(seq, target);
   if (ratio == 0.0) return budget::keep_all(in);  // kvpress's ScorerPress.compress returns the cache untouched
+  const at::Tensor scores = inner_scores_at(in, ratio, op);
+  return ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, ratio)));
+}
+
+at::Tensor DecodingPress::inner_scores_at(const LayerInputs& in, double ratio, const char* op) const {
   // The inner press sees the cache, the latest attentions and the buffered queries; hidden_states
   // and cos/sin describe only the latest forward.
   LayerInputs inner = kv_only(in, in.keys, in.values);
@@ -117,8 +122,7 @@ KV DecodingPress::compress_to(const LayerInputs& in, int64_t target) const {
                 "attentions; no hidden_states or cos/sin): ",
                 e.what_without_backtrace());
   }
-  scores = budget::checked_inner_scores(scores, in, op);
-  return ops::gather_kv(in.keys, in.values, ops::topk_indices(scores, ops::n_kept(seq, ratio)));
+  return budget::checked_inner_scores(scores, in, op);
 }
 
 bool DecodingPress::due(int64_t layer_idx, int64_t n, int64_t tokens_seen, const DecodingState& state) const {

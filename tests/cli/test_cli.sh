@@ -138,7 +138,7 @@ presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKV
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
          PrefillDecodingPress QSMPress CTRPress KVComposePress KVzipPress FastKVzipPress AdaKVPress CriticalKVPress
-         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress MergingPress DMSPress)
+         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress MergingPress DMSPress CAMPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"

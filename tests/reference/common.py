@@ -416,6 +416,23 @@ def greedy_steps(model, cache, first: torch.Tensor, start: int, steps: int):
     return torch.stack(fed).to(torch.int64), torch.stack(logits).contiguous()
 
 
+def question_then_greedy(model, cache, question: torch.Tensor, start: int, new_tokens: int):
+    """kvpress's generate_answer: the question [1, q] in one forward at positions start.., then
+    greedy tokens one per forward. Returns the tokens fed after the question [new_tokens - 1] and the
+    logits [new_tokens, V] (the question's last position, then every greedy step)."""
+    position_ids = torch.arange(start, start + question.shape[1]).unsqueeze(0)
+    out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
+    logits, fed = [out.logits[0, -1]], []
+    position = start + question.shape[1]
+    for _ in range(new_tokens - 1):
+        token = logits[-1].argmax()
+        fed.append(token)
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[position]]))
+        logits.append(out.logits[0, -1])
+        position += 1
+    return torch.stack(fed).to(torch.int64), torch.stack(logits).contiguous()
+
+
 def decode_tail(model, cache, question: torch.Tensor, start: int, steps: int, one_by_one: bool = False):
     """kvpress's generate_answer with teacher-forced bookkeeping: the question [1, q] at positions
     start.., then `steps` greedy tokens one at a time. one_by_one feeds the question one token per

@@ -24,7 +24,7 @@ import time
 
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
 from common import (KVPRESS_VERSION, MODEL, REPO, load_model, load_stories, load_tokenizer, model_dir, parse_args,
-                    prepare_out, save, setup, token_ids, versions, write_json)
+                    prepare_out, question_then_greedy, save, setup, token_ids, versions, write_json)
 
 import torch
 from transformers import DynamicCache
@@ -97,19 +97,9 @@ def run_press(model, context, question, press, decoding: bool):
             model.model(input_ids=context, past_key_values=cache)
         prefill_mask = masks(model, n)
         with press(model) if decoding else torch.no_grad():
-            position_ids = torch.arange(n, n + question.shape[1]).unsqueeze(0)
-            out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
-            logits, fed = [out.logits[0, -1]], []
-            position = n + question.shape[1]
-            for _ in range(NEW_TOKENS - 1):
-                token = logits[-1].argmax()
-                fed.append(token)
-                out = model(input_ids=token.view(1, 1), past_key_values=cache, position_ids=torch.tensor([[position]]))
-                logits.append(out.logits[0, -1])
-                position += 1
-        final_mask = masks(model, position)
-    return {"prefill_mask": prefill_mask, "final_mask": final_mask, "tokens": torch.stack(fed).to(torch.int64),
-            "logits": torch.stack(logits).contiguous()}
+            tokens, logits = question_then_greedy(model, cache, question, n, NEW_TOKENS)
+        final_mask = masks(model, n + question.shape[1] + NEW_TOKENS - 1)
+    return {"prefill_mask": prefill_mask, "final_mask": final_mask, "tokens": tokens, "logits": logits}
 
 
 def main():

@@ -26,9 +26,13 @@ struct DecodingState {
   std::vector<std::vector<at::Tensor>> hidden_states;
   // Per layer: decoding forwards since the last compression.
   std::vector<int64_t> steps;
+  // Per layer (CAMPress): each cached token's attention from the decoding queries, summed over the
+  // forwards since the prefill, [B, Hkv, S] (its last query's, averaged over the group's heads).
+  std::vector<at::Tensor> attention_sums;
   void reset() {
     hidden_states.clear();
     steps.clear();
+    attention_sums.clear();
   }
 };
 
@@ -91,7 +95,10 @@ class DecodingPress : public BasePress {
   // compresses (kept_indices index the given cache), std::nullopt otherwise. keys/values are read
   // only when the step compresses (due()): an engine whose cache is not dense (PagedKVCache) may
   // leave them undefined otherwise.
-  std::optional<KV> step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const;
+  virtual std::optional<KV> step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const;
+  // Whether step() reads the layer's keys/values on every forward, not only when it compresses
+  // (CAMPress accumulates attention): an engine must then always give them.
+  virtual bool reads_cache_every_step() const { return false; }
 
   // Whether step() compresses on a forward of n tokens at layer_idx, given state as it stands
   // before that step: compression_interval forwards since the last compression, or n >= the target.
@@ -112,6 +119,9 @@ class DecodingPress : public BasePress {
   static double find_target_compression_ratio(int64_t k_len, int64_t target);
 
  protected:
+  // The inner scorer's scores of a decoding cache at `ratio` (its inputs as compress() describes them),
+  // checked [B, Hkv, S] float32.
+  at::Tensor inner_scores_at(const LayerInputs& inputs, double ratio, const char* op) const;
   // Subclasses with a derived budget call this with a placeholder target_size.
   DecodingPress(ScorerFactory make_press, int64_t compression_interval, int64_t target_size,
                 int64_t hidden_states_buffer_size, const char* op);
