@@ -39,6 +39,7 @@
 #include "kvpress/presses/keydiff_press.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/kvcompose_press.h"
+#include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/presses/kvzap_press.h"
 #include "kvpress/presses/kvzip_press.h"
 #include "kvpress/presses/lagkv_press.h"
@@ -720,6 +721,22 @@ std::vector<Entry> second_pass_entries() {
          const int64_t chunk_size =
              p.get("chunk_size", KVzipPress::kDefaultChunkSize, "context tokens repeated per replay pass");
          return std::make_unique<KVzipPress>(r, layerwise, n_sink, plus, chunk_size);
+       }},
+      {"KVgradPress",
+       K::kSecondPass,
+       "KVzip's replay weighted by ||v W_O|| and by the gradient of the final hidden states (one backward per "
+       "chunk); evicted globally over layers and heads",
+       {{},
+        {},
+        {},
+        "the context replayed after a repeat prompt, with a backward pass per chunk (kvpress::llama::kvgrad_prefill)"},
+       [](double r, Params& p) {
+         const bool layerwise =
+             p.get("layerwise", KVgradPress::kDefaultLayerwise, "the same ratio in every layer (else global)");
+         const int64_t n_sink = p.get("n_sink", KVgradPress::kDefaultNSink, "first tokens always kept");
+         const int64_t chunk_size =
+             p.get("chunk_size", KVgradPress::kDefaultChunkSize, "context tokens repeated per replay pass");
+         return std::make_unique<KVgradPress>(r, layerwise, n_sink, chunk_size);
        }},
       {"FastKVzipPress",
        K::kSecondPass,

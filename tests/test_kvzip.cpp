@@ -27,6 +27,7 @@
 #include "kvpress/llama/llama.h"
 #include "kvpress/presses/fastkvzip_press.h"
 #include "kvpress/presses/knorm_press.h"
+#include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/presses/kvzip_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
@@ -278,6 +279,33 @@ TEST(KVzip, RunnerKeepsThePlainPrefillsSelectedTokens) {
   EXPECT_TRUE(at::equal(zero.keys(1), plain.keys(1)));
 }
 
+TEST(KVgrad, RunsThroughThePrefillAndUnderInferenceMode) {
+  const LlamaModel& model = tiny_model();
+  const kvpress::KVgradPress press(0.5, false, 4, 12);
+  EXPECT_EQ(press.name(), "KVgradPress");
+  EXPECT_EQ(press.chunk_size(), 12);
+  EXPECT_FALSE(press.kvzip_plus_normalization());
+  const at::Tensor ids = story_ids(30);
+  KVCache direct = model.new_cache();
+  const auto r = kvpress::llama::kvgrad_prefill(model, ids, direct, press, tiny_tokenizer());
+  // Scores differ from KVzip's (the gradient and value norms weigh them) but select as many tokens.
+  KVCache zip = model.new_cache();
+  const auto z = kvpress::llama::kvzip_prefill(model, ids, zip, KVzipPress(0.5, false, 4, false, 12), tiny_tokenizer());
+  EXPECT_FALSE(at::allclose(r.scores, z.scores));
+  // LlamaModel::prefill dispatches to it; eval's score_continuation runs under InferenceMode.
+  PrefillOptions opt;
+  opt.press = &press;
+  opt.tokenizer = &tiny_tokenizer();
+  KVCache via = model.new_cache();
+  const auto out = model.prefill(ids, via, opt);
+  for (size_t l = 0; l < out.keep_masks.size(); ++l) EXPECT_TRUE(at::equal(out.keep_masks[l], r.prefill.keep_masks[l]));
+  const auto story = tiny_tokenizer().encode(
+      "Once upon a time, there was a little girl named Lily. She loved to play "
+      "outside in the park with her red ball.");
+  const auto scored = kvpress::llama::score_continuation(model, story, 8, &press, &tiny_tokenizer());
+  EXPECT_TRUE(std::isfinite(scored.mean_nll));
+}
+
 // ---- FastKVzipPress ----------------------------------------------------------------------------------
 
 kvpress::FastKVzipPress::Gates random_gates(int64_t layers, int64_t hkv, int64_t groups, int64_t hidden, int64_t sink,
@@ -494,7 +522,7 @@ TEST(KVzipParity, MatchesKvpress) {
   const at::Tensor context = fixture(fx.manifest.at("inputs").get<std::string>(), "context_ids");
   const int64_t n = context.size(1), num_layers = model.config().num_layers;
   ASSERT_EQ(n, fx.manifest.at("context_len").get<int64_t>());
-  ASSERT_GE(fx.manifest.at("runs").size(), 12u);
+  ASSERT_GE(fx.manifest.at("runs").size(), 14u);
 
   for (const auto& jr : fx.manifest.at("runs")) {
     const std::string name = jr.at("name").get<std::string>(), file = jr.at("file").get<std::string>();
@@ -506,9 +534,11 @@ TEST(KVzipParity, MatchesKvpress) {
                                 press_name, jr.at("params").get<std::map<std::string, std::string>>(), fx.dir));
     KVCache cache = model.new_cache();
     const auto* fast = dynamic_cast<const kvpress::FastKVzipPress*>(press.get());
-    const auto r = fast ? kvpress::llama::fast_kvzip_prefill(model, context, cache, *fast)
-                        : kvpress::llama::kvzip_prefill(model, context, cache, dynamic_cast<const KVzipPress&>(*press),
-                                                        tiny_tokenizer());
+    const auto* grad = dynamic_cast<const kvpress::KVgradPress*>(press.get());
+    const auto r = fast   ? kvpress::llama::fast_kvzip_prefill(model, context, cache, *fast)
+                   : grad ? kvpress::llama::kvgrad_prefill(model, context, cache, *grad, tiny_tokenizer())
+                          : kvpress::llama::kvzip_prefill(model, context, cache,
+                                                          dynamic_cast<const KVzipPress&>(*press), tiny_tokenizer());
     if (fast && fast->layerwise()) {
       // Layerwise, the ordinary prefill compresses layer by layer from LayerInputs: the same tokens.
       KVCache direct = model.new_cache();

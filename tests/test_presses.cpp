@@ -373,15 +373,15 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress",
                                        "CAMPress"};
   for (const PressInfo& info : list_presses()) {
-    const PressKind expected =
-        wrappers.count(info.name)   ? PressKind::kWrapper
-        : decoding.count(info.name) ? PressKind::kDecoding
-        : info.name == "KVComposePress" || info.name == "KVzipPress" || info.name == "FastKVzipPress"
-            ? PressKind::kSecondPass
-        : info.name == "ThinKPress"                                          ? PressKind::kChannel
-        : info.name == "SimLayerKVPress" || info.name == "DuoAttentionPress" ? PressKind::kLayer
-        : info.name == "FinchPress"                                          ? PressKind::kQueryAware
-                                                                             : PressKind::kScorer;
+    const PressKind expected = wrappers.count(info.name)   ? PressKind::kWrapper
+                               : decoding.count(info.name) ? PressKind::kDecoding
+                               : info.name == "KVComposePress" || info.name == "KVzipPress" ||
+                                       info.name == "FastKVzipPress" || info.name == "KVgradPress"
+                                   ? PressKind::kSecondPass
+                               : info.name == "ThinKPress" ? PressKind::kChannel
+                               : info.name == "SimLayerKVPress" || info.name == "DuoAttentionPress" ? PressKind::kLayer
+                               : info.name == "FinchPress" ? PressKind::kQueryAware
+                                                           : PressKind::kScorer;
     EXPECT_EQ(info.kind, expected) << info.name;
     // Scorers are ScorerPresses (CriticalKVPress is one too, around its inner press).
     const auto press = make_press(info.name, 0.0);
@@ -457,7 +457,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 44u);
+  ASSERT_EQ(list_presses().size(), 45u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

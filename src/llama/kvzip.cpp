@@ -2,6 +2,8 @@
 #include "kvpress/llama/kvzip.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -196,6 +198,74 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
       press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
                           encode(KVzipPress::kRepeatSuffix));
   result.scores = scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, result.memory);
+  result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
+  return result;
+}
+
+KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                           const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill) {
+  constexpr const char* op = "kvgrad_prefill";
+  KVzipResult result;
+  result.memory.full_cache_bytes = check_prefill_args(op, model, context_ids, cache);
+  const LlamaConfig& c = model.config();
+  const int64_t n = context_ids.size(1);
+  PrefillOptions plain = prefill;
+  plain.press = nullptr;
+  if (press.compression_ratio() == 0.0) {  // kvpress skips the replay
+    result.prefill = model.prefill(context_ids, cache, plain);
+    result.scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
+    return result;
+  }
+  // Gradients need tensors made outside inference mode, with autograd on.
+  c10::InferenceMode no_inference(false);
+  at::AutoGradMode grad(true);
+
+  const auto encode = [&](const char* text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
+  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
+  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
+  const std::vector<KVzipReplayChunk> chunks =
+      press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
+                          encode(KVzipPress::kRepeatSuffix));
+  // The context's full cache, read by every chunk's forward and backward.
+  KVCache full = model.new_cache();
+  {
+    at::NoGradGuard no_grad;
+    model.prefill(context_ids, full, plain);
+  }
+  at::Tensor scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
+  for (const KVzipReplayChunk& chunk : chunks) {
+    const int64_t p = static_cast<int64_t>(chunk.repeat_ids.size()), len = chunk.end - chunk.start;
+    const at::Tensor repeat = at::tensor(chunk.repeat_ids, at::kLong).unsqueeze(0).to(context_ids.device());
+    const RopeTables rope = model.rope(n, p);
+    at::Tensor x = model.embed(repeat).detach().requires_grad_(true);
+    std::vector<at::Tensor> outputs, queries, repeat_keys;  // per layer: a_l [1, P, hidden], q, the repeat's keys
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      const LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, rope);
+      const at::Tensor keys = at::cat({full.keys(li), qkv.k}, 2), values = at::cat({full.values(li), qkv.v}, 2);
+      at::Tensor a = at::linear(model.layer_attention(qkv.q, keys, values), model.o_proj(li));
+      a.retain_grad();
+      outputs.push_back(a);
+      queries.push_back(qkv.q.detach());
+      repeat_keys.push_back(qkv.k.detach());
+      x = model.layer_mlp(li, x + a);
+    }
+    x.to(at::kFloat).square().sum().backward();  // Phi = sum_p ||h_p^L||^2
+    at::NoGradGuard no_grad;
+    for (int64_t li = 0; li < c.num_layers; ++li) {
+      const int64_t sink = std::min(press.n_sink(), chunk.start);
+      const at::Tensor context_keys = full.keys(li);
+      const at::Tensor gradient_norm = outputs[li].grad().to(at::kFloat).norm(2, {-1});  // [1, P]
+      const at::Tensor value_norm =
+          KVzipPress::value_output_norms(full.values(li).narrow(2, chunk.start, len), model.o_proj(li));
+      const at::Tensor chunk_scores =
+          press.chunk_scores(queries[li], context_keys.narrow(2, 0, sink), context_keys.narrow(2, chunk.start, len),
+                             repeat_keys[li], 0, gradient_norm, value_norm);
+      scores[li].narrow(1, chunk.start, len).copy_(chunk_scores[0]);
+    }
+  }
+  result.scores = scores;
+  full = KVCache();  // the compressing prefill below holds one full layer at a time
+  at::NoGradGuard no_grad;
   result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
   return result;
 }

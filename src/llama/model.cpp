@@ -359,8 +359,13 @@ const at::Tensor& LlamaModel::o_proj(int64_t layer) const {
 at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const {
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_output: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
+  return layer_mlp(layer, x + at::linear(attn, layers_[static_cast<size_t>(layer)].o_proj));
+}
+
+at::Tensor LlamaModel::layer_mlp(int64_t layer, const at::Tensor& y) const {
+  TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_mlp: layer must be in [0, ",
+              config_.num_layers, "), got ", layer);
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  const at::Tensor y = x + at::linear(attn, w.o_proj);
   const at::Tensor m = rms_norm(y, w.post_norm);
   return y + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
 }
@@ -381,10 +386,12 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   // again over the context (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
   if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
     return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
-  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {
-    TORCH_CHECK(options.tokenizer != nullptr,
-                "LlamaModel::prefill: KVzipPress replays the context after a text prompt, so it needs the "
-                "model's tokenizer: set PrefillOptions::tokenizer");
+  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {  // KVgradPress is one too
+    TORCH_CHECK(options.tokenizer != nullptr, "LlamaModel::prefill: ", kvzip->name(),
+                " replays the context after a text prompt, so it needs the model's tokenizer: set "
+                "PrefillOptions::tokenizer");
+    if (const auto* kvgrad = dynamic_cast<const KVgradPress*>(kvzip))
+      return kvgrad_prefill(*this, input_ids, cache, *kvgrad, *options.tokenizer, options).prefill;
     return kvzip_prefill(*this, input_ids, cache, *kvzip, *options.tokenizer, options).prefill;
   }
   if (const auto* fast = dynamic_cast<const FastKVzipPress*>(options.press); fast && fast->needs_second_pass())

@@ -14,7 +14,9 @@ masked_key_indices). We record:
                                     per forward, over kvpress's masked cache (its attention patch)
 
 The runs cover the defaults (one replay chunk), other ratios, layerwise budgets, KVzip+
-normalization, and several replay chunks (chunk_size below N, with and without sinks).
+normalization, and several replay chunks (chunk_size below N, with and without sinks); two
+KVgradPress runs (its replay with a backward pass per chunk; one chunk, and three with layerwise
+budgets).
 
 FastKVzipPress runs (global and layerwise, other sinks and window) read gates that
 scripts/make_artifact.py's fastkvzip recipe trains on the first 40 stories (300 steps: enough to
@@ -36,7 +38,7 @@ from common import (KVPRESS_VERSION, MODEL, REPO, greedy_steps, load_model, load
 import torch
 from transformers import DynamicCache
 
-from kvpress import FastKVzipPress, KVzipPress
+from kvpress import FastKVzipPress, KVgradPress, KVzipPress
 from kvpress.presses.fastkvzip_press import FastKVzipGate
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -60,6 +62,9 @@ RUNS = [
     ("chunks_plus_layerwise_r0.4", "KVzipPress", {"compression_ratio": "0.4", "chunk_size": "64",
                                                   "layerwise": "true", "kvzip_plus_normalization": "true",
                                                   "n_sink": "8"}),
+    ("grad_r0.5", "KVgradPress", {"compression_ratio": "0.5"}),
+    ("grad_chunks_layerwise_r0.6", "KVgradPress", {"compression_ratio": "0.6", "chunk_size": "80",
+                                                   "layerwise": "true", "n_sink": "2"}),
     ("fast_r0.5", "FastKVzipPress", {"compression_ratio": "0.5"}),
     ("fast_r0.75", "FastKVzipPress", {"compression_ratio": "0.75"}),
     ("fast_layerwise_r0.5", "FastKVzipPress", {"compression_ratio": "0.5", "layerwise": "true"}),
@@ -82,7 +87,7 @@ def kvpress_gates(state_dicts: list[dict], model) -> list[FastKVzipGate]:
 
 def run_press(model, context, first_token, name: str, params: dict, gates):
     kwargs = {k: parse_value(v) for k, v in params.items()}
-    press = KVzipPress(**kwargs) if name == "KVzipPress" else FastKVzipPress(**kwargs)
+    press = {"KVzipPress": KVzipPress, "KVgradPress": KVgradPress, "FastKVzipPress": FastKVzipPress}[name](**kwargs)
     if name == "FastKVzipPress":
         press.gates = gates
     n = context.shape[1]
@@ -90,7 +95,7 @@ def run_press(model, context, first_token, name: str, params: dict, gates):
     compress_post = press.compress_post
 
     def spy(m):
-        if name == "KVzipPress":  # before compress_post gives the sinks max + 1
+        if name != "FastKVzipPress":  # before compress_post gives the sinks max + 1
             record["scores"] = press.score_val[:, 0].detach().to(torch.float32).clone().contiguous()
         compress_post(m)
         if name == "FastKVzipPress":  # stacked by compress_post

@@ -28,6 +28,7 @@
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/tokenizer.h"
 #include "kvpress/presses/fastkvzip_press.h"
+#include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/presses/kvzip_press.h"
 
 namespace kvpress::llama {
@@ -65,6 +66,16 @@ struct KVzipResult {
 KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                           const KVzipRunOptions& run = {});
+
+// KVgrad: the context's plain prefill (the full cache, which every replay chunk's backward pass
+// reads in every layer, as in kvpress), then per replay chunk one forward of the repeat with
+// autograd through every layer and one backward of Phi = sum ||h^L||^2; KVzip's chunk scores with
+// row_scale = ||dPhi/da_p|| and column_scale = ||v W_O||; KVzip's selection; then the cache is
+// rebuilt by the compressing prefill. Runs outside inference mode (it needs gradients). Peak: the
+// full cache plus one chunk's activations in every layer (no layer-by-layer shortcut: the backward
+// crosses the layers). result.scores as kvzip_prefill's.
+KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
+                           const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {});
 
 // FastKVzip with its global selection (layerwise = false): the same scoring pass without a replay
 // (each layer's gate reads its attention input; the context's keys/values of one layer at a time),

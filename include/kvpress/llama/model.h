@@ -312,6 +312,8 @@ class LlamaModel {
   at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) const;
   // The layer's output projection weight [hidden, Hq * D].
   const at::Tensor& o_proj(int64_t layer) const;
+  // The MLP half of a layer: y + MLP(RMSNorm(y)), y [B, n, hidden] the residual after attention.
+  at::Tensor layer_mlp(int64_t layer, const at::Tensor& y) const;
   // The rest of the layer: x + o_proj(attn), then the MLP with its residual. attn [B, n, Hq * D]
   // (heads concatenated) -> [B, n, hidden].
   at::Tensor layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const;
