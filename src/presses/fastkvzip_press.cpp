@@ -106,7 +106,7 @@ at::Tensor FastKVzipPress::layer_scores(const LayerInputs& in) const {
               "authors' .pt)");
   check_defined(op, "hidden_states", in.hidden_states);
   const at::Tensor& h = in.hidden_states;
-  const int64_t s = in.keys.size(2), hkv = gates_.k_base.size(1), sink = gates_.k_base.size(2);
+  const int64_t s = in.keys.size(2), hkv = gates_.k_base.size(1);
   const int64_t o = gates_.k_base.size(3), groups = gates_.b.size(2), layers = gates_.q_proj_weight.size(0);
   TORCH_CHECK(in.keys.size(0) == 1, op, ": batch must be 1 (as kvpress), got ", in.keys.size(0));
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.size(1) == s, op, ": hidden_states must be [1, ", s,
@@ -135,7 +135,6 @@ at::Tensor FastKVzipPress::layer_scores(const LayerInputs& in) const {
     const at::Tensor denominator = 1 + at::exp(base - logit).sum(2, /*keepdim=*/true);
     scores[0].narrow(1, t0, n).copy_(denominator.reciprocal().mean(-1).squeeze(-1));
   }
-  (void)sink;
   // The sinks and a trailing window are always kept (score 1, the largest a gate gives).
   if (n_sink_ > 0) scores.narrow(2, 0, std::min(n_sink_, s)).fill_(1.0);
   const int64_t window = s < kLongContext
