@@ -13,21 +13,12 @@
 #include <utility>
 #include <vector>
 
+#include "tensor_bytes.h"
+
 namespace kvpress::llama {
 namespace {
 
-int64_t bytes_of(std::initializer_list<const at::Tensor*> tensors) {
-  int64_t total = 0;
-  for (const at::Tensor* t : tensors)
-    if (t->defined()) total += static_cast<int64_t>(t->nbytes());
-  return total;
-}
-
-int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
-  int64_t total = 0;
-  for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
-  return total;
-}
+using detail::bytes_of;
 
 // Keeps the largest footprint seen, with the breakdown of that moment.
 void record_peak(KVzipMemory& m, int64_t layer_kv, int64_t activations, int64_t attention, int64_t scores) {

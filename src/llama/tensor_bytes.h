@@ -1,0 +1,27 @@
+// Byte counts for the memory reports of the runner's second passes (kvcompose.cpp, kvzip.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+namespace kvpress::llama::detail {
+
+// Bytes of the defined tensors among `tensors`.
+inline int64_t bytes_of(std::initializer_list<const at::Tensor*> tensors) {
+  int64_t total = 0;
+  for (const at::Tensor* t : tensors)
+    if (t->defined()) total += static_cast<int64_t>(t->nbytes());
+  return total;
+}
+
+inline int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
+  int64_t total = 0;
+  for (const at::Tensor& t : tensors)
+    if (t.defined()) total += static_cast<int64_t>(t.nbytes());
+  return total;
+}
+
+}  // namespace kvpress::llama::detail
