@@ -21,6 +21,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/json_text.h"
+
 #if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__)
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "kvpress safetensors I/O copies raw little-endian bytes; big-endian hosts are unsupported");
@@ -34,11 +36,6 @@ using json = nlohmann::json;
 // Same limit as the reference implementation: a header larger than this is rejected before
 // anything is allocated for it.
 constexpr uint64_t kMaxHeaderSize = 100'000'000;
-
-// nlohmann parses iteratively, but dump() (error messages) and copies recurse: a header nesting a
-// million arrays would overflow the stack. Real headers nest 3 levels.
-constexpr int kMaxJsonDepth = 64;
-struct TooDeep {};  // thrown by the parse callback to stop at the first level too deep
 
 struct DtypeInfo {
   const char* name;
@@ -182,22 +179,7 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
   const uint64_t body_size = file_size - 8 - header_len;
   const uint64_t body_start = 8 + header_len;
 
-  json doc;
-  try {
-    doc = json::parse(header, [](int depth, json::parse_event_t, json&) {
-      if (depth > kMaxJsonDepth) throw TooDeep{};
-      return true;
-    });
-  } catch (const TooDeep&) {
-    ST_LOAD_CHECK(false, "header nests deeper than ", kMaxJsonDepth, " levels (a safetensors header nests 3)");
-  } catch (const json::exception& e) {
-    // e.what() is "[json.exception.parse_error.101] parse error at line 1, column 5: ..." (or
-    // out_of_range.406 "number overflow parsing '1e999'").
-    std::string msg = e.what();
-    const auto pos = msg.find("] ");
-    if (pos != std::string::npos) msg = msg.substr(pos + 2);
-    ST_LOAD_CHECK(false, "header is not valid JSON: ", msg);
-  }
+  const json doc = parse_json(header, std::string(where.function) + ": " + where.origin, "header");
   ST_LOAD_CHECK(doc.is_object(), "header must be a JSON object, got ", doc.type_name());
 
   SafetensorsFile out;

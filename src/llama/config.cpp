@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <nlohmann/json.hpp>
 
+#include "io/json_text.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -32,21 +34,7 @@ bool is_file(const std::string& path) {
 }  // namespace
 
 LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::string& origin) {
-  // nlohmann parses iteratively, but dump() (error messages) and copies recurse: a file nesting a
-  // million arrays would overflow the stack. config.json nests 2 or 3 levels.
-  constexpr int kMaxDepth = 64;
-  struct TooDeep {};
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(json_text, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-      if (depth > kMaxDepth) throw TooDeep{};
-      return true;
-    });
-  } catch (const TooDeep&) {
-    TORCH_CHECK(false, "LlamaConfig: ", origin, ": the JSON nests deeper than ", kMaxDepth, " levels");
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "LlamaConfig: ", origin, ": not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = io::parse_json(json_text, "LlamaConfig: " + origin);
   TORCH_CHECK(j.is_object(), "LlamaConfig: ", origin, ": expected a JSON object");
 
   // Every field is read checked: "LlamaConfig: <origin>: <key> must be <expected>, got <value>".

@@ -14,6 +14,8 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include "io/json_text.h"
+
 #include <cstdio>
 #include <fstream>
 #include <queue>
@@ -570,21 +572,7 @@ Tokenizer Tokenizer::load(const std::string& path) {
 }
 
 Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& origin) {
-  // nlohmann parses iteratively, but dump() (error messages) and copies recurse: a file nesting a
-  // million arrays would overflow the stack. tokenizer.json nests 5 levels.
-  constexpr int kMaxDepth = 64;
-  struct TooDeep {};
-  json j;
-  try {
-    j = json::parse(json_text, [](int depth, json::parse_event_t, json&) {
-      if (depth > kMaxDepth) throw TooDeep{};
-      return true;
-    });
-  } catch (const TooDeep&) {
-    TORCH_CHECK(false, "Tokenizer: ", origin, ": the JSON nests deeper than ", kMaxDepth, " levels");
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "Tokenizer: ", origin, ": not valid JSON: ", e.what());
-  }
+  const json j = io::parse_json(json_text, "Tokenizer: " + origin);
   auto impl = std::make_shared<Impl>();
   impl->origin = origin;
   TORCH_CHECK(j.is_object(), "Tokenizer: ", origin, ": tokenizer.json must be a JSON object, got ", j.type_name());

@@ -12,6 +12,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "io/json_text.h"
 
 namespace kvpress {
 namespace {
@@ -70,12 +71,9 @@ DuoAttentionPress::DuoAttentionPress(double head_compression_ratio, Pattern patt
 
 DuoAttentionPress::Pattern DuoAttentionPress::load_pattern(const std::string& folder) {
   const std::string config_path = folder + "/config.json";
-  std::ifstream in(config_path);
-  TORCH_CHECK(in.good(), "DuoAttentionPress: ", config_path,
-              ": cannot open the file (a pattern folder holds "
-              "config.json and full_attention_heads.tsv)");
-  const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(!config.is_discarded() && config.is_object(), "DuoAttentionPress: ", config_path, ": not a JSON object");
+  const std::string where = "DuoAttentionPress: " + config_path;
+  const nlohmann::json config = io::read_json_file(config_path, where);
+  TORCH_CHECK(config.is_object(), where, ": not a JSON object");
   Pattern p;
   for (const auto& [key, member] : {std::pair<const char*, int64_t*>{"sink_size", &p.sink_size},
                                     std::pair<const char*, int64_t*>{"recent_size", &p.recent_size}}) {
