@@ -54,6 +54,7 @@
 #include "kvpress/presses/qfilter_press.h"
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/presses/random_press.h"
+#include "kvpress/presses/restorekv_press.h"
 #include "kvpress/presses/simlayerkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "kvpress/presses/streaming_llm_press.h"
@@ -678,6 +679,23 @@ std::vector<Entry> layer_entries() {
 }
 
 // Presses that need the engine's second pass over the context.
+// The KVzip family's parameters (KVzipPress, RestoreKVPress, KVgradPress: no KVzip+ there).
+struct KVzipParams {
+  bool layerwise = KVzipPress::kDefaultLayerwise;
+  int64_t n_sink = KVzipPress::kDefaultNSink;
+  bool plus = KVzipPress::kDefaultKVzipPlusNormalization;
+  int64_t chunk_size = KVzipPress::kDefaultChunkSize;
+};
+KVzipParams kvzip_params(Params& p, int64_t default_chunk_size, bool with_plus) {
+  KVzipParams k;
+  k.layerwise = p.get("layerwise", k.layerwise, "the same ratio in every layer (else global)");
+  k.n_sink = p.get("n_sink", k.n_sink, "first tokens always kept");
+  if (with_plus)
+    k.plus = p.get("kvzip_plus_normalization", k.plus, "KVzip+: weights divided by ||h|| and multiplied by ||W_o v||");
+  k.chunk_size = p.get("chunk_size", default_chunk_size, "context tokens repeated per replay pass");
+  return k;
+}
+
 std::vector<Entry> second_pass_entries() {
   using K = PressKind;
   return {
@@ -713,14 +731,27 @@ std::vector<Entry> second_pass_entries() {
         "the context replayed after a repeat prompt through the model (kvpress::llama::kvzip_prefill, or "
         "KVzipPress::replay_chunks, chunk_scores and keep_masks)"},
        [](double r, Params& p) {
-         const bool layerwise =
-             p.get("layerwise", KVzipPress::kDefaultLayerwise, "the same ratio in every layer (else global)");
-         const int64_t n_sink = p.get("n_sink", KVzipPress::kDefaultNSink, "first tokens always kept");
-         const bool plus = p.get("kvzip_plus_normalization", KVzipPress::kDefaultKVzipPlusNormalization,
-                                 "KVzip+: weights divided by ||h|| and multiplied by ||W_o v||");
-         const int64_t chunk_size =
-             p.get("chunk_size", KVzipPress::kDefaultChunkSize, "context tokens repeated per replay pass");
-         return std::make_unique<KVzipPress>(r, layerwise, n_sink, plus, chunk_size);
+         const KVzipParams k = kvzip_params(p, KVzipPress::kDefaultChunkSize, /*with_plus=*/true);
+         return std::make_unique<KVzipPress>(r, k.layerwise, k.n_sink, k.plus, k.chunk_size);
+       }},
+      {"RestoreKVPress",
+       K::kSecondPass,
+       "KVzip plus learned restore tokens: run once over the full cache with a LoRA adapter, they take the place of "
+       "as many evicted tokens per head",
+       {{},
+        {},
+        {},
+        "the context replayed after a repeat prompt, and the restore tokens' pass with the adapter "
+        "(kvpress::llama::kvzip_prefill)"},
+       [](double r, Params& p) {
+         const KVzipParams k = kvzip_params(p, RestoreKVPress::kDefaultChunkSize, /*with_plus=*/true);
+         const std::string dir =
+             p.get_path("restore",
+                        "folder with restore_embeddings.safetensors and a PEFT LoRA adapter (the authors' "
+                        "higokri/RestoreKV-<model>[_plus])");
+         return std::make_unique<RestoreKVPress>(
+             r, k.layerwise, k.n_sink, k.plus, k.chunk_size,
+             dir.empty() ? RestoreKVPress::Restore{} : RestoreKVPress::load_restore(dir));
        }},
       {"KVgradPress",
        K::kSecondPass,
@@ -731,12 +762,8 @@ std::vector<Entry> second_pass_entries() {
         {},
         "the context replayed after a repeat prompt, with a backward pass per chunk (kvpress::llama::kvgrad_prefill)"},
        [](double r, Params& p) {
-         const bool layerwise =
-             p.get("layerwise", KVgradPress::kDefaultLayerwise, "the same ratio in every layer (else global)");
-         const int64_t n_sink = p.get("n_sink", KVgradPress::kDefaultNSink, "first tokens always kept");
-         const int64_t chunk_size =
-             p.get("chunk_size", KVgradPress::kDefaultChunkSize, "context tokens repeated per replay pass");
-         return std::make_unique<KVgradPress>(r, layerwise, n_sink, chunk_size);
+         const KVzipParams k = kvzip_params(p, KVgradPress::kDefaultChunkSize, /*with_plus=*/false);
+         return std::make_unique<KVgradPress>(r, k.layerwise, k.n_sink, k.chunk_size);
        }},
       {"FastKVzipPress",
        K::kSecondPass,

@@ -17,6 +17,7 @@
 #include "kvpress/presses/expected_attention_stats_press.h"
 #include "kvpress/presses/lukv_press.h"
 #include "kvpress/presses/qfilter_press.h"
+#include "kvpress/presses/restorekv_press.h"
 #include "kvpress/registry.h"
 #include "kvpress/types.h"
 
@@ -35,14 +36,17 @@ struct ModelShape {
 // hidden -> 8 -> Hkv per layer, as KVzapModel.save_pretrained names its weights) and LUKVPress's
 // budget curves (a file: prune fractions [99, L, Hkv] uniform in [0, 1)) and DuoAttentionPress's
 // attention pattern (a folder: sink 4, recent 16, head scores uniform in [0, 1)) and FastKVzipPress's
-// gates (a file: 16 dimensions, 4 sink keys per layer).
+// gates (a file: 16 dimensions, 4 sink keys per layer) and RestoreKVPress's restore folder (8
+// restore embeddings and a PEFT LoRA adapter of rank 2 on every layer's q_proj and v_proj).
 inline std::string random_artifact(const std::string& kind, const ModelShape& s) {
   // Removed with the C library at exit: std::filesystem there may resolve into libtorch's copy,
   // already torn down.
   struct Paths : std::map<std::string, std::string> {
     ~Paths() {
       for (const auto& [key, path] : *this) {
-        for (const char* file : {"/model.safetensors", "/config.json", "/full_attention_heads.tsv"})
+        for (const char* file :
+             {"/model.safetensors", "/config.json", "/full_attention_heads.tsv", "/restore_embeddings.safetensors",
+              "/adapter_config.json", "/adapter_model.safetensors"})
           std::remove((path + file).c_str());  // a folder's files
         std::remove(path.c_str());             // the file, or the emptied folder
       }
@@ -96,6 +100,22 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
       weights[layer + "b"] = at::randn({s.kv_heads, 1, g}, gen);
     }
     io::save_safetensors(path, weights);
+  } else if (kind == "restore") {  // RestoreKVPress: the authors' folder layout
+    path = base.string();
+    std::filesystem::create_directories(path);
+    io::save_safetensors(path + "/" + RestoreKVPress::kEmbeddingsFile,
+                         {{RestoreKVPress::kEmbeddingsKey, at::randn({8, s.hidden}, gen)}});
+    std::ofstream(path + "/adapter_config.json") << R"({"peft_type": "LORA", "r": 2, "lora_alpha": 4})"
+                                                 << "\n";
+    std::map<std::string, at::Tensor> weights;
+    for (int64_t l = 0; l < s.num_layers; ++l)
+      for (const auto& [module, out] : {std::pair<const char*, int64_t>{"q_proj", s.num_heads * s.head_dim},
+                                        std::pair<const char*, int64_t>{"v_proj", s.kv_heads * s.head_dim}}) {
+        const std::string name = "base_model.model.model.layers." + std::to_string(l) + ".self_attn." + module;
+        weights[name + ".lora_A.weight"] = at::randn({2, s.hidden}, gen) * 0.1;
+        weights[name + ".lora_B.weight"] = at::randn({out, 2}, gen) * 0.1;
+      }
+    io::save_safetensors(path + "/adapter_model.safetensors", weights);
   } else {  // kvzap_model
     path = base.string();
     std::filesystem::create_directories(path);

@@ -1,12 +1,15 @@
-// KVzipPress and kvpress::llama::kvzip_prefill.
+// KVzipPress, RestoreKVPress, KVgradPress, FastKVzipPress and kvpress::llama::kvzip_prefill.
 //
-// KVzip.*, FastKVzip.*  unit tests (no fixtures): replay chunks, the global selection and the chunk scores
+// KVzip.*, FastKVzip.*, RestoreKV.*, Lora.*  unit tests (no fixtures): replay chunks, the global
+//                selection and the chunk scores
 //                against hand computations or a float64 reference; every error; the runner on
 //                TinyStories-656K (the cache is the plain prefill's selected tokens, query-chunk
-//                invariance, memory figures, ratio 0, LlamaModel::prefill's dispatch).
-// KVzipParity.*  against tests/reference/make_kvzip_fixtures.py (kvpress's own KVzip and FastKVzip,
-//                the latter with the same trained gates, on the same model and context): scores,
-//                kept tokens per head, next-token logits.
+//                invariance, memory figures, ratio 0, LlamaModel::prefill's dispatch); RestoreKV's
+//                restore tokens against the plain runner with the LoRA merged into the weights; PEFT
+//                adapters' reading and refusals.
+// KVzipParity.*  against tests/reference/make_kvzip_fixtures.py (kvpress's own KVzip, KVgrad,
+//                RestoreKV and FastKVzip, the last two with the same artifacts, on the same model and
+//                context): scores, kept tokens per head, restore tokens' keys/values, next-token logits.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -29,6 +32,7 @@
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/presses/kvzip_press.h"
+#include "kvpress/presses/restorekv_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
 #include "tiny_model.h"
@@ -36,6 +40,7 @@
 namespace {
 
 using kvpress::KVzipPress;
+using kvpress::RestoreKVPress;
 using kvpress::llama::KVCache;
 using kvpress::llama::LlamaModel;
 using kvpress::llama::PrefillOptions;
@@ -277,6 +282,229 @@ TEST(KVzip, RunnerKeepsThePlainPrefillsSelectedTokens) {
   kvpress::llama::kvzip_prefill(model, ids, zero, KVzipPress(0.0), tiny_tokenizer());
   EXPECT_FALSE(zero.is_ragged(0));
   EXPECT_TRUE(at::equal(zero.keys(1), plain.keys(1)));
+}
+
+// ---- RestoreKVPress and LoRA adapters -----------------------------------------------------------
+
+// A seeded adapter on every projection of every layer of `model` (rank 3, scaling 0.7).
+kvpress::LoraAdapter random_adapter(const LlamaModel& model, uint64_t seed) {
+  const auto& c = model.config();
+  const at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim, h = c.hidden_size;
+  const std::map<std::string, std::pair<int64_t, int64_t>> in_out = {{"q_proj", {h, q}},
+                                                                     {"k_proj", {h, kv}},
+                                                                     {"v_proj", {h, kv}},
+                                                                     {"o_proj", {q, h}},
+                                                                     {"gate_proj", {h, c.intermediate_size}},
+                                                                     {"up_proj", {h, c.intermediate_size}},
+                                                                     {"down_proj", {c.intermediate_size, h}}};
+  kvpress::LoraAdapter adapter;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    for (const auto& [module, io] : in_out)
+      adapter.add(l, module, {at::randn({3, io.first}, gen) * 0.2, at::randn({io.second, 3}, gen) * 0.2, 0.7});
+  return adapter;
+}
+
+TEST(Lora, LinearAddsTheScaledLowRankUpdate) {
+  const at::Tensor x = at::randn({2, 5, 6}), w = at::randn({4, 6});
+  const kvpress::LoraLinear u{at::randn({3, 6}), at::randn({4, 3}), 0.25};
+  const at::Tensor expected = at::matmul(x.to(at::kDouble), (w + 0.25 * at::matmul(u.b, u.a)).to(at::kDouble).t());
+  EXPECT_LT((kvpress::lora_linear(x, w, &u).to(at::kDouble) - expected).abs().max().item<double>(), 1e-5);
+  EXPECT_TRUE(at::equal(kvpress::lora_linear(x, w, nullptr), at::linear(x, w)));
+  kvpress::LoraAdapter a;
+  expect_error([&] { a.add(0, "lm_head", u); }, {"LoraAdapter.add: module must be one of", "got 'lm_head'"});
+  expect_error([&] { a.add(-1, "q_proj", u); }, {"LoraAdapter.add: layer must be >= 0, got -1"});
+  expect_error(
+      [&] {
+        a.add(0, "q_proj", {u.a, at::randn({4, 2}), 1.0});
+      },
+      {"LoraAdapter.add: layer 0 q_proj: A must be [r, in] and B [out, r] with r > 0, got [3, 6] and [4, 2]"});
+  a.add(1, "v_proj", u);
+  ASSERT_NE(a.find(1, "v_proj"), nullptr);
+  EXPECT_EQ(a.find(0, "v_proj"), nullptr);
+  // The model checks an adapter against its weights.
+  expect_error([&] { tiny_model().check_adapter(a, "op"); },
+               {"op: the LoRA adapter's layer 1 v_proj needs A [r, ", "got A [3, 6] and B [4, 3]"});
+  kvpress::LoraAdapter far;
+  far.add(7, "q_proj", u);
+  expect_error([&] { tiny_model().check_adapter(far, "op"); }, {"op: the LoRA adapter targets layer 7 (q_proj)"});
+}
+
+// A PEFT adapter folder written here: config + weights, for the refusals.
+std::string write_peft(const std::string& name, const std::string& config,
+                       const std::map<std::string, at::Tensor>& tensors) {
+  const std::string dir = ::testing::TempDir() + "/kvzip_peft_" + name;
+  std::remove((dir + "/adapter_config.json").c_str());
+  EXPECT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
+  FILE* f = std::fopen((dir + "/adapter_config.json").c_str(), "w");
+  std::fputs(config.c_str(), f);
+  std::fclose(f);
+  kvpress::io::save_safetensors(dir + "/adapter_model.safetensors", tensors);
+  return dir;
+}
+
+TEST(Lora, ReadsPeftAdaptersAndRefusesWhatItCannotApply) {
+  const std::string prefix = "base_model.model.model.layers.1.self_attn.k_proj.";
+  const std::map<std::string, at::Tensor> ab = {{prefix + "lora_A.weight", at::ones({4, 6})},
+                                                {prefix + "lora_B.weight", at::ones({5, 4})}};
+  const std::string ok = R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": false, "bias": "none",
+                              "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": null})";
+  const auto a = kvpress::LoraAdapter::load_peft(write_peft("ok", ok, ab));
+  ASSERT_NE(a.find(1, "k_proj"), nullptr);
+  EXPECT_DOUBLE_EQ(a.find(1, "k_proj")->scaling, 2.0);
+  EXPECT_EQ(a.modules().size(), 1u);
+  const auto rs = kvpress::LoraAdapter::load_peft(
+      write_peft("rslora", R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_rslora": true})", ab));
+  EXPECT_DOUBLE_EQ(rs.find(1, "k_proj")->scaling, 4.0);  // alpha / sqrt(r)
+
+  const auto refused = [&](const std::string& name, const std::string& config,
+                           const std::map<std::string, at::Tensor>& tensors, const std::string& message) {
+    SCOPED_TRACE(name);
+    const std::string dir = write_peft(name, config, tensors);
+    expect_error([&] { kvpress::LoraAdapter::load_peft(dir); }, {"LoraAdapter: " + dir, message});
+  };
+  refused("dora", R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": true})", ab,
+          "adapter_config.json: use_dora is not supported (got true)");
+  refused("ia3", R"({"peft_type": "IA3", "r": 4, "lora_alpha": 8})", ab, "peft_type must be \"LORA\", got \"IA3\"");
+  refused("no_r", R"({"peft_type": "LORA", "lora_alpha": 8})", ab, "r must be a positive integer");
+  refused("bias", R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "all"})", ab, "bias must be \"none\"");
+  refused("alpha_pattern", R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "alpha_pattern": {"q_proj": 2}})", ab,
+          "alpha_pattern is not supported");
+  refused("not_json", "{r: 4", ab, "adapter_config.json: not valid JSON");
+  refused("embedding", ok, {{"base_model.model.model.embed_tokens.lora_embedding_A", at::ones({4, 6})}},
+          "adapter_model.safetensors: unsupported tensor 'base_model.model.model.embed_tokens.lora_embedding_A'");
+  refused("half", ok, {{prefix + "lora_A.weight", at::ones({4, 6})}},
+          "adapter_model.safetensors: layers.1 k_proj has lora_A but no lora_B");
+  refused("chain", ok, {{prefix + "lora_A.weight", at::ones({4, 6})}, {prefix + "lora_B.weight", at::ones({5, 3})}},
+          "A must be [r, in] and B [out, r] with r > 0, got [4, 6] and [5, 3]");
+  expect_error([] { kvpress::LoraAdapter::load_peft("/nonexistent"); },
+               {"LoraAdapter: /nonexistent/adapter_config.json: cannot open the file"});
+}
+
+TEST(RestoreKV, RestoreTokensAreThePlainRunnersWithTheLoraMerged) {
+  const LlamaModel& model = tiny_model();
+  const auto& c = model.config();
+  const int64_t n = 30, n_restore = 5;
+  const at::Tensor ids = story_ids(n);
+  // Restore embeddings that are token embeddings, so the plain runner can forward them as tokens.
+  const at::Tensor restore_ids = at::tensor(std::vector<int64_t>{7, 300, 12, 45, 1000}, at::kLong).unsqueeze(0);
+  RestoreKVPress::Restore artifacts;
+  artifacts.embeddings = model.embed(restore_ids)[0];
+  artifacts.adapter = random_adapter(model, 5);
+  const RestoreKVPress press(0.5, false, 4, false, 12, artifacts);  // three replay chunks
+  EXPECT_EQ(press.num_restore_tokens(), n_restore);
+  EXPECT_DOUBLE_EQ(press.eviction_ratio(n), 0.5 + 5.0 / 30.0);
+  EXPECT_DOUBLE_EQ(press.eviction_ratio(6), 1.0);
+  KVCache cache = model.new_cache();
+  const auto r = kvpress::llama::kvzip_prefill(model, ids, cache, press, tiny_tokenizer());
+
+  // Reference: the context's plain prefill, then the restore tokens forwarded as tokens by a model
+  // whose projections hold W + scaling * B A.
+  auto weights =
+      kvpress::io::load_safetensors(kvpress::llama::resolve_model_dir("tinystories-656k") + "/model.safetensors")
+          .tensors;
+  for (const auto& [key, u] : artifacts.adapter.modules()) {
+    const std::string part =
+        key.second == "gate_proj" || key.second == "up_proj" || key.second == "down_proj" ? "mlp" : "self_attn";
+    at::Tensor& w = weights.at("model.layers." + std::to_string(key.first) + "." + part + "." + key.second + ".weight");
+    w = w.to(at::kFloat) + u.scaling * at::matmul(u.b, u.a);
+  }
+  const LlamaModel merged(c, weights);
+  KVCache full = model.new_cache();
+  model.prefill(ids, full);
+  merged.forward(restore_ids, full);
+  const at::Tensor ref_keys = at::cat(
+      [&] {
+        std::vector<at::Tensor> k;
+        for (int64_t l = 0; l < c.num_layers; ++l) k.push_back(full.keys(l).narrow(2, n, n_restore));
+        return k;
+      }(),
+      0);
+  ASSERT_EQ(r.restore_keys.sizes(), ref_keys.sizes());
+  EXPECT_LT((r.restore_keys - ref_keys).abs().max().item<double>(), 1e-5);
+
+  // The cache: each head's kept context tokens, then the restore tokens; the budget matched.
+  KVCache plain = model.new_cache();
+  model.prefill(ids, plain);
+  int64_t kept = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    ASSERT_TRUE(cache.is_ragged(l));
+    const at::Tensor mask = r.prefill.keep_masks[l];
+    kept += mask.sum().item<int64_t>();
+    for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+      const at::Tensor head_keys = cache.ragged(l).keys(0, h);  // [len, D]
+      const int64_t k = mask[0][h].sum().item<int64_t>();
+      ASSERT_EQ(head_keys.size(0), k + n_restore);
+      EXPECT_TRUE(at::equal(head_keys.narrow(0, 0, k), plain.keys(l)[0][h].index({mask[0][h]})));
+      EXPECT_TRUE(at::equal(head_keys.narrow(0, k, n_restore), r.restore_keys[l][h]));
+    }
+  }
+  const int64_t total = c.num_layers * c.num_kv_heads * n;
+  EXPECT_EQ(kept, total - static_cast<int64_t>(total * (0.5 + 5.0 / 30.0)));
+  EXPECT_EQ(cache.position(), n + n_restore);
+
+  // Memory: the scoring pass is KVzip's plus the restore tokens' stream and keys/values (one layer's
+  // buffers as KVzip's: the longest repeat is longer than the 5 restore tokens).
+  KVCache kvzip_cache = model.new_cache();
+  const auto kvzip =
+      kvpress::llama::kvzip_prefill(model, ids, kvzip_cache, KVzipPress(0.5, false, 4, false, 12), tiny_tokenizer());
+  EXPECT_EQ(r.memory.layer_kv_bytes, kvzip.memory.layer_kv_bytes);
+  EXPECT_GT(r.memory.activation_bytes, kvzip.memory.activation_bytes);
+  const int64_t restore_bytes = (c.num_layers * 2 * c.num_kv_heads * c.head_dim + c.hidden_size) * n_restore * 4;
+  EXPECT_LE(r.memory.activation_bytes, kvzip.memory.activation_bytes + restore_bytes);
+  EXPECT_EQ(r.memory.full_cache_bytes, kvzip.memory.full_cache_bytes);
+
+  // LlamaModel::prefill runs the same, in either layout; the next tokens see the same cache.
+  PrefillOptions opt;
+  opt.press = &press;
+  opt.tokenizer = &tiny_tokenizer();
+  opt.ragged_layout = PrefillOptions::RaggedLayout::kMasked;
+  KVCache masked = model.new_cache();
+  model.prefill(ids, masked, opt);
+  EXPECT_EQ(masked.position(), n + n_restore);
+  EXPECT_EQ(masked.length(0), n + n_restore);
+  const at::Tensor next = story_ids(32).narrow(1, 30, 2);
+  EXPECT_LT((model.forward(next, masked).logits - model.forward(next, cache).logits).abs().max().item<double>(), 1e-4);
+
+  // Ratio 0: the plain prefill, no restore tokens (kvpress skips both).
+  KVCache zero = model.new_cache();
+  kvpress::llama::kvzip_prefill(model, ids, zero, RestoreKVPress(0.0, false, 4, false, 12, artifacts),
+                                tiny_tokenizer());
+  EXPECT_EQ(zero.position(), n);
+  EXPECT_EQ(zero.length(0), n);
+}
+
+TEST(RestoreKV, Errors) {
+  const LlamaModel& model = tiny_model();
+  const at::Tensor ids = story_ids(20);
+  KVCache cache = model.new_cache();
+  expect_error([&] { kvpress::llama::kvzip_prefill(model, ids, cache, RestoreKVPress(0.5), tiny_tokenizer()); },
+               {"RestoreKVPress: no restore artifacts: give restore=DIR", "higokri/RestoreKV-<model>"});
+  expect_error([&] { RestoreKVPress(0.5, false, 4, true).restore(); }, {"higokri/RestoreKV-<model>_plus"});
+  RestoreKVPress::Restore wrong;
+  wrong.embeddings = at::randn({3, model.config().hidden_size + 1});
+  expect_error(
+      [&] {
+        kvpress::llama::kvzip_prefill(model, ids, cache, RestoreKVPress(0.5, false, 4, false, 2048, wrong),
+                                      tiny_tokenizer());
+      },
+      {"kvzip_prefill: the restore embeddings are [3, "});
+  EXPECT_EQ(cache.position(), 0);
+  wrong.embeddings = at::randn({3});
+  expect_error([&] { RestoreKVPress(0.5, false, 4, false, 2048, wrong); },
+               {"RestoreKVPress: restore embeddings must be a non-empty floating [n, hidden] tensor, got [3]"});
+  wrong.embeddings = at::full({2, 4}, NAN);
+  expect_error([&] { RestoreKVPress(0.5, false, 4, false, 2048, wrong); },
+               {"RestoreKVPress: restore embeddings must be finite"});
+  expect_error([] { RestoreKVPress::load_restore("/nonexistent"); }, {"/nonexistent/restore_embeddings.safetensors"});
+  // Budget matching can evict every context token: the selection allows ratio 1 (and no more).
+  const auto masks = kvpress::kvzip_evict_lowest(at::rand({2, 2, 5}), 1.0, false, "op");
+  for (const auto& m : masks) EXPECT_FALSE(m.any().item<bool>());
+  expect_error(
+      [] {
+        kvpress::kvzip_evict_lowest(at::rand({2, 2, 5}), 1.5, false, "op");
+      },
+      {"op: compression_ratio must be in [0, 1], got 1.5"});
 }
 
 TEST(KVgrad, RunsThroughThePrefillAndUnderInferenceMode) {
@@ -522,7 +750,7 @@ TEST(KVzipParity, MatchesKvpress) {
   const at::Tensor context = fixture(fx.manifest.at("inputs").get<std::string>(), "context_ids");
   const int64_t n = context.size(1), num_layers = model.config().num_layers;
   ASSERT_EQ(n, fx.manifest.at("context_len").get<int64_t>());
-  ASSERT_GE(fx.manifest.at("runs").size(), 14u);
+  ASSERT_GE(fx.manifest.at("runs").size(), 18u);
 
   for (const auto& jr : fx.manifest.at("runs")) {
     const std::string name = jr.at("name").get<std::string>(), file = jr.at("file").get<std::string>();
@@ -534,11 +762,20 @@ TEST(KVzipParity, MatchesKvpress) {
                                 press_name, jr.at("params").get<std::map<std::string, std::string>>(), fx.dir));
     KVCache cache = model.new_cache();
     const auto* fast = dynamic_cast<const kvpress::FastKVzipPress*>(press.get());
-    const auto* grad = dynamic_cast<const kvpress::KVgradPress*>(press.get());
-    const auto r = fast   ? kvpress::llama::fast_kvzip_prefill(model, context, cache, *fast)
-                   : grad ? kvpress::llama::kvgrad_prefill(model, context, cache, *grad, tiny_tokenizer())
-                          : kvpress::llama::kvzip_prefill(model, context, cache,
-                                                          dynamic_cast<const KVzipPress&>(*press), tiny_tokenizer());
+    const auto* restore = dynamic_cast<const RestoreKVPress*>(press.get());
+    // kvzip_prefill runs KVzipPress, RestoreKVPress and (handing it on) KVgradPress.
+    const auto r = fast ? kvpress::llama::fast_kvzip_prefill(model, context, cache, *fast)
+                        : kvpress::llama::kvzip_prefill(model, context, cache, dynamic_cast<const KVzipPress&>(*press),
+                                                        tiny_tokenizer());
+    double restore_diff = 0;
+    if (restore) {  // the restore tokens' keys/values after the LoRA-adapted pass over the full cache
+      const at::Tensor ref_keys = fixture(file, "restore_keys"), ref_values = fixture(file, "restore_values");
+      ASSERT_EQ(r.restore_keys.sizes(), ref_keys.sizes());
+      restore_diff = std::max((r.restore_keys - ref_keys).abs().max().item<double>(),
+                              (r.restore_values - ref_values).abs().max().item<double>());
+      EXPECT_LT(restore_diff, 1e-4);
+      EXPECT_EQ(cache.position(), n + restore->num_restore_tokens());
+    }
     if (fast && fast->layerwise()) {
       // Layerwise, the ordinary prefill compresses layer by layer from LayerInputs: the same tokens.
       KVCache direct = model.new_cache();
@@ -576,6 +813,11 @@ TEST(KVzipParity, MatchesKvpress) {
       PrefillOptions opt;
       opt.press = &replayed;
       model.prefill(context, cache, opt);
+      if (restore) {
+        for (int64_t l = 0; l < num_layers; ++l)
+          cache.append(l, r.restore_keys.narrow(0, l, 1), r.restore_values.narrow(0, l, 1));
+        cache.advance(restore->num_restore_tokens());
+      }
     }
     const at::Tensor tokens = fixture(file, "decode_tokens"), ref_logits = fixture(file, "decode_logits");
     double max_diff = 0;
@@ -587,7 +829,9 @@ TEST(KVzipParity, MatchesKvpress) {
     std::ostringstream line;
     line << "kept " << (n_diff == 0 ? std::string("exact") : "modulo " + std::to_string(n_diff) + " near-ties")
          << ", max rel |d score| " << std::setprecision(3) << scores_rel << ", max |d logits| " << max_diff
-         << (n_diff > 0 ? " (kvpress's kept tokens replayed)" : "");
+         << (restore ? ", max |d restore k/v| " : "");
+    if (restore) line << restore_diff;
+    line << (n_diff > 0 ? " (kvpress's kept tokens replayed)" : "");
     parity_summary()[name] = line.str();
   }
 }

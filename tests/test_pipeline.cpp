@@ -150,9 +150,15 @@ TEST(PipelineParity, AnswersMatchKvpressPipeline) {
   for (const json& c : fx.at("cases")) {
     const std::vector<std::string> questions = c.at("questions").get<std::vector<std::string>>();
     const double ratio = c.at("compression_ratio").get<double>();
-    const auto params = c.at("params").get<std::map<std::string, std::string>>();
     std::unique_ptr<kvpress::BasePress> press;
-    if (!c.at("press").is_null()) press = kvpress::make_press(c.at("press").get<std::string>(), ratio, params);
+    if (!c.at("press").is_null()) {
+      const std::string name = c.at("press").get<std::string>();
+      // Artifact paths (RestoreKVPress's folder) are relative to the fixture folder.
+      press =
+          kvpress::make_press(name, ratio,
+                              kvpress::testing::with_artifact_paths(
+                                  name, c.at("params").get<std::map<std::string, std::string>>(), dir + "/pipeline"));
+    }
     SCOPED_TRACE(c.dump());
     PipelineOptions opt;
     opt.press = press.get();

@@ -376,7 +376,8 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
     const PressKind expected = wrappers.count(info.name)   ? PressKind::kWrapper
                                : decoding.count(info.name) ? PressKind::kDecoding
                                : info.name == "KVComposePress" || info.name == "KVzipPress" ||
-                                       info.name == "FastKVzipPress" || info.name == "KVgradPress"
+                                       info.name == "FastKVzipPress" || info.name == "KVgradPress" ||
+                                       info.name == "RestoreKVPress"
                                    ? PressKind::kSecondPass
                                : info.name == "ThinKPress" ? PressKind::kChannel
                                : info.name == "SimLayerKVPress" || info.name == "DuoAttentionPress" ? PressKind::kLayer
@@ -457,7 +458,7 @@ TEST(Registry, ParsesNumbersInOnePlace) {
 }
 
 TEST(Registry, BuildsEveryPressWithItsKvpressName) {
-  ASSERT_EQ(list_presses().size(), 45u);
+  ASSERT_EQ(list_presses().size(), 46u);
   for (const PressInfo& info : list_presses())  // DecodingPress and SimLayerKVPress take no ratio
     EXPECT_EQ(make_press(info.name, ratio_for(info, 0.5))->name(), info.name);
   const auto snap = make_press("SnapKVPress", 0.3, {{"window_size", "16"}, {"kernel_size", "3"}});

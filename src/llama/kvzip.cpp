@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -49,16 +50,24 @@ class SelectedTokensPress : public BasePress {
   std::vector<at::Tensor> masks_;  // per layer [1, Hkv, N] bool
 };
 
+// RestoreKV's restore tokens riding the scoring pass: they attend to each layer's full context with
+// the adapter active, and leave their keys/values for the compressed cache.
+struct RestoreStream {
+  at::Tensor x;  // [1, n, hidden]: their residual stream entering the current layer
+  const LoraAdapter* adapter = nullptr;
+  std::vector<at::Tensor> keys, values;  // per layer [1, Hkv, n, D]
+};
+
 // Scores a layer's context tokens from its attention input: [1, Hkv, N] (FastKVzip's gates).
 using ContextScorer = std::function<at::Tensor(int64_t layer, const LlamaModel::LayerQKV& context)>;
 
 // The scores of every context token: the context and every replay chunk (none for FastKVzip) go
 // through the model together, layer by layer, so only one layer's keys/values exist at a time. A
 // layer's scores come from context_scorer (when given) and the replay blocks (KVzip's chunk scores,
-// a running maximum).
+// a running maximum). With `restore`, its tokens run through each layer right after the context.
 at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress* press,
                         const std::vector<KVzipReplayChunk>& chunks, const ContextScorer& context_scorer,
-                        int64_t query_chunk, KVzipMemory& memory) {
+                        int64_t query_chunk, KVzipMemory& memory, RestoreStream* restore = nullptr) {
   const LlamaConfig& c = model.config();
   const int64_t n = context_ids.size(1), hkv = c.num_kv_heads, d = c.head_dim;
   const auto options = model.embed(context_ids.narrow(1, 0, 1)).options();
@@ -75,6 +84,13 @@ at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, 
     longest = std::max(longest, static_cast<int64_t>(chunk.repeat_ids.size()));
   }
   const RopeTables context_rope = model.rope(0, n);
+  const int64_t n_restore = restore ? restore->x.size(1) : 0;
+  const RopeTables restore_rope = model.rope(n, n_restore);  // positions N .. N + n - 1
+  longest = std::max(longest, n_restore);
+  const auto activation_bytes = [&] {
+    return bytes_of({&x}) + bytes_of(streams) +
+           (restore ? bytes_of({&restore->x}) + bytes_of(restore->keys) + bytes_of(restore->values) : 0);
+  };
 
   for (int64_t li = 0; li < c.num_layers; ++li) {
     const bool last = li + 1 == c.num_layers;  // its outputs feed nothing KVzip reads
@@ -90,9 +106,23 @@ at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, 
       qkv.v.reset();
       if (!last) {
         const at::Tensor attn = model.layer_attention(qkv.q, layer_keys.narrow(2, 0, n), layer_values.narrow(2, 0, n));
-        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q}), bytes_of({&x}) + bytes_of(streams),
+        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q}), activation_bytes(),
                     bytes_of({&attn, &qkv.h}), bytes_of({&scores}));
         x = model.layer_output(li, x, attn);
+      }
+    }
+    if (restore) {  // kvpress's one LoRA-adapted pass over the full cache, layer by layer
+      LlamaModel::LayerQKV qkv = model.layer_qkv(li, restore->x, restore_rope, restore->adapter);
+      layer_keys.narrow(2, n, n_restore).copy_(qkv.k);
+      layer_values.narrow(2, n, n_restore).copy_(qkv.v);
+      restore->keys.push_back(qkv.k);
+      restore->values.push_back(qkv.v);
+      if (!last) {
+        const at::Tensor attn = model.layer_attention(qkv.q, layer_keys.narrow(2, 0, n + n_restore),
+                                                      layer_values.narrow(2, 0, n + n_restore));
+        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q}), activation_bytes(),
+                    bytes_of({&attn, &qkv.h}), bytes_of({&scores}));
+        restore->x = model.layer_output(li, restore->x, attn, restore->adapter);
       }
     }
     const at::Tensor context_keys = layer_keys.narrow(2, 0, n);
@@ -122,8 +152,8 @@ at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, 
         chunk_max.copy_(at::maximum(chunk_max, block[0]));
         // What chunk_scores held: float32 logits and weights over sink + chunk + seen keys.
         const int64_t block_bytes = 2 * 4 * c.num_heads * rows * (sink + len + seen);
-        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q, &column_scale}),
-                    bytes_of({&x}) + bytes_of(streams), block_bytes, bytes_of({&scores}));
+        record_peak(memory, bytes_of({&layer_keys, &layer_values, &qkv.q, &column_scale}), activation_bytes(),
+                    block_bytes, bytes_of({&scores}));
         if (last) continue;
         const at::Tensor attn =
             model.layer_attention(qkv.q, layer_keys.narrow(2, 0, n + seen), layer_values.narrow(2, 0, n + seen));
@@ -168,7 +198,10 @@ ForwardOutput prefill_selected(const LlamaModel& model, const at::Tensor& contex
 KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill,
                           const KVzipRunOptions& run) {
+  if (const auto* kvgrad = dynamic_cast<const KVgradPress*>(&press))
+    return kvgrad_prefill(model, context_ids, cache, *kvgrad, tokenizer, prefill);
   constexpr const char* op = "kvzip_prefill";
+  const auto* restore_press = dynamic_cast<const RestoreKVPress*>(&press);
   KVzipResult result;
   result.memory.full_cache_bytes = check_prefill_args(op, model, context_ids, cache);
   TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
@@ -176,20 +209,45 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
   const int64_t n = context_ids.size(1);
   PrefillOptions plain = prefill;
   plain.press = nullptr;
-  if (press.compression_ratio() == 0.0) {  // kvpress skips the replay: nothing is evicted
+  if (press.compression_ratio() == 0.0) {  // kvpress skips the replay (and RestoreKV's restore pass)
     result.prefill = model.prefill(context_ids, cache, plain);
     result.scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
     return result;
   }
 
+  std::optional<RestoreStream> restore;
+  if (restore_press) {
+    const RestoreKVPress::Restore& artifacts = restore_press->restore();
+    TORCH_CHECK(artifacts.embeddings.size(1) == c.hidden_size, op, ": the restore embeddings are [",
+                artifacts.embeddings.size(0), ", ", artifacts.embeddings.size(1), "], the model's hidden size is ",
+                c.hidden_size);
+    model.check_adapter(artifacts.adapter, op);
+    restore.emplace();
+    restore->x = artifacts.embeddings.to(context_ids.device(), model.dtype()).unsqueeze(0);
+    restore->adapter = &artifacts.adapter;
+  }
   const auto encode = [&](const char* text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
   const at::Tensor ids_cpu = context_ids.cpu().contiguous();
   const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
   const std::vector<KVzipReplayChunk> chunks =
       press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
                           encode(KVzipPress::kRepeatSuffix));
-  result.scores = scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, result.memory);
+  result.scores = scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, result.memory,
+                               restore ? &*restore : nullptr);
   result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
+  if (restore) {
+    // The restore tokens join every layer after the kept context tokens, never evicted; the next
+    // token comes after them (kvpress's pipeline: position N + n).
+    try {
+      for (int64_t l = 0; l < c.num_layers; ++l) cache.append(l, restore->keys[l], restore->values[l]);
+      cache.advance(restore->x.size(1));
+    } catch (...) {
+      cache = model.new_cache();  // it was empty
+      throw;
+    }
+    result.restore_keys = at::cat(restore->keys, 0);
+    result.restore_values = at::cat(restore->values, 0);
+  }
   return result;
 }
 

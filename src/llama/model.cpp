@@ -328,12 +328,12 @@ RopeTables LlamaModel::rope_at(const std::vector<int64_t>& position_ids) const {
 
 at::Tensor LlamaModel::embed(const at::Tensor& input_ids) const { return at::embedding(embed_tokens_, input_ids); }
 
-LlamaModel::LayerQKV LlamaModel::layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables) const {
+LlamaModel::LayerQKV LlamaModel::layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables,
+                                           const LoraAdapter* lora) const {
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_qkv: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
-  const Layer& w = layers_[static_cast<size_t>(layer)];
-  const at::Tensor h = rms_norm(x, w.input_norm);
-  LayerQKV qkv = project_qkv(w, h, rope_tables);
+  const at::Tensor h = rms_norm(x, layers_[static_cast<size_t>(layer)].input_norm);
+  LayerQKV qkv = project_qkv(layer, h, rope_tables, lora);
   qkv.h = h;
   return qkv;
 }
@@ -356,18 +356,50 @@ const at::Tensor& LlamaModel::o_proj(int64_t layer) const {
   return layers_[static_cast<size_t>(layer)].o_proj;
 }
 
-at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const {
+at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn,
+                                    const LoraAdapter* lora) const {
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_output: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
-  return layer_mlp(layer, x + at::linear(attn, layers_[static_cast<size_t>(layer)].o_proj));
+  const LoraLinear* update = lora ? lora->find(layer, "o_proj") : nullptr;
+  return mlp_residual(layer, x + lora_linear(attn, layers_[static_cast<size_t>(layer)].o_proj, update), lora);
 }
 
-at::Tensor LlamaModel::layer_mlp(int64_t layer, const at::Tensor& y) const {
+at::Tensor LlamaModel::layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const {
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_mlp: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
+  return mlp_residual(layer, y, lora);
+}
+
+at::Tensor LlamaModel::mlp_residual(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const {
   const Layer& w = layers_[static_cast<size_t>(layer)];
+  const auto update = [&](const char* module) { return lora ? lora->find(layer, module) : nullptr; };
   const at::Tensor m = rms_norm(y, w.post_norm);
-  return y + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+  return y + lora_linear(at::silu(lora_linear(m, w.gate_proj, update("gate_proj"))) *
+                             lora_linear(m, w.up_proj, update("up_proj")),
+                         w.down_proj, update("down_proj"));
+}
+
+const at::Tensor& LlamaModel::projection(int64_t layer, const std::string& module) const {
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  const std::pair<const char*, const at::Tensor*> table[] = {
+      {"q_proj", &w.q_proj},       {"k_proj", &w.k_proj},   {"v_proj", &w.v_proj},      {"o_proj", &w.o_proj},
+      {"gate_proj", &w.gate_proj}, {"up_proj", &w.up_proj}, {"down_proj", &w.down_proj}};
+  for (const auto& [name, weight] : table)
+    if (module == name) return *weight;
+  TORCH_CHECK(false, "LlamaModel: no projection '", module, "'");
+}
+
+void LlamaModel::check_adapter(const LoraAdapter& adapter, const char* op) const {
+  for (const auto& [key, update] : adapter.modules()) {
+    const auto& [layer, module] = key;
+    TORCH_CHECK(layer < config_.num_layers, op, ": the LoRA adapter targets layer ", layer, " (", module,
+                "), the model has ", config_.num_layers, " layers");
+    const at::Tensor& w = projection(layer, module);
+    TORCH_CHECK(update.a.size(1) == w.size(1) && update.b.size(0) == w.size(0), op, ": the LoRA adapter's layer ",
+                layer, " ", module, " needs A [r, ", w.size(1), "] and B [", w.size(0), ", r] (the weight is [",
+                w.size(0), ", ", w.size(1), "]), got A [", update.a.size(0), ", ", update.a.size(1), "] and B [",
+                update.b.size(0), ", ", update.b.size(1), "]");
+  }
 }
 
 at::Tensor LlamaModel::rms_norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -386,12 +418,10 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   // again over the context (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
   if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
     return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
-  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {  // KVgradPress is one too
+  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {  // KVgrad and RestoreKV too
     TORCH_CHECK(options.tokenizer != nullptr, "LlamaModel::prefill: ", kvzip->name(),
                 " replays the context after a text prompt, so it needs the model's tokenizer: set "
                 "PrefillOptions::tokenizer");
-    if (const auto* kvgrad = dynamic_cast<const KVgradPress*>(kvzip))
-      return kvgrad_prefill(*this, input_ids, cache, *kvgrad, *options.tokenizer, options).prefill;
     return kvzip_prefill(*this, input_ids, cache, *kvzip, *options.tokenizer, options).prefill;
   }
   if (const auto* fast = dynamic_cast<const FastKVzipPress*>(options.press); fast && fast->needs_second_pass())
@@ -445,7 +475,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
     for (int64_t li = 0; li < c.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
       const at::Tensor h = rms_norm(x, w.input_norm);  // the attention input kvpress calls hidden_states
-      const LayerQKV qkv = project_qkv(w, h, rope_tables);
+      const LayerQKV qkv = project_qkv(li, h, rope_tables);
       cache.append(li, qkv.k, qkv.v);
       at::Tensor attn_out, attn_weights;  // [B, n, Hq * D]; [B, Hq, n, L] of a dense layer
       if (cache.is_ragged(li)) {
@@ -491,9 +521,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
         if (e.evict.numel() > 0 && e.evict.any().item<bool>()) cache.evict(li, e.first, e.evict);
       }
 
-      x = x + at::linear(attn_out, w.o_proj);
-      const at::Tensor m = rms_norm(x, w.post_norm);
-      x = x + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+      x = mlp_residual(li, x + at::linear(attn_out, w.o_proj), nullptr);
     }
     // After a press that re-rotates the kept keys to positions 0..n_kept-1 (KeyRerotationPress), the
     // next token continues at n_kept, as in kvpress's pipeline; otherwise after the last input token.
@@ -519,14 +547,19 @@ bool LlamaModel::wants_attentions(PressAttentions mode, const ForwardOptions& op
   return false;
 }
 
-LlamaModel::LayerQKV LlamaModel::project_qkv(const Layer& w, const at::Tensor& h, const RopeTables& rope_tables) const {
+LlamaModel::LayerQKV LlamaModel::project_qkv(int64_t layer, const at::Tensor& h, const RopeTables& rope_tables,
+                                             const LoraAdapter* lora) const {
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  const auto update = [&](const char* module) { return lora ? lora->find(layer, module) : nullptr; };
   const int64_t batch = h.size(0), n = h.size(1), d = config_.head_dim;
   LayerQKV out;
-  out.q = ops::apply_rope(at::linear(h, w.q_proj).view({batch, n, config_.num_heads, d}).transpose(1, 2),
-                          rope_tables.cos, rope_tables.sin);
-  out.k = ops::apply_rope(at::linear(h, w.k_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2),
-                          rope_tables.cos, rope_tables.sin);
-  out.v = at::linear(h, w.v_proj).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2);
+  out.q =
+      ops::apply_rope(lora_linear(h, w.q_proj, update("q_proj")).view({batch, n, config_.num_heads, d}).transpose(1, 2),
+                      rope_tables.cos, rope_tables.sin);
+  out.k = ops::apply_rope(
+      lora_linear(h, w.k_proj, update("k_proj")).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2),
+      rope_tables.cos, rope_tables.sin);
+  out.v = lora_linear(h, w.v_proj, update("v_proj")).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2);
   return out;
 }
 

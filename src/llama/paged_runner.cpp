@@ -79,7 +79,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
     for (int64_t li = 0; li < config_.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
       const at::Tensor h = rms_norm(x, w.input_norm);
-      const LayerQKV qkv = project_qkv(w, h, rope_tables);  // q [1, Hq, T, D], k/v [1, Hkv, T, D]
+      const LayerQKV qkv = project_qkv(li, h, rope_tables);  // q [1, Hq, T, D], k/v [1, Hkv, T, D]
       // Causal attention within each prompt (block-diagonal over the packed tokens).
       std::vector<at::Tensor> attn(static_cast<size_t>(batch)), weights(static_cast<size_t>(batch));
       for (int64_t i = 0; i < batch; ++i) {
@@ -99,9 +99,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
       };
       // [1, Hkv, T, D] -> [T, Hkv, D], the varlen layout.
       cache.store(li, seqs, qkv.k[0].transpose(0, 1), qkv.v[0].transpose(0, 1), cu_seqlens, press, inputs);
-      x = x + at::linear(at::cat(attn, 1), w.o_proj);
-      const at::Tensor m = rms_norm(x, w.post_norm);
-      x = x + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+      x = mlp_residual(li, x + at::linear(at::cat(attn, 1), w.o_proj), nullptr);
     }
   } catch (...) {
     for (SequenceId s : seqs)
@@ -154,7 +152,7 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
     for (int64_t li = 0; li < config_.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
       const at::Tensor h = rms_norm(x, w.input_norm);
-      const LayerQKV qkv = project_qkv(w, h, rope_tables);  // q [1, Hq, B, D], k/v [1, Hkv, B, D]
+      const LayerQKV qkv = project_qkv(li, h, rope_tables);  // q [1, Hq, B, D], k/v [1, Hkv, B, D]
       const auto per_sequence = [](const at::Tensor& t) { return t[0].transpose(0, 1).unsqueeze(2).contiguous(); };
       cache.append(li, seqs, per_sequence(qkv.k), per_sequence(qkv.v));  // [B, Hkv, 1, D]
       ++appended_layers;
@@ -176,9 +174,9 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
           compactions.emplace_back(li, seqs[b], keep);
         }
       }
-      x = x + at::linear(attn.transpose(1, 2).reshape({1, batch, config_.num_heads * config_.head_dim}), w.o_proj);
-      const at::Tensor m = rms_norm(x, w.post_norm);
-      x = x + at::linear(at::silu(at::linear(m, w.gate_proj)) * at::linear(m, w.up_proj), w.down_proj);
+      x = mlp_residual(
+          li, x + at::linear(attn.transpose(1, 2).reshape({1, batch, config_.num_heads * config_.head_dim}), w.o_proj),
+          nullptr);
     }
   } catch (...) {
     for (int64_t li = 0; li < appended_layers; ++li) cache.remove_last(li, seqs, 1);

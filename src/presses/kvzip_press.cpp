@@ -156,7 +156,7 @@ std::vector<at::Tensor> kvzip_evict_lowest(const at::Tensor& scores, double comp
   check_float(op, "scores", scores);
   check_non_empty(op, "scores", scores);
   check_finite_scores(op, scores);
-  check_ratio(op, compression_ratio);
+  check_fraction(op, "compression_ratio", compression_ratio);
   const int64_t layers = scores.size(0), hkv = scores.size(1), n = scores.size(2), per_layer = hkv * n;
   const at::Tensor s = scores.to(at::kFloat);
   std::vector<int64_t> evicted(static_cast<size_t>(layers), evicted_count(per_layer, compression_ratio));
@@ -183,7 +183,9 @@ std::vector<at::Tensor> KVzipPress::keep_masks(const at::Tensor& scores) const {
   // The sinks are never evicted: kvpress gives them the highest score + 1.
   if (n_sink_ > 0 && compression_ratio_ > 0.0)
     s.narrow(2, 0, std::min(n_sink_, s.size(2))).fill_(s.max().item<double>() + 1.0);
-  return kvzip_evict_lowest(s, compression_ratio_, layerwise_, op);
+  return kvzip_evict_lowest(s, eviction_ratio(s.size(2)), layerwise_, op);
 }
+
+double KVzipPress::eviction_ratio(int64_t) const { return compression_ratio_; }
 
 }  // namespace kvpress

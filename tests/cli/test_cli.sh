@@ -137,7 +137,7 @@ fi
 presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress DuoAttentionPress FinchPress QFilterPress ExpectedAttentionStatsPress KVzapPress
          LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
          ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
-         PrefillDecodingPress QSMPress CTRPress KVComposePress KVzipPress KVgradPress FastKVzipPress AdaKVPress CriticalKVPress
+         PrefillDecodingPress QSMPress CTRPress KVComposePress KVzipPress KVgradPress FastKVzipPress RestoreKVPress AdaKVPress CriticalKVPress
          CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress MergingPress DMSPress CAMPress)
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do

@@ -71,7 +71,8 @@ def params_of(press):
     # Presses that draw random numbers get a seed, so that the CLI and the ops agree.
     params = ["seed=1"] if any(p["name"] == "seed" for p in press["params"]) else []
     # Files a press reads (QFilterPress's filters, ExpectedAttentionStatsPress's statistics, KVzapPress's
-    # surrogate, LUKVPress's budget curves, DuoAttentionPress's pattern, FastKVzipPress's gates): random ones.
+    # surrogate, LUKVPress's budget curves, DuoAttentionPress's pattern, FastKVzipPress's gates, RestoreKVPress's
+    # restore folder): random ones.
     params += [f"{p['name']}={ARTIFACTS[p['name']]}" for p in press["params"] if p["type"] == "path"]
     if press["name"] == "SimLayerKVPress":  # it reads its inputs only where it judges a layer
         params += ["lazy_threshold=0.5", "n_recent=16"]
@@ -100,7 +101,8 @@ with tempfile.TemporaryDirectory() as tmp:
     g = torch.Generator().manual_seed(5)
     ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats",
                  "kvzap_model": tmp / "kvzap", "budget_curves": tmp / "lukv_curves.safetensors",
-                 "attention_pattern": tmp / "duo_pattern", "gates": tmp / "fastkvzip_gates.safetensors"}
+                 "attention_pattern": tmp / "duo_pattern", "gates": tmp / "fastkvzip_gates.safetensors",
+                 "restore": tmp / "restore"}
     save_file({"q_filters": torch.randn(scalars["num_layers"], HKV, D, generator=g)}, str(ARTIFACTS["q_filters"]))
     ARTIFACTS["stats_folder"].mkdir()
     a = torch.randn(scalars["num_layers"], HQ, D, D, generator=g)
@@ -120,6 +122,13 @@ with tempfile.TemporaryDirectory() as tmp:
                    "k_base": (HKV, 1, 4, 16), "b": (HKV, 1, HQ // HKV)}  # FastKVzipPress: 4 sink keys per gate
     save_file({f"layers.{i}.{k}": torch.randn(*shape, generator=g) for i in range(scalars["num_layers"])
                for k, shape in gate_shapes.items()}, str(ARTIFACTS["gates"]))
+    ARTIFACTS["restore"].mkdir()  # RestoreKVPress: 8 restore embeddings, a rank-2 LoRA on layer 0's q_proj
+    save_file({"restore_embeddings": torch.randn(8, HIDDEN, generator=g)},
+              str(ARTIFACTS["restore"] / "restore_embeddings.safetensors"))
+    (ARTIFACTS["restore"] / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 4}')
+    lora = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    save_file({lora + "A.weight": torch.randn(2, HIDDEN, generator=g), lora + "B.weight": torch.randn(HQ * D, 2, generator=g)},
+              str(ARTIFACTS["restore"] / "adapter_model.safetensors"))
     for press in registry["presses"]:
         name = press["name"]
         chosen, optional = given_fields(press)

@@ -292,7 +292,48 @@ def parse_value(text: str):
 # ExpectedAttentionStatsPress's stats_folder): the generators set it to their output folder; the
 # C++ tests resolve those paths (the registry's "path" parameters) against the fixture folder.
 ARTIFACT_DIR = Path(".")
-ARTIFACT_PARAMS = ("q_filters", "stats_folder", "kvzap_model", "budget_curves", "attention_pattern")
+ARTIFACT_PARAMS = ("q_filters", "stats_folder", "kvzap_model", "budget_curves", "attention_pattern", "restore")
+
+
+# RestoreKVPress's artifacts: what kvpress downloads from higokri/RestoreKV-<model>[_plus].
+RESTORE_TOKENS = 8
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_restore_artifacts(base, folder: Path, seed: int, lora_extras: dict | None = None) -> None:
+    """RestoreKVPress's artifacts for `base` (a model it may wrap), random and seeded, in the authors'
+    folder layout: RESTORE_TOKENS restore embeddings (embedding rows of random tokens plus noise) in
+    restore_embeddings.safetensors, and a PEFT LoRA adapter of rank 4 on every projection with random
+    A and B (adapter_config.json, adapter_model.safetensors). lora_extras: more LoraConfig fields."""
+    from peft import LoraConfig, get_peft_model
+    g = torch.Generator().manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", target_modules=LORA_TARGETS,
+                        **(lora_extras or {}))
+    adapted = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_A" in name or "lora_B" in name:  # peft starts B at zero: no effect; make both matter
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    folder.mkdir(parents=True, exist_ok=True)
+    adapted.save_pretrained(str(folder))
+    table = base.get_input_embeddings().weight.detach()
+    rows = table[torch.randint(0, table.shape[0], (RESTORE_TOKENS,), generator=g)]
+    noise = torch.randn(rows.shape, generator=g) * table.std()
+    save_file({"restore_embeddings": (rows + noise).contiguous()}, str(folder / "restore_embeddings.safetensors"))
+
+
+def use_local_restore(press: kvpress.RestoreKVPress, folder: Path) -> None:
+    """kvpress's post_init_from_model, reading the local folder instead of the hub."""
+    def post_init_from_model(model):
+        if press.restore_model_name == str(folder):
+            return
+        press.restore_embeddings = load_file(str(folder / "restore_embeddings.safetensors"))["restore_embeddings"].to(
+            model.device, dtype=model.dtype)
+        if press.adapter_name not in getattr(model, "peft_config", {}):
+            model.load_adapter(str(folder), adapter_name=press.adapter_name)
+        model.disable_adapters()
+        press.restore_model_name = str(folder)
+    press.post_init_from_model = post_init_from_model
 
 
 def build_press(name: str, params: dict[str, str], ratio: float | None):
@@ -319,6 +360,12 @@ def build_press(name: str, params: dict[str, str], ratio: float | None):
         press = kvpress.DuoAttentionPress(**{k: parse_value(v) for k, v in params.items()})
         # What load_attention_pattern would download (post_init_from_model then makes the mask).
         press.load_attention_pattern = lambda model: (config["sink_size"], config["recent_size"], scores)
+        return press
+    if name == "RestoreKVPress":  # kvpress downloads its artifacts by model name; ours are the folder
+        params = dict(params)
+        folder = ARTIFACT_DIR / params.pop("restore")
+        press = kvpress.RestoreKVPress(compression_ratio=ratio, **{k: parse_value(v) for k, v in params.items()})
+        use_local_restore(press, folder)
         return press
     if "presses" in params:
         inner = []

@@ -18,6 +18,15 @@ normalization, and several replay chunks (chunk_size below N, with and without s
 KVgradPress runs (its replay with a backward pass per chunk; one chunk, and three with layerwise
 budgets).
 
+RestoreKVPress runs (plain and KVzip+, several chunks with layerwise budgets, and a ratio whose
+budget-matched eviction reaches 1: every context token goes) read restore artifacts we make, as the
+authors' hub folders lay them out: 8 restore embeddings (embedding rows of random tokens plus noise)
+and a PEFT LoRA adapter on every projection with random A and B (peft's get_peft_model and
+save_pretrained; the KVzip+ one with rsLoRA and a rank_pattern), seeded. kvpress reads them instead
+of its download (post_init_from_model replaced by the same steps on the local folder). For them we
+also record the restore tokens' keys/values, and the decoding starts at position N + 8, as kvpress's
+pipeline continues after the restore tokens.
+
 FastKVzipPress runs (global and layerwise, other sinks and window) read gates that
 scripts/make_artifact.py's fastkvzip recipe trains on the first 40 stories (300 steps: enough to
 give the scores a realistic spread; parity needs only that both sides read the same gates), saved
@@ -32,13 +41,14 @@ import sys
 import time
 
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
-from common import (KVPRESS_VERSION, MODEL, REPO, greedy_steps, load_model, load_stories, load_tokenizer, model_dir,
-                    parse_args, parse_value, prepare_out, save, setup, token_ids, versions, write_json)
+from common import (KVPRESS_VERSION, MODEL, REPO, RESTORE_TOKENS, greedy_steps, load_model, load_stories,
+                    load_tokenizer, make_restore_artifacts, model_dir, parse_args, parse_value, prepare_out, save,
+                    setup, token_ids, use_local_restore, versions, write_json)
 
 import torch
 from transformers import DynamicCache
 
-from kvpress import FastKVzipPress, KVgradPress, KVzipPress
+from kvpress import FastKVzipPress, KVgradPress, KVzipPress, RestoreKVPress
 from kvpress.presses.fastkvzip_press import FastKVzipGate
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -49,6 +59,9 @@ CONTEXT_LEN = 240  # N, BOS included
 DECODE_STEPS = 4   # the story's next token, then 3 greedy tokens
 
 GATES_FILE = "fastkvzip_gates.safetensors"
+# Restore artifacts (folders as the authors' hub repositories): (folder, seed, LoraConfig extras).
+RESTORE = {"restore_plain": (11, {}),
+           "restore_plus": (12, {"use_rslora": True, "rank_pattern": {"q_proj": 2}})}
 
 # (name, press, parameters as text, kvpress names)
 RUNS = [
@@ -65,6 +78,12 @@ RUNS = [
     ("grad_r0.5", "KVgradPress", {"compression_ratio": "0.5"}),
     ("grad_chunks_layerwise_r0.6", "KVgradPress", {"compression_ratio": "0.6", "chunk_size": "80",
                                                    "layerwise": "true", "n_sink": "2"}),
+    ("restore_r0.5", "RestoreKVPress", {"compression_ratio": "0.5", "restore": "restore_plain"}),
+    ("restore_plus_r0.4", "RestoreKVPress", {"compression_ratio": "0.4", "kvzip_plus_normalization": "true",
+                                             "restore": "restore_plus"}),
+    ("restore_chunks_layerwise_r0.6", "RestoreKVPress", {"compression_ratio": "0.6", "chunk_size": "100",
+                                                         "layerwise": "true", "restore": "restore_plain"}),
+    ("restore_all_evicted_r0.97", "RestoreKVPress", {"compression_ratio": "0.97", "restore": "restore_plain"}),
     ("fast_r0.5", "FastKVzipPress", {"compression_ratio": "0.5"}),
     ("fast_r0.75", "FastKVzipPress", {"compression_ratio": "0.75"}),
     ("fast_layerwise_r0.5", "FastKVzipPress", {"compression_ratio": "0.5", "layerwise": "true"}),
@@ -85,11 +104,14 @@ def kvpress_gates(state_dicts: list[dict], model) -> list[FastKVzipGate]:
     return gates
 
 
-def run_press(model, context, first_token, name: str, params: dict, gates):
-    kwargs = {k: parse_value(v) for k, v in params.items()}
-    press = {"KVzipPress": KVzipPress, "KVgradPress": KVgradPress, "FastKVzipPress": FastKVzipPress}[name](**kwargs)
+def run_press(model, context, first_token, name: str, params: dict, gates, out):
+    kwargs = {k: parse_value(v) for k, v in params.items() if k != "restore"}
+    press = {"KVzipPress": KVzipPress, "KVgradPress": KVgradPress, "FastKVzipPress": FastKVzipPress,
+             "RestoreKVPress": RestoreKVPress}[name](**kwargs)
     if name == "FastKVzipPress":
         press.gates = gates
+    if name == "RestoreKVPress":
+        use_local_restore(press, out / params["restore"])
     n = context.shape[1]
     record = {}
     compress_post = press.compress_post
@@ -108,7 +130,12 @@ def run_press(model, context, first_token, name: str, params: dict, gates):
         cache = DynamicCache()
         with press(model):
             model.model(input_ids=context, past_key_values=cache)
-        assert [layer.keys.shape[2] for layer in cache.layers] == [n] * len(cache.layers)
+        n_restore = RESTORE_TOKENS if name == "RestoreKVPress" else 0
+        assert [layer.keys.shape[2] for layer in cache.layers] == [n + n_restore] * len(cache.layers)
+        restore = {}
+        if n_restore:  # the restore tokens' keys/values, after the context in every layer
+            restore = {"restore_keys": torch.stack([layer.keys[0, :, n:] for layer in cache.layers]).contiguous(),
+                       "restore_values": torch.stack([layer.values[0, :, n:] for layer in cache.layers]).contiguous()}
         masks = []
         for layer in model.model.layers:
             b, h, s = layer.self_attn.masked_key_indices
@@ -116,9 +143,9 @@ def run_press(model, context, first_token, name: str, params: dict, gates):
             mask = torch.ones(model.config.num_key_value_heads, n, dtype=torch.bool)
             mask[h, s] = False
             masks.append(mask)
-        tokens, logits = greedy_steps(model, cache, first_token, n, DECODE_STEPS)
+        tokens, logits = greedy_steps(model, cache, first_token, n + n_restore, DECODE_STEPS)
     return {"scores": record["scores"], "keep_mask": torch.stack(masks).contiguous(), "decode_tokens": tokens,
-            "decode_logits": logits}
+            "decode_logits": logits, **restore}
 
 
 def main():
@@ -142,9 +169,12 @@ def main():
     make_artifact.save_fastkvzip_gates(out / GATES_FILE, state_dicts, {"recipe": "make_artifact.py fastkvzip, 300 steps"})
     gates = kvpress_gates(state_dicts, model)
 
+    for folder, (seed, extras) in RESTORE.items():
+        make_restore_artifacts(load_model(path, "sdpa"), out / folder, seed, extras)
+
     runs = []
     for name, press, params in RUNS:
-        save(run_press(model, context, first_token, press, params, gates), out / f"{name}.safetensors")
+        save(run_press(model, context, first_token, press, params, gates, out), out / f"{name}.safetensors")
         if press == "FastKVzipPress":
             params = {**params, "gates": GATES_FILE}
         runs.append({"name": name, "press": press, "file": f"{name}.safetensors",

@@ -11,7 +11,9 @@ context, for the presses of CASES:
 * query-aware (the question inside the compressed prefill), as kvpress's evaluation does it:
   the context text + the question, then an empty question;
 * FinchPress, as its documentation says: update_model_and_tokenizer (adds the delimiter token),
-  the context + delimiter + question, then an empty question.
+  the context + delimiter + question, then an empty question;
+* RestoreKVPress with restore artifacts made here (common.make_restore_artifacts, folder `restore`;
+  kvpress reads them instead of its download): the pipeline continues after the restore tokens.
 
 Writes pipeline.json: the context, and per case the press (C++ registry syntax), ratio,
 query_aware, questions, max_new_tokens and kvpress's answers. tests/test_pipeline.cpp and
@@ -23,8 +25,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # First: importing common checks the pinned kvpress version before torch and kvpress are imported.
+import common
 from common import (KVPRESS_VERSION, build_press, first_story_with, load_model, load_stories, load_tokenizer,
-                    model_dir, parse_args, prepare_out, setup, versions, write_json)
+                    make_restore_artifacts, model_dir, parse_args, prepare_out, setup, versions, write_json)
 
 import torch
 from transformers import pipeline as hf_pipeline
@@ -58,7 +61,11 @@ CASES = [
     # The context replayed after the repeat prompt (one chunk; then three, with layerwise budgets).
     ("KVzipPress", {}, 0.5, False, QUESTIONS),
     ("KVzipPress", {"chunk_size": "64", "layerwise": "true"}, 0.6, False, QUESTIONS[:2]),
+    # KVzip + restore tokens (artifacts we make, RESTORE_FOLDER): the questions continue after them.
+    ("RestoreKVPress", {"restore": "restore"}, 0.5, False, QUESTIONS),
 ]
+RESTORE_FOLDER = "restore"
+
 
 
 def answer(model, tok, context: str, name, params, ratio, query_aware, questions) -> list[str]:
@@ -84,6 +91,8 @@ def main() -> None:
     tok = load_tokenizer(path)
     index, ids = first_story_with(tok, load_stories(args.data), MIN_CONTEXT_TOKENS)
     context = load_stories(args.data)[index]
+    common.ARTIFACT_DIR = out  # RestoreKVPress's folder, named relative to it
+    make_restore_artifacts(load_model(path, "sdpa"), out / RESTORE_FOLDER, seed=13)
     cases = []
     with torch.no_grad():
         for name, params, ratio, query_aware, questions in CASES:

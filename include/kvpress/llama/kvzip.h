@@ -30,6 +30,7 @@
 #include "kvpress/presses/fastkvzip_press.h"
 #include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/presses/kvzip_press.h"
+#include "kvpress/presses/restorekv_press.h"
 
 namespace kvpress::llama {
 
@@ -55,6 +56,8 @@ struct KVzipResult {
   ForwardOutput prefill;  // the second (compressing) prefill's output: logits, keep_masks per layer
   at::Tensor scores;      // [L, Hkv, N] float32: KVzip's token scores (before the sinks' + 1)
   KVzipMemory memory;
+  // RestoreKVPress: what its restore tokens left in every layer, [L, Hkv, n, D] each (keys post-RoPE).
+  at::Tensor restore_keys, restore_values;
 };
 
 // Scores context_ids [1, N] by KVzip's replay (the repeat prompts tokenized by `tokenizer`
@@ -63,6 +66,13 @@ struct KVzipResult {
 // selection. From `prefill`: ForwardOptions, ragged_layout (kPacked: HeadRaggedLayers; kMasked:
 // dense layers with keep masks, kvpress's way), on_compress_ragged; prefill.press is ignored.
 // At ratio 0 it is the plain prefill (kvpress skips the replay). A failure leaves the cache as it was.
+//
+// A RestoreKVPress also runs its restore tokens (kvpress/presses/restorekv_press.h) through the
+// scoring pass, layer by layer with its adapter: they attend to each layer's full context at
+// positions N .. N + n - 1. The selection evicts at RestoreKVPress::eviction_ratio(N), then every
+// layer gets the restore tokens' keys/values after its kept tokens and the cache's position becomes
+// N + n. The scoring pass then holds the restore tokens' keys/values too (n per layer).
+// A KVgradPress is handed to kvgrad_prefill.
 KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                           const KVzipRunOptions& run = {});

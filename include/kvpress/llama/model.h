@@ -31,6 +31,7 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/llama/config.h"
+#include "kvpress/lora.h"
 #include "kvpress/paged.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
@@ -304,8 +305,10 @@ class LlamaModel {
   };
   at::Tensor embed(const at::Tensor& input_ids) const;  // [B, n] int64 -> [B, n, hidden]
   // Input RMSNorm, q/k/v projections and RoPE of the residual stream x [B, n, hidden] entering
-  // `layer`, at the positions of `rope_tables` ([n, D] each).
-  LayerQKV layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables) const;
+  // `layer`, at the positions of `rope_tables` ([n, D] each). `lora` (optional; check_adapter()
+  // first) adds its updates to the layer's projections, here and in layer_output / layer_mlp.
+  LayerQKV layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables,
+                     const LoraAdapter* lora = nullptr) const;
   // Causal attention of the last n of L positions, as forward() computes it where nobody reads
   // the weights (fused): q [B, Hq, n, D] are the queries of positions L - n .. L - 1, which see
   // every earlier key and themselves. keys/values [B, Hkv, L, D] -> [B, n, Hq * D].
@@ -313,10 +316,14 @@ class LlamaModel {
   // The layer's output projection weight [hidden, Hq * D].
   const at::Tensor& o_proj(int64_t layer) const;
   // The MLP half of a layer: y + MLP(RMSNorm(y)), y [B, n, hidden] the residual after attention.
-  at::Tensor layer_mlp(int64_t layer, const at::Tensor& y) const;
+  at::Tensor layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora = nullptr) const;
   // The rest of the layer: x + o_proj(attn), then the MLP with its residual. attn [B, n, Hq * D]
   // (heads concatenated) -> [B, n, hidden].
-  at::Tensor layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn) const;
+  at::Tensor layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn,
+                          const LoraAdapter* lora = nullptr) const;
+  // Raises c10::Error "<op>: <what>" unless every module of `adapter` is in one of this model's
+  // layers and its A/B shapes fit that projection's weight ([r, in] and [out, r]).
+  void check_adapter(const LoraAdapter& adapter, const char* op) const;
 
  private:
   struct Layer {
@@ -329,8 +336,12 @@ class LlamaModel {
                     const PrefillOptions* prefill) const;
   // Whether the prefill press gets the layer's attention weights.
   static bool wants_attentions(PressAttentions mode, const ForwardOptions& options, const std::string& press_name);
-  LayerQKV project_qkv(const Layer& w, const at::Tensor& h,  // h: [B, n, hidden] after the input norm
-                       const RopeTables& rope_tables) const;
+  LayerQKV project_qkv(int64_t layer, const at::Tensor& h,  // h: [B, n, hidden] after the input norm
+                       const RopeTables& rope_tables, const LoraAdapter* lora = nullptr) const;
+  // y + MLP(RMSNorm(y)) of `layer` (with the adapter's updates when given).
+  at::Tensor mlp_residual(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const;
+  // The layer's weight named as in the checkpoint and in kvpress::LoraAdapter::kModules ("q_proj", ...).
+  const at::Tensor& projection(int64_t layer, const std::string& module) const;
   // Causal attention of q [B, Hq, n, D] over a dense layer's keys/values [B, Hkv, L, D] (the last n
   // are the new tokens), hiding positions where keep_mask [B, Hkv, L] (if defined) is false.
   // -> [B, n, Hq * D]. With weights_out, eagerly as transformers' eager path (scores, float32

@@ -40,7 +40,8 @@ namespace kvpress {
 // The KVzip family's selection (KVzipPress, FastKVzipPress): the int(L * Hkv * N * ratio) lowest of
 // `scores` over all layers and heads are evicted (layerwise: int(Hkv * N * ratio) per layer), each
 // layer's evictions taken across its heads. Ties: the higher (layer, head, position) goes first.
-// Ratio 0 keeps everything. Raises on NaN/Inf scores.
+// Ratio 0 keeps everything, ratio 1 nothing (RestoreKV's budget can reach it). Raises on NaN/Inf
+// scores or a ratio outside [0, 1].
 std::vector<at::Tensor> kvzip_evict_lowest(const at::Tensor& scores,  // [L, Hkv, N]
                                            double compression_ratio, bool layerwise, const char* op);
 // -> L x [1, Hkv, N] bool
@@ -117,6 +118,10 @@ class KVzipPress : public BasePress {
   // layer when layerwise), each layer's evictions taken across its heads. At ratio 0 everything
   // is kept. Ties: the higher position (flattened head-major) is evicted first.
   std::vector<at::Tensor> keep_masks(const at::Tensor& scores) const;  // [L, Hkv, N] -> L x [1, Hkv, N] bool
+
+  // The ratio keep_masks() evicts for a context of context_length tokens: compression_ratio()
+  // (RestoreKVPress adds its restore tokens' share).
+  virtual double eviction_ratio(int64_t context_length) const;
 
  private:
   double compression_ratio_;
