@@ -75,13 +75,34 @@
         Converts gates as the authors publish them (Jang-Hyun/Fast-KVzip <model>/q<G>_dim16_sink16.pt:
         a torch.save dict whose "module" is the list of per-layer state dicts) into that file.
 
+    make_artifact.py lukv --model DIR --out FILE.safetensors [--stories FILE] [--press NAME]
+            [--press-param KEY=VALUE ...] [--sink S] [--window W] [--num-samples M]
+            [--context-len T] [--future-len K]
+        LUKVPress's budget curve by LU-KV's offline profiling (arXiv 2602.08585, section on offline
+        profiling), on the stories: M contexts (default 30, the paper's M; the first stories with at
+        least T tokens, default 96, cut to T) each decoded greedily for K steps (default 64) with
+        full attention. For every context, a KV head's token j has the oracle importance
+        I[j] = max over the decoding steps and the group's query heads of A[step, j] * ||W_O^h v_j||
+        (the attention weight times the size of what the token writes through that head); the
+        scorer (a kvpress ScorerPress, default ExpectedAttentionPress(epsilon=0.02): LU-KV's published
+        configuration) scores the context at the end of its prefill, the first S (default 4) and last
+        W (default 1) positions protected as LUKVPress protects them. A head keeping its b best tokens
+        by the scorer loses the oracle importance of the others, L(b); the decrements L(b-1) - L(b)
+        are made non-increasing by isotonic regression (pool adjacent violators: the convex hull of
+        L, LU-KV's relaxation), and for each target ratio rho = 0.01..0.99 the marginal-utility
+        greedy keeps the round((1 - rho) * L * Hkv * T) largest relaxed gains over all heads. The
+        curve is each head's prune fraction 1 - b / T averaged over the contexts: budget_curves
+        [99, num_layers, num_kv_heads] float32, the file LUKVPress reads. Choices of ours where the
+        paper leaves them open here: the contexts and their futures are stories and the model's own
+        continuations (the paper: one synthetic 4,000-token text and 30 generated questions); a KV
+        head's importance is its group's largest (KVzip's convention); equal gains go to the
+        earlier token, then the lower layer/head.
+
     make_artifact.py lukv-curve --npy FILE.npy --out FILE.safetensors
         LUKVPress's budget curve: converts a curve in LU-KV's published format (a NumPy .npy of
         prune fractions [99, num_layers, num_kv_heads], one row per target ratio 0.01..0.99, as
         kvpress downloads from the LU-KV repository) into the safetensors file LUKVPress reads
-        (budget_curves, float32). Computing a curve for a new model needs LU-KV's own two-step
-        pipeline (per-context scorer statistics, then its global budget optimisation:
-        github.com/baidu-baige/LU-KV, evaluation/curve_data), which is not reproduced here.
+        (budget_curves, float32).
 
 The model is read with transformers (float32, CPU); the stories file is text with stories separated
 by "<|endoftext|>" lines (the bundled tinystories_valid_100.txt). The output is written to a
@@ -462,6 +483,132 @@ def convert_fastkvzip_gates(pt: Path, out: Path):
     print(f"make_artifact.py: {len(modules)} FastKVzip gates from {pt} -> {out}")
 
 
+def isotonic_nonincreasing(values: torch.Tensor) -> torch.Tensor:
+    """The least-squares non-increasing fit of a sequence (pool adjacent violators, equal weights):
+    each run of values that violates the order is replaced by its mean. Of a head's loss decrements
+    d(b) = L(b-1) - L(b), this gives the slopes of the convex hull of L (LU-KV's relaxation)."""
+    blocks = []  # [sum, count] of pooled runs, their means non-increasing
+    for v in values.tolist():
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return torch.tensor([total / count for total, count in blocks for _ in range(count)], dtype=torch.float64)
+
+
+def greedy_budgets(gains: torch.Tensor, totals: list[int]) -> torch.Tensor:
+    """LU-KV's marginal-utility greedy: gains [heads, T] holds each head's non-increasing marginal
+    gains (the b-th token kept by a head gains gains[head, b - 1]); for each total budget B the B
+    largest gains over all heads are taken (equal gains: the earlier token, then the lower head, so
+    that each head keeps a prefix). With non-increasing gains this is the optimum of the relaxed
+    problem. Returns the tokens kept per head, [len(totals), heads] int64."""
+    import numpy as np
+    heads, length = gains.shape
+    head = np.repeat(np.arange(heads), length)
+    index = np.tile(np.arange(length), heads)
+    order = np.lexsort((head, index, -gains.reshape(-1).numpy()))  # last key first
+    owner = head[order]
+    return torch.stack([torch.from_numpy(np.bincount(owner[:b], minlength=heads)) for b in totals])
+
+
+@torch.no_grad()
+def lukv_sample(eager_model, scorer, context: torch.Tensor, future_len: int, sink: int,
+                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One profiling sample: the scorer's scores of the context's tokens at the end of its prefill
+    (sink/window protected as LUKVPress does) and their oracle importance over future_len greedy
+    decoding steps with full attention. Both [num_layers, num_kv_heads, T] float64."""
+    from dataclasses import dataclass, field
+    from kvpress.presses.base_press import BasePress
+    from transformers import DynamicCache
+
+    @dataclass
+    class ScoreRecorder(BasePress):  # keeps every layer's scores, compresses nothing
+        inner: object = None
+        scores: dict = field(default_factory=dict)
+
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            self.scores[module.layer_idx] = self.inner.score(module, hidden_states, keys, values, attentions, kwargs)
+            return keys, values
+
+    config = eager_model.config
+    layers, hkv, hq = config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads
+    groups, t = hq // hkv, context.shape[1]
+    recorder = ScoreRecorder(inner=scorer)
+    cache = DynamicCache()
+    with recorder(eager_model):
+        out = eager_model(input_ids=context, past_key_values=cache)
+    scores = torch.stack([recorder.scores[i][0] for i in range(layers)]).to(torch.float64)  # [L, Hkv, T]
+    top = scores.amax(dim=-1, keepdim=True) + 1
+    scores[..., :sink] = top
+    if window > 0:
+        scores[..., max(t - window, 0):] = top
+    # ||W_O^h v_j|| per query head h of each context token.
+    value_norms = []
+    for i, layer in enumerate(eager_model.model.layers):
+        v = cache.layers[i].values[0, :, :t].to(torch.float64)  # [Hkv, T, D]
+        w = layer.self_attn.o_proj.weight.to(torch.float64).view(config.hidden_size, hq, -1)  # [hidden, Hq, D]
+        v = v.repeat_interleave(groups, dim=0)  # [Hq, T, D]
+        value_norms.append(torch.einsum("jhd,htd->htj", w, v).norm(dim=-1))  # [Hq, T]
+    # Full-attention greedy decoding: each step's attention to the context, max over steps.
+    peak = torch.zeros(layers, hq, t, dtype=torch.float64)
+    token = out.logits[0, -1].argmax()
+    for step in range(future_len):
+        step_out = eager_model(input_ids=token.view(1, 1), past_key_values=cache, output_attentions=True,
+                               position_ids=torch.tensor([[t + step]]))
+        for i, attention in enumerate(step_out.attentions):  # [1, Hq, 1, T + step + 1]
+            peak[i] = torch.maximum(peak[i], attention[0, :, 0, :t].to(torch.float64))
+        token = step_out.logits[0, -1].argmax()
+    oracle = peak * torch.stack(value_norms)  # I[l, h, j] = max_k A[l, h, k, j] ||W_O^h v_j||
+    return scores, oracle.view(layers, hkv, groups, t).amax(dim=2)  # a KV head: its group's largest
+
+
+def lukv_curve(scores: list[torch.Tensor], oracles: list[torch.Tensor]) -> torch.Tensor:
+    """LU-KV's budget curve from profiling samples (scores and oracle importance [L, Hkv, T] each):
+    per sample, each head's eviction loss when it keeps its b best tokens by the scorer is the oracle
+    importance of the rest; its decrements are convexified (isotonic_nonincreasing), and for each
+    target ratio rho = 0.01 .. 0.99 the greedy allocates round((1 - rho) * L * Hkv * T) tokens over all
+    heads; the head's prune fraction 1 - b / T is averaged over the samples. -> [99, L, Hkv] float64."""
+    layers, hkv, _ = scores[0].shape
+    curve = torch.zeros(99, layers, hkv, dtype=torch.float64)
+    for score, oracle in zip(scores, oracles):
+        t = score.shape[-1]
+        order = torch.sort(-score.reshape(-1, t), dim=-1, stable=True).indices  # best first; equal: earlier
+        gains = torch.stack([isotonic_nonincreasing(row) for row in torch.gather(oracle.reshape(-1, t), 1, order)])
+        totals = [round((1 - (i + 1) / 100) * layers * hkv * t) for i in range(99)]
+        kept = greedy_budgets(gains, totals).to(torch.float64)  # [99, L * Hkv]
+        curve += (1 - kept / t).view(99, layers, hkv) / len(scores)
+    return curve
+
+
+def profile_lukv(eager_model, tok, stories: list[str], press_name: str, press_params: dict, num_samples: int,
+                 context_len: int, future_len: int, sink: int, window: int) -> tuple[torch.Tensor, int]:
+    """LU-KV's offline profiling on the stories: the first num_samples stories with at least
+    context_len tokens (BOS included) are the contexts, each followed by future_len greedy tokens.
+    Returns the curve [99, L, Hkv] and the samples used."""
+    import kvpress
+    scorer = getattr(kvpress, press_name)(**press_params)
+    scores, oracles = [], []
+    for story in stories:
+        ids = tok(story, return_tensors="pt").input_ids
+        if ids.shape[1] < context_len:
+            continue
+        score, oracle = lukv_sample(eager_model, scorer, ids[:, :context_len], future_len, sink, window)
+        scores.append(score)
+        oracles.append(oracle)
+        if len(scores) == num_samples:
+            break
+    if len(scores) < num_samples:
+        fail(f"--num-samples: only {len(scores)} stories have {context_len} tokens, {num_samples} asked")
+    return lukv_curve(scores, oracles), len(scores)
+
+
+def save_lukv_curve(out: Path, curve: torch.Tensor, metadata: dict):
+    """budget_curves [99, L, Hkv] float32, as LUKVPress reads it."""
+    write_atomically(out, lambda tmp: save_file({"budget_curves": curve.to(torch.float32).contiguous()}, tmp,
+                                                metadata={k: str(v) for k, v in metadata.items()}))
+
+
 def convert_lukv_curve(npy: Path, out: Path):
     """LU-KV's .npy curve -> budget_curves [99, L, Hkv] float32 in a safetensors file."""
     import numpy as np
@@ -542,6 +689,18 @@ def main():
     fc = sub.add_parser("fastkvzip-convert", help="FastKVzipPress's gates, converted from the authors' .pt")
     fc.add_argument("--pt", type=Path, required=True, help="the authors' q<G>_dim16_sink16.pt")
     fc.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    u = sub.add_parser("lukv", help="LUKVPress's budget curve, profiled on the stories (LU-KV's recipe)")
+    u.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    u.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    u.add_argument("--press", default="ExpectedAttentionPress", help="the kvpress scorer LUKVPress will wrap")
+    u.add_argument("--press-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a scorer parameter (default for ExpectedAttentionPress: epsilon=0.02, LU-KV's)")
+    u.add_argument("--sink", type=int, default=4, help="first tokens protected (LUKVPress's sink)")
+    u.add_argument("--window", type=int, default=1, help="last tokens protected (LUKVPress's window)")
+    u.add_argument("--num-samples", type=int, default=30, help="contexts profiled (LU-KV's M)")
+    u.add_argument("--context-len", type=int, default=96, help="tokens of each context (BOS included)")
+    u.add_argument("--future-len", type=int, default=64, help="greedy decoding steps of the oracle")
+    u.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     c = sub.add_parser("lukv-curve", help="LUKVPress's budget curve, converted from LU-KV's .npy")
     c.add_argument("--npy", type=Path, required=True, help="LU-KV curve [99, num_layers, num_kv_heads] (.npy)")
     c.add_argument("--out", type=Path, required=True, help="output .safetensors file")
@@ -603,6 +762,50 @@ def main():
         print(f"make_artifact.py: {len(gates)} FastKVzip gates from {args.num_train} stories ({fit['train_tokens']} "
               f"tokens, {args.steps} steps); test BCE per layer {[round(v, 3) for v in fit['test_bce_per_layer']]} "
               f"(a constant: {[round(v, 3) for v in fit['constant_bce_per_layer']]}) -> {args.out}")
+        return
+
+    if args.artifact == "lukv":
+        params = {}
+        for item in args.press_param:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                fail(f"--press-param: expected KEY=VALUE, got '{item}'")
+            try:
+                params[key] = json.loads(value)
+            except json.JSONDecodeError:
+                params[key] = value
+        if args.press == "ExpectedAttentionPress" and not args.press_param:
+            params = {"epsilon": 0.02}
+        for name in ("num_samples", "context_len", "future_len"):
+            if getattr(args, name) < 1:
+                fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.sink < 0 or args.window < 0:
+            fail(f"--sink and --window must be >= 0, got {args.sink} and {args.window}")
+        try:
+            import kvpress
+            from kvpress.presses.scorer_press import ScorerPress
+        except ImportError as error:
+            fail(f"lukv needs the kvpress package (the scorers): {error}")
+        if not isinstance(getattr(kvpress, args.press, None), type) or not issubclass(getattr(kvpress, args.press),
+                                                                                      ScorerPress):
+            fail(f"--press: {args.press} is not a kvpress ScorerPress")
+        try:
+            getattr(kvpress, args.press)(**params)
+        except (TypeError, ValueError, AssertionError) as error:
+            fail(f"--press-param: {args.press}({params}): {error}")
+        eager = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+        curve, used = profile_lukv(eager, tok, stories, args.press, params, args.num_samples, args.context_len,
+                                   args.future_len, args.sink, args.window)
+        save_lukv_curve(args.out, curve, {"artifact": "lukv", "recipe": "LU-KV offline profiling",
+                                          "model": args.model, "stories_file": stories_file, "press": args.press,
+                                          "press_params": json.dumps(params), "sink": args.sink,
+                                          "window": args.window, "samples": used, "context_len": args.context_len,
+                                          "future_len": args.future_len})
+        spread = (curve[49] - 0.5).abs().max().item()
+        print(f"make_artifact.py: LU-KV curve {list(curve.shape)} for {args.press} {params} from {used} contexts of "
+              f"{args.context_len} tokens ({args.future_len} decoding steps each); at ratio 0.5 the heads prune "
+              f"{curve[49].min().item():.3f}..{curve[49].max().item():.3f} (max |r - 0.5| {spread:.3f}) -> {args.out}")
         return
 
     if args.artifact == "duo-attention":

@@ -127,8 +127,8 @@ with tempfile.TemporaryDirectory() as tmp:
               str(ARTIFACTS["restore"] / "restore_embeddings.safetensors"))
     (ARTIFACTS["restore"] / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 4}')
     lora = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
-    save_file({lora + "A.weight": torch.randn(2, HIDDEN, generator=g), lora + "B.weight": torch.randn(HQ * D, 2, generator=g)},
-              str(ARTIFACTS["restore"] / "adapter_model.safetensors"))
+    save_file({lora + "A.weight": torch.randn(2, HIDDEN, generator=g),
+               lora + "B.weight": torch.randn(HQ * D, 2, generator=g)}, str(ARTIFACTS["restore"] / "adapter_model.safetensors"))
     for press in registry["presses"]:
         name = press["name"]
         chosen, optional = given_fields(press)

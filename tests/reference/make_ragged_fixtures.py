@@ -4,9 +4,10 @@
     python make_ragged_fixtures.py --out DIR [--models DIR] [--data FILE]
 
 Presses: AdaKVPress, CriticalKVPress, CriticalAdaKVPress, PyramidKVPress,
-PerLayerCompressionPress, LUKVPress (seeded random budget curves: lukv_curves_*.npy as LU-KV
-publishes them, given to kvpress, and their conversion by scripts/make_artifact.py lukv-curve,
-given to kvpress-cpp), DuoAttentionPress (pattern folders: random ones, and for TinyStories-656K
+PerLayerCompressionPress, LUKVPress (budget curves as .npy as LU-KV publishes them, given to
+kvpress, and their conversion by scripts/make_artifact.py lukv-curve, given to kvpress-cpp: seeded
+random ones for the layer runs, and for TinyStories-656K one profiled by make_artifact.py's lukv
+recipe on 8 stories), DuoAttentionPress (pattern folders: random ones, and for TinyStories-656K
 scripts/make_artifact.py's on-the-fly recipe, checked against kvpress's duo_attention_on_the_fly). Each run goes through kvpress's own mechanism on a model with SDPA
 attention (kvpress's AdaKV refuses eager): `with press(model): model(prefix, past_key_values=cache)`,
 then new tokens at the original positions (kvpress's pipeline), one token per forward
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import sys
 import time
 from pathlib import Path
@@ -56,8 +56,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import kvpress
 
 MASKED = ("AdaKVPress", "CriticalAdaKVPress", "LUKVPress", "DuoAttentionPress")
-# LUKVPress's budget curves (no published curve fits these models): seeded random prune fractions
-# [99, num_layers, Hkv] around each target ratio (write_budget_curves), in the output folder.
+# LUKVPress's budget curves (no published curve fits these models), in the output folder: seeded random
+# prune fractions [99, num_layers, Hkv] around each target ratio for the random layers
+# (write_budget_curves); for TinyStories-656K, LU-KV's profiling (write_model_curves).
 RANDOM_CURVES = "lukv_curves_random.safetensors"
 MODEL_CURVES = "lukv_curves_tinystories.safetensors"
 # DuoAttentionPress's patterns (the DuoAttention repository's folder layout): seeded random head
@@ -130,6 +131,19 @@ def write_budget_curves(path: Path, num_layers: int, kv_heads: int, seed: int) -
     g = torch.Generator().manual_seed(seed)
     target = (torch.arange(1, 100, dtype=torch.float64) / 100).view(99, 1, 1)
     curves = (target + 0.6 * (torch.rand(99, num_layers, kv_heads, generator=g, dtype=torch.float64) - 0.5)).clamp(0, 1)
+    np.save(path.with_suffix(".npy"), curves.numpy())
+    with contextlib.redirect_stdout(io.StringIO()):
+        make_artifact.convert_lukv_curve(path.with_suffix(".npy"), path)
+
+
+def write_model_curves(path: Path, model_path: Path, data: Path) -> None:
+    """TinyStories-656K's curve for LUKVPress's default scorer (ExpectedAttentionPress(epsilon=0.02),
+    sink 4, window 1) by scripts/make_artifact.py's lukv recipe, on 8 stories of 96 tokens with 32
+    decoding steps (the recipe's defaults are 30 and 64: this keeps the fixtures fast), written as
+    LU-KV publishes curves (.npy beside `path`) and converted to `path`."""
+    eager, tok = load_model(model_path, "eager"), load_tokenizer(model_path)
+    curves, _ = make_artifact.profile_lukv(eager, tok, load_stories(data), "ExpectedAttentionPress", {"epsilon": 0.02},
+                                           num_samples=8, context_len=96, future_len=32, sink=4, window=1)
     np.save(path.with_suffix(".npy"), curves.numpy())
     with contextlib.redirect_stdout(io.StringIO()):
         make_artifact.convert_lukv_curve(path.with_suffix(".npy"), path)
@@ -343,9 +357,7 @@ def main():
     out = prepare_out(args.out, stale=("*.safetensors", "manifest.json"))
     common.ARTIFACT_DIR = out  # LUKVPress's curve files, named relative to it
     write_budget_curves(out / RANDOM_CURVES, num_layers=3, kv_heads=2, seed=99)
-    with (model_dir(args.models) / "config.json").open() as f:
-        config = json.load(f)
-    write_budget_curves(out / MODEL_CURVES, config["num_hidden_layers"], config["num_key_value_heads"], seed=98)
+    write_model_curves(out / MODEL_CURVES, model_dir(args.models), args.data)
     write_random_pattern(out / RANDOM_PATTERN, num_layers=3, kv_heads=2, seed=97)
     write_model_pattern(out / MODEL_PATTERN, model_dir(args.models), args.data)
 
