@@ -75,6 +75,25 @@
         Converts gates as the authors publish them (Jang-Hyun/Fast-KVzip <model>/q<G>_dim16_sink16.pt:
         a torch.save dict whose "module" is the list of per-layer state dicts) into that file.
 
+    make_artifact.py restorekv --model DIR --out FOLDER [--stories FILE] [--ratio R] [--num-tokens N]
+            [--rank R] [--steps S] [--lr LR] [--context-len T] [--continuation-len M]
+            [--num-train N] [--num-test M] [--seed S]
+        RestoreKVPress's artifacts by self-distillation from the full-cache model, as kvpress's
+        RestoreKVPress describes the authors' training (only the restore embeddings and the LoRA are
+        trained; their code and data are not public, so the rest is ours): each context (a story's
+        first T tokens, default 96) is scored by kvpress's own KVzipPress at the budget-matched ratio
+        min(1, R + N/T) (R default 0.5, N restore tokens default 8); the restore tokens run once over
+        the full cache with the adapter (a PEFT LoRA of rank 4 on every projection, B starting at
+        zero; the embeddings start as random token embeddings); then the next M tokens (default 32)
+        of the story, at positions T + N.., attend to the kept tokens and the restore tokens with
+        the base weights, and the loss is the KL divergence from the full cache's next-token
+        distributions at the same tokens. AdamW (lr 1e-2, gradient norm clipped at 1) for S steps
+        (default 300), one random training context per step, seeded; the first N stories long
+        enough train (default 50), the next M test (default 10). FOLDER gets the authors' layout
+        (restore_embeddings.safetensors; adapter_config.json and adapter_model.safetensors, peft's
+        save_pretrained) and fit.json with the test KL of KVzip alone at R, of the untrained and of
+        the trained restore tokens.
+
     make_artifact.py lukv --model DIR --out FILE.safetensors [--stories FILE] [--press NAME]
             [--press-param KEY=VALUE ...] [--sink S] [--window W] [--num-samples M]
             [--context-len T] [--future-len K]
@@ -483,6 +502,176 @@ def convert_fastkvzip_gates(pt: Path, out: Path):
     print(f"make_artifact.py: {len(modules)} FastKVzip gates from {pt} -> {out}")
 
 
+RESTORE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@torch.no_grad()
+def kvzip_keep_masks(sdpa_model, context: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The tokens kvpress's KVzipPress keeps of `context` [1, N] at `ratio` (its replay, global
+    selection): [L, Hkv, N] bool, the complement of every module's masked_key_indices."""
+    import logging
+    from kvpress import KVzipPress
+    logging.getLogger("kvpress").setLevel(logging.ERROR)  # KVzipPress warns about its cost on every construction
+    config = sdpa_model.config
+    n = context.shape[1]
+    masks = torch.ones(config.num_hidden_layers, config.num_key_value_heads, n, dtype=torch.bool)
+    if ratio <= 0:
+        return masks
+    layers = sdpa_model.model.layers
+    for layer in layers:
+        layer.self_attn.masked_key_indices = None
+    with KVzipPress(compression_ratio=ratio)(sdpa_model):
+        sdpa_model.model(input_ids=context, past_key_values=transformers.DynamicCache())
+    for i, layer in enumerate(layers):
+        _, heads, positions = layer.self_attn.masked_key_indices
+        masks[i, heads, positions] = False
+        layer.self_attn.masked_key_indices = None
+    return masks
+
+
+def compressed_forward(model, inputs: torch.Tensor, start: int, past: list[tuple[torch.Tensor, torch.Tensor]],
+                       visible: torch.Tensor) -> torch.Tensor:
+    """The model (its base weights: the caller disables any adapter) on input ids [1, M] at positions
+    start.., each layer attending to its cached keys/values past[l] ([1, Hkv, P, D] each, keys
+    post-RoPE) where visible[l] ([Hkv, P] bool) allows, then causally to the inputs: a compressed
+    cache as a mask, so that gradients reach what the cache holds. Eager attention. -> logits [1, M, V]."""
+    base = model.model if hasattr(model.model, "layers") else model.model.model  # a PeftModel wraps it
+    config = model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    m = inputs.shape[1]
+    positions = torch.arange(start, start + m).unsqueeze(0)
+    x = base.embed_tokens(inputs)
+    cos, sin = base.rotary_emb(x, positions)
+    causal = torch.ones(m, m, dtype=torch.bool).tril()
+    for i, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, m, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(1, m, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(1, m, -1, attn.head_dim).transpose(1, 2)
+        q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+        k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        keys = torch.cat([past[i][0], k], dim=2).repeat_interleave(groups, dim=1)
+        values = torch.cat([past[i][1], v], dim=2).repeat_interleave(groups, dim=1)
+        allowed = torch.cat([visible[i].unsqueeze(1).expand(-1, m, -1),
+                             causal.expand(visible.shape[1], -1, -1)], dim=2).repeat_interleave(groups, dim=0)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling
+        weights = scores.masked_fill(~allowed.unsqueeze(0), float("-inf")).softmax(-1, dtype=torch.float32)
+        out = torch.matmul(weights.to(values.dtype), values).transpose(1, 2).reshape(1, m, -1)
+        x = x + attn.o_proj(out)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(base.norm(x))
+
+
+def restore_pass(peft_model, embeddings: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]]):
+    """RestoreKV's one adapted pass: the restore embeddings [n, hidden] at positions P.. over the full
+    cache `past` (detached), the adapter active. -> per layer (keys, values) [1, Hkv, n, D] of the
+    restore tokens, with gradients to the embeddings and the adapter."""
+    cache = transformers.DynamicCache()
+    for i, (k, v) in enumerate(past):
+        cache.update(k, v, i)
+    p = past[0][0].shape[2]
+    positions = torch.arange(p, p + embeddings.shape[0])
+    peft_model.base_model.model.model(inputs_embeds=embeddings.unsqueeze(0), past_key_values=cache,
+                                      position_ids=positions.unsqueeze(0), cache_position=positions, use_cache=True)
+    return [(layer.keys[:, :, p:], layer.values[:, :, p:]) for layer in cache.layers]
+
+
+def train_restorekv(sdpa_model, tok, stories: list[str], num_train: int, num_test: int, ratio: float,
+                    num_tokens: int, rank: int, steps: int, context_len: int, continuation_len: int, lr: float,
+                    seed: int):
+    """RestoreKV's self-distillation (see the module doc). Returns the PeftModel (its adapter
+    trained), the restore embeddings [n, hidden] and a summary (test KL with and without them)."""
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    samples = []  # (context, continuation, keep masks at the budget-matched ratio, at the plain ratio)
+    for story in stories:
+        ids = tok(story, return_tensors="pt").input_ids
+        if ids.shape[1] < context_len + continuation_len:
+            continue
+        context, continuation = ids[:, :context_len], ids[:, context_len:context_len + continuation_len]
+        matched = min(1.0, ratio + num_tokens / context_len)
+        samples.append((context, continuation, kvzip_keep_masks(sdpa_model, context, matched),
+                        kvzip_keep_masks(sdpa_model, context, ratio)))
+        if len(samples) == num_train + num_test:
+            break
+    if len(samples) < num_train + num_test:
+        fail(f"--num-train/--num-test: only {len(samples)} stories have {context_len + continuation_len} tokens")
+    train, test = samples[:num_train], samples[num_train:]
+
+    def targets(context, continuation):
+        """The full cache's (teacher's) log-probabilities at the continuation's positions, and the
+        context's keys/values."""
+        with torch.no_grad():
+            out = sdpa_model(input_ids=torch.cat([context, continuation], dim=1), use_cache=True)
+            past = [(layer.keys[:, :, :context_len].clone(), layer.values[:, :, :context_len].clone())
+                    for layer in out.past_key_values.layers]
+            return out.logits[:, context_len:].log_softmax(-1), past
+
+    teacher = [targets(c, y) for c, y, _, _ in samples]
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none",
+                        target_modules=RESTORE_LORA_TARGETS)
+    peft_model = get_peft_model(sdpa_model, config)  # LoRA B starts at zero: the adapter starts as the base
+    table = sdpa_model.get_input_embeddings().weight.detach()
+    start_rows = table[torch.randint(0, table.shape[0], (num_tokens,))]  # random tokens
+    embeddings = torch.nn.Parameter(start_rows.clone())
+    params = [embeddings] + [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def student_kl(sample, teacher_out, with_restore: bool):
+        context, continuation, matched_masks, plain_masks = sample
+        teacher_logp, past = teacher_out
+        if with_restore:
+            restored = restore_pass(peft_model, embeddings, past)
+            past = [(torch.cat([k, rk], 2), torch.cat([v, rv], 2)) for (k, v), (rk, rv) in zip(past, restored)]
+            visible = torch.cat([matched_masks, torch.ones(*matched_masks.shape[:2], num_tokens, dtype=torch.bool)], 2)
+        else:
+            visible = plain_masks
+        with peft_model.disable_adapter():
+            logits = compressed_forward(peft_model, continuation, context_len + (num_tokens if with_restore else 0),
+                                        past, visible)
+        return F.kl_div(logits.log_softmax(-1)[0], teacher_logp[0], log_target=True, reduction="batchmean")
+
+    def test_kl(with_restore: bool) -> float:
+        with torch.no_grad():
+            return sum(student_kl(s, t, with_restore).item() for s, t in zip(test, teacher[num_train:])) / len(test)
+
+    kvzip_kl, start_kl = test_kl(False), test_kl(True)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        i = int(torch.randint(0, num_train, (1,), generator=g))
+        loss = student_kl(train[i], teacher[i], True)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+    summary = {"recipe": "RestoreKV self-distillation", "ratio": ratio, "num_tokens": num_tokens, "rank": rank,
+               "steps": steps, "lr": lr, "seed": seed, "context_len": context_len,
+               "continuation_len": continuation_len, "num_train": num_train, "num_test": num_test,
+               "test_kl_kvzip": kvzip_kl, "test_kl_restore_untrained": start_kl, "test_kl_restore": test_kl(True)}
+    return peft_model, embeddings.detach().clone(), summary
+
+
+def save_restore_folder(folder: Path, peft_model, embeddings: torch.Tensor, summary: dict):
+    """The authors' layout: restore_embeddings.safetensors and the PEFT adapter (save_pretrained),
+    plus fit.json; written to a temporary folder beside FOLDER and renamed."""
+    import shutil
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".tmp"))
+    try:
+        peft_model.save_pretrained(str(tmp))
+        save_file({"restore_embeddings": embeddings.to(torch.float32).contiguous()},
+                  str(tmp / "restore_embeddings.safetensors"))
+        (tmp / "fit.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def isotonic_nonincreasing(values: torch.Tensor) -> torch.Tensor:
     """The least-squares non-increasing fit of a sequence (pool adjacent violators, equal weights):
     each run of values that violates the order is replaced by its mean. Of a head's loss decrements
@@ -689,6 +878,20 @@ def main():
     fc = sub.add_parser("fastkvzip-convert", help="FastKVzipPress's gates, converted from the authors' .pt")
     fc.add_argument("--pt", type=Path, required=True, help="the authors' q<G>_dim16_sink16.pt")
     fc.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    r = sub.add_parser("restorekv", help="RestoreKVPress's restore embeddings and LoRA adapter (self-distillation)")
+    r.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
+    r.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    r.add_argument("--ratio", type=float, default=0.5, help="KVzip's compression ratio trained for")
+    r.add_argument("--num-tokens", type=int, default=8, help="restore tokens (the authors': 8)")
+    r.add_argument("--rank", type=int, default=4, help="LoRA rank (every projection of every layer)")
+    r.add_argument("--steps", type=int, default=300, help="AdamW steps, one context each")
+    r.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    r.add_argument("--context-len", type=int, default=96, help="tokens of each context (BOS included)")
+    r.add_argument("--continuation-len", type=int, default=32, help="tokens after it the student predicts")
+    r.add_argument("--num-train", type=int, default=50, help="contexts trained on (the first stories long enough)")
+    r.add_argument("--num-test", type=int, default=10, help="contexts after those, for the printed test KL")
+    r.add_argument("--seed", type=int, default=0, help="initialisation and sampling")
+    r.add_argument("--out", type=Path, required=True, help="output folder")
     u = sub.add_parser("lukv", help="LUKVPress's budget curve, profiled on the stories (LU-KV's recipe)")
     u.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
     u.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
@@ -762,6 +965,24 @@ def main():
         print(f"make_artifact.py: {len(gates)} FastKVzip gates from {args.num_train} stories ({fit['train_tokens']} "
               f"tokens, {args.steps} steps); test BCE per layer {[round(v, 3) for v in fit['test_bce_per_layer']]} "
               f"(a constant: {[round(v, 3) for v in fit['constant_bce_per_layer']]}) -> {args.out}")
+        return
+
+    if args.artifact == "restorekv":
+        for name in ("num_tokens", "rank", "steps", "context_len", "continuation_len", "num_train", "num_test"):
+            if getattr(args, name) < 1:
+                fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if not 0 < args.ratio < 1 or not args.lr > 0:
+            fail(f"--ratio must be in (0, 1) and --lr > 0, got {args.ratio} and {args.lr}")
+        sdpa = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa").eval()
+        peft_model, embeddings, summary = train_restorekv(
+            sdpa, tok, stories, args.num_train, args.num_test, args.ratio, args.num_tokens, args.rank, args.steps,
+            args.context_len, args.continuation_len, args.lr, args.seed)
+        save_restore_folder(args.out, peft_model, embeddings,
+                            {**summary, "model": str(args.model), "stories_file": str(stories_file)})
+        print(f"make_artifact.py: RestoreKV {args.num_tokens} restore tokens + rank-{args.rank} LoRA, {args.steps} "
+              f"steps on {args.num_train} contexts; test KL to the full cache at ratio {args.ratio}: KVzip "
+              f"{summary['test_kl_kvzip']:.4f}, with the restore tokens untrained {summary['test_kl_restore_untrained']:.4f}, "
+              f"trained {summary['test_kl_restore']:.4f} -> {args.out}")
         return
 
     if args.artifact == "lukv":

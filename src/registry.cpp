@@ -748,7 +748,7 @@ std::vector<Entry> second_pass_entries() {
          const std::string dir =
              p.get_path("restore",
                         "folder with restore_embeddings.safetensors and a PEFT LoRA adapter (the authors' "
-                        "higokri/RestoreKV-<model>[_plus])");
+                        "higokri/RestoreKV-<model>[_plus], or scripts/make_artifact.py restorekv)");
          return std::make_unique<RestoreKVPress>(
              r, k.layerwise, k.n_sink, k.plus, k.chunk_size,
              dir.empty() ? RestoreKVPress::Restore{} : RestoreKVPress::load_restore(dir));

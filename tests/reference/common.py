@@ -329,8 +329,13 @@ def use_local_restore(press: kvpress.RestoreKVPress, folder: Path) -> None:
             return
         press.restore_embeddings = load_file(str(folder / "restore_embeddings.safetensors"))["restore_embeddings"].to(
             model.device, dtype=model.dtype)
-        if press.adapter_name not in getattr(model, "peft_config", {}):
+        # kvpress loads each adapter name once; another folder under the same name replaces it.
+        loaded = model.__dict__.setdefault("_restore_folders", {})
+        if loaded.get(press.adapter_name) != str(folder):
+            if press.adapter_name in getattr(model, "peft_config", {}):
+                model.delete_adapter(press.adapter_name)
             model.load_adapter(str(folder), adapter_name=press.adapter_name)
+            loaded[press.adapter_name] = str(folder)
         model.disable_adapters()
         press.restore_model_name = str(folder)
     press.post_init_from_model = post_init_from_model

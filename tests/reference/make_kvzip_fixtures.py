@@ -25,7 +25,9 @@ and a PEFT LoRA adapter on every projection with random A and B (peft's get_peft
 save_pretrained; the KVzip+ one with rsLoRA and a rank_pattern), seeded. kvpress reads them instead
 of its download (post_init_from_model replaced by the same steps on the local folder). For them we
 also record the restore tokens' keys/values, and the decoding starts at position N + 8, as kvpress's
-pipeline continues after the restore tokens.
+pipeline continues after the restore tokens. One more RestoreKVPress run reads artifacts trained by
+scripts/make_artifact.py's restorekv recipe (20 steps on 4 stories: enough to exercise the folder it
+writes).
 
 FastKVzipPress runs (global and layerwise, other sinks and window) read gates that
 scripts/make_artifact.py's fastkvzip recipe trains on the first 40 stories (300 steps: enough to
@@ -60,6 +62,7 @@ DECODE_STEPS = 4   # the story's next token, then 3 greedy tokens
 
 GATES_FILE = "fastkvzip_gates.safetensors"
 # Restore artifacts (folders as the authors' hub repositories): (folder, seed, LoraConfig extras).
+TRAINED_RESTORE = "restore_trained"  # make_artifact.py's restorekv recipe, briefly
 RESTORE = {"restore_plain": (11, {}),
            "restore_plus": (12, {"use_rslora": True, "rank_pattern": {"q_proj": 2}})}
 
@@ -84,6 +87,7 @@ RUNS = [
     ("restore_chunks_layerwise_r0.6", "RestoreKVPress", {"compression_ratio": "0.6", "chunk_size": "100",
                                                          "layerwise": "true", "restore": "restore_plain"}),
     ("restore_all_evicted_r0.97", "RestoreKVPress", {"compression_ratio": "0.97", "restore": "restore_plain"}),
+    ("restore_trained_r0.5", "RestoreKVPress", {"compression_ratio": "0.5", "restore": TRAINED_RESTORE}),
     ("fast_r0.5", "FastKVzipPress", {"compression_ratio": "0.5"}),
     ("fast_r0.75", "FastKVzipPress", {"compression_ratio": "0.75"}),
     ("fast_layerwise_r0.5", "FastKVzipPress", {"compression_ratio": "0.5", "layerwise": "true"}),
@@ -171,6 +175,10 @@ def main():
 
     for folder, (seed, extras) in RESTORE.items():
         make_restore_artifacts(load_model(path, "sdpa"), out / folder, seed, extras)
+    adapted, embeddings, fit = make_artifact.train_restorekv(
+        load_model(path, "sdpa"), tok, stories, num_train=4, num_test=1, ratio=0.5, num_tokens=RESTORE_TOKENS, rank=4,
+        steps=20, context_len=96, continuation_len=32, lr=1e-2, seed=0)
+    make_artifact.save_restore_folder(out / TRAINED_RESTORE, adapted, embeddings, fit)
 
     runs = []
     for name, press, params in RUNS:

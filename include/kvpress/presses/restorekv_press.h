@@ -16,6 +16,7 @@
 //   restore_embeddings.safetensors   restore_embeddings [n, hidden]
 //   adapter_config.json, adapter_model.safetensors   a PEFT LoRA adapter (kvpress/lora.h)
 // Without it the press still builds (kvpress's fields) but raises when it has to run.
+// scripts/make_artifact.py restorekv trains such a folder for a model (self-distillation).
 //
 // kvpress::llama::restorekv_prefill (kvpress/llama/kvzip.h) runs it on the Llama runner with KVzip's
 // memory bound (the compressed cache plus one layer's full keys/values; the restore tokens' n keys
