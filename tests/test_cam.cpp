@@ -74,6 +74,32 @@ at::Tensor fixture(const std::string& file, const std::string& key) {
   return kvpress::testing::fixture_tensor(kvpress::testing::load_fixture_file(path), key, path);
 }
 
+TEST(CAM, AFailedForwardLeavesTheCacheAndTheStateAsTheyWere) {
+  const LlamaModel& model = tiny_model();
+  const auto built = kvpress::make_press("CAMPress", 0.0, {{"target_size", "16"}, {"compression_interval", "3"}});
+  KVCache cache = model.new_cache();
+  model.prefill(at::arange(3, 23, at::kLong).unsqueeze(0), cache);
+  kvpress::DecodingState state;
+  ForwardOptions step;
+  step.decoding_press = dynamic_cast<const kvpress::DecodingPress*>(built.get());
+  step.decoding_state = &state;
+  model.forward(at::tensor({5}, at::kLong).unsqueeze(0), cache, step);
+  // Layer 1's running attention claims more tokens than its cache holds: its step raises after
+  // layer 0's has summed and counted.
+  state.attention_sums[1] = at::zeros({1, model.config().num_kv_heads, 50});
+  const kvpress::DecodingState snapshot = state;
+  const KVCache cache_before = cache;
+  expect_error([&] { model.forward(at::tensor({6}, at::kLong).unsqueeze(0), cache, step); },
+               {"the cache shrank behind the press's back (50 summed, 22 cached)"});
+  EXPECT_EQ(state.steps, snapshot.steps);
+  for (size_t l = 0; l < snapshot.attention_sums.size(); ++l) {
+    EXPECT_TRUE(state.attention_sums[l].is_same(snapshot.attention_sums[l])) << "layer " << l;
+    EXPECT_EQ(state.hidden_states[l].size(), snapshot.hidden_states[l].size()) << "layer " << l;
+  }
+  EXPECT_EQ(cache.position(), cache_before.position());
+  EXPECT_EQ(cache.length(0), cache_before.length(0));
+}
+
 TEST(CAMParity, MatchesKvpressInTheModelLoop) {
   const auto& fx = cam_fixtures();
   ASSERT_TRUE(fx.error.empty()) << fx.error;

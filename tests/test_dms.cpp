@@ -198,6 +198,36 @@ TEST(DMS, RunnerLoops) {
                {"DMSPress with decoding=true evicts per head while generating on the dense runner only"});
 }
 
+TEST(DMS, AFailedForwardLeavesTheCacheAndTheWindowAsTheyWere) {
+  const LlamaModel& model = tiny_model();
+  const DMSPress press(std::make_shared<KnormPress>(0.0), -6.5, 4, true);
+  KVCache cache = model.new_cache();
+  DMSWindow window;
+  PrefillOptions opt;
+  opt.press = &press;
+  opt.dms_window = &window;
+  model.prefill(at::arange(3, 23, at::kLong).unsqueeze(0), cache, opt);
+  ForwardOptions step;
+  step.dms_press = &press;
+  step.dms_window = &window;
+  model.forward(at::tensor({5}, at::kLong).unsqueeze(0), cache, step);
+  // Layer 1's queue claims more tokens than were ever seen: its decoding step raises after layer 0's
+  // has queued and judged.
+  DMSWindow broken = window;
+  broken.scores[1] = at::zeros({1, model.config().num_kv_heads, 40});
+  const DMSWindow snapshot = broken;
+  const KVCache cache_before = cache;
+  step.dms_window = &broken;
+  expect_error([&] { model.forward(at::tensor({6}, at::kLong).unsqueeze(0), cache, step); },
+               {"DMSPress.decoding_step: tokens_seen (22) must be at least the 41 tokens the window holds"});
+  for (size_t l = 0; l < snapshot.scores.size(); ++l)
+    EXPECT_TRUE(broken.scores[l].is_same(snapshot.scores[l])) << "layer " << l;
+  EXPECT_EQ(cache.position(), cache_before.position());
+  for (int64_t l = 0; l < model.config().num_layers; ++l) {
+    EXPECT_EQ(cache.ragged(l).total_tokens(), cache_before.ragged(l).total_tokens()) << "layer " << l;
+  }
+}
+
 // ---- parity with kvpress 0.5.5 ----------------------------------------------------------------------
 
 const kvpress::testing::FolderFixtures& dms_fixtures() {

@@ -471,6 +471,12 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
   // A copy is a snapshot: the layers' tensors are shared, and a forward only writes past their
   // current lengths or replaces tensors (it never truncates), so the copy's contents stay intact.
   KVCache before = cache;
+  // The per-sequence press state the forward advances goes back with it: the presses replace these
+  // tensors and never write into them, so a copy is a snapshot too.
+  std::optional<DecodingState> decoding_before;
+  if (decoding) decoding_before = *options.decoding_state;
+  std::optional<DMSWindow> window_before;
+  if (dms_window && (dms_prefill || dms_decoding)) window_before = *dms_window;
   try {
     for (int64_t li = 0; li < c.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
@@ -528,6 +534,8 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
     cache.set_position(press ? press->position_after(start + n, cache.length(0)) : start + n);
   } catch (...) {
     cache = std::move(before);
+    if (decoding_before) *options.decoding_state = std::move(*decoding_before);
+    if (window_before) *dms_window = std::move(*window_before);
     throw;
   }
 

@@ -269,7 +269,9 @@ class LlamaModel {
   ForwardOutput prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options = {}) const;
 
   // Any later forward: input_ids [B, n] at positions cache.position() .. + n - 1, each attending
-  // over the whole (possibly compressed) cache and the new tokens up to itself.
+  // over the whole (possibly compressed) cache and the new tokens up to itself. A failure part-way
+  // (a press raising in some layer) leaves the cache, the DecodingState and the DMSWindow as they
+  // were (prefill too).
   ForwardOutput forward(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options = {}) const;
 
   // cos/sin of positions [start, start + n), computed as transformers' LlamaRotaryEmbedding does
