@@ -259,6 +259,35 @@ TEST(MergingPress, FoldsTheEvictedValueIntoTheMostSimilarKeptKey) {
   expect_error([&] { MergingPress(nullptr); }, {"MergingPress: press must be a ScorerPress, got nullptr"});
 }
 
+TEST(MergingPress, SimilarityBlocksGiveTheFullMatrixResult) {
+  // 2 heads x 4096 tokens at 0.5: 2048 evicted rows against 2048 kept keys come in 2 blocks.
+  const int64_t s = 4096, hkv = 2, d = 16;
+  ASSERT_GT(hkv * (s / 2) * (s / 2), MergingPress::kSimilarityBlockElements);
+  at::manual_seed(3);
+  LayerInputs in;
+  in.keys = at::randn({1, hkv, s, d});
+  in.values = at::randn({1, hkv, s, d});
+  const auto knorm = std::make_shared<KnormPress>(0.5);
+  const KV kv = MergingPress(knorm).compress(in);
+  // The definition with the whole similarity matrix at once.
+  const at::Tensor kept = kv.kept_indices;
+  const at::Tensor evicted_mask = at::ones({1, hkv, s}, at::kBool).scatter_(2, kept, false);
+  const at::Tensor evicted = evicted_mask.nonzero().select(1, 2).view({1, hkv, s / 2});
+  const auto unit = [](const at::Tensor& x) { return x / x.norm(2, -1, true).clamp_min(1e-6); };
+  const at::Tensor gone_k = in.keys.gather(2, evicted.unsqueeze(-1).expand({1, hkv, s / 2, d}));
+  const at::Tensor gone_v = in.values.gather(2, evicted.unsqueeze(-1).expand({1, hkv, s / 2, d}));
+  const at::Tensor kept_k = in.keys.gather(2, kept.unsqueeze(-1).expand({1, hkv, s / 2, d}));
+  const at::Tensor kept_v = in.values.gather(2, kept.unsqueeze(-1).expand({1, hkv, s / 2, d}));
+  const auto [sim, target] = at::matmul(unit(gone_k), unit(kept_k).transpose(-1, -2)).max(-1);
+  const at::Tensor target_norm = kept_v.norm(2, -1).gather(2, target), gone_norm = gone_v.norm(2, -1);
+  const at::Tensor w = sim.clamp_min(0) * gone_norm / (gone_norm + target_norm + 1e-6);
+  const at::Tensor sum_v =
+      at::zeros_like(kept_v).scatter_add_(2, target.unsqueeze(-1).expand_as(gone_v), w.unsqueeze(-1) * gone_v);
+  const at::Tensor sum_w = at::zeros(kept.sizes()).scatter_add_(2, target, w);
+  const at::Tensor want = at::where((sum_w > 0).unsqueeze(-1), (kept_v + sum_v) / (1 + sum_w).unsqueeze(-1), kept_v);
+  EXPECT_TRUE(at::allclose(kv.values, want, 1e-5, 1e-6)) << (kv.values - want).abs().max();
+}
+
 TEST(Registry, BuildsNestedPresses) {
   const auto chunkkv =
       make_press("ChunkKVPress", 0.4, {{"press", "SnapKVPress"}, {"press.window_size", "16"}, {"chunk_length", "10"}});

@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "budget.h"
 #include "checks.h"
@@ -46,10 +48,18 @@ KV MergingPress::compress(const LayerInputs& in) const {
   const at::Tensor evicted = evicted_mask.nonzero().select(1, 2).view({kept.size(0), kept.size(1), n_evicted});
   const KV gone = ops::gather_kv(in.keys, in.values, evicted);
 
-  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted].
-  const at::Tensor sim =
-      at::matmul(unit_rows(gone.keys.to(at::kFloat)), unit_rows(kv.keys.to(at::kFloat)).transpose(-1, -2));
-  const auto [max_sim, target] = sim.max(-1);
+  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted], a block of
+  // evicted rows at a time (kSimilarityBlockElements).
+  const at::Tensor gone_unit = unit_rows(gone.keys.to(at::kFloat));                    // [B, Hkv, n_evicted, D]
+  const at::Tensor kept_unit_t = unit_rows(kv.keys.to(at::kFloat)).transpose(-1, -2);  // [B, Hkv, D, n_kept]
+  const int64_t block = std::max<int64_t>(1, kSimilarityBlockElements / (kept.size(0) * kept.size(1) * n_kept));
+  std::vector<at::Tensor> block_max, block_target;
+  for (int64_t r0 = 0; r0 < n_evicted; r0 += block) {
+    auto [m, t] = at::matmul(gone_unit.narrow(2, r0, std::min(block, n_evicted - r0)), kept_unit_t).max(-1);
+    block_max.push_back(m);
+    block_target.push_back(t);
+  }
+  const at::Tensor max_sim = at::cat(block_max, 2), target = at::cat(block_target, 2);
   at::Tensor merge = max_sim >= similarity_threshold_;
   if (merge_fraction_ < 1.0 && merge.any().item<bool>()) {
     const at::Tensor eligible = max_sim.masked_fill(~merge, -std::numeric_limits<double>::infinity());

@@ -21,6 +21,10 @@ class MergingPress : public ScorerWrapperPress {
  public:
   static constexpr double kDefaultSimilarityThreshold = 0.0;
   static constexpr double kDefaultMergeFraction = 1.0;
+  // The evicted x kept cosine similarities are computed in blocks of evicted rows holding at most
+  // this many float32 entries (16 MiB), not as one [B, Hkv, n_evicted, n_kept] matrix (2 GiB at
+  // S = 16384, Hkv = 8, ratio 0.5).
+  static constexpr int64_t kSimilarityBlockElements = int64_t{1} << 22;
 
   // Raises unless press is non-null, 0 <= similarity_threshold <= 1 and 0 < merge_fraction <= 1.
   explicit MergingPress(std::shared_ptr<const ScorerPress> press,
