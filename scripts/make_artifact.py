@@ -834,31 +834,40 @@ def write_atomically(path: Path, write):
         raise
 
 
+def model_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A subcommand that reads a model and the stories: --model and --stories declared once."""
+    parser = sub.add_parser(name, help=help_text)
+    parser.add_argument("--model", type=Path, required=True,
+                        help="model folder (config.json, model.safetensors, tokenizer)")
+    parser.add_argument("--stories", type=Path,
+                        help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    return parser
+
+
+def check_positive(args, *names: str):
+    """Each named integer option >= 1 (one message format)."""
+    for name in names:
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def main():
     transformers.utils.logging.disable_progress_bar()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="artifact", required=True)
-    q = sub.add_parser("qfilters", help="QFilterPress's filters")
-    q.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    q.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    q = model_parser(sub, "qfilters", "QFilterPress's filters")
     q.add_argument("--max-stories", type=int, default=0, help="use only the first N stories (0: all)")
     q.add_argument("--out", type=Path, required=True, help="output .safetensors file")
-    e = sub.add_parser("expected-attention-stats", help="ExpectedAttentionStatsPress's query statistics")
-    e.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    e.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    e = model_parser(sub, "expected-attention-stats", "ExpectedAttentionStatsPress's query statistics")
     e.add_argument("--num-samples", type=int, default=100, help="stories used (kvpress's num_samples)")
     e.add_argument("--sample-seq-len", type=int, default=1000, help="characters kept of each (sample_seq_len)")
     e.add_argument("--n-sink", type=int, default=4, help="first tokens of each sample left out (n_sink)")
     e.add_argument("--out", type=Path, required=True, help="output folder")
-    d = sub.add_parser("duo-attention", help="DuoAttentionPress's attention pattern (kvpress's on-the-fly recipe)")
-    d.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    d.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    d = model_parser(sub, "duo-attention", "DuoAttentionPress's attention pattern (kvpress's on-the-fly recipe)")
     d.add_argument("--num-samples", type=int, default=50, help="stories drawn (kvpress's num_samples)")
     d.add_argument("--q-len", type=int, default=500, help="positions the mean query and key are repeated over")
     d.add_argument("--out", type=Path, required=True, help="output folder")
-    z = sub.add_parser("kvzap", help="KVzapPress's surrogate, fitted to KVzip+ scores (KVzap's recipe)")
-    z.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    z.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    z = model_parser(sub, "kvzap", "KVzapPress's surrogate, fitted to KVzip+ scores (KVzap's recipe)")
     z.add_argument("--num-train", type=int, default=80, help="stories the surrogate is fitted on (the first N)")
     z.add_argument("--num-test", type=int, default=10, help="stories after those, for the printed R^2")
     z.add_argument("--model-type", choices=("linear", "mlp"), default="linear", help="KVzapPress's model_type")
@@ -867,9 +876,7 @@ def main():
     z.add_argument("--epochs", type=int, default=15, help="mlp: training epochs")
     z.add_argument("--seed", type=int, default=0, help="mlp: initialisation and shuffling")
     z.add_argument("--out", type=Path, required=True, help="output folder")
-    f = sub.add_parser("fastkvzip", help="FastKVzipPress's gates, trained on KVzip scores (Fast KVzip's recipe)")
-    f.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    f.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    f = model_parser(sub, "fastkvzip", "FastKVzipPress's gates, trained on KVzip scores (Fast KVzip's recipe)")
     f.add_argument("--num-train", type=int, default=80, help="stories the gates are trained on (the first N)")
     f.add_argument("--num-test", type=int, default=10, help="stories after those, for the printed test loss")
     f.add_argument("--steps", type=int, default=5000, help="SGD steps of 1000 positions")
@@ -878,9 +885,7 @@ def main():
     fc = sub.add_parser("fastkvzip-convert", help="FastKVzipPress's gates, converted from the authors' .pt")
     fc.add_argument("--pt", type=Path, required=True, help="the authors' q<G>_dim16_sink16.pt")
     fc.add_argument("--out", type=Path, required=True, help="output .safetensors file")
-    r = sub.add_parser("restorekv", help="RestoreKVPress's restore embeddings and LoRA adapter (self-distillation)")
-    r.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    r.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    r = model_parser(sub, "restorekv", "RestoreKVPress's restore embeddings and LoRA adapter (self-distillation)")
     r.add_argument("--ratio", type=float, default=0.5, help="KVzip's compression ratio trained for")
     r.add_argument("--num-tokens", type=int, default=8, help="restore tokens (the authors': 8)")
     r.add_argument("--rank", type=int, default=4, help="LoRA rank (every projection of every layer)")
@@ -892,9 +897,7 @@ def main():
     r.add_argument("--num-test", type=int, default=10, help="contexts after those, for the printed test KL")
     r.add_argument("--seed", type=int, default=0, help="initialisation and sampling")
     r.add_argument("--out", type=Path, required=True, help="output folder")
-    u = sub.add_parser("lukv", help="LUKVPress's budget curve, profiled on the stories (LU-KV's recipe)")
-    u.add_argument("--model", type=Path, required=True, help="model folder (config.json, model.safetensors, tokenizer)")
-    u.add_argument("--stories", type=Path, help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
+    u = model_parser(sub, "lukv", "LUKVPress's budget curve, profiled on the stories (LU-KV's recipe)")
     u.add_argument("--press", default="ExpectedAttentionPress", help="the kvpress scorer LUKVPress will wrap")
     u.add_argument("--press-param", action="append", default=[], metavar="KEY=VALUE",
                    help="a scorer parameter (default for ExpectedAttentionPress: epsilon=0.02, LU-KV's)")
@@ -968,9 +971,7 @@ def main():
         return
 
     if args.artifact == "restorekv":
-        for name in ("num_tokens", "rank", "steps", "context_len", "continuation_len", "num_train", "num_test"):
-            if getattr(args, name) < 1:
-                fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        check_positive(args, "num_tokens", "rank", "steps", "context_len", "continuation_len", "num_train", "num_test")
         if not 0 < args.ratio < 1 or not args.lr > 0:
             fail(f"--ratio must be in (0, 1) and --lr > 0, got {args.ratio} and {args.lr}")
         sdpa = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -997,9 +998,7 @@ def main():
                 params[key] = value
         if args.press == "ExpectedAttentionPress" and not args.press_param:
             params = {"epsilon": 0.02}
-        for name in ("num_samples", "context_len", "future_len"):
-            if getattr(args, name) < 1:
-                fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        check_positive(args, "num_samples", "context_len", "future_len")
         if args.sink < 0 or args.window < 0:
             fail(f"--sink and --window must be >= 0, got {args.sink} and {args.window}")
         try:
@@ -1043,9 +1042,7 @@ def main():
               f"{args.out}")
         return
 
-    for name in ("num_samples", "sample_seq_len"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(args, "num_samples", "sample_seq_len")
     if args.n_sink < 0:
         fail(f"--n-sink must be >= 0, got {args.n_sink}")
     stories = stories[:args.num_samples]

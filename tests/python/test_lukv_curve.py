@@ -14,6 +14,8 @@ make_artifact_py = os.path.abspath(sys.argv[1])
 model_dir = Path(sys.argv[2])
 sys.path.insert(0, os.path.dirname(make_artifact_py))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checklist import Checklist  # noqa: E402
 import make_artifact  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -22,17 +24,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 
-failures = []
-passed = 0
-
-
-def check(name, ok, detail=""):
-    global passed
-    print(("ok   " if ok else "FAIL ") + name + ("" if ok or not detail else f": {detail}"))
-    if ok:
-        passed += 1
-    else:
-        failures.append(name)
+check = Checklist()
 
 
 def hull_slopes(decrements: list[float]) -> list[float]:
@@ -164,5 +156,4 @@ with tempfile.TemporaryDirectory() as tmp:
           bad.returncode == 2 and "--press: DecodingPress is not a kvpress ScorerPress" in bad.stderr, bad.stderr)
     check("nothing half-written", not (Path(tmp) / "x.safetensors").exists())
 
-print(f"{passed} passed, {len(failures)} failed")
-sys.exit(1 if failures else 0)
+check.finish()

@@ -13,20 +13,12 @@ import tempfile
 plot_py = os.path.abspath(sys.argv[1])
 sys.path.insert(0, os.path.dirname(plot_py))
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checklist import Checklist  # noqa: E402
 import plot  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-failures = []
-passed = 0
-
-
-def check(name, ok, detail=""):
-    global passed
-    print(("ok   " if ok else "FAIL ") + name + ("" if ok or not detail else f": {detail}"))
-    if ok:
-        passed += 1
-    else:
-        failures.append(name)
+check = Checklist()
 
 
 def run(*args):
@@ -133,9 +125,8 @@ with open(out, "rb") as f:
     check("error: the existing OUT is untouched", f.read() == b"previous chart")
 check("error: no temporary left", no_temporaries(tmp))
 
-if failures:
+if check.failures:
     print(f"files kept in {tmp}")
 else:
     shutil.rmtree(tmp)
-print(f"{passed} passed, {len(failures)} failed")
-sys.exit(1 if failures else 0)
+check.finish()
