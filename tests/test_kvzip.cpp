@@ -532,6 +532,35 @@ TEST(KVgrad, RunsThroughThePrefillAndUnderInferenceMode) {
       "outside in the park with her red ball.");
   const auto scored = kvpress::llama::score_continuation(model, story, 8, &press, &tiny_tokenizer());
   EXPECT_TRUE(std::isfinite(scored.mean_nll));
+
+  // recompute_context: the same scores and kept tokens, one layer's context keys/values at a time
+  // (120 tokens in 40-token chunks: three replay passes, each shorter than the context).
+  at::manual_seed(11);
+  const at::Tensor context = at::randint(3, 2048, {1, 120}, at::kLong);
+  const kvpress::KVgradPress chunked(0.5, false, 4, 40);
+  KVCache held = model.new_cache(), recomputed = model.new_cache();
+  const auto full = kvpress::llama::kvgrad_prefill(model, context, held, chunked, tiny_tokenizer());
+  kvpress::llama::KVgradRunOptions low;
+  low.recompute_context = true;
+  const auto lean = kvpress::llama::kvgrad_prefill(model, context, recomputed, chunked, tiny_tokenizer(), {}, low);
+  EXPECT_LT(((lean.scores - full.scores).abs().max() / full.scores.abs().max()).item<double>(), 1e-5);
+  for (size_t l = 0; l < full.prefill.keep_masks.size(); ++l)
+    EXPECT_TRUE(at::equal(lean.prefill.keep_masks[l], full.prefill.keep_masks[l])) << "layer " << l;
+  // Its peak holds one layer's keys/values (the context's joined with the longest repeat's): less
+  // than the full cache.
+  const auto& c = model.config();
+  int64_t longest = 0;
+  for (const auto& chunk : chunked.replay_chunks(
+           std::vector<int64_t>(context.data_ptr<int64_t>(), context.data_ptr<int64_t>() + context.numel()),
+           tiny_tokenizer().encode(KVzipPress::kFirstRepeatPrompt, false),
+           tiny_tokenizer().encode(KVzipPress::kNextRepeatPrompt, false),
+           tiny_tokenizer().encode(KVzipPress::kRepeatSuffix, false)))
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(chunk.repeat_ids.size()));
+  const int64_t element = 4, layer = 2 * c.num_kv_heads * c.head_dim * element;
+  EXPECT_EQ(lean.memory.layer_kv_bytes, layer * (120 + longest));
+  EXPECT_LT(lean.memory.layer_kv_bytes, lean.memory.full_cache_bytes);
+  EXPECT_EQ(lean.memory.peak_bytes, lean.memory.layer_kv_bytes + lean.memory.activation_bytes +
+                                        lean.memory.attention_bytes + lean.memory.scores_bytes);
 }
 
 // ---- FastKVzipPress ----------------------------------------------------------------------------------
@@ -767,6 +796,16 @@ TEST(KVzipParity, MatchesKvpress) {
     const auto r = fast ? kvpress::llama::fast_kvzip_prefill(model, context, cache, *fast)
                         : kvpress::llama::kvzip_prefill(model, context, cache, dynamic_cast<const KVzipPress&>(*press),
                                                         tiny_tokenizer());
+    if (dynamic_cast<const kvpress::KVgradPress*>(press.get())) {  // the recomputing mode scores alike
+      KVCache lean_cache = model.new_cache();
+      kvpress::llama::KVgradRunOptions low;
+      low.recompute_context = true;
+      const auto lean = kvpress::llama::kvgrad_prefill(
+          model, context, lean_cache, dynamic_cast<const kvpress::KVgradPress&>(*press), tiny_tokenizer(), {}, low);
+      EXPECT_LT(((lean.scores - r.scores).abs().max() / r.scores.abs().max()).item<double>(), 1e-5);
+      for (int64_t l = 0; l < num_layers; ++l)
+        EXPECT_TRUE(at::equal(lean.prefill.keep_masks[l], r.prefill.keep_masks[l])) << "layer " << l;
+    }
     double restore_diff = 0;
     if (restore) {  // the restore tokens' keys/values after the LoRA-adapted pass over the full cache
       const at::Tensor ref_keys = fixture(file, "restore_keys"), ref_values = fixture(file, "restore_values");

@@ -252,7 +252,8 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
 }
 
 KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
-                           const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill) {
+                           const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill,
+                           const KVgradRunOptions& run) {
   constexpr const char* op = "kvgrad_prefill";
   KVzipResult result;
   result.memory.full_cache_bytes = check_prefill_args(op, model, context_ids, cache);
@@ -275,46 +276,115 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
   const std::vector<KVzipReplayChunk> chunks =
       press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
                           encode(KVzipPress::kRepeatSuffix));
-  // The context's full cache, read by every chunk's forward and backward.
-  KVCache full = model.new_cache();
-  {
-    at::NoGradGuard no_grad;
-    model.prefill(context_ids, full, plain);
-  }
   at::Tensor scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
-  for (const KVzipReplayChunk& chunk : chunks) {
-    const int64_t p = static_cast<int64_t>(chunk.repeat_ids.size()), len = chunk.end - chunk.start;
-    const at::Tensor repeat = at::tensor(chunk.repeat_ids, at::kLong).unsqueeze(0).to(context_ids.device());
-    const RopeTables rope = model.rope(n, p);
-    at::Tensor x = model.embed(repeat).detach().requires_grad_(true);
-    std::vector<at::Tensor> outputs, queries, repeat_keys;  // per layer: a_l [1, P, hidden], q, the repeat's keys
-    for (int64_t li = 0; li < c.num_layers; ++li) {
-      const LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, rope);
-      const at::Tensor keys = at::cat({full.keys(li), qkv.k}, 2), values = at::cat({full.values(li), qkv.v}, 2);
-      at::Tensor a = at::linear(model.layer_attention(qkv.q, keys, values), model.o_proj(li));
-      a.retain_grad();
-      outputs.push_back(a);
-      queries.push_back(qkv.q.detach());
-      repeat_keys.push_back(qkv.k.detach());
-      x = model.layer_mlp(li, x + a);
-    }
-    x.to(at::kFloat).square().sum().backward();  // Phi = sum_p ||h_p^L||^2
+  // A chunk's scores in one layer: KVzip's chunk scores of the repeat's queries over the layer's
+  // keys ([1, Hkv, N + P, D]: the context's, then the repeat's), the rows scaled by ||dPhi/da_p||
+  // (output_grad [1, P, hidden]) and the columns by ||v W_O||.
+  const auto score_layer = [&](const KVzipReplayChunk& chunk, int64_t li, const at::Tensor& keys,
+                               const at::Tensor& values, const at::Tensor& queries, const at::Tensor& output_grad) {
     at::NoGradGuard no_grad;
-    for (int64_t li = 0; li < c.num_layers; ++li) {
-      const int64_t sink = std::min(press.n_sink(), chunk.start);
-      const at::Tensor context_keys = full.keys(li);
-      const at::Tensor gradient_norm = outputs[li].grad().to(at::kFloat).norm(2, {-1});  // [1, P]
-      const at::Tensor value_norm =
-          KVzipPress::value_output_norms(full.values(li).narrow(2, chunk.start, len), model.o_proj(li));
-      const at::Tensor chunk_scores =
-          press.chunk_scores(queries[li], context_keys.narrow(2, 0, sink), context_keys.narrow(2, chunk.start, len),
-                             repeat_keys[li], 0, gradient_norm, value_norm);
-      scores[li].narrow(1, chunk.start, len).copy_(chunk_scores[0]);
+    const int64_t len = chunk.end - chunk.start, sink = std::min(press.n_sink(), chunk.start);
+    const at::Tensor gradient_norm = output_grad.to(at::kFloat).norm(2, {-1});  // [1, P]
+    const at::Tensor value_norm = KVzipPress::value_output_norms(values.narrow(2, chunk.start, len), model.o_proj(li));
+    scores[li].narrow(1, chunk.start, len)
+        .copy_(press.chunk_scores(queries, keys.narrow(2, 0, sink), keys.narrow(2, chunk.start, len),
+                                  keys.narrow(2, n, keys.size(2) - n), 0, gradient_norm, value_norm)[0]);
+  };
+
+  if (!run.recompute_context) {
+    // The context's full cache, read by every chunk's forward and backward.
+    KVCache full = model.new_cache();
+    {
+      at::NoGradGuard no_grad;
+      model.prefill(context_ids, full, plain);
+    }
+    for (const KVzipReplayChunk& chunk : chunks) {
+      const int64_t p = static_cast<int64_t>(chunk.repeat_ids.size());
+      const at::Tensor repeat = at::tensor(chunk.repeat_ids, at::kLong).unsqueeze(0).to(context_ids.device());
+      const RopeTables rope = model.rope(n, p);
+      at::Tensor x = model.embed(repeat).detach().requires_grad_(true);
+      std::vector<at::Tensor> outputs, queries, keys, values;  // per layer: a_l [1, P, hidden], q, [context | repeat]
+      for (int64_t li = 0; li < c.num_layers; ++li) {
+        const LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, rope);
+        keys.push_back(at::cat({full.keys(li), qkv.k}, 2));
+        values.push_back(at::cat({full.values(li), qkv.v}, 2));
+        at::Tensor a = at::linear(model.layer_attention(qkv.q, keys.back(), values.back()), model.o_proj(li));
+        a.retain_grad();
+        outputs.push_back(a);
+        queries.push_back(qkv.q.detach());
+        x = model.layer_mlp(li, x + a);
+      }
+      x.to(at::kFloat).square().sum().backward();  // Phi = sum_p ||h_p^L||^2
+      for (int64_t li = 0; li < c.num_layers; ++li)
+        score_layer(chunk, li, keys[li].detach(), values[li].detach(), queries[li], outputs[li].grad());
+    }
+  } else {
+    at::Tensor context_embedding;
+    {
+      at::NoGradGuard no_grad;
+      context_embedding = model.embed(context_ids);
+    }
+    const RopeTables context_rope = model.rope(0, n);
+    // The context's keys/values in `layer`, recomputed from its embeddings (layers before it run again).
+    const auto context_kv = [&](int64_t layer) {
+      at::NoGradGuard no_grad;
+      at::Tensor x = context_embedding;
+      for (int64_t j = 0;; ++j) {
+        LlamaModel::LayerQKV qkv = model.layer_qkv(j, x, context_rope);
+        if (j == layer) return std::make_pair(qkv.k, qkv.v);
+        x = model.layer_output(j, x, model.layer_attention(qkv.q, qkv.k, qkv.v));
+      }
+    };
+    for (const KVzipReplayChunk& chunk : chunks) {
+      const int64_t p = static_cast<int64_t>(chunk.repeat_ids.size());
+      const at::Tensor repeat = at::tensor(chunk.repeat_ids, at::kLong).unsqueeze(0).to(context_ids.device());
+      const RopeTables rope = model.rope(n, p);
+      // Forward, the context alongside, one layer at a time: only the chunk's input to each layer stays.
+      std::vector<at::Tensor> inputs;  // per layer [1, P, hidden]
+      at::Tensor x;
+      {
+        at::NoGradGuard no_grad;
+        at::Tensor xc = context_embedding;
+        x = model.embed(repeat);
+        for (int64_t li = 0; li < c.num_layers; ++li) {
+          inputs.push_back(x);
+          LlamaModel::LayerQKV context = model.layer_qkv(li, xc, context_rope);
+          const LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, rope);
+          const at::Tensor keys = at::cat({context.k, qkv.k}, 2), values = at::cat({context.v, qkv.v}, 2);
+          context.k.reset();  // the layer's keys/values live on in `keys` and `values` only
+          context.v.reset();
+          record_peak(result.memory, bytes_of({&keys, &values}), bytes_of({&xc}) + bytes_of(inputs),
+                      bytes_of({&context.q, &qkv.q}), bytes_of({&scores}));
+          x = model.layer_output(li, x, model.layer_attention(qkv.q, keys, values));
+          if (li + 1 < c.num_layers)
+            xc = model.layer_output(li, xc, model.layer_attention(context.q, keys.narrow(2, 0, n),
+                                                                  values.narrow(2, 0, n)));
+        }
+      }
+      // Backward from Phi = sum_p ||h_p^L||^2, one layer at a time, its context keys/values recomputed.
+      at::Tensor upstream = (2 * x.to(at::kFloat)).to(x.scalar_type());  // dPhi/dh^L
+      for (int64_t li = c.num_layers - 1; li >= 0; --li) {
+        auto [context_keys, context_values] = context_kv(li);
+        const at::Tensor xin = inputs[static_cast<size_t>(li)].detach().requires_grad_(true);
+        const LlamaModel::LayerQKV qkv = model.layer_qkv(li, xin, rope);
+        const at::Tensor keys = at::cat({context_keys, qkv.k}, 2), values = at::cat({context_values, qkv.v}, 2);
+        context_keys.reset();
+        context_values.reset();
+        record_peak(result.memory, bytes_of({&keys, &values}),
+                    bytes_of(inputs) + bytes_of({&context_embedding, &upstream}), bytes_of({&qkv.q}),
+                    bytes_of({&scores}));
+        at::Tensor a = at::linear(model.layer_attention(qkv.q, keys, values), model.o_proj(li));
+        a.retain_grad();
+        model.layer_mlp(li, xin + a).backward(upstream);
+        score_layer(chunk, li, keys.detach(), values.detach(), qkv.q.detach(), a.grad());
+        upstream = xin.grad();
+        inputs[static_cast<size_t>(li)].reset();
+      }
     }
   }
   result.scores = scores;
-  full = KVCache();  // the compressing prefill below holds one full layer at a time
   at::NoGradGuard no_grad;
+  // The compressing prefill holds one full layer at a time.
   result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
   return result;
 }

@@ -77,15 +77,27 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                           const KVzipRunOptions& run = {});
 
+struct KVgradRunOptions {
+  // false: the context's full cache is held while scoring (kvpress's way; one prefill, then per
+  // replay chunk one forward and one backward through every layer). true: no more than one layer's
+  // context keys/values at a time, the bound kvzip_prefill keeps: per chunk a forward layer by layer
+  // (the context alongside) that keeps only the chunk's input to each layer, then a backward layer by
+  // layer, from the last, that recomputes that layer's context keys/values from the embeddings. The
+  // price is compute: about L^2 / 2 extra context layer passes per chunk. The scores are the same.
+  bool recompute_context = false;
+};
+
 // KVgrad: the context's plain prefill (the full cache, which every replay chunk's backward pass
 // reads in every layer, as in kvpress), then per replay chunk one forward of the repeat with
 // autograd through every layer and one backward of Phi = sum ||h^L||^2; KVzip's chunk scores with
 // row_scale = ||dPhi/da_p|| and column_scale = ||v W_O||; KVzip's selection; then the cache is
 // rebuilt by the compressing prefill. Runs outside inference mode (it needs gradients). Peak: the
-// full cache plus one chunk's activations in every layer (no layer-by-layer shortcut: the backward
-// crosses the layers). result.scores as kvzip_prefill's.
+// full cache plus one chunk's activations in every layer, or with run.recompute_context one
+// layer's context keys/values plus the context's residual stream and one chunk's input to every
+// layer (result.memory reports it). result.scores as kvzip_prefill's.
 KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
-                           const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {});
+                           const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
+                           const KVgradRunOptions& run = {});
 
 // FastKVzip with its global selection (layerwise = false): the same scoring pass without a replay
 // (each layer's gate reads its attention input; the context's keys/values of one layer at a time),
