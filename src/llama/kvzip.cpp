@@ -286,7 +286,8 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
     const int64_t len = chunk.end - chunk.start, sink = std::min(press.n_sink(), chunk.start);
     const at::Tensor gradient_norm = output_grad.to(at::kFloat).norm(2, {-1});  // [1, P]
     const at::Tensor value_norm = KVzipPress::value_output_norms(values.narrow(2, chunk.start, len), model.o_proj(li));
-    scores[li].narrow(1, chunk.start, len)
+    scores[li]
+        .narrow(1, chunk.start, len)
         .copy_(press.chunk_scores(queries, keys.narrow(2, 0, sink), keys.narrow(2, chunk.start, len),
                                   keys.narrow(2, n, keys.size(2) - n), 0, gradient_norm, value_norm)[0]);
   };
@@ -357,8 +358,8 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
                       bytes_of({&context.q, &qkv.q}), bytes_of({&scores}));
           x = model.layer_output(li, x, model.layer_attention(qkv.q, keys, values));
           if (li + 1 < c.num_layers)
-            xc = model.layer_output(li, xc, model.layer_attention(context.q, keys.narrow(2, 0, n),
-                                                                  values.narrow(2, 0, n)));
+            xc = model.layer_output(li, xc,
+                                    model.layer_attention(context.q, keys.narrow(2, 0, n), values.narrow(2, 0, n)));
         }
       }
       // Backward from Phi = sum_p ||h_p^L||^2, one layer at a time, its context keys/values recomputed.
