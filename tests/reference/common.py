@@ -297,7 +297,13 @@ ARTIFACT_PARAMS = ("q_filters", "stats_folder", "kvzap_model", "budget_curves", 
 
 # RestoreKVPress's artifacts: what kvpress downloads from higokri/RestoreKV-<model>[_plus].
 RESTORE_TOKENS = 8
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def restore_lora_targets() -> list[str]:
+    """The projections a restore adapter covers: scripts/make_artifact.py's list (one place)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_artifact  # noqa: E402 (scripts/ is not a package)
+    return make_artifact.RESTORE_LORA_TARGETS
 
 
 def make_restore_artifacts(base, folder: Path, seed: int, lora_extras: dict | None = None) -> None:
@@ -307,7 +313,7 @@ def make_restore_artifacts(base, folder: Path, seed: int, lora_extras: dict | No
     A and B (adapter_config.json, adapter_model.safetensors). lora_extras: more LoraConfig fields."""
     from peft import LoraConfig, get_peft_model
     g = torch.Generator().manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", target_modules=LORA_TARGETS,
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", target_modules=restore_lora_targets(),
                         **(lora_extras or {}))
     adapted = get_peft_model(base, config)
     with torch.no_grad():
