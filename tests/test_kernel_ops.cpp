@@ -52,15 +52,19 @@ TEST(KernelOps, TopkKernelMatchesTheStableSortIncludingTies) {
   }
 }
 
+// Rows of 16-byte multiples take the kernel's streaming stores, others (bf16 x 4 = 8 bytes, float32
+// x 3 = 12 bytes) memcpy; the row count crosses the prefetch distance and the parallel split.
 TEST(KernelOps, GatherKernelMatchesTheComposite) {
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
-    const at::Tensor keys = randn({2, 3, 50, 8}, 3, dtype), values = randn({2, 3, 50, 8}, 4, dtype);
-    const at::Tensor idx =
-        std::get<0>(at::randperm(50, at::kLong).narrow(0, 0, 13).sort()).expand({2, 3, 13}).contiguous();
-    const KV kernel = ops::gather_kv(keys, values, idx);
-    const auto [k, v] = ops::composite::gather_kv(keys, values, idx);
-    EXPECT_TRUE(at::equal(kernel.keys, k)) << dtype;
-    EXPECT_TRUE(at::equal(kernel.values, v)) << dtype;
+    for (int64_t dim : {3, 4, 8, 128}) {
+      const at::Tensor keys = randn({2, 3, 700, dim}, 3, dtype), values = randn({2, 3, 700, dim}, 4, dtype);
+      const at::Tensor idx =
+          std::get<0>(at::randperm(700, at::kLong).narrow(0, 0, 313).sort()).expand({2, 3, 313}).contiguous();
+      const KV kernel = ops::gather_kv(keys, values, idx);
+      const auto [k, v] = ops::composite::gather_kv(keys, values, idx);
+      EXPECT_TRUE(at::equal(kernel.keys, k)) << dtype << " dim " << dim;
+      EXPECT_TRUE(at::equal(kernel.values, v)) << dtype << " dim " << dim;
+    }
   }
   const at::Tensor keys = randn({1, 1, 10, 4}, 5);
   const at::Tensor bad = at::tensor({3, 10}, at::kLong).view({1, 1, 2});
@@ -74,6 +78,20 @@ TEST(KernelOps, KeyScoreKernelsMatchTheComposites) {
     const at::Tensor keys = randn({2, 3, 70, 16}, 6, dtype);
     EXPECT_TRUE(at::allclose(ops::key_norm_scores(keys), ops::composite::key_norm_scores(keys), 1e-5, 1e-6)) << dtype;
     EXPECT_TRUE(at::allclose(ops::keydiff_scores(keys), ops::composite::keydiff_scores(keys), 1e-5, 1e-6)) << dtype;
+  }
+}
+
+// The float32 key norm sums every row in order over d (PRESS_NOTES: a reordered sum flips a
+// near-tie of a parity fixture): sixteen rows at a time in vector lanes when the head dim is a
+// multiple of 16, the scalar loop for the other rows and dims. Bit for bit against that order.
+TEST(KernelOps, KeyNormKernelSumsEachRowInOrder) {
+  for (int64_t dim : {8, 16, 40, 48, 128, 256}) {
+    const at::Tensor keys = randn({2, 3, 37, dim}, 14) * 3;  // 37 rows: two tiles and a tail per head
+    const at::Tensor squares = keys * keys;
+    at::Tensor sum = at::zeros({2, 3, 37});
+    for (int64_t d = 0; d < dim; ++d) sum = sum + squares.select(3, d);
+    // ATen's float32 sqrt is not correctly rounded; sqrt in double then rounded to float is.
+    EXPECT_TRUE(at::equal(ops::key_norm_scores(keys), -sum.to(at::kDouble).sqrt().to(at::kFloat))) << "dim " << dim;
   }
 }
 
