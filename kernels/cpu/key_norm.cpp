@@ -49,34 +49,6 @@ void key_norm_rows(const scalar_t* keys, float* out, int64_t begin, int64_t end,
 
 using vec16::Vec;
 
-// One stage of a 16 x 16 transpose: rows a and b (b = a + kSpan) swap their off-diagonal blocks
-// of kSpan lanes. Four stages (8, 4, 2, 1) transpose the whole tile.
-template <int kSpan>
-KVPRESS_VEC_INLINE void swap_blocks(Vec& a, Vec& b) {
-  Vec lo, hi;
-  if constexpr (kSpan == 8) {
-    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    hi = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  } else if constexpr (kSpan == 4) {
-    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-    hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  } else if constexpr (kSpan == 2) {
-    lo = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-    hi = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  } else {
-    lo = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-    hi = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  }
-  a = lo;
-  b = hi;
-}
-
-template <int kSpan>
-KVPRESS_VEC_INLINE void transpose_stage(Vec (&t)[16]) {
-  for (int i = 0; i < 16; ++i)
-    if ((i & kSpan) == 0) swap_blocks<kSpan>(t[i], t[i + kSpan]);
-}
-
 // Float32 keys, 16 rows at a time, one row per vector lane: each 16-dimension slice of the 16 rows
 // is squared, transposed in registers, and added to the lanes' sums one dimension after another.
 // Every row is still summed in order over d (the squares and adds of key_norm_rows, bit for bit),
@@ -98,10 +70,7 @@ void key_norm_rows_float(const float* keys, float* out, int64_t begin, int64_t e
           // across the block, a pattern the hardware prefetcher follows poorly.
           __builtin_prefetch(k + (kRows + r) * dim + d);
         }
-        transpose_stage<8>(tile);
-        transpose_stage<4>(tile);
-        transpose_stage<2>(tile);
-        transpose_stage<1>(tile);
+        vec16::transpose(tile);
         for (int64_t j = 0; j < kRows; ++j) sum += tile[j];
       }
       for (int64_t r = 0; r < kRows; ++r) out[row + r] = -std::sqrt(sum[r]);

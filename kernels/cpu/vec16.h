@@ -60,4 +60,41 @@ KVPRESS_VEC_INLINE float dot(const float* __restrict a, const float* __restrict 
   return total;
 }
 
+// One stage of a 16 x 16 transpose: with a and b kSpan rows apart, the lanes of a whose index has
+// bit kSpan set swap with the lanes of b whose index has it clear. Stages 8, 4, 2 and 1 transpose.
+template <int kSpan>
+KVPRESS_VEC_INLINE void swap_blocks(Vec& a, Vec& b) {
+  Vec lo, hi;
+  if constexpr (kSpan == 8) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    hi = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  } else if constexpr (kSpan == 4) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  } else if constexpr (kSpan == 2) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    hi = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  } else {
+    static_assert(kSpan == 1);
+    lo = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    hi = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  a = lo;
+  b = hi;
+}
+
+template <int kSpan>
+KVPRESS_VEC_INLINE void transpose_stage(Vec (&t)[kLanes]) {
+  for (int i = 0; i < kLanes; ++i)
+    if ((i & kSpan) == 0) swap_blocks<kSpan>(t[i], t[i + kSpan]);
+}
+
+// t[i][j] <- t[j][i] in registers (64 two-vector shuffles).
+KVPRESS_VEC_INLINE void transpose(Vec (&t)[kLanes]) {
+  transpose_stage<8>(t);
+  transpose_stage<4>(t);
+  transpose_stage<2>(t);
+  transpose_stage<1>(t);
+}
+
 }  // namespace kvpress::kernels::vec16
