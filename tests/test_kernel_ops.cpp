@@ -81,17 +81,20 @@ TEST(KernelOps, KeyScoreKernelsMatchTheComposites) {
   }
 }
 
-// The float32 key norm sums every row in order over d (PRESS_NOTES: a reordered sum flips a
-// near-tie of a parity fixture): sixteen rows at a time in vector lanes when the head dim is a
-// multiple of 16, the scalar loop for the other rows and dims. Bit for bit against that order.
+// The key norm sums every row in order over d (PRESS_NOTES: a reordered sum flips a near-tie of a
+// parity fixture): float32 and bfloat16 sixteen rows at a time in vector lanes when the head dim is
+// a multiple of 16, the scalar loop for the other rows, dims and dtypes. Bit for bit against that order.
 TEST(KernelOps, KeyNormKernelSumsEachRowInOrder) {
-  for (int64_t dim : {8, 16, 40, 48, 128, 256}) {
-    const at::Tensor keys = randn({2, 3, 37, dim}, 14) * 3;  // 37 rows: two tiles and a tail per head
-    const at::Tensor squares = keys * keys;
-    at::Tensor sum = at::zeros({2, 3, 37});
-    for (int64_t d = 0; d < dim; ++d) sum = sum + squares.select(3, d);
-    // ATen's float32 sqrt is not correctly rounded; sqrt in double then rounded to float is.
-    EXPECT_TRUE(at::equal(ops::key_norm_scores(keys), -sum.to(at::kDouble).sqrt().to(at::kFloat))) << "dim " << dim;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t dim : {8, 16, 40, 48, 128, 256}) {
+      const at::Tensor keys = (randn({2, 3, 37, dim}, 14) * 3).to(dtype);  // 37 rows: two tiles, a tail
+      const at::Tensor squares = keys.to(at::kFloat) * keys.to(at::kFloat);
+      at::Tensor sum = at::zeros({2, 3, 37});
+      for (int64_t d = 0; d < dim; ++d) sum = sum + squares.select(3, d);
+      // ATen's float32 sqrt is not correctly rounded; sqrt in double then rounded to float is.
+      EXPECT_TRUE(at::equal(ops::key_norm_scores(keys), -sum.to(at::kDouble).sqrt().to(at::kFloat)))
+          << dtype << " dim " << dim;
+    }
   }
 }
 

@@ -49,40 +49,58 @@ void key_norm_rows(const scalar_t* keys, float* out, int64_t begin, int64_t end,
 
 using vec16::Vec;
 
-// Float32 keys, 16 rows at a time, one row per vector lane: each 16-dimension slice of the 16 rows
-// is squared, transposed in registers, and added to the lanes' sums one dimension after another.
+// Sixteen rows at a time, one row per vector lane: each 16-dimension slice of the 16 rows is
+// squared, transposed in registers, and added to the lanes' sums one dimension after another.
 // Every row is still summed in order over d (the squares and adds of key_norm_rows, bit for bit),
-// but sixteen rows share each add instruction instead of waiting on each other's latency.
-KVPRESS_VECTOR_CLONES
-void key_norm_rows_float(const float* keys, float* out, int64_t begin, int64_t end, int64_t dim) {
+// but sixteen rows share each add instruction instead of waiting on each other's latency. Rows
+// [begin, end) of dim elements of type element_t (float, or bfloat16 bits); returns the first row
+// it did not do (begin when dim is not a multiple of 16).
+template <typename element_t>
+KVPRESS_VEC_INLINE int64_t key_norm_tiles(const element_t* keys, float* out, int64_t begin, int64_t end, int64_t dim) {
   constexpr int64_t kRows = vec16::kLanes;
   int64_t row = begin;
-  if (dim % kRows == 0) {
-    for (; row + kRows <= end; row += kRows) {
-      const float* k = keys + row * dim;
-      Vec sum{};
-      for (int64_t d = 0; d < dim; d += kRows) {
-        Vec tile[kRows];
-        for (int64_t r = 0; r < kRows; ++r) {
-          const Vec v = vec16::load(k + r * dim + d);
-          tile[r] = v * v;
-          // One line of the next 16 rows per line read here: the sixteen rows' lines are read
-          // across the block, a pattern the hardware prefetcher follows poorly.
-          __builtin_prefetch(k + (kRows + r) * dim + d);
-        }
-        vec16::transpose(tile);
-        for (int64_t j = 0; j < kRows; ++j) sum += tile[j];
+  if (dim % kRows != 0) return row;
+  for (; row + kRows <= end; row += kRows) {
+    const element_t* k = keys + row * dim;
+    Vec sum{};
+    for (int64_t d = 0; d < dim; d += kRows) {
+      Vec tile[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        Vec v;
+        if constexpr (std::is_same_v<element_t, float>)
+          v = vec16::load(k + r * dim + d);
+        else
+          v = vec16::load_bfloat16(k + r * dim + d);
+        tile[r] = v * v;
+        // One line of the next 16 rows per line read here: the sixteen rows' lines are read
+        // across the block, a pattern the hardware prefetcher follows poorly.
+        __builtin_prefetch(k + (kRows + r) * dim + d);
       }
-      for (int64_t r = 0; r < kRows; ++r) out[row + r] = -std::sqrt(sum[r]);
+      vec16::transpose(tile);
+      for (int64_t j = 0; j < kRows; ++j) sum += tile[j];
     }
+    for (int64_t r = 0; r < kRows; ++r) out[row + r] = -std::sqrt(sum[r]);
   }
-  key_norm_rows<float>(keys, out, row, end, dim);
+  return row;
+}
+
+KVPRESS_VECTOR_CLONES
+void key_norm_rows_float(const float* keys, float* out, int64_t begin, int64_t end, int64_t dim) {
+  key_norm_rows<float>(keys, out, key_norm_tiles(keys, out, begin, end, dim), end, dim);
+}
+
+KVPRESS_VECTOR_CLONES
+void key_norm_rows_bfloat16(const c10::BFloat16* keys, float* out, int64_t begin, int64_t end, int64_t dim) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(keys);
+  key_norm_rows<c10::BFloat16>(keys, out, key_norm_tiles(bits, out, begin, end, dim), end, dim);
 }
 
 template <typename scalar_t>
 void key_norm_rows_any(const scalar_t* keys, float* out, int64_t begin, int64_t end, int64_t dim) {
   if constexpr (std::is_same_v<scalar_t, float>)
     key_norm_rows_float(keys, out, begin, end, dim);
+  else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+    key_norm_rows_bfloat16(keys, out, begin, end, dim);
   else
     key_norm_rows<scalar_t>(keys, out, begin, end, dim);
 }

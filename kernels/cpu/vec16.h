@@ -32,6 +32,19 @@ KVPRESS_VEC_INLINE Vec load(const float* p) {  // unaligned
   return v;
 }
 KVPRESS_VEC_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// Sixteen bfloat16 values (their bits, unaligned) as float32, exactly: a bfloat16 is the upper half
+// of the float32 with the same value.
+KVPRESS_VEC_INLINE Vec load_bfloat16(const uint16_t* p) {
+  typedef uint16_t Bits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Bits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Bits16 h;
+  std::memcpy(&h, p, sizeof h);
+  const Bits32 bits = __builtin_convertvector(h, Bits32) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 KVPRESS_VEC_INLINE Vec broadcast(float x) { return Vec{} + x; }
 
 // Sum of the 16 lanes by halving (a fixed order, so the result does not depend on the clone).
