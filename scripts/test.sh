@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs, builds and runs every test: the C++/CUDA format check, unit, parity against the pinned
-# kvpress, CLI, Python, a consumer project built against the installed package, then the
+# kvpress, CLI, Python, a consumer project built against the installed package, the Python package
+# (pip install ./python, its wheel, docs/PYTHON.md), then the
 # reliability runs (docs/RELIABILITY.md): libFuzzer (30 s per target), the whole suite under
 # AddressSanitizer + UndefinedBehaviorSanitizer, the concurrency tests under ThreadSanitizer.
-# This is what CI runs (.ci/run). KVPRESS_TEST_QUICK=1 stops after the consumer project (the
+# This is what CI runs (.ci/run). KVPRESS_TEST_QUICK=1 stops after the Python package (the
 # reliability runs build three more instrumented trees: about 18 of CI's 29 minutes).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 "$root/scripts/check_format.sh"
@@ -18,6 +19,14 @@ cmake -S "$root/tests/consumer" -B "$build/consumer" \
   -DCMAKE_PREFIX_PATH="$build/install;$torch_prefix" >/dev/null
 cmake --build "$build/consumer" -j "$jobs"
 "$build/consumer/kvpress_consumer"
+
+# The Python package as a user installs it (README), then its wheel (docs/PYTHON.md).
+if [ ${#launcher[@]} -gt 0 ]; then export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache; fi
+"$python" -m pip install --quiet --disable-pip-version-check "$root/python"
+wheel="$("$root/scripts/build_wheel.sh" "$build/dist")"
+(cd "$root/tests/python" && "$python" test_package.py "$wheel")
+# kvpress 0.5.5's own test suite with acceleration on, offline on the bundled model (docs/PYTHON.md).
+"$python" "$root/tests/kvpress_suite/run.py" --models "${KVPRESS_MODELS:-$root/../shared/models}" --work "$build/kvpress_suite"
 
 [ "${KVPRESS_TEST_QUICK:-0}" = 1 ] && exit 0
 "$root/scripts/fuzz.sh" 30

@@ -481,49 +481,6 @@ int run_calibrate(const std::vector<std::string>& argv) {
 
 // ---- list -------------------------------------------------------------------------------
 
-const char* kind_name(kvpress::PressKind kind) {
-  switch (kind) {
-    case kvpress::PressKind::kScorer: return "scorer";
-    case kvpress::PressKind::kWrapper: return "wrapper";
-    case kvpress::PressKind::kDecoding: return "decoding";
-    case kvpress::PressKind::kSecondPass: return "second_pass";
-    case kvpress::PressKind::kChannel: return "channel";
-    case kvpress::PressKind::kLayer: return "layer";
-    case kvpress::PressKind::kQueryAware: return "query_aware";
-  }
-  return "unknown";
-}
-
-// The registry and the LayerInputs fields as JSON, for scripts (tests/python/test_every_press.py).
-nlohmann::json registry_json() {
-  nlohmann::json presses = nlohmann::json::array();
-  for (const auto& p : kvpress::list_presses()) {
-    nlohmann::json alternatives = nlohmann::json::array();
-    for (const auto& set : p.inputs.alternatives)
-      alternatives.push_back({{"fields", set.fields}, {"all_positions", set.all_positions}});
-    nlohmann::json params = nlohmann::json::array();
-    for (const auto& q : p.params)
-      params.push_back({{"name", q.name}, {"type", q.type}, {"default", q.default_value}, {"help", q.help}});
-    presses.push_back({{"name", p.name},
-                       {"kind", kind_name(p.kind)},
-                       {"summary", p.summary},
-                       {"no_ratio", p.no_ratio},
-                       {"needs", kvpress::describe_inputs(p)},
-                       {"inputs",
-                        {{"alternatives", alternatives},
-                         {"required", p.inputs.required},
-                         {"optional", p.inputs.optional},
-                         {"note", p.inputs.note}}},
-                       {"params", params}});
-  }
-  nlohmann::json fields = nlohmann::json::array();
-  for (const auto& f : kvpress::layer_input_fields()) {
-    fields.push_back(
-        {{"name", f.name}, {"shape", f.shape}, {"help", f.help}, {"required", f.required}, {"integer", f.integer}});
-  }
-  return {{"presses", presses}, {"layer_inputs", fields}};
-}
-
 int run_list(const std::vector<std::string>& args) {
   bool names_only = false, json = false;
   for (const auto& a : args) {
@@ -536,7 +493,7 @@ int run_list(const std::vector<std::string>& args) {
     }
   }
   if (json) {
-    fmt::print("{}\n", registry_json().dump(2));
+    fmt::print("{}\n", kvpress::registry_json());
     return 0;
   }
   const auto& presses = kvpress::list_presses();
@@ -548,7 +505,7 @@ int run_list(const std::vector<std::string>& args) {
       continue;
     }
     if (i) out += "\n";
-    out += fmt::format("{}\n  {}\n  kind: {}\n  needs: {}\n", p.name, p.summary, kind_name(p.kind),
+    out += fmt::format("{}\n  {}\n  kind: {}\n  needs: {}\n", p.name, p.summary, kvpress::press_kind_name(p.kind),
                        kvpress::describe_inputs(p));
     if (!p.no_ratio.empty()) out += fmt::format("  ratio: none, --ratio 0 ({})\n", p.no_ratio);
     if (p.params.empty()) {

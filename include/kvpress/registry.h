@@ -94,6 +94,15 @@ std::string describe_inputs(const PressInfo& info);
 // ObservedAttentionPress), so a runner must compute eager attention weights for it.
 bool needs_attentions(const std::string& name);
 
+// The kind as text: "scorer", "wrapper", "decoding", "second_pass", "channel", "layer", "query_aware".
+const char* press_kind_name(PressKind kind);
+
+// Every press (name, kind, summary, inputs, parameters with types and defaults) and every LayerInputs
+// field, as indented JSON: {"presses": [...], "layer_inputs": [...]}. `kvpress-cli list --json`
+// prints it; torch.ops.kvpress.registry_json returns it (the Python package builds its press classes
+// from it).
+std::string registry_json();
+
 // Builds `name` with `compression_ratio` and parameters given as text ("window_size" -> "32").
 // Raises c10::Error for an unknown press, an unknown parameter or an unparsable value.
 std::unique_ptr<BasePress> make_press(const std::string& name, double compression_ratio,

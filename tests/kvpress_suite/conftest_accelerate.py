@@ -1,0 +1,34 @@
+"""pytest plugin (-p conftest_accelerate) for kvpress's own test suite: acceleration on for the
+whole session, and its counts written at the end (KVPRESS_CPP_ACCELERATION_REPORT, JSON)."""
+import json
+import os
+
+import pytest
+
+import kvpress_cpp
+
+_handle = None
+
+
+def pytest_configure(config):
+    global _handle
+    if os.environ.get("KVPRESS_CPP_ACCELERATE", "1") == "1":
+        _handle = kvpress_cpp.accelerate()
+
+
+def pytest_unconfigure(config):
+    report = os.environ.get("KVPRESS_CPP_ACCELERATION_REPORT")
+    if _handle is not None and report:
+        with open(report, "w") as f:
+            json.dump({"calls": _handle.calls, "fallbacks": _handle.fallbacks,
+                       "fallback_reasons": _handle.fallback_reasons}, f, indent=2)
+    if _handle is not None:
+        _handle.close()
+
+
+@pytest.fixture(autouse=True)
+def _acceleration_stays_on():
+    """A test that closes the handle would silently turn acceleration off for the rest."""
+    yield
+    if _handle is not None:
+        assert kvpress_cpp.is_accelerated(), "acceleration was turned off during the test"
