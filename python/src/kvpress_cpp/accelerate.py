@@ -6,7 +6,8 @@ copied from the kvpress instance. Whatever the library cannot take falls back to
 Python, silently unless warn=True: keys outside float32/float16/bfloat16, attention modules other
 than Llama-like ones (q_proj/k_proj/o_proj without biases, optionally a per-head q_norm/k_norm as in
 Qwen3), a batch whose rows have different positions, a press subclass with its own score/compress,
-or any input the library refuses (kvpress then raises its own error, if any).
+random draws for keys outside the CPU, or any input the library refuses (kvpress then raises its own
+error, if any). docs/PYTHON.md has the details.
 
 Results are kvpress's: the same kept positions (modulo ties between equal scores), in kvpress's order:
 compress() is kvpress's algorithm (score, torch.topk, gather) with the library's scores and gather.
@@ -24,10 +25,8 @@ import torch
 from . import ops
 from .presses import PRESSES
 
-# kvpress presses computed here: deterministic scorers whose registry press reproduces kvpress's
-# scores (tests/python/test_accelerate.py checks each against kvpress with acceleration off).
-# Presses drawing random numbers (RandomPress, LeverageScorePress, CompactorPress, CURPress) are
-# left to kvpress, since their draws would differ.
+# kvpress presses computed here: scorers whose registry press reproduces kvpress's scores
+# (tests/python/test_package.py checks each against kvpress with acceleration off).
 ACCELERATED = (
     "KnormPress",
     "StreamingLLMPress",
@@ -38,7 +37,18 @@ ACCELERATED = (
     "ObservedAttentionPress",
     "NonCausalAttnPress",
     "ExpectedAttentionPress",
+    "RandomPress",
+    "LeverageScorePress",
+    "CompactorPress",
+    "CURPress",
 )
+# These draw random numbers as kvpress does (the default generator, same shapes and dtype), but on
+# the CPU: on another device kvpress draws from that device's generator, so those calls fall back.
+_DRAWS_ON_CPU = ("RandomPress", "LeverageScorePress", "CompactorPress", "CURPress")
+# Inputs left out for a press: given cos/sin, LeverageScorePress inverts RoPE on the cached keys
+# (within ~1e-6 of kvpress's scores, enough to swap near-ties); without them it projects the
+# pre-RoPE keys from hidden_states + k_proj, as kvpress does.
+_LEFT_OUT = {"LeverageScorePress": ("cos", "sin")}
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -172,6 +182,8 @@ def _translate(press, module, hidden_states, keys, attentions, kwargs):
         raise Unsupported("a subclass of a supported press")
     if keys.dtype not in _SUPPORTED_DTYPES:
         raise Unsupported(f"keys of dtype {keys.dtype}")
+    if name in _DRAWS_ON_CPU and keys.device.type != "cpu":
+        raise Unsupported(f"random draws on {keys.device.type} (kvpress-cpp draws on the CPU)")
     params = _press_params(press, PRESSES[name])
     inputs: dict = {}
     config = getattr(module, "config", None)
@@ -197,6 +209,8 @@ def _translate(press, module, hidden_states, keys, attentions, kwargs):
             cos, sin = cos[0], sin[0]
         if cos.shape[0] == seq:
             inputs["cos"], inputs["sin"] = cos, sin
+    for field in _LEFT_OUT.get(name, ()):
+        inputs.pop(field, None)
     return name, params, inputs
 
 
@@ -227,12 +241,7 @@ def _projections(module) -> dict:
 
 
 def _press_params(press, ours: type) -> Dict[str, str]:
-    """The kvpress instance's parameters that the registry press has, as text."""
-    params = {}
-    for field in dataclasses.fields(ours):
-        if field.name == "compression_ratio":
-            continue
-        if not hasattr(press, field.name):
-            raise Unsupported(f"no attribute {field.name}")
-        params[field.name] = ops._param_text(getattr(press, field.name))
-    return params
+    """The kvpress instance's parameters that the registry press has, as text. Parameters only the
+    library has (a `seed` kvpress lacks) keep their defaults, which behave as kvpress does."""
+    return {field.name: ops._param_text(getattr(press, field.name)) for field in dataclasses.fields(ours)
+            if field.name != "compression_ratio" and hasattr(press, field.name)}
