@@ -124,11 +124,24 @@ with kvpress_cpp.accelerate(warn=True) as handle:
     s32 = kvpress.KnormPress(0.5).score(module, None, keys, values, None, {})
     check("float32 keys go through kvpress-cpp", handle.calls == 1 and torch.allclose(s32, -keys.norm(dim=-1)))
 
-    class MyKnorm(kvpress.KnormPress):
+    class PlainSubclass(kvpress.KnormPress):
         pass
 
-    MyKnorm(0.5).score(module, None, keys, values, None, {})
-    check("a subclass of a supported press falls back", handle.fallbacks == 2, str(handle.fallback_reasons))
+    PlainSubclass(0.5).score(module, None, keys, values, None, {})
+    check("a subclass overriding nothing goes through kvpress-cpp", handle.calls == 2, str(handle.fallback_reasons))
+
+    class OwnWindow(kvpress.SnapKVPress):
+        @staticmethod
+        def compute_window_attention(module, hidden_states, keys, window_size, position_embeddings):
+            raise AssertionError("kvpress's method is the one called")
+
+    try:  # kvpress's own score then fails on this bare module: only the recorded reason matters
+        OwnWindow(0.5, window_size=4).score(module, None, keys, values, None, {})
+    except Exception:
+        pass
+    check("a subclass overriding a helper of the scores falls back to kvpress's method",
+          any("overrides SnapKVPress's compute_window_attention" in r for r in handle.fallback_reasons),
+          str(handle.fallback_reasons))
 
 # ---- the wheel -------------------------------------------------------------------------------
 if len(sys.argv) > 1:

@@ -176,10 +176,7 @@ def _accelerated_compress(original: Callable) -> Callable:
 def _translate(press, module, hidden_states, keys, attentions, kwargs):
     """(registry name, params, LayerInputs keyword arguments) for a kvpress press's call, or raises
     Unsupported."""
-    cls = type(press)
-    name = cls.__name__
-    if name not in PRESSES or name not in ACCELERATED:
-        raise Unsupported("a subclass of a supported press")
+    name = _registry_name(type(press))
     if keys.dtype not in _SUPPORTED_DTYPES:
         raise Unsupported(f"keys of dtype {keys.dtype}")
     if name in _DRAWS_ON_CPU and keys.device.type != "cpu":
@@ -212,6 +209,23 @@ def _translate(press, module, hidden_states, keys, attentions, kwargs):
     for field in _LEFT_OUT.get(name, ()):
         inputs.pop(field, None)
     return name, params, inputs
+
+
+def _registry_name(cls: type) -> str:
+    """The supported kvpress class that cls is or derives from. A subclass is computed as that class
+    when it overrides none of the class's methods but compress (PyramidKVPress: SnapKVPress's scores,
+    its own layer budgets); one that overrides a helper of the scores falls back."""
+    mro = cls.__mro__
+    base = next((c for c in mro if c.__name__ in ACCELERATED and c.__module__.startswith("kvpress.")), None)
+    if base is None:
+        raise Unsupported("not a press kvpress-cpp accelerates")
+    methods = {k for k, v in vars(base).items() if not k.startswith("__") and k != "compress"
+               and (callable(v) or isinstance(v, (staticmethod, classmethod, property)))}
+    for klass in mro[: mro.index(base)]:
+        overridden = sorted(methods & set(vars(klass)))
+        if overridden:
+            raise Unsupported(f"{cls.__name__} overrides {base.__name__}'s {', '.join(overridden)}")
+    return base.__name__
 
 
 def _projections(module) -> dict:
