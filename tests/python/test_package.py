@@ -7,7 +7,10 @@ WHEEL: also check that the wheel scripts/build_wheel.sh made holds the library a
 import dataclasses
 import inspect
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import warnings
 import zipfile
 
@@ -17,7 +20,7 @@ import kvpress
 import kvpress_cpp
 from checklist import Checklist
 from kvpress_cpp import ops, presses
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 check = Checklist()
 
@@ -77,10 +80,12 @@ except TypeError as e:
 torch.manual_seed(1)
 config = LlamaConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256,
                      num_hidden_layers=2, vocab_size=300, head_dim=16)
+config._attn_implementation = "sdpa"  # no attention weights: the presses compute their queries
 model = LlamaForCausalLM(config).eval()
-eager = LlamaForCausalLM(config).eval()
+eager_config = LlamaConfig.from_dict(config.to_dict())
+eager_config._attn_implementation = "eager"  # ObservedAttentionPress reads the weights
+eager = LlamaForCausalLM(eager_config).eval()
 eager.load_state_dict(model.state_dict())
-eager.config._attn_implementation = "eager"
 ids = torch.randint(0, 300, (1, 600))
 
 
@@ -105,6 +110,28 @@ for name in kvpress_cpp.accelerated_presses():
     check(f"accelerated {name}: kvpress's kept sets, every call through kvpress-cpp",
           got == expected and handle.calls == 2 and handle.fallbacks == 0,
           f"calls {handle.calls}, fallbacks {handle.fallback_reasons}, same sets {got == expected}")
+
+# A decoding press's steps: its inner SnapKV/TOVA scores the buffered hidden states' last queries
+# (rotated, as kvpress does, by the new token's RoPE row); the cache must end as kvpress's.
+def decoded_cache(press):
+    torch.manual_seed(7)
+    with torch.no_grad(), press(model):
+        cache = DynamicCache()
+        out = model.generate(ids[:, :100], max_new_tokens=24, do_sample=False, past_key_values=cache)
+    return out, [[{tuple(r) for r in layer.keys[0, h].round(decimals=5).tolist()} for h in range(layer.keys.shape[1])]
+                 for layer in cache.layers]
+
+
+for inner in (kvpress.SnapKVPress(window_size=4), kvpress.TOVAPress()):
+    def make():
+        return kvpress.DecodingPress(base_press=type(inner)(**dataclasses.asdict(inner)), compression_interval=8,
+                                     target_size=96, hidden_states_buffer_size=16)
+    expected = decoded_cache(make())
+    with kvpress_cpp.accelerate() as handle:
+        got = decoded_cache(make())
+    check(f"DecodingPress({type(inner).__name__}) steps through kvpress-cpp end with kvpress's cache and tokens",
+          torch.equal(got[0], expected[0]) and got[1] == expected[1] and handle.calls > 0 and handle.fallbacks == 0,
+          f"calls {handle.calls}, fallbacks {handle.fallback_reasons}, tokens equal {torch.equal(got[0], expected[0])}")
 
 original = kvpress.KnormPress.compress
 with kvpress_cpp.accelerate():
@@ -149,4 +176,13 @@ if len(sys.argv) > 1:
     needed = {"kvpress_cpp/libkvpress.so", "kvpress_cpp/__init__.py", "kvpress_cpp/ops.py", "kvpress_cpp/presses.py",
               "kvpress_cpp/accelerate.py", "kvpress_cpp/_library.py", "kvpress_cpp/_build_info.py"}
     check("the wheel holds the library and the modules", needed <= set(names), str(sorted(names)))
+    with tempfile.TemporaryDirectory() as unpacked:  # the wheel's own files, ahead of the installed package
+        zipfile.ZipFile(sys.argv[1]).extractall(unpacked)
+        probe = ("import kvpress_cpp, torch; assert kvpress_cpp.__file__.startswith(%r), kvpress_cpp.__file__; "
+                 "k = torch.randn(1, 2, 8, 16); print(torch.equal(kvpress_cpp.ops.key_norm_scores(k), "
+                 "kvpress_cpp.presses.KnormPress(0.5).score(k, k)))" % unpacked)
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=unpacked))
+        check("the wheel's package imports and computes on its own", run.returncode == 0 and run.stdout.strip() == "True",
+              run.stderr[-500:])
 check.finish()

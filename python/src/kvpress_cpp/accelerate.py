@@ -5,7 +5,7 @@ While acceleration is on, `score()` and `compress()` of the supported kvpress pr
 copied from the kvpress instance. Whatever the library cannot take falls back to kvpress's own
 Python, silently unless warn=True: keys outside float32/float16/bfloat16, attention modules other
 than Llama-like ones (q_proj/k_proj/o_proj without biases, optionally a per-head q_norm/k_norm as in
-Qwen3), a batch whose rows have different positions, a press subclass with its own score/compress,
+Qwen3), a batch whose rows have different positions, a subclass overriding a helper of the scores,
 random draws for keys outside the CPU, or any input the library refuses (kvpress then raises its own
 error, if any). docs/PYTHON.md has the details.
 
@@ -45,6 +45,10 @@ ACCELERATED = (
 # These draw random numbers as kvpress does (the default generator, same shapes and dtype), but on
 # the CPU: on another device kvpress draws from that device's generator, so those calls fall back.
 _DRAWS_ON_CPU = ("RandomPress", "LeverageScorePress", "CompactorPress", "CURPress")
+# Presses scoring from the attention of the last few queries, and how many: where the forward's hidden
+# states cover only the newest tokens (a decoding press's step), those queries are computed here as
+# kvpress computes them (its get_prerope_query_states, then RoPE) and handed over as `queries`.
+_WINDOW_QUERIES = {"SnapKVPress": lambda press: int(press.window_size), "TOVAPress": lambda press: 1}
 # Inputs left out for a press: given cos/sin, LeverageScorePress inverts RoPE on the cached keys
 # (within ~1e-6 of kvpress's scores, enough to swap near-ties); without them it projects the
 # pre-RoPE keys from hidden_states + k_proj, as kvpress does.
@@ -206,6 +210,19 @@ def _translate(press, module, hidden_states, keys, attentions, kwargs):
             cos, sin = cos[0], sin[0]
         if cos.shape[0] == seq:
             inputs["cos"], inputs["sin"] = cos, sin
+        elif name in _WINDOW_QUERIES and hidden_states is not None:
+            window = _WINDOW_QUERIES[name](press)
+            rows = min(window, cos.shape[0])
+            if hidden_states.shape[1] > window and rows in (1, window):  # else kvpress refuses, or we leave it
+                from kvpress.utils import get_prerope_query_states
+
+                # kvpress's own computation: the window's pre-RoPE queries, rotated by the last `window`
+                # rows of the forward's RoPE table. A decoding press's forward has one row (the new
+                # token's), which kvpress then applies to every buffered query; so does this.
+                with torch.no_grad():
+                    queries = get_prerope_query_states(module, hidden_states[:, -window:])
+                    c, s = cos[-rows:], sin[-rows:]
+                    inputs["queries"] = queries * c + ops.rotate_half(queries) * s
     for field in _LEFT_OUT.get(name, ()):
         inputs.pop(field, None)
     return name, params, inputs
