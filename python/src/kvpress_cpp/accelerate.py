@@ -70,7 +70,7 @@ class Acceleration:
     calls: int = 0  # score/compress calls computed by the library
     fallbacks: int = 0  # calls left to kvpress's Python
     fallback_reasons: Dict[str, int] = dataclasses.field(default_factory=dict)
-    _originals: Dict[tuple, Callable] = dataclasses.field(default_factory=dict, repr=False)
+    _originals: Dict[tuple, Optional[Callable]] = dataclasses.field(default_factory=dict, repr=False)
 
     def __enter__(self) -> "Acceleration":
         return self
@@ -83,7 +83,10 @@ class Acceleration:
         global _active
         with _lock:
             for (cls, method), original in self._originals.items():
-                setattr(cls, method, original)
+                if original is None:  # inherited before: remove the patch, the base's method shows again
+                    delattr(cls, method)
+                else:
+                    setattr(cls, method, original)
             self._originals.clear()
             if _active is self:
                 _active = None
@@ -125,10 +128,10 @@ def accelerate(warn: bool = False) -> Acceleration:
         handle = Acceleration(warn=warn)
         for name in ACCELERATED:
             cls = getattr(kvpress, name)
-            handle._originals[(cls, "score")] = cls.__dict__.get("score", cls.score)
+            handle._originals[(cls, "score")] = cls.__dict__.get("score")  # None: inherited
             cls.score = _accelerated_score(cls.score)
             if cls.compress is scorer_press.ScorerPress.compress:  # no compress of its own
-                handle._originals[(cls, "compress")] = cls.__dict__.get("compress", cls.compress)
+                handle._originals[(cls, "compress")] = cls.__dict__.get("compress")
                 cls.compress = _accelerated_compress(cls.compress)
         _active = handle
         return handle
