@@ -160,6 +160,16 @@ TEST(KernelOps, CentredPreropeSketchKernelMatchesTheComposite) {
       EXPECT_TRUE(at::equal(ops::centred_prerope_sketch(keys, cos, sin, sketch), got)) << "S=" << seq;
     }
   }
+  {
+    // Under InferenceMode, X is an inference tensor: the worker threads writing its blocks must run
+    // in that mode too.
+    IntraOpThreads two(2);
+    const at::Tensor cos = randn({600, 16}, 50), sin = randn({600, 16}, 51), sketch = randn({16, 4}, 52);
+    const at::Tensor keys = randn({1, 2, 600, 16}, 53);
+    const at::Tensor want = ops::centred_prerope_sketch(keys, cos, sin, sketch);
+    c10::InferenceMode inference;
+    EXPECT_TRUE(at::equal(ops::centred_prerope_sketch(keys, cos, sin, sketch), want));
+  }
   const at::Tensor cos = randn({50, 16}, 45), sin = randn({50, 16}, 46), sketch = randn({16, 4}, 47);
   const at::Tensor strided = randn({1, 50, 2, 16}, 48).transpose(1, 2);
   EXPECT_TRUE(at::allclose(ops::centred_prerope_sketch(strided, cos, sin, sketch),

@@ -8,6 +8,7 @@
 // -ffp-contract=off so that no product is fused into the addition. Other dtypes take the composite.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -131,7 +132,9 @@ at::Tensor centred_prerope_sketch_cpu(const at::Tensor& keys_in, const at::Tenso
   // Pass 2: for a block of positions and each head in turn, rotate and centre the rows into a buffer
   // that stays in the core's cache, then X[block] = buffer · Φ (one thread's GEMM).
   const int64_t blocks = (seq + kSketchBlockRows - 1) / kSketchBlockRows;
+  const at::ThreadLocalState caller;  // the workers' ATen calls run under the caller's modes (InferenceMode)
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard same_modes(caller);
     at::Tensor buffer = at::empty({kSketchBlockRows, dim}, keys.options());
     float* rows = buffer.data_ptr<float>();
     for (int64_t block = begin; block < end; ++block) {
