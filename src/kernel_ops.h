@@ -292,34 +292,17 @@ inline void check_paged_write(const at::Tensor& key_pool, const at::Tensor& valu
 }
 
 // apply_rope / invert_rope: x [B, H, n, D] floating with D even, cos/sin [n, D] on x's device.
-inline void check_rope(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       const char* x_name = "x") {
-  check_rank(op, x_name, x, 4, "[batch, heads, seq_len, head_dim]");
-  check_float(op, x_name, x);
+inline void check_rope(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rank(op, "x", x, 4, "[batch, heads, seq_len, head_dim]");
+  check_float(op, "x", x);
   const int64_t n = x.size(2), d = x.size(3);
   TORCH_CHECK(d % 2 == 0, op, ": head_dim must be even for RoPE, got ", d);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
     check_defined(op, name, t);
     TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == d, op, ": ", name, " must be [", n, ", ", d,
                 "] ([seq_len, head_dim]), got ", shape_str(t));
-    check_same_device(op, name, t, x_name, x);
+    check_same_device(op, name, t, "x", x);
   }
-}
-
-// A Gaussian sketch for keys [B, Hkv, S, D]: [D, k] (shared) or [B, Hkv, D, k], float, on the keys'
-// device.
-inline void check_sketch(const char* op, const at::Tensor& keys, const at::Tensor& sketch,
-                         const char* keys_name = "prerope_keys") {
-  check_keys(op, keys);
-  check_defined(op, "sketch", sketch);
-  check_float(op, "sketch", sketch);
-  check_same_device(op, "sketch", sketch, keys_name, keys);
-  const int64_t dim = keys.size(3);
-  TORCH_CHECK((sketch.dim() == 2 && sketch.size(0) == dim) || (sketch.dim() == 4 && sketch.size(0) == keys.size(0) &&
-                                                               sketch.size(1) == keys.size(1) && sketch.size(2) == dim),
-              op, ": sketch must be [", dim, ", k] or [", keys.size(0), ", ", keys.size(1), ", ", dim, ", k], got ",
-              shape_str(sketch));
-  check_non_empty(op, "sketch", sketch);
 }
 
 }  // namespace checks
@@ -338,10 +321,6 @@ void compact_kv_(const at::Tensor& keys,                                  // [B,
 at::Tensor invert_rope(const at::Tensor& x,                               // [B, H, n, D]
                        const at::Tensor& cos,                             // [n, D]
                        const at::Tensor& sin);                            // [n, D] -> [B, H, n, D]
-at::Tensor centred_prerope_sketch(const at::Tensor& keys,                 // [B, Hkv, S, D]
-                                  const at::Tensor& cos,                  // [S, D]
-                                  const at::Tensor& sin,                  // [S, D]
-                                  const at::Tensor& sketch);              // [B, Hkv, D, k] or [D, k] -> [B, Hkv, S, k]
 at::Tensor key_norm_scores(const at::Tensor& keys);                       // [B, Hkv, S, D] -> [B, Hkv, S] float32
 at::Tensor keydiff_scores(const at::Tensor& keys);                        // [B, Hkv, S, D] -> [B, Hkv, S] float32
 at::Tensor window_attention_mean(const at::Tensor& queries,               // [B, Hq, w, D]

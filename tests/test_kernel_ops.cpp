@@ -143,49 +143,6 @@ TEST(KernelOps, InvertRopeKernelIsTheCompositeBitForBit) {
                         ops::composite::invert_rope(half, cos.to(at::kBFloat16), sin.to(at::kBFloat16))));
 }
 
-// The float32 kernel rotates, centres and sketches blocks of rows without the pre-RoPE keys: the
-// composite's values to float32 rounding (its means are summed in double, the composite's in
-// float), the same bits on any thread count, and sequence lengths around its chunk (1024) and
-// block (256) sizes. Half-precision keys take the composite.
-TEST(KernelOps, CentredPreropeSketchKernelMatchesTheComposite) {
-  for (int64_t seq : {1, 255, 700, 2049}) {
-    const at::Tensor cos = randn({seq, 64}, 40), sin = randn({seq, 64}, 41);
-    const at::Tensor keys = randn({2, 3, seq, 64}, 42) * 3 + 2;  // a mean to remove
-    for (const at::Tensor& sketch : {randn({64, 12}, 43), randn({2, 3, 64, 12}, 44)}) {
-      const at::Tensor want = ops::composite::centred_prerope_sketch(keys, cos, sin, sketch);
-      const at::Tensor got = ops::centred_prerope_sketch(keys, cos, sin, sketch);
-      ASSERT_EQ(got.sizes(), (at::IntArrayRef{2, 3, seq, 12}));
-      EXPECT_TRUE(at::allclose(got, want, 1e-4, 1e-4)) << "S=" << seq << " max diff " << (got - want).abs().max();
-      IntraOpThreads one(1);
-      EXPECT_TRUE(at::equal(ops::centred_prerope_sketch(keys, cos, sin, sketch), got)) << "S=" << seq;
-    }
-  }
-  {
-    // Under InferenceMode, X is an inference tensor: the worker threads writing its blocks must run
-    // in that mode too.
-    IntraOpThreads two(2);
-    const at::Tensor cos = randn({600, 16}, 50), sin = randn({600, 16}, 51), sketch = randn({16, 4}, 52);
-    const at::Tensor keys = randn({1, 2, 600, 16}, 53);
-    const at::Tensor want = ops::centred_prerope_sketch(keys, cos, sin, sketch);
-    c10::InferenceMode inference;
-    EXPECT_TRUE(at::equal(ops::centred_prerope_sketch(keys, cos, sin, sketch), want));
-  }
-  const at::Tensor cos = randn({50, 16}, 45), sin = randn({50, 16}, 46), sketch = randn({16, 4}, 47);
-  const at::Tensor strided = randn({1, 50, 2, 16}, 48).transpose(1, 2);
-  EXPECT_TRUE(at::allclose(ops::centred_prerope_sketch(strided, cos, sin, sketch),
-                           ops::composite::centred_prerope_sketch(strided, cos, sin, sketch), 1e-4, 1e-4));
-  const at::Tensor half = strided.to(at::kBFloat16);
-  EXPECT_TRUE(at::equal(ops::centred_prerope_sketch(half, cos, sin, sketch),
-                        ops::composite::centred_prerope_sketch(half, cos, sin, sketch)));
-  expect_error([&] { ops::centred_prerope_sketch(strided, cos.narrow(0, 0, 49), sin, sketch); },
-               {"centred_prerope_sketch: cos must be [50, 16] ([seq_len, head_dim]), got [49, 16]"});
-  expect_error(
-      [&] {
-        ops::centred_prerope_sketch(strided, cos, sin, randn({8, 4}, 49));
-      },
-      {"centred_prerope_sketch: sketch must be [16, k] or [1, 2, 16, k], got [8, 4]"});
-}
-
 // A device with no kernel (here meta) is served by the composite instead of raising.
 TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   const at::Tensor keys = randn({1, 2, 30, 8}, 12).to(at::kMeta);
@@ -193,10 +150,10 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
   EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
             (at::IntArrayRef{1, 4, 27}));
-  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope",
-                         "kvpress::centred_prerope_sketch", "kvpress::key_norm_scores", "kvpress::keydiff_scores",
-                         "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
-                         "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write"}) {
+  for (const char* op :
+       {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope", "kvpress::key_norm_scores",
+        "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
+        "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;

@@ -193,16 +193,6 @@ at::Tensor gaussian_sketch(int64_t batch, int64_t heads, int64_t head_dim, int64
 at::Tensor sketch_keys(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
                        const at::Tensor& sketch);       // [B, Hkv, D, k] or [D, k] -> [B, Hkv, S, k]
 
-// sketch_keys(invert_rope(cached_keys, cos, sin) rounded to the keys' dtype, sketch): the sketched
-// pre-RoPE keys straight from the cached (post-RoPE) ones, one KV head at a time. The CPU kernel
-// (float32 keys) never holds a head's pre-RoPE keys: it rotates, centres and sketches a block of
-// rows at a time (the column means are summed in double over fixed chunks first, so they do not
-// depend on the thread count); it agrees with the composite to float32 rounding, not bit for bit.
-at::Tensor centred_prerope_sketch(const at::Tensor& keys,     // [B, Hkv, S, D], post-RoPE
-                                  const at::Tensor& cos,      // [S, D]
-                                  const at::Tensor& sin,      // [S, D]
-                                  const at::Tensor& sketch);  // [B, Hkv, D, k] or [D, k] -> [B, Hkv, S, k] float32
-
 // Ridge leverage of the rows of X: ℓ_i = x_iᵀ (G + λI)⁻¹ x_i, G = sym(XᵀX), by Cholesky (λ = 1e-2,
 // ×10 for every head when any head's factorisation fails, at most 5 tries, then an error),
 // clamped at 0. float32, not z-scored.

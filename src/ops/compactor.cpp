@@ -10,7 +10,6 @@
 #include <utility>
 
 #include "checks.h"
-#include "kernel_ops.h"
 #include "kvpress/ops.h"
 
 namespace kvpress::ops {
@@ -54,6 +53,20 @@ void check_all_queries(const char* op, const at::Tensor& queries, const at::Tens
   TORCH_CHECK(queries.size(2) == keys.size(2), op, ": queries must cover every position (q_len == seq_len ",
               keys.size(2), "), got q_len ", queries.size(2));
   checks::check_gqa(op, queries.size(1), keys.size(1));
+}
+
+// The sketch is [D, k] (shared) or [B, Hkv, D, k], float, on the keys' device.
+void check_sketch(const char* op, const at::Tensor& keys, const at::Tensor& sketch) {
+  checks::check_keys(op, keys);
+  checks::check_defined(op, "sketch", sketch);
+  checks::check_float(op, "sketch", sketch);
+  checks::check_same_device(op, "sketch", sketch, "prerope_keys", keys);
+  const int64_t dim = keys.size(3);
+  TORCH_CHECK((sketch.dim() == 2 && sketch.size(0) == dim) || (sketch.dim() == 4 && sketch.size(0) == keys.size(0) &&
+                                                               sketch.size(1) == keys.size(1) && sketch.size(2) == dim),
+              op, ": sketch must be [", dim, ", k] or [", keys.size(0), ", ", keys.size(1), ", ", dim, ", k], got ",
+              checks::shape_str(sketch));
+  checks::check_non_empty(op, "sketch", sketch);
 }
 
 // X = (K - mean_S K) Φ, cast to float32. kvpress centres and sketches in the keys' dtype and casts
@@ -182,7 +195,7 @@ at::Tensor gaussian_sketch(int64_t batch, int64_t heads, int64_t head_dim, int64
 
 at::Tensor sketch_keys(const at::Tensor& prerope_keys, const at::Tensor& sketch) {
   constexpr const char* op = "sketch_keys";
-  checks::check_sketch(op, prerope_keys, sketch);
+  check_sketch(op, prerope_keys, sketch);
   at::Tensor x = at::empty({prerope_keys.size(0), prerope_keys.size(1), prerope_keys.size(2), sketch.size(-1)},
                            prerope_keys.options().dtype(at::kFloat));
   // One head at a time: the centred copy of the keys never exceeds one head.
@@ -202,7 +215,7 @@ at::Tensor ridge_leverage(const at::Tensor& sketched) {
 
 at::Tensor sketched_leverage(const at::Tensor& prerope_keys, const at::Tensor& sketch) {
   constexpr const char* op = "sketched_leverage";
-  checks::check_sketch(op, prerope_keys, sketch);
+  check_sketch(op, prerope_keys, sketch);
   return ridge_leverage_impl(sketch_keys(prerope_keys, sketch), op);
 }
 
@@ -218,7 +231,7 @@ at::Tensor leverage_scores(const at::Tensor& prerope_keys, int64_t sketch_dimens
 at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int64_t seed, const char* op) {
   checks::check_keys(op, in.keys);
   checks::check_positive(op, "sketch_dimension", sketch_dimension);
-  const int64_t batch = in.keys.size(0), heads = in.keys.size(1), dim = in.keys.size(3);
+  const int64_t batch = in.keys.size(0), heads = in.keys.size(1), seq = in.keys.size(2), dim = in.keys.size(3);
   const at::ScalarType dtype = in.keys.scalar_type();
   // One draw for every head, in the cache dtype (kvpress draws in the dtype of its pre-RoPE keys,
   // the model's): the same numbers as the all-heads op.
@@ -229,33 +242,19 @@ at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int6
     // can reduce in another order). Extra memory: the projected and the centred keys.
     return ridge_leverage_impl(centred_sketch(prerope_keys(in, op).to(dtype), phi), op);
   }
-  return ridge_leverage_impl(centred_prerope_sketch(in.keys, in.cos, in.sin, phi), op);
-}
-
-at::Tensor centred_prerope_sketch(const at::Tensor& keys, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& sketch) {
-  static const auto op =
-      dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "kvpress::centred_prerope_sketch");
-  checks::check_defined("centred_prerope_sketch", "keys", keys);  // an undefined tensor would dispatch nowhere
-  return op.call(keys, cos, sin, sketch);
-}
-
-at::Tensor composite::centred_prerope_sketch(const at::Tensor& keys, const at::Tensor& cos, const at::Tensor& sin,
-                                             const at::Tensor& sketch) {
-  constexpr const char* op = "centred_prerope_sketch";
-  checks::check_sketch(op, keys, sketch, "keys");
-  checks::check_rope(op, keys, cos, sin, "keys");
-  at::Tensor x =
-      at::empty({keys.size(0), keys.size(1), keys.size(2), sketch.size(-1)}, keys.options().dtype(at::kFloat));
-  const at::Tensor cos32 = cos.to(at::kFloat), sin32 = sin.to(at::kFloat);
-  // One KV head at a time: the float32 pre-RoPE keys and their centred copy never exceed one head.
-  for (int64_t h = 0; h < keys.size(1); ++h) {
-    const at::Tensor prerope = invert_rope(keys.narrow(1, h, 1).to(at::kFloat), cos32, sin32);  // fresh keys
-    centred_sketch_into(prerope.to(keys.scalar_type()), sketch.dim() == 2 ? sketch : sketch.narrow(1, h, 1),
-                        x.narrow(1, h, 1));
+  // Inverse RoPE, one KV head at a time: the float32 pre-RoPE keys and their centred copy never
+  // exceed one head.
+  at::Tensor x = at::empty({batch, heads, seq, sketch_dimension}, in.keys.options().dtype(at::kFloat));
+  LayerInputs one = in;
+  if (in.cos.defined() && in.sin.defined()) {  // converted once, not per head
+    one.cos = in.cos.to(at::kFloat);
+    one.sin = in.sin.to(at::kFloat);
   }
-  return x;
+  for (int64_t h = 0; h < heads; ++h) {
+    one.keys = in.keys.narrow(1, h, 1);
+    centred_sketch_into(prerope_keys(one, op).to(dtype), phi.narrow(1, h, 1), x.narrow(1, h, 1));  // fresh keys
+  }
+  return ridge_leverage_impl(x, op);
 }
 
 at::Tensor noncausal_column_sums(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {

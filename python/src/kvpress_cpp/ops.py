@@ -162,13 +162,6 @@ def sketch_keys(prerope_keys: Tensor, sketch: Tensor) -> Tensor:
     return _ops.sketch_keys(prerope_keys, sketch)
 
 
-def centred_prerope_sketch(keys: Tensor, cos: Tensor, sin: Tensor, sketch: Tensor) -> Tensor:
-    """sketch_keys of the pre-RoPE keys recovered from cached ones: (invert_rope(keys) - mean over
-    positions) @ sketch, float32. keys [B, Hkv, S, D], cos/sin [S, D], sketch [D, k] or
-    [B, Hkv, D, k] -> [B, Hkv, S, k]."""
-    return _ops.centred_prerope_sketch(keys, cos, sin, sketch)
-
-
 def ridge_leverage(sketched: Tensor) -> Tensor:
     """Ridge leverage x_i^T (X^T X + lambda I)^-1 x_i of the rows of X [B, Hkv, S, k] -> [B, Hkv, S]."""
     return _ops.ridge_leverage(sketched)
