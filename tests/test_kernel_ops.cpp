@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/vec16.h"
 #include "kernel_ops.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/lagkv_press.h"
@@ -25,6 +26,7 @@ namespace {
 using testing::expect_error;
 using testing::IntraOpThreads;
 using testing::randn;
+namespace vec16 = kernels::vec16;
 
 TEST(KernelOps, TopkKernelMatchesTheStableSortIncludingTies) {
   at::Tensor scores = (randn({3, 5, 999}, 1) * 3).round();  // few distinct values: ties at every threshold
@@ -168,6 +170,40 @@ TEST(WindowAttentionMean, MatchesWindowAttentionMeanForEveryDtype) {
     ASSERT_EQ(fused.sizes(), (at::IntArrayRef{2, 8, 35}));
     ASSERT_EQ(fused.scalar_type(), at::kFloat);
     EXPECT_TRUE(at::allclose(fused, ops::window_attention(q, k).mean(2), 1e-5, 1e-7)) << dtype;
+  }
+}
+
+// The window softmax's exponential (vec16::exp_nonpositive) against std::exp in double: within
+// 2 ulp over softmax's range, 0 below the smallest normal float and for -inf, 1 at -0 and 0.
+TEST(KernelOps, VectorExpIsWithinTwoUlpOfStdExp) {
+  std::vector<float> xs{0.0f, -0.0f, -1e-30f, -1e-7f, -0.34657359f, -0.5f, -1.0f, -87.0f, -87.3f};
+  for (int i = 0; i < 200000; ++i) xs.push_back(-87.3f * static_cast<float>(i) / 200000.0f);
+  for (size_t start = 0; start < xs.size(); start += vec16::kLanes) {
+    float in[vec16::kLanes] = {}, got[vec16::kLanes];
+    const size_t n = std::min<size_t>(vec16::kLanes, xs.size() - start);
+    std::copy(xs.begin() + start, xs.begin() + start + n, in);
+    vec16::store(got, vec16::exp_nonpositive(vec16::load(in)));
+    for (size_t j = 0; j < n; ++j) {
+      const float want = static_cast<float>(std::exp(static_cast<double>(in[j])));
+      const float ulp = std::nextafter(want, 2.0f * want + 1.0f) - want;
+      ASSERT_LE(std::abs(got[j] - want), 2.0f * ulp) << "x = " << in[j];
+    }
+  }
+  float low[vec16::kLanes], got[vec16::kLanes];
+  for (int64_t j = 0; j < vec16::kLanes; ++j) low[j] = -87.34f - static_cast<float>(j) * 10.0f;
+  low[vec16::kLanes - 1] = -std::numeric_limits<float>::infinity();
+  vec16::store(got, vec16::exp_nonpositive(vec16::load(low)));
+  for (int64_t j = 0; j < vec16::kLanes; ++j) EXPECT_EQ(got[j], 0.0f) << "x = " << low[j];
+}
+
+// Logits far apart (large queries): most of each row's exponentials underflow to 0, as in torch's
+// softmax, and the rows' lengths leave tails of every size below the vector width.
+TEST(WindowAttentionMean, MatchesTheCompositeWhenMostExponentialsUnderflow) {
+  for (int64_t seq : {17, 33, 250}) {
+    const at::Tensor q = randn({1, 4, 7, 16}, 60) * 40;
+    const at::Tensor k = randn({1, 2, seq, 16}, 61);
+    EXPECT_TRUE(at::allclose(ops::window_attention_mean(q, k), ops::composite::window_attention_mean(q, k), 1e-5, 1e-7))
+        << "S=" << seq;
   }
 }
 

@@ -47,6 +47,39 @@ KVPRESS_VEC_INLINE Vec load_bfloat16(const uint16_t* p) {
 }
 KVPRESS_VEC_INLINE Vec broadcast(float x) { return Vec{} + x; }
 
+// Largest of the 16 lanes.
+KVPRESS_VEC_INLINE float lane_max(Vec v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// e^x for x <= 0 (softmax's shifted logits), Cephes's single-precision expf: x = n ln2 + r with
+// |r| <= ln2 / 2 (ln2 split in two parts so n ln2 is exact), a degree-6 polynomial for e^r, then
+// 2^n built in the exponent bits. Within 2 ulp of std::exp; results below the smallest normal
+// float (x < -87.3, including -inf) are 0.
+KVPRESS_VEC_INLINE Vec exp_nonpositive(Vec x) {
+  typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  const Ints underflow = x < broadcast(-87.33654f);
+  x = underflow ? broadcast(0.0f) : x;  // any finite value: masked below
+  const Vec t = x * 1.44269504088896341f + 0.5f;
+  Ints n = __builtin_convertvector(t, Ints);   // truncation toward 0 ...
+  n += (__builtin_convertvector(n, Vec) > t);  // ... corrected to floor (true is -1)
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  Vec p = broadcast(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const Ints scale_bits = (n + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  return underflow ? broadcast(0.0f) : p * scale;
+}
+
 // Sum of the 16 lanes by halving (a fixed order, so the result does not depend on the clone).
 KVPRESS_VEC_INLINE float lane_sum(Vec v) {
   const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -4,8 +4,9 @@
 // take at most 32 MiB (the buffer is reused); per slab:
 //   logits = (q / sqrt(D)) k^T   one batched GEMM, each KV head's query heads stacked as rows
 //                                (up to kFewRows rows per head: vector dot products instead)
-//   causal mask on the last w columns, softmax per row in place (torch's vectorised kernel)
-//   mean over the w rows of each query head, written straight into the output.
+//   per query head (a work item): each window row's softmax over the keys it sees (the causal
+//   mask is the row's length, never written), accumulated into the head's output row while both
+//   rows are in the core's cache, then scaled by 1 / w (window_softmax_mean).
 // Each step is one multi-threaded ATen call: BLAS must not run inside an at::parallel_for region
 // here, since torch turns MKL's dynamic threading off and nested GEMMs then oversubscribe the
 // cores (measured 10x slower on 2 busy cores).
@@ -42,6 +43,48 @@ KVPRESS_VECTOR_CLONES
 void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t n, int64_t dim, int64_t seq, float* logits) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < rows; ++r) logits[r * seq + j] = vec16::dot(q + r * dim, k + j * dim, dim);
+}
+
+// The mean over a query head's `window` rows of their causal softmax, in one pass per row while
+// the row (S floats) and the output row stay in the core's cache: row i sees keys 0 .. S - w + i;
+// out[j] = (1 / w) sum_i e^(l_ij - max_i) / sum_i for j < S - w. `logits` (w rows `seq` apart) is
+// overwritten with the exponentials. Replaces masking the logits, torch's softmax in place and a
+// mean over the window: three passes over every slab of logits.
+KVPRESS_VECTOR_CLONES
+void window_softmax_mean(float* logits, int64_t window, int64_t seq, float* __restrict out) {
+  using vec16::kLanes;
+  using vec16::Vec;
+  const int64_t n_out = seq - window;
+  const Vec neg_inf = vec16::broadcast(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n_out; ++j) out[j] = 0.0f;
+  for (int64_t i = 0; i < window; ++i) {
+    float* row = logits + i * seq;
+    const int64_t visible = seq - window + i + 1;
+    const int64_t body = visible / kLanes * kLanes;
+    // The tail of the visible columns, padded with -inf (e^-inf = 0 adds nothing).
+    float tail_in[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) tail_in[j] = body + j < visible ? row[body + j] : neg_inf[0];
+    Vec max_v = vec16::load(tail_in);
+    for (int64_t j = 0; j < body; j += kLanes) {
+      const Vec v = vec16::load(row + j);
+      max_v = v > max_v ? v : max_v;
+    }
+    const float row_max = vec16::lane_max(max_v);
+    const Vec shift = vec16::broadcast(row_max);
+    Vec sum_v{};
+    for (int64_t j = 0; j < body; j += kLanes) {
+      const Vec e = vec16::exp_nonpositive(vec16::load(row + j) - shift);
+      vec16::store(row + j, e);
+      sum_v += e;
+    }
+    const Vec tail_e = vec16::exp_nonpositive(vec16::load(tail_in) - shift);
+    sum_v += tail_e;
+    for (int64_t j = body; j < visible; ++j) row[j] = tail_e[j - body];
+    const float inv = 1.0f / vec16::lane_sum(sum_v);
+    for (int64_t j = 0; j < n_out; ++j) out[j] += row[j] * inv;
+  }
+  const float inv_window = 1.0f / static_cast<float>(window);
+  for (int64_t j = 0; j < n_out; ++j) out[j] *= inv_window;
 }
 
 // The few-rows logits of a slab: q [nh, rows, D] float32 contiguous, k [nh, S, D] in the cache
@@ -82,7 +125,6 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
   at::Tensor out = at::empty({batch, heads, seq - window}, keys_in.options().dtype(at::kFloat));
   const int64_t slab = std::clamp<int64_t>(kSlabBytes / std::max<int64_t>(1, rows * seq * 4), 1, kv_heads);
   at::Tensor logits_buffer = at::empty({slab, rows, seq}, out.options());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h0 = 0; h0 < kv_heads; h0 += slab) {
       const int64_t nh = std::min(slab, kv_heads - h0);
@@ -96,16 +138,13 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
         const at::Tensor k = keys_in.select(0, b).narrow(0, h0, nh).to(at::kFloat);  // [nh, S, D]
         at::bmm_out(logits, q, k.transpose(1, 2));
       }
-      // Window query i sits at position S - w + i and sees keys 0 .. S - w + i.
-      at::parallel_for(0, nh * rows, /*grain_size=*/64, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t i = r % window;
-          std::fill(lp + r * seq + (seq - window + i + 1), lp + (r + 1) * seq, neg_inf);
-        }
+      // Softmax of each window row over the keys it sees, averaged over the window, written
+      // straight into the output: one work item per query head.
+      float* dst = out.select(0, b).data_ptr<float>() + h0 * group * (seq - window);
+      at::parallel_for(0, nh * group, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+        for (int64_t head = begin; head < end; ++head)
+          window_softmax_mean(lp + head * window * seq, window, seq, dst + head * (seq - window));
       });
-      at::_softmax_out(logits, logits, /*dim=*/2, /*half_to_float=*/false);  // in place, row by row
-      at::Tensor dst = out.select(0, b).narrow(0, h0 * group, nh * group);   // [nh * group, S - w]
-      at::mean_out(dst, logits.view({nh * group, window, seq}).narrow(2, 0, seq - window), at::IntArrayRef{1});
     }
   }
   return out;
