@@ -55,7 +55,7 @@ void window_softmax_mean(float* logits, int64_t window, int64_t seq, float* __re
   using vec16::kLanes;
   using vec16::Vec;
   const int64_t n_out = seq - window;
-  const Vec neg_inf = vec16::broadcast(-std::numeric_limits<float>::infinity());
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n_out; ++j) out[j] = 0.0f;
   for (int64_t i = 0; i < window; ++i) {
     float* row = logits + i * seq;
@@ -63,7 +63,7 @@ void window_softmax_mean(float* logits, int64_t window, int64_t seq, float* __re
     const int64_t body = visible / kLanes * kLanes;
     // The tail of the visible columns, padded with -inf (e^-inf = 0 adds nothing).
     float tail_in[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) tail_in[j] = body + j < visible ? row[body + j] : neg_inf[0];
+    for (int64_t j = 0; j < kLanes; ++j) tail_in[j] = body + j < visible ? row[body + j] : neg_inf;
     Vec max_v = vec16::load(tail_in);
     for (int64_t j = 0; j < body; j += kLanes) {
       const Vec v = vec16::load(row + j);
