@@ -45,7 +45,13 @@ KVPRESS_VEC_INLINE Vec load_bfloat16(const uint16_t* p) {
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
-KVPRESS_VEC_INLINE Vec broadcast(float x) { return Vec{} + x; }
+// Lane 0 shuffled into every lane: one broadcast instruction in every clone (folded into the FMA
+// that uses it under AVX-512). `Vec{} + x` keeps a scalar add (0 + -0 is +0) in every inner loop,
+// and `x - Vec{}` becomes sixteen masked inserts in the AVX-512 clone.
+KVPRESS_VEC_INLINE Vec broadcast(float x) {
+  const Vec first = {x};
+  return __builtin_shufflevector(first, first, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
 
 // Largest of the 16 lanes.
 KVPRESS_VEC_INLINE float lane_max(Vec v) {
