@@ -305,6 +305,36 @@ inline void check_rope(const char* op, const at::Tensor& x, const at::Tensor& co
   }
 }
 
+// A sketch [D, k] (one for every head) or [B, Hkv, D, k], floating, non-empty, on the device of the
+// keys (named `keys_name` in the messages).
+inline void check_sketch(const char* op, const char* keys_name, const at::Tensor& keys, const at::Tensor& sketch) {
+  check_keys(op, keys);
+  check_defined(op, "sketch", sketch);
+  check_float(op, "sketch", sketch);
+  check_same_device(op, "sketch", sketch, keys_name, keys);
+  const int64_t dim = keys.size(3);
+  TORCH_CHECK((sketch.dim() == 2 && sketch.size(0) == dim) || (sketch.dim() == 4 && sketch.size(0) == keys.size(0) &&
+                                                               sketch.size(1) == keys.size(1) && sketch.size(2) == dim),
+              op, ": sketch must be [", dim, ", k] or [", keys.size(0), ", ", keys.size(1), ", ", dim, ", k], got ",
+              shape_str(sketch));
+  check_non_empty(op, "sketch", sketch);
+}
+
+// cholesky_leverage: sketched [B, H, S, k] float32 non-empty, factor [B, H, k, k] float32 on its device.
+inline void check_cholesky_leverage(const char* op, const at::Tensor& sketched, const at::Tensor& factor) {
+  check_rank(op, "sketched", sketched, 4, "[batch, kv_heads, seq_len, sketch_dimension]");
+  check_non_empty(op, "sketched", sketched);
+  TORCH_CHECK(sketched.scalar_type() == at::kFloat, op, ": sketched must be float32, got ", sketched.scalar_type());
+  check_defined(op, "factor", factor);
+  const int64_t k = sketched.size(3);
+  TORCH_CHECK(factor.dim() == 4 && factor.size(0) == sketched.size(0) && factor.size(1) == sketched.size(1) &&
+                  factor.size(2) == k && factor.size(3) == k,
+              op, ": factor must be [", sketched.size(0), ", ", sketched.size(1), ", ", k, ", ", k, "], got ",
+              shape_str(factor));
+  TORCH_CHECK(factor.scalar_type() == at::kFloat, op, ": factor must be float32, got ", factor.scalar_type());
+  check_same_device(op, "factor", factor, "sketched", sketched);
+}
+
 }  // namespace checks
 
 // ---- ATen composites of the kernel ops (same contracts as kvpress/ops.h) ----------------------
@@ -321,12 +351,20 @@ void compact_kv_(const at::Tensor& keys,                                  // [B,
 at::Tensor invert_rope(const at::Tensor& x,                               // [B, H, n, D]
                        const at::Tensor& cos,                             // [n, D]
                        const at::Tensor& sin);                            // [n, D] -> [B, H, n, D]
-at::Tensor key_norm_scores(const at::Tensor& keys);                       // [B, Hkv, S, D] -> [B, Hkv, S] float32
-at::Tensor keydiff_scores(const at::Tensor& keys);                        // [B, Hkv, S, D] -> [B, Hkv, S] float32
-at::Tensor window_attention_mean(const at::Tensor& queries,               // [B, Hq, w, D]
-                                 const at::Tensor& keys);                 // [B, Hkv, S, D] -> [B, Hq, S - w] float32
-at::Tensor lagkv_partition_scores(const at::Tensor& keys,                 // [B, Hkv, S, D]
-                                  const at::Tensor& values,               // [B, Hkv, S, D]
+std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys(
+    const at::Tensor& keys,                                  // [B, Hkv, S, D] post-RoPE
+    const at::Tensor& cos,                                   // [S, D]
+    const at::Tensor& sin,                                   // [S, D]
+    const at::Tensor& sketch);                               // [B, Hkv, D, k] or [D, k]
+                                                             // -> X [B, Hkv, S, k], XᵀX [B, Hkv, k, k]
+at::Tensor cholesky_leverage(const at::Tensor& sketched,     // [B, Hkv, S, k] float32
+                             const at::Tensor& factor);      // [B, Hkv, k, k] -> [B, Hkv, S] float32
+at::Tensor key_norm_scores(const at::Tensor& keys);          // [B, Hkv, S, D] -> [B, Hkv, S] float32
+at::Tensor keydiff_scores(const at::Tensor& keys);           // [B, Hkv, S, D] -> [B, Hkv, S] float32
+at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D]
+                                 const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, S - w] float32
+at::Tensor lagkv_partition_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
+                                  const at::Tensor& values,  // [B, Hkv, S, D]
                                   int64_t n_sink, int64_t lag_size, bool cross_scoring);  // -> [B, Hkv, S] float32
 at::Tensor ragged_attention(const at::Tensor& queries,                                    // [B, Hq, n, D]
                             const at::Tensor& packed_keys,                                // [T, D]

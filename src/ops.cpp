@@ -160,6 +160,8 @@ TORCH_LIBRARY(kvpress, m) {
       "int seed=-1) -> Tensor",
       &ops::gaussian_sketch);
   m.def("sketch_keys(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketch_keys);
+  m.def("sketch_prerope_keys(Tensor keys, Tensor cos, Tensor sin, Tensor sketch) -> (Tensor, Tensor)");  // kernels
+  m.def("cholesky_leverage(Tensor sketched, Tensor factor) -> Tensor");                                  // kernels
   m.def("ridge_leverage(Tensor sketched) -> Tensor", &ops::ridge_leverage);
   m.def("sketched_leverage(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketched_leverage);
   m.def("leverage_scores(Tensor prerope_keys, int sketch_dimension=48, int seed=-1) -> Tensor", &leverage_scores_op);
@@ -192,6 +194,8 @@ TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("gather_kv", &ops::composite::gather_kv);
   m.impl("compact_kv_", &ops::composite::compact_kv_);
   m.impl("invert_rope", &ops::composite::invert_rope);
+  m.impl("sketch_prerope_keys", &ops::composite::sketch_prerope_keys);
+  m.impl("cholesky_leverage", &ops::composite::cholesky_leverage);
   m.impl("key_norm_scores", &ops::composite::key_norm_scores);
   m.impl("keydiff_scores", &ops::composite::keydiff_scores);
   m.impl("window_attention_mean", &ops::composite::window_attention_mean);

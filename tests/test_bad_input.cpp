@@ -220,6 +220,38 @@ TEST(BadInput, CompactorOps) {
         ops::sketched_leverage(keys, randn({1, 3, 8, 4}, 13));
       },
       {"sketched_leverage: sketch must be [8, k] or [1, 2, 8, k], got [1, 3, 8, 4]"});
+  const at::Tensor cos = randn({16, 8}, 15), sin = randn({16, 8}, 16);
+  expect_error(
+      [&] {
+        ops::sketch_prerope_keys(keys, cos, sin, randn({6, 4}, 13));
+      },
+      {"sketch_prerope_keys: sketch must be [8, k] or [1, 2, 8, k], got [6, 4]"});
+  expect_error(
+      [&] {
+        ops::sketch_prerope_keys(keys, cos.narrow(0, 0, 15), sin, randn({8, 4}, 13));
+      },
+      {"sketch_prerope_keys: cos must be [16, 8] ([seq_len, head_dim]), got [15, 8]"});
+  expect_error(
+      [&] {
+        ops::sketch_prerope_keys(keys.to(at::kInt), cos, sin, randn({8, 4}, 13));
+      },
+      {"sketch_prerope_keys: keys must be float32, float16 or bfloat16, got Int"});
+  const at::Tensor sketched = randn({1, 2, 16, 4}, 17);
+  expect_error(
+      [&] {
+        ops::cholesky_leverage(sketched, randn({1, 2, 4, 3}, 18));
+      },
+      {"cholesky_leverage: factor must be [1, 2, 4, 4], got [1, 2, 4, 3]"});
+  expect_error(
+      [&] {
+        ops::cholesky_leverage(sketched, at::eye(4, at::kDouble).expand({1, 2, 4, 4}));
+      },
+      {"cholesky_leverage: factor must be float32, got Double"});
+  expect_error(
+      [&] {
+        ops::cholesky_leverage(sketched.to(at::kHalf), at::eye(4).expand({1, 2, 4, 4}));
+      },
+      {"cholesky_leverage: sketched must be float32, got Half"});
   LayerInputs in;
   in.keys = keys;
   in.values = keys;

@@ -145,6 +145,62 @@ TEST(KernelOps, InvertRopeKernelIsTheCompositeBitForBit) {
                         ops::composite::invert_rope(half, cos.to(at::kBFloat16), sin.to(at::kBFloat16))));
 }
 
+// The leverage kernels (AVX-512 register tiles, kernels/cpu/leverage.cpp) against the per-head
+// composite: every tile width k = 16..64, head_dim 32..256, sequences that end inside a tile and a
+// chunk, shared and per-head sketches, strided keys. Shapes the tiles do not serve (bfloat16 keys,
+// head_dim 48, k = 8 or 80) take the composite exactly.
+TEST(KernelOps, SketchPreropeKeysMatchesTheComposite) {
+  struct Case {
+    int64_t batch, heads, seq, dim, k;
+    bool shared_sketch;
+  };
+  for (const Case& c : {Case{1, 2, 600, 128, 48, false}, Case{2, 3, 7, 64, 16, true}, Case{1, 1, 513, 32, 64, false},
+                        Case{1, 2, 300, 256, 32, true}, Case{1, 2, 40, 96, 48, false}}) {
+    const at::Tensor cos = randn({c.seq, c.dim}, 60), sin = randn({c.seq, c.dim}, 61);
+    const at::Tensor keys = randn({c.batch, c.heads, c.seq, c.dim}, 62) + 0.5;  // a mean to remove
+    const at::Tensor sketch = c.shared_sketch ? randn({c.dim, c.k}, 63) : randn({c.batch, c.heads, c.dim, c.k}, 63);
+    const auto [x, gram] = ops::sketch_prerope_keys(keys, cos, sin, sketch);
+    const auto [x_ref, gram_ref] = ops::composite::sketch_prerope_keys(keys, cos, sin, sketch);
+    ASSERT_EQ(x.sizes(), x_ref.sizes());
+    ASSERT_EQ(gram.sizes(), (at::IntArrayRef{c.batch, c.heads, c.k, c.k}));
+    const double x_scale = x_ref.abs().max().item<double>(), gram_scale = gram_ref.abs().max().item<double>();
+    EXPECT_LT((x - x_ref).abs().max().item<double>(), 1e-5 * x_scale) << "seq " << c.seq << " dim " << c.dim;
+    EXPECT_LT((gram - gram_ref).abs().max().item<double>(), 1e-5 * gram_scale) << "seq " << c.seq << " dim " << c.dim;
+    EXPECT_TRUE(at::equal(gram, gram.transpose(2, 3))) << "the Gram matrix is exactly symmetric";
+    // Strided keys (a view of [B, S, H, D]) give the same values.
+    const at::Tensor strided = keys.transpose(1, 2).contiguous().transpose(1, 2);
+    EXPECT_TRUE(at::equal(std::get<0>(ops::sketch_prerope_keys(strided, cos, sin, sketch)), x));
+  }
+  const at::Tensor cos = randn({50, 48}, 64), sin = randn({50, 48}, 65);
+  for (const auto& [keys, sketch] : {std::pair{randn({1, 2, 50, 48}, 66), randn({48, 48}, 67)},
+                                     std::pair{randn({1, 2, 50, 64}, 66).to(at::kBFloat16), randn({64, 48}, 67)},
+                                     std::pair{randn({1, 2, 50, 64}, 66), randn({64, 8}, 67)},
+                                     std::pair{randn({1, 2, 50, 64}, 66), randn({64, 80}, 67)}}) {
+    const at::Tensor c = keys.size(3) == 48 ? cos : randn({50, 64}, 64),
+                     s = keys.size(3) == 48 ? sin : randn({50, 64}, 65);
+    const auto [x, gram] = ops::sketch_prerope_keys(keys, c, s, sketch);
+    const auto [x_ref, gram_ref] = ops::composite::sketch_prerope_keys(keys, c, s, sketch);
+    EXPECT_TRUE(at::equal(x, x_ref) && at::equal(gram, gram_ref)) << keys.scalar_type() << " " << sketch.sizes();
+  }
+}
+
+TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
+  for (int64_t k : {8, 16, 32, 48, 64, 80}) {
+    for (int64_t seq : {5, 300, 777}) {
+      const at::Tensor x = randn({2, 3, seq, k}, 70);
+      const at::Tensor gram = at::matmul(x.transpose(2, 3), x) + at::eye(k) * 1e-2;
+      const at::Tensor factor = at::linalg_cholesky(gram);
+      const at::Tensor kernel = ops::cholesky_leverage(x, factor);
+      const at::Tensor composite = ops::composite::cholesky_leverage(x, factor);
+      ASSERT_EQ(kernel.sizes(), (at::IntArrayRef{2, 3, seq}));
+      EXPECT_TRUE(at::allclose(kernel, composite, 1e-4, 1e-6)) << "k " << k << " seq " << seq;
+      // The ridge leverage of every row lies in [0, 1).
+      EXPECT_GE(kernel.min().item<float>(), 0.0f);
+      EXPECT_LT(kernel.max().item<float>(), 1.0f);
+    }
+  }
+}
+
 // A device with no kernel (here meta) is served by the composite instead of raising.
 TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   const at::Tensor keys = randn({1, 2, 30, 8}, 12).to(at::kMeta);
@@ -152,10 +208,10 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
   EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
             (at::IntArrayRef{1, 4, 27}));
-  for (const char* op :
-       {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope", "kvpress::key_norm_scores",
-        "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
-        "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write"}) {
+  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope",
+                         "kvpress::key_norm_scores", "kvpress::keydiff_scores", "kvpress::window_attention_mean",
+                         "kvpress::lagkv_partition_scores", "kvpress::ragged_attention", "kvpress::paged_attention",
+                         "kvpress::paged_write", "kvpress::sketch_prerope_keys", "kvpress::cholesky_leverage"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;
@@ -351,6 +407,8 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
   const at::Tensor lengths = at::full({2, 4}, pages_per_head * page, at::kLong);
   const at::Tensor key_pool = randn({8 * pages_per_head, page, 64}, 49);
   const at::Tensor value_pool = randn({8 * pages_per_head, page, 64}, 50);
+  const at::Tensor rope_cos = randn({1500, 64}, 52), rope_sin = randn({1500, 64}, 53);
+  const at::Tensor sketch = randn({2, 4, 64, 48}, 54);
   const at::Tensor rows = randn({3000, 64}, 51),
                    slots = at::randperm(8 * pages_per_head * page, at::kLong).narrow(0, 0, 3000);
 
@@ -375,6 +433,10 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
     ops::paged_write(kp, vp, rows, rows * 2, slots);
     out.push_back(kp);
     out.push_back(vp);
+    const auto [sketched, gram] = ops::sketch_prerope_keys(keys, rope_cos, rope_sin, sketch);
+    out.push_back(sketched);
+    out.push_back(gram);
+    out.push_back(ops::cholesky_leverage(sketched, at::linalg_cholesky(gram + at::eye(48) * 1e-2)));
     return out;
   };
   std::vector<at::Tensor> one, four;
@@ -388,9 +450,10 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
     four = run_all();
   }
   const std::vector<std::string> names = {
-      "key_norm_scores",  "keydiff_scores",   "lagkv_scores",      "topk_indices",          "gather_kv keys",
-      "gather_kv values", "compact keys",     "compact values",    "window_attention_mean", "ragged_attention",
-      "paged_attention",  "paged_write keys", "paged_write values"};
+      "key_norm_scores",  "keydiff_scores",   "lagkv_scores",       "topk_indices",          "gather_kv keys",
+      "gather_kv values", "compact keys",     "compact values",     "window_attention_mean", "ragged_attention",
+      "paged_attention",  "paged_write keys", "paged_write values", "sketch_prerope_keys X", "sketch_prerope_keys Gram",
+      "cholesky_leverage"};
   ASSERT_EQ(one.size(), names.size());
   for (size_t i = 0; i < names.size(); ++i) {
     if (names[i] == "ragged_attention" || names[i] == "paged_attention")

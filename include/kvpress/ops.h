@@ -193,6 +193,22 @@ at::Tensor gaussian_sketch(int64_t batch, int64_t heads, int64_t head_dim, int64
 at::Tensor sketch_keys(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
                        const at::Tensor& sketch);       // [B, Hkv, D, k] or [D, k] -> [B, Hkv, S, k]
 
+// The sketched, centred pre-RoPE keys of a post-RoPE cache and their Gram matrix, LeverageScorePress's
+// work before its Cholesky factorisation: P = invert_rope(keys, cos, sin) rounded to the keys'
+// dtype, X = sketch_keys(P, sketch) (float32) and XᵀX. On the CPU with float32 keys it is one
+// kernel (RoPE undone, centred and multiplied by the sketch on blocks of rows in the core's cache:
+// K is read twice and nothing of its size is written); elsewhere per head, the same values.
+std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys(
+    const at::Tensor& keys,     // [B, Hkv, S, D] post-RoPE, D even
+    const at::Tensor& cos,      // [S, D]
+    const at::Tensor& sin,      // [S, D]
+    const at::Tensor& sketch);  // [B, Hkv, D, k] or [D, k] -> X [B, Hkv, S, k], XᵀX [B, Hkv, k, k] float32
+
+// ℓ_i = ||L⁻¹ x_i||² for every row x_i of X: the ridge leverage x_iᵀ (L Lᵀ)⁻¹ x_i given the lower
+// Cholesky factor L of the regularised Gram matrix. float32.
+at::Tensor cholesky_leverage(const at::Tensor& sketched,  // [B, Hkv, S, k] float32
+                             const at::Tensor& factor);   // [B, Hkv, k, k] float32, lower -> [B, Hkv, S]
+
 // Ridge leverage of the rows of X: ℓ_i = x_iᵀ (G + λI)⁻¹ x_i, G = sym(XᵀX), by Cholesky (λ = 1e-2,
 // ×10 for every head when any head's factorisation fails, at most 5 tries, then an error),
 // clamped at 0. float32, not z-scored.

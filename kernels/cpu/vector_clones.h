@@ -13,3 +13,21 @@
 #else
 #define KVPRESS_VECTOR_CLONES
 #endif
+
+// KVPRESS_AVX512_KERNEL: a loop written for AVX-512's 32 vector registers (a register tile that
+// would spill under AVX2), compiled for AVX-512 alone and called only where cpu_has_avx512() holds;
+// elsewhere its caller takes the ATen composite. Plain function attribute, no ifunc, so it is fine
+// under every sanitizer.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVPRESS_HAVE_AVX512_KERNELS 1
+#define KVPRESS_AVX512_KERNEL __attribute__((target("avx512f")))
+namespace kvpress::kernels {
+inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
+}  // namespace kvpress::kernels
+#else
+#define KVPRESS_HAVE_AVX512_KERNELS 0
+#define KVPRESS_AVX512_KERNEL
+namespace kvpress::kernels {
+inline bool cpu_has_avx512() { return false; }
+}  // namespace kvpress::kernels
+#endif

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "checks.h"
+#include "kernel_ops.h"
 #include "kvpress/ops.h"
 
 namespace kvpress::ops {
@@ -55,20 +56,6 @@ void check_all_queries(const char* op, const at::Tensor& queries, const at::Tens
   checks::check_gqa(op, queries.size(1), keys.size(1));
 }
 
-// The sketch is [D, k] (shared) or [B, Hkv, D, k], float, on the keys' device.
-void check_sketch(const char* op, const at::Tensor& keys, const at::Tensor& sketch) {
-  checks::check_keys(op, keys);
-  checks::check_defined(op, "sketch", sketch);
-  checks::check_float(op, "sketch", sketch);
-  checks::check_same_device(op, "sketch", sketch, "prerope_keys", keys);
-  const int64_t dim = keys.size(3);
-  TORCH_CHECK((sketch.dim() == 2 && sketch.size(0) == dim) || (sketch.dim() == 4 && sketch.size(0) == keys.size(0) &&
-                                                               sketch.size(1) == keys.size(1) && sketch.size(2) == dim),
-              op, ": sketch must be [", dim, ", k] or [", keys.size(0), ", ", keys.size(1), ", ", dim, ", k], got ",
-              checks::shape_str(sketch));
-  checks::check_non_empty(op, "sketch", sketch);
-}
-
 // X = (K - mean_S K) Φ, cast to float32. kvpress centres and sketches in the keys' dtype and casts
 // X afterwards; in half precision we do the same, since the Gram matrix of X is ill-conditioned
 // enough that a more precise X moves the leverage scores by tens of percent.
@@ -91,22 +78,17 @@ void centred_sketch_into(at::Tensor keys, const at::Tensor& sketch, const at::Te
   }
 }
 
-// ℓ_i = x_iᵀ (G + λI)⁻¹ x_i with G = sym(XᵀX), by Cholesky (jitter shared by the whole batch, as
-// kvpress), clamped at 0. With G + λI = L Lᵀ, ℓ_i = ||L⁻¹ x_i||²: the k x k inverse of the factor
-// is one small triangular solve, and L⁻¹ applied to every row is a GEMM (kvpress's cholesky_solve
-// does two triangular solves against all S rows, several times slower on the CPU).
+// ℓ_i = x_iᵀ (G + λI)⁻¹ x_i for the rows of X given G = XᵀX: G symmetrised and factorised by
+// Cholesky (jitter shared by the whole batch, as kvpress), then ℓ_i = ||L⁻¹ x_i||² with
+// G + λI = L Lᵀ (cholesky_leverage), which is never negative.
+at::Tensor leverage_from_gram(const at::Tensor& x,     // [B, H, S, k] float32
+                              const at::Tensor& gram,  // [B, H, k, k] float32
+                              const char* op) {
+  return cholesky_leverage(x, cholesky_with_jitter((gram + gram.transpose(2, 3)) * 0.5, op));
+}
+
 at::Tensor ridge_leverage_impl(const at::Tensor& x, const char* op) {  // [B, H, S, k] float32
-  const at::Tensor gram = at::matmul(x.transpose(2, 3), x);
-  const at::Tensor factor = cholesky_with_jitter((gram + gram.transpose(2, 3)) * 0.5, op);
-  const at::Tensor eye = at::eye(factor.size(-1), factor.options()).expand_as(factor);
-  const at::Tensor inverse = at::linalg_solve_triangular(factor, eye, /*upper=*/false);  // [B, H, k, k]
-  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
-  // One head at a time so the [S, k] product stays per head.
-  for (int64_t h = 0; h < x.size(1); ++h) {
-    const at::Tensor y = at::matmul(x.narrow(1, h, 1), inverse.narrow(1, h, 1).transpose(2, 3));  // rows L⁻¹ x_i
-    out.narrow(1, h, 1).copy_(y.square().sum(-1));
-  }
-  return out;
+  return leverage_from_gram(x, at::matmul(x.transpose(2, 3), x), op);
 }
 
 // The chunk-by-chunk core of noncausal_column_sums. `query_chunk(start, len)` returns the
@@ -195,7 +177,7 @@ at::Tensor gaussian_sketch(int64_t batch, int64_t heads, int64_t head_dim, int64
 
 at::Tensor sketch_keys(const at::Tensor& prerope_keys, const at::Tensor& sketch) {
   constexpr const char* op = "sketch_keys";
-  check_sketch(op, prerope_keys, sketch);
+  checks::check_sketch(op, "prerope_keys", prerope_keys, sketch);
   at::Tensor x = at::empty({prerope_keys.size(0), prerope_keys.size(1), prerope_keys.size(2), sketch.size(-1)},
                            prerope_keys.options().dtype(at::kFloat));
   // One head at a time: the centred copy of the keys never exceeds one head.
@@ -203,6 +185,51 @@ at::Tensor sketch_keys(const at::Tensor& prerope_keys, const at::Tensor& sketch)
     centred_sketch_into(prerope_keys.narrow(1, h, 1).clone(), sketch.dim() == 2 ? sketch : sketch.narrow(1, h, 1),
                         x.narrow(1, h, 1));
   return x;
+}
+
+std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys(const at::Tensor& keys, const at::Tensor& cos,
+                                                       const at::Tensor& sin, const at::Tensor& sketch) {
+  static const auto op = dispatcher_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>("kvpress::sketch_prerope_keys");
+  return op.call(keys, cos, sin, sketch);
+}
+
+std::tuple<at::Tensor, at::Tensor> composite::sketch_prerope_keys(const at::Tensor& keys, const at::Tensor& cos,
+                                                                  const at::Tensor& sin, const at::Tensor& sketch) {
+  constexpr const char* op = "sketch_prerope_keys";
+  checks::check_sketch(op, "keys", keys, sketch);
+  checks::check_rope(op, keys, cos, sin);
+  const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2);
+  at::Tensor x = at::empty({batch, heads, seq, sketch.size(-1)}, keys.options().dtype(at::kFloat));
+  const at::Tensor cos_f = cos.to(at::kFloat), sin_f = sin.to(at::kFloat);  // converted once, not per head
+  // One KV head at a time: the float32 pre-RoPE keys and their centred copy never exceed one head.
+  // The pre-RoPE keys are rounded to the cache dtype, then centred and sketched in it (kvpress's
+  // pre-RoPE keys are in the model dtype).
+  for (int64_t h = 0; h < heads; ++h)
+    centred_sketch_into(invert_rope(keys.narrow(1, h, 1).to(at::kFloat), cos_f, sin_f).to(keys.scalar_type()),
+                        sketch.dim() == 2 ? sketch : sketch.narrow(1, h, 1), x.narrow(1, h, 1));
+  return {x, at::matmul(x.transpose(2, 3), x)};
+}
+
+at::Tensor cholesky_leverage(const at::Tensor& sketched, const at::Tensor& factor) {
+  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("kvpress::cholesky_leverage");
+  return op.call(sketched, factor);
+}
+
+// The k x k inverse of the factor is one small triangular solve, and L⁻¹ applied to every row is a
+// GEMM (kvpress's cholesky_solve does two triangular solves against all S rows, several times
+// slower on the CPU).
+at::Tensor composite::cholesky_leverage(const at::Tensor& sketched, const at::Tensor& factor) {
+  checks::check_cholesky_leverage("cholesky_leverage", sketched, factor);
+  const at::Tensor eye = at::eye(factor.size(-1), factor.options()).expand_as(factor);
+  const at::Tensor inverse = at::linalg_solve_triangular(factor, eye, /*upper=*/false);  // [B, H, k, k]
+  at::Tensor out = at::empty({sketched.size(0), sketched.size(1), sketched.size(2)}, sketched.options());
+  // One head at a time so the [S, k] product stays per head.
+  for (int64_t h = 0; h < sketched.size(1); ++h) {
+    const at::Tensor y = at::matmul(sketched.narrow(1, h, 1), inverse.narrow(1, h, 1).transpose(2, 3));  // L⁻¹ x_i
+    out.narrow(1, h, 1).copy_(y.square().sum(-1));
+  }
+  return out;
 }
 
 at::Tensor ridge_leverage(const at::Tensor& sketched) {
@@ -215,7 +242,7 @@ at::Tensor ridge_leverage(const at::Tensor& sketched) {
 
 at::Tensor sketched_leverage(const at::Tensor& prerope_keys, const at::Tensor& sketch) {
   constexpr const char* op = "sketched_leverage";
-  check_sketch(op, prerope_keys, sketch);
+  checks::check_sketch(op, "prerope_keys", prerope_keys, sketch);
   return ridge_leverage_impl(sketch_keys(prerope_keys, sketch), op);
 }
 
@@ -231,7 +258,7 @@ at::Tensor leverage_scores(const at::Tensor& prerope_keys, int64_t sketch_dimens
 at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int64_t seed, const char* op) {
   checks::check_keys(op, in.keys);
   checks::check_positive(op, "sketch_dimension", sketch_dimension);
-  const int64_t batch = in.keys.size(0), heads = in.keys.size(1), seq = in.keys.size(2), dim = in.keys.size(3);
+  const int64_t batch = in.keys.size(0), heads = in.keys.size(1), dim = in.keys.size(3);
   const at::ScalarType dtype = in.keys.scalar_type();
   // One draw for every head, in the cache dtype (kvpress draws in the dtype of its pre-RoPE keys,
   // the model's): the same numbers as the all-heads op.
@@ -242,19 +269,10 @@ at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int6
     // can reduce in another order). Extra memory: the projected and the centred keys.
     return ridge_leverage_impl(centred_sketch(prerope_keys(in, op).to(dtype), phi), op);
   }
-  // Inverse RoPE, one KV head at a time: the float32 pre-RoPE keys and their centred copy never
-  // exceed one head.
-  at::Tensor x = at::empty({batch, heads, seq, sketch_dimension}, in.keys.options().dtype(at::kFloat));
-  LayerInputs one = in;
-  if (in.cos.defined() && in.sin.defined()) {  // converted once, not per head
-    one.cos = in.cos.to(at::kFloat);
-    one.sin = in.sin.to(at::kFloat);
-  }
-  for (int64_t h = 0; h < heads; ++h) {
-    one.keys = in.keys.narrow(1, h, 1);
-    centred_sketch_into(prerope_keys(one, op).to(dtype), phi.narrow(1, h, 1), x.narrow(1, h, 1));  // fresh keys
-  }
-  return ridge_leverage_impl(x, op);
+  checks::check_defined(op, "cos", in.cos);
+  checks::check_defined(op, "sin", in.sin);
+  const auto [x, gram] = sketch_prerope_keys(in.keys, in.cos, in.sin, phi);
+  return leverage_from_gram(x, gram, op);
 }
 
 at::Tensor noncausal_column_sums(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {

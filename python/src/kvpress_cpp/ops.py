@@ -162,6 +162,19 @@ def sketch_keys(prerope_keys: Tensor, sketch: Tensor) -> Tensor:
     return _ops.sketch_keys(prerope_keys, sketch)
 
 
+def sketch_prerope_keys(keys: Tensor, cos: Tensor, sin: Tensor, sketch: Tensor) -> Tuple[Tensor, Tensor]:
+    """LeverageScorePress's sketch of a post-RoPE cache: X = sketch_keys(invert_rope(keys, cos, sin),
+    sketch) and its Gram X^T X. keys [B, Hkv, S, D], cos/sin [S, D], sketch [B, Hkv, D, k] or [D, k]
+    -> (X [B, Hkv, S, k], X^T X [B, Hkv, k, k]), float32."""
+    return _ops.sketch_prerope_keys(keys, cos, sin, sketch)
+
+
+def cholesky_leverage(sketched: Tensor, factor: Tensor) -> Tensor:
+    """||L^-1 x_i||^2 for the rows of X [B, Hkv, S, k] given the lower Cholesky factor L [B, Hkv, k, k]
+    of the regularised Gram matrix -> [B, Hkv, S] float32."""
+    return _ops.cholesky_leverage(sketched, factor)
+
+
 def ridge_leverage(sketched: Tensor) -> Tensor:
     """Ridge leverage x_i^T (X^T X + lambda I)^-1 x_i of the rows of X [B, Hkv, S, k] -> [B, Hkv, S]."""
     return _ops.ridge_leverage(sketched)

@@ -1,0 +1,315 @@
+// CPU kernels for the leverage scores of LeverageScorePress and CompactorPress, float32 on CPUs with
+// AVX-512: kvpress::sketch_prerope_keys (X = (P - mean_S P) Φ and XᵀX, P the pre-RoPE keys) and
+// kvpress::cholesky_leverage (ℓ_i = ||L⁻¹ x_i||²).
+//
+// All three products are narrow: [S x D] x [D x k], [k x S] x [S x k] and [S x k] x [k x k] with
+// k = 48, shapes on which the BLAS that libtorch ships runs at about half its square-matrix rate on
+// the development machine (85-95 against 170-205 GFLOP/s on two threads). Here each is a register
+// tile of R rows x k columns (R x k/16 accumulators), fed per step of the inner dimension by k/16
+// vector loads and one broadcast per row, which runs at 230-260 GFLOP/s there. The sketch's rows
+// are un-rotated and centred into a small buffer just before they are multiplied, so K is read
+// twice (its mean, then the sketch) and nothing of its size is written.
+//
+// Deterministic: positions are cut into fixed chunks of kChunk; each chunk's partial sums (column
+// sums for the mean, the Gram matrix) are formed in a fixed order and added in chunk order in
+// double, so no result depends on the thread count. Elsewhere (other dtypes, a head_dim that is
+// not a multiple of 32 or above kMaxDim, k not a multiple of 16 or above 64, no AVX-512) the ops
+// take their ATen composites.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <type_traits>
+
+#include "cpu/vec16.h"
+#include "cpu/vector_clones.h"
+#include "kernel_ops.h"
+
+namespace kvpress::kernels {
+namespace {
+
+constexpr int64_t kChunk = 256;   // positions per task and per partial sum
+constexpr int64_t kMaxDim = 256;  // largest head_dim of the row buffer
+constexpr int64_t kMaxSketch = 64;
+
+int64_t chunks_of(int64_t seq) { return (seq + kChunk - 1) / kChunk; }
+
+// Whether the register tiles below serve this head_dim (0: not needed) and sketch dimension.
+bool tiles_fit(int64_t dim, int64_t sketch_dimension) {
+  return cpu_has_avx512() && dim % 32 == 0 && dim <= kMaxDim && sketch_dimension % 16 == 0 &&
+         sketch_dimension <= kMaxSketch;
+}
+
+#if KVPRESS_HAVE_AVX512_KERNELS
+
+using vec16::kLanes;
+using vec16::Vec;
+
+// Rows of a tile with NV vectors per row: R x NV accumulators and NV loaded vectors within the 32
+// registers. The Gram's tile rows divide k = 16 NV.
+template <int NV>
+constexpr int kTileRows = NV == 4 ? 6 : 8;
+template <int NV>
+constexpr int kGramRows = NV == 4 ? 4 : 8;
+
+// acc[r][v] += sum over t < depth of a[r * row_stride + t * depth_stride] * b[t][16 v .. 16 v + 15],
+// b's rows 16 NV floats apart.
+template <int R, int NV>
+KVPRESS_VEC_INLINE void multiply_tile(const float* a, int64_t row_stride, int64_t depth_stride, const float* b,
+                                      int64_t depth, Vec (&acc)[R][NV]) {
+  for (int64_t t = 0; t < depth; ++t) {
+    Vec bt[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bt[v] = vec16::load(b + (t * NV + v) * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const Vec x = vec16::broadcast(a[r * row_stride + t * depth_stride]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * bt[v];
+    }
+  }
+}
+
+// The pre-RoPE row of the post-RoPE row x (invert_rope's formula, half = dim / 2 a multiple of 16):
+// out[d] = x[d] c[d] + x[d + half] s[d] below half, x[d] c[d] - x[d - half] s[d] from half on, minus
+// mean[d] when mean is given.
+KVPRESS_VEC_INLINE void unrotate_row(const float* x, const float* c, const float* s, const float* mean, float* out,
+                                     int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; d += kLanes) {
+    const Vec x_lo = vec16::load(x + d), x_hi = vec16::load(x + d + half);
+    Vec lo = x_lo * vec16::load(c + d) + x_hi * vec16::load(s + d);
+    Vec hi = x_hi * vec16::load(c + d + half) - x_lo * vec16::load(s + d + half);
+    if (mean != nullptr) {
+      lo -= vec16::load(mean + d);
+      hi -= vec16::load(mean + d + half);
+    }
+    vec16::store(out + d, lo);
+    vec16::store(out + d + half, hi);
+  }
+}
+
+// partial[u][chunk][d]: the sum of the pre-RoPE rows of chunk `chunk` of every unit (batch x head),
+// accumulated in registers (HV = dim / 32 vectors per half row). keys [units, seq, dim], cos/sin
+// [seq, dim], partial [units, chunks, dim].
+template <int HV>
+KVPRESS_AVX512_KERNEL void prerope_chunk_sums(const float* keys, const float* cos, const float* sin, int64_t units,
+                                              int64_t seq, int64_t chunk, float* partial) {
+  constexpr int64_t dim = 2 * HV * kLanes, half = HV * kLanes;
+  const int64_t begin = chunk * kChunk, end = std::min(seq, begin + kChunk), chunks = chunks_of(seq);
+  for (int64_t u = 0; u < units; ++u) {
+    Vec lo_sum[HV] = {}, hi_sum[HV] = {};
+    for (int64_t p = begin; p < end; ++p) {
+      const float *x = keys + (u * seq + p) * dim, *c = cos + p * dim, *s = sin + p * dim;
+#pragma GCC unroll 8
+      for (int v = 0; v < HV; ++v) {
+        const int64_t d = v * kLanes;
+        const Vec x_lo = vec16::load(x + d), x_hi = vec16::load(x + d + half);
+        lo_sum[v] += x_lo * vec16::load(c + d) + x_hi * vec16::load(s + d);
+        hi_sum[v] += x_hi * vec16::load(c + d + half) - x_lo * vec16::load(s + d + half);
+      }
+    }
+    float* out = partial + (u * chunks + chunk) * dim;
+    for (int v = 0; v < HV; ++v) {
+      vec16::store(out + v * kLanes, lo_sum[v]);
+      vec16::store(out + half + v * kLanes, hi_sum[v]);
+    }
+  }
+}
+
+// Rows of chunk `chunk` of every unit: x[u][p] = (P[u][p] - mean[u]) Φ_u, then the chunk's Gram
+// matrix partial_gram[u][chunk] = X_chunkᵀ X_chunk from those rows while they are in cache.
+// mean [units, dim]; sketch Φ_u at sketch + u * sketch_stride ([dim, k]); x [units, seq, k];
+// partial_gram [units, chunks, k, k].
+template <int NV>
+KVPRESS_AVX512_KERNEL void sketch_chunk(const float* keys, const float* cos, const float* sin, const float* mean,
+                                        const float* sketch, int64_t sketch_stride, int64_t units, int64_t seq,
+                                        int64_t dim, int64_t chunk, float* x, float* partial_gram) {
+  constexpr int64_t k = NV * kLanes;
+  constexpr int R = kTileRows<NV>, RG = kGramRows<NV>;
+  const int64_t begin = chunk * kChunk, end = std::min(seq, begin + kChunk), chunks = chunks_of(seq);
+  alignas(64) float rows[R * kMaxDim];
+  for (int64_t u = 0; u < units; ++u) {
+    const float* phi = sketch + u * sketch_stride;
+    const float* key_rows = keys + u * seq * dim;
+    float* x_rows = x + u * seq * k;
+    int64_t p = begin;
+    for (; p + R <= end; p += R) {
+      for (int r = 0; r < R; ++r)
+        unrotate_row(key_rows + (p + r) * dim, cos + (p + r) * dim, sin + (p + r) * dim, mean + u * dim,
+                     rows + r * dim, dim);
+      Vec acc[R][NV] = {};
+      multiply_tile<R, NV>(rows, dim, 1, phi, dim, acc);
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) vec16::store(x_rows + (p + r) * k + v * kLanes, acc[r][v]);
+    }
+    for (; p < end; ++p) {
+      unrotate_row(key_rows + p * dim, cos + p * dim, sin + p * dim, mean + u * dim, rows, dim);
+      Vec acc[1][NV] = {};
+      multiply_tile<1, NV>(rows, dim, 1, phi, dim, acc);
+      for (int v = 0; v < NV; ++v) vec16::store(x_rows + p * k + v * kLanes, acc[0][v]);
+    }
+    // Gram rows i0 .. i0 + RG: the chunk's X read as its transpose (a[i][t] = X[t][i]).
+    const float* x_chunk = x_rows + begin * k;
+    float* gram = partial_gram + (u * chunks + chunk) * k * k;
+    for (int64_t i0 = 0; i0 < k; i0 += RG) {
+      Vec acc[RG][NV] = {};
+      multiply_tile<RG, NV>(x_chunk + i0, 1, k, x_chunk, end - begin, acc);
+      for (int r = 0; r < RG; ++r)
+        for (int v = 0; v < NV; ++v) vec16::store(gram + (i0 + r) * k + v * kLanes, acc[r][v]);
+    }
+  }
+}
+
+// out[p] = ||L⁻¹ x_p||² for rows [begin, end) of one unit: x [seq, k], inverse_t = (L⁻¹)ᵀ [k, k].
+template <int NV>
+KVPRESS_AVX512_KERNEL void leverage_rows(const float* x, const float* inverse_t, int64_t begin, int64_t end,
+                                         float* out) {
+  constexpr int64_t k = NV * kLanes;
+  constexpr int R = kTileRows<NV>;
+  int64_t p = begin;
+  for (; p + R <= end; p += R) {
+    Vec acc[R][NV] = {};
+    multiply_tile<R, NV>(x + p * k, k, 1, inverse_t, k, acc);
+    for (int r = 0; r < R; ++r) {
+      Vec squares = acc[r][0] * acc[r][0];
+      for (int v = 1; v < NV; ++v) squares += acc[r][v] * acc[r][v];
+      out[p + r] = vec16::lane_sum(squares);
+    }
+  }
+  for (; p < end; ++p) {
+    Vec acc[1][NV] = {};
+    multiply_tile<1, NV>(x + p * k, k, 1, inverse_t, k, acc);
+    Vec squares = acc[0][0] * acc[0][0];
+    for (int v = 1; v < NV; ++v) squares += acc[0][v] * acc[0][v];
+    out[p] = vec16::lane_sum(squares);
+  }
+}
+
+// Calls body<NV>() for k = 16 NV (k a multiple of 16 up to kMaxSketch, checked by tiles_fit).
+template <typename Body>
+void with_vectors_per_row(int64_t k, const Body& body) {
+  switch (k / kLanes) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 3: return body(std::integral_constant<int, 3>{});
+    default: return body(std::integral_constant<int, 4>{});
+  }
+}
+
+// Calls body<HV>() for head_dim = 32 HV (a multiple of 32 up to kMaxDim, checked by tiles_fit).
+template <typename Body>
+void with_half_row_vectors(int64_t dim, const Body& body) {
+  switch (dim / (2 * kLanes)) {
+    case 1: return body(std::integral_constant<int, 1>{});
+    case 2: return body(std::integral_constant<int, 2>{});
+    case 3: return body(std::integral_constant<int, 3>{});
+    case 4: return body(std::integral_constant<int, 4>{});
+    case 5: return body(std::integral_constant<int, 5>{});
+    case 6: return body(std::integral_constant<int, 6>{});
+    case 7: return body(std::integral_constant<int, 7>{});
+    default: return body(std::integral_constant<int, 8>{});
+  }
+}
+
+// sum over chunks of partial[u][c][i] in chunk order, in double, times `scale`: [units, n] float32.
+void reduce_chunks(const at::Tensor& partial, double scale, float* out) {  // partial [units, chunks, n]
+  const int64_t units = partial.size(0), chunks = partial.size(1), n = partial.size(2);
+  const float* p = partial.data_ptr<float>();
+  at::parallel_for(0, units * n, 4096, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t u = t / n, i = t % n;
+      double total = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) total += p[(u * chunks + c) * n + i];
+      out[t] = static_cast<float>(total * scale);
+    }
+  });
+}
+
+#endif  // KVPRESS_HAVE_AVX512_KERNELS
+
+std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys_cpu(const at::Tensor& keys_in, const at::Tensor& cos_in,
+                                                           const at::Tensor& sin_in, const at::Tensor& sketch_in) {
+  constexpr const char* op = "sketch_prerope_keys";
+  checks::check_sketch(op, "keys", keys_in, sketch_in);
+  checks::check_rope(op, keys_in, cos_in, sin_in);
+  const int64_t batch = keys_in.size(0), heads = keys_in.size(1), seq = keys_in.size(2), dim = keys_in.size(3);
+  const int64_t k = sketch_in.size(-1);
+  if (keys_in.scalar_type() != at::kFloat || !tiles_fit(dim, k))
+    return ops::composite::sketch_prerope_keys(keys_in, cos_in, sin_in, sketch_in);
+#if KVPRESS_HAVE_AVX512_KERNELS
+  const at::Tensor keys = keys_in.contiguous();
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  const at::Tensor sketch = sketch_in.to(at::kFloat).contiguous();
+  const int64_t units = batch * heads, chunks = chunks_of(seq);
+  const int64_t sketch_stride = sketch.dim() == 2 ? 0 : dim * k;
+  const float *kp = keys.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const auto f32 = keys.options().dtype(at::kFloat);
+
+  // The mean of every unit's pre-RoPE keys (kvpress centres before it sketches).
+  const at::Tensor partial_sums = at::empty({units, chunks, dim}, f32);
+  float* sums = partial_sums.data_ptr<float>();
+  with_half_row_vectors(dim, [&](auto hv) {
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) prerope_chunk_sums<decltype(hv)::value>(kp, cp, sp, units, seq, c, sums);
+    });
+  });
+  const at::Tensor mean = at::empty({units, dim}, f32);
+  reduce_chunks(partial_sums, 1.0 / static_cast<double>(seq), mean.data_ptr<float>());
+
+  at::Tensor x = at::empty({batch, heads, seq, k}, f32);
+  const at::Tensor partial_gram = at::empty({units, chunks, k * k}, f32);
+  with_vectors_per_row(k, [&](auto nv) {
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c)
+        sketch_chunk<decltype(nv)::value>(kp, cp, sp, mean.data_ptr<float>(), sketch.data_ptr<float>(), sketch_stride,
+                                          units, seq, dim, c, x.data_ptr<float>(), partial_gram.data_ptr<float>());
+    });
+  });
+  at::Tensor gram = at::empty({batch, heads, k, k}, f32);
+  reduce_chunks(partial_gram, 1.0, gram.data_ptr<float>());
+  return {x, gram};
+#else
+  TORCH_CHECK(false, op, ": unreachable without AVX-512 kernels");
+#endif
+}
+
+at::Tensor cholesky_leverage_cpu(const at::Tensor& sketched_in, const at::Tensor& factor) {
+  constexpr const char* op = "cholesky_leverage";
+  checks::check_cholesky_leverage(op, sketched_in, factor);
+  const int64_t k = sketched_in.size(3);
+  if (!tiles_fit(0, k)) return ops::composite::cholesky_leverage(sketched_in, factor);
+#if KVPRESS_HAVE_AVX512_KERNELS
+  const at::Tensor x = sketched_in.contiguous();
+  const at::Tensor eye = at::eye(k, factor.options()).expand_as(factor);
+  // Row j of (L⁻¹)ᵀ holds column j of L⁻¹, the vector the tile multiplies x_p[j] by.
+  const at::Tensor inverse_t =
+      at::linalg_solve_triangular(factor, eye, /*upper=*/false).transpose(2, 3).contiguous();  // [B, H, k, k]
+  const int64_t seq = x.size(2), units = x.size(0) * x.size(1), chunks = chunks_of(seq);
+  at::Tensor out = at::empty({x.size(0), x.size(1), seq}, x.options());
+  const float *xp = x.data_ptr<float>(), *ip = inverse_t.data_ptr<float>();
+  float* op_out = out.data_ptr<float>();
+  with_vectors_per_row(k, [&](auto nv) {
+    at::parallel_for(0, units * chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t u = t / chunks, begin = (t % chunks) * kChunk, end = std::min(seq, begin + kChunk);
+        leverage_rows<decltype(nv)::value>(xp + u * seq * k, ip + u * k * k, begin, end, op_out + u * seq);
+      }
+    });
+  });
+  return out;
+#else
+  TORCH_CHECK(false, op, ": unreachable without AVX-512 kernels");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvpress, CPU, m) {
+  m.impl("sketch_prerope_keys", &sketch_prerope_keys_cpu);
+  m.impl("cholesky_leverage", &cholesky_leverage_cpu);
+}
+
+}  // namespace kvpress::kernels
