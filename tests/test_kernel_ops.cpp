@@ -229,6 +229,20 @@ TEST(WindowAttentionMean, MatchesWindowAttentionMeanForEveryDtype) {
   }
 }
 
+// Window logits of many rows (here 4 query heads x 64 = 256, SnapKV's shape) come from the AVX-512
+// register tile in blocks of 64 keys (the last one partial) and tiles of 6 rows (the last one of 4);
+// head_dim 80 (not a multiple of 16) takes the batched GEMM. Both against the composite.
+TEST(WindowAttentionMean, TiledLogitsMatchTheComposite) {
+  for (int64_t dim : {128, 80, 16}) {
+    const at::Tensor q = randn({1, 8, 64, dim}, 3);
+    const at::Tensor k = randn({1, 2, 1000, dim}, 4);
+    const at::Tensor fused = ops::window_attention_mean(q, k);
+    EXPECT_TRUE(at::allclose(fused, ops::composite::window_attention_mean(q, k), 1e-5, 1e-7)) << dim;
+    const at::Tensor strided = k.transpose(1, 2).contiguous().transpose(1, 2);  // rows Hkv * D apart
+    EXPECT_TRUE(at::equal(ops::window_attention_mean(q, strided), fused)) << dim;
+  }
+}
+
 // The window softmax's exponential (vec16::exp_nonpositive) against std::exp in double: within
 // 2 ulp over softmax's range, 0 below the smallest normal float and for -inf, 1 at -0 and 0.
 TEST(KernelOps, VectorExpIsWithinTwoUlpOfStdExp) {

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "cpu/register_tile.h"
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 #include "kernel_ops.h"
@@ -53,24 +54,6 @@ template <int NV>
 constexpr int kTileRows = NV == 4 ? 6 : 8;
 template <int NV>
 constexpr int kGramRows = NV == 4 ? 4 : 8;
-
-// acc[r][v] += sum over t < depth of a[r * row_stride + t * depth_stride] * b[t][16 v .. 16 v + 15],
-// b's rows 16 NV floats apart.
-template <int R, int NV>
-KVPRESS_VEC_INLINE void multiply_tile(const float* a, int64_t row_stride, int64_t depth_stride, const float* b,
-                                      int64_t depth, Vec (&acc)[R][NV]) {
-  for (int64_t t = 0; t < depth; ++t) {
-    Vec bt[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bt[v] = vec16::load(b + (t * NV + v) * kLanes);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const Vec x = vec16::broadcast(a[r * row_stride + t * depth_stride]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] += x * bt[v];
-    }
-  }
-}
 
 // The pre-RoPE row of the post-RoPE row x (invert_rope's formula, half = dim / 2 a multiple of 16):
 // out[d] = x[d] c[d] + x[d + half] s[d] below half, x[d] c[d] - x[d - half] s[d] from half on, minus
@@ -138,17 +121,17 @@ KVPRESS_AVX512_KERNEL void sketch_chunk(const float* keys, const float* cos, con
     int64_t p = begin;
     for (; p + R <= end; p += R) {
       for (int r = 0; r < R; ++r)
-        unrotate_row(key_rows + (p + r) * dim, cos + (p + r) * dim, sin + (p + r) * dim, mean + u * dim,
-                     rows + r * dim, dim);
+        unrotate_row(key_rows + (p + r) * dim, cos + (p + r) * dim, sin + (p + r) * dim, mean + u * dim, rows + r * dim,
+                     dim);
       Vec acc[R][NV] = {};
-      multiply_tile<R, NV>(rows, dim, 1, phi, dim, acc);
+      multiply_tile<R, NV>(rows, dim, 1, phi, k, dim, acc);
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < NV; ++v) vec16::store(x_rows + (p + r) * k + v * kLanes, acc[r][v]);
     }
     for (; p < end; ++p) {
       unrotate_row(key_rows + p * dim, cos + p * dim, sin + p * dim, mean + u * dim, rows, dim);
       Vec acc[1][NV] = {};
-      multiply_tile<1, NV>(rows, dim, 1, phi, dim, acc);
+      multiply_tile<1, NV>(rows, dim, 1, phi, k, dim, acc);
       for (int v = 0; v < NV; ++v) vec16::store(x_rows + p * k + v * kLanes, acc[0][v]);
     }
     // Gram rows i0 .. i0 + RG: the chunk's X read as its transpose (a[i][t] = X[t][i]).
@@ -156,7 +139,7 @@ KVPRESS_AVX512_KERNEL void sketch_chunk(const float* keys, const float* cos, con
     float* gram = partial_gram + (u * chunks + chunk) * k * k;
     for (int64_t i0 = 0; i0 < k; i0 += RG) {
       Vec acc[RG][NV] = {};
-      multiply_tile<RG, NV>(x_chunk + i0, 1, k, x_chunk, end - begin, acc);
+      multiply_tile<RG, NV>(x_chunk + i0, 1, k, x_chunk, k, end - begin, acc);
       for (int r = 0; r < RG; ++r)
         for (int v = 0; v < NV; ++v) vec16::store(gram + (i0 + r) * k + v * kLanes, acc[r][v]);
     }
@@ -172,7 +155,7 @@ KVPRESS_AVX512_KERNEL void leverage_rows(const float* x, const float* inverse_t,
   int64_t p = begin;
   for (; p + R <= end; p += R) {
     Vec acc[R][NV] = {};
-    multiply_tile<R, NV>(x + p * k, k, 1, inverse_t, k, acc);
+    multiply_tile<R, NV>(x + p * k, k, 1, inverse_t, k, k, acc);
     for (int r = 0; r < R; ++r) {
       Vec squares = acc[r][0] * acc[r][0];
       for (int v = 1; v < NV; ++v) squares += acc[r][v] * acc[r][v];
@@ -181,7 +164,7 @@ KVPRESS_AVX512_KERNEL void leverage_rows(const float* x, const float* inverse_t,
   }
   for (; p < end; ++p) {
     Vec acc[1][NV] = {};
-    multiply_tile<1, NV>(x + p * k, k, 1, inverse_t, k, acc);
+    multiply_tile<1, NV>(x + p * k, k, 1, inverse_t, k, k, acc);
     Vec squares = acc[0][0] * acc[0][0];
     for (int v = 1; v < NV; ++v) squares += acc[0][v] * acc[0][v];
     out[p] = vec16::lane_sum(squares);

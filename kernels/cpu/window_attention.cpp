@@ -2,12 +2,16 @@
 // attention of the last w positions over the keys, averaged over the w window queries, without
 // materialising [B, Hq, w, S] or repeated keys. KV heads go through in slabs whose float32 logits
 // take at most 32 MiB (the buffer is reused); per slab:
-//   logits = (q / sqrt(D)) k^T   one batched GEMM, each KV head's query heads stacked as rows
-//                                (up to kFewRows rows per head: vector dot products instead)
+//   logits = (q / sqrt(D)) k^T   each KV head's query heads stacked as rows: on AVX-512 the
+//                                register tile (cpu/register_tile.h) over blocks of 64 keys
+//                                transposed in L1, one work item per (head, block), about 1.6x
+//                                the BLAS GEMM's rate on this [256 x D] x [D x S] shape; else one
+//                                batched GEMM. Up to kFewRows rows per head, either way: vector
+//                                dot products instead.
 //   per query head (a work item): each window row's softmax over the keys it sees (the causal
 //   mask is the row's length, never written), accumulated into the head's output row while both
 //   rows are in the core's cache, then scaled by 1 / w (window_softmax_mean).
-// Each step is one multi-threaded ATen call: BLAS must not run inside an at::parallel_for region
+// The BLAS fallback is one multi-threaded ATen call: BLAS must not run inside an at::parallel_for region
 // here, since torch turns MKL's dynamic threading off and nested GEMMs then oversubscribe the
 // cores (measured 10x slower on 2 busy cores).
 #include <ATen/ATen.h>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "cpu/float_rows.h"
+#include "cpu/register_tile.h"
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
 #include "kernel_ops.h"
@@ -112,6 +117,83 @@ void few_rows_slab(const at::Tensor& q, const at::Tensor& k_in, int64_t rows, fl
       at::kFloat, at::kHalf, at::kBFloat16);
 }
 
+// Keys per block of the tiled logits (four vectors: a tile is kTileRows x 64 logits) and the
+// largest head_dim of the block's transposed keys (64 KiB).
+constexpr int64_t kKeyBlock = 4 * vec16::kLanes;
+constexpr int64_t kTileMaxDim = 256;
+constexpr int kTileRows = 6;
+
+#if KVPRESS_HAVE_AVX512_KERNELS
+// Logits of rows r0 .. r0 + R against the block's n <= 64 keys: q [rows, dim], kt the keys
+// transposed [dim, 64], out column 0 of row r0, rows `seq` apart.
+template <int R>
+KVPRESS_VEC_INLINE void logits_tile(const float* q, const float* kt, int64_t dim, int64_t n, int64_t seq, float* out) {
+  vec16::Vec acc[R][4] = {};
+  multiply_tile<R, 4>(q, dim, 1, kt, kKeyBlock, dim, acc);
+  for (int r = 0; r < R; ++r) {
+    if (n == kKeyBlock) {
+      for (int v = 0; v < 4; ++v) vec16::store(out + r * seq + v * vec16::kLanes, acc[r][v]);
+    } else {
+      alignas(64) float row[kKeyBlock];
+      for (int v = 0; v < 4; ++v) vec16::store(row + v * vec16::kLanes, acc[r][v]);
+      std::copy(row, row + n, out + r * seq);
+    }
+  }
+}
+
+// logits[r][j0 + j] = q[r] . k[j] for all `rows` rows and the n <= 64 keys of one block: the keys
+// (rows k_stride floats apart) are transposed into L1 in 16 x 16 register blocks, then every
+// tile of kTileRows query rows runs the register tile over them. dim a multiple of 16.
+KVPRESS_AVX512_KERNEL
+void tiled_logits_block(const float* q, int64_t rows, const float* k, int64_t k_stride, int64_t n, int64_t dim,
+                        int64_t seq, float* logits) {
+  using vec16::kLanes;
+  alignas(64) float kt[kTileMaxDim * kKeyBlock];
+  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += kLanes) {
+    for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
+      vec16::Vec block[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j)
+        block[j] = j0 + j < n ? vec16::load(k + (j0 + j) * k_stride + d0) : vec16::Vec{};
+      vec16::transpose(block);
+      for (int64_t d = 0; d < kLanes; ++d) vec16::store(kt + (d0 + d) * kKeyBlock + j0, block[d]);
+    }
+  }
+  int64_t r = 0;
+  for (; r + kTileRows <= rows; r += kTileRows) logits_tile<kTileRows>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+  switch (rows - r) {
+    case 5: return logits_tile<5>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 4: return logits_tile<4>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 3: return logits_tile<3>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 2: return logits_tile<2>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 1: return logits_tile<1>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    default: return;
+  }
+}
+#endif
+
+// logits [nh, rows, S] = q [nh, rows, D] float32 contiguous x k [nh, S, D]ᵀ (float32, unit stride
+// along D). With AVX-512 and D a multiple of 16 up to kTileMaxDim: the register tile, one work
+// item per (head, block of 64 keys); elsewhere one batched GEMM.
+void slab_logits(const at::Tensor& q, const at::Tensor& k, at::Tensor& logits) {
+  const int64_t nh = k.size(0), seq = k.size(1), dim = k.size(2), rows = q.size(1);
+  if (!cpu_has_avx512() || dim % vec16::kLanes != 0 || dim > kTileMaxDim || k.stride(2) != 1) {
+    at::bmm_out(logits, q, k.transpose(1, 2));
+    return;
+  }
+#if KVPRESS_HAVE_AVX512_KERNELS
+  const int64_t blocks = (seq + kKeyBlock - 1) / kKeyBlock;
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  float* lp = logits.data_ptr<float>();
+  at::parallel_for(0, nh * blocks, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / blocks, j0 = item % blocks * kKeyBlock;
+      tiled_logits_block(qp + h * rows * dim, rows, kp + h * k.stride(0) + j0 * k.stride(1), k.stride(1),
+                         std::min(kKeyBlock, seq - j0), dim, seq, lp + h * rows * seq + j0);
+    }
+  });
+#endif
+}
+
 at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Tensor& keys_in) {
   constexpr const char* op = "window_attention_mean";
   checks::check_window_attention(op, queries_in, keys_in);
@@ -136,7 +218,7 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
       } else {
         // float32 keys of the slab: a view when the cache is float32, else one converted copy.
         const at::Tensor k = keys_in.select(0, b).narrow(0, h0, nh).to(at::kFloat);  // [nh, S, D]
-        at::bmm_out(logits, q, k.transpose(1, 2));
+        slab_logits(q, k, logits);
       }
       // Softmax of each window row over the keys it sees, averaged over the window, written
       // straight into the output: one work item per query head.
