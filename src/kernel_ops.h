@@ -320,6 +320,26 @@ inline void check_sketch(const char* op, const char* keys_name, const at::Tensor
   check_non_empty(op, "sketch", sketch);
 }
 
+// Post-RoPE queries of every position: [B, Hq, S, D] matching keys [B, Hkv, S, D].
+inline void check_all_queries(const char* op, const at::Tensor& queries, const at::Tensor& keys) {
+  check_rank(op, "queries", queries, 4, "[batch, num_heads, seq_len, head_dim]");
+  check_float(op, "queries", queries);
+  check_same_device(op, "queries", queries, "keys", keys);
+  TORCH_CHECK(queries.size(0) == keys.size(0) && queries.size(3) == keys.size(3), op, ": queries must be [",
+              keys.size(0), ", num_heads, ", keys.size(2), ", ", keys.size(3), "] to match keys, got ",
+              shape_str(queries));
+  TORCH_CHECK(queries.size(2) == keys.size(2), op, ": queries must cover every position (q_len == seq_len ",
+              keys.size(2), "), got q_len ", queries.size(2));
+  check_gqa(op, queries.size(1), keys.size(1));
+}
+
+// noncausal_column_sums: keys [B, Hkv, S, D], the post-RoPE queries of every position, chunk_size > 0.
+inline void check_noncausal(const char* op, const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {
+  check_keys(op, keys);
+  check_positive(op, "chunk_size", chunk_size);
+  check_all_queries(op, queries, keys);
+}
+
 // cholesky_leverage: sketched [B, H, S, k] float32 non-empty, factor [B, H, k, k] float32 on its device.
 inline void check_cholesky_leverage(const char* op, const at::Tensor& sketched, const at::Tensor& factor) {
   check_rank(op, "sketched", sketched, 4, "[batch, kv_heads, seq_len, sketch_dimension]");
@@ -357,6 +377,9 @@ std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys(
     const at::Tensor& sin,                                   // [S, D]
     const at::Tensor& sketch);                               // [B, Hkv, D, k] or [D, k]
                                                              // -> X [B, Hkv, S, k], XᵀX [B, Hkv, k, k]
+at::Tensor noncausal_column_sums(const at::Tensor& queries,  // [B, Hq, S, D] post-RoPE
+                                 const at::Tensor& keys,     // [B, Hkv, S, D]
+                                 int64_t chunk_size);        // -> [B, Hq, S] float32
 at::Tensor cholesky_leverage(const at::Tensor& sketched,     // [B, Hkv, S, k] float32
                              const at::Tensor& factor);      // [B, Hkv, k, k] -> [B, Hkv, S] float32
 at::Tensor key_norm_scores(const at::Tensor& keys);          // [B, Hkv, S, D] -> [B, Hkv, S] float32

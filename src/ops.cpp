@@ -27,10 +27,6 @@ at::Tensor leverage_scores_op(const at::Tensor& prerope_keys, int64_t sketch_dim
   return ops::leverage_scores(prerope_keys, sketch_dimension, seed);
 }
 
-at::Tensor noncausal_column_sums_op(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {
-  return ops::noncausal_column_sums(queries, keys, chunk_size);
-}
-
 // ---- registry presses on one layer (press_compress, press_compress_ragged, press_scores) -----
 // Their schemas list every LayerInputs field by name (for_each_field), so Python passes any of them
 // as a keyword argument; the kernels are boxed and read the arguments in the same order.
@@ -165,7 +161,7 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("ridge_leverage(Tensor sketched) -> Tensor", &ops::ridge_leverage);
   m.def("sketched_leverage(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketched_leverage);
   m.def("leverage_scores(Tensor prerope_keys, int sketch_dimension=48, int seed=-1) -> Tensor", &leverage_scores_op);
-  m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor", &noncausal_column_sums_op);
+  m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor");  // kernels
   m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
   m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
   // Head-ragged attention (kernels).
@@ -196,6 +192,7 @@ TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("invert_rope", &ops::composite::invert_rope);
   m.impl("sketch_prerope_keys", &ops::composite::sketch_prerope_keys);
   m.impl("cholesky_leverage", &ops::composite::cholesky_leverage);
+  m.impl("noncausal_column_sums", &ops::composite::noncausal_column_sums);
   m.impl("key_norm_scores", &ops::composite::key_norm_scores);
   m.impl("keydiff_scores", &ops::composite::keydiff_scores);
   m.impl("window_attention_mean", &ops::composite::window_attention_mean);

@@ -201,6 +201,32 @@ TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
   }
 }
 
+// The fused chunk kernel (kernels/cpu/noncausal.cpp) against the composite, which builds kvpress's
+// padded last chunk literally: chunks that divide S, a last partial chunk, a chunk longer than S,
+// chunk sizes that are not multiples of 16 (or 1), GQA groups 1-4, strided queries. Shapes the kernel
+// does not serve (bfloat16, head_dim 40) take the composite exactly.
+TEST(KernelOps, NoncausalColumnSumsMatchTheComposite) {
+  struct Case {
+    int64_t heads, kv_heads, seq, dim, chunk;
+  };
+  for (const Case& c : {Case{8, 2, 512, 64, 256}, Case{8, 2, 1000, 128, 256}, Case{4, 4, 77, 32, 32},
+                        Case{3, 1, 100, 16, 256}, Case{4, 2, 90, 64, 37}, Case{2, 1, 20, 16, 1}}) {
+    const at::Tensor q = randn({2, c.heads, c.seq, c.dim}, 80), k = randn({2, c.kv_heads, c.seq, c.dim}, 81);
+    const at::Tensor kernel = ops::noncausal_column_sums(q, k, c.chunk);
+    const at::Tensor composite = ops::composite::noncausal_column_sums(q, k, c.chunk);
+    ASSERT_EQ(kernel.sizes(), composite.sizes());
+    EXPECT_TRUE(at::allclose(kernel, composite, 1e-5, 1e-5)) << "seq " << c.seq << " chunk " << c.chunk;
+    const at::Tensor strided = q.transpose(1, 2).contiguous().transpose(1, 2);
+    EXPECT_TRUE(at::equal(ops::noncausal_column_sums(strided, k, c.chunk), kernel)) << "seq " << c.seq;
+  }
+  for (const auto& [q, k] :
+       {std::pair{randn({1, 4, 300, 40}, 82), randn({1, 2, 300, 40}, 83)},
+        std::pair{randn({1, 4, 300, 64}, 82).to(at::kBFloat16), randn({1, 2, 300, 64}, 83).to(at::kBFloat16)}}) {
+    EXPECT_TRUE(at::equal(ops::noncausal_column_sums(q, k, 256), ops::composite::noncausal_column_sums(q, k, 256)))
+        << q.scalar_type() << " " << q.sizes();
+  }
+}
+
 // A device with no kernel (here meta) is served by the composite instead of raising.
 TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   const at::Tensor keys = randn({1, 2, 30, 8}, 12).to(at::kMeta);
@@ -208,10 +234,11 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
   EXPECT_EQ(ops::keydiff_scores(keys).device().type(), at::kMeta);
   EXPECT_EQ(ops::window_attention_mean(randn({1, 4, 3, 8}, 13).to(at::kMeta), keys).sizes(),
             (at::IntArrayRef{1, 4, 27}));
-  for (const char* op : {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope",
-                         "kvpress::key_norm_scores", "kvpress::keydiff_scores", "kvpress::window_attention_mean",
-                         "kvpress::lagkv_partition_scores", "kvpress::ragged_attention", "kvpress::paged_attention",
-                         "kvpress::paged_write", "kvpress::sketch_prerope_keys", "kvpress::cholesky_leverage"}) {
+  for (const char* op :
+       {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope", "kvpress::key_norm_scores",
+        "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
+        "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write", "kvpress::sketch_prerope_keys",
+        "kvpress::cholesky_leverage", "kvpress::noncausal_column_sums"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;
@@ -423,6 +450,7 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
   const at::Tensor value_pool = randn({8 * pages_per_head, page, 64}, 50);
   const at::Tensor rope_cos = randn({1500, 64}, 52), rope_sin = randn({1500, 64}, 53);
   const at::Tensor sketch = randn({2, 4, 64, 48}, 54);
+  const at::Tensor all_queries = randn({2, 8, 1500, 64}, 55);
   const at::Tensor rows = randn({3000, 64}, 51),
                    slots = at::randperm(8 * pages_per_head * page, at::kLong).narrow(0, 0, 3000);
 
@@ -451,6 +479,7 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
     out.push_back(sketched);
     out.push_back(gram);
     out.push_back(ops::cholesky_leverage(sketched, at::linalg_cholesky(gram + at::eye(48) * 1e-2)));
+    out.push_back(ops::noncausal_column_sums(all_queries, keys, 256));
     return out;
   };
   std::vector<at::Tensor> one, four;
@@ -463,11 +492,12 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
     ASSERT_EQ(at::get_num_threads(), 4);
     four = run_all();
   }
-  const std::vector<std::string> names = {
-      "key_norm_scores",  "keydiff_scores",   "lagkv_scores",       "topk_indices",          "gather_kv keys",
-      "gather_kv values", "compact keys",     "compact values",     "window_attention_mean", "ragged_attention",
-      "paged_attention",  "paged_write keys", "paged_write values", "sketch_prerope_keys X", "sketch_prerope_keys Gram",
-      "cholesky_leverage"};
+  const std::vector<std::string> names = {"key_norm_scores",    "keydiff_scores",        "lagkv_scores",
+                                          "topk_indices",       "gather_kv keys",        "gather_kv values",
+                                          "compact keys",       "compact values",        "window_attention_mean",
+                                          "ragged_attention",   "paged_attention",       "paged_write keys",
+                                          "paged_write values", "sketch_prerope_keys X", "sketch_prerope_keys Gram",
+                                          "cholesky_leverage",  "noncausal_column_sums"};
   ASSERT_EQ(one.size(), names.size());
   for (size_t i = 0; i < names.size(); ++i) {
     if (names[i] == "ragged_attention" || names[i] == "paged_attention")

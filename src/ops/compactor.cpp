@@ -43,19 +43,6 @@ at::Tensor cholesky_with_jitter(const at::Tensor& gram, const char* op) {
               "); the keys probably hold NaN or Inf");
 }
 
-// Post-RoPE queries of every position: [B, Hq, S, D] matching keys [B, Hkv, S, D].
-void check_all_queries(const char* op, const at::Tensor& queries, const at::Tensor& keys) {
-  checks::check_rank(op, "queries", queries, 4, "[batch, num_heads, seq_len, head_dim]");
-  checks::check_float(op, "queries", queries);
-  checks::check_same_device(op, "queries", queries, "keys", keys);
-  TORCH_CHECK(queries.size(0) == keys.size(0) && queries.size(3) == keys.size(3), op, ": queries must be [",
-              keys.size(0), ", num_heads, ", keys.size(2), ", ", keys.size(3), "] to match keys, got ",
-              checks::shape_str(queries));
-  TORCH_CHECK(queries.size(2) == keys.size(2), op, ": queries must cover every position (q_len == seq_len ",
-              keys.size(2), "), got q_len ", queries.size(2));
-  checks::check_gqa(op, queries.size(1), keys.size(1));
-}
-
 // X = (K - mean_S K) Φ, cast to float32. kvpress centres and sketches in the keys' dtype and casts
 // X afterwards; in half precision we do the same, since the Gram matrix of X is ill-conditioned
 // enough that a more precise X moves the leverage scores by tens of percent.
@@ -276,10 +263,13 @@ at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int6
 }
 
 at::Tensor noncausal_column_sums(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {
-  constexpr const char* op = "noncausal_column_sums";
-  checks::check_keys(op, keys);
-  checks::check_positive(op, "chunk_size", chunk_size);
-  check_all_queries(op, queries, keys);
+  static const auto op =
+      dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("kvpress::noncausal_column_sums");
+  return op.call(queries, keys, chunk_size);
+}
+
+at::Tensor composite::noncausal_column_sums(const at::Tensor& queries, const at::Tensor& keys, int64_t chunk_size) {
+  checks::check_noncausal("noncausal_column_sums", queries, keys, chunk_size);
   return chunked_column_sums(keys, queries.size(1), chunk_size,
                              [&](int64_t start, int64_t len) { return queries.narrow(2, start, len); });
 }
@@ -289,9 +279,8 @@ at::Tensor noncausal_column_sums(const LayerInputs& in, int64_t chunk_size, cons
   checks::check_positive(op, "chunk_size", chunk_size);
   const int64_t seq = in.keys.size(2);
   if (in.queries.defined()) {
-    check_all_queries(op, in.queries, in.keys);
-    return chunked_column_sums(in.keys, in.queries.size(1), chunk_size,
-                               [&](int64_t start, int64_t len) { return in.queries.narrow(2, start, len); });
+    checks::check_all_queries(op, in.queries, in.keys);
+    return noncausal_column_sums(in.queries, in.keys, chunk_size);
   }
   TORCH_CHECK(in.hidden_states.defined() && in.q_proj.defined(), op,
               ": needs queries of every position, or hidden_states + q_proj + cos/sin; got none of them");
