@@ -94,7 +94,8 @@ void chunk_column_sums(const float* q, int64_t q_head_stride, int64_t q_row_stri
   for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
     for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
       Vec block[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) block[j] = j0 + j < len ? vec16::load(k + (j0 + j) * k_row_stride + d0) : Vec{};
+      for (int64_t j = 0; j < kLanes; ++j)
+        block[j] = j0 + j < len ? vec16::load(k + (j0 + j) * k_row_stride + d0) : Vec{};
       vec16::transpose(block);
       for (int64_t d = 0; d < kLanes; ++d) vec16::store(kt + (d0 + d) * width + j0, block[d]);
     }

@@ -48,15 +48,23 @@ void advise_huge_pages(const at::Tensor& t) {
 uint32_t kth_largest_key(uint32_t* keys, int64_t n, int64_t k, int64_t& above) {
   constexpr int kShift[3] = {21, 10, 0};
   constexpr uint32_t kMask[3] = {0x7FF, 0x7FF, 0x3FF};
-  uint32_t counts[2048];
+  uint32_t counts[2 * 2048];
   uint32_t threshold = 0;
   int64_t rank = k - 1;  // 0-based rank from the top among the keys left
   above = 0;
   for (int level = 0; level < 3; ++level) {
     const int shift = kShift[level];
     const uint32_t mask = kMask[level];
-    std::fill(counts, counts + mask + 1, 0u);
-    for (int64_t i = 0; i < n; ++i) ++counts[(keys[i] >> shift) & mask];
+    // Two interleaved histograms: neighbouring scores often share a bucket, and one histogram would
+    // make every increment wait for the previous one's store.
+    std::fill(counts, counts + 2 * (mask + 1), 0u);
+    int64_t i = 0;
+    for (; i + 1 < n; i += 2) {
+      ++counts[(keys[i] >> shift) & mask];
+      ++counts[(mask + 1) + ((keys[i + 1] >> shift) & mask)];
+    }
+    if (i < n) ++counts[(keys[i] >> shift) & mask];
+    for (uint32_t b = 0; b <= mask; ++b) counts[b] += counts[mask + 1 + b];
     uint32_t bucket = mask;
     while (counts[bucket] <= rank) {  // ends: the counts sum to n > rank
       rank -= counts[bucket];
@@ -64,10 +72,13 @@ uint32_t kth_largest_key(uint32_t* keys, int64_t n, int64_t k, int64_t& above) {
       --bucket;
     }
     threshold |= bucket << shift;
-    if (level < 2) {  // keep the keys of the chosen bucket, in place
+    if (level < 2) {  // keep the keys of the chosen bucket, in place (branch-free: the test is a coin flip)
       int64_t m = 0;
-      for (int64_t i = 0; i < n; ++i)
-        if (((keys[i] >> shift) & mask) == bucket) keys[m++] = keys[i];
+      for (int64_t j = 0; j < n; ++j) {
+        const uint32_t key = keys[j];
+        keys[m] = key;
+        m += ((key >> shift) & mask) == bucket;
+      }
       n = m;
     }
   }
@@ -88,11 +99,16 @@ bool topk_row(const scalar_t* row, int64_t seq, int64_t k, std::vector<uint32_t>
   if (!finite) return false;
   int64_t above = 0;
   const uint32_t threshold = kth_largest_key(work.data(), seq, k, above);
+  // The ordered sweep, branch-free (with k near seq / 2, whether a score is kept is a coin flip):
+  // every position is written at out[n] and n advances when it is kept.
   int64_t ties_left = k - above;
   int64_t n = 0;
   for (int64_t i = 0; i < seq && n < k; ++i) {
     const uint32_t key = order_key(static_cast<float>(row[i]));
-    if (key > threshold || (key == threshold && ties_left-- > 0)) out[n++] = i;
+    const bool tie = key == threshold && ties_left > 0;
+    ties_left -= tie;
+    out[n] = i;
+    n += (key > threshold) | tie;
   }
   return true;
 }
