@@ -102,6 +102,16 @@ KVPRESS_AVX512_KERNEL void prerope_chunk_sums(const float* keys, const float* co
   }
 }
 
+// RG rows of a chunk's Gram matrix, W column vectors wide: out[r][16 v + lane] = sum over the n
+// rows t of X of a[t * k + r] * b[t * k + 16 v + lane] (a and b point into X, rows k floats apart).
+template <int RG, int W>
+KVPRESS_VEC_INLINE void gram_rows(const float* a, const float* b, int64_t k, int64_t n, float* out) {
+  Vec acc[RG][W] = {};
+  multiply_tile<RG, W>(a, 1, k, b, k, n, acc);
+  for (int r = 0; r < RG; ++r)
+    for (int v = 0; v < W; ++v) vec16::store(out + r * k + v * kLanes, acc[r][v]);
+}
+
 // Rows of chunk `chunk` of every unit: x[u][p] = (P[u][p] - mean[u]) Φ_u, then the chunk's Gram
 // matrix partial_gram[u][chunk] = X_chunkᵀ X_chunk from those rows while they are in cache.
 // mean [units, dim]; sketch Φ_u at sketch + u * sketch_stride ([dim, k]); x [units, seq, k];
@@ -134,14 +144,24 @@ KVPRESS_AVX512_KERNEL void sketch_chunk(const float* keys, const float* cos, con
       multiply_tile<1, NV>(rows, dim, 1, phi, k, dim, acc);
       for (int v = 0; v < NV; ++v) vec16::store(x_rows + p * k + v * kLanes, acc[0][v]);
     }
-    // Gram rows i0 .. i0 + RG: the chunk's X read as its transpose (a[i][t] = X[t][i]).
+    // Gram rows i0 .. i0 + RG, the chunk's X read as its transpose (a[i][t] = X[t][i]), from the
+    // column vector holding the diagonal on: the rest is the lower triangle, which reduce_gram
+    // mirrors (a third of the products saved at k = 48).
     const float* x_chunk = x_rows + begin * k;
     float* gram = partial_gram + (u * chunks + chunk) * k * k;
     for (int64_t i0 = 0; i0 < k; i0 += RG) {
-      Vec acc[RG][NV] = {};
-      multiply_tile<RG, NV>(x_chunk + i0, 1, k, x_chunk, k, end - begin, acc);
-      for (int r = 0; r < RG; ++r)
-        for (int v = 0; v < NV; ++v) vec16::store(gram + (i0 + r) * k + v * kLanes, acc[r][v]);
+      const int64_t v0 = i0 / kLanes;
+      const float* a = x_chunk + i0;
+      const float* b = x_chunk + v0 * kLanes;
+      float* out = gram + i0 * k + v0 * kLanes;
+      switch (NV - v0) {
+        case 1: gram_rows<RG, 1>(a, b, k, end - begin, out); break;
+        case 2: gram_rows<RG, 2>(a, b, k, end - begin, out); break;
+        case 3: gram_rows<RG, 3>(a, b, k, end - begin, out); break;
+        default:
+          if constexpr (NV == 4) gram_rows<RG, 4>(a, b, k, end - begin, out);
+          break;
+      }
     }
   }
 }
@@ -195,6 +215,23 @@ void with_half_row_vectors(int64_t dim, const Body& body) {
     case 7: return body(std::integral_constant<int, 7>{});
     default: return body(std::integral_constant<int, 8>{});
   }
+}
+
+// The Gram matrices: G[u][i][j] = G[u][j][i] = sum over chunks of partial[u][c][i][j] for j >= i,
+// in chunk order, in double (the partials hold the upper triangle). partial [units, chunks, k * k].
+void reduce_gram(const at::Tensor& partial, int64_t k, float* out) {
+  const int64_t units = partial.size(0), chunks = partial.size(1);
+  const float* p = partial.data_ptr<float>();
+  at::parallel_for(0, units * k, 16, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t u = t / k, i = t % k;
+      for (int64_t j = i; j < k; ++j) {
+        double total = 0.0;
+        for (int64_t c = 0; c < chunks; ++c) total += p[(u * chunks + c) * k * k + i * k + j];
+        out[(u * k + i) * k + j] = out[(u * k + j) * k + i] = static_cast<float>(total);
+      }
+    }
+  });
 }
 
 // sum over chunks of partial[u][c][i] in chunk order, in double, times `scale`: [units, n] float32.
@@ -252,7 +289,7 @@ std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys_cpu(const at::Tensor& key
     });
   });
   at::Tensor gram = at::empty({batch, heads, k, k}, f32);
-  reduce_chunks(partial_gram, 1.0, gram.data_ptr<float>());
+  reduce_gram(partial_gram, k, gram.data_ptr<float>());
   return {x, gram};
 #else
   TORCH_CHECK(false, op, ": unreachable without AVX-512 kernels");
