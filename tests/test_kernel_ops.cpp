@@ -377,6 +377,25 @@ TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {
   }
 }
 
+// Ranks within a partition are stable: equal scores (here every token appears twice in a row, K and
+// V alike) rank by position, the earlier one directly below the later one. Partitions of 16 are
+// ranked by counting, partitions of 600 by a sort; both against the composite.
+TEST(LagKVKernel, TiedScoresRankByPositionInBothRankingPaths) {
+  for (int64_t lag : {16, 600}) {
+    const int64_t seq = 4 * lag;
+    const at::Tensor k = randn({1, 2, seq / 2, 32}, 14).repeat_interleave(2, 2);
+    const at::Tensor v = randn({1, 2, seq / 2, 32}, 15).repeat_interleave(2, 2);
+    const at::Tensor ranks = ops::lagkv_scores(k, v, 0, lag, false);
+    expect_same_lag_scores(ranks, ops::composite::lagkv_partition_scores(k, v, 0, lag, false), true, "ties");
+    for (int64_t p = 0; p + 1 < seq / lag; ++p) {  // the last partition has no reference: all ones
+      const at::Tensor part = ranks[0][1].narrow(0, p * lag, lag);
+      EXPECT_TRUE(at::equal(std::get<0>(part.sort()), at::arange(lag, at::kFloat) / lag)) << lag << " " << p;
+      const at::Tensor earlier = part.slice(0, 0, lag, 2), later = part.slice(0, 1, lag, 2);
+      EXPECT_TRUE(at::allclose(later - earlier, at::full({lag / 2}, 1.0 / lag), 0, 1e-6)) << lag << " " << p;
+    }
+  }
+}
+
 TEST(LagKVKernel, CoversEveryTiledHeadDimAndTheGenericLoop) {
   // Head dims 16..128 in steps of 16 take the register-tiled statistics (rows in groups of four,
   // then single rows: lag 18), the others the generic loop.

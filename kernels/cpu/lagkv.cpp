@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -28,22 +30,17 @@ namespace {
 constexpr int64_t kLanes = vec16::kLanes;  // independent partial sums, so the compiler can vectorise reductions
 constexpr int64_t kPrefetchRows = 8;       // rows ahead that partition_stds asks for
 
-// Sum of the n floats at x with kLanes partial sums.
+// Sum of the n floats at x: kLanes partial sums (lane j adds x[j], x[j + 16], ... in order), added by
+// vec16::lane_sum's halving tree, then the tail in order. The tiled path below forms the same
+// partial sums in a vector and adds them by the same tree, so both give the same bits (a tree, not
+// a chain of 16 dependent adds per reduction).
 inline float lane_sum(const float* x, int64_t n) {
   float acc[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes)
     for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[d + j];
-  float total = 0.f;
+  float total = vec16::lane_sum(vec16::load(acc));
   for (; d < n; ++d) total += x[d];
-  for (int64_t j = 0; j < kLanes; ++j) total += acc[j];
-  return total;
-}
-
-// Sum of the lanes of v in lane order after `total`: the order of lane_sum's final loop, so the
-// tiled path below adds exactly as the generic one does.
-KVPRESS_VEC_INLINE float add_lanes_in_order(float total, vec16::Vec v) {
-  for (int64_t j = 0; j < vec16::kLanes; ++j) total += v[j];
   return total;
 }
 
@@ -83,7 +80,7 @@ KVPRESS_VEC_INLINE void partition_stds_tiled(const float* __restrict cur, const 
       }
     }
     float mean[R], total[R];
-    for (int r = 0; r < R; ++r) mean[r] = add_lanes_in_order(0.f, acc[r]) * inv_dim;
+    for (int r = 0; r < R; ++r) mean[r] = vec16::lane_sum(acc[r]) * inv_dim;
     for (int r = 0; r < R; ++r) {
       acc[r] = Vec{};
       for (int v = 0; v < NV; ++v) {
@@ -91,7 +88,7 @@ KVPRESS_VEC_INLINE void partition_stds_tiled(const float* __restrict cur, const 
         acc[r] += centred * centred;
       }
     }
-    for (int r = 0; r < R; ++r) total[r] = add_lanes_in_order(0.f, acc[r]);
+    for (int r = 0; r < R; ++r) total[r] = vec16::lane_sum(acc[r]);
     for (int r = 0; r < R; ++r) stds[t0 + r] = std::sqrt(total[r] * inv_dof);
   };
   int64_t t = 0;
@@ -143,7 +140,9 @@ void partition_stds(const float* __restrict cur, const float* __restrict ref, in
   }
 }
 
-// In place: softmax over n values (NaN anywhere gives NaN everywhere).
+// In place: softmax over n values (NaN anywhere gives NaN everywhere), the exponentials 16 at a
+// time (vec16::exp_nonpositive; the tail padded with -inf, whose exponential is 0).
+KVPRESS_VECTOR_CLONES
 void softmax_in_place(float* v, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   bool nan = false;
@@ -155,10 +154,41 @@ void softmax_in_place(float* v, int64_t n) {
     std::fill(v, v + n, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  float total = 0.f;
-  for (int64_t t = 0; t < n; ++t) total += (v[t] = std::exp(v[t] - m));
-  const float inv_total = 1.f / total;
-  for (int64_t t = 0; t < n; ++t) v[t] *= inv_total;
+  const vec16::Vec shift = vec16::broadcast(m);
+  vec16::Vec sum{};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const vec16::Vec e = vec16::exp_nonpositive(vec16::load(v + t) - shift);
+    vec16::store(v + t, e);
+    sum += e;
+  }
+  if (t < n) {
+    float tail[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) tail[j] = t + j < n ? v[t + j] : -std::numeric_limits<float>::infinity();
+    const vec16::Vec e = vec16::exp_nonpositive(vec16::load(tail) - shift);
+    sum += e;
+    for (int64_t j = 0; t + j < n; ++j) v[t + j] = e[j];
+  }
+  const float inv_total = 1.f / vec16::lane_sum(sum);
+  for (int64_t j = 0; j < n; ++j) v[j] *= inv_total;
+}
+
+// Partitions up to this length are ranked by counting (O(lag^2) vector compares, no branches),
+// longer ones by a sort.
+constexpr int64_t kCountingRankMax = 512;
+
+// rank[t] = #{u < t : keys[u] <= keys[t]} + #{u > t : keys[u] < keys[t]}: the stable ascending
+// rank, ties to the lower position. Two branch-free counting loops per key, which the compiler
+// vectorises.
+KVPRESS_VECTOR_CLONES
+void stable_ranks(const uint32_t* __restrict keys, int64_t n, int32_t* __restrict rank) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint32_t pivot = keys[t];
+    int32_t count = 0;
+    for (int64_t u = 0; u < t; ++u) count += keys[u] <= pivot;
+    for (int64_t u = t + 1; u < n; ++u) count += keys[u] < pivot;
+    rank[t] = count;
+  }
 }
 
 // Scratch of one thread. float16/bfloat16 partitions are converted to float32 once: the
@@ -167,7 +197,10 @@ struct LagScratch {
   std::vector<float> work, key_soft, value_soft;
   std::vector<float> conv[4];   // K cur, K ref, V cur, V ref
   std::vector<uint64_t> order;  // (score key << 32) | position
-  LagScratch(int64_t dim, int64_t lag, bool convert) : work(3 * dim), key_soft(lag), value_soft(lag), order(lag) {
+  std::vector<uint32_t> keys;   // score keys for stable_ranks
+  std::vector<int32_t> ranks;
+  LagScratch(int64_t dim, int64_t lag, bool convert)
+      : work(3 * dim), key_soft(lag), value_soft(lag), order(lag), keys(lag), ranks(lag) {
     if (convert)
       for (auto& c : conv) c.resize(static_cast<size_t>(lag * dim));
   }
@@ -209,16 +242,22 @@ void score_head_partitions(const scalar_t* k, const scalar_t* v, int64_t p_begin
       std::copy(sc, sc + lag, dst);
       continue;
     }
-    // Stable rank within the partition (argsort(argsort)); ties go to the lower position: sorting
-    // (score key, position) as one integer orders ties by position with no comparator.
+    // Stable rank within the partition (argsort(argsort)); ties go to the lower position. rank / lag
+    // in float32, rounded to the cache dtype as kvpress does.
+    const auto rank_value = [&](int64_t r) {
+      return static_cast<float>(static_cast<scalar_t>(static_cast<float>(r) / static_cast<float>(lag)));
+    };
+    if (lag <= kCountingRankMax) {
+      for (int64_t t = 0; t < lag; ++t) s.keys[t] = order_key(sc[t]);
+      stable_ranks(s.keys.data(), lag, s.ranks.data());
+      for (int64_t t = 0; t < lag; ++t) dst[t] = rank_value(s.ranks[t]);
+      continue;
+    }
+    // Longer partitions: sorting (score key, position) as one integer orders ties by position.
     for (int64_t t = 0; t < lag; ++t)
       s.order[t] = (static_cast<uint64_t>(order_key(sc[t])) << 32) | static_cast<uint64_t>(t);
     std::sort(s.order.begin(), s.order.end());
-    for (int64_t r = 0; r < lag; ++r) {
-      // rank / lag in float32, rounded to the cache dtype as kvpress does.
-      dst[s.order[r] & 0xFFFFFFFFu] =
-          static_cast<float>(static_cast<scalar_t>(static_cast<float>(r) / static_cast<float>(lag)));
-    }
+    for (int64_t r = 0; r < lag; ++r) dst[s.order[r] & 0xFFFFFFFFu] = rank_value(r);
   }
 }
 
