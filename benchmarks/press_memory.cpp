@@ -426,6 +426,7 @@ int main(int argc, char** argv) {
       "\nallocator: peak bytes live in libtorch's CPU allocator during score(), minus those live before;\n"
       "peak RSS: VmHWM during score() minus VmRSS before (each in a fresh process after a warm-up).\n"
       "Only NonCausalAttnPress is required to stay below the keys (issue 3). LeverageScorePress holds the\n"
-      "float32 sketch X [B, Hkv, S, 48] plus one KV head's float32 pre-RoPE keys and RoPE temporaries.\n");
+      "float32 sketch X [B, Hkv, S, 48] and per-chunk partial Gram matrices (its CPU kernel; the composite\n"
+      "holds one KV head's float32 pre-RoPE keys and RoPE temporaries instead).\n");
   return status;
 }

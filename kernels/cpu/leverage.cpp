@@ -55,6 +55,16 @@ constexpr int kTileRows = NV == 4 ? 6 : 8;
 template <int NV>
 constexpr int kGramRows = NV == 4 ? 4 : 8;
 
+// The keys of every unit (batch x head) as rows with a unit stride along head_dim; any other strides
+// (a slice of a longer cache, a [B, S, H, D] layout) are read in place.
+struct KeyRows {
+  const float* data;
+  int64_t heads, batch_stride, head_stride, row_stride;
+  const float* row(int64_t unit, int64_t position) const {
+    return data + unit / heads * batch_stride + unit % heads * head_stride + position * row_stride;
+  }
+};
+
 // The pre-RoPE row of the post-RoPE row x (invert_rope's formula, half = dim / 2 a multiple of 16):
 // out[d] = x[d] c[d] + x[d + half] s[d] below half, x[d] c[d] - x[d - half] s[d] from half on, minus
 // mean[d] when mean is given.
@@ -75,17 +85,17 @@ KVPRESS_VEC_INLINE void unrotate_row(const float* x, const float* c, const float
 }
 
 // partial[u][chunk][d]: the sum of the pre-RoPE rows of chunk `chunk` of every unit (batch x head),
-// accumulated in registers (HV = dim / 32 vectors per half row). keys [units, seq, dim], cos/sin
+// accumulated in registers (HV = dim / 32 vectors per half row). keys: units x seq rows, cos/sin
 // [seq, dim], partial [units, chunks, dim].
 template <int HV>
-KVPRESS_AVX512_KERNEL void prerope_chunk_sums(const float* keys, const float* cos, const float* sin, int64_t units,
+KVPRESS_AVX512_KERNEL void prerope_chunk_sums(const KeyRows& keys, const float* cos, const float* sin, int64_t units,
                                               int64_t seq, int64_t chunk, float* partial) {
   constexpr int64_t dim = 2 * HV * kLanes, half = HV * kLanes;
   const int64_t begin = chunk * kChunk, end = std::min(seq, begin + kChunk), chunks = chunks_of(seq);
   for (int64_t u = 0; u < units; ++u) {
     Vec lo_sum[HV] = {}, hi_sum[HV] = {};
     for (int64_t p = begin; p < end; ++p) {
-      const float *x = keys + (u * seq + p) * dim, *c = cos + p * dim, *s = sin + p * dim;
+      const float *x = keys.row(u, p), *c = cos + p * dim, *s = sin + p * dim;
 #pragma GCC unroll 8
       for (int v = 0; v < HV; ++v) {
         const int64_t d = v * kLanes;
@@ -117,7 +127,7 @@ KVPRESS_VEC_INLINE void gram_rows(const float* a, const float* b, int64_t k, int
 // mean [units, dim]; sketch Φ_u at sketch + u * sketch_stride ([dim, k]); x [units, seq, k];
 // partial_gram [units, chunks, k, k].
 template <int NV>
-KVPRESS_AVX512_KERNEL void sketch_chunk(const float* keys, const float* cos, const float* sin, const float* mean,
+KVPRESS_AVX512_KERNEL void sketch_chunk(const KeyRows& keys, const float* cos, const float* sin, const float* mean,
                                         const float* sketch, int64_t sketch_stride, int64_t units, int64_t seq,
                                         int64_t dim, int64_t chunk, float* x, float* partial_gram) {
   constexpr int64_t k = NV * kLanes;
@@ -126,20 +136,19 @@ KVPRESS_AVX512_KERNEL void sketch_chunk(const float* keys, const float* cos, con
   alignas(64) float rows[R * kMaxDim];
   for (int64_t u = 0; u < units; ++u) {
     const float* phi = sketch + u * sketch_stride;
-    const float* key_rows = keys + u * seq * dim;
+
     float* x_rows = x + u * seq * k;
     int64_t p = begin;
     for (; p + R <= end; p += R) {
       for (int r = 0; r < R; ++r)
-        unrotate_row(key_rows + (p + r) * dim, cos + (p + r) * dim, sin + (p + r) * dim, mean + u * dim, rows + r * dim,
-                     dim);
+        unrotate_row(keys.row(u, p + r), cos + (p + r) * dim, sin + (p + r) * dim, mean + u * dim, rows + r * dim, dim);
       Vec acc[R][NV] = {};
       multiply_tile<R, NV>(rows, dim, 1, phi, k, dim, acc);
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < NV; ++v) vec16::store(x_rows + (p + r) * k + v * kLanes, acc[r][v]);
     }
     for (; p < end; ++p) {
-      unrotate_row(key_rows + p * dim, cos + p * dim, sin + p * dim, mean + u * dim, rows, dim);
+      unrotate_row(keys.row(u, p), cos + p * dim, sin + p * dim, mean + u * dim, rows, dim);
       Vec acc[1][NV] = {};
       multiply_tile<1, NV>(rows, dim, 1, phi, k, dim, acc);
       for (int v = 0; v < NV; ++v) vec16::store(x_rows + p * k + v * kLanes, acc[0][v]);
@@ -260,12 +269,13 @@ std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys_cpu(const at::Tensor& key
   if (keys_in.scalar_type() != at::kFloat || !tiles_fit(dim, k))
     return ops::composite::sketch_prerope_keys(keys_in, cos_in, sin_in, sketch_in);
 #if KVPRESS_HAVE_AVX512_KERNELS
-  const at::Tensor keys = keys_in.contiguous();
+  const at::Tensor keys = keys_in.stride(3) == 1 ? keys_in : keys_in.contiguous();
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   const at::Tensor sketch = sketch_in.to(at::kFloat).contiguous();
   const int64_t units = batch * heads, chunks = chunks_of(seq);
   const int64_t sketch_stride = sketch.dim() == 2 ? 0 : dim * k;
-  const float *kp = keys.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const KeyRows kp{keys.data_ptr<float>(), heads, keys.stride(0), keys.stride(1), keys.stride(2)};
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const auto f32 = keys.options().dtype(at::kFloat);
 
   // The mean of every unit's pre-RoPE keys (kvpress centres before it sketches).
