@@ -42,10 +42,39 @@ constexpr int64_t kSlabBytes = int64_t{32} << 20;
 // time packing the keys, while the dot products read each key row once, at memory speed.
 constexpr int64_t kFewRows = 8;
 
+// few_rows_logits for R rows and dim a multiple of 16: each key row is loaded once per 16 floats and
+// multiplied into R independent accumulators (one per query row), then each is summed across lanes.
+template <int R>
+KVPRESS_VEC_INLINE void few_rows_logits_tiled(const float* q, const float* k, int64_t n, int64_t dim, int64_t seq,
+                                              float* logits) {
+  for (int64_t j = 0; j < n; ++j) {
+    vec16::Vec acc[R] = {};
+    for (int64_t d = 0; d < dim; d += vec16::kLanes) {
+      const vec16::Vec kv = vec16::load(k + j * dim + d);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] += vec16::load(q + r * dim + d) * kv;
+    }
+    for (int r = 0; r < R; ++r) logits[r * seq + j] = vec16::lane_sum(acc[r]);
+  }
+}
+
 // logits[r * seq + j] = q[r] . k[j] for the rows of one KV head and n consecutive keys; q [rows,
 // dim] and k [n, dim] contiguous, logits rows `seq` apart.
 KVPRESS_VECTOR_CLONES
 void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t n, int64_t dim, int64_t seq, float* logits) {
+  if (dim % vec16::kLanes == 0) {
+    switch (rows) {
+      case 1: return few_rows_logits_tiled<1>(q, k, n, dim, seq, logits);
+      case 2: return few_rows_logits_tiled<2>(q, k, n, dim, seq, logits);
+      case 3: return few_rows_logits_tiled<3>(q, k, n, dim, seq, logits);
+      case 4: return few_rows_logits_tiled<4>(q, k, n, dim, seq, logits);
+      case 5: return few_rows_logits_tiled<5>(q, k, n, dim, seq, logits);
+      case 6: return few_rows_logits_tiled<6>(q, k, n, dim, seq, logits);
+      case 7: return few_rows_logits_tiled<7>(q, k, n, dim, seq, logits);
+      case 8: return few_rows_logits_tiled<8>(q, k, n, dim, seq, logits);
+      default: break;
+    }
+  }
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < rows; ++r) logits[r * seq + j] = vec16::dot(q + r * dim, k + j * dim, dim);
 }
