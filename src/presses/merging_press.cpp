@@ -46,38 +46,56 @@ KV MergingPress::compress(const LayerInputs& in) const {
   const at::Tensor evicted_mask =
       at::ones(in.keys.sizes().slice(0, 3), kept.options().dtype(at::kBool)).scatter_(2, kept, false);
   const at::Tensor evicted = evicted_mask.nonzero().select(1, 2).view({kept.size(0), kept.size(1), n_evicted});
-  const KV gone = ops::gather_kv(in.keys, in.values, evicted);
-
-  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted], a block of
-  // evicted rows at a time (kSimilarityBlockElements).
-  const at::Tensor gone_unit = unit_rows(gone.keys.to(at::kFloat));                    // [B, Hkv, n_evicted, D]
-  const at::Tensor kept_unit_t = unit_rows(kv.keys.to(at::kFloat)).transpose(-1, -2);  // [B, Hkv, D, n_kept]
+  // Rows of K or V at evicted positions [r0, r0 + len) of every head, float32: [B, Hkv, len, D].
+  const int64_t dim = in.keys.size(3);
+  const auto evicted_rows = [&](const at::Tensor& x, int64_t r0, int64_t len) {
+    const at::Tensor index = evicted.narrow(2, r0, len).unsqueeze(-1).expand({kept.size(0), kept.size(1), len, dim});
+    return x.gather(2, index).to(at::kFloat);
+  };
+  // Blocks of evicted rows whose similarity rows take kSimilarityBlockElements; the evicted keys and
+  // values are only ever gathered a block at a time (peak memory: the output, the unit kept keys and
+  // one block, or the output and the float32 value sums).
   const int64_t block = std::max<int64_t>(1, kSimilarityBlockElements / (kept.size(0) * kept.size(1) * n_kept));
-  std::vector<at::Tensor> block_max, block_target;
-  for (int64_t r0 = 0; r0 < n_evicted; r0 += block) {
-    auto [m, t] = at::matmul(gone_unit.narrow(2, r0, std::min(block, n_evicted - r0)), kept_unit_t).max(-1);
-    block_max.push_back(m);
-    block_target.push_back(t);
+
+  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted].
+  at::Tensor max_sim, target;
+  {
+    const at::Tensor kept_unit_t = unit_rows(kv.keys.to(at::kFloat)).transpose(-1, -2);  // [B, Hkv, D, n_kept]
+    std::vector<at::Tensor> block_max, block_target;
+    for (int64_t r0 = 0; r0 < n_evicted; r0 += block) {
+      const int64_t len = std::min(block, n_evicted - r0);
+      auto [m, t] = at::matmul(unit_rows(evicted_rows(in.keys, r0, len)), kept_unit_t).max(-1);
+      block_max.push_back(m);
+      block_target.push_back(t);
+    }
+    max_sim = at::cat(block_max, 2);
+    target = at::cat(block_target, 2);
   }
-  const at::Tensor max_sim = at::cat(block_max, 2), target = at::cat(block_target, 2);
   at::Tensor merge = max_sim >= similarity_threshold_;
   if (merge_fraction_ < 1.0 && merge.any().item<bool>()) {
     const at::Tensor eligible = max_sim.masked_fill(~merge, -std::numeric_limits<double>::infinity());
     merge = merge & (max_sim >= at::quantile(eligible, 1.0 - merge_fraction_, /*dim=*/-1, /*keepdim=*/true));
   }
-  const at::Tensor kept_values = kv.values.to(at::kFloat), evicted_values = gone.values.to(at::kFloat);
+  const at::Tensor kept_values = kv.values.to(at::kFloat);
   const at::Tensor target_norm = kept_values.norm(2, -1).gather(2, target);
-  const at::Tensor evicted_norm = evicted_values.norm(2, -1);
-  const at::Tensor weight =
-      max_sim.clamp_min(0) * merge.to(at::kFloat) * evicted_norm / (evicted_norm + target_norm + kEps);
 
-  // Σ w·v_e and Σ w per kept token, then the normalised blend where anything arrived.
-  const at::Tensor value_sum =
-      at::zeros_like(kept_values)
-          .scatter_add_(2, target.unsqueeze(-1).expand_as(evicted_values), weight.unsqueeze(-1) * evicted_values);
-  const at::Tensor weight_sum = at::zeros(kept.sizes(), kept_values.options()).scatter_add_(2, target, weight);
-  const at::Tensor blended = ((kept_values + value_sum) / (1.0 + weight_sum).unsqueeze(-1)).to(kv.values.scalar_type());
-  kv.values = at::where((weight_sum > 0).unsqueeze(-1), blended, kv.values).contiguous();
+  // Σ w·v_e and Σ w per kept token, a block of evicted values at a time.
+  at::Tensor value_sum = at::zeros_like(kept_values);
+  const at::Tensor weight_sum = at::zeros(kept.sizes(), kept_values.options());
+  for (int64_t r0 = 0; r0 < n_evicted; r0 += block) {
+    const int64_t len = std::min(block, n_evicted - r0);
+    const at::Tensor evicted_values = evicted_rows(in.values, r0, len);
+    const at::Tensor evicted_norm = evicted_values.norm(2, -1);
+    const at::Tensor weight = max_sim.narrow(2, r0, len).clamp_min(0) * merge.narrow(2, r0, len).to(at::kFloat) *
+                              evicted_norm / (evicted_norm + target_norm.narrow(2, r0, len) + kEps);
+    const at::Tensor block_target = target.narrow(2, r0, len);
+    value_sum.scatter_add_(2, block_target.unsqueeze(-1).expand_as(evicted_values),
+                           weight.unsqueeze(-1) * evicted_values);
+    weight_sum.scatter_add_(2, block_target, weight);
+  }
+  // The normalised blend where anything arrived: (kept + Σ w·v) / (1 + Σ w), written in place.
+  const at::Tensor blended = value_sum.add_(kept_values).div_((1.0 + weight_sum).unsqueeze(-1));
+  at::where_out(kv.values, (weight_sum > 0).unsqueeze(-1), blended.to(kv.values.scalar_type()), kv.values);
   return kv;
 }
 
