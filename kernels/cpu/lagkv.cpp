@@ -154,18 +154,12 @@ void softmax_in_place(float* v, int64_t n) {
     std::fill(v, v + n, std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  const vec16::Vec shift = vec16::broadcast(m);
-  vec16::Vec sum{};
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes) {
-    const vec16::Vec e = vec16::exp_nonpositive(vec16::load(v + t) - shift);
-    vec16::store(v + t, e);
-    sum += e;
-  }
+  const int64_t t = n / kLanes * kLanes;
+  vec16::Vec sum = vec16::exp_shifted_in_place(v, t, m);
   if (t < n) {
     float tail[kLanes];
     for (int64_t j = 0; j < kLanes; ++j) tail[j] = t + j < n ? v[t + j] : -std::numeric_limits<float>::infinity();
-    const vec16::Vec e = vec16::exp_nonpositive(vec16::load(tail) - shift);
+    const vec16::Vec e = vec16::exp_nonpositive(vec16::load(tail) - vec16::broadcast(m));
     sum += e;
     for (int64_t j = 0; t + j < n; ++j) v[t + j] = e[j];
   }

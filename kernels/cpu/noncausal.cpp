@@ -60,21 +60,9 @@ KVPRESS_VEC_INLINE void logits_rows(const float* q, int64_t q_stride, const floa
 KVPRESS_VEC_INLINE void add_row_softmax(float* row, int64_t n, int64_t pads, float* column_sums) {
   const int64_t padded_n = (n + kLanes - 1) / kLanes * kLanes;
   for (int64_t j = n; j < padded_n; ++j) row[j] = -std::numeric_limits<float>::infinity();
-  Vec max_v = vec16::load(row);
-  for (int64_t j = kLanes; j < padded_n; j += kLanes) {
-    const Vec v = vec16::load(row + j);
-    max_v = v > max_v ? v : max_v;
-  }
-  float row_max = vec16::lane_max(max_v);
+  float row_max = vec16::lane_max(vec16::lanes_max(row + kLanes, padded_n - kLanes, vec16::load(row)));
   if (pads > 0) row_max = std::max(row_max, kPaddedKeyLogit);
-  const Vec shift = vec16::broadcast(row_max);
-  Vec sum_v{};
-  for (int64_t j = 0; j < padded_n; j += kLanes) {
-    const Vec e = vec16::exp_nonpositive(vec16::load(row + j) - shift);
-    vec16::store(row + j, e);
-    sum_v += e;
-  }
-  float total = vec16::lane_sum(sum_v);
+  float total = vec16::lane_sum(vec16::exp_shifted_in_place(row, padded_n, row_max));
   if (pads > 0) total += static_cast<float>(pads) * std::exp(kPaddedKeyLogit - row_max);
   const Vec inv = vec16::broadcast(1.0f / total);
   for (int64_t j = 0; j < padded_n; j += kLanes)

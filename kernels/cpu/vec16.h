@@ -86,6 +86,28 @@ KVPRESS_VEC_INLINE Vec exp_nonpositive(Vec x) {
   return underflow ? broadcast(0.0f) : p * scale;
 }
 
+// Lane-wise maximum of `start` and the n floats at x (n a multiple of 16), for a softmax's shift.
+KVPRESS_VEC_INLINE Vec lanes_max(const float* x, int64_t n, Vec start) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const Vec v = load(x + j);
+    start = v > start ? v : start;
+  }
+  return start;
+}
+
+// x[j] <- e^(x[j] - shift) for the n floats at x (n a multiple of 16, shift >= every x[j]): a
+// softmax's exponentials in place. Returns their lane-wise sums.
+KVPRESS_VEC_INLINE Vec exp_shifted_in_place(float* x, int64_t n, float shift) {
+  const Vec s = broadcast(shift);
+  Vec sum{};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const Vec e = exp_nonpositive(load(x + j) - s);
+    store(x + j, e);
+    sum += e;
+  }
+  return sum;
+}
+
 // Sum of the 16 lanes by halving (a fixed order, so the result does not depend on the clone).
 KVPRESS_VEC_INLINE float lane_sum(Vec v) {
   const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -98,20 +98,9 @@ void window_softmax_mean(float* logits, int64_t window, int64_t seq, float* __re
     // The tail of the visible columns, padded with -inf (e^-inf = 0 adds nothing).
     float tail_in[kLanes];
     for (int64_t j = 0; j < kLanes; ++j) tail_in[j] = body + j < visible ? row[body + j] : neg_inf;
-    Vec max_v = vec16::load(tail_in);
-    for (int64_t j = 0; j < body; j += kLanes) {
-      const Vec v = vec16::load(row + j);
-      max_v = v > max_v ? v : max_v;
-    }
-    const float row_max = vec16::lane_max(max_v);
-    const Vec shift = vec16::broadcast(row_max);
-    Vec sum_v{};
-    for (int64_t j = 0; j < body; j += kLanes) {
-      const Vec e = vec16::exp_nonpositive(vec16::load(row + j) - shift);
-      vec16::store(row + j, e);
-      sum_v += e;
-    }
-    const Vec tail_e = vec16::exp_nonpositive(vec16::load(tail_in) - shift);
+    const float row_max = vec16::lane_max(vec16::lanes_max(row, body, vec16::load(tail_in)));
+    Vec sum_v = vec16::exp_shifted_in_place(row, body, row_max);
+    const Vec tail_e = vec16::exp_nonpositive(vec16::load(tail_in) - vec16::broadcast(row_max));
     sum_v += tail_e;
     for (int64_t j = body; j < visible; ++j) row[j] = tail_e[j - body];
     const float inv = 1.0f / vec16::lane_sum(sum_v);
