@@ -2,13 +2,11 @@
 // AVX-512: kvpress::sketch_prerope_keys (X = (P - mean_S P) Φ and XᵀX, P the pre-RoPE keys) and
 // kvpress::cholesky_leverage (ℓ_i = ||L⁻¹ x_i||²).
 //
-// All three products are narrow: [S x D] x [D x k], [k x S] x [S x k] and [S x k] x [k x k] with
-// k = 48, shapes on which the BLAS that libtorch ships runs at about half its square-matrix rate on
-// the development machine (85-95 against 170-205 GFLOP/s on two threads). Here each is a register
-// tile of R rows x k columns (R x k/16 accumulators), fed per step of the inner dimension by k/16
-// vector loads and one broadcast per row, which runs at 230-260 GFLOP/s there. The sketch's rows
-// are un-rotated and centred into a small buffer just before they are multiplied, so K is read
-// twice (its mean, then the sketch) and nothing of its size is written.
+// All three products are narrow ([S x D] x [D x k], [k x S] x [S x k] and [S x k] x [k x k] with
+// k = 48), which libtorch's BLAS runs at about half its square-matrix rate; each is the register
+// tile of cpu/register_tile.h with R rows x k columns. The sketch's rows are un-rotated and centred
+// into a small buffer just before they are multiplied, so K is read twice (its mean, then the
+// sketch) and nothing of its size is written.
 //
 // Deterministic: positions are cut into fixed chunks of kChunk; each chunk's partial sums (column
 // sums for the mean, the Gram matrix) are formed in a fixed order and added in chunk order in

@@ -4,8 +4,7 @@
 // take at most 32 MiB (the buffer is reused); per slab:
 //   logits = (q / sqrt(D)) k^T   each KV head's query heads stacked as rows: on AVX-512 the
 //                                register tile (cpu/register_tile.h) over blocks of 64 keys
-//                                transposed in L1, one work item per (head, block), about 1.6x
-//                                the BLAS GEMM's rate on this [256 x D] x [D x S] shape; else one
+//                                transposed in L1, one work item per (head, block); else one
 //                                batched GEMM. Up to kFewRows rows per head, either way: vector
 //                                dot products instead.
 //   per query head (a work item): each window row's softmax over the keys it sees (the causal
