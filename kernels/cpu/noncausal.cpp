@@ -78,16 +78,7 @@ KVPRESS_AVX512_KERNEL
 void chunk_column_sums(const float* q, int64_t q_head_stride, int64_t q_row_stride, int64_t group, const float* k,
                        int64_t k_row_stride, int64_t len, int64_t chunk, int64_t dim, int64_t width, float* kt,
                        float* rows, float* sums, float* out, int64_t out_head_stride) {
-  // The chunk's keys transposed, 16 x 16 blocks in registers; columns past len are zero.
-  for (int64_t j0 = 0; j0 < width; j0 += kLanes) {
-    for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
-      Vec block[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j)
-        block[j] = j0 + j < len ? vec16::load(k + (j0 + j) * k_row_stride + d0) : Vec{};
-      vec16::transpose(block);
-      for (int64_t d = 0; d < kLanes; ++d) vec16::store(kt + (d0 + d) * width + j0, block[d]);
-    }
-  }
+  transpose_keys(k, k_row_stride, len, width, dim, kt);  // columns past len are zero
   const int64_t pads = chunk - len;
   for (int64_t h = 0; h < group; ++h) {
     const float* qh = q + h * q_head_stride;

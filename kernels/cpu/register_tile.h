@@ -31,4 +31,20 @@ KVPRESS_VEC_INLINE void multiply_tile(const float* a, int64_t row_stride, int64_
   }
 }
 
+// The b operand of a logits tile: kt[d][j] = k[j][d] for keys j < width (a multiple of 16), rows
+// of k `k_stride` floats apart, dim a multiple of 16; keys from n on are zero. 16 x 16 blocks are
+// transposed in registers.
+KVPRESS_VEC_INLINE void transpose_keys(const float* k, int64_t k_stride, int64_t n, int64_t width, int64_t dim,
+                                       float* kt) {
+  for (int64_t j0 = 0; j0 < width; j0 += vec16::kLanes) {
+    for (int64_t d0 = 0; d0 < dim; d0 += vec16::kLanes) {
+      vec16::Vec block[vec16::kLanes];
+      for (int64_t j = 0; j < vec16::kLanes; ++j)
+        block[j] = j0 + j < n ? vec16::load(k + (j0 + j) * k_stride + d0) : vec16::Vec{};
+      vec16::transpose(block);
+      for (int64_t d = 0; d < vec16::kLanes; ++d) vec16::store(kt + (d0 + d) * width + j0, block[d]);
+    }
+  }
+}
+
 }  // namespace kvpress::kernels

@@ -164,17 +164,8 @@ KVPRESS_VEC_INLINE void logits_tile(const float* q, const float* kt, int64_t dim
 KVPRESS_AVX512_KERNEL
 void tiled_logits_block(const float* q, int64_t rows, const float* k, int64_t k_stride, int64_t n, int64_t dim,
                         int64_t seq, float* logits) {
-  using vec16::kLanes;
   alignas(64) float kt[kTileMaxDim * kKeyBlock];
-  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += kLanes) {
-    for (int64_t d0 = 0; d0 < dim; d0 += kLanes) {
-      vec16::Vec block[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j)
-        block[j] = j0 + j < n ? vec16::load(k + (j0 + j) * k_stride + d0) : vec16::Vec{};
-      vec16::transpose(block);
-      for (int64_t d = 0; d < kLanes; ++d) vec16::store(kt + (d0 + d) * kKeyBlock + j0, block[d]);
-    }
-  }
+  transpose_keys(k, k_stride, n, kKeyBlock, dim, kt);
   int64_t r = 0;
   for (; r + kTileRows <= rows; r += kTileRows) logits_tile<kTileRows>(q + r * dim, kt, dim, n, seq, logits + r * seq);
   switch (rows - r) {
