@@ -12,6 +12,8 @@ kvpress_build
 kvpress_fixtures
 # One intra-op thread per test process: ctest already runs $jobs of them side by side.
 (cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs")
+# The same C++ suite on the path of an AVX2-only CPU, where this one has AVX-512 (about a minute).
+"$root/scripts/test_avx2_path.sh"
 
 # The installed package must be usable through find_package(kvpress).
 cmake --install "$build" --prefix "$build/install" >/dev/null

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "avx512_skip.h"
 #include "cpu/vec16.h"
 #include "kernel_ops.h"
 #include "kvpress/ops.h"
@@ -150,6 +151,7 @@ TEST(KernelOps, InvertRopeKernelIsTheCompositeBitForBit) {
 // chunk, shared and per-head sketches, strided keys. Shapes the tiles do not serve (bfloat16 keys,
 // head_dim 48, k = 8 or 80) take the composite exactly.
 TEST(KernelOps, SketchPreropeKeysMatchesTheComposite) {
+  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
   struct Case {
     int64_t batch, heads, seq, dim, k;
     bool shared_sketch;
@@ -184,7 +186,20 @@ TEST(KernelOps, SketchPreropeKeysMatchesTheComposite) {
   }
 }
 
+// The ridge leverage of every row lies in [0, 1), whichever path computes it.
+TEST(KernelOps, CholeskyLeverageLiesInTheUnitInterval) {
+  for (int64_t k : {8, 48, 80}) {
+    const at::Tensor x = randn({2, 3, 300, k}, 70);
+    const at::Tensor factor = at::linalg_cholesky(at::matmul(x.transpose(2, 3), x) + at::eye(k) * 1e-2);
+    const at::Tensor leverage = ops::cholesky_leverage(x, factor);
+    ASSERT_EQ(leverage.sizes(), (at::IntArrayRef{2, 3, 300}));
+    EXPECT_GE(leverage.min().item<float>(), 0.0f) << "k " << k;
+    EXPECT_LT(leverage.max().item<float>(), 1.0f) << "k " << k;
+  }
+}
+
 TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
+  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
   for (int64_t k : {8, 16, 32, 48, 64, 80}) {
     for (int64_t seq : {5, 300, 777}) {
       const at::Tensor x = randn({2, 3, seq, k}, 70);
@@ -194,7 +209,6 @@ TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
       const at::Tensor composite = ops::composite::cholesky_leverage(x, factor);
       ASSERT_EQ(kernel.sizes(), (at::IntArrayRef{2, 3, seq}));
       EXPECT_TRUE(at::allclose(kernel, composite, 1e-4, 1e-6)) << "k " << k << " seq " << seq;
-      // The ridge leverage of every row lies in [0, 1).
       EXPECT_GE(kernel.min().item<float>(), 0.0f);
       EXPECT_LT(kernel.max().item<float>(), 1.0f);
     }
@@ -206,6 +220,7 @@ TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
 // chunk sizes that are not multiples of 16 (or 1), GQA groups 1-4, strided queries. Shapes the kernel
 // does not serve (bfloat16, head_dim 40) take the composite exactly.
 TEST(KernelOps, NoncausalColumnSumsMatchTheComposite) {
+  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
   struct Case {
     int64_t heads, kv_heads, seq, dim, chunk;
   };
@@ -260,6 +275,7 @@ TEST(WindowAttentionMean, MatchesWindowAttentionMeanForEveryDtype) {
 // register tile in blocks of 64 keys (the last one partial) and tiles of 6 rows (the last one of 4);
 // head_dim 80 (not a multiple of 16) takes the batched GEMM. Both against the composite.
 TEST(WindowAttentionMean, TiledLogitsMatchTheComposite) {
+  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
   for (int64_t dim : {128, 80, 16}) {
     const at::Tensor q = randn({1, 8, 64, dim}, 3);
     const at::Tensor k = randn({1, 2, 1000, dim}, 4);

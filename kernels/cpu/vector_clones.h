@@ -23,13 +23,15 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVPRESS_HAVE_AVX512_KERNELS 1
 #define KVPRESS_AVX512_KERNEL __attribute__((target("avx512f")))
-namespace kvpress::kernels {
-inline bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f"); }
-}  // namespace kvpress::kernels
 #else
 #define KVPRESS_HAVE_AVX512_KERNELS 0
 #define KVPRESS_AVX512_KERNEL
-namespace kvpress::kernels {
-inline bool cpu_has_avx512() { return false; }
-}  // namespace kvpress::kernels
 #endif
+
+namespace kvpress::kernels {
+// Whether the KVPRESS_AVX512_KERNEL loops run in this process: compiled in, the CPU has AVX-512F,
+// and the environment does not turn them off (KVPRESS_DISABLE_AVX512=1: the path an AVX2-only CPU
+// takes, for tests and benchmarks on an AVX-512 machine; kernels/cpu/cpu_features.cpp). The
+// KVPRESS_VECTOR_CLONES loops are chosen by the loader from the CPU alone and ignore it.
+bool cpu_has_avx512();
+}  // namespace kvpress::kernels

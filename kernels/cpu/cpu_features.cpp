@@ -1,0 +1,37 @@
+// The one place that decides whether the AVX-512 register-tile kernels run (vector_clones.h).
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/vector_clones.h"
+
+namespace kvpress::kernels {
+namespace {
+
+// KVPRESS_DISABLE_AVX512: unset, "" or "0" leaves the kernels on where the CPU has AVX-512F; "1"
+// turns them off. Anything else is refused rather than guessed.
+bool avx512_disabled_by_environment() {
+  const char* value = std::getenv("KVPRESS_DISABLE_AVX512");
+  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "0") == 0) return false;
+  TORCH_CHECK(std::strcmp(value, "1") == 0, "kvpress CPU kernels: KVPRESS_DISABLE_AVX512 must be 0 or 1, got \"",
+              value, "\"");
+  return true;
+}
+
+bool avx512_kernels_run() {
+#if KVPRESS_HAVE_AVX512_KERNELS
+  return !avx512_disabled_by_environment() && __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool cpu_has_avx512() {
+  static const bool run = avx512_kernels_run();  // read once: a process runs one path
+  return run;
+}
+
+}  // namespace kvpress::kernels

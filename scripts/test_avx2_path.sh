@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The C++ suite on the path an AVX2-only CPU takes (docs/ARCHITECTURE.md, "AVX-512 register tiles"),
+# on a machine with AVX-512: our AVX-512 kernels off (KVPRESS_DISABLE_AVX512=1), libtorch's own
+# CPU kernels capped at AVX2 (ATEN_CPU_CAPABILITY=avx2) and MKL's too (MKL_ENABLE_INSTRUCTIONS=AVX2).
+# The parity fixtures are made again by kvpress under the same caps (they are the reference an
+# AVX2 machine would make), then the unit tests and the press parity runs of kvpress_tests, in two
+# shards side by side. The tests of the AVX-512 kernels skip, naming the reason.
+# On a CPU without AVX-512 the main run already took this path: this script says so and stops.
+# Needs the build of scripts/test.sh ($KVPRESS_BUILD_DIR, default build/).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+if ! grep -qw avx512f /proc/cpuinfo; then
+  echo "avx2 path: this CPU has no AVX-512F, so the main test run took the AVX2 path already"
+  exit 0
+fi
+caps=(KVPRESS_DISABLE_AVX512=1 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)
+fixtures="$build/fixtures-avx2"
+env "${caps[@]}" "$python" "$root/tests/reference/make_fixtures.py" --out "$fixtures"
+# Everything but the model-level parity runs (their fixtures come from the other reference
+# scripts, made without the caps) and the 16 GiB large-indices test (scripts/test.sh runs it).
+filter="-LlamaParity.*:Kvpress/LlamaPressRun.*:DecodingParity.*:RaggedParity.*:KVComposeParity.*:KVzipParity.*"
+filter+=":DMSParity.*:CAMParity.*:PipelineParity.*:LargeIndices.*"
+status=0
+pids=()
+for shard in 0 1; do
+  env "${caps[@]}" KVPRESS_FIXTURES="$fixtures" OMP_NUM_THREADS=1 GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard \
+    "$build/tests/kvpress_tests" --gtest_filter="$filter" >"$build/avx2-shard$shard.log" 2>&1 &
+  pids+=($!)
+done
+for i in 0 1; do
+  if ! wait "${pids[$i]}"; then
+    status=1
+    echo "avx2 path: shard $i FAILED; its failures (whole log: $build/avx2-shard$i.log):" >&2
+    grep -B2 -A12 -E 'Failure$|^\[  FAILED  \]' "$build/avx2-shard$i.log" | head -n 300 >&2
+  fi
+done
+# Each shard's totals, and the skipped tests with their reasons.
+grep -h -E '^\[==========\] .* ran|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \] [0-9]+ test' \
+  "$build"/avx2-shard*.log
+grep -h -B1 '^\[  SKIPPED \] .*(' "$build"/avx2-shard*.log | grep -v -E '^--$|^\[  SKIPPED' | sort -u
+exit $status
