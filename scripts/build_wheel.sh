@@ -7,9 +7,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$(bash "$root/scripts/setup.sh" | tail -n 1)"
 out="${1:-$root/dist}"
 mkdir -p "$out"
-# ccache, when installed, lets the package's build reuse the project build's objects.
-if command -v ccache >/dev/null 2>&1; then
+# $KVPRESS_PREBUILT_LIBRARY: package a libkvpress.so the project's build made against the venv's
+# torch (e.g. build/libkvpress.so) instead of compiling it (python/CMakeLists.txt).
+prebuilt=()
+if [ -n "${KVPRESS_PREBUILT_LIBRARY:-}" ]; then
+  prebuilt=(-C "cmake.define.KVPRESS_PREBUILT_LIBRARY=$KVPRESS_PREBUILT_LIBRARY")
+elif command -v ccache >/dev/null 2>&1; then
   export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
 fi
-"$venv/bin/python" -m pip wheel --no-deps --quiet --disable-pip-version-check -w "$out" "$root/python" >&2
+"$venv/bin/python" -m pip wheel --no-deps --quiet --disable-pip-version-check "${prebuilt[@]}" -w "$out" "$root/python" >&2
 ls -t "$out"/kvpress_cpp-*.whl | head -n 1

@@ -7,14 +7,25 @@ torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)
 build="${KVPRESS_BUILD_DIR:-$root/build}"
 jobs="${KVPRESS_JOBS:-$(nproc)}"
 
-# ccache, when installed, makes rebuilds in several build folders cheap (optional).
-launcher=()
-if command -v ccache >/dev/null 2>&1; then
-  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-fi
+# Every build tree (build/, build-fuzz/, build-asan/, build-tsan/, python/build/) is configured
+# by these flags: Ninja, and ccache (scripts/setup.sh installs both) so that a rebuild after a change
+# recompiles only what changed, in whichever tree. The sloppiness lets ccache cache the files that
+# include the precompiled ATen header (cmake/PrecompiledATen.cmake).
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-12G}"
+common_cmake_flags=(-G Ninja -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+
+# A tree configured before the switch to Ninja cannot be reconfigured with it: start it afresh.
+kvpress_reset_if_not_ninja() {
+  if [ -f "$1/CMakeCache.txt" ] && ! grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$1/CMakeCache.txt"; then
+    echo "build: $1 was configured for another generator; configuring it afresh for Ninja" >&2
+    rm -rf "$1/CMakeCache.txt" "$1/CMakeFiles"
+  fi
+}
 
 kvpress_build() {
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
+  kvpress_reset_if_not_ninja "$build"
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" "$@" >/dev/null
   cmake --build "$build" -j "$jobs"
 }

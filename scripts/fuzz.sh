@@ -30,8 +30,9 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 build_start=$SECONDS
+kvpress_reset_if_not_ninja "$build"
 # KVPRESS_OPENMP=OFF: clang's OpenMP needs libomp, and the fuzzed parsers run no parallel kernel.
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${launcher[@]}" \
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${common_cmake_flags[@]}" \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DKVPRESS_FUZZ=ON -DKVPRESS_WITH_CUDA=OFF -DKVPRESS_OPENMP=OFF \
   -DKVPRESS_BUILD_TESTS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF -DKVPRESS_BUILD_TOOLS=OFF \
   -DCMAKE_PREFIX_PATH="$torch_prefix" >/dev/null

@@ -12,7 +12,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVPRESS_VENV:-$HOME/.cache/kvpress-cpp/venv}"
 requirements="$here/scripts/requirements.txt"
 
-apt_packages=(cmake g++ make libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format)
+apt_packages=(cmake g++ make ninja-build ccache libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -22,9 +22,12 @@ cmake -S "$root/tests/consumer" -B "$build/consumer" \
 cmake --build "$build/consumer" -j "$jobs"
 "$build/consumer/kvpress_consumer"
 
-# The Python package as a user installs it (README), then its wheel (docs/PYTHON.md).
-if [ ${#launcher[@]} -gt 0 ]; then export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache; fi
-"$python" -m pip install --quiet --disable-pip-version-check "$root/python"
+# The Python package as a user installs it (README), then its wheel (docs/PYTHON.md), both packaging
+# the libkvpress.so built above (python/CMakeLists.txt: KVPRESS_PREBUILT_LIBRARY) instead of
+# compiling the library again.
+export KVPRESS_PREBUILT_LIBRARY="$build/libkvpress.so"
+"$python" -m pip install --quiet --disable-pip-version-check \
+  -C cmake.define.KVPRESS_PREBUILT_LIBRARY="$KVPRESS_PREBUILT_LIBRARY" "$root/python"
 wheel="$("$root/scripts/build_wheel.sh" "$build/dist")"
 (cd "$root/tests/python" && "$python" test_package.py "$wheel")
 # kvpress 0.5.5's own test suite with acceleration on, offline on the bundled model (docs/PYTHON.md).

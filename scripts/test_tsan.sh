@@ -17,7 +17,8 @@ source "$here/common.sh"
 
 # -O1: the sanitizers' recommended level. Only the library, kvpress::llama and the concurrency
 # tests are built.
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
+kvpress_reset_if_not_ninja "$build"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
   -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" \
   -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DKVPRESS_SANITIZE=thread -DKVPRESS_WITH_CUDA=OFF \
   -DKVPRESS_BUILD_TOOLS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF >/dev/null
