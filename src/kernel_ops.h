@@ -289,6 +289,15 @@ inline void check_paged_write(const at::Tensor& key_pool, const at::Tensor& valu
   const int64_t lo = slots.min().item<int64_t>(), hi = slots.max().item<int64_t>();
   TORCH_CHECK(lo >= 0 && hi < capacity, op, ": slots must be in [0, num_pages * page_size (", capacity,
               ")), got values in [", lo, ", ", hi, "]");
+  // Two rows for one slot would be written by two threads (CPU) or blocks (CUDA) in no set order.
+  if (slots.numel() < 2) return;
+  const at::Tensor sorted = std::get<0>(slots.sort());
+  const at::Tensor repeated = sorted.narrow(0, 1, sorted.size(0) - 1).eq(sorted.narrow(0, 0, sorted.size(0) - 1));
+  if (repeated.any().item<bool>()) {
+    const int64_t at_index = repeated.nonzero()[0][0].item<int64_t>();
+    TORCH_CHECK(false, op, ": slots must be distinct (each pool slot written once), got slot ",
+                sorted[at_index].item<int64_t>(), " more than once");
+  }
 }
 
 // apply_rope / invert_rope: x [B, H, n, D] floating with D even, cos/sin [n, D] on x's device.

@@ -17,6 +17,7 @@
 #include "kernel_ops.h"
 #include "kvpress/kvpress.h"
 #include "kvpress/paged.h"
+#include "paged/fault_injection.h"
 #include "random_inputs.h"
 #include "runnable_press.h"
 #include "test_util.h"
@@ -179,6 +180,17 @@ TEST(PagedOps, RejectBadArguments) {
       {"paged_write: keys and values must be Float like the pools, got Half"});
   expect_error([&] { ops::paged_write(kp, vp, rows, rows, at::tensor({0}, at::kLong)); },
                {"paged_write: slots must be int64 [2]"});
+  // A repeated slot would be written twice in no set order: refused, by the kernel and the composite.
+  const at::Tensor three = randn({3, 8}, 20);
+  for (bool composite : {false, true}) {
+    expect_error(
+        [&] {
+          const at::Tensor slots = at::tensor({int64_t{5}, int64_t{9}, int64_t{5}}, at::kLong);
+          composite ? ops::composite::paged_write(kp, vp, three, three, slots)
+                    : ops::paged_write(kp, vp, three, three, slots);
+        },
+        {"paged_write: slots must be distinct (each pool slot written once), got slot 5 more than once"});
+  }
   EXPECT_TRUE(at::equal(kp, l.key_pool));  // nothing was written by the refused calls
 }
 
@@ -572,6 +584,74 @@ TEST(PagedCache, DeviceTablesFollowEveryChange) {
   const SequenceId fresh = cache.add_sequence();
   expect_tables_match(cache, 0, {fresh});
   EXPECT_EQ(cache.stats().pages_used, 0);
+}
+
+// A device-table upload that fails (an allocation or a copy to the device; injected here) leaves the
+// cache as it was: host page lists, positions, free pages and the device tables, for every mutation
+// and every upload it makes (reset_sequence makes one per layer). The same call then succeeds and
+// the tables follow it: no entry is left unsent.
+TEST(PagedCache, AFailedTableUploadLeavesTheCacheAsItWas) {
+  PagedKVCache cache(small_options(200));
+  const PagedCacheOptions& opt = cache.options();
+  const int64_t hkv = opt.kv_heads, d = opt.head_dim;
+  at::manual_seed(11);
+  std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence()};
+  const auto snapshot = [&] {
+    std::vector<std::vector<int64_t>> s;
+    for (SequenceId q : cache.sequences())
+      for (int64_t layer = 0; layer < opt.num_layers; ++layer) {
+        s.push_back({q, cache.next_position(q, layer)});
+        for (int64_t h = 0; h < hkv; ++h) {
+          s.push_back(cache.positions(q, layer, h));
+          s.push_back(cache.pages(q, layer, h));
+        }
+      }
+    for (int64_t layer = 0; layer < opt.num_layers; ++layer) s.push_back({cache.free_pages(layer)});
+    return s;
+  };
+  const auto tables_match = [&] {
+    for (int64_t layer = 0; layer < opt.num_layers; ++layer) expect_tables_match(cache, layer, cache.sequences());
+  };
+  const auto press = make_press("AdaKVPress", 0.5, {{"press", "KnormPress"}});
+  const at::Tensor cu = at::tensor({int64_t{0}, int64_t{37}, int64_t{37 + 21}});
+  const at::Tensor prefill_k = at::randn({58, hkv, d}), prefill_v = at::randn({58, hkv, d});
+  const at::Tensor step_k = at::randn({2, hkv, 9, d}), step_v = at::randn({2, hkv, 9, d});
+  struct Mutation {
+    const char* name;
+    int uploads;
+    std::function<void()> run;
+  };
+  const std::vector<Mutation> mutations = {
+      {"store", 1, [&] { cache.store(0, seqs, prefill_k, prefill_v, cu, press.get()); }},
+      {"store without a press", 1, [&] { cache.store(1, seqs, prefill_k, prefill_v, cu); }},
+      {"append", 1, [&] { cache.append(0, seqs, step_k, step_v); }},
+      {"remove_last", 1, [&] { cache.remove_last(0, seqs, 4); }},
+      {"compact", 1,
+       [&] {
+         const std::vector<int64_t> len = cache.lengths(seqs[0], 0);
+         const int64_t longest = *std::max_element(len.begin(), len.end());
+         at::Tensor keep = (at::arange(longest) % 3 != 1).unsqueeze(0).repeat({hkv, 1});
+         for (int64_t h = 0; h < hkv; ++h)
+           keep[h].narrow(0, len[static_cast<size_t>(h)], longest - len[static_cast<size_t>(h)]).fill_(false);
+         cache.compact(0, seqs[0], keep);
+       }},
+      {"reset_sequence", 2, [&] { cache.reset_sequence(seqs[1]); }},
+      {"free_sequence", 2, [&] { cache.free_sequence(seqs[0]); }},
+  };
+  for (const Mutation& m : mutations) {
+    for (int failing = 0; failing < m.uploads; ++failing) {
+      const auto before = snapshot();
+      detail::fail_table_upload_after(failing);
+      expect_error(m.run, {"injected failure of a device-table upload"});
+      detail::fail_table_upload_after(-1);
+      EXPECT_EQ(snapshot(), before) << m.name << ", upload " << failing << " failing";
+      tables_match();
+    }
+    m.run();
+    tables_match();
+  }
+  EXPECT_FALSE(cache.contains(seqs[0]));
+  EXPECT_EQ(cache.lengths(seqs[1], 0), (std::vector<int64_t>{0, 0}));
 }
 
 TEST(PagedCuda, AttentionMatchesCpuIncludingSplitHeads) {

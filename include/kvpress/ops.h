@@ -292,7 +292,7 @@ at::Tensor paged_attention(const at::Tensor& queries,                    // [B, 
                            std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
 
 // Writes row r of keys/values into slot slots[r] = page * page_size + row of the pools, in place
-// (vLLM's reshape_and_cache). Slots must be in range; they may repeat only if the rows are equal.
+// (vLLM's reshape_and_cache). Slots must be in range and distinct (c10::Error otherwise).
 void paged_write(at::Tensor& key_pool,      // [num_pages, page_size, D], contiguous, written
                  at::Tensor& value_pool,    // [num_pages, page_size, D], contiguous, written
                  const at::Tensor& keys,    // [N, D]

@@ -206,8 +206,25 @@ class PagedKVCache {
   void check_layer(int64_t layer, const char* op) const;
   void check_sequences(const std::vector<SequenceId>& seqs, const char* op) const;  // present and distinct
   int64_t pages_used_now() const;
-  // Sends the device tables of `layer` what changed for `seqs` since they were last synced.
-  void sync_tables(int64_t layer, const std::vector<SequenceId>& seqs);
+  // A head's table state after a mutation: its first `page_count` pages (of `pages`) and length.
+  struct HeadTableState {
+    const std::vector<int64_t>* pages;
+    size_t page_count;
+    int64_t length;
+  };
+  using HeadTableStateFn = std::function<HeadTableState(size_t seq_index, int64_t head)>;
+  // The table entries of `layer` that change for `seqs` (pages past each head's synced prefix, every
+  // head's length), packed and already on the device. Staging is the part of a table update that
+  // can fail (a host tensor, a copy to the device), so a mutation stages before it changes anything
+  // and applies after it committed: a failure leaves cache and device tables as they were.
+  struct TableUpload {
+    at::Tensor packed;  // [2 * n_table + 2 * n_length] int64 on the device: indices then values
+    int64_t n_table = 0, n_length = 0;
+  };
+  TableUpload stage_tables(int64_t layer, const std::vector<SequenceId>& seqs, const HeadTableStateFn& state) const;
+  // Writes a staged upload into the layer's tables and marks the heads' pages synced; the host
+  // state must now be the one staged.
+  void apply_tables(int64_t layer, const std::vector<SequenceId>& seqs, const TableUpload& upload);
   // Grows every layer's tables to hold `slots` rows and `pages` entries per head (doubling).
   void reserve_tables(int64_t slots, int64_t pages);
 

@@ -12,6 +12,7 @@
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "kvpress/paged.h"
+#include "paged/fault_injection.h"
 
 namespace kvpress {
 
@@ -31,7 +32,20 @@ std::vector<int64_t> to_host_vector(const at::Tensor& t) {  // any integer tenso
   return {c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel()};
 }
 
+// fail_table_upload_after(): uploads left before the injected failure; negative: off.
+int64_t table_uploads_before_failure = -1;
+
+bool table_upload_failures_armed() {
+  if (table_uploads_before_failure < 0) return false;
+  if (table_uploads_before_failure-- > 0) return false;
+  return true;  // this upload fails; the hook is now off (-1)
+}
+
 }  // namespace
+
+void detail::fail_table_upload_after(int64_t successes) {
+  table_uploads_before_failure = successes < 0 ? -1 : successes;
+}
 
 PagedKVCache::PagedKVCache(const PagedCacheOptions& options) : options_(options) {
   constexpr const char* op = "PagedKVCache";
@@ -84,34 +98,44 @@ void PagedKVCache::reserve_tables(int64_t slots, int64_t pages) {
   page_capacity_ = new_pages;
 }
 
-void PagedKVCache::sync_tables(int64_t layer, const std::vector<SequenceId>& seqs) {
+PagedKVCache::TableUpload PagedKVCache::stage_tables(int64_t layer, const std::vector<SequenceId>& seqs,
+                                                     const HeadTableStateFn& state) const {
   // One host tensor [table entries | table values | length entries | length values], one copy.
   std::vector<int64_t> table_index, table_value, length_index, length_value;
-  for (SequenceId id : seqs) {
-    Sequence& s = sequences_.at(id);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Sequence& s = sequences_.at(seqs[i]);
     for (int64_t h = 0; h < options_.kv_heads; ++h) {
-      Head& head = s.layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+      const Head& head = s.layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+      const HeadTableState after = state(i, h);
       const int64_t row = s.slot * options_.kv_heads + h;
-      for (size_t j = std::min(head.synced_pages, head.pages.size()); j < head.pages.size(); ++j) {
+      for (size_t j = std::min(head.synced_pages, after.page_count); j < after.page_count; ++j) {
         table_index.push_back(row * page_capacity_ + static_cast<int64_t>(j));
-        table_value.push_back(head.pages[j]);
+        table_value.push_back((*after.pages)[j]);
       }
-      head.synced_pages = head.pages.size();
       length_index.push_back(row);
-      length_value.push_back(static_cast<int64_t>(head.positions.size()));
+      length_value.push_back(after.length);
     }
   }
   std::vector<int64_t> packed = table_index;
   packed.insert(packed.end(), table_value.begin(), table_value.end());
   packed.insert(packed.end(), length_index.begin(), length_index.end());
   packed.insert(packed.end(), length_value.begin(), length_value.end());
-  const at::Tensor all = to_device(packed, options_.device);
-  const auto n_table = static_cast<int64_t>(table_index.size()), n_length = static_cast<int64_t>(length_index.size());
+  if (table_upload_failures_armed()) TORCH_CHECK(false, "PagedKVCache: injected failure of a device-table upload");
+  return {to_device(packed, options_.device), static_cast<int64_t>(table_index.size()),
+          static_cast<int64_t>(length_index.size())};
+}
+
+void PagedKVCache::apply_tables(int64_t layer, const std::vector<SequenceId>& seqs, const TableUpload& upload) {
   Layer& l = layers_[static_cast<size_t>(layer)];
+  const at::Tensor& all = upload.packed;
+  const int64_t n_table = upload.n_table, n_length = upload.n_length;
   if (n_table > 0) l.page_table.view(-1).index_copy_(0, all.narrow(0, 0, n_table), all.narrow(0, n_table, n_table));
   if (n_length > 0)
     l.lengths.view(-1).index_copy_(0, all.narrow(0, 2 * n_table, n_length),
                                    all.narrow(0, 2 * n_table + n_length, n_length));
+  // Marked only now: an upload that failed is sent again by the next one.
+  for (SequenceId id : seqs)
+    for (Head& head : sequences_.at(id).layers[static_cast<size_t>(layer)].heads) head.synced_pages = head.pages.size();
 }
 
 // ---- sequences -----------------------------------------------------------------------------------
@@ -137,6 +161,12 @@ void PagedKVCache::free_sequence(SequenceId seq) {
 
 void PagedKVCache::reset_sequence(SequenceId seq) {
   Sequence& s = sequence_at(seq, "PagedKVCache::reset_sequence");
+  // Every layer's length rows become 0 (staged first: a failed upload changes nothing).
+  std::vector<TableUpload> uploads;
+  for (size_t l = 0; l < s.layers.size(); ++l)
+    uploads.push_back(stage_tables(static_cast<int64_t>(l), {seq}, [](size_t, int64_t) {
+      return HeadTableState{nullptr, 0, 0};
+    }));
   for (size_t l = 0; l < s.layers.size(); ++l) {
     for (Head& h : s.layers[l].heads) {
       layers_[l].free_pages.insert(layers_[l].free_pages.end(), h.pages.rbegin(), h.pages.rend());
@@ -144,7 +174,7 @@ void PagedKVCache::reset_sequence(SequenceId seq) {
     }
     s.layers[l].next_position = 0;
     s.layers[l].stored = false;
-    sync_tables(static_cast<int64_t>(l), {seq});  // its lengths become 0
+    apply_tables(static_cast<int64_t>(l), {seq}, uploads[l]);
   }
 }
 
@@ -220,6 +250,19 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
   int64_t most_pages = 0;
   for (const auto& pages : new_pages) most_pages = std::max(most_pages, static_cast<int64_t>(pages.size()));
   reserve_tables(slot_capacity_, most_pages);
+  // The tables after the write, staged before anything changes.
+  std::vector<int64_t> write_of(seqs.size() * static_cast<size_t>(options_.kv_heads), -1);  // (seq, head) -> w
+  for (size_t w = 0; w < writes.size(); ++w)
+    write_of[static_cast<size_t>(writes[w].seq_index * options_.kv_heads + writes[w].head)] = static_cast<int64_t>(w);
+  const TableUpload upload = stage_tables(layer, seqs, [&](size_t i, int64_t h) {
+    const Head& head = sequences_.at(seqs[i]).layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+    const int64_t w = write_of[i * static_cast<size_t>(options_.kv_heads) + static_cast<size_t>(h)];
+    if (w < 0) return HeadTableState{&head.pages, head.pages.size(), static_cast<int64_t>(head.positions.size())};
+    const std::vector<int64_t>& pages = new_pages[static_cast<size_t>(w)];
+    return HeadTableState{
+        &pages, pages.size(),
+        static_cast<int64_t>(head.positions.size() + writes[static_cast<size_t>(w)].positions.size())};
+  });
   if (!slots.empty()) {
     const at::Tensor keys = at::cat(key_rows), values = at::cat(value_rows);
     ops::paged_write(pool.key_pool, pool.value_pool, keys, values, to_device(slots, options_.device));
@@ -233,7 +276,7 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
     head.pages = std::move(new_pages[w]);
     head.positions.insert(head.positions.end(), writes[w].positions.begin(), writes[w].positions.end());
   }
-  sync_tables(layer, seqs);
+  apply_tables(layer, seqs, upload);
   peak_pages_used_ = std::max(peak_pages_used_, pages_used_now());
 }
 
@@ -395,6 +438,12 @@ void PagedKVCache::remove_last(int64_t layer, const std::vector<SequenceId>& seq
     for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
       TORCH_CHECK(static_cast<int64_t>(h.positions.size()) >= n, op, ": sequence ", s, " holds ", h.positions.size(),
                   " tokens in a head of layer ", layer, ", fewer than the ", n, " to remove");
+  const auto pages_for = [&](int64_t tokens) { return static_cast<size_t>(ceil_div(tokens, options_.page_size)); };
+  const TableUpload upload = stage_tables(layer, seqs, [&](size_t i, int64_t h) {
+    const Head& head = sequences_.at(seqs[i]).layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+    const int64_t length = static_cast<int64_t>(head.positions.size()) - n;
+    return HeadTableState{&head.pages, pages_for(length), length};
+  });
   Layer& pool = layers_[static_cast<size_t>(layer)];
   for (SequenceId s : seqs) {
     SequenceLayer& sl = sequences_.at(s).layers[static_cast<size_t>(layer)];
@@ -407,7 +456,7 @@ void PagedKVCache::remove_last(int64_t layer, const std::vector<SequenceId>& seq
     }
     sl.next_position -= n;
   }
-  sync_tables(layer, seqs);
+  apply_tables(layer, seqs, upload);
 }
 
 // ---- reading -------------------------------------------------------------------------------------
@@ -554,6 +603,11 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
       destinations.push_back(slot(static_cast<int64_t>(j)));
     }
   }
+  const TableUpload upload = stage_tables(layer, {seq}, [&](size_t, int64_t h) {
+    const Head& head = sl.heads[static_cast<size_t>(h)];
+    const auto length = static_cast<int64_t>(kept[static_cast<size_t>(h)].size());
+    return HeadTableState{&head.pages, static_cast<size_t>(ceil_div(length, page_size)), length};
+  });
   Layer& pool = layers_[static_cast<size_t>(layer)];
   if (!sources.empty()) {
     const at::Tensor src = to_device(sources, options_.device);
@@ -573,7 +627,7 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
                            head.pages.rbegin() + static_cast<std::ptrdiff_t>(head.pages.size() - keep_pages));
     head.pages.resize(keep_pages);
   }
-  sync_tables(layer, {seq});
+  apply_tables(layer, {seq}, upload);
 }
 
 // ---- memory --------------------------------------------------------------------------------------

@@ -221,7 +221,8 @@ def paged_attention(queries: Tensor, key_pool: Tensor, value_pool: Tensor, page_
 
 
 def paged_write(key_pool: Tensor, value_pool: Tensor, keys: Tensor, values: Tensor, slots: Tensor) -> None:
-    """In place: row r of keys/values [N, D] into slot slots[r] = page * page_size + row of the pools."""
+    """In place: row r of keys/values [N, D] into slot slots[r] = page * page_size + row of the pools.
+    Slots must be in range and distinct (RuntimeError otherwise)."""
     _ops.paged_write(key_pool, value_pool, keys, values, slots)
 
 
