@@ -31,8 +31,10 @@
 //     [<= 4.1e-6]. Exception: a square sketch (sketch_dimension == head_dim, the real model's
 //     D = 16 with k = 16) is ill-conditioned and turns the inverse-RoPE rounding into
 //     [9.2e-5]: 2e-4, 2e-4.
-//     bfloat16: LeverageScorePress from k_proj 1e-3, 1e-3 [4.4e-4] (we round X to bf16 as
-//     kvpress does); from inverted RoPE 0.2, 0.2 [9.7e-2]: bf16 cached keys hold RoPE's rounding,
+//     bfloat16: LeverageScorePress from k_proj 1e-3, 1e-3 [4.4e-4] (we compute k_proj and round X
+//     to bf16 as kvpress does), except on rows where an entry of X rounded to the other bf16
+//     neighbour (leverage_rounding_flip_bound: a bound from A⁻¹ and bf16's spacing, on at most 2%
+//     of the rows); from inverted RoPE 0.2, 0.2 [9.7e-2]: bf16 cached keys hold RoPE's rounding,
 //     so their inverse differs from kvpress's projected keys in the last bit and leverage
 //     amplifies it. NonCausalAttnPress and CompactorPress 8e-2, 8e-2 [<= 4.1e-2; 4e-2 fails one
 //     run]: kvpress rounds the queries' RoPE products and the unscaled q.k logits to bf16. We
@@ -291,6 +293,45 @@ at::Tensor allowed_error(const FixtureCase& c, const FixtureRun& r, const kvpres
     allowed.narrow(-1, begin, end - begin).copy_(at::maximum(allowed.narrow(-1, begin, end - begin), slack));
   }
   return allowed;
+}
+
+// bf16 LeverageScorePress from k_proj: the z-scores are not determined by the bf16 inputs to
+// float32 precision. X = (K - mean K) Φ is rounded to bf16 (kvpress's own dtype), and an entry
+// whose float32 value lies within the float32 accumulation error of a bf16 rounding boundary may
+// round to either neighbour, depending on the order in which that CPU's GEMM accumulated (seen on
+// an AVX2-only CPU: 2 of 1,728 scores off by 0.012 and 0.049). One such flip of entry j of row i
+// moves ℓ_i = x_iᵀ A⁻¹ x_i (A = XᵀX + ridge I) by about 2 ulp(x_ij) |(A⁻¹x_i)_j| <=
+// 2^-7 |x_ij| |(A⁻¹x_i)_j|, and z_i by that over std(ℓ). This bound (computed here in double from
+// the case's own inputs, the largest j per row) is what a row may be off by when a flip happened.
+// How many rows: an entry flips with probability about (float32 error) / (bf16 spacing), about
+// 2^-20 / 2^-8 = 2^-12 for accumulations of D = 16..128 terms, so a row of k entries with
+// probability k 2^-12 (1.2% for k = 48): up to 2% of the rows (and at least one) may use it.
+constexpr double kFlippedRowsFraction = 0.02;
+
+at::Tensor leverage_rounding_flip_bound(const kvpress::LayerInputs& inputs, const FixtureRun& r) {
+  const int64_t k = param_int(r, "sketch_dimension", 48), seed = param_int(r, "seed", -1);
+  const at::Tensor keys = kvpress::ops::prerope_keys(inputs, "test").to(at::kBFloat16);
+  const at::Tensor phi =
+      kvpress::ops::gaussian_sketch(keys.size(0), keys.size(1), keys.size(3), k, at::kBFloat16, at::kCPU, seed);
+  const at::Tensor x = at::matmul(keys - keys.mean(2, true), phi.to(at::kBFloat16)).to(at::kDouble);  // as kvpress
+  const at::Tensor a = at::matmul(x.transpose(2, 3), x) + at::eye(k, x.options()) * 1e-2;
+  const at::Tensor y = at::linalg_solve(a, x.transpose(2, 3)).transpose(2, 3);  // rows A⁻¹ x_i
+  const at::Tensor leverage = (x * y).sum(-1);
+  return (std::ldexp(1.0, -7) * (x.abs() * y.abs()).amax(-1) / leverage.std()).to(at::kFloat);
+}
+
+bool uses_leverage_flip_bound(const FixtureCase& c, const FixtureRun& r) {
+  return r.press == "LeverageScorePress" && c.dtype == "bfloat16" && r.source == "k_proj";
+}
+
+// Scores beyond `allowed` but within `flip_bound`, on at most kFlippedRowsFraction of the rows (at
+// least one), have their allowance raised to the flip bound; the rest keep `allowed`.
+at::Tensor allow_rounding_flips(const at::Tensor& ours, const at::Tensor& ref, const at::Tensor& allowed,
+                                const at::Tensor& flip_bound) {
+  const at::Tensor flipped = ((ours - ref).abs() > allowed) & ((ours - ref).abs() <= flip_bound);
+  const auto most = std::max<int64_t>(1, static_cast<int64_t>(kFlippedRowsFraction * static_cast<double>(ref.numel())));
+  if (flipped.sum().item<int64_t>() > most) return allowed;  // too many to be rounding flips: report them
+  return at::where(flipped, at::maximum(allowed, flip_bound), allowed);
 }
 
 // ---- comparisons ------------------------------------------------------------------------------
@@ -767,7 +808,7 @@ TEST_P(ParityRun, MatchesKvpress) {
   ASSERT_EQ(inputs.keys.size(2), c.seq_len);
   ASSERT_EQ(ref_scores.scalar_type(), at::kFloat);
   ASSERT_EQ(ref_kept.scalar_type(), at::kLong);
-  const at::Tensor allowed = allowed_error(c, r, ref_file);
+  at::Tensor allowed = allowed_error(c, r, ref_file);
 
   std::unique_ptr<kvpress::BasePress> press;
   try {
@@ -788,6 +829,8 @@ TEST_P(ParityRun, MatchesKvpress) {
   } catch (const c10::Error& e) {
     FAIL() << "score() raised: " << e.what_without_backtrace();
   }
+  if (uses_leverage_flip_bound(c, r) && scores.sizes() == ref_scores.sizes())
+    allowed = allow_rounding_flips(scores, ref_scores, allowed, leverage_rounding_flip_bound(inputs, r));
   EXPECT_TRUE(ScoresClose(scores, ref_scores, allowed)) << "scores of " << r.name;
   if (std::getenv("KVPRESS_PARITY_CALIBRATE") && scores.sizes() == ref_scores.sizes()) {
     // Smallest f with |ours - ref| <= f * |ref| + f * scale: what the tolerance must allow.

@@ -71,8 +71,9 @@ int64_t num_query_heads(const LayerInputs& inputs);
 // rows) or recomputed from hidden_states + q_proj (+ q_norm) + cos/sin, as kvpress does.
 at::Tensor window_queries(const LayerInputs& inputs, int64_t n_last, const char* op);  // -> [B, Hq, n_last, D]
 
-// Pre-RoPE keys: inverse RoPE of the cached keys when cos/sin are given, else recomputed
-// from hidden_states + k_proj (+ k_norm).
+// Pre-RoPE keys, float32: inverse RoPE of the cached keys when cos/sin are given, else recomputed
+// from hidden_states + k_proj (+ k_norm) as the model computes them (the projection in
+// hidden_states' dtype, the norm in float32).
 at::Tensor prerope_keys(const LayerInputs& inputs, const char* op);  // -> [B, Hkv, S, D]
 
 // Pre-RoPE queries of `hidden` through the layer's q_proj, RMS-normed per head by q_norm when the
