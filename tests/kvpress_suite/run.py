@@ -3,8 +3,10 @@ kvpress_cpp.accelerate() on, offline: every hub model the suite loads is served 
 Face cache whose entries all hold the bundled TinyStories-656K model.
 
 Usage: python run.py --models DIR [--work DIR] [--no-accelerate] [pytest args...]
-Prints pytest's summary, the acceleration counts, and the tests that cannot run offline with why.
-Exit status: pytest's (0 when every collected test passed or was skipped with a reason below).
+Prints pytest's summary, the tests that cannot run offline with why, and the calls and fallbacks
+per press and reason. Exit status: pytest's when it failed; else 1 when acceleration failed its
+checks (check_acceleration: a fallback for a reason kvpress_cpp does not name, or a press
+accelerate() claims that the suite called but that never went through kvpress-cpp); else 0.
 """
 import argparse
 import json
@@ -114,14 +116,56 @@ def main():
         print(f"  {reason}:")
         for test in tests:
             print(f"    {test}")
-    if os.path.exists(report):
-        with open(report) as f:
-            counts = json.load(f)
-        print(f"kvpress_cpp acceleration: {counts['calls']} calls through kvpress-cpp, {counts['fallbacks']} "
-              f"fell back to kvpress")
-        for reason, n in sorted(counts["fallback_reasons"].items(), key=lambda kv: -kv[1]):
-            print(f"  {n:5d}  {reason}")
-    return status
+    if args.no_accelerate:
+        return status
+    if not os.path.exists(report):
+        print("kvpress_cpp acceleration: no report was written (did pytest start?)")
+        return status or 1
+    with open(report) as f:
+        counts = json.load(f)
+    print(format_counts(counts))
+    problems = check_acceleration(counts)
+    for problem in problems:
+        print(f"FAIL {problem}")
+    return status or (1 if problems else 0)
+
+
+def format_counts(counts):
+    """The report's table: calls and fallbacks per press (accelerated presses the suite never called
+    included), by reason, then each fallback's detail."""
+    per_press = dict(counts["per_press"])
+    for name in counts["accelerated"]:
+        per_press.setdefault(name, {"calls": 0, "fallbacks": 0, "reasons": {}})
+    lines = [f"kvpress_cpp acceleration: {counts['calls']} calls through kvpress-cpp, {counts['fallbacks']} fell "
+             f"back to kvpress", f"  {'press':<28} {'calls':>6} {'fallbacks':>9}  reasons"]
+    for name, c in sorted(per_press.items()):
+        reasons = ", ".join(f"{r} {n}" for r, n in c["reasons"].items()) or ("not called" if not c["calls"] else "-")
+        lines.append(f"  {name:<28} {c['calls']:>6} {c['fallbacks']:>9}  {reasons}")
+    if counts["fallback_reasons"]:
+        lines.append("  fallbacks:")
+        lines += [f"    {n:5d}  {key}" for key, n in sorted(counts["fallback_reasons"].items(), key=lambda kv: -kv[1])]
+    never = sorted(name for name, c in per_press.items() if name in counts["accelerated"] and not c["calls"])
+    if never:
+        lines.append(f"  accelerated presses with no call through kvpress-cpp: {', '.join(never)}")
+    return "\n".join(lines)
+
+
+def check_acceleration(counts):
+    """What the run says is wrong with acceleration: a fallback whose reason is not one of
+    kvpress_cpp.REASONS (the named unsupported inputs: anything else is an input the library should
+    have taken), and a press accelerate() claims that the suite called but never through kvpress-cpp."""
+    problems = []
+    named = set(counts["reasons"])
+    for name, c in sorted(counts["per_press"].items()):
+        for reason, n in c["reasons"].items():
+            if reason not in named:
+                problems.append(f"{name}: {n} calls fell back for {reason!r}, not a reason kvpress_cpp names")
+    for name in counts["accelerated"]:
+        c = counts["per_press"].get(name)
+        if c and c["calls"] == 0 and c["fallbacks"] > 0:
+            problems.append(f"{name}: the suite called it {c['fallbacks']} times, never through kvpress-cpp "
+                            f"({', '.join(c['reasons'])})")
+    return problems
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@ kvpress_cpp.accelerate().
 Usage: python test_package.py [WHEEL]   (run from any directory but the repository's python/ folder;
 WHEEL: also check that the wheel scripts/build_wheel.sh made holds the library and the modules)
 """
+import copy
 import dataclasses
+import importlib
 import inspect
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -23,6 +27,8 @@ from kvpress_cpp import ops, presses
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 check = Checklist()
+accelerate = importlib.import_module("kvpress_cpp.accelerate")  # the module (kvpress_cpp.accelerate is the function)
+os.environ.pop("KVPRESS_CPP_STRICT", None)  # these checks provoke fallbacks; the strict ones ask for it
 
 # ---- ops --------------------------------------------------------------------------------------
 registered = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("kvpress::"))
@@ -133,6 +139,20 @@ for inner in (kvpress.SnapKVPress(window_size=4), kvpress.TOVAPress()):
           torch.equal(got[0], expected[0]) and got[1] == expected[1] and handle.calls > 0 and handle.fallbacks == 0,
           f"calls {handle.calls}, fallbacks {handle.fallback_reasons}, tokens equal {torch.equal(got[0], expected[0])}")
 
+# ChunkPress hands each chunk the whole forward's RoPE table: NonCausalAttnPress gets the table's last
+# rows, as kvpress's code takes them; ExpectedAttentionPress falls back for "inputs".
+expected = kept_rows(model, kvpress.ChunkPress(kvpress.NonCausalAttnPress(0.5, chunk_size=64), chunk_length=128))
+with kvpress_cpp.accelerate() as handle:
+    got = kept_rows(model, kvpress.ChunkPress(kvpress.NonCausalAttnPress(0.5, chunk_size=64), chunk_length=128))
+check("ChunkPress(NonCausalAttnPress): kvpress's kept sets, every chunk through kvpress-cpp",
+      got == expected and handle.counts() == {"NonCausalAttnPress": {"calls": 10, "fallbacks": 0, "reasons": {}}},
+      f"{handle.counts()}, same sets {got == expected}")
+with kvpress_cpp.accelerate() as handle:
+    kept_rows(model, kvpress.ChunkPress(kvpress.ExpectedAttentionPress(0.5), chunk_length=256))
+check("ChunkPress(ExpectedAttentionPress) falls back for 'inputs', naming the chunk's RoPE table",
+      handle.calls == 0 and handle.counts()["ExpectedAttentionPress"]["reasons"] == {"inputs": 6}
+      and all("RoPE table" in r for r in handle.fallback_reasons), str(handle.fallback_reasons))
+
 original = kvpress.KnormPress.compress
 with kvpress_cpp.accelerate():
     check("is_accelerated() inside the block", kvpress_cpp.is_accelerated() and kvpress.KnormPress.compress is not original)
@@ -150,6 +170,13 @@ with kvpress_cpp.accelerate(warn=True) as handle:
           str(handle.fallback_reasons))
     s32 = kvpress.KnormPress(0.5).score(module, None, keys, values, None, {})
     check("float32 keys go through kvpress-cpp", handle.calls == 1 and torch.allclose(s32, -keys.norm(dim=-1)))
+    check("counts() per press and reason",
+          handle.counts() == {"KnormPress": {"calls": 1, "fallbacks": 1, "reasons": {"dtype": 1}}}, str(handle.counts()))
+    printed = io.StringIO()
+    table = handle.report(file=printed)
+    check("report() returns and prints a table of calls and fallbacks per press and reason",
+          table == printed.getvalue() and "KnormPress" in table and "dtype 1" in table and "float64" in table
+          and handle.report(quiet=True) == table, table)
 
     class PlainSubclass(kvpress.KnormPress):
         pass
@@ -167,8 +194,142 @@ with kvpress_cpp.accelerate(warn=True) as handle:
     except Exception:
         pass
     check("a subclass overriding a helper of the scores falls back to kvpress's method",
-          any("overrides SnapKVPress's compute_window_attention" in r for r in handle.fallback_reasons),
+          any("variant: OwnWindow overrides SnapKVPress's compute_window_attention" in r
+              for r in handle.fallback_reasons) and handle.counts()["OwnWindow"]["reasons"] == {"variant": 1},
           str(handle.fallback_reasons))
+
+# Only named reasons fall back: the library's other errors reach the caller.
+with kvpress_cpp.accelerate() as handle:
+    try:
+        kvpress.KnormPress(0.5).score(module, None, keys, values[:, :, :20], None, {})  # kvpress ignores values
+        check("an input the library refuses for no named reason raises its error, no fallback", False)
+    except RuntimeError as e:
+        check("an input the library refuses for no named reason raises its error, no fallback",
+              "values must have the shape of keys" in str(e) and handle.fallbacks == 0, str(e))
+try:
+    kvpress_cpp.Unsupported("KnormPress", "it felt like it")
+    check("Unsupported takes only the reasons REASONS names", False)
+except ValueError as e:
+    check("Unsupported takes only the reasons REASONS names", "reason must be one of" in str(e), str(e))
+error = pickle.loads(pickle.dumps(kvpress_cpp.Unsupported(kvpress.KnormPress(), "dtype", "float64")))
+check("Unsupported keeps the press, reason and detail (pickled too)",
+      (error.press, error.reason, error.detail, str(error)) == ("KnormPress", "dtype", "float64",
+                                                                 "KnormPress: dtype: float64"), str(error))
+
+# strict=True and KVPRESS_CPP_STRICT raise Unsupported instead of falling back.
+with kvpress_cpp.accelerate(strict=True) as handle:
+    try:
+        kvpress.KnormPress(0.5).score(module, None, keys.double(), values.double(), None, {})
+        check("strict=True raises Unsupported on a fallback", False)
+    except kvpress_cpp.Unsupported as e:
+        check("strict=True raises Unsupported on a fallback", e.press == "KnormPress" and e.reason == "dtype"
+              and handle.counts()["KnormPress"]["reasons"] == {"dtype": 1}, str(e))
+for value, expected in (("1", True), ("0", False), ("", False), (None, False)):
+    if value is None:
+        os.environ.pop("KVPRESS_CPP_STRICT", None)
+    else:
+        os.environ["KVPRESS_CPP_STRICT"] = value
+    with kvpress_cpp.accelerate() as handle, kvpress_cpp.accelerate(strict=False) as explicit:
+        check(f"KVPRESS_CPP_STRICT={value!r}: strict is {expected}, an explicit strict= wins",
+              handle.strict is expected and explicit.strict is False)
+os.environ["KVPRESS_CPP_STRICT"] = "yes"
+try:
+    kvpress_cpp.accelerate()
+    check("KVPRESS_CPP_STRICT=yes is an error naming the variable", False)
+except ValueError as e:
+    check("KVPRESS_CPP_STRICT=yes is an error naming the variable",
+          "KVPRESS_CPP_STRICT" in str(e) and not kvpress_cpp.is_accelerated(), str(e))
+os.environ.pop("KVPRESS_CPP_STRICT")
+
+# Nesting: the inner block's options apply inside it only; kvpress's methods return at the outermost exit.
+original_score = kvpress.KnormPress.score
+with kvpress_cpp.accelerate(warn=True) as outer:
+    with kvpress_cpp.accelerate(strict=True) as inner:
+        check("nested: a second accelerate() is a handle of its own", inner is not outer and outer.active)
+        try:
+            kvpress.KnormPress(0.5).score(module, None, keys.double(), values.double(), None, {})
+            check("nested: the inner strict=True applies inside the inner block", False)
+        except kvpress_cpp.Unsupported:
+            check("nested: the inner strict=True applies inside the inner block", True)
+        kvpress.KnormPress(0.5).score(module, None, keys, values, None, {})
+    check("nested: the inner exit keeps acceleration on",
+          kvpress_cpp.is_accelerated() and kvpress.KnormPress.score is not original_score and not inner.active)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s64 = kvpress.KnormPress(0.5).score(module, None, keys.double(), values.double(), None, {})
+    check("nested: after the inner exit the outer's options (warn, not strict) apply again",
+          s64.dtype == torch.float64 and any("float64" in str(w.message) for w in caught))
+    check("nested: each handle counts the calls made while it is open",
+          (outer.calls, outer.fallbacks, inner.calls, inner.fallbacks) == (1, 2, 1, 1),
+          f"outer {outer.counts()}, inner {inner.counts()}")
+check("nested: the outermost exit restores kvpress's methods",
+      not kvpress_cpp.is_accelerated() and kvpress.KnormPress.score is original_score)
+first, second = kvpress_cpp.accelerate(), kvpress_cpp.accelerate()
+first.close()
+on_after_first = kvpress_cpp.is_accelerated()
+second.close()
+second.close()  # idempotent
+check("handles closed out of order: acceleration ends with the last one",
+      on_after_first and not kvpress_cpp.is_accelerated() and kvpress.KnormPress.score is original_score)
+
+# Every field of every accelerated kvpress class is handed to the library or decides a fallback.
+unhandled, unknown, extra = [], [], []
+for name in kvpress_cpp.accelerated_presses():
+    theirs = [f.name for f in dataclasses.fields(getattr(kvpress, name))]
+    mapped, fallback = accelerate.mapped_fields(name), accelerate.fallback_fields(name)
+    unhandled += [f"{name}.{f}" for f in theirs if f not in mapped and f not in fallback]
+    ours = {f.name for f in dataclasses.fields(presses.PRESSES[name])}
+    unknown += [f"{name}.{f} -> {p}" for f, p in mapped.items() if p not in ours]
+    extra += [f"{name}.{p}" for p in sorted(ours - set(mapped.values())) if p not in accelerate.CPP_ONLY.get(name, ())]
+check("every kvpress field of an accelerated press is mapped or a declared fallback", not unhandled,
+      "neither: " + ", ".join(unhandled))
+check("every mapped field is a parameter of the registry press", not unknown, ", ".join(unknown))
+check("the registry's parameters kvpress lacks are declared C++-only (left at defaults)", not extra, ", ".join(extra))
+
+hs = torch.randn(1, 40, 128)
+with kvpress_cpp.accelerate() as handle:
+    for press, field in ((kvpress.SnapKVPress(0.5, window_size=4, kernel_size=4), "kernel_size"),
+                         (kvpress.RandomPress(0.5, seed=-1), "seed"),
+                         (kvpress.StreamingLLMPress(0.5, n_sink=True), "n_sink")):
+        try:
+            press.score(model.model.layers[0].self_attn, hs, keys, values, None, {})
+        except Exception:  # kvpress's own method may refuse the value: only the recorded reason matters
+            pass
+        check(f"{type(press).__name__}: a {field} value the library cannot honour falls back naming it",
+              any(r.startswith(f"{type(press).__name__}: parameter: {field}=") for r in handle.fallback_reasons),
+              str(handle.fallback_reasons))
+    compactor = kvpress.CompactorPress(0.5)
+    object.__setattr__(compactor, "_leverage_press", kvpress.LeverageScorePress(0.5, sketch_dimension=8))
+    try:
+        compactor.score(model.model.layers[0].self_attn, hs, keys, values, None, {})
+    except Exception:
+        pass
+    check("CompactorPress: an inner press unlike the one its fields build falls back naming the field",
+          any("parameter: _leverage_press=" in r and "sketch_dimension" in r for r in handle.fallback_reasons),
+          str(handle.fallback_reasons))
+    # A field this version does not know (as a newer kvpress may add): its default goes through, any
+    # other value falls back naming it.
+    saved = accelerate._FIELDS["StreamingLLMPress"].pop("n_sink")
+    try:
+        calls = handle.calls
+        kvpress.StreamingLLMPress(0.5).score(module, None, keys, values, None, {})
+        kvpress.StreamingLLMPress(0.5, n_sink=8).score(module, None, keys, values, None, {})
+    finally:
+        accelerate._FIELDS["StreamingLLMPress"]["n_sink"] = saved
+    check("an unmapped field at its default goes through, at another value falls back naming it",
+          handle.calls == calls + 1 and any("parameter: n_sink=8 (a field kvpress-cpp does not map)" in r
+                                            for r in handle.fallback_reasons), str(handle.fallback_reasons))
+
+# An attention module that is not Llama-like: only presses that need its projections fall back.
+biased = copy.deepcopy(model.model.layers[0].self_attn)
+biased.q_proj.bias = torch.nn.Parameter(torch.zeros(biased.q_proj.out_features))
+cos, sin = model.model.rotary_emb(hs, torch.arange(40)[None])
+with kvpress_cpp.accelerate() as handle, torch.no_grad():
+    kvpress.KnormPress(0.5).score(biased, hs, keys, values, None, {"position_embeddings": (cos, sin)})
+    kvpress.SnapKVPress(0.5, window_size=4).score(biased, hs, keys, values, None, {"position_embeddings": (cos, sin)})
+check("a q_proj with a bias: KnormPress goes through, SnapKVPress falls back for 'module'",
+      handle.counts() == {"KnormPress": {"calls": 1, "fallbacks": 0, "reasons": {}},
+                          "SnapKVPress": {"calls": 0, "fallbacks": 1, "reasons": {"module": 1}}}, str(handle.counts()))
 
 # ---- the wheel -------------------------------------------------------------------------------
 if len(sys.argv) > 1:
