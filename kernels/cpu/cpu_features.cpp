@@ -14,8 +14,8 @@ namespace {
 bool avx512_disabled_by_environment() {
   const char* value = std::getenv("KVPRESS_DISABLE_AVX512");
   if (value == nullptr || value[0] == '\0' || std::strcmp(value, "0") == 0) return false;
-  TORCH_CHECK(std::strcmp(value, "1") == 0, "kvpress CPU kernels: KVPRESS_DISABLE_AVX512 must be 0 or 1, got \"",
-              value, "\"");
+  TORCH_CHECK(std::strcmp(value, "1") == 0, "kvpress CPU kernels: KVPRESS_DISABLE_AVX512 must be 0 or 1, got \"", value,
+              "\"");
   return true;
 }
 
