@@ -1,16 +1,22 @@
-# Precompiled ATen headers. <ATen/ATen.h> (every operator's declaration) is about 8 of the ~10 s
-# that gcc spends on one of our translation units; a target that precompiles it once (~25 s) then
-# compiles each file in ~2.5 s. Worth it for the targets of many files: the library, the runner,
-# kvpress-cli and the test binary (scripts/test.sh builds five trees of them). The header is
+# Precompiled headers. <ATen/ATen.h> (every operator's declaration) is about 8 of the ~10 s that gcc
+# spends on one of our translation units; a target that precompiles it once (~25 s) then compiles
+# each file in ~2.5 s. Worth it for the targets of many files: the library, the runner, kvpress-cli
+# and the test binary (scripts/test.sh builds them in up to four trees). Targets add the other
+# heavy headers most of their files include (GoogleTest, nlohmann/json, fmt). The headers are
 # force-included in C++ files only (nvcc compiles the .cu files as before).
 # KVPRESS_PCH=OFF compiles every file on its own includes, as a user's build of one file would.
 option(KVPRESS_PCH "Precompile the ATen headers of the library, runner, CLI and test targets" ON)
 
+# kvpress_precompile_aten(target [header ...]): ATen's headers and the extra <header>s.
 function(kvpress_precompile_aten target)
-  if(KVPRESS_PCH)
-    target_precompile_headers(${target} PRIVATE
-      "$<$<COMPILE_LANGUAGE:CXX>:<ATen/ATen.h$<ANGLE-R>>"
-      "$<$<COMPILE_LANGUAGE:CXX>:<ATen/Parallel.h$<ANGLE-R>>"
-      "$<$<COMPILE_LANGUAGE:CXX>:<torch/library.h$<ANGLE-R>>")
+  if(NOT KVPRESS_PCH)
+    return()
   endif()
+  set(headers "$<$<COMPILE_LANGUAGE:CXX>:<ATen/ATen.h$<ANGLE-R>>"
+              "$<$<COMPILE_LANGUAGE:CXX>:<ATen/Parallel.h$<ANGLE-R>>"
+              "$<$<COMPILE_LANGUAGE:CXX>:<torch/library.h$<ANGLE-R>>")
+  foreach(header IN LISTS ARGN)
+    list(APPEND headers "$<$<COMPILE_LANGUAGE:CXX>:<${header}$<ANGLE-R>>")
+  endforeach()
+  target_precompile_headers(${target} PRIVATE ${headers})
 endfunction()

@@ -13,6 +13,8 @@ jobs="${KVPRESS_JOBS:-$(nproc)}"
 # include the precompiled ATen header (cmake/PrecompiledATen.cmake).
 export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-12G}"
+# Paths inside the checkout hashed relative to it: another clone (CI's) finds the same objects.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 common_cmake_flags=(-G Ninja -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 
 # A tree configured before the switch to Ninja cannot be reconfigured with it: start it afresh.
