@@ -251,36 +251,66 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
         del kv_args, our_kw
         gc.collect()
     print()
-    print(f"{title}")
-    print()
-    print("| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | floor (ms) | "
-          "ours / floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(markdown_table(title, rows))
+    return rows
+
+
+def markdown_table(title, rows):
+    """One table as printed and as --markdown writes it."""
+    lines = [title, "", "| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | floor (ms) | "
+             "ours / floor |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         agree = "-" if r["agree"] is None else f"{r['agree'] * 100:.2f}%"
         floor = "-" if r["floor"] is None else f"{r['floor'] * 1e3:.2f} ({r['bound']})"
         over = "-" if r["floor"] is None else f"{r['ours'] / r['floor']:.1f}x"
-        print(f"| {r['press']} | {r['kv'] * 1e3:.2f} | {r['ours'] * 1e3:.2f} | {r['speedup']:.2f}x | {agree} | {floor} "
-              f"| {over} |")
-    print()
-    return rows
+        lines.append(f"| {r['press']} | {r['kv'] * 1e3:.2f} | {r['ours'] * 1e3:.2f} | {r['speedup']:.2f}x | {agree} "
+                     f"| {floor} | {over} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_metadata():
+    """What every output of one run records: UTC date, the checkout's commit (-dirty with uncommitted
+    changes), the CPU model (lscpu) and what the library's CPU kernels run (ops.cpu_kernel_isa)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        r = subprocess.run(["git", "-C", root, *cmd], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    cpu = "unknown"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name:")), cpu)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=commit, cpu_model=cpu,
+                kernel_isa=torch.ops.kvpress.cpu_kernel_isa())
 
 
 # ----------------------------------------------------------------------------- files
 
 
-def file_rows(rows_a, rows_b):
-    """Both tables' rows in scripts/plot.py's compare format (milliseconds; agree a fraction)."""
+def file_rows(rows_a, rows_b, run):
+    """Both tables' rows in scripts/plot.py's compare format (milliseconds; agree a fraction), each
+    with the run's metadata (run_metadata), so a CSV row says where and when it was measured."""
     out = []
     for table, rows in (("a", rows_a), ("b", rows_b)):
         for r in rows:
             out.append(dict(table=table, press=r["press"], kvpress_ms=round(r["kv"] * 1e3, 3),
                             kvpress_cpp_ms=round(r["ours"] * 1e3, 3), agree=r["agree"],
-                            floor_ms=None if r["floor"] is None else round(r["floor"] * 1e3, 3)))
+                            floor_ms=None if r["floor"] is None else round(r["floor"] * 1e3, 3), **run))
     return out
 
 
-def write_results(args, title, rows):
+def write_results(args, title, rows, markdown):
+    """The table (--markdown), the rows (--json, --csv) and the chart (--png), all from this run."""
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown)
+        print(f"markdown: {args.markdown}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"title": title, "rows": rows}, f, indent=1)
@@ -322,6 +352,7 @@ def main():
     p.add_argument("--png", default="compare_kvpress.png", help="chart path ('' for none)")
     p.add_argument("--json", help="also write both tables' rows as JSON ({title, rows})")
     p.add_argument("--csv", help="also write both tables' rows as CSV (scripts/plot.py compare reads either)")
+    p.add_argument("--markdown", help="also write the run's line and both tables as Markdown (docs/PERFORMANCE.md)")
     p.add_argument("--table", choices=["a", "b", "both"], default="both", help="which tables to run")
     p.add_argument("--attn-budget-gib", type=float, default=2.0,
                    help="largest [B,Hq,S,S] attention tensor to build for ObservedAttentionPress")
@@ -364,6 +395,10 @@ def main():
              f"{args.dtype}, ratio {args.ratio}")
     from importlib.metadata import version
 
+    run = run_metadata()
+    run_line = (f"Run {run['date']}, commit {run['commit']}, CPU {run['cpu_model']}, kernels {run['kernel_isa']}, "
+                f"kvpress {version('kvpress')}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(run_line)
     print(f"kvpress {version('kvpress')} vs kvpress-cpp ({lib}), torch {torch.__version__}")
     heap = "fresh pages allowed" if args.fresh_pages else "freed heap memory reused (MALLOC_MMAP_MAX_=0)"
     print(f"shape {shape}; threads {torch.get_num_threads()}; median of {args.repeats} alternating calls "
@@ -378,19 +413,25 @@ def main():
                       need_attn="ObservedAttentionPress" in a_presses)
         print(f"inputs built in {time.perf_counter() - t0:.1f} s", flush=True)
         rows_a, rows_b = [], []
+        markdown = [run_line + "\n"]
         if full_presses:
             print("(b) full path from hidden states and projection weights", flush=True)
-            rows_b = run_table(f"Table (b): each side's full path from hidden states [B,S,{args.q_heads * args.head_dim}] "
-                               f"and projection weights ({shape})", full_presses, layer, args, True, kvpress_mod)
+            title = (f"Table (b): each side's full path from hidden states [B,S,{args.q_heads * args.head_dim}] "
+                     f"and projection weights ({shape})")
+            rows_b = run_table(title, full_presses, layer, args, True, kvpress_mod)
+            markdown.append(markdown_table(title, rows_b))
         if a_presses:
             print("(a) projections excluded", flush=True)
-            rows_a = run_table(f"Table (a): same inputs, projections excluded ({shape})", a_presses, layer, args,
-                               False, kvpress_mod)
+            title = f"Table (a): same inputs, projections excluded ({shape})"
+            rows_a = run_table(title, a_presses, layer, args, False, kvpress_mod)
+            markdown.append(markdown_table(title, rows_a))
 
-    rows = file_rows(rows_a, rows_b)
+    rows = file_rows(rows_a, rows_b, run)
     if not rows:
         sys.exit("compare_kvpress: every press failed, nothing to report")
-    write_results(args, f"kvpress-cpp vs kvpress 0.5.5: {shape}, {torch.get_num_threads()} threads", rows)
+    title = (f"kvpress-cpp vs kvpress 0.5.5: {shape}, {torch.get_num_threads()} threads\n"
+             f"{run['date']}, {run['commit']}, {run['cpu_model']}, kernels {run['kernel_isa']}")
+    write_results(args, title, rows, "\n".join(markdown))
     rows = rows_a or rows_b
     speedups = [r["speedup"] for r in rows]
     if not rows_a:

@@ -28,7 +28,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
 import matplotlib.ticker  # noqa: E402
 
-COMPARE_COLUMNS = ["table", "press", "kvpress_ms", "kvpress_cpp_ms", "agree", "floor_ms"]
+# The run's metadata (date, commit, cpu_model, kernel_isa) repeats on every row: a file says where
+# and when it was measured. Files without it still load.
+COMPARE_COLUMNS = ["table", "press", "kvpress_ms", "kvpress_cpp_ms", "agree", "floor_ms", "date", "commit",
+                   "cpu_model", "kernel_isa"]
 TABLE_NAMES = {"a": "(a) projections excluded", "b": "(b) full path from hidden states"}
 MARKERS = "osD^v<>"  # 7 markers against 20 colours: no two of the first 140 curves look alike
 

@@ -123,6 +123,8 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("n_kept(int seq_len, float compression_ratio) -> int", &ops::n_kept);
   // The registry as JSON (kvpress/registry.h): presses, kinds, inputs, parameters and defaults.
   m.def("registry_json() -> str", [] { return registry_json(); });
+  // The instruction set the CPU kernels use in this process (benchmark tables record it).
+  m.def("cpu_kernel_isa() -> str", &ops::cpu_kernel_isa);
   // Ops with CPU and CUDA kernels (kernels/cpu, kernels/cuda) declare only their schema; their ATen
   // composite is registered below for every other device (src/kernel_ops.h).
   m.def("topk_indices(Tensor scores, int k) -> Tensor");

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -184,6 +185,15 @@ TEST(KernelOps, SketchPreropeKeysMatchesTheComposite) {
     const auto [x_ref, gram_ref] = ops::composite::sketch_prerope_keys(keys, c, s, sketch);
     EXPECT_TRUE(at::equal(x, x_ref) && at::equal(gram, gram_ref)) << keys.scalar_type() << " " << sketch.sizes();
   }
+}
+
+// cpu_kernel_isa() reports the dispatch this process runs: "avx512" exactly when the tiles run.
+TEST(KernelOps, CpuKernelIsaNamesTheDispatch) {
+  const std::string isa = ops::cpu_kernel_isa();
+  EXPECT_TRUE(isa == "avx512" || isa == "avx512-clones" || isa == "avx2" || isa == "baseline") << isa;
+  EXPECT_EQ(isa == "avx512", kvpress::kernels::cpu_has_avx512()) << isa;
+  const char* disabled = std::getenv("KVPRESS_DISABLE_AVX512");
+  if (disabled != nullptr && std::string(disabled) == "1") EXPECT_NE(isa, "avx512");
 }
 
 // The ridge leverage of every row lies in [0, 1), whichever path computes it.

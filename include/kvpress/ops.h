@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "kvpress/types.h"
 
@@ -299,5 +300,11 @@ void paged_write(at::Tensor& key_pool,      // [num_pages, page_size, D], contig
                  const at::Tensor& keys,    // [N, D]
                  const at::Tensor& values,  // [N, D]
                  const at::Tensor& slots);  // [N] int64
+
+// What the CPU kernels' hot loops run in this process, for benchmark tables and bug reports:
+// "avx512" (the AVX-512 register tiles and the loops' AVX-512 clones), "avx512-clones" (the clones
+// only: KVPRESS_DISABLE_AVX512=1), "avx2" (the AVX2 clones; the tiles need AVX-512) or "baseline"
+// (x86-64 or another architecture). kernels/cpu/cpu_features.cpp.
+std::string cpu_kernel_isa();
 
 }  // namespace kvpress::ops

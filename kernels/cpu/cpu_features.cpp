@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpu/vector_clones.h"
+#include "kvpress/ops.h"
 
 namespace kvpress::kernels {
 namespace {
@@ -35,3 +36,19 @@ bool cpu_has_avx512() {
 }
 
 }  // namespace kvpress::kernels
+
+namespace kvpress::ops {
+
+std::string cpu_kernel_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  // KVPRESS_VECTOR_CLONES picks its clone by these same tests (gcc's target_clones resolver).
+  const bool avx512f = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2");
+#else
+  const bool avx512f = false, avx2 = false;
+#endif
+  if (kernels::cpu_has_avx512()) return "avx512";
+  if (avx512f) return "avx512-clones";
+  return avx2 ? "avx2" : "baseline";
+}
+
+}  // namespace kvpress::ops

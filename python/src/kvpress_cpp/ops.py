@@ -269,6 +269,12 @@ def press_scores(name: str, compression_ratio: float, params: Params, keys: Tens
     return _ops.press_scores(name, compression_ratio, params_list(params), keys, values, **inputs)
 
 
+def cpu_kernel_isa() -> str:
+    """What the CPU kernels' hot loops run in this process: "avx512" (register tiles and AVX-512
+    loops), "avx512-clones" (KVPRESS_DISABLE_AVX512=1: the tiles off), "avx2" or "baseline"."""
+    return _ops.cpu_kernel_isa()
+
+
 def registry_json() -> str:
     """Every press (name, kind, summary, inputs, parameters with types and defaults) and every
     LayerInputs field, as JSON text (kvpress-cli list --json prints the same)."""
