@@ -13,6 +13,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -285,19 +286,16 @@ inline void check_paged_write(const at::Tensor& key_pool, const at::Tensor& valu
                                 {"slots", &slots}})
     check_same_device(op, name, *t, "key_pool", key_pool);
   if (slots.numel() == 0) return;
-  const int64_t capacity = key_pool.size(0) * key_pool.size(1);
-  const int64_t lo = slots.min().item<int64_t>(), hi = slots.max().item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < capacity, op, ": slots must be in [0, num_pages * page_size (", capacity,
-              ")), got values in [", lo, ", ", hi, "]");
-  // Two rows for one slot would be written by two threads (CPU) or blocks (CUDA) in no set order.
-  if (slots.numel() < 2) return;
-  const at::Tensor sorted = std::get<0>(slots.sort());
-  const at::Tensor repeated = sorted.narrow(0, 1, sorted.size(0) - 1).eq(sorted.narrow(0, 0, sorted.size(0) - 1));
-  if (repeated.any().item<bool>()) {
-    const int64_t at_index = repeated.nonzero()[0][0].item<int64_t>();
-    TORCH_CHECK(false, op, ": slots must be distinct (each pool slot written once), got slot ",
-                sorted[at_index].item<int64_t>(), " more than once");
-  }
+  // The slots sorted, on the host (one copy): their range, and no slot twice (two rows for one slot
+  // would be written by two threads on the CPU, or blocks on CUDA, in no set order).
+  const at::Tensor sorted = std::get<0>(slots.sort()).cpu();
+  const int64_t* s = sorted.const_data_ptr<int64_t>();
+  const int64_t n = sorted.numel(), capacity = key_pool.size(0) * key_pool.size(1);
+  TORCH_CHECK(s[0] >= 0 && s[n - 1] < capacity, op, ": slots must be in [0, num_pages * page_size (", capacity,
+              ")), got values in [", s[0], ", ", s[n - 1], "]");
+  if (const int64_t* repeat = std::adjacent_find(s, s + n); repeat != s + n)
+    TORCH_CHECK(false, op, ": slots must be distinct (each pool slot written once), got slot ", *repeat,
+                " more than once");
 }
 
 // apply_rope / invert_rope: x [B, H, n, D] floating with D even, cos/sin [n, D] on x's device.

@@ -313,7 +313,7 @@ at::Tensor leverage_rounding_flip_bound(const kvpress::LayerInputs& inputs, cons
   const at::Tensor keys = kvpress::ops::prerope_keys(inputs, "test").to(at::kBFloat16);
   const at::Tensor phi =
       kvpress::ops::gaussian_sketch(keys.size(0), keys.size(1), keys.size(3), k, at::kBFloat16, at::kCPU, seed);
-  const at::Tensor x = at::matmul(keys - keys.mean(2, true), phi.to(at::kBFloat16)).to(at::kDouble);  // as kvpress
+  const at::Tensor x = kvpress::ops::sketch_keys(keys, phi).to(at::kDouble);  // centred and sketched in bf16
   const at::Tensor a = at::matmul(x.transpose(2, 3), x) + at::eye(k, x.options()) * 1e-2;
   const at::Tensor y = at::linalg_solve(a, x.transpose(2, 3)).transpose(2, 3);  // rows A⁻¹ x_i
   const at::Tensor leverage = (x * y).sum(-1);

@@ -20,12 +20,18 @@ bool avx512_disabled_by_environment() {
   return true;
 }
 
-bool avx512_kernels_run() {
-#if KVPRESS_HAVE_AVX512_KERNELS
-  return !avx512_disabled_by_environment() && __builtin_cpu_supports("avx512f");
+// What the CPU offers, by the tests gcc's target_clones resolver makes (KVPRESS_VECTOR_CLONES
+// picks its clone by them).
+#if defined(__x86_64__) && defined(__GNUC__)
+bool cpu_supports_avx512f() { return __builtin_cpu_supports("avx512f"); }
+bool cpu_supports_avx2() { return __builtin_cpu_supports("avx2"); }
 #else
-  return false;
+bool cpu_supports_avx512f() { return false; }
+bool cpu_supports_avx2() { return false; }
 #endif
+
+bool avx512_kernels_run() {
+  return KVPRESS_HAVE_AVX512_KERNELS && !avx512_disabled_by_environment() && cpu_supports_avx512f();
 }
 
 }  // namespace
@@ -40,15 +46,9 @@ bool cpu_has_avx512() {
 namespace kvpress::ops {
 
 std::string cpu_kernel_isa() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  // KVPRESS_VECTOR_CLONES picks its clone by these same tests (gcc's target_clones resolver).
-  const bool avx512f = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2");
-#else
-  const bool avx512f = false, avx2 = false;
-#endif
   if (kernels::cpu_has_avx512()) return "avx512";
-  if (avx512f) return "avx512-clones";
-  return avx2 ? "avx2" : "baseline";
+  if (kernels::cpu_supports_avx512f()) return "avx512-clones";
+  return kernels::cpu_supports_avx2() ? "avx2" : "baseline";
 }
 
 }  // namespace kvpress::ops
