@@ -3,7 +3,8 @@
 # each file in ~2.5 s. Worth it for the targets of many files: the library, the runner, kvpress-cli
 # and the test binary (scripts/test.sh builds them in up to four trees). Targets add the other
 # heavy headers most of their files include (GoogleTest, nlohmann/json, fmt). The headers are
-# force-included in C++ files only (nvcc compiles the .cu files as before).
+# force-included in C++ files only: the .cu files include no ATen (kernels/cuda/<op>_bridge.cpp
+# holds each CUDA op's ATen side).
 # KVPRESS_PCH=OFF compiles every file on its own includes, as a user's build of one file would.
 option(KVPRESS_PCH "Precompile the ATen headers of the library, runner, CLI and test targets" ON)
 

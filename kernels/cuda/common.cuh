@@ -9,9 +9,9 @@
 #include <cmath>
 #include <type_traits>
 
-namespace kvpress::cuda {
+#include "cuda/limits.h"
 
-constexpr int kWarpSize = 32;
+namespace kvpress::cuda {
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/key_norm_launch.h"
 
 namespace kvpress::cuda {
 

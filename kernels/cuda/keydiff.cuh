@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/keydiff_launch.h"
 
 namespace kvpress::cuda {
 
@@ -67,9 +68,6 @@ __global__ void keydiff_cosine_to_anchor(const T* __restrict__ keys,  // [rows, 
   aa = warp_sum(aa);
   if (lane == 0) out[row] = -dot / (fmaxf(sqrtf(kk), 1e-8f) * fmaxf(sqrtf(aa), 1e-8f));
 }
-
-// Largest head_dim whose block-local anchor fits the default 48 KiB of dynamic shared memory.
-constexpr int64_t kKeyDiffMaxDim = 48 * 1024 / sizeof(float);
 
 template <typename T>
 cudaError_t launch_keydiff_scores(const T* keys,  // [heads, seq, dim] contiguous

@@ -12,21 +12,12 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/lagkv_launch.h"
 
 namespace kvpress::cuda {
 
 constexpr int kLagThreads = 256;
 constexpr int kLagWarps = kLagThreads / kWarpSize;
-// The kernel's static shared memory (scratch and a flag), which counts against the same limit as
-// the dynamic part.
-constexpr size_t kLagStaticShared = kWarpSize * sizeof(float) + sizeof(int);
-constexpr size_t kSharedLimit = 48 * 1024;
-
-// Dynamic shared memory of one block: lo[dim], inv[dim], soft_k[lag], soft_v[lag].
-inline size_t lagkv_shared_bytes(int64_t dim, int64_t lag) {
-  return static_cast<size_t>(2 * dim + 2 * lag) * sizeof(float);
-}
-
 // Softmax over the partition's lag per-token stds of one of K/V, into soft[0..lag).
 // Shared layout: lo[dim], inv[dim].
 template <typename T>
@@ -109,7 +100,6 @@ __global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __re
   }
 }
 
-// grid (scored partitions, batch * heads); out [batch * heads, seq] holds ones where nothing is scored.
 template <typename T>
 cudaError_t launch_lagkv_partition_scores(const T* keys, const T* values,  // [batch * heads, seq, dim]
                                           int64_t rows, int64_t seq, int64_t n_sink, int64_t lag, int64_t dim,

@@ -1,90 +1,18 @@
-// Bridges of kvpress::paged_attention and kvpress::paged_write on CUDA: validation, the split of
-// long heads, dtype dispatch, stream, registration.
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
-#include <algorithm>
-
-#include "cuda/dispatch.cuh"
+// Device code of kvpress::paged_attention and kvpress::paged_write: the kernels and their
+// launchers (paged.cuh), instantiated for the bridge (paged_bridge.cpp). Torch-free, so nvcc
+// compiles it in seconds.
 #include "cuda/paged.cuh"
-#include "kernel_ops.h"
 
 namespace kvpress::cuda {
-namespace {
 
-constexpr int64_t kMinKeysPerSplit = 128;
-
-at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& key_pool_in,
-                                const at::Tensor& value_pool_in, const at::Tensor& page_table_in,
-                                const at::Tensor& lengths_in, std::optional<double> scale_in) {
-  const c10::cuda::CUDAGuard guard(queries_in.device());
-  const checks::PagedAttentionArgs a =
-      checks::paged_attention_args(queries_in, key_pool_in, value_pool_in, page_table_in, lengths_in, scale_in);
-  TORCH_CHECK(a.queries.size(3) <= kPagedMaxDim, "paged_attention: head_dim must be <= ", kPagedMaxDim,
-              " on CUDA, got ", a.queries.size(3));
-  at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
-  PagedAttentionShape shape{};
-  shape.batch = a.queries.size(0);
-  shape.q_heads = a.queries.size(1);
-  shape.n = a.queries.size(2);
-  shape.dim = a.queries.size(3);
-  shape.kv_heads = a.page_table.size(1);
-  shape.max_pages = a.page_table.size(2);
-  shape.num_pages = a.key_pool.size(0);
-  shape.page_size = a.key_pool.size(1);
-  shape.scale = static_cast<float>(a.scale);
-  const int64_t units = shape.batch * shape.q_heads * shape.n;
-  if (units == 0) return out;
-  // Split the longest head's keys so that the grid has about 4 blocks per SM, each split holding
-  // at least kMinKeysPerSplit keys.
-  const int64_t* len = a.host_lengths.const_data_ptr<int64_t>();
-  const int64_t longest = *std::max_element(len, len + a.host_lengths.numel());
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = std::max<int64_t>(1, (4 * sms + units - 1) / units);
-  shape.splits = std::clamp<int64_t>((longest + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, wanted);
-  shape.splits = std::min<int64_t>(shape.splits, 65535);
-  shape.chunk = (longest + shape.splits - 1) / shape.splits;
-  at::Tensor partials;
-  if (shape.splits > 1)
-    partials = at::empty({units, shape.splits, paged_partial_stride(shape.dim)}, a.queries.options().dtype(at::kFloat));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_float_types(a.queries.scalar_type(), "paged_attention", "queries", [&](auto element) {
-    using T = decltype(element);
-    const auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); };
-    check_launch(launch_paged_attention<T>(ptr(a.queries), ptr(a.key_pool), ptr(a.value_pool),
-                                           a.page_table.const_data_ptr<int64_t>(), a.lengths.const_data_ptr<int64_t>(),
-                                           reinterpret_cast<T*>(out.data_ptr()),
-                                           partials.defined() ? partials.data_ptr<float>() : nullptr, shape, stream),
-                 "paged_attention");
-  });
-  return out;
-}
-
-void paged_write_cuda(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& keys_in,
-                      const at::Tensor& values_in, const at::Tensor& slots_in) {
-  const c10::cuda::CUDAGuard guard(key_pool.device());
-  checks::check_paged_write(key_pool, value_pool, keys_in, values_in, slots_in);
-  const at::Tensor keys = keys_in.contiguous(), values = values_in.contiguous(), slots = slots_in.contiguous();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_float_types(key_pool.scalar_type(), "paged_write", "key_pool", [&](auto element) {
-    using T = decltype(element);
-    check_launch(
-        launch_paged_write<T>(reinterpret_cast<T*>(key_pool.data_ptr()), reinterpret_cast<T*>(value_pool.data_ptr()),
-                              reinterpret_cast<const T*>(keys.const_data_ptr()),
-                              reinterpret_cast<const T*>(values.const_data_ptr()), slots.const_data_ptr<int64_t>(),
-                              keys.size(0), keys.size(1), stream),
-        "paged_write");
-  });
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(kvpress, CUDA, m) {
-  m.impl("paged_attention", &paged_attention_cuda);
-  m.impl("paged_write", &paged_write_cuda);
-}
+#define KVPRESS_INSTANTIATE(T)                                                                               \
+  template cudaError_t launch_paged_attention<T>(const T*, const T*, const T*, const int64_t*, const int64_t*, \
+                                                 T*, float*, const PagedAttentionShape&, cudaStream_t);      \
+  template cudaError_t launch_paged_write<T>(T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t,     \
+                                             cudaStream_t);
+KVPRESS_INSTANTIATE(float)
+KVPRESS_INSTANTIATE(__half)
+KVPRESS_INSTANTIATE(__nv_bfloat16)
+#undef KVPRESS_INSTANTIATE
 
 }  // namespace kvpress::cuda

@@ -16,22 +16,9 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/paged_launch.h"
 
 namespace kvpress::cuda {
-
-constexpr int kPagedWarps = 4;
-constexpr int kPagedMaxDimPerLane = 8;  // head_dim <= 256
-constexpr int kPagedMaxDim = 32 * kPagedMaxDimPerLane;
-
-struct PagedAttentionShape {
-  int64_t batch, q_heads, kv_heads, n, dim;
-  int64_t num_pages, page_size, max_pages;
-  int64_t splits, chunk;  // keys [s * chunk, (s + 1) * chunk) of a unit go to split s
-  float scale;
-};
-
-// Partial state of one (unit, split): max, sum, then dim accumulator values.
-__host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
 
 template <typename T>
 __global__ void paged_attention_kernel(const T* __restrict__ queries,           // [B, Hq, n, D] contiguous
@@ -154,7 +141,6 @@ __global__ void paged_attention_reduce(const float* __restrict__ partials, T* __
   }
 }
 
-// `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused).
 template <typename T>
 cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T* value_pool, const int64_t* page_table,
                                    const int64_t* lengths, T* out, float* partials, const PagedAttentionShape& shape,

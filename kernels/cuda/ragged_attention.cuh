@@ -10,19 +10,9 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/ragged_attention_launch.h"
 
 namespace kvpress::cuda {
-
-constexpr int kRaggedWarps = 8;
-constexpr int kRaggedMaxDimPerLane = 8;  // head_dim <= 256
-constexpr int kRaggedMaxDim = 32 * kRaggedMaxDimPerLane;
-
-struct RaggedAttentionShape {
-  int64_t batch, q_heads, kv_heads, n, m, dim, packed_tokens;
-  int64_t tk_b, tk_h, tk_s;  // tail_keys strides (elements); the last dimension is contiguous
-  int64_t tv_b, tv_h, tv_s;  // tail_values strides
-  float scale;
-};
 
 template <typename T>
 __global__ void ragged_attention_kernel(const T* __restrict__ queries,  // [B, Hq, n, D] contiguous

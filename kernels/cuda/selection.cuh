@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "cuda/selection_launch.h"
+
 namespace kvpress::cuda {
 
 constexpr int kTopkThreads = 1024;
@@ -113,22 +115,18 @@ __global__ void gather_rows_kernel(const word_t* __restrict__ keys, const word_t
   }
 }
 
-// One block per row of `scores` [rows, seq] float32: out [rows, k] gets each row's kept positions in
-// ascending order; *not_finite (zeroed by the caller) is set when a row holds NaN or Inf.
-inline cudaError_t launch_topk_rows(const float* scores, int64_t rows, int64_t seq, int64_t k, int64_t* out,
-                                    int* not_finite, cudaStream_t stream) {
+cudaError_t launch_topk_rows(const float* scores, int64_t rows, int64_t seq, int64_t k, int64_t* out, int* not_finite,
+                             cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (rows > 2147483647) return cudaErrorInvalidValue;  // gridDim.x
   topk_rows_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, stream>>>(scores, seq, k, out, not_finite);
   return cudaGetLastError();
 }
 
-// keys_out/values_out [rows, n, row_bytes] get the rows `indices` [rows, n] of keys/values
-// [rows, seq, row_bytes]; *bad (zeroed by the caller) is set for an index outside [0, seq). Copies
-// in the widest word that divides a row and every base address (views may start anywhere).
-inline cudaError_t launch_gather_rows(const void* keys, const void* values, const int64_t* indices, int64_t rows,
-                                      int64_t seq, int64_t n, int64_t row_bytes, void* keys_out, void* values_out,
-                                      int* bad, cudaStream_t stream) {
+// Copies in the widest word that divides a row and every base address (views may start anywhere).
+cudaError_t launch_gather_rows(const void* keys, const void* values, const int64_t* indices, int64_t rows, int64_t seq,
+                               int64_t n, int64_t row_bytes, void* keys_out, void* values_out, int* bad,
+                               cudaStream_t stream) {
   if (rows * n == 0 || row_bytes == 0) return cudaSuccess;
   auto launch = [&](auto word) {
     using word_t = decltype(word);

@@ -1,5 +1,5 @@
 // Torch-free CUDA kernels of kvpress::window_attention_mean (SnapKVPress, TOVAPress). The bridge
-// (window_attention.cu) computes one KV head's float32 logits [group * w, S] with cuBLAS; these
+// (window_attention_bridge.cpp) computes one KV head's float32 logits [group * w, S] with cuBLAS; these
 // kernels then take each row's causal max and softmax normaliser, and average
 // exp(l - max) / sum over the w rows of every query head, column by column (coalesced), straight
 // into the output.
@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/window_attention_launch.h"
 
 namespace kvpress::cuda {
 
@@ -55,9 +56,8 @@ __global__ void window_column_mean(const float* __restrict__ logits,       // [g
   out[h * out_row_stride + j] = acc / static_cast<float>(window);
 }
 
-// The two kernels over one KV head's logits (group query heads of `window` rows each).
-inline cudaError_t launch_window_mean(const float* logits, int64_t group, int64_t seq, int64_t window, float* row_max,
-                                      float* row_inv_sum, float* out, int64_t out_row_stride, cudaStream_t stream) {
+cudaError_t launch_window_mean(const float* logits, int64_t group, int64_t seq, int64_t window, float* row_max,
+                               float* row_inv_sum, float* out, int64_t out_row_stride, cudaStream_t stream) {
   const int64_t rows = group * window;
   if (rows == 0 || seq == window) return cudaSuccess;
   if (group > 65535) return cudaErrorInvalidValue;  // gridDim.y

@@ -1,6 +1,7 @@
-// Host helpers of the CUDA bridges (kernels/cuda/*.cu, which validate, pick the stream and
+// Host helpers of the CUDA bridges (kernels/cuda/*_bridge.cpp, which validate, pick the stream and
 // register the kernels): the dtype dispatch to CUDA element types and the launch check. Every other
-// header here holds kernels and their launchers and stays torch-free.
+// header here is torch-free: *_launch.h declare the launchers (host-compilable), *.cuh hold the
+// kernels and the launchers' definitions, which only the *.cu files compile.
 #pragma once
 
 #include <c10/core/ScalarType.h>

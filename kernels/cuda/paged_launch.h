@@ -1,0 +1,46 @@
+// Launchers of the paged-cache kernels (paged.cuh), as the host bridge sees them, with the shape
+// they take. Torch-free and host-compilable; paged.cu instantiates them for float, __half and
+// __nv_bfloat16.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/limits.h"
+
+namespace kvpress::cuda {
+
+constexpr int kPagedWarps = 4;
+constexpr int kPagedMaxDimPerLane = 8;  // head_dim <= 256
+constexpr int kPagedMaxDim = kWarpSize * kPagedMaxDimPerLane;
+
+struct PagedAttentionShape {
+  int64_t batch, q_heads, kv_heads, n, dim;
+  int64_t num_pages, page_size, max_pages;
+  int64_t splits, chunk;  // keys [s * chunk, (s + 1) * chunk) of a unit go to split s
+  float scale;
+};
+
+// Partial state of one (unit, split): max, sum, then dim accumulator values.
+__host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
+
+// `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused).
+// cudaErrorInvalidValue when dim > kPagedMaxDim or splits is outside [1, 65535].
+template <typename T>
+cudaError_t launch_paged_attention(const T* queries,      // [B, Hq, n, D] contiguous
+                                   const T* key_pool,     // [P, page_size, D]
+                                   const T* value_pool,   // [P, page_size, D]
+                                   const int64_t* page_table,  // [B, Hkv, max_pages]
+                                   const int64_t* lengths,     // [B, Hkv]
+                                   T* out,                     // [B, Hq, n, D]
+                                   float* partials, const PagedAttentionShape& shape, cudaStream_t stream);
+
+// Row r of keys/values to slot slots[r] of the pools ([*, dim] rows).
+template <typename T>
+cudaError_t launch_paged_write(T* key_pool, T* value_pool,       // [P * page_size, dim]
+                               const T* keys, const T* values,   // [rows, dim] contiguous
+                               const int64_t* slots,             // [rows], distinct
+                               int64_t rows, int64_t dim, cudaStream_t stream);
+
+}  // namespace kvpress::cuda
