@@ -3,8 +3,10 @@
 # (tests/test_concurrency.cpp: every registry press shared by 8 threads, ragged attention read from
 # 8 threads, one Llama model generating 8 sequences, the registry's first use from 8 threads) with
 # -fsanitize=thread into their own build folder, and runs them, halting on the first report
-# (docs/RELIABILITY.md). No CUDA kernels (KVPRESS_WITH_CUDA=OFF). Folder: $KVPRESS_TSAN_BUILD_DIR,
-# default build-tsan/.
+# (docs/RELIABILITY.md). No CUDA kernels are compiled (KVPRESS_WITH_CUDA=OFF), but they run: the
+# CUDA kernels' emulated tests (tests/test_cuda_emulation.cpp) execute every block's threads as
+# real threads, so a race between them is reported here. Folder: $KVPRESS_TSAN_BUILD_DIR, default
+# build-tsan/.
 #
 # Only these tests: they are the only ones that start threads. libtorch's intra-op parallelism is
 # OpenMP (libgomp), whose barriers ThreadSanitizer cannot see (it reports races between libgomp's
@@ -15,14 +17,24 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export KVPRESS_BUILD_DIR="${KVPRESS_TSAN_BUILD_DIR:-$here/../build-tsan}"
 source "$here/common.sh"
 
-# -O1: the sanitizers' recommended level. Only the library, kvpress::llama and the concurrency
-# tests are built.
+# -O1: the sanitizers' recommended level. Only the library, kvpress::llama, the concurrency tests
+# and the CUDA kernels' emulated tests are built.
 kvpress_reset_if_not_ninja "$build"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
   -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" \
   -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DKVPRESS_SANITIZE=thread -DKVPRESS_WITH_CUDA=OFF \
   -DKVPRESS_BUILD_TOOLS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF >/dev/null
-cmake --build "$build" -j "$jobs" --target kvpress_concurrency_tests
+cmake --build "$build" -j "$jobs" --target kvpress_concurrency_tests kvpress_cuda_emulation_tests
 
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp"
-(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -R '^Concurrency\.')
+(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -R '^(Concurrency|CudaEmulation)\.')
+
+# The CUDA execution model must make a missing __syncthreads() a race that ThreadSanitizer sees
+# (tests/test_cuda_emulation.cpp, CudaEmulationRaceDemo): this run must fail with a report.
+demo="$build/cuda_emulation_race_demo.log"
+if OMP_NUM_THREADS=1 "$build/tests/kvpress_cuda_emulation_tests" --gtest_filter='CudaEmulationRaceDemo.*' \
+    >"$demo" 2>&1 || ! grep -q 'WARNING: ThreadSanitizer: data race' "$demo"; then
+  echo "test_tsan.sh: ThreadSanitizer did not report the emulated kernel's missing barrier (log: $demo)" >&2
+  exit 1
+fi
+echo "test_tsan.sh: the emulated kernel without its barrier was reported as a data race, as it must be"

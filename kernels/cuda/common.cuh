@@ -11,6 +11,16 @@
 
 #include "cuda/limits.h"
 
+// A launch and a dynamic shared array, as macros so that tests/cuda_emulation/cuda_emulation.h
+// can run the same launchers and kernels on the CPU (it defines both before including a kernel).
+#ifndef KVPRESS_LAUNCH
+#define KVPRESS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
+  kernel<<<grid, block, shared_bytes, stream>>>(__VA_ARGS__)
+#endif
+#ifndef KVPRESS_DYNAMIC_SHARED
+#define KVPRESS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 namespace kvpress::cuda {
 
 template <typename T>
@@ -61,6 +71,23 @@ __device__ __forceinline__ float block_reduce(float v, float* scratch, bool is_m
   for (int w = 0; w < warps; ++w) r = is_max ? fmaxf(r, scratch[w]) : r + scratch[w];
   __syncthreads();
   return r;
+}
+
+// Exclusive prefix sum over the block in thread order (threadIdx.x); every thread gets its own.
+// `scratch`: kWarpSize int64 of shared memory. Every thread of the block must call it.
+__device__ __forceinline__ int64_t block_exclusive_sum(int64_t v, int64_t* scratch) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  int64_t inclusive = v;
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  if (lane == kWarpSize - 1) scratch[warp] = inclusive;
+  __syncthreads();
+  int64_t before = 0;
+  for (int w = 0; w < warp; ++w) before += scratch[w];
+  __syncthreads();
+  return before + inclusive - v;
 }
 
 }  // namespace kvpress::cuda

@@ -36,7 +36,7 @@ cudaError_t launch_key_norm_scores(const T* keys,  // [rows, dim] contiguous
   constexpr int kThreads = 256;
   constexpr int kRowsPerBlock = kThreads / kWarpSize;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  key_norm_scores_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(keys, out, rows, dim);
+  KVPRESS_LAUNCH(key_norm_scores_kernel<T>, static_cast<unsigned>(blocks), kThreads, 0, stream, keys, out, rows, dim);
   return cudaGetLastError();
 }
 

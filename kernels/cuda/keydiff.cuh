@@ -23,7 +23,7 @@ template <typename T>
 __global__ void keydiff_anchor_sums(const T* __restrict__ keys,  // [heads, seq, dim]
                                     int64_t seq, int dim,
                                     float* __restrict__ anchor_sum) {  // [heads, dim], zeroed
-  extern __shared__ float local[];
+  KVPRESS_DYNAMIC_SHARED(float, local);
   for (int d = threadIdx.x; d < dim; d += blockDim.x) local[d] = 0.f;
   __syncthreads();
   const int64_t head = blockIdx.y;
@@ -79,14 +79,14 @@ cudaError_t launch_keydiff_scores(const T* keys,  // [heads, seq, dim] contiguou
   if (dim > kKeyDiffMaxDim || heads > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((seq + kKeyDiffRowsPerBlock - 1) / kKeyDiffRowsPerBlock),
                   static_cast<unsigned>(heads));
-  keydiff_anchor_sums<T>
-      <<<grid, kKeyDiffThreads, static_cast<size_t>(dim) * sizeof(float), stream>>>(keys, seq, dim, anchor_sum);
+  KVPRESS_LAUNCH(keydiff_anchor_sums<T>, grid, kKeyDiffThreads, static_cast<size_t>(dim) * sizeof(float), stream, keys,
+                 seq, dim, anchor_sum);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t rows = heads * seq;
   const int64_t blocks = (rows + kKeyDiffWarps - 1) / kKeyDiffWarps;
-  keydiff_cosine_to_anchor<T>
-      <<<static_cast<unsigned>(blocks), kKeyDiffThreads, 0, stream>>>(keys, rows, seq, dim, anchor_sum, out);
+  KVPRESS_LAUNCH(keydiff_cosine_to_anchor<T>, static_cast<unsigned>(blocks), kKeyDiffThreads, 0, stream, keys, rows,
+                 seq, dim, anchor_sum, out);
   return cudaGetLastError();
 }
 

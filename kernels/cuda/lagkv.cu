@@ -4,7 +4,7 @@
 
 namespace kvpress::cuda {
 
-#define KVPRESS_INSTANTIATE(T)                                                                                    \
+#define KVPRESS_INSTANTIATE(T)                                                                                  \
   template cudaError_t launch_lagkv_partition_scores<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, \
                                                         int64_t, bool, int64_t, float*, cudaStream_t);
 KVPRESS_INSTANTIATE(float)

@@ -66,7 +66,7 @@ __device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict
 template <typename T>
 __global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __restrict__ values, int64_t seq,
                                        int n_sink, int lag, int dim, bool cross_scoring, float* __restrict__ out) {
-  extern __shared__ float smem[];
+  KVPRESS_DYNAMIC_SHARED(float, smem);
   __shared__ float scratch[kWarpSize];
   __shared__ int any_nan;
   float* lo = smem;
@@ -108,8 +108,8 @@ cudaError_t launch_lagkv_partition_scores(const T* keys, const T* values,  // [b
   const size_t shared = lagkv_shared_bytes(dim, lag);
   if (shared + kLagStaticShared > kSharedLimit || rows > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(scored), static_cast<unsigned>(rows));
-  lagkv_partition_kernel<T><<<grid, kLagThreads, shared, stream>>>(
-      keys, values, seq, static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), cross_scoring, out);
+  KVPRESS_LAUNCH(lagkv_partition_kernel<T>, grid, kLagThreads, shared, stream, keys, values, seq,
+                 static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), cross_scoring, out);
   return cudaGetLastError();
 }
 

@@ -149,12 +149,12 @@ cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T*
   if (units == 0) return cudaSuccess;
   if (shape.dim > kPagedMaxDim || shape.splits < 1 || shape.splits > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.splits));
-  paged_attention_kernel<T>
-      <<<grid, kPagedWarps * 32, 0, stream>>>(queries, key_pool, value_pool, page_table, lengths, out, partials, shape);
+  KVPRESS_LAUNCH(paged_attention_kernel<T>, grid, kPagedWarps * 32, 0, stream, queries, key_pool, value_pool,
+                 page_table, lengths, out, partials, shape);
   if (shape.splits > 1) {
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    paged_attention_reduce<T><<<static_cast<unsigned>(units), 128, 0, stream>>>(partials, out, shape);
+    KVPRESS_LAUNCH(paged_attention_reduce<T>, static_cast<unsigned>(units), 128, 0, stream, partials, out, shape);
   }
   return cudaGetLastError();
 }
@@ -177,8 +177,8 @@ cudaError_t launch_paged_write(T* key_pool, T* value_pool, const T* keys, const 
   const int64_t elements = rows * dim;
   if (elements == 0) return cudaSuccess;
   constexpr int threads = 256;
-  paged_write_kernel<T><<<static_cast<unsigned>((elements + threads - 1) / threads), threads, 0, stream>>>(
-      key_pool, value_pool, keys, values, slots, rows, dim);
+  KVPRESS_LAUNCH(paged_write_kernel<T>, static_cast<unsigned>((elements + threads - 1) / threads), threads, 0, stream,
+                 key_pool, value_pool, keys, values, slots, rows, dim);
   return cudaGetLastError();
 }
 

@@ -15,8 +15,6 @@
 namespace kvpress::cuda {
 namespace {
 
-constexpr int64_t kMinKeysPerSplit = 128;
-
 at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& key_pool_in,
                                 const at::Tensor& value_pool_in, const at::Tensor& page_table_in,
                                 const at::Tensor& lengths_in, std::optional<double> scale_in) {
@@ -38,15 +36,9 @@ at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& 
   shape.scale = static_cast<float>(a.scale);
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return out;
-  // Split the longest head's keys so that the grid has about 4 blocks per SM, each split holding
-  // at least kMinKeysPerSplit keys.
   const int64_t* len = a.host_lengths.const_data_ptr<int64_t>();
   const int64_t longest = *std::max_element(len, len + a.host_lengths.numel());
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = std::max<int64_t>(1, (4 * sms + units - 1) / units);
-  shape.splits = std::clamp<int64_t>((longest + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, wanted);
-  shape.splits = std::min<int64_t>(shape.splits, 65535);
-  shape.chunk = (longest + shape.splits - 1) / shape.splits;
+  plan_paged_splits(shape, units, longest, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   at::Tensor partials;
   if (shape.splits > 1)
     partials = at::empty({units, shape.splits, paged_partial_stride(shape.dim)}, a.queries.options().dtype(at::kFloat));

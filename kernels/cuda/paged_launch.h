@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/limits.h"
@@ -22,15 +23,27 @@ struct PagedAttentionShape {
   float scale;
 };
 
+// How paged_attention splits each unit's keys: about 4 blocks per SM over the grid, each split
+// holding at least kPagedMinKeysPerSplit keys, at most 65535 splits. `units` = B * Hq * n > 0,
+// `longest` = the longest head's length, `sms` = the device's multiprocessor count. Sets
+// shape.splits and shape.chunk; the bridge and the emulated tests both call it.
+constexpr int64_t kPagedMinKeysPerSplit = 128;
+inline void plan_paged_splits(PagedAttentionShape& shape, int64_t units, int64_t longest, int64_t sms) {
+  const int64_t wanted = std::max<int64_t>(1, (4 * sms + units - 1) / units);
+  shape.splits = std::clamp<int64_t>((longest + kPagedMinKeysPerSplit - 1) / kPagedMinKeysPerSplit, 1, wanted);
+  shape.splits = std::min<int64_t>(shape.splits, 65535);
+  shape.chunk = (longest + shape.splits - 1) / shape.splits;
+}
+
 // Partial state of one (unit, split): max, sum, then dim accumulator values.
 __host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
 
 // `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused).
 // cudaErrorInvalidValue when dim > kPagedMaxDim or splits is outside [1, 65535].
 template <typename T>
-cudaError_t launch_paged_attention(const T* queries,      // [B, Hq, n, D] contiguous
-                                   const T* key_pool,     // [P, page_size, D]
-                                   const T* value_pool,   // [P, page_size, D]
+cudaError_t launch_paged_attention(const T* queries,           // [B, Hq, n, D] contiguous
+                                   const T* key_pool,          // [P, page_size, D]
+                                   const T* value_pool,        // [P, page_size, D]
                                    const int64_t* page_table,  // [B, Hkv, max_pages]
                                    const int64_t* lengths,     // [B, Hkv]
                                    T* out,                     // [B, Hq, n, D]
@@ -38,9 +51,9 @@ cudaError_t launch_paged_attention(const T* queries,      // [B, Hq, n, D] conti
 
 // Row r of keys/values to slot slots[r] of the pools ([*, dim] rows).
 template <typename T>
-cudaError_t launch_paged_write(T* key_pool, T* value_pool,       // [P * page_size, dim]
-                               const T* keys, const T* values,   // [rows, dim] contiguous
-                               const int64_t* slots,             // [rows], distinct
+cudaError_t launch_paged_write(T* key_pool, T* value_pool,      // [P * page_size, dim]
+                               const T* keys, const T* values,  // [rows, dim] contiguous
+                               const int64_t* slots,            // [rows], distinct
                                int64_t rows, int64_t dim, cudaStream_t stream);
 
 }  // namespace kvpress::cuda

@@ -5,9 +5,9 @@
 
 namespace kvpress::cuda {
 
-#define KVPRESS_INSTANTIATE(T)                                                                                  \
-  template cudaError_t launch_ragged_attention<T>(const T*, const T*, const T*, const int64_t*, const T*,      \
-                                                  const T*, T*, const RaggedAttentionShape&, cudaStream_t);
+#define KVPRESS_INSTANTIATE(T)                                                                                      \
+  template cudaError_t launch_ragged_attention<T>(const T*, const T*, const T*, const int64_t*, const T*, const T*, \
+                                                  T*, const RaggedAttentionShape&, cudaStream_t);
 KVPRESS_INSTANTIATE(float)
 KVPRESS_INSTANTIATE(__half)
 KVPRESS_INSTANTIATE(__nv_bfloat16)

@@ -103,8 +103,8 @@ cudaError_t launch_ragged_attention(const T* queries, const T* packed_keys, cons
   const int64_t blocks = shape.batch * shape.q_heads * shape.n;
   if (blocks == 0) return cudaSuccess;
   if (shape.dim > kRaggedMaxDim) return cudaErrorInvalidValue;
-  ragged_attention_kernel<T><<<static_cast<unsigned>(blocks), kRaggedWarps * 32, 0, stream>>>(
-      queries, packed_keys, packed_values, offsets, tail_keys, tail_values, out, shape);
+  KVPRESS_LAUNCH(ragged_attention_kernel<T>, static_cast<unsigned>(blocks), kRaggedWarps * 32, 0, stream, queries,
+                 packed_keys, packed_values, offsets, tail_keys, tail_values, out, shape);
   return cudaGetLastError();
 }
 

@@ -24,7 +24,7 @@ struct RaggedAttentionShape {
 
 // cudaErrorInvalidValue when dim > kRaggedMaxDim.
 template <typename T>
-cudaError_t launch_ragged_attention(const T* queries,  // [B, Hq, n, D] contiguous
+cudaError_t launch_ragged_attention(const T* queries,                              // [B, Hq, n, D] contiguous
                                     const T* packed_keys, const T* packed_values,  // [packed_tokens, D]
                                     const int64_t* offsets,                        // [B * Hkv + 1]
                                     const T* tail_keys, const T* tail_values,      // [B, Hkv, m, D], strided

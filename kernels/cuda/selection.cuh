@@ -8,10 +8,10 @@
 #pragma once
 
 #include <cuda_runtime.h>
-#include <cub/block/block_scan.cuh>
 
 #include <cstdint>
 
+#include "cuda/common.cuh"
 #include "cuda/selection_launch.h"
 
 namespace kvpress::cuda {
@@ -28,8 +28,7 @@ __device__ __forceinline__ uint32_t order_key(float v) {
 __global__ void __launch_bounds__(kTopkThreads)
     topk_rows_kernel(const float* __restrict__ scores, int64_t seq, int64_t k, int64_t* __restrict__ out,
                      int* __restrict__ not_finite) {
-  using Scan = cub::BlockScan<int64_t, kTopkThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t scan_scratch[kWarpSize];
   __shared__ unsigned int hist[256];
   __shared__ uint32_t prefix_sh;
   __shared__ int64_t remaining_sh;
@@ -81,13 +80,10 @@ __global__ void __launch_bounds__(kTopkThreads)
     greater += key > threshold;
     equal += key == threshold;
   }
-  int64_t equal_before = 0;
-  Scan(scan_storage).ExclusiveSum(equal, equal_before);
-  __syncthreads();
+  const int64_t equal_before = block_exclusive_sum(equal, scan_scratch);
   int64_t ties_here = ties_kept - equal_before;
   ties_here = ties_here < 0 ? 0 : (ties_here > equal ? equal : ties_here);
-  int64_t offset = 0;
-  Scan(scan_storage).ExclusiveSum(greater + ties_here, offset);
+  int64_t offset = block_exclusive_sum(greater + ties_here, scan_scratch);
   for (int64_t i = begin; i < end; ++i) {
     const uint32_t key = order_key(row[i]);
     if (key > threshold || (key == threshold && ties_here-- > 0)) dst[offset++] = i;
@@ -106,7 +102,7 @@ __global__ void gather_rows_kernel(const word_t* __restrict__ keys, const word_t
     const int64_t row = slot / n;
     const int64_t pos = indices[slot];
     if (pos < 0 || pos >= seq) {
-      *bad = 1;
+      atomicExch(bad, 1);  // many threads may flag at once
       continue;
     }
     const int64_t src = (row * seq + pos) * words + w;
@@ -119,7 +115,8 @@ cudaError_t launch_topk_rows(const float* scores, int64_t rows, int64_t seq, int
                              cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (rows > 2147483647) return cudaErrorInvalidValue;  // gridDim.x
-  topk_rows_kernel<<<static_cast<unsigned>(rows), kTopkThreads, 0, stream>>>(scores, seq, k, out, not_finite);
+  KVPRESS_LAUNCH(topk_rows_kernel, static_cast<unsigned>(rows), kTopkThreads, 0, stream, scores, seq, k, out,
+                 not_finite);
   return cudaGetLastError();
 }
 
@@ -133,9 +130,9 @@ cudaError_t launch_gather_rows(const void* keys, const void* values, const int64
     const int64_t words = row_bytes / static_cast<int64_t>(sizeof(word_t));
     const int64_t total = rows * n * words;
     const int64_t blocks = (total + 255) / 256 < 65535 * 4 ? (total + 255) / 256 : 65535 * 4;
-    gather_rows_kernel<word_t><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        static_cast<const word_t*>(keys), static_cast<const word_t*>(values), indices, seq, n, words, total,
-        static_cast<word_t*>(keys_out), static_cast<word_t*>(values_out), bad);
+    KVPRESS_LAUNCH(gather_rows_kernel<word_t>, static_cast<unsigned>(blocks), 256, 0, stream,
+                   static_cast<const word_t*>(keys), static_cast<const word_t*>(values), indices, seq, n, words, total,
+                   static_cast<word_t*>(keys_out), static_cast<word_t*>(values_out), bad);
   };
   const auto address = [](const void* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); };
   const int64_t align = row_bytes | address(keys) | address(values) | address(keys_out) | address(values_out);

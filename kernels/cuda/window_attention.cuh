@@ -61,14 +61,14 @@ cudaError_t launch_window_mean(const float* logits, int64_t group, int64_t seq, 
   const int64_t rows = group * window;
   if (rows == 0 || seq == window) return cudaSuccess;
   if (group > 65535) return cudaErrorInvalidValue;  // gridDim.y
-  window_causal_row_stats<<<static_cast<unsigned>(rows), kWindowThreads, 0, stream>>>(logits, seq, window, row_max,
-                                                                                      row_inv_sum);
+  KVPRESS_LAUNCH(window_causal_row_stats, static_cast<unsigned>(rows), kWindowThreads, 0, stream, logits, seq, window,
+                 row_max, row_inv_sum);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((seq - window + kWindowThreads - 1) / kWindowThreads),
                   static_cast<unsigned>(group));
-  window_column_mean<<<grid, kWindowThreads, 0, stream>>>(logits, row_max, row_inv_sum, seq, window, out,
-                                                          out_row_stride);
+  KVPRESS_LAUNCH(window_column_mean, grid, kWindowThreads, 0, stream, logits, row_max, row_inv_sum, seq, window, out,
+                 out_row_stride);
   return cudaGetLastError();
 }
 
