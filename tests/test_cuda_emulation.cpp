@@ -328,9 +328,11 @@ TEST(CudaEmulation, TheModelReportsBrokenCollectives) {
   EXPECT_NE(emu::last_error_message().find("__syncthreads"), std::string::npos) << emu::last_error_message();
 }
 
-// Not a check of the kernels but of the model: scripts/test_tsan.sh runs it alone under
-// ThreadSanitizer and requires a data-race report (a missing barrier is a real race here). It is
-// left out of ctest's discovery; run without ThreadSanitizer it only shows that the launch works.
+// Not a check of the kernels but of the model, left out of ctest's discovery: under
+// ThreadSanitizer this kernel without its barrier should be reported as a data race. It is not yet:
+// the model's own locks (start, exit and collectives of a block share mutexes) order the threads'
+// accesses for ThreadSanitizer. Next: ignore the model's internal synchronisation and annotate
+// only what CUDA orders (docs/RELIABILITY.md, "CUDA kernels without a GPU").
 TEST(CudaEmulationRaceDemo, AMissingBarrierIsARealRace) {
   const at::Tensor in = at::ones({64});
   at::Tensor out = at::zeros({1});

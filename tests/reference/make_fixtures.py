@@ -516,7 +516,17 @@ def random_family(out: Path):
 
 
 def main():
-    args = parse_args(__doc__, lambda p: p.add_argument("--only", choices=("real", "random")))
+    def add_arguments(p):
+        p.add_argument("--only", choices=("real", "random"))
+        p.add_argument("--presses", default=None,
+                       help="comma-separated press classes: only their runs (scripts/test_emulated_avx2_cpu.sh)")
+    args = parse_args(__doc__, add_arguments)
+    if args.presses:
+        wanted = set(args.presses.split(","))
+        unknown = wanted - {p[0] for p in PRESSES}
+        if unknown:
+            raise SystemExit(f"make_fixtures.py: --presses: no fixtures for {sorted(unknown)}")
+        PRESSES[:] = [p for p in PRESSES if p[0] in wanted]
     start = setup(threads=2)
     # The other scripts write into sub-folders of this one: only its own files are stale.
     out = prepare_out(args.out, stale=("*.safetensors", "manifest.json"))
