@@ -5,8 +5,9 @@
 # -fsanitize=thread into their own build folder, and runs them, halting on the first report
 # (docs/RELIABILITY.md). No CUDA kernels are compiled (KVPRESS_WITH_CUDA=OFF), but they run: the
 # CUDA kernels' emulated tests (tests/test_cuda_emulation.cpp) execute every block's threads as
-# real threads (what ThreadSanitizer can and cannot see there: docs/RELIABILITY.md, "CUDA kernels
-# without a GPU"). Folder: $KVPRESS_TSAN_BUILD_DIR, default build-tsan/.
+# real threads, so a race between them is reported here (and a kernel with its barrier removed
+# must be: docs/RELIABILITY.md, "CUDA kernels without a GPU"). Folder: $KVPRESS_TSAN_BUILD_DIR,
+# default build-tsan/.
 #
 # Only these tests: they are the only ones that start threads. libtorch's intra-op parallelism is
 # OpenMP (libgomp), whose barriers ThreadSanitizer cannot see (it reports races between libgomp's
@@ -28,4 +29,14 @@ cmake --build "$build" -j "$jobs" --target kvpress_concurrency_tests kvpress_cud
 
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp"
 (cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -R '^(Concurrency|CudaEmulation)\.')
+
+# The CUDA execution model must make a missing __syncthreads() a race that ThreadSanitizer sees
+# (tests/test_cuda_emulation.cpp, CudaEmulationRaceDemo): this run must fail with a report.
+demo="$build/cuda_emulation_race_demo.log"
+if OMP_NUM_THREADS=1 "$build/tests/kvpress_cuda_emulation_tests" --gtest_filter='CudaEmulationRaceDemo.*' \
+    >"$demo" 2>&1 || ! grep -q 'WARNING: ThreadSanitizer: data race' "$demo"; then
+  echo "test_tsan.sh: ThreadSanitizer did not report the emulated kernel's missing barrier (log: $demo)" >&2
+  exit 1
+fi
+echo "test_tsan.sh: the emulated kernel without its barrier was reported as a data race, as it must be"
 

@@ -1,6 +1,12 @@
 // The runtime of the CUDA execution model (cuda_emulation.h): launches, block barriers, warp
 // collectives and launch limits. One mutex per block guards every collective's state; a waiting
 // thread sleeps on a condition variable (blocks have up to 1024 threads and machines 2 cores).
+//
+// Under ThreadSanitizer the model's own locks would order the kernel's threads where CUDA does not
+// (every collective of a block shares one mutex, so a shuffle would hide a missing barrier). So the
+// model's bookkeeping is hidden from it (ModelInternals) and only what CUDA orders is annotated:
+// the launch before the block's threads, each block's threads before the next block (blocks run one
+// at a time here), and __syncthreads among the block's threads. Shuffles and votes order nothing.
 #include "cuda_emulation.h"
 
 #include <algorithm>
@@ -12,8 +18,57 @@
 #include <thread>
 #include <vector>
 
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+extern "C" {
+void AnnotateIgnoreSyncBegin(const char* file, int line);
+void AnnotateIgnoreSyncEnd(const char* file, int line);
+void AnnotateIgnoreReadsBegin(const char* file, int line);
+void AnnotateIgnoreReadsEnd(const char* file, int line);
+void AnnotateIgnoreWritesBegin(const char* file, int line);
+void AnnotateIgnoreWritesEnd(const char* file, int line);
+}
+#endif
+
 namespace kvpress::cuda_emulation {
 namespace {
+
+// While alive: this thread's synchronisation and memory accesses are invisible to ThreadSanitizer.
+class ModelInternals {
+ public:
+#if defined(__SANITIZE_THREAD__)
+  ModelInternals() {
+    AnnotateIgnoreSyncBegin(__FILE__, __LINE__);
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+  }
+  ~ModelInternals() {
+    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+    AnnotateIgnoreSyncEnd(__FILE__, __LINE__);
+  }
+#else
+  ModelInternals() = default;
+#endif
+  ModelInternals(const ModelInternals&) = delete;
+  ModelInternals& operator=(const ModelInternals&) = delete;
+};
+// An ordering CUDA guarantees: everything before happens_before(token) in one thread happens before
+// everything after happens_after(token) in another.
+void happens_before(void* token) {
+#if defined(__SANITIZE_THREAD__)
+  __tsan_release(token);
+#else
+  (void)token;
+#endif
+}
+void happens_after(void* token) {
+#if defined(__SANITIZE_THREAD__)
+  __tsan_acquire(token);
+#else
+  (void)token;
+#endif
+}
 
 constexpr size_t kDefaultSharedLimit = 48 * 1024;
 constexpr size_t kOptInSharedLimit = 227 * 1024;  // sm_90 (H100 / H200)
@@ -45,6 +100,7 @@ struct Block {
   std::vector<bool> left;  // per thread: has returned from the kernel
   std::vector<Warp> warps;
   std::vector<std::max_align_t> dynamic_shared;
+  char barrier_tokens[2] = {};  // __syncthreads of even / odd generations
   std::string error;
   uint3 index{0, 0, 0};
 
@@ -70,6 +126,8 @@ thread_local Block* tls_block = nullptr;
 thread_local int tls_linear = 0;
 
 std::mutex launch_mutex;  // one launch at a time: blocks never overlap, so __shared__ is one copy
+// ThreadSanitizer tokens: the coordinator starts a block after the launch and the previous block.
+char block_start_token, block_done_token;
 std::mutex error_mutex;
 cudaError_t last_error = cudaSuccess;
 std::string last_message;
@@ -195,8 +253,29 @@ void* dynamic_shared_memory() {
   return b.dynamic_shared.empty() ? nullptr : b.dynamic_shared.data();
 }
 
+namespace {
+int block_barrier_wait(Block& b, int predicate, int mode);
+}  // namespace
+
 int block_barrier(int predicate, int mode) {
   Block& b = block_of_thread("__syncthreads");
+  char* token;
+  {
+    // The generation is read under the lock; its token is released outside the hidden region.
+    ModelInternals hidden;
+    std::lock_guard<std::mutex> lock(b.mutex);
+    token = &b.barrier_tokens[b.barrier_generation & 1];
+  }
+  happens_before(token);
+  const int result = block_barrier_wait(b, predicate, mode);
+  happens_after(token);
+  return result;
+}
+
+namespace {
+
+int block_barrier_wait(Block& b, int predicate, int mode) {
+  ModelInternals hidden;
   std::unique_lock<std::mutex> lock(b.mutex);
   if (!b.error.empty()) throw Abort{};
   if (b.exited > 0) abort_locked(b, "__syncthreads reached after some threads of the block returned");
@@ -221,11 +300,10 @@ int block_barrier(int predicate, int mode) {
   return b.results[generation & 1];
 }
 
-namespace {
-
 // A warp collective: `source` >= 0 reads that lane's value; -1 is a vote (ballot of predicates).
 uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* what) {
   Block& b = block_of_thread(what);
+  ModelInternals hidden;
   std::unique_lock<std::mutex> lock(b.mutex);
   if (!b.error.empty()) throw Abort{};
   const int warp = tls_linear / 32, lane = tls_linear % 32;
@@ -290,6 +368,7 @@ uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* 
 
 // The thread has returned from the kernel (or left it on an error).
 void thread_exit(Block& b) {
+  ModelInternals hidden;
   std::lock_guard<std::mutex> lock(b.mutex);
   b.left[static_cast<size_t>(tls_linear)] = true;
   ++b.exited;
@@ -380,10 +459,12 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
     tls_block = &b;
     for (uint64_t next = 1;; ++next) {
       {
+        ModelInternals hidden;
         std::unique_lock<std::mutex> lock(start_mutex);
         wait_for(lock, start_cv, [&] { return started >= next || stop; });
         if (stop) break;
       }
+      happens_after(&block_start_token);
       tls_index.block_dim = block;
       tls_index.grid_dim = grid;
       tls_index.thread =
@@ -394,15 +475,18 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
         body();
       } catch (const Abort&) {
       } catch (const std::exception& e) {
+        ModelInternals hidden;
         std::lock_guard<std::mutex> lock(b.mutex);
         fail_locked(b, std::string("the kernel threw: ") + e.what());
       }
       thread_exit(b);
+      happens_before(&block_done_token);
       {
+        ModelInternals hidden;
         std::lock_guard<std::mutex> lock(start_mutex);
         ++done;
+        done_cv.notify_one();
       }
-      done_cv.notify_one();
     }
     tls_block = nullptr;
   };
@@ -416,21 +500,25 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
         std::lock_guard<std::mutex> lock(b.mutex);
         b.reset(index, dynamic_shared_bytes);
       }
+      happens_before(&block_start_token);
       {
+        ModelInternals hidden;
         std::unique_lock<std::mutex> lock(start_mutex);
         done = 0;
         ++started;
         start_cv.notify_all();
         done_cv.wait(lock, [&] { return done == b.threads; });
       }
+      happens_after(&block_done_token);
       std::lock_guard<std::mutex> lock(b.mutex);
       error = b.error;
     }
     {
+      ModelInternals hidden;
       std::lock_guard<std::mutex> lock(start_mutex);
       stop = true;
+      start_cv.notify_all();
     }
-    start_cv.notify_all();
   });
   pool().run(b.threads, worker);
   coordinator.join();
