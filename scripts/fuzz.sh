@@ -51,16 +51,27 @@ corpus_root="${KVPRESS_FUZZ_CORPUS:-$(mktemp -d)}"
 
 summary=()
 failed=()
+# The targets run $jobs at a time (each fuzzer is one process on one core, so each still gets its
+# whole ${seconds}s of a core), then their logs are read in order.
 for target in "${targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
   work="$corpus_root/$target"
   log="$build/fuzz-$target.log"
   mkdir -p "$work"
   echo "fuzz: $target for ${seconds}s (log: $log)"
-  status=0
   # -timeout: seconds one input may take; -rss_limit_mb also bounds any single allocation.
-  "$build/tests/fuzz/kvpress_fuzz_$target" "$work" "$fuzz_dir/$target" -dict="$fuzz_dir/$target.dict" \
-    -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
-    -artifact_prefix="$artifacts/$target-" >"$log" 2>&1 || status=$?
+  (
+    status=0
+    "$build/tests/fuzz/kvpress_fuzz_$target" "$work" "$fuzz_dir/$target" -dict="$fuzz_dir/$target.dict" \
+      -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+      -artifact_prefix="$artifacts/$target-" >"$log" 2>&1 || status=$?
+    echo "$status" >"$build/fuzz-$target.status"
+  ) &
+done
+wait
+for target in "${targets[@]}"; do
+  log="$build/fuzz-$target.log"
+  status="$(cat "$build/fuzz-$target.status")"
   if [ "$status" -ne 0 ] || grep -qE "ERROR: (Address|Leak|UndefinedBehavior)Sanitizer|runtime error:" "$log"; then
     failed+=("$target")
     echo "fuzz: $target FAILED (exit $status); the end of $log:" >&2

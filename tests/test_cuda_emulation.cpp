@@ -346,18 +346,18 @@ TEST(CudaEmulation, LagKVMatchesTheCpuKernel) {
       {at::kBFloat16, 128, 50, 4, 8, false}, {at::kBFloat16, 96, 36, 4, 16, true},
   };
   for (const LagCase& c : cases) {
-    const at::Tensor keys = at::randn({2, 2, c.seq, c.dim}).to(c.dtype);
-    const at::Tensor values = at::randn({2, 2, c.seq, c.dim}).to(c.dtype);
+    const at::Tensor keys = at::randn({1, 2, c.seq, c.dim}).to(c.dtype);
+    const at::Tensor values = at::randn({1, 2, c.seq, c.dim}).to(c.dtype);
     // The CPU kernel, through the dispatcher (the public LagKV API wraps it in the press's steps).
     const at::Tensor expected = c10::Dispatcher::singleton()
                                     .findSchemaOrThrow("kvpress::lagkv_partition_scores", "")
                                     .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool)>()
                                     .call(keys, values, c.n_sink, c.lag, c.cross);
-    at::Tensor out = at::ones({2, 2, c.seq}, at::kFloat);
+    at::Tensor out = at::ones({1, 2, c.seq}, at::kFloat);
     const int64_t scored = kvpress::checks::lag_layout(c.seq, c.n_sink, c.lag).n_parts - 1;
     with_cuda_type(c.dtype, [&](auto element) {
       using T = decltype(element);
-      expect_launched(cu::launch_lagkv_partition_scores<T>(ptr<T>(keys), ptr<T>(values), 4, c.seq, c.n_sink, c.lag,
+      expect_launched(cu::launch_lagkv_partition_scores<T>(ptr<T>(keys), ptr<T>(values), 2, c.seq, c.n_sink, c.lag,
                                                            c.dim, c.cross, scored, out.data_ptr<float>(), nullptr));
     });
     const std::string what = "lagkv dim " + std::to_string(c.dim) + " seq " + std::to_string(c.seq) + " lag " +
@@ -384,7 +384,7 @@ TEST(CudaEmulation, WindowAttentionMeanMatchesTheCpuKernel) {
       {at::kFloat, 80, 8, 4, 40},  {at::kHalf, 128, 4, 8, 70}, {at::kBFloat16, 128, 4, 8, 70},
   };
   for (const WindowCase& c : cases) {
-    const int64_t batch = 2, kv_heads = 2, heads = kv_heads * c.group, rows = c.group * c.window;
+    const int64_t batch = 1, kv_heads = 2, heads = kv_heads * c.group, rows = c.group * c.window;
     const at::Tensor queries = at::randn({batch, heads, c.window, c.dim}).to(c.dtype);
     const at::Tensor keys = at::randn({batch, kv_heads, c.seq, c.dim}).to(c.dtype);
     const at::Tensor expected = kvpress::ops::window_attention_mean(queries, keys);

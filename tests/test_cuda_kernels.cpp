@@ -1,12 +1,15 @@
 // CPU vs CUDA parity of every op with a CUDA kernel (kernels/cuda/*.cu), called through the
-// dispatcher as users call them. Skipped where no GPU is present or the library was built without
-// CUDA kernels (CUDA tensors then take the ATen composites).
+// dispatcher as users call them. The CPU half runs everywhere; the CUDA half is skipped where no GPU
+// is present or the library was built without CUDA kernels (CUDA tensors then take the ATen
+// composites). tests/test_cuda_emulation.cpp runs the same kernels on every machine.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
@@ -18,88 +21,102 @@ namespace {
 using testing::randn;
 
 TEST(CudaKernels, KeyNormScoresMatchCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     const at::Tensor keys = randn({2, 8, 1000, 128}, 1, dtype);
     const at::Tensor cpu = ops::key_norm_scores(keys);
+    if (!no_cuda.empty()) continue;
     const at::Tensor gpu = ops::key_norm_scores(keys.to(at::kCUDA)).cpu();
     EXPECT_TRUE(at::allclose(cpu, gpu, 1e-5, 1e-5)) << dtype;
     // Non-contiguous input takes the same path after a copy.
     const at::Tensor strided = keys.to(at::kCUDA).transpose(1, 2).contiguous().transpose(1, 2);
     EXPECT_TRUE(at::allclose(cpu, ops::key_norm_scores(strided).cpu(), 1e-5, 1e-5)) << dtype;
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(CudaKernels, WindowAttentionMeanMatchesCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     for (int64_t window : {1, 7, 64}) {
       const at::Tensor q = randn({2, 8, window, 64}, 1);
       const at::Tensor k = randn({2, 2, 700, 64}, 2, dtype);
       const at::Tensor cpu = ops::window_attention_mean(q, k);
+      if (!no_cuda.empty()) continue;
       const at::Tensor gpu = ops::window_attention_mean(q.cuda(), k.cuda()).cpu();
       // cuBLAS may use TF32 only when allowed; the default (highest precision) keeps float32.
       EXPECT_TRUE(at::allclose(cpu, gpu, 1e-4, 1e-6)) << dtype << " window " << window;
     }
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(CudaKernels, LagKVScoresMatchCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     const at::Tensor k = randn({2, 4, 4 + 20 * 32 + 5, 128}, 3, dtype);
     const at::Tensor v = randn({2, 4, 4 + 20 * 32 + 5, 128}, 4, dtype);
     const at::Tensor cpu = ops::lagkv_scores(k, v, 4, 32, true);
+    const at::Tensor rc = ops::lagkv_scores(k, v, 4, 32, false);
+    if (!no_cuda.empty()) continue;
     const at::Tensor gpu = ops::lagkv_scores(k.cuda(), v.cuda(), 4, 32, true).cpu();
     EXPECT_TRUE(at::allclose(cpu, gpu, 1e-5, 1e-7)) << dtype;
     // Ranks: equal except where two statistics are within rounding of each other.
-    const at::Tensor rc = ops::lagkv_scores(k, v, 4, 32, false);
     const at::Tensor rg = ops::lagkv_scores(k.cuda(), v.cuda(), 4, 32, false).cpu();
     const at::Tensor diff = (rc - rg).abs();
     EXPECT_LE(diff.gt(0).sum().item<int64_t>(), rc.numel() / 500 + 2) << dtype;
     EXPECT_LE(diff.max().item<double>(), 3.0 / 32 + 1e-6) << dtype;
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(CudaKernels, KeyDiffScoresMatchCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     const at::Tensor keys = randn({2, 4, 3000, 128}, 5, dtype);
     const at::Tensor cpu = ops::keydiff_scores(keys);
+    if (!no_cuda.empty()) continue;
     const at::Tensor gpu = ops::keydiff_scores(keys.cuda()).cpu();
     EXPECT_TRUE(at::allclose(cpu, gpu, 1e-4, 1e-5)) << dtype;
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(CudaKernels, TopkMatchesCpuIncludingTiesAndSignedZeros) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   // Few distinct values: many ties at every threshold; -0 and +0 are one value.
   at::Tensor scores = (randn({3, 5, 4099}, 6) * 3).round();
   scores.select(2, 10).fill_(-0.0);
   scores.select(2, 11).fill_(0.0);
+  const at::Tensor distinct = randn({2, 3, 10000}, 7);
   for (int64_t k : {1, 17, 2049, 4098, 4099}) {
     const at::Tensor cpu = ops::topk_indices(scores, k);
+    if (!no_cuda.empty()) continue;
     EXPECT_TRUE(at::equal(cpu, ops::topk_indices(scores.cuda(), k).cpu())) << "k " << k;
   }
-  const at::Tensor distinct = randn({2, 3, 10000}, 7);
-  EXPECT_TRUE(at::equal(ops::topk_indices(distinct, 5000), ops::topk_indices(distinct.cuda(), 5000).cpu()));
+  const at::Tensor cpu_distinct = ops::topk_indices(distinct, 5000), cpu_100 = ops::topk_indices(scores, 100);
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+  EXPECT_TRUE(at::equal(cpu_distinct, ops::topk_indices(distinct.cuda(), 5000).cpu()));
   // bfloat16 scores convert exactly; float64 ones take the composite.
-  EXPECT_TRUE(at::equal(ops::topk_indices(scores, 100), ops::topk_indices(scores.to(at::kBFloat16).cuda(), 100).cpu()));
-  EXPECT_TRUE(at::equal(ops::topk_indices(scores, 100), ops::topk_indices(scores.to(at::kDouble).cuda(), 100).cpu()));
+  EXPECT_TRUE(at::equal(cpu_100, ops::topk_indices(scores.to(at::kBFloat16).cuda(), 100).cpu()));
+  EXPECT_TRUE(at::equal(cpu_100, ops::topk_indices(scores.to(at::kDouble).cuda(), 100).cpu()));
 }
 
 TEST(CudaKernels, TopkRefusesNonFiniteScores) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     at::Tensor scores = randn({1, 2, 100}, 8);
     scores[0][1][50] = bad;
+    testing::expect_error([&] { ops::topk_indices(scores, 10); }, {"topk_indices: scores must be finite, got 1 "});
+    if (!no_cuda.empty()) continue;
     testing::expect_error([&] { ops::topk_indices(scores.cuda(), 10); },
                           {"topk_indices: scores must be finite, got 1 "});
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(CudaKernels, GatherRowsMatchesCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     for (int64_t dim : {128, 7}) {  // 7 * 2 bytes: the narrowest copy word
       const at::Tensor keys = randn({2, 3, 500, dim}, 9, dtype);
@@ -107,34 +124,42 @@ TEST(CudaKernels, GatherRowsMatchesCpu) {
       const at::Tensor idx =
           std::get<0>(at::randperm(500, at::kLong).narrow(0, 0, 123).sort()).expand({2, 3, 123}).contiguous();
       const KV cpu = ops::gather_kv(keys, values, idx);
+      if (!no_cuda.empty()) continue;
       const KV gpu = ops::gather_kv(keys.cuda(), values.cuda(), idx.cuda());
       EXPECT_TRUE(at::equal(cpu.keys, gpu.keys.cpu())) << dtype << " dim " << dim;
       EXPECT_TRUE(at::equal(cpu.values, gpu.values.cpu())) << dtype << " dim " << dim;
     }
   }
-  const at::Tensor keys = randn({1, 1, 10, 4}, 11).cuda();
+  const at::Tensor keys = randn({1, 1, 10, 4}, 11);
+  const std::string out_of_range = "gather_kv: indices must be in [0, seq_len (10)), got values in [10, 10]";
+  testing::expect_error([&] { ops::gather_kv(keys, keys, at::full({1, 1, 2}, 10, at::kLong)); }, {out_of_range});
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
   testing::expect_error(
       [&] {
-        ops::gather_kv(keys, keys, at::full({1, 1, 2}, 10, at::kLong).cuda());
+        ops::gather_kv(keys.cuda(), keys.cuda(), at::full({1, 1, 2}, 10, at::kLong).cuda());
       },
-      {"gather_kv: indices must be in [0, seq_len (10)), got values in [10, 10]"});
+      {out_of_range});
 }
 
 // Whole presses on CUDA tensors keep what they keep on CPU.
 TEST(CudaKernels, PressesKeepTheSamePositionsOnCuda) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   LayerInputs in;
   in.keys = randn({1, 4, 2000, 64}, 12);
   in.values = randn({1, 4, 2000, 64}, 13);
   in.queries = randn({1, 16, 2000, 64}, 14);
+  const std::vector<const char*> names = {"SnapKVPress", "TOVAPress", "LagKVPress", "KeyDiffPress", "KnormPress"};
+  std::vector<KV> on_cpu;
+  for (const char* name : names) on_cpu.push_back(make_press(name, 0.5)->compress(in));
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
   LayerInputs gpu = in;
   gpu.keys = in.keys.cuda();
   gpu.values = in.values.cuda();
   gpu.queries = in.queries.cuda();
-  for (const char* name : {"SnapKVPress", "TOVAPress", "LagKVPress", "KeyDiffPress", "KnormPress"}) {
-    const auto press = make_press(name, 0.5);
-    const KV c = press->compress(in);
-    const KV g = press->compress(gpu);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const char* name = names[i];
+    const KV& c = on_cpu[i];
+    const KV g = make_press(name, 0.5)->compress(gpu);
     const auto kept_mask = [&](const at::Tensor& idx) {
       return at::zeros({1, 4, 2000}, at::kInt).scatter_(2, idx.cpu(), 1);
     };

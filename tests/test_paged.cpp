@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -655,15 +656,17 @@ TEST(PagedCache, AFailedTableUploadLeavesTheCacheAsItWas) {
 }
 
 TEST(PagedCuda, AttentionMatchesCpuIncludingSplitHeads) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
-  // Few units with long heads take the split-and-reduce path; many short ones a single split.
-  for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{16384, 3, 700, 1}, std::vector<int64_t>(64, 40)}) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  // Few units with long heads take the split-and-reduce path; many short ones a single split. Every
+  // head holds at least n = 2 tokens (the queries are its last n).
+  for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{16384, 3, 700, 2}, std::vector<int64_t>(64, 40)}) {
     const int64_t kv_heads = 2, batch = static_cast<int64_t>(lengths.size()) / kv_heads;
     for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
       const PagedLayout l = random_layout(batch, kv_heads, lengths, 16, 128, dtype, 80);
       for (int64_t n : {1, 2}) {
         const at::Tensor q = randn({batch, 8, n, 128}, 81, dtype);
         const at::Tensor cpu = ops::paged_attention(q, l.key_pool, l.value_pool, l.page_table, l.lengths);
+        if (!no_cuda.empty()) continue;
         const at::Tensor gpu = ops::paged_attention(q.cuda(), l.key_pool.cuda(), l.value_pool.cuda(),
                                                     l.page_table.cuda(), l.lengths.cuda())
                                    .cpu();
@@ -673,61 +676,75 @@ TEST(PagedCuda, AttentionMatchesCpuIncludingSplitHeads) {
       }
     }
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(PagedCuda, WriteMatchesCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     at::Tensor kp = randn({50, 16, 64}, 82, dtype), vp = randn({50, 16, 64}, 83, dtype);
-    at::Tensor kg = kp.cuda(), vg = vp.cuda();
     const at::Tensor rows_k = randn({300, 64}, 84, dtype), rows_v = randn({300, 64}, 85, dtype);
     const at::Tensor slots = at::randperm(800, at::kLong).narrow(0, 0, 300);
+    at::Tensor kg = kp.clone(), vg = vp.clone();
     ops::paged_write(kp, vp, rows_k, rows_v, slots);
+    if (!no_cuda.empty()) continue;
+    kg = kg.cuda();
+    vg = vg.cuda();
     ops::paged_write(kg, vg, rows_k.cuda(), rows_v.cuda(), slots.cuda());
     EXPECT_TRUE(at::equal(kp, kg.cpu())) << dtype;
     EXPECT_TRUE(at::equal(vp, vg.cpu())) << dtype;
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 TEST(PagedCuda, CacheOnCudaKeepsAndAttendsAsOnCpu) {
-  KVPRESS_REQUIRE_CUDA_KERNELS();
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  const bool with_gpu = no_cuda.empty();
   const VarlenBatch batch = varlen_batch({300, 130, 520}, 2, 2, 16, at::kFloat, 86);
   VarlenBatch on_gpu = batch;
-  for (LayerInputs& in : on_gpu.inputs)
-    for_each_field(in, [](const LayerInputField&, auto& member) {
-      if constexpr (std::is_same_v<std::decay_t<decltype(member)>, at::Tensor>)
-        if (member.defined()) member = member.cuda();
-    });
-  on_gpu.keys = batch.keys.cuda();
-  on_gpu.values = batch.values.cuda();
+  if (with_gpu) {
+    for (LayerInputs& in : on_gpu.inputs)
+      for_each_field(in, [](const LayerInputField&, auto& member) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(member)>, at::Tensor>)
+          if (member.defined()) member = member.cuda();
+      });
+    on_gpu.keys = batch.keys.cuda();
+    on_gpu.values = batch.values.cuda();
+  }
   for (const char* name : {"SnapKVPress", "AdaKVPress", "KnormPress", "ExpectedAttentionPress"}) {
     SCOPED_TRACE(name);
     const auto press = make_press(name, 0.6);
     PagedCacheOptions cpu_options = small_options(256), gpu_options = cpu_options;
     gpu_options.device = at::kCUDA;
-    PagedKVCache cpu(cpu_options), gpu(gpu_options);
+    // The CUDA cache exists only where the CUDA half runs (its constructor allocates on the device).
+    PagedKVCache cpu(cpu_options);
+    std::unique_ptr<PagedKVCache> gpu_cache = with_gpu ? std::make_unique<PagedKVCache>(gpu_options) : nullptr;
     std::vector<SequenceId> seqs;
     for (int i = 0; i < 3; ++i) {
       seqs.push_back(cpu.add_sequence());
-      ASSERT_EQ(gpu.add_sequence(), seqs.back());  // ids are handed out in order
+      if (with_gpu) ASSERT_EQ(gpu_cache->add_sequence(), seqs.back());  // ids are handed out in order
     }
     cpu.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, press.get(), inputs_of(batch));
-    gpu.store(0, seqs, on_gpu.keys, on_gpu.values, batch.cu_seqlens.cuda(), press.get(), inputs_of(on_gpu));
-    for (SequenceId s : seqs)
-      for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(cpu.positions(s, 0, h), gpu.positions(s, 0, h));
     const at::Tensor k = randn({3, 2, 1, 16}, 87), v = randn({3, 2, 1, 16}, 88), q = randn({3, 4, 1, 16}, 89);
     cpu.append(0, seqs, k, v);
-    gpu.append(0, seqs, k.cuda(), v.cuda());
-    EXPECT_TRUE(at::allclose(cpu.attention(0, seqs, q), gpu.attention(0, seqs, q.cuda()).cpu(), 1e-5, 1e-5));
+    const at::Tensor cpu_attention = cpu.attention(0, seqs, q);
     const std::vector<int64_t> len = cpu.lengths(seqs[2], 0);
     at::Tensor mask = at::rand({2, std::max(len[0], len[1])}) < 0.5;
     for (int64_t h = 0; h < 2; ++h)
       mask[h].narrow(0, len[static_cast<size_t>(h)], mask.size(1) - len[static_cast<size_t>(h)]).fill_(false);
     cpu.compact(0, seqs[2], mask);
+    if (!with_gpu) continue;
+    PagedKVCache& gpu = *gpu_cache;
+    gpu.store(0, seqs, on_gpu.keys, on_gpu.values, batch.cu_seqlens.cuda(), press.get(), inputs_of(on_gpu));
+    gpu.append(0, seqs, k.cuda(), v.cuda());
+    EXPECT_TRUE(at::allclose(cpu_attention, gpu.attention(0, seqs, q.cuda()).cpu(), 1e-5, 1e-5));
     gpu.compact(0, seqs[2], mask.cuda());
+    for (SequenceId s : seqs)
+      for (int64_t h = 0; h < 2; ++h) EXPECT_EQ(cpu.positions(s, 0, h), gpu.positions(s, 0, h));
     EXPECT_TRUE(at::equal(cpu.head_keys(seqs[2], 0, 1), gpu.head_keys(seqs[2], 0, 1).cpu()));
     EXPECT_EQ(cpu.stats().pages_used, gpu.stats().pages_used);
   }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
 }  // namespace

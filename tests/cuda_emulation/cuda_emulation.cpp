@@ -10,6 +10,7 @@
 #include "cuda_emulation.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdio>
@@ -100,7 +101,8 @@ struct Block {
   std::vector<bool> left;  // per thread: has returned from the kernel
   std::vector<Warp> warps;
   std::vector<std::max_align_t> dynamic_shared;
-  char barrier_tokens[2] = {};  // __syncthreads of even / odd generations
+  char barrier_tokens[2] = {};     // __syncthreads of even / odd generations
+  std::atomic<uint64_t> epoch{0};  // bumped whenever waiters are released (wait_for)
   std::string error;
   uint3 index{0, 0, 0};
 
@@ -150,6 +152,7 @@ std::string where() {
 // Marks the launch failed (first message wins) and wakes every sleeper. Caller holds b.mutex.
 void fail_locked(Block& b, const std::string& message) {
   if (b.error.empty()) b.error = message + " (" + where() + ")";
+  b.epoch.fetch_add(1, std::memory_order_release);
   b.barrier_cv.notify_all();
   for (Warp& w : b.warps) w.cv.notify_all();
 }
@@ -165,13 +168,21 @@ void check_deadlock_locked(Block& b) {
     abort_locked(b, "deadlock: every thread of the block waits in a collective that others never reach");
 }
 
-// Waits until done(): first by yielding the CPU a few times (the threads that can release this one
-// are usually runnable, and a yield costs far less than a futex sleep and wake-up), then asleep.
+// Waits until done(): first by yielding the CPU (the threads that can release this one are usually
+// runnable, and a yield costs far less than a futex sleep and wake-up), looking at the lock only
+// when `epoch` moved (every release of waiters bumps it), then asleep.
 template <typename Done>
-void wait_for(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done) {
-  for (int spin = 0; spin < 1024 && !done(); ++spin) {
+void wait_for(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, const std::atomic<uint64_t>& epoch,
+              Done done) {
+  constexpr int kYields = 1024;
+  int yields = 0;
+  while (yields < kYields && !done()) {
+    const uint64_t seen = epoch.load(std::memory_order_acquire);
     lock.unlock();
-    std::this_thread::yield();
+    while (yields < kYields && epoch.load(std::memory_order_acquire) == seen) {
+      std::this_thread::yield();
+      ++yields;
+    }
     lock.lock();
   }
   cv.wait(lock, done);
@@ -290,12 +301,13 @@ int block_barrier_wait(Block& b, int predicate, int mode) {
     b.at_barrier = 0;
     b.waiting -= b.threads - 1;  // the sleepers are released now, before they wake
     ++b.barrier_generation;
+    b.epoch.fetch_add(1, std::memory_order_release);
     b.barrier_cv.notify_all();
     return b.results[generation & 1];
   }
   ++b.waiting;
   check_deadlock_locked(b);
-  wait_for(lock, b.barrier_cv, [&] { return b.barrier_generation != generation || !b.error.empty(); });
+  wait_for(lock, b.barrier_cv, b.epoch, [&] { return b.barrier_generation != generation || !b.error.empty(); });
   if (!b.error.empty()) throw Abort{};
   return b.results[generation & 1];
 }
@@ -356,12 +368,13 @@ uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* 
     }
     w.arrived = 0;
     b.waiting -= __builtin_popcount(mask) - 1;  // the sleepers are released now, before they wake
+    b.epoch.fetch_add(1, std::memory_order_release);
     w.cv.notify_all();
     return w.delivered[lane];
   }
   ++b.waiting;
   check_deadlock_locked(b);
-  wait_for(lock, w.cv, [&] { return !w.pending[lane] || !b.error.empty(); });
+  wait_for(lock, w.cv, b.epoch, [&] { return !w.pending[lane] || !b.error.empty(); });
   if (!b.error.empty()) throw Abort{};
   return w.delivered[lane];
 }
@@ -451,7 +464,8 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
   std::mutex start_mutex;
   std::condition_variable start_cv, done_cv;
   uint64_t started = 0;  // blocks started so far
-  int done = 0;          // threads finished with the current block
+  std::atomic<uint64_t> start_epoch{0};
+  int done = 0;  // threads finished with the current block
   bool stop = false;
 
   const std::function<void(int)> worker = [&](int linear) {
@@ -461,7 +475,7 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
       {
         ModelInternals hidden;
         std::unique_lock<std::mutex> lock(start_mutex);
-        wait_for(lock, start_cv, [&] { return started >= next || stop; });
+        wait_for(lock, start_cv, start_epoch, [&] { return started >= next || stop; });
         if (stop) break;
       }
       happens_after(&block_start_token);
@@ -506,6 +520,7 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
         std::unique_lock<std::mutex> lock(start_mutex);
         done = 0;
         ++started;
+        start_epoch.fetch_add(1, std::memory_order_release);
         start_cv.notify_all();
         done_cv.wait(lock, [&] { return done == b.threads; });
       }
@@ -517,6 +532,7 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
       ModelInternals hidden;
       std::lock_guard<std::mutex> lock(start_mutex);
       stop = true;
+      start_epoch.fetch_add(1, std::memory_order_release);
       start_cv.notify_all();
     }
   });
