@@ -16,7 +16,8 @@
 
 // After every other header: the model redefines CUDA's names for what follows.
 #include "cuda_emulation/cuda_emulation.h"
-// Hidden: the test binary's instances of the launchers must not stand in for libkvpress.so's own.
+// Hidden: the test binary's instances of the launchers must not stand in for libkvpress.so's own
+// (the target is also compiled with -fvisibility=hidden, tests/CMakeLists.txt).
 #pragma GCC visibility push(hidden)
 #include "cuda/key_norm.cuh"
 #include "cuda/keydiff.cuh"
@@ -24,6 +25,7 @@
 #include "cuda/paged.cuh"
 #include "cuda/ragged_attention.cuh"
 #include "cuda/selection.cuh"
+#include "cuda/shapes.h"
 #include "cuda/window_attention.cuh"
 #pragma GCC visibility pop
 
@@ -228,16 +230,8 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
     const at::Tensor expected =
         kvpress::ops::paged_attention(queries, l.key_pool, l.value_pool, l.page_table, l.lengths);
     at::Tensor out = at::empty_like(queries);
-    cu::PagedAttentionShape shape{};
-    shape.batch = batch;
-    shape.q_heads = q_heads;
-    shape.n = c.n;
-    shape.dim = c.dim;
-    shape.kv_heads = c.kv_heads;
-    shape.max_pages = l.page_table.size(2);
-    shape.num_pages = l.key_pool.size(0);
-    shape.page_size = c.page_size;
-    shape.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
+    cu::PagedAttentionShape shape =
+        cu::paged_attention_shape(queries, l.key_pool, l.page_table, 1.0 / std::sqrt(static_cast<double>(c.dim)));
     const int64_t units = batch * q_heads * c.n;
     cu::plan_paged_splits(shape, units, *std::max_element(c.lengths.begin(), c.lengths.end()), c.sms);
     at::Tensor partials = at::empty({units, shape.splits, cu::paged_partial_stride(c.dim)}, at::kFloat);
@@ -303,21 +297,8 @@ TEST(CudaEmulation, RaggedAttentionMatchesTheCpuKernel) {
     const at::Tensor expected =
         kvpress::ops::ragged_attention(queries, packed_keys, packed_values, offsets_t, tail_keys, tail_values);
     at::Tensor out = at::empty_like(queries);
-    cu::RaggedAttentionShape shape{};
-    shape.batch = batch;
-    shape.q_heads = q_heads;
-    shape.n = c.n;
-    shape.dim = c.dim;
-    shape.kv_heads = c.kv_heads;
-    shape.m = c.m;
-    shape.packed_tokens = offsets.back();
-    shape.tk_b = tail_keys.stride(0);
-    shape.tk_h = tail_keys.stride(1);
-    shape.tk_s = tail_keys.stride(2);
-    shape.tv_b = tail_values.stride(0);
-    shape.tv_h = tail_values.stride(1);
-    shape.tv_s = tail_values.stride(2);
-    shape.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dim)));
+    const cu::RaggedAttentionShape shape = cu::ragged_attention_shape(queries, packed_keys, tail_keys, tail_values,
+                                                                      1.0 / std::sqrt(static_cast<double>(c.dim)));
     with_cuda_type(c.dtype, [&](auto element) {
       using T = decltype(element);
       expect_launched(cu::launch_ragged_attention<T>(ptr<T>(queries), ptr<T>(packed_keys), ptr<T>(packed_values),

@@ -10,6 +10,7 @@
 
 #include "cuda/dispatch.h"
 #include "cuda/paged_launch.h"
+#include "cuda/shapes.h"
 #include "kernel_ops.h"
 
 namespace kvpress::cuda {
@@ -24,16 +25,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& 
   TORCH_CHECK(a.queries.size(3) <= kPagedMaxDim, "paged_attention: head_dim must be <= ", kPagedMaxDim,
               " on CUDA, got ", a.queries.size(3));
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
-  PagedAttentionShape shape{};
-  shape.batch = a.queries.size(0);
-  shape.q_heads = a.queries.size(1);
-  shape.n = a.queries.size(2);
-  shape.dim = a.queries.size(3);
-  shape.kv_heads = a.page_table.size(1);
-  shape.max_pages = a.page_table.size(2);
-  shape.num_pages = a.key_pool.size(0);
-  shape.page_size = a.key_pool.size(1);
-  shape.scale = static_cast<float>(a.scale);
+  PagedAttentionShape shape = paged_attention_shape(a.queries, a.key_pool, a.page_table, a.scale);
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return out;
   const int64_t* len = a.host_lengths.const_data_ptr<int64_t>();

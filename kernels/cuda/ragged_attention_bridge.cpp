@@ -6,6 +6,7 @@
 
 #include "cuda/dispatch.h"
 #include "cuda/ragged_attention_launch.h"
+#include "cuda/shapes.h"
 #include "kernel_ops.h"
 
 namespace kvpress::cuda {
@@ -16,21 +17,7 @@ template <typename T>
 void run(const at::Tensor& queries, const at::Tensor& packed_keys, const at::Tensor& packed_values,
          const at::Tensor& offsets, const at::Tensor& tail_keys, const at::Tensor& tail_values, at::Tensor& out,
          double scale, cudaStream_t stream) {
-  RaggedAttentionShape shape{};
-  shape.batch = queries.size(0);
-  shape.q_heads = queries.size(1);
-  shape.n = queries.size(2);
-  shape.dim = queries.size(3);
-  shape.kv_heads = tail_keys.size(1);
-  shape.m = tail_keys.size(2);
-  shape.packed_tokens = packed_keys.size(0);
-  shape.tk_b = tail_keys.stride(0);
-  shape.tk_h = tail_keys.stride(1);
-  shape.tk_s = tail_keys.stride(2);
-  shape.tv_b = tail_values.stride(0);
-  shape.tv_h = tail_values.stride(1);
-  shape.tv_s = tail_values.stride(2);
-  shape.scale = static_cast<float>(scale);
+  const RaggedAttentionShape shape = ragged_attention_shape(queries, packed_keys, tail_keys, tail_values, scale);
   const auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const T*>(t.const_data_ptr()); };
   const cudaError_t err =
       launch_ragged_attention<T>(ptr(queries), ptr(packed_keys), ptr(packed_values), offsets.const_data_ptr<int64_t>(),

@@ -1,0 +1,52 @@
+// The kernels' shape structs filled from (checked) tensors, for the CUDA bridges and for the tests
+// that run the same launchers through the CPU model (tests/test_cuda_emulation.cpp). Host code.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "cuda/paged_launch.h"
+#include "cuda/ragged_attention_launch.h"
+
+namespace kvpress::cuda {
+
+// queries [B, Hq, n, D]; packed_keys [T, D]; tail_keys / tail_values [B, Hkv, m, D], strided on the
+// first three dimensions.
+inline RaggedAttentionShape ragged_attention_shape(const at::Tensor& queries, const at::Tensor& packed_keys,
+                                                   const at::Tensor& tail_keys, const at::Tensor& tail_values,
+                                                   double scale) {
+  RaggedAttentionShape shape{};
+  shape.batch = queries.size(0);
+  shape.q_heads = queries.size(1);
+  shape.n = queries.size(2);
+  shape.dim = queries.size(3);
+  shape.kv_heads = tail_keys.size(1);
+  shape.m = tail_keys.size(2);
+  shape.packed_tokens = packed_keys.size(0);
+  shape.tk_b = tail_keys.stride(0);
+  shape.tk_h = tail_keys.stride(1);
+  shape.tk_s = tail_keys.stride(2);
+  shape.tv_b = tail_values.stride(0);
+  shape.tv_h = tail_values.stride(1);
+  shape.tv_s = tail_values.stride(2);
+  shape.scale = static_cast<float>(scale);
+  return shape;
+}
+
+// queries [B, Hq, n, D]; key_pool [P, page_size, D]; page_table [B, Hkv, max_pages]. The split plan
+// (splits, chunk) is left to plan_paged_splits.
+inline PagedAttentionShape paged_attention_shape(const at::Tensor& queries, const at::Tensor& key_pool,
+                                                 const at::Tensor& page_table, double scale) {
+  PagedAttentionShape shape{};
+  shape.batch = queries.size(0);
+  shape.q_heads = queries.size(1);
+  shape.n = queries.size(2);
+  shape.dim = queries.size(3);
+  shape.kv_heads = page_table.size(1);
+  shape.max_pages = page_table.size(2);
+  shape.num_pages = key_pool.size(0);
+  shape.page_size = key_pool.size(1);
+  shape.scale = static_cast<float>(scale);
+  return shape;
+}
+
+}  // namespace kvpress::cuda
