@@ -7,7 +7,7 @@ torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)
 build="${KVPRESS_BUILD_DIR:-$root/build}"
 jobs="${KVPRESS_JOBS:-$(nproc)}"
 
-# Every build tree (build/, build-fuzz/, build-asan/, build-tsan/, python/build/) is configured
+# Every build tree (build/, build-asan/, build-tsan/, python/build/) is configured
 # by these flags: Ninja, and ccache (scripts/setup.sh installs both) so that a rebuild after a change
 # recompiles only what changed, in whichever tree. The sloppiness lets ccache cache the files that
 # include the precompiled ATen header (cmake/PrecompiledATen.cmake).
@@ -30,6 +30,39 @@ kvpress_build() {
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" "$@" >/dev/null
   cmake --build "$build" -j "$jobs"
+}
+
+# The clang tree of AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/ by default), shared by
+# scripts/fuzz.sh (the libFuzzer targets) and scripts/test_sanitized.sh (the whole suite): one
+# instrumented build of the library serves both (docs/RELIABILITY.md). libFuzzer needs clang, so the
+# suite's sanitized run is clang's too. With KVPRESS_FUZZ=ON the library also carries libFuzzer's
+# coverage counters (-fsanitize=fuzzer-no-link); in the test binaries they count into the
+# sanitizer runtime's no-op hooks. No CUDA (nvcc's host pass is not instrumented), no OpenMP
+# (clang's needs libomp, a second runtime beside libtorch's libgomp; the sanitized runs use one
+# intra-op thread, so at::parallel_for runs its whole range inline either way). -O1: the
+# sanitizers' recommended level. Benchmarks and examples are not built: no sanitized run uses them.
+kvpress_configure_asan_tree() {  # extra cmake arguments
+  local packages=(clang libclang-rt-dev llvm) missing=() p sudo_cmd=""
+  for p in "${packages[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "asan tree: installing Debian packages: ${missing[*]}" >&2
+    [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  kvpress_reset_if_not_ninja "$build"
+  if [ -f "$build/CMakeCache.txt" ] && ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$' "$build/CMakeCache.txt"; then
+    echo "build: $build was configured for another compiler; configuring it afresh for clang" >&2
+    rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
+  fi
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" \
+    -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" \
+    -DKVPRESS_SANITIZE="address;undefined;float-cast-overflow" -DKVPRESS_FUZZ=ON \
+    -DKVPRESS_WITH_CUDA=OFF -DKVPRESS_OPENMP=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF \
+    "$@" >/dev/null
 }
 
 # Regenerates the parity fixtures from the pinned kvpress package.

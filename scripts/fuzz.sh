@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets of tests/fuzz (clang, KVPRESS_FUZZ=ON) into build-fuzz/ and runs each
-# for SECONDS (default 30) on its seed corpus and dictionary. Fails on any crash, leak, timeout,
-# out-of-memory or sanitizer report; the input that caused it is kept in build-fuzz/artifacts/.
+# Builds the libFuzzer targets of tests/fuzz (clang, KVPRESS_FUZZ=ON) in the AddressSanitizer tree
+# that scripts/test_sanitized.sh shares (build-asan/; common.sh, kvpress_configure_asan_tree) and runs
+# each for SECONDS (default 30) on its seed corpus and dictionary. Fails on any crash, leak, timeout,
+# out-of-memory or sanitizer report; the input that caused it is kept in build-asan/artifacts/.
 #   scripts/fuzz.sh [SECONDS] [TARGET...]     TARGET: safetensors tokenizer config make_press
-# Environment: KVPRESS_FUZZ_BUILD_DIR (default build-fuzz), KVPRESS_FUZZ_CORPUS (keep the working
+# Environment: KVPRESS_ASAN_BUILD_DIR (default build-asan), KVPRESS_FUZZ_CORPUS (keep the working
 # corpora there instead of a temporary folder), KVPRESS_JOBS (build jobs, default nproc).
 # The committed seeds stay as they are: libFuzzer writes new inputs only to the working corpus.
 set -euo pipefail
@@ -11,31 +12,12 @@ seconds="${1:-30}"
 shift || true
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(safetensors tokenizer config make_press)
-KVPRESS_BUILD_DIR="${KVPRESS_FUZZ_BUILD_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build-fuzz}"
-export KVPRESS_BUILD_DIR
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-
-# clang with libFuzzer's runtime (libclang-rt-dev) and llvm-symbolizer for readable reports.
-fuzz_packages=(clang libclang-rt-dev llvm)
-missing=()
-for p in "${fuzz_packages[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "fuzz: installing Debian packages: ${missing[*]}" >&2
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export KVPRESS_BUILD_DIR="${KVPRESS_ASAN_BUILD_DIR:-$here/../build-asan}"
+source "$here/common.sh"
 
 build_start=$SECONDS
-kvpress_reset_if_not_ninja "$build"
-# KVPRESS_OPENMP=OFF: clang's OpenMP needs libomp, and the fuzzed parsers run no parallel kernel.
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${common_cmake_flags[@]}" \
-  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DKVPRESS_FUZZ=ON -DKVPRESS_WITH_CUDA=OFF -DKVPRESS_OPENMP=OFF \
-  -DKVPRESS_BUILD_TESTS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF -DKVPRESS_BUILD_TOOLS=OFF \
-  -DCMAKE_PREFIX_PATH="$torch_prefix" >/dev/null
+kvpress_configure_asan_tree
 cmake --build "$build" -j "$jobs" --target "${targets[@]/#/kvpress_fuzz_}"
 echo "fuzz: built in $((SECONDS - build_start)) s"
 

@@ -107,7 +107,9 @@ TEST(Pipeline, QueryAwarePrefillHoldsTheQuestion) {
 }
 
 TEST(Pipeline, RefusesBadInput) {
-  const auto& [model, tok] = tiny();
+  // References, not a structured binding: C++17 lambdas cannot capture those (clang refuses).
+  const LlamaModel& model = tiny().model;
+  const Tokenizer& tok = tiny().tokenizer;
   PipelineOptions opt;
   expect_error([&] { answer_questions(model, tok, story(), {}, opt); },
                {"answer_questions", "questions must hold at least one question"});
