@@ -32,22 +32,26 @@ kvpress_build() {
   cmake --build "$build" -j "$jobs"
 }
 
-# The clang tree of AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/ by default), shared by
+# The sanitized trees: clang, -O1 (the sanitizers' recommended level), no CUDA (nvcc's host pass is
+# not instrumented), no OpenMP (clang's needs libomp, a second runtime beside libtorch's libgomp;
+# the sanitized runs use one intra-op thread, so at::parallel_for runs its whole range inline
+# either way), no benchmarks or examples (no sanitized run uses them). clang, not gcc: libFuzzer
+# needs it, and it builds these trees in about 60% of gcc's time.
+#   kvpress_configure_sanitized_tree SANITIZERS [cmake argument...]
+# build-asan/ (SANITIZERS "address;undefined;float-cast-overflow", KVPRESS_FUZZ=ON) is shared by
 # scripts/fuzz.sh (the libFuzzer targets) and scripts/test_sanitized.sh (the whole suite): one
-# instrumented build of the library serves both (docs/RELIABILITY.md). libFuzzer needs clang, so the
-# suite's sanitized run is clang's too. With KVPRESS_FUZZ=ON the library also carries libFuzzer's
-# coverage counters (-fsanitize=fuzzer-no-link); in the test binaries they count into the
-# sanitizer runtime's no-op hooks. No CUDA (nvcc's host pass is not instrumented), no OpenMP
-# (clang's needs libomp, a second runtime beside libtorch's libgomp; the sanitized runs use one
-# intra-op thread, so at::parallel_for runs its whole range inline either way). -O1: the
-# sanitizers' recommended level. Benchmarks and examples are not built: no sanitized run uses them.
-kvpress_configure_asan_tree() {  # extra cmake arguments
-  local packages=(clang libclang-rt-dev llvm) missing=() p sudo_cmd=""
+# instrumented library for both, which also carries libFuzzer's coverage counters
+# (-fsanitize=fuzzer-no-link; in the test binaries they count into the runtime's no-op hooks).
+# build-tsan/ ("thread") is scripts/test_tsan.sh's.
+kvpress_configure_sanitized_tree() {
+  local sanitizers="$1" packages=(clang libclang-rt-dev llvm) missing=() p sudo_cmd=""
+  shift
+  # clang, its sanitizer and libFuzzer runtimes (libclang-rt-dev), llvm-symbolizer (llvm).
   for p in "${packages[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    echo "asan tree: installing Debian packages: ${missing[*]}" >&2
+    echo "sanitized tree: installing Debian packages: ${missing[*]}" >&2
     [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
     $sudo_cmd apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
@@ -60,9 +64,14 @@ kvpress_configure_asan_tree() {  # extra cmake arguments
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
     -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" \
     -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" \
-    -DKVPRESS_SANITIZE="address;undefined;float-cast-overflow" -DKVPRESS_FUZZ=ON \
-    -DKVPRESS_WITH_CUDA=OFF -DKVPRESS_OPENMP=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF \
-    "$@" >/dev/null
+    -DKVPRESS_SANITIZE="$sanitizers" -DKVPRESS_WITH_CUDA=OFF -DKVPRESS_OPENMP=OFF \
+    -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF "$@" >/dev/null
+}
+
+# The AddressSanitizer tree's configuration (above), the one fact scripts/fuzz.sh and
+# scripts/test_sanitized.sh share.
+kvpress_configure_asan_tree() {  # [cmake argument...]
+  kvpress_configure_sanitized_tree "address;undefined;float-cast-overflow" -DKVPRESS_FUZZ=ON "$@"
 }
 
 # Regenerates the parity fixtures from the pinned kvpress package.

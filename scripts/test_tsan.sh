@@ -2,7 +2,7 @@
 # ThreadSanitizer: builds the library, kvpress::llama and the concurrency tests
 # (tests/test_concurrency.cpp: every registry press shared by 8 threads, ragged attention read from
 # 8 threads, one Llama model generating 8 sequences, the registry's first use from 8 threads) with
-# -fsanitize=thread into their own build folder, and runs them, halting on the first report
+# clang's -fsanitize=thread into their own build folder, and runs them, halting on the first report
 # (docs/RELIABILITY.md). No CUDA kernels are compiled (KVPRESS_WITH_CUDA=OFF), but they run: the
 # CUDA kernels' emulated tests (tests/test_cuda_emulation.cpp) execute every block's threads as
 # real threads, so a race between them is reported here (and a kernel with its barrier removed
@@ -18,13 +18,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export KVPRESS_BUILD_DIR="${KVPRESS_TSAN_BUILD_DIR:-$here/../build-tsan}"
 source "$here/common.sh"
 
-# -O1: the sanitizers' recommended level. Only the library, kvpress::llama, the concurrency tests
-# and the CUDA kernels' emulated tests are built.
-kvpress_reset_if_not_ninja "$build"
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "${common_cmake_flags[@]}" \
-  -DCMAKE_PREFIX_PATH="$torch_prefix" -DPython3_EXECUTABLE="$python" \
-  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DKVPRESS_SANITIZE=thread -DKVPRESS_WITH_CUDA=OFF \
-  -DKVPRESS_BUILD_TOOLS=OFF -DKVPRESS_BUILD_BENCHMARKS=OFF -DKVPRESS_BUILD_EXAMPLES=OFF >/dev/null
+# clang at -O1, no OpenMP (common.sh, kvpress_configure_sanitized_tree). Only the library,
+# kvpress::llama, the concurrency tests and the CUDA kernels' emulated tests are built.
+kvpress_configure_sanitized_tree thread -DKVPRESS_BUILD_TOOLS=OFF
 cmake --build "$build" -j "$jobs" --target kvpress_concurrency_tests kvpress_cuda_emulation_tests
 
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp"
