@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The C++ suite on the path an AVX2-only CPU takes (docs/ARCHITECTURE.md, "AVX-512 register tiles"),
 # on a machine with AVX-512: our AVX-512 kernels off (KVPRESS_DISABLE_AVX512=1), libtorch's own
-# CPU kernels capped at AVX2 (ATEN_CPU_CAPABILITY=avx2) and MKL's too (MKL_ENABLE_INSTRUCTIONS=AVX2).
+# CPU kernels capped at AVX2 (ATEN_CPU_CAPABILITY=avx2), and MKL's and oneDNN's too
+# (MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2). oneDNN's cap is needed on CPUs with AMX
+# (Intel Sapphire Rapids onwards): without it torch's bfloat16 attention, capped at AVX2, still asks
+# oneDNN whether to pack for AMX, is told yes, and stops ("pack_vnni2 is only supported when
+# avx512 is supported"); an AVX2-only CPU has no AMX either.
 # The parity fixtures are made again by kvpress under the same caps (they are the reference an
 # AVX2 machine would make), then the unit tests and the press parity runs of kvpress_tests, in two
 # shards side by side. The tests of the AVX-512 kernels skip, naming the reason.
@@ -12,7 +16,7 @@ if ! grep -qw avx512f /proc/cpuinfo; then
   echo "avx2 path: this CPU has no AVX-512F, so the main test run took the AVX2 path already"
   exit 0
 fi
-caps=(KVPRESS_DISABLE_AVX512=1 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2)
+caps=(KVPRESS_DISABLE_AVX512=1 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2)
 fixtures="$build/fixtures-avx2"
 env "${caps[@]}" "$python" "$root/tests/reference/make_fixtures.py" --out "$fixtures"
 # Everything but the model-level parity runs (their fixtures come from the other reference
