@@ -544,9 +544,18 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
                                           "paged_write values", "sketch_prerope_keys X", "sketch_prerope_keys Gram",
                                           "cholesky_leverage",  "noncausal_column_sums"};
   ASSERT_EQ(one.size(), names.size());
+  // Without the AVX-512 kernels the leverage ops are their ATen composites (at::matmul, triangular
+  // solves): BLAS blocks its sums by thread count and alignment (MKL's AVX2 path does on an Intel
+  // Sapphire Rapids), so they are compared within float32 rounding of their longest sums (the
+  // Gram's 1500 terms: about sqrt(1500) 2^-24 = 2.3e-6 relative; rtol 1e-4). Our own loops must be
+  // equal.
+  const bool leverage_is_composite = !kvpress::kernels::cpu_has_avx512();
   for (size_t i = 0; i < names.size(); ++i) {
+    const bool leverage_op = names[i].rfind("sketch_prerope_keys", 0) == 0 || names[i] == "cholesky_leverage";
     if (names[i] == "ragged_attention" || names[i] == "paged_attention")
       EXPECT_TRUE(at::allclose(one[i], four[i], 1e-5, 1e-6)) << names[i];
+    else if (leverage_op && leverage_is_composite)
+      EXPECT_TRUE(at::allclose(one[i], four[i], 1e-4, 1e-6)) << names[i] << " (ATen composite)";
     else
       EXPECT_TRUE(at::equal(one[i], four[i])) << names[i];
   }
