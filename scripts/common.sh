@@ -85,4 +85,5 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_dms_fixtures.py" --out "$build/fixtures/dms"
   "$python" "$root/tests/reference/make_cam_fixtures.py" --out "$build/fixtures/cam"
   "$python" "$root/tests/reference/make_pipeline_fixtures.py" --out "$build/fixtures/pipeline"
+  "$python" "$root/tests/reference/make_tokenizer_fixtures.py" --out "$build/fixtures/tokenizers"
 }

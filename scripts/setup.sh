@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything kvpress-cpp needs to build and test; idempotent and fast when already done.
-#   - Debian packages (fmt, nlohmann-json, GoogleTest, Google Benchmark, cmake, clang-format)
+#   - Debian packages (fmt, nlohmann-json, PCRE2 and utf8proc (the tokenizer's Unicode regexes and
+#     NFC), GoogleTest, Google Benchmark, cmake, pkg-config, clang-format)
 #   - a Python venv with the pinned torch wheel (provides libtorch + its CMake config) and the
 #     pinned reference stack used only by tests (kvpress 0.5.5 + transformers), and matplotlib
 #     for the charts (scripts/plot.py: kvpress-cli eval --png, benchmarks/compare_kvpress.py)
@@ -12,7 +13,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVPRESS_VENV:-$HOME/.cache/kvpress-cpp/venv}"
 requirements="$here/scripts/requirements.txt"
 
-apt_packages=(cmake g++ make ninja-build ccache libfmt-dev nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format)
+apt_packages=(cmake g++ make ninja-build ccache pkg-config libfmt-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

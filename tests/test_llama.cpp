@@ -189,8 +189,11 @@ TEST(Llama, TokenizerBasics) {
 TEST(Llama, TokenizerRefusesUnsupportedComponents) {
   const std::string model = R"("model": {"type": "BPE", "vocab": {"a": 0}, "merges": []})";
   EXPECT_NO_THROW(Tokenizer::from_json("{" + model + "}"));
+  expect_error([&] { Tokenizer::from_json("{" + model + R"(, "pre_tokenizer": {"type": "Metaspace"}})", "t.json"); },
+               {"Tokenizer: t.json: unsupported pre_tokenizer", "Metaspace"});
+  // A supported pre-tokenizer with a field tokenizers requires missing.
   expect_error([&] { Tokenizer::from_json("{" + model + R"(, "pre_tokenizer": {"type": "ByteLevel"}})", "t.json"); },
-               {"Tokenizer: t.json: unsupported pre_tokenizer"});
+               {"Tokenizer: t.json: pre_tokenizer.add_prefix_space is missing"});
   expect_error([&] { Tokenizer::from_json("{" + model + R"(, "normalizer": {"type": "NFKC"}})"); },
                {"unsupported normalizer"});
   expect_error([&] { Tokenizer::from_json("{" + model + R"(, "decoder": {"type": "Metaspace"}})"); },

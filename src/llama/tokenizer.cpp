@@ -1,14 +1,19 @@
-// tokenizer.json reader: SentencePiece-style BPE as the Python `tokenizers` library runs it.
+// tokenizer.json reader: SentencePiece-style and byte-level BPE as the Python `tokenizers` library
+// runs them.
 //
 // encode(text):
-//   1. split the raw text on added tokens with normalized=false (leftmost-longest);
+//   0. repair invalid UTF-8 (U+FFFD per maximal invalid subpart, as Python's errors="replace");
+//   1. split the text on added tokens with normalized=false (leftmost-longest);
 //   2. normalize every other piece, then split it on added tokens with normalized=true, matched
 //      against their normalized form (with a Prepend("▁") normalizer "<|x|>" is found as "▁<|x|>");
-//   3. run BPE on every remaining piece (no pre-tokenizer: a piece is one word, spaces included);
-//   4. add the post_processor's special tokens (BOS).
+//   3. pre-tokenize every remaining piece into words (none: the piece is one word, spaces included;
+//      ByteLevel also maps each byte to its printable character);
+//   4. run BPE on every word;
+//   5. add the post_processor's special tokens (BOS).
 // decode(ids): ids -> token strings (special ones dropped when asked), then the decoder chain.
 #include "kvpress/llama/tokenizer.h"
 
+#include "unicode.h"
 #include "utf8.h"
 
 #include <c10/util/Exception.h>
@@ -59,12 +64,58 @@ std::string replace_all(const std::string& s, const std::string& from, const std
 // ---- components ---------------------------------------------------------------------------------
 
 struct NormalizerStep {
-  enum Kind { kPrepend, kReplace } kind;
+  enum Kind { kPrepend, kReplace, kNFC } kind;
   std::string a, b;  // prepend: a; replace: a -> b
 };
 
+// GPT-2's byte-to-character table (tokenizers' bytes_char): the printable bytes ('!'..'~',
+// 0xA1..0xAC, 0xAE..0xFF) stand for themselves, the other 68 for U+0100 onwards in byte order, so
+// that every byte is one visible character of a BPE vocabulary (' ' is "Ġ", '\n' is "Ċ").
+struct ByteLevelAlphabet {
+  std::string of_byte[256];                           // byte -> its character, UTF-8
+  std::unordered_map<uint32_t, unsigned char> bytes;  // character (code point) -> byte
+  ByteLevelAlphabet() {
+    uint32_t next = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+      const uint32_t cp = printable ? static_cast<uint32_t>(b) : next++;
+      // Code points below U+0800: one or two UTF-8 bytes.
+      of_byte[b] = cp < 0x80 ? std::string(1, static_cast<char>(cp))
+                             : std::string{static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
+      bytes.emplace(cp, static_cast<unsigned char>(b));
+    }
+  }
+};
+
+const ByteLevelAlphabet& byte_level_alphabet() {
+  static const ByteLevelAlphabet alphabet;
+  return alphabet;
+}
+
+// The code point of the valid UTF-8 character at s[i] of byte length n.
+uint32_t code_point(const std::string& s, size_t i, size_t n) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1Fu) : n == 3 ? (c & 0x0Fu) : (c & 0x07u);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3Fu);
+  return cp;
+}
+
+// GPT-2's split pattern, which ByteLevel(use_regex=true) applies (tokenizers' byte_level.rs).
+constexpr const char* kGpt2SplitPattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+struct PreTokenizerStep {
+  // kSplit: `regex`'s matches and the text between them become separate pieces (Split with
+  // behavior Isolated; Digits: the \p{N} characters, one by one or in runs). kByteLevel: a space
+  // before each piece that does not start with one (add_prefix_space), GPT-2's split (`regex`,
+  // when use_regex), then every byte mapped to its ByteLevelAlphabet character.
+  enum Kind { kSplit, kByteLevel } kind;
+  std::shared_ptr<const UnicodeRegex> regex;  // null: ByteLevel without use_regex
+  bool add_prefix_space = false;
+};
+
 struct DecoderStep {
-  enum Kind { kReplace, kByteFallback, kFuse, kStrip } kind;
+  enum Kind { kReplace, kByteFallback, kFuse, kStrip, kByteLevel } kind;
   std::string a, b;            // replace: a -> b; strip: a = the (one-character) content
   size_t start = 0, stop = 0;  // strip
 };
@@ -105,6 +156,7 @@ std::string excerpt(const json& value) {
 struct Tokenizer::Impl {
   std::string origin;
   std::vector<NormalizerStep> normalizer;
+  std::vector<PreTokenizerStep> pre_tokenizer;
   std::vector<DecoderStep> decoder;
   std::vector<AddedToken> added;
   // Added tokens as split patterns: raw (normalized=false) and normalized (their normalized form).
@@ -126,6 +178,8 @@ struct Tokenizer::Impl {
     for (const auto& step : normalizer) {
       if (step.kind == NormalizerStep::kPrepend) {
         if (!out.empty()) out = step.a + out;
+      } else if (step.kind == NormalizerStep::kNFC) {
+        out = nfc(out);
       } else {
         out = replace_all(out, step.a, step.b);
       }
@@ -156,6 +210,40 @@ struct Tokenizer::Impl {
       piece_start = pos;
     }
     if (piece_start < text.size()) out.emplace_back(text.substr(piece_start), -1);
+  }
+
+  // The pre-tokenizer's words of one normalized piece (empty pieces dropped, as tokenizers does).
+  std::vector<std::string> pre_tokenize(const std::string& piece) const {
+    std::vector<std::string> pieces{piece};
+    for (const auto& step : pre_tokenizer) {
+      std::vector<std::string> next;
+      for (std::string& p : pieces) {
+        if (step.kind == PreTokenizerStep::kByteLevel && step.add_prefix_space && p.compare(0, 1, " ") != 0)
+          p.insert(0, " ");
+        if (!step.regex) {
+          next.push_back(std::move(p));
+          continue;
+        }
+        size_t last = 0;
+        for (const auto& [begin, end] : step.regex->find_all(p)) {
+          if (begin > last) next.push_back(p.substr(last, begin - last));
+          next.push_back(p.substr(begin, end - begin));
+          last = end;
+        }
+        if (last < p.size()) next.push_back(p.substr(last));
+      }
+      if (step.kind == PreTokenizerStep::kByteLevel) {
+        const ByteLevelAlphabet& alphabet = byte_level_alphabet();
+        for (std::string& p : next) {
+          std::string mapped;
+          mapped.reserve(2 * p.size());
+          for (unsigned char b : p) mapped += alphabet.of_byte[b];
+          p = std::move(mapped);
+        }
+      }
+      pieces = std::move(next);
+    }
+    return pieces;
   }
 
   // BPE on one word: characters (or byte-fallback tokens, or <unk>), then merges by rank.
@@ -283,6 +371,27 @@ struct Tokenizer::Impl {
           flush();
           break;
         }
+        case DecoderStep::kByteLevel: {
+          // Each token's characters back to bytes (a token with a character outside the alphabet,
+          // e.g. an added token, as its own UTF-8), then the whole as from_utf8_lossy.
+          const ByteLevelAlphabet& alphabet = byte_level_alphabet();
+          std::string bytes;
+          for (const auto& t : tokens) {
+            std::string token_bytes;
+            bool mapped = true;
+            size_t invalid = 0;
+            for (size_t i = 0; i < t.size() && mapped;) {
+              const size_t n = utf8_sequence_length(t, i, invalid);
+              const auto it = n > 0 ? alphabet.bytes.find(code_point(t, i, n)) : alphabet.bytes.end();
+              mapped = it != alphabet.bytes.end();
+              if (mapped) token_bytes.push_back(static_cast<char>(it->second));
+              i += n;
+            }
+            bytes += mapped ? token_bytes : t;
+          }
+          next.push_back(utf8_lossy(bytes));
+          break;
+        }
         case DecoderStep::kStrip:
           for (auto& t : tokens) {
             size_t begin = 0, end = t.size();
@@ -337,6 +446,11 @@ struct Tokenizer::Impl {
   std::string string_or(const json& object, const std::string& path, const char* key,
                         const std::string& fallback) const {
     return has(object, key) ? string(object[key], path + "." + key) : fallback;
+  }
+
+  bool required_bool(const json& object, const std::string& path, const char* key) const {
+    member(object, path, key);
+    return bool_or(object, path, key, false);
   }
 
   bool bool_or(const json& object, const std::string& path, const char* key, bool fallback) const {
@@ -446,6 +560,8 @@ struct Tokenizer::Impl {
       } else if (type == "Replace") {
         normalizer.push_back({NormalizerStep::kReplace, string_pattern(*s, path),
                               string(member(*s, path, "content"), path + ".content")});
+      } else if (type == "NFC") {
+        normalizer.push_back({NormalizerStep::kNFC, "", ""});
       } else {
         unsupported("normalizer", *s);
       }
@@ -494,14 +610,28 @@ struct Tokenizer::Impl {
     }
   }
 
-  // Post-processor: TemplateProcessing of a single sequence (ids before and after the text).
+  // Post-processor: TemplateProcessing of a single sequence (ids before and after the text) and
+  // ByteLevel (it trims offsets, which this reader does not report: no change to the ids), alone or
+  // in a Sequence.
   void load_post_processor(const json& p) {
-    object(p, "post_processor");
-    if (string_or(p, "post_processor", "type", "") != "TemplateProcessing") unsupported("post_processor", p);
+    bool has_template = false;
+    for (const auto& [step, path] : sequence_steps(p, "post_processor", "processors")) {
+      const std::string type = string_or(*step, path, "type", "");
+      if (type == "TemplateProcessing") {
+        TORCH_CHECK(!has_template, "Tokenizer: ", origin, ": unsupported post_processor: two TemplateProcessing steps");
+        has_template = true;
+        load_template(*step, path);
+      } else if (type != "ByteLevel") {
+        unsupported("post_processor", *step);
+      }
+    }
+  }
+
+  void load_template(const json& p, const std::string& template_path) {
     bool after = false;
-    const json& single = array(member(p, "post_processor", "single"), "post_processor.single");
+    const json& single = array(member(p, template_path, "single"), template_path + ".single");
     for (size_t i = 0; i < single.size(); ++i) {
-      const std::string path = "post_processor.single[" + std::to_string(i) + "]";
+      const std::string path = template_path + ".single[" + std::to_string(i) + "]";
       const json& item = object(single[i], path);
       if (item.contains("Sequence")) {
         TORCH_CHECK(!after, "Tokenizer: ", origin, ": post_processor template with two sequences");
@@ -510,11 +640,11 @@ struct Tokenizer::Impl {
         const std::string token_path = path + ".SpecialToken";
         const std::string name =
             string(member(object(item["SpecialToken"], token_path), token_path, "id"), token_path + ".id");
-        const json& tokens = object(member(p, "post_processor", "special_tokens"), "post_processor.special_tokens");
-        const std::string name_path = "post_processor.special_tokens['" + name + "']";
-        const json& ids = array(
-            member(object(member(tokens, "post_processor.special_tokens", name.c_str()), name_path), name_path, "ids"),
-            name_path + ".ids");
+        const std::string tokens_path = template_path + ".special_tokens";
+        const json& tokens = object(member(p, template_path, "special_tokens"), tokens_path);
+        const std::string name_path = tokens_path + "['" + name + "']";
+        const json& ids = array(member(object(member(tokens, tokens_path, name.c_str()), name_path), name_path, "ids"),
+                                name_path + ".ids");
         for (size_t k = 0; k < ids.size(); ++k)
           (after ? suffix_ids : prefix_ids)
               .push_back(token_id(ids[k], name_path + ".ids[" + std::to_string(k) + "]",
@@ -525,7 +655,43 @@ struct Tokenizer::Impl {
     }
   }
 
-  // Decoder: Replace(String) / ByteFallback / Fuse / Strip, alone or in a Sequence.
+  // Pre-tokenizer: Split (Regex or String pattern, Isolated, not inverted), Digits and ByteLevel,
+  // alone or in a Sequence. The fields tokenizers requires are required here too.
+  void load_pre_tokenizer(const json& p) {
+    for (const auto& [step, path] : sequence_steps(p, "pre_tokenizer", "pretokenizers")) {
+      const std::string type = string_or(*step, path, "type", "");
+      const std::string where = "Tokenizer: " + origin + ": " + path;
+      PreTokenizerStep split{PreTokenizerStep::kSplit, nullptr, false};
+      if (type == "Split") {
+        const json& pattern = object(member(*step, path, "pattern"), path + ".pattern");
+        const std::string behavior = string(member(*step, path, "behavior"), path + ".behavior");
+        if (behavior != "Isolated") unsupported("Split behavior (only Isolated)", (*step)["behavior"]);
+        if (bool_or(*step, path, "invert", false)) unsupported("Split with invert", *step);
+        if (pattern.contains("Regex")) {
+          split.regex = std::make_shared<UnicodeRegex>(string(pattern["Regex"], path + ".pattern.Regex"), false, where);
+        } else if (pattern.contains("String")) {
+          split.regex =
+              std::make_shared<UnicodeRegex>(string(pattern["String"], path + ".pattern.String"), true, where);
+        } else {
+          unsupported("Split pattern (only {\"Regex\": ...} or {\"String\": ...})", pattern);
+        }
+      } else if (type == "Digits") {
+        // Rust's char::is_numeric is the N categories (Nd, Nl, No): \p{N}.
+        split.regex = std::make_shared<UnicodeRegex>(
+            required_bool(*step, path, "individual_digits") ? "\\p{N}" : "\\p{N}+", false, where);
+      } else if (type == "ByteLevel") {
+        split.kind = PreTokenizerStep::kByteLevel;
+        split.add_prefix_space = required_bool(*step, path, "add_prefix_space");
+        if (bool_or(*step, path, "use_regex", true))
+          split.regex = std::make_shared<UnicodeRegex>(kGpt2SplitPattern, false, where);
+      } else {
+        unsupported("pre_tokenizer", *step);
+      }
+      pre_tokenizer.push_back(split);
+    }
+  }
+
+  // Decoder: Replace(String) / ByteFallback / Fuse / Strip / ByteLevel, alone or in a Sequence.
   void load_decoder(const json& d) {
     for (const auto& [s, path] : sequence_steps(d, "decoder", "decoders")) {
       const std::string type = string_or(*s, path, "type", "");
@@ -535,6 +701,8 @@ struct Tokenizer::Impl {
                 0, 0};
       } else if (type == "ByteFallback") {
         step.kind = DecoderStep::kByteFallback;
+      } else if (type == "ByteLevel") {
+        step.kind = DecoderStep::kByteLevel;
       } else if (type == "Fuse") {
         step.kind = DecoderStep::kFuse;
       } else if (type == "Strip") {
@@ -581,7 +749,7 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   const json& added_tokens = has(j, "added_tokens") ? impl->array(j["added_tokens"], "added_tokens") : no_added_tokens;
   impl->load_model(j["model"], added_tokens);
   if (has(j, "normalizer")) impl->load_normalizer(j["normalizer"]);
-  if (has(j, "pre_tokenizer")) impl->unsupported("pre_tokenizer (only none)", j["pre_tokenizer"]);
+  if (has(j, "pre_tokenizer")) impl->load_pre_tokenizer(j["pre_tokenizer"]);
   impl->load_added_tokens(added_tokens);  // after the normalizer: normalized ones match normalized text
   if (has(j, "post_processor")) impl->load_post_processor(j["post_processor"]);
   if (has(j, "decoder")) impl->load_decoder(j["decoder"]);
@@ -590,10 +758,10 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
 
 std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special_tokens) const {
   const Impl& t = *impl_;
-  // 1. Added tokens in the raw text.
+  // 0. Valid UTF-8 (the regexes and NFC need it); 1. added tokens in the raw text.
   std::vector<std::pair<std::string, int64_t>> raw_pieces;
-  Impl::split_on(text, t.raw_patterns, raw_pieces);
-  // 2. Normalize the rest and find normalized added tokens; 3. BPE on what remains.
+  Impl::split_on(utf8_lossy(text), t.raw_patterns, raw_pieces);
+  // 2. Normalize the rest and find normalized added tokens; 3. pre-tokenize; 4. BPE on the words.
   std::vector<int64_t> ids = add_special_tokens ? t.prefix_ids : std::vector<int64_t>{};
   for (const auto& [piece, id] : raw_pieces) {
     if (id >= 0) {
@@ -605,12 +773,14 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special
     for (const auto& [word, word_id] : pieces) {
       if (word_id >= 0) {
         ids.push_back(word_id);
-      } else {
+      } else if (t.pre_tokenizer.empty()) {
         t.bpe(word, ids);
+      } else {
+        for (const std::string& w : t.pre_tokenize(word)) t.bpe(w, ids);
       }
     }
   }
-  // 4. Post-processor.
+  // 5. Post-processor.
   if (add_special_tokens) ids.insert(ids.end(), t.suffix_ids.begin(), t.suffix_ids.end());
   return ids;
 }

@@ -1,5 +1,7 @@
-// UTF-8 validity as Rust's str::from_utf8 judges it (the tokenizers library): the tokenizer's
-// byte-fallback decoding and its fuzz target's check of decode() share this one definition.
+// UTF-8 validity as Rust's str::from_utf8 judges it (the tokenizers library), and the lossy
+// repair its String::from_utf8_lossy (and Python's bytes.decode("utf-8", "replace")) makes: the
+// tokenizer's decoders, its encode of text that is not valid UTF-8, and its fuzz target's check of
+// decode() share these definitions.
 #pragma once
 
 #include <cstddef>
@@ -8,37 +10,68 @@
 
 namespace kvpress::llama {
 
+// The length of the valid UTF-8 sequence at s[i] (i < s.size()), or 0 when it is invalid, with
+// `invalid` set to the length of its maximal invalid subpart (Unicode's "substitution of maximal
+// subparts": the longest prefix that could still have begun a valid sequence, at least one byte).
+// Overlong encodings, surrogates and values past U+10FFFF are invalid.
+inline size_t utf8_sequence_length(const std::string& s, size_t i, size_t& invalid) {
+  const auto lead = static_cast<unsigned char>(s[i]);
+  if (lead < 0x80) return 1;
+  size_t n = 0;
+  unsigned char second_lo = 0x80, second_hi = 0xBF;  // the second byte's range depends on the lead
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    n = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    n = 3;
+    if (lead == 0xE0) second_lo = 0xA0;  // no overlong
+    if (lead == 0xED) second_hi = 0x9F;  // no surrogates
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    n = 4;
+    if (lead == 0xF0) second_lo = 0x90;  // no overlong
+    if (lead == 0xF4) second_hi = 0x8F;  // nothing past U+10FFFF
+  } else {
+    invalid = 1;
+    return 0;
+  }
+  for (size_t k = 1; k < n; ++k) {
+    const bool in_range = i + k < s.size() && (k == 1 ? static_cast<unsigned char>(s[i + k]) >= second_lo &&
+                                                            static_cast<unsigned char>(s[i + k]) <= second_hi
+                                                      : (static_cast<unsigned char>(s[i + k]) & 0xC0) == 0x80);
+    if (!in_range) {
+      invalid = k;
+      return 0;
+    }
+  }
+  return n;
+}
+
 inline bool valid_utf8(const std::string& s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    size_t n = 0;
-    uint32_t cp = 0;
-    if (c < 0x80) {
-      ++i;
-      continue;
-    } else if ((c >> 5) == 0x6) {
-      n = 2, cp = c & 0x1F;
-    } else if ((c >> 4) == 0xE) {
-      n = 3, cp = c & 0x0F;
-    } else if ((c >> 3) == 0x1E) {
-      n = 4, cp = c & 0x07;
-    } else {
-      return false;
-    }
-    if (i + n > s.size()) return false;
-    for (size_t k = 1; k < n; ++k) {
-      const auto cc = static_cast<unsigned char>(s[i + k]);
-      if ((cc >> 6) != 0x2) return false;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    // Overlong encodings, surrogates and values past U+10FFFF are invalid (Rust's from_utf8).
-    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
-        (cp >= 0xD800 && cp <= 0xDFFF))
-      return false;
+  size_t invalid = 0;
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8_sequence_length(s, i, invalid);
+    if (n == 0) return false;
     i += n;
   }
   return true;
+}
+
+// `s` with each maximal invalid subpart replaced by U+FFFD (from_utf8_lossy); valid text unchanged.
+inline std::string utf8_lossy(const std::string& s) {
+  if (valid_utf8(s)) return s;
+  std::string out;
+  out.reserve(s.size() + 8);
+  size_t invalid = 0;
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8_sequence_length(s, i, invalid);
+    if (n > 0) {
+      out.append(s, i, n);
+      i += n;
+    } else {
+      out += "\xEF\xBF\xBD";
+      i += invalid;
+    }
+  }
+  return out;
 }
 
 }  // namespace kvpress::llama

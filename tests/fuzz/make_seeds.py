@@ -123,7 +123,42 @@ def tiny_tokenizer():
     }
 
 
+def byte_level_tokenizer():
+    """The byte-level components: NFC, a Sequence of a Split regex (Llama 3's), Digits and ByteLevel
+    (GPT-2's regex and prefix space), the 256 byte characters and a few merges, the ByteLevel
+    decoder, a Sequence post-processor (ByteLevel and a BOS template)."""
+    printable = [b for b in range(256) if 33 <= b <= 126 or 0xA1 <= b <= 0xAC or b >= 0xAE]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    tokens = ["<|bos|>"] + [char[b] for b in range(256)] + ["Ġt", "he", "Ġthe"]
+    return {
+        "version": "1.0",
+        "added_tokens": [{"id": 0, "content": "<|bos|>", "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
+                                                   "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+"
+                                                   "|\\s+(?!\\S)|\\s+"},
+             "behavior": "Isolated", "invert": False},
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]},
+        "post_processor": {"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+            {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|bos|>", "type_id": 0}},
+                                                      {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [], "special_tokens": {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]}}}]},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": ["Ġ t", "h e", "Ġt he"]},
+    }
+
+
 def tokenizer_seeds(model_dir):
+    text = "The cafe\u0301's 12345 \U0001F600\n\t<|bos|> ".encode() + b"\xff\xc3"  # ends in invalid UTF-8
+    write("tokenizer", "byte_level.json", json.dumps(byte_level_tokenizer(), ensure_ascii=False).encode() + b"\0" + text)
     tiny = tiny_tokenizer()
     text = "Once upon a time, the <|story|> \u00e9t\u00e9\n<s>x</s> \xff"
     write("tokenizer", "tiny.json", json.dumps(tiny, ensure_ascii=False).encode() + b"\0" + text.encode())

@@ -1,16 +1,28 @@
-// A tokenizer.json (Hugging Face `tokenizers`) reader for the SentencePiece-style BPE that small
-// Llama checkpoints such as TinyStories-656K use, with encode/decode equal to the Python
-// `tokenizers` library (and so to transformers) for that family:
+// A tokenizer.json (Hugging Face `tokenizers`) reader for the two BPE families Llama-style
+// checkpoints use, with encode/decode equal to the Python `tokenizers` library (and so to
+// transformers):
+//   * SentencePiece-style BPE (TinyStories-656K, Llama 2, Mistral 7B): Prepend/Replace normalizers,
+//     no pre-tokenizer, byte_fallback to <0xXX> tokens;
+//   * byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen2/Qwen3, Mistral-Nemo): a ByteLevel
+//     pre-tokenizer (bytes mapped to printable characters, GPT-2's split regex or none), Split
+//     pre-tokenizers with the families' Unicode regexes, Digits, NFC, the ByteLevel decoder.
 //
-//   normalizer      Sequence of Prepend and Replace(String) (e.g. prepend "▁", " " -> "▁"), or none
-//   pre_tokenizer   none: each normalized piece is one BPE "word", spaces included
+//   normalizer      Sequence of Prepend, Replace(String) and NFC, or none
+//   pre_tokenizer   Sequence of Split (Regex or String pattern, behavior Isolated, not inverted),
+//                   Digits and ByteLevel (add_prefix_space, use_regex), or none (each normalized
+//                   piece is one BPE "word", spaces included)
 //   model           BPE: merges applied by rank (lowest first, leftmost on equal rank), byte_fallback
-//                   to <0xXX> tokens when the vocabulary has them (else <unk>), fuse_unk
+//                   to <0xXX> tokens when the vocabulary has them (else <unk>), fuse_unk,
+//                   ignore_merges
 //   added tokens    matched leftmost-longest, before normalization for normalized=false tokens and
 //                   in the normalized text (against their normalized form) for normalized=true ones
-//   post_processor  TemplateProcessing (single sequence; e.g. BOS first) or none
-//   decoder         Sequence of Replace(String), ByteFallback, Fuse, Strip
+//   post_processor  TemplateProcessing (single sequence; e.g. BOS first), ByteLevel (no change to
+//                   the ids), a Sequence of them, or none
+//   decoder         Sequence of Replace(String), ByteFallback, Fuse, Strip, ByteLevel
 //
+// Regexes are PCRE2's (UTF + Unicode properties) and NFC is utf8proc's, not hand-written tables
+// (src/llama/unicode.h). Text that is not valid UTF-8 is encoded as the tokenizers library encodes
+// Python's text.decode("utf-8", "replace"): each invalid sequence becomes U+FFFD.
 // Any other component raises c10::Error "Tokenizer: <path>: unsupported ..." at load time rather
 // than encoding differently.
 #pragma once
