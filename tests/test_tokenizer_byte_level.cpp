@@ -41,10 +41,10 @@ TEST(Utf8, LossyReplacesMaximalSubparts) {
   // bytes.decode("utf-8", "replace") and Rust's String::from_utf8_lossy give).
   EXPECT_EQ(kvpress::llama::utf8_lossy("\x61\xF1\x80\x80\xE1\x80\xC2\x62\x80\x63\x80\xBF\x64"),
             "a" + fffd + fffd + fffd + "b" + fffd + "c" + fffd + fffd + "d");
-  EXPECT_EQ(kvpress::llama::utf8_lossy("\xE0\x80\x80"), fffd + fffd + fffd);      // overlong
-  EXPECT_EQ(kvpress::llama::utf8_lossy("\xED\xA0\x80"), fffd + fffd + fffd);      // surrogate
+  EXPECT_EQ(kvpress::llama::utf8_lossy("\xE0\x80\x80"), fffd + fffd + fffd);             // overlong
+  EXPECT_EQ(kvpress::llama::utf8_lossy("\xED\xA0\x80"), fffd + fffd + fffd);             // surrogate
   EXPECT_EQ(kvpress::llama::utf8_lossy("\xF4\x90\x80\x80"), fffd + fffd + fffd + fffd);  // > U+10FFFF
-  EXPECT_EQ(kvpress::llama::utf8_lossy("\xF0\x9F\x98"), fffd);                    // truncated
+  EXPECT_EQ(kvpress::llama::utf8_lossy("\xF0\x9F\x98"), fffd);                           // truncated
   EXPECT_EQ(kvpress::llama::utf8_lossy("\xC0\xAF"), fffd + fffd);
   EXPECT_EQ(kvpress::llama::utf8_lossy("\xE2\x28\xA1"), fffd + "(" + fffd);
   const std::string valid = "caf\xC3\xA9 \xF0\x9F\x98\x80";
@@ -62,18 +62,21 @@ std::string byte_level_json(const json& pre_tokenizer) {
   for (int b = 0; b < 256; ++b) {
     const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
     const int cp = printable ? b : next++;
-    std::string ch = cp < 0x80 ? std::string(1, static_cast<char>(cp))
-                               : std::string{static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
+    std::string ch = cp < 0x80
+                         ? std::string(1, static_cast<char>(cp))
+                         : std::string{static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
     vocab[ch] = id++;
   }
-  json j = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}},
-            {"pre_tokenizer", pre_tokenizer},
-            {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}}};
+  json j = {
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}},
+      {"pre_tokenizer", pre_tokenizer},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}}};
   return j.dump();
 }
 
 TEST(ByteLevelTokenizer, EncodesBytesAsTheirCharactersAndDecodesBack) {
-  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+  const json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
   const Tokenizer tok = Tokenizer::from_json(byte_level_json(byte_level));
   // No merges: one token per byte; ' ' is "Ġ" (U+0120), '\n' "Ċ" (U+010A), 'a' itself.
   const std::string text = "a b\n\xC3\xA9";
@@ -89,12 +92,15 @@ TEST(ByteLevelTokenizer, EncodesBytesAsTheirCharactersAndDecodesBack) {
 }
 
 TEST(ByteLevelTokenizer, RefusesWhatItDoesNotRun) {
-  const json split_removed = {{"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}}, {"behavior", "Removed"}, {"invert", false}};
+  const json split_removed = {
+      {"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}}, {"behavior", "Removed"}, {"invert", false}};
   expect_error([&] { Tokenizer::from_json(byte_level_json(split_removed)); },
                {"Tokenizer: tokenizer.json", "unsupported Split behavior (only Isolated)", "Removed"});
-  const json split_inverted = {{"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}}, {"behavior", "Isolated"}, {"invert", true}};
+  const json split_inverted = {
+      {"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}}, {"behavior", "Isolated"}, {"invert", true}};
   expect_error([&] { Tokenizer::from_json(byte_level_json(split_inverted)); }, {"unsupported Split with invert"});
-  const json bad_regex = {{"type", "Split"}, {"pattern", {{"Regex", "(\\p{L}"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  const json bad_regex = {
+      {"type", "Split"}, {"pattern", {{"Regex", "(\\p{L}"}}}, {"behavior", "Isolated"}, {"invert", false}};
   expect_error([&] { Tokenizer::from_json(byte_level_json(bad_regex)); },
                {"Tokenizer: tokenizer.json: pre_tokenizer", "does not compile", "(PCRE2, at offset"});
   const json no_prefix_field = {{"type", "ByteLevel"}, {"use_regex", true}};
@@ -103,8 +109,7 @@ TEST(ByteLevelTokenizer, RefusesWhatItDoesNotRun) {
   const json metaspace = {{"type", "Metaspace"}, {"replacement", "_"}};
   expect_error([&] { Tokenizer::from_json(byte_level_json(metaspace)); }, {"unsupported pre_tokenizer", "Metaspace"});
   const json nested = {{"type", "Sequence"}, {"pretokenizers", {{{"type", "Whitespace"}}}}};
-  expect_error([&] { Tokenizer::from_json(byte_level_json(nested)); },
-               {"unsupported pre_tokenizer", "Whitespace"});
+  expect_error([&] { Tokenizer::from_json(byte_level_json(nested)); }, {"unsupported pre_tokenizer", "Whitespace"});
 }
 
 TEST(ByteLevelTokenizer, ABacktrackingPatternStopsAtItsLimit) {
@@ -114,16 +119,17 @@ TEST(ByteLevelTokenizer, ABacktrackingPatternStopsAtItsLimit) {
       {"type", "Split"}, {"pattern", {{"Regex", "(\\p{L}+\\p{L}+)+\\d"}}}, {"behavior", "Isolated"}, {"invert", false}};
   const Tokenizer tok = Tokenizer::from_json(byte_level_json(catastrophic));
   EXPECT_EQ(tok.encode("ab1", false).size(), 3u);
-  expect_error([&] { tok.encode(std::string(40, 'a'), false); },
-               {"Tokenizer: tokenizer.json: pre_tokenizer", "the pattern failed on a text of 40 bytes",
-                "match limit exceeded"});
+  expect_error(
+      [&] { tok.encode(std::string(40, 'a'), false); },
+      {"Tokenizer: tokenizer.json: pre_tokenizer", "the pattern failed on a text of 40 bytes", "match limit exceeded"});
 }
 
 // ---- against the tokenizers library --------------------------------------------------------------
 
 std::string from_hex(const std::string& hex) {
   std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -191,8 +197,7 @@ TEST(TokenizerParity, ByteLevelTokenizersMatchTheTokenizersLibrary) {
                               << " strings differ from tokenizers " << strings_json.at("tokenizers_version");
     std::cout << name << ": " << strings.size() - mismatches - newer_unicode_mismatches << " of " << strings.size()
               << " strings equal; " << newer_unicode_mismatches << " of the " << newer_unicode_strings
-              << " holding code points unassigned in " << kvpress::llama::unicode_tables_version()
-              << " differ\n";
+              << " holding code points unassigned in " << kvpress::llama::unicode_tables_version() << " differ\n";
   }
 }
 

@@ -11,7 +11,7 @@ namespace kvpress::llama {
 
 // A pattern from a file must not make encode() unbounded: a catastrophically backtracking one
 // stops at these limits with an error (real tokenizers' patterns take tens of steps per match).
-constexpr uint32_t kMatchLimit = 1000000;    // backtracking steps per match attempt
+constexpr uint32_t kMatchLimit = 1000000;      // backtracking steps per match attempt
 constexpr uint32_t kHeapLimitKiB = 64 * 1024;  // backtracking memory per match attempt
 
 struct UnicodeRegex::Compiled {
@@ -97,8 +97,8 @@ std::string unicode_tables_version() {
   pcre2_config(PCRE2_CONFIG_VERSION, pcre2_version);
   char pcre2_unicode[64] = {0};
   pcre2_config(PCRE2_CONFIG_UNICODE_VERSION, pcre2_unicode);
-  return std::string("PCRE2 ") + pcre2_version + " (Unicode " + pcre2_unicode + "), utf8proc " +
-         utf8proc_version() + " (Unicode " + utf8proc_unicode_version() + ")";
+  return std::string("PCRE2 ") + pcre2_version + " (Unicode " + pcre2_unicode + "), utf8proc " + utf8proc_version() +
+         " (Unicode " + utf8proc_unicode_version() + ")";
 }
 
 }  // namespace kvpress::llama
