@@ -22,7 +22,7 @@ env "${caps[@]}" "$python" "$root/tests/reference/make_fixtures.py" --out "$fixt
 # Everything but the model-level parity runs (their fixtures come from the other reference
 # scripts, made without the caps) and the 16 GiB large-indices test (scripts/test.sh runs it).
 filter="-LlamaParity.*:Kvpress/LlamaPressRun.*:DecodingParity.*:RaggedParity.*:KVComposeParity.*:KVzipParity.*"
-filter+=":DMSParity.*:CAMParity.*:PipelineParity.*:TokenizerParity.*:LargeIndices.*"
+filter+=":DMSParity.*:CAMParity.*:PipelineParity.*:TokenizerParity.*:ArchitectureParity.*:LargeIndices.*"
 status=0
 pids=()
 for shard in 0 1; do

@@ -120,10 +120,33 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
   if (scaling) {
     if (!scaling->is_object()) fail(scaling_key, "an object or null", *scaling);
     const char* type_key = has(*scaling, "rope_type") ? "rope_type" : "type";  // "type": transformers < 4.45
-    const std::string rope_type = opt_string(*scaling, type_key, "default", scaling_key + "." + type_key);
-    TORCH_CHECK(rope_type == "default", "LlamaConfig: ", origin, ": unsupported RoPE scaling '", rope_type,
-                "' (only the default RoPE)");
+    c.rope_type = opt_string(*scaling, type_key, "default", scaling_key + "." + type_key);
+    TORCH_CHECK(c.rope_type == "default" || c.rope_type == "linear" || c.rope_type == "llama3", "LlamaConfig: ", origin,
+                ": unsupported RoPE scaling '", c.rope_type, "' (only default, linear and llama3)");
     c.rope_theta = opt_number(*scaling, "rope_theta", c.rope_theta, scaling_key + ".rope_theta");
+    // The fields transformers requires for the type (it raises without them), each positive.
+    auto required_positive = [&](const char* key) -> double {
+      const std::string path = scaling_key + "." + key;
+      TORCH_CHECK(has(*scaling, key), "LlamaConfig: ", origin, ": ", path, " is missing (RoPE type '", c.rope_type,
+                  "' needs it)");
+      const double value = opt_number(*scaling, key, 0.0, path);
+      if (!(value > 0)) fail(path, "a finite number > 0", (*scaling)[key]);
+      return value;
+    };
+    if (c.rope_type == "linear" || c.rope_type == "llama3") c.rope_factor = required_positive("factor");
+    if (c.rope_type == "llama3") {
+      c.rope_low_freq_factor = required_positive("low_freq_factor");
+      c.rope_high_freq_factor = required_positive("high_freq_factor");
+      const double original = required_positive("original_max_position_embeddings");
+      if (original != std::floor(original))
+        fail(scaling_key + ".original_max_position_embeddings", "an integer > 0",
+             (*scaling)["original_max_position_embeddings"]);
+      c.rope_original_max_position_embeddings = static_cast<int64_t>(original);
+      // transformers divides by high - low: equal factors would make every band NaN.
+      TORCH_CHECK(c.rope_high_freq_factor > c.rope_low_freq_factor, "LlamaConfig: ", origin, ": ", scaling_key,
+                  ".high_freq_factor (", c.rope_high_freq_factor, ") must be larger than low_freq_factor (",
+                  c.rope_low_freq_factor, ")");
+    }
   }
   if (c.rope_theta <= 0) fail("rope_theta", "a finite number > 0", nlohmann::json(c.rope_theta));
   return c;

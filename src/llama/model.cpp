@@ -308,7 +308,28 @@ LlamaModel::LlamaModel(LlamaConfig config, const std::map<std::string, at::Tenso
   // transformers: 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)); Python's
   // 1.0 / t is t.reciprocal() * 1.0.
   const at::Tensor exponent = at::arange(0, d, 2, at::kLong).to(at::kFloat) / static_cast<double>(d);
-  inv_freq_ = at::reciprocal(at::pow(c.rope_theta, exponent));
+  inv_freq_ = scaled_inv_freq(c, at::reciprocal(at::pow(c.rope_theta, exponent)));
+}
+
+// The frequency scaling of config.rope_type, with transformers' float32 tensor operations in its
+// order (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters), so that the angles
+// are its angles bit for bit. inv_freq: [D/2] float32.
+at::Tensor LlamaModel::scaled_inv_freq(const LlamaConfig& c, const at::Tensor& inv_freq) {
+  if (c.rope_type == "linear") return inv_freq / c.rope_factor;
+  if (c.rope_type != "llama3") return inv_freq;
+  const double old_context = static_cast<double>(c.rope_original_max_position_embeddings);
+  const double low_freq_wavelen = old_context / c.rope_low_freq_factor;
+  const double high_freq_wavelen = old_context / c.rope_high_freq_factor;
+  // Python's scalar / tensor is tensor.reciprocal() * scalar (ATen's C++ operator fills, then divides).
+  const at::Tensor wavelen = at::reciprocal(inv_freq) * (2 * M_PI);
+  // Wavelengths beyond the low-frequency bound: divided by the factor; shorter ones kept.
+  const at::Tensor low = at::where(wavelen > low_freq_wavelen, inv_freq / c.rope_factor, inv_freq);
+  // The band between: interpolated between the two.
+  const at::Tensor smooth = (at::reciprocal(wavelen) * old_context - c.rope_low_freq_factor) /
+                            (c.rope_high_freq_factor - c.rope_low_freq_factor);
+  const at::Tensor smoothed = (1 - smooth) * low / c.rope_factor + smooth * low;
+  const at::Tensor medium = (wavelen < high_freq_wavelen).logical_not() & (wavelen > low_freq_wavelen).logical_not();
+  return at::where(medium, smoothed, low);
 }
 
 RopeTables LlamaModel::rope(int64_t start, int64_t n) const {

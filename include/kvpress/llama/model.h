@@ -328,6 +328,8 @@ class LlamaModel {
   void check_adapter(const LoraAdapter& adapter, const char* op) const;
 
  private:
+  // inv_freq [D/2] float32 scaled as config.rope_type says (the constructor's RoPE frequencies).
+  static at::Tensor scaled_inv_freq(const LlamaConfig& config, const at::Tensor& inv_freq);
   struct Layer {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, down_proj;
   };
