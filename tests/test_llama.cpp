@@ -111,31 +111,21 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
   EXPECT_EQ(v5.head_dim, 4);
   expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + "}", "x.json"); },
                {"LlamaConfig: x.json: unsupported model_type 'mistral'"});
-  expect_error(
-      [&] {
-        LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "rope_scaling": {"rope_type": "yarn"}})");
-      },
-      {"unsupported RoPE scaling 'yarn' (only default, linear and llama3)"});
+  // A llama config with `extra` fields must be refused with `message`.
+  const auto refused = [&](const std::string& extra, const std::string& message) {
+    expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + ", " + extra + "}"); },
+                 {message});
+  };
+  refused(R"("rope_scaling": {"rope_type": "yarn"})",
+          "unsupported RoPE scaling 'yarn' (only default, linear and llama3)");
   // llama3 needs the four fields transformers reads, and high_freq_factor > low_freq_factor.
-  expect_error(
-      [&] {
-        LlamaConfig::from_json("{\"model_type\": \"llama\", " + base +
-                               R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})");
-      },
-      {"rope_scaling.low_freq_factor is missing (RoPE type 'llama3' needs it)"});
-  expect_error(
-      [&] {
-        LlamaConfig::from_json("{\"model_type\": \"llama\", " + base +
-                               R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, )"
-                               R"("high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})");
-      },
-      {"rope_scaling.high_freq_factor (4) must be larger than low_freq_factor (4)"});
-  expect_error(
-      [&] {
-        LlamaConfig::from_json("{\"model_type\": \"llama\", " + base +
-                               R"(, "rope_parameters": {"rope_type": "linear", "factor": -2}})");
-      },
-      {"rope_parameters.factor must be a finite number > 0, got -2"});
+  refused(R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0})",
+          "rope_scaling.low_freq_factor is missing (RoPE type 'llama3' needs it)");
+  refused(R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0, )"
+          R"("original_max_position_embeddings": 8192})",
+          "rope_scaling.high_freq_factor (4) must be larger than low_freq_factor (4)");
+  refused(R"("rope_parameters": {"rope_type": "linear", "factor": -2})",
+          "rope_parameters.factor must be a finite number > 0, got -2");
   const LlamaConfig llama3 =
       LlamaConfig::from_json("{\"model_type\": \"llama\", " + base +
                              R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, )"
