@@ -18,7 +18,8 @@ multilingual text below, the 256 byte characters included, so every input encode
             remaining pre-tokenizer options.
 
 Each has the family's special tokens as added tokens (and one normalized, non-special added token).
-The same N strings (default 10,000; seeded) go through every tokenizer: stories, multilingual text
+The same N strings (default 10,000; seeded), and six long ones (the whole stories file; runs of
+100,000 spaces, newlines, letters, digits, emoji), go through every tokenizer: stories, multilingual text
 (Latin with composed and decomposed accents, Cyrillic, Greek, Arabic, Hebrew, Devanagari, Thai,
 CJK, Hangul and its jamo), emoji (ZWJ sequences, skin tones, flags), digits of every kind, whitespace
 runs (tabs, CR LF, no-break and ideographic spaces, U+0085, U+2028), code, contractions in any case
@@ -175,6 +176,10 @@ def main() -> None:
     corpus = stories + [" ".join(rng.choice(words) for _ in range(12)) for words in WORDS.values() for _ in range(50)]
     every_added = sorted({t for special, _ in ADDED.values() for t in special})
     strings = make_strings(rng, stories, args.strings, every_added)
+    # Long inputs: a whole stories file, and runs of 100,000 spaces, newlines, letters, digits and
+    # emoji (the regexes' repetitions and look-aheads over long runs).
+    strings += ["\n".join(stories).encode(), b" " * 100_000 + b"x", b"\n" * 100_000, b"a" * 100_000,
+                b"7" * 100_000, "\U0001F600".encode() * 25_000]
     write_json(out / "strings.json", {**versions(), "tokenizers_version": tokenizers.__version__,
                                       "strings_hex": [s.hex() for s in strings]}, indent=0)
     for name in ADDED:
