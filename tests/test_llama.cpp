@@ -109,8 +109,12 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
                              R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
   EXPECT_DOUBLE_EQ(v5.rope_theta, 500000.0);
   EXPECT_EQ(v5.head_dim, 4);
-  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + "}", "x.json"); },
-               {"LlamaConfig: x.json: unsupported model_type 'mistral'"});
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"qwen2\", " + base + "}", "x.json"); },
+               {"LlamaConfig: x.json: unsupported model_type 'qwen2' (only \"llama\" and \"mistral\")"});
+  EXPECT_NO_THROW(LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + R"(, "sliding_window": null})"));
+  expect_error(
+      [&] { LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + R"(, "sliding_window": 4096})"); },
+      {"sliding_window attention is not supported (sliding_window 4096; only null)"});
   // A llama config with `extra` fields must be refused with `message`.
   const auto refused = [&](const std::string& extra, const std::string& message) {
     expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + ", " + extra + "}"); },

@@ -81,8 +81,13 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
   };
 
   const std::string model_type = opt_string(j, "model_type", "", "model_type");
-  TORCH_CHECK(model_type == "llama", "LlamaConfig: ", origin, ": unsupported model_type '", model_type,
-              "' (only \"llama\")");
+  TORCH_CHECK(model_type == "llama" || model_type == "mistral", "LlamaConfig: ", origin, ": unsupported model_type '",
+              model_type, "' (only \"llama\" and \"mistral\")");
+  // Mistral is Llama's architecture but for sliding-window attention (Mistral 7B v0.1), which
+  // this runner does not implement; v0.2 onwards have sliding_window null.
+  if (model_type == "mistral" && has(j, "sliding_window"))
+    TORCH_CHECK(false, "LlamaConfig: ", origin, ": sliding_window attention is not supported (sliding_window ",
+                j["sliding_window"].dump().substr(0, 40), "; only null)");
   const std::string act = opt_string(j, "hidden_act", "silu", "hidden_act");
   TORCH_CHECK(act == "silu", "LlamaConfig: ", origin, ": unsupported hidden_act '", act, "' (only silu)");
   TORCH_CHECK(!opt_bool("attention_bias", false), "LlamaConfig: ", origin, ": attention_bias is not supported");

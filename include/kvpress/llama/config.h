@@ -30,10 +30,10 @@ struct LlamaConfig {
   int64_t bos_token_id = -1;  // -1 when the config has none
   int64_t eos_token_id = -1;
 
-  // Parses config.json text. Supports the plain Llama architecture (model_type "llama", SiLU MLP,
-  // no biases) with RoPE of rope_type "default" (or rope_scaling null), "linear" or "llama3",
-  // rope_theta at the top level or in transformers 5's rope_parameters. Anything else raises c10::Error
-  // "LlamaConfig: <origin>: ..." naming the unsupported field.
+  // Parses config.json text. Supports the plain Llama architecture (model_type "llama", or
+  // "mistral" without a sliding window; SiLU MLP, no biases) with RoPE of rope_type "default" (or rope_scaling null),
+  // "linear" or "llama3", rope_theta at the top level or in transformers 5's rope_parameters. Anything else raises
+  // c10::Error "LlamaConfig: <origin>: ..." naming the unsupported field.
   static LlamaConfig from_json(const std::string& json_text, const std::string& origin = "config.json");
 
   // Reads and parses `path` (a config.json file).
