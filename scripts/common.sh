@@ -44,18 +44,10 @@ kvpress_build() {
 # (-fsanitize=fuzzer-no-link; in the test binaries they count into the runtime's no-op hooks).
 # build-tsan/ ("thread") is scripts/test_tsan.sh's.
 kvpress_configure_sanitized_tree() {
-  local sanitizers="$1" packages=(clang libclang-rt-dev llvm) missing=() p sudo_cmd=""
+  local sanitizers="$1"
   shift
   # clang, its sanitizer and libFuzzer runtimes (libclang-rt-dev), llvm-symbolizer (llvm).
-  for p in "${packages[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-  done
-  if [ ${#missing[@]} -gt 0 ]; then
-    echo "sanitized tree: installing Debian packages: ${missing[*]}" >&2
-    [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-    $sudo_cmd apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
+  bash "$root/scripts/setup.sh" --apt clang libclang-rt-dev llvm
   kvpress_reset_if_not_ninja "$build"
   if [ -f "$build/CMakeCache.txt" ] && ! grep -q '^CMAKE_CXX_COMPILER:[A-Z]*=.*clang++$' "$build/CMakeCache.txt"; then
     echo "build: $build was configured for another compiler; configuring it afresh for clang" >&2

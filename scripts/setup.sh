@@ -13,18 +13,28 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVPRESS_VENV:-$HOME/.cache/kvpress-cpp/venv}"
 requirements="$here/scripts/requirements.txt"
 
-apt_packages=(cmake g++ make ninja-build ccache pkg-config libfmt-dev nlohmann-json3-dev libpcre2-dev libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format)
-missing=()
-for p in "${apt_packages[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+# Installs the Debian packages given that are missing (the one place that calls apt-get).
+install_debian_packages() {
+  local missing=() p sudo_cmd=""
+  for p in "$@"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  [ ${#missing[@]} -gt 0 ] || return 0
   echo "setup: installing Debian packages: ${missing[*]}" >&2
-  sudo_cmd=""
   [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+# `setup.sh --apt PACKAGE...`: only those packages (the sanitized trees' clang, scripts/common.sh).
+if [ "${1:-}" = --apt ]; then
+  shift
+  install_debian_packages "$@"
+  exit 0
 fi
+
+install_debian_packages cmake g++ make ninja-build ccache pkg-config libfmt-dev nlohmann-json3-dev libpcre2-dev \
+  libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format
 
 stamp="$venv/.kvpress-requirements"
 if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then

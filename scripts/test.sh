@@ -6,7 +6,7 @@
 # AddressSanitizer + UndefinedBehaviorSanitizer (one clang tree for both), the concurrency tests and
 # the CUDA kernels' CPU model under ThreadSanitizer.
 # This is what CI runs (.ci/run). KVPRESS_TEST_QUICK=1 stops after the Python package (the
-# reliability runs build two more instrumented trees: README, "Tests", for the time they take).
+# reliability runs build two more instrumented trees: docs/RELIABILITY.md, "Cost in CI").
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 "$root/scripts/check_format.sh"
 # The parity fixtures come from the pinned kvpress alone (not from this build), so they are made

@@ -92,14 +92,6 @@ const ByteLevelAlphabet& byte_level_alphabet() {
   return alphabet;
 }
 
-// The code point of the valid UTF-8 character at s[i] of byte length n.
-uint32_t code_point(const std::string& s, size_t i, size_t n) {
-  const auto c = static_cast<unsigned char>(s[i]);
-  uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1Fu) : n == 3 ? (c & 0x0Fu) : (c & 0x07u);
-  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3Fu);
-  return cp;
-}
-
 // GPT-2's split pattern, which ByteLevel(use_regex=true) applies (tokenizers' byte_level.rs).
 constexpr const char* kGpt2SplitPattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -382,7 +374,7 @@ struct Tokenizer::Impl {
             size_t invalid = 0;
             for (size_t i = 0; i < t.size() && mapped;) {
               const size_t n = utf8_sequence_length(t, i, invalid);
-              const auto it = n > 0 ? alphabet.bytes.find(code_point(t, i, n)) : alphabet.bytes.end();
+              const auto it = n > 0 ? alphabet.bytes.find(utf8_code_point(t, i, n)) : alphabet.bytes.end();
               mapped = it != alphabet.bytes.end();
               if (mapped) token_bytes.push_back(static_cast<char>(it->second));
               i += n;

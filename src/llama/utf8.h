@@ -45,6 +45,14 @@ inline size_t utf8_sequence_length(const std::string& s, size_t i, size_t& inval
   return n;
 }
 
+// The code point of the valid UTF-8 sequence at s[i] of byte length n (utf8_sequence_length's).
+inline uint32_t utf8_code_point(const std::string& s, size_t i, size_t n) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1Fu) : n == 3 ? (c & 0x0Fu) : (c & 0x07u);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3Fu);
+  return cp;
+}
+
 inline bool valid_utf8(const std::string& s) {
   size_t invalid = 0;
   for (size_t i = 0; i < s.size();) {
