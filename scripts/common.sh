@@ -79,4 +79,5 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_pipeline_fixtures.py" --out "$build/fixtures/pipeline"
   "$python" "$root/tests/reference/make_tokenizer_fixtures.py" --out "$build/fixtures/tokenizers"
   "$python" "$root/tests/reference/make_architecture_fixtures.py" --out "$build/fixtures/architectures"
+  "$python" "$root/tests/reference/make_family_fixtures.py" --out "$build/fixtures/families"
 }

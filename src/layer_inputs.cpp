@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "checks.h"
@@ -125,6 +126,16 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
                 ": o_proj must be [", hidden < 0 ? hidden_text : std::to_string(hidden), ", num_heads * ", D, "], got ",
                 checks::shape_str(w));
     hq.add(w.size(1) / D, "o_proj " + checks::shape_str(w));
+  }
+  // A bias belongs to its projection: [rows of the weight], and never without it.
+  for (const auto& [name, bias, weight] :
+       {std::tuple<const char*, const at::Tensor*, const at::Tensor*>{"q_bias", &in.q_bias, &in.q_proj},
+        {"k_bias", &in.k_bias, &in.k_proj}}) {
+    if (!bias->defined()) continue;
+    const char* proj = name[0] == 'q' ? "q_proj" : "k_proj";
+    TORCH_CHECK(weight->defined(), op, ": ", name, " needs ", proj, " (the bias of that projection)");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight->size(0), op, ": ", name, " must be [", weight->size(0),
+                "] (", proj, "'s rows), got ", checks::shape_str(*bias));
   }
   for (const auto& [name, t] :
        {std::pair<const char*, const at::Tensor*>{"q_norm", &in.q_norm}, {"k_norm", &in.k_norm}}) {

@@ -106,8 +106,9 @@ LoraAdapter LoraAdapter::load_peft(const std::string& dir) {
   return adapter;
 }
 
-at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const LoraLinear* update) {
-  const at::Tensor base = at::linear(x, weight);
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const LoraLinear* update,
+                       const at::Tensor& bias) {
+  const at::Tensor base = at::linear(x, weight, bias);
   if (update == nullptr) return base;
   // PEFT: the input cast to the adapter's dtype, result + B(A(x)) * scaling, back to the base dtype.
   const at::Tensor a = update->a.to(x.device()), b = update->b.to(x.device());

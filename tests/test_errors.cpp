@@ -206,6 +206,16 @@ TEST(Errors, LayerInputsThatDoNotFitTogether) {
   bad.q_norm = at::ones({8}, at::kInt);
   expect_invalid(bad, "q_norm must be a floating-point tensor, got Int");
   bad = in;
+  bad.q_bias = at::zeros({32});
+  expect_invalid(bad, "q_bias needs q_proj (the bias of that projection)");
+  bad.q_proj = randn({32, 16}, 6);
+  bad.q_bias = at::zeros({31});
+  expect_invalid(bad, "q_bias must be [32] (q_proj's rows), got [31]");
+  bad = in;
+  bad.k_proj = randn({16, 16}, 7);
+  bad.k_bias = at::zeros({16, 1});
+  expect_invalid(bad, "k_bias must be [16] (k_proj's rows), got [16, 1]");
+  bad = in;
   bad.layer_idx = 2;
   bad.num_layers = 2;
   expect_invalid(bad, "layer_idx must be in [0, 2), got 2");

@@ -16,6 +16,9 @@
 //     KeyRerotationPress, else the prefix length), and the logits of the question and decode steps
 //     over the compressed cache equal kvpress's within 1e-4. Where a tie made the kept sets differ,
 //     the logits are compared by replaying kvpress's kept positions through the runner.
+// FamilyParity.*,    the same logits/attentions and press runs on random-weight Llama 3, Qwen2 and
+// Families/LlamaPressRun.*  Qwen3 models (tests/reference/make_family_fixtures.py, <fixtures>/families/*;
+//                    ctest parity.families_kvpress).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -109,8 +112,29 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
                              R"(, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})");
   EXPECT_DOUBLE_EQ(v5.rope_theta, 500000.0);
   EXPECT_EQ(v5.head_dim, 4);
-  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"qwen2\", " + base + "}", "x.json"); },
-               {"LlamaConfig: x.json: unsupported model_type 'qwen2' (only \"llama\" and \"mistral\")"});
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"gemma3\", " + base + "}", "x.json"); },
+               {"LlamaConfig: x.json: unsupported model_type 'gemma3' (only \"llama\", \"mistral\", \"qwen2\" and "
+                "\"qwen3\")"});
+  // Each family's switches, as its attention module builds them (transformers' modeling_*.py).
+  const auto family = [&](const std::string& type, const std::string& extra) {
+    return LlamaConfig::from_json("{\"model_type\": \"" + type + "\", " + base + extra + "}");
+  };
+  const auto switches = [](const LlamaConfig& c) { return std::vector<bool>{c.qkv_bias, c.o_proj_bias, c.qk_norm}; };
+  EXPECT_EQ(switches(family("llama", "")), (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(switches(family("llama", R"(, "attention_bias": true)")), (std::vector<bool>{true, true, false}));
+  EXPECT_EQ(switches(family("mistral", R"(, "attention_bias": true)")), (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(switches(family("qwen2", "")), (std::vector<bool>{true, false, false}));
+  EXPECT_EQ(switches(family("qwen3", "")), (std::vector<bool>{false, false, true}));
+  EXPECT_EQ(switches(family("qwen3", R"(, "attention_bias": true)")), (std::vector<bool>{true, true, true}));
+  EXPECT_EQ(family("qwen3", "").head_dim, 128);  // Qwen3Config's default, not hidden_size / heads
+  EXPECT_EQ(family("qwen3", "").model_type, "qwen3");
+  expect_error([&] { family("qwen2", R"(, "use_sliding_window": true, "sliding_window": 4096)"); },
+               {"use_sliding_window true is not supported (sliding-window layers)"});
+  expect_error(
+      [&] { family("qwen3", R"(, "layer_types": ["full_attention", "sliding_attention"])"); },
+      {R"(layer_types must be a list of "full_attention" (sliding windows are not supported), got "sliding_attention")"});
+  EXPECT_NO_THROW(
+      family("qwen3", R"(, "use_sliding_window": false, "sliding_window": 4096, "layer_types": ["full_attention"])"));
   EXPECT_NO_THROW(LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + R"(, "sliding_window": null})"));
   expect_error(
       [&] { LlamaConfig::from_json("{\"model_type\": \"mistral\", " + base + R"(, "sliding_window": 4096})"); },
@@ -139,8 +163,8 @@ TEST(Llama, ConfigRefusesWhatItCannotRun) {
   EXPECT_EQ(llama3.rope_original_max_position_embeddings, 8192);
   expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "hidden_act": "gelu"})"); },
                {"unsupported hidden_act 'gelu'"});
-  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "attention_bias": true})"); },
-               {"attention_bias is not supported"});
+  expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\", " + base + R"(, "mlp_bias": true})"); },
+               {"mlp_bias is not supported"});
   expect_error([&] { LlamaConfig::from_json("{\"model_type\": \"llama\"}"); }, {"vocab_size must be an integer"});
   expect_error([&] { LlamaConfig::from_json("{not json"); }, {"not valid JSON"});
   expect_error([&] { kvpress::llama::resolve_model_dir("/nonexistent/model"); },
@@ -472,11 +496,11 @@ TEST(Llama, RunsInBfloat16) {
   EXPECT_TRUE(at::isfinite(bf16.forward(ids_tensor({ids[60]}), c16).logits.to(at::kFloat)).all().item<bool>());
 }
 
-// Every press of the registry compresses every layer inside prefill (attentions given only to the
-// presses that need them), and decoding continues over the compressed cache.
-TEST(Llama, EveryRegistryPressRunsInTheLoop) {
-  const LlamaModel& model = tiny_model();
-  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+// Every press of the registry compresses every layer of `model` inside prefill (attentions given
+// only to the presses that need them), and decoding continues over the compressed cache. ids: the
+// tokens of a story (the prompt is its first 100 at most).
+void expect_every_press_runs_in_the_loop(const LlamaModel& model, const std::vector<int64_t>& ids) {
+  const auto& c = model.config();
   const int64_t s = std::min<int64_t>(static_cast<int64_t>(ids.size()) - 2, 100);
   ASSERT_GT(s, 70);  // SnapKV's default window is 64
   const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + s));
@@ -484,7 +508,6 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     SCOPED_TRACE(info.name);
     if (info.kind == kvpress::PressKind::kDecoding) continue;  // they compress while decoding: tests/test_decoding.cpp
     if (info.kind == kvpress::PressKind::kSecondPass) continue;  // KVComposePress's prefill: tests/test_kvcompose.cpp
-    const auto& c = model.config();
     const auto press =
         kvpress::make_press(info.name, kvpress::ratio_for(info, 0.5),
                             kvpress::testing::runnable_params(
@@ -500,8 +523,8 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
       EXPECT_EQ(in.question_length, opt.question_length);
       EXPECT_EQ(in.layer_idx, calls++);
       EXPECT_EQ(in.keys.size(2), s);
-      EXPECT_EQ(in.hidden_states.sizes(), at::IntArrayRef({1, s, 128}));
-      EXPECT_EQ(in.cos.sizes(), at::IntArrayRef({s, 16}));
+      EXPECT_EQ(in.hidden_states.sizes(), at::IntArrayRef({1, s, c.hidden_size}));
+      EXPECT_EQ(in.cos.sizes(), at::IntArrayRef({s, c.head_dim}));
       EXPECT_EQ(in.attentions.defined(), info.name == "ObservedAttentionPress");
     };
     opt.on_compress_ragged = [&](const kvpress::LayerInputs& in, const kvpress::RaggedKV&) {
@@ -514,26 +537,26 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
       ADD_FAILURE() << "prefill raised: " << e.what_without_backtrace();
       continue;
     }
-    EXPECT_EQ(calls, 2);
+    EXPECT_EQ(calls, c.num_layers);
     if (press->head_ragged()) {
       // Heads keep different numbers of tokens; the layer keeps Hkv * n_kept (tests/test_ragged_presses.cpp).
-      ASSERT_EQ(out.keep_masks.size(), 2u);
+      ASSERT_EQ(static_cast<int64_t>(out.keep_masks.size()), c.num_layers);
       const auto* lukv = dynamic_cast<const kvpress::LUKVPress*>(press.get());  // its curve's head budgets
-      for (int64_t l = 0; l < 2; ++l) {
+      for (int64_t l = 0; l < c.num_layers; ++l) {
         const at::Tensor& mask = out.keep_masks[static_cast<size_t>(l)];
         if (lukv)
-          EXPECT_TRUE(at::equal(mask.sum(-1)[0], lukv->head_budgets(l, 4, s)));
+          EXPECT_TRUE(at::equal(mask.sum(-1)[0], lukv->head_budgets(l, c.num_kv_heads, s)));
         else if (info.kind == kvpress::PressKind::kLayer)  // DuoAttentionPress: no streaming head by default
-          EXPECT_EQ(mask.sum().item<int64_t>(), 4 * s);
+          EXPECT_EQ(mask.sum().item<int64_t>(), c.num_kv_heads * s);
         else if (info.name == "DMSPress")  // its threshold decides; its window of 4 is always kept
           EXPECT_TRUE(mask.narrow(2, s - 4, 4).all().item<bool>());
         else
-          EXPECT_EQ(mask.sum().item<int64_t>(), 4 * kvpress::ops::n_kept(s, 0.5));
+          EXPECT_EQ(mask.sum().item<int64_t>(), c.num_kv_heads * kvpress::ops::n_kept(s, 0.5));
       }
       EXPECT_TRUE(at::isfinite(model.forward(ids_tensor({ids[s], ids[s + 1]}), cache).logits).all().item<bool>());
       continue;
     }
-    ASSERT_EQ(out.kept_indices.size(), 2u);
+    ASSERT_EQ(static_cast<int64_t>(out.kept_indices.size()), c.num_layers);
     // ChunkKVPress keeps whole chunks: its count is not n_kept and varies by layer (the remainder
     // chunk may or may not win; tests/test_wrappers.cpp). CTRPress's budget adapts per layer
     // (tests/test_ctr.cpp).
@@ -544,11 +567,11 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
     const bool keeps_all = info.kind == kvpress::PressKind::kChannel || info.kind == kvpress::PressKind::kLayer;
     const int64_t n_kept = chunked ? out.kept_indices[0].size(2) : keeps_all ? s : kvpress::ops::n_kept(s, 0.5);
     std::vector<int64_t> lengths;
-    for (int64_t l = 0; l < 2; ++l) {
+    for (int64_t l = 0; l < c.num_layers; ++l) {
       const int64_t n_l = chunked ? out.kept_indices[l].size(2) : n_kept;
       lengths.push_back(n_l);
       EXPECT_EQ(cache.length(l), n_l);
-      EXPECT_EQ(out.kept_indices[l].sizes(), at::IntArrayRef({1, 4, n_l}));
+      EXPECT_EQ(out.kept_indices[l].sizes(), at::IntArrayRef({1, c.num_kv_heads, n_l}));
     }
     // After KeyRerotationPress the keys sit at positions 0..n_kept-1 and decoding continues at n_kept
     // (kvpress's pipeline); after every other press, at s.
@@ -577,37 +600,68 @@ TEST(Llama, EveryRegistryPressRunsInTheLoop) {
   expect_error([&] { model.prefill(prompt, cache, never); }, {"ObservedAttentionPress", "attentions"});
 }
 
+TEST(Llama, EveryRegistryPressRunsInTheLoop) {
+  expect_every_press_runs_in_the_loop(tiny_model(), tiny_tokenizer().encode(kStory));
+}
+
 // ---- fixtures -------------------------------------------------------------------------------------
 
 using json = nlohmann::json;
 
+// One set of model-level fixtures: TinyStories-656K's (make_model_fixtures.py) or a model family's
+// (make_family_fixtures.py), with the model they were made with.
 struct LlamaFixtures {
+  std::string name;  // "llama" (TinyStories-656K), or the family: "llama3", "qwen2", "qwen3"
   std::string dir;
   json manifest;
   std::string error;
+  // TinyStories-656K, or the family's random-weight model saved beside its fixtures (loaded once).
+  const LlamaModel& model() const {
+    if (name == "llama") return tiny_model();
+    static std::map<std::string, std::unique_ptr<LlamaModel>> loaded;
+    auto& slot = loaded[dir];
+    if (!slot)
+      slot = std::make_unique<LlamaModel>(LlamaModel::load(dir + "/" + manifest.at("model").get<std::string>()));
+    return *slot;
+  }
 };
 
+// The set in <fixtures>/<subdir>, which `script` writes when given --out <fixtures>/<script_out>.
+LlamaFixtures load_fixture_set(const std::string& name, const std::string& subdir, const std::string& script,
+                               const std::string& script_out) {
+  LlamaFixtures out;
+  out.name = name;
+  const std::string base = kvpress::testing::fixtures_dir();
+  if (base.empty()) {
+    out.error = std::string("KVPRESS_FIXTURES is not set; ") + kvpress::testing::fixtures_howto();
+    return out;
+  }
+  out.dir = base + "/" + subdir;
+  std::ifstream in(out.dir + "/manifest.json");
+  if (!in) {
+    out.error = "no manifest at " + out.dir + "/manifest.json; generate it with tests/reference/" + script + " --out " +
+                base + "/" + script_out + " (scripts/test.sh does)";
+    return out;
+  }
+  try {
+    in >> out.manifest;
+  } catch (const std::exception& e) {
+    out.error = std::string("malformed ") + out.dir + "/manifest.json: " + e.what();
+  }
+  return out;
+}
+
 const LlamaFixtures& llama_fixtures() {
-  static const LlamaFixtures f = [] {
-    LlamaFixtures out;
-    const std::string base = kvpress::testing::fixtures_dir();
-    if (base.empty()) {
-      out.error = std::string("KVPRESS_FIXTURES is not set; ") + kvpress::testing::fixtures_howto();
-      return out;
-    }
-    out.dir = base + "/llama";
-    std::ifstream in(out.dir + "/manifest.json");
-    if (!in) {
-      out.error = "no manifest at " + out.dir +
-                  "/manifest.json; generate it with tests/reference/make_model_fixtures.py --out " + out.dir +
-                  " (scripts/test.sh does)";
-      return out;
-    }
-    try {
-      in >> out.manifest;
-    } catch (const std::exception& e) {
-      out.error = std::string("malformed ") + out.dir + "/manifest.json: " + e.what();
-    }
+  static const LlamaFixtures f = load_fixture_set("llama", "llama", "make_model_fixtures.py", "llama");
+  return f;
+}
+
+// The families of tests/reference/make_family_fixtures.py.
+const std::vector<LlamaFixtures>& family_fixtures() {
+  static const std::vector<LlamaFixtures> f = [] {
+    std::vector<LlamaFixtures> out;
+    for (const std::string family : {"llama3", "qwen2", "qwen3"})
+      out.push_back(load_fixture_set(family, "families/" + family, "make_family_fixtures.py", "families"));
     return out;
   }();
   return f;
@@ -621,11 +675,11 @@ json read_json(const std::string& path) {
   return j;
 }
 
-const kvpress::io::SafetensorsFile& fixture_file(const std::string& name) {
-  return kvpress::testing::load_fixture_file(llama_fixtures().dir + "/" + name);
+at::Tensor fixture_tensor(const LlamaFixtures& fx, const std::string& file, const std::string& key) {
+  return kvpress::testing::fixture_tensor(kvpress::testing::load_fixture_file(fx.dir + "/" + file), key, file);
 }
 at::Tensor fixture_tensor(const std::string& file, const std::string& key) {
-  return kvpress::testing::fixture_tensor(fixture_file(file), key, file);
+  return fixture_tensor(llama_fixtures(), file, key);
 }
 
 std::vector<int64_t> to_vector(const at::Tensor& t) {
@@ -665,11 +719,12 @@ class LlamaSummary : public ::testing::Environment {
 };
 [[maybe_unused]] ::testing::Environment* const kLlamaSummary = ::testing::AddGlobalTestEnvironment(new LlamaSummary);
 
-#define REQUIRE_FIXTURES()                                                 \
-  const LlamaFixtures& fx = llama_fixtures();                              \
+#define REQUIRE_FIXTURE_SET(set)                                           \
+  const LlamaFixtures& fx = (set);                                         \
   ASSERT_TRUE(fx.error.empty()) << fx.error;                               \
   ASSERT_EQ(fx.manifest.at("kvpress_version").get<std::string>(), "0.5.5") \
       << "fixtures in " << fx.dir << " were made with another kvpress; regenerate them"
+#define REQUIRE_FIXTURES() REQUIRE_FIXTURE_SET(llama_fixtures())
 
 void check_tokenizer_cases(const Tokenizer& tok, const json& cases) {
   int n = 0;
@@ -706,12 +761,12 @@ struct Prompt {
   at::Tensor prefix, question;
   int64_t prefix_len = 0;
 };
-Prompt prompt_of(const json& p) {
+Prompt prompt_of(const LlamaFixtures& fx, const json& p) {
   Prompt out;
   out.name = p.at("name").get<std::string>();
   out.file = p.at("file").get<std::string>();
   out.prefix_len = p.at("prefix_len").get<int64_t>();
-  const at::Tensor ids = fixture_tensor(out.file, "input_ids");
+  const at::Tensor ids = fixture_tensor(fx, out.file, "input_ids");
   out.prefix = ids.narrow(1, 0, out.prefix_len);
   out.question = ids.narrow(1, out.prefix_len, p.at("question_len").get<int64_t>());
   return out;
@@ -743,35 +798,61 @@ void expect_greedy_agrees(const at::Tensor& q_logits, const at::Tensor& d_logits
   }
 }
 
-TEST(LlamaParity, LogitsAndAttentionsMatchTransformers) {
-  REQUIRE_FIXTURES();
-  const LlamaModel& model = tiny_model();
+// The prefill's logits and attention weights, then the question and decode steps' logits, against
+// transformers on every prompt of a fixture set.
+void expect_logits_and_attentions_match(const LlamaFixtures& fx) {
+  const LlamaModel& model = fx.model();
   for (const auto& jp : fx.manifest.at("prompts")) {
-    const Prompt p = prompt_of(jp);
-    SCOPED_TRACE(p.name);
+    const Prompt p = prompt_of(fx, jp);
+    SCOPED_TRACE(fx.name + " " + p.name);
     KVCache cache = model.new_cache();
     PrefillOptions opt;
     opt.return_attentions = true;
     const auto out = model.prefill(p.prefix, cache, opt);
-    const double dl = max_abs_diff(out.logits, fixture_tensor(p.file, "prefill_logits"));
+    const double dl = max_abs_diff(out.logits, fixture_tensor(fx, p.file, "prefill_logits"));
     EXPECT_LE(dl, kLogitTol) << "prefill logits";
     double da = 0;
-    ASSERT_EQ(out.attentions.size(), 2u);
+    ASSERT_EQ(static_cast<int64_t>(out.attentions.size()), model.config().num_layers);
     for (size_t l = 0; l < out.attentions.size(); ++l)
-      da = std::max(da, max_abs_diff(out.attentions[l], fixture_tensor(p.file, "attentions_l" + std::to_string(l))));
+      da =
+          std::max(da, max_abs_diff(out.attentions[l], fixture_tensor(fx, p.file, "attentions_l" + std::to_string(l))));
     EXPECT_LE(da, kAttentionTol) << "attention weights";
 
-    const at::Tensor tokens = fixture_tensor(p.file, "decode_tokens");
+    const at::Tensor tokens = fixture_tensor(fx, p.file, "decode_tokens");
     const auto [q, d] = continue_decoding(model, cache, p, tokens);
-    const at::Tensor ref_q = fixture_tensor(p.file, "question_logits"), ref_d = fixture_tensor(p.file, "decode_logits");
+    const at::Tensor ref_q = fixture_tensor(fx, p.file, "question_logits");
+    const at::Tensor ref_d = fixture_tensor(fx, p.file, "decode_logits");
     const double dq = max_abs_diff(q, ref_q), dd = max_abs_diff(d, ref_d);
     EXPECT_LE(dq, kLogitTol) << "question logits";
     EXPECT_LE(dd, kLogitTol) << "decode logits";
     expect_greedy_agrees(q, d, ref_q, ref_d, tokens);
     auto& mf = model_figures();
-    mf["prefill_logits"] = std::max(mf["prefill_logits"], dl);
-    mf["attentions"] = std::max(mf["attentions"], da);
-    mf["question+decode_logits"] = std::max(mf["question+decode_logits"], std::max(dq, dd));
+    const std::string prefix = fx.name == "llama" ? "" : fx.name + ":";
+    mf[prefix + "prefill_logits"] = std::max(mf[prefix + "prefill_logits"], dl);
+    mf[prefix + "attentions"] = std::max(mf[prefix + "attentions"], da);
+    mf[prefix + "question+decode_logits"] = std::max(mf[prefix + "question+decode_logits"], std::max(dq, dd));
+  }
+}
+
+TEST(LlamaParity, LogitsAndAttentionsMatchTransformers) {
+  REQUIRE_FIXTURES();
+  expect_logits_and_attentions_match(fx);
+}
+
+TEST(FamilyParity, LogitsAndAttentionsMatchTransformers) {
+  for (const LlamaFixtures& set : family_fixtures()) {
+    REQUIRE_FIXTURE_SET(set);
+    EXPECT_EQ(fx.model().config().model_type, fx.manifest.at("family").get<std::string>());
+    expect_logits_and_attentions_match(fx);
+  }
+}
+
+// The families share TinyStories-656K's vocabulary, so its tokenizer gives their prompts.
+TEST(FamilyParity, EveryRegistryPressRunsInTheLoop) {
+  for (const LlamaFixtures& set : family_fixtures()) {
+    REQUIRE_FIXTURE_SET(set);
+    SCOPED_TRACE(fx.name);
+    expect_every_press_runs_in_the_loop(fx.model(), tiny_tokenizer().encode(kStory));
   }
 }
 
@@ -890,27 +971,38 @@ int64_t compare_kept(const at::Tensor& ours, const at::Tensor& ref, const at::Te
 }
 
 struct PressRunParam {
+  const LlamaFixtures* fixtures = nullptr;
   const json* prompt = nullptr;
   const json* run = nullptr;
+  // "<run>" for TinyStories-656K's, "<family>__<run>" for a family's.
+  std::string name() const {
+    const std::string run_name = run ? run->at("name").get<std::string>() : "?";
+    return fixtures && fixtures->name != "llama" ? fixtures->name + "__" + run_name : run_name;
+  }
 };
-void PrintTo(const PressRunParam& p, std::ostream* os) { *os << (p.run ? p.run->at("name").get<std::string>() : "?"); }
+void PrintTo(const PressRunParam& p, std::ostream* os) { *os << p.name(); }
 
-std::vector<PressRunParam> press_runs() {
+std::vector<PressRunParam> press_runs(const LlamaFixtures& fx) {
   std::vector<PressRunParam> out;
-  const LlamaFixtures& fx = llama_fixtures();
   if (!fx.error.empty()) return out;
   for (const auto& p : fx.manifest.at("prompts"))
-    for (const auto& r : p.at("runs")) out.push_back({&p, &r});
+    for (const auto& r : p.at("runs")) out.push_back({&fx, &p, &r});
+  return out;
+}
+std::vector<PressRunParam> family_press_runs() {
+  std::vector<PressRunParam> out;
+  for (const LlamaFixtures& fx : family_fixtures())
+    for (const PressRunParam& run : press_runs(fx)) out.push_back(run);
   return out;
 }
 
 class LlamaPressRun : public ::testing::TestWithParam<PressRunParam> {};
 
 TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
-  REQUIRE_FIXTURES();
+  REQUIRE_FIXTURE_SET(*GetParam().fixtures);
   const json& jr = *GetParam().run;
-  const Prompt p = prompt_of(*GetParam().prompt);
-  const std::string run = jr.at("name").get<std::string>();
+  const Prompt p = prompt_of(fx, *GetParam().prompt);
+  const std::string run = GetParam().name();
   const std::string file = jr.at("file").get<std::string>();
   const std::string press_name = jr.at("press").get<std::string>();
   const auto& infos = kvpress::list_presses();
@@ -921,7 +1013,7 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
                           kvpress::testing::with_artifact_paths(
                               press_name, jr.at("params").get<std::map<std::string, std::string>>(), fx.dir));
   const kvpress::ScorerPress* scorer = selection_scorer(*press);
-  const LlamaModel& model = tiny_model();
+  const LlamaModel& model = fx.model();
   const int64_t num_layers = model.config().num_layers;
   RunFigures fig;
 
@@ -946,8 +1038,8 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
   const bool has_scores = jr.at("has_scores").get<bool>();
   std::vector<at::Tensor> ref_kept, ref_scores, allowed;
   for (int64_t l = 0; l < num_layers; ++l) {
-    ref_kept.push_back(fixture_tensor(file, "kept_l" + std::to_string(l)));
-    ref_scores.push_back(has_scores ? fixture_tensor(file, "scores_l" + std::to_string(l)) : at::Tensor());
+    ref_kept.push_back(fixture_tensor(fx, file, "kept_l" + std::to_string(l)));
+    ref_scores.push_back(has_scores ? fixture_tensor(fx, file, "scores_l" + std::to_string(l)) : at::Tensor());
     if (has_scores) {
       // float32 scores from inputs that agree to ~1e-6: 1e-4 relative to each score and to the
       // layer's largest score magnitude.
@@ -978,8 +1070,9 @@ TEST_P(LlamaPressRun, MatchesKvpressPipeline) {
   fig.kept = n_diff == 0 ? "exact" : "modulo " + std::to_string(n_diff) + " near-ties";
 
   // 3. Logits over the compressed cache: ours when the kept sets agree, else kvpress's replayed.
-  const at::Tensor tokens = fixture_tensor(file, "decode_tokens");
-  const at::Tensor ref_q = fixture_tensor(file, "question_logits"), ref_d = fixture_tensor(file, "decode_logits");
+  const at::Tensor tokens = fixture_tensor(fx, file, "decode_tokens");
+  const at::Tensor ref_q = fixture_tensor(fx, file, "question_logits"),
+                   ref_d = fixture_tensor(fx, file, "decode_logits");
   at::Tensor q, d;
   if (n_diff == 0) {
     std::tie(q, d) = continue_decoding(model, cache, p, tokens);
@@ -1018,9 +1111,13 @@ std::string sanitize(const std::string& s) {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Kvpress, LlamaPressRun, ::testing::ValuesIn(press_runs()),
+INSTANTIATE_TEST_SUITE_P(Kvpress, LlamaPressRun, ::testing::ValuesIn(press_runs(llama_fixtures())),
                          [](const ::testing::TestParamInfo<PressRunParam>& info) {
-                           return sanitize(info.param.run->at("name").get<std::string>());
+                           return sanitize(info.param.name());
+                         });
+INSTANTIATE_TEST_SUITE_P(Families, LlamaPressRun, ::testing::ValuesIn(family_press_runs()),
+                         [](const ::testing::TestParamInfo<PressRunParam>& info) {
+                           return sanitize(info.param.name());
                          });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(LlamaPressRun);
 

@@ -167,6 +167,43 @@ TEST(PreropeKeys, InverseRopeEqualsProjection) {
   EXPECT_TRUE(at::allclose(ops::prerope_keys(in, "test"), k_pre, 1e-4, 1e-5));  // inverse RoPE
 }
 
+// Qwen2's projection biases and Qwen3's per-head norms (RMSNorm over D, before RoPE) join the
+// recomputed queries and pre-RoPE keys as the model computes them.
+TEST(ProjectedHeads, CarryBiasesAndPerHeadNorms) {
+  const int64_t seq = 12, hidden = 32, heads = 4, kv_heads = 2, d = 8;
+  const double eps = 1e-6;
+  const auto [cos, sin] = rope_tables(seq, d);
+  LayerInputs in;
+  in.hidden_states = randn({1, seq, hidden}, 20);
+  in.q_proj = randn({heads * d, hidden}, 21);
+  in.k_proj = randn({kv_heads * d, hidden}, 22);
+  in.q_bias = randn({heads * d}, 23);
+  in.k_bias = randn({kv_heads * d}, 24);
+  in.q_norm = randn({d}, 25).abs() + 0.5;
+  in.k_norm = randn({d}, 26).abs() + 0.5;
+  in.norm_eps = eps;
+  // By hand: x W^T + b, per head x * rsqrt(mean(x^2) + eps) * w.
+  const auto by_hand = [&](const at::Tensor& w, const at::Tensor& b, const at::Tensor& norm, int64_t count) {
+    const at::Tensor x = (at::matmul(in.hidden_states, w.t()) + b).view({1, seq, count, d});
+    return (x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * norm).transpose(1, 2).contiguous();
+  };
+  const at::Tensor q_pre = by_hand(in.q_proj, in.q_bias, in.q_norm, heads);
+  const at::Tensor k_pre = by_hand(in.k_proj, in.k_bias, in.k_norm, kv_heads);
+  in.keys = ops::apply_rope(k_pre, cos, sin);
+  in.values = at::zeros_like(in.keys);
+  validate_layer_inputs(in, "test");
+  EXPECT_TRUE(at::allclose(ops::prerope_keys(in, "test"), k_pre, 1e-4, 1e-5));  // from k_proj + k_bias + k_norm
+  EXPECT_TRUE(at::allclose(ops::prerope_queries(in, 0, seq, "test"), q_pre, 1e-4, 1e-5));
+  in.cos = cos;
+  in.sin = sin;
+  EXPECT_TRUE(at::allclose(ops::window_queries(in, 5, "test"), ops::apply_rope(q_pre, cos, sin).narrow(2, seq - 5, 5),
+                           1e-4, 1e-5));
+  // Without the bias the queries differ: the test would see a dropped bias.
+  LayerInputs unbiased = in;
+  unbiased.q_bias = at::Tensor();
+  EXPECT_FALSE(at::allclose(ops::prerope_queries(unbiased, 0, seq, "test"), q_pre, 1e-2, 1e-2));
+}
+
 TEST(KeyNormScores, AccumulatesInFloat32ForEveryDtype) {
   const at::Tensor keys = randn({2, 3, 17, 64}, 12);
   const at::Tensor expected = -keys.norm(2, -1);

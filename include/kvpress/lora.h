@@ -55,8 +55,9 @@ class LoraAdapter {
   std::map<std::pair<int64_t, std::string>, LoraLinear> modules_;
 };
 
-// x W^T, plus the update's (x A^T) B^T * scaling when `update` is given (A and B cast to x's dtype
-// and device). x [..., in], weight [out, in] -> [..., out].
-at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const LoraLinear* update);
+// x W^T (+ bias when defined), plus the update's (x A^T) B^T * scaling when `update` is given (A
+// and B cast to x's dtype and device). x [..., in], weight [out, in], bias [out] -> [..., out].
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const LoraLinear* update,
+                       const at::Tensor& bias = at::Tensor());
 
 }  // namespace kvpress

@@ -22,8 +22,10 @@ struct LayerInputs {
 
   // kvpress's path: recompute queries (or pre-RoPE keys) from the attention input.
   at::Tensor hidden_states;  // optional [B, S, hidden], already input-layernormed
-  at::Tensor q_proj;         // optional [Hq * D, hidden] (nn.Linear weight layout, no bias)
+  at::Tensor q_proj;         // optional [Hq * D, hidden] (nn.Linear weight layout)
   at::Tensor k_proj;         // optional [Hkv * D, hidden]
+  at::Tensor q_bias;         // optional [Hq * D]: q_proj's bias (Qwen2-style attention biases)
+  at::Tensor k_bias;         // optional [Hkv * D]: k_proj's bias
   // The layer's output projection weight, for presses that weigh values by their effect on the
   // attention output (CriticalKVPress, CriticalAdaKVPress).
   at::Tensor o_proj;       // optional [hidden, Hq * D] (nn.Linear weight layout, no bias)
@@ -82,6 +84,8 @@ void for_each_field(Inputs& in, Visitor&& visit) {
         in.hidden_states);
   visit(LayerInputField{"q_proj", "[Hq * D, hidden]", "query projection weight", false, false}, in.q_proj);
   visit(LayerInputField{"k_proj", "[Hkv * D, hidden]", "key projection weight", false, false}, in.k_proj);
+  visit(LayerInputField{"q_bias", "[Hq * D]", "query projection bias (Qwen2)", false, false}, in.q_bias);
+  visit(LayerInputField{"k_bias", "[Hkv * D]", "key projection bias (Qwen2)", false, false}, in.k_bias);
   visit(LayerInputField{"o_proj", "[hidden, Hq * D]", "output projection weight", false, false}, in.o_proj);
   visit(LayerInputField{"q_norm", "[D]", "per-head RMSNorm weight of the queries (Qwen3)", false, false}, in.q_norm);
   visit(LayerInputField{"k_norm", "[D]", "per-head RMSNorm weight of the keys (Qwen3)", false, false}, in.k_norm);

@@ -81,19 +81,35 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
   };
 
   const std::string model_type = opt_string(j, "model_type", "", "model_type");
-  TORCH_CHECK(model_type == "llama" || model_type == "mistral", "LlamaConfig: ", origin, ": unsupported model_type '",
-              model_type, "' (only \"llama\" and \"mistral\")");
-  // Mistral is Llama's architecture but for sliding-window attention (Mistral 7B v0.1), which
-  // this runner does not implement; v0.2 onwards have sliding_window null.
+  const bool qwen = model_type == "qwen2" || model_type == "qwen3";
+  TORCH_CHECK(model_type == "llama" || model_type == "mistral" || qwen, "LlamaConfig: ", origin,
+              ": unsupported model_type '", model_type, "' (only \"llama\", \"mistral\", \"qwen2\" and \"qwen3\")");
+  // Sliding-window attention (Mistral 7B v0.1; Qwen2/Qwen3 with use_sliding_window) is not
+  // implemented: Mistral v0.2 onwards has sliding_window null, and Qwen's checkpoints ship with
+  // use_sliding_window false (then transformers ignores sliding_window).
   if (model_type == "mistral" && has(j, "sliding_window"))
     TORCH_CHECK(false, "LlamaConfig: ", origin, ": sliding_window attention is not supported (sliding_window ",
                 j["sliding_window"].dump().substr(0, 40), "; only null)");
+  if (qwen && opt_bool("use_sliding_window", false))
+    TORCH_CHECK(false, "LlamaConfig: ", origin, ": use_sliding_window true is not supported (sliding-window layers)");
+  if (has(j, "layer_types")) {  // transformers 5 lists each layer's attention kind
+    if (!j["layer_types"].is_array()) fail("layer_types", "a list", j["layer_types"]);
+    for (const auto& kind : j["layer_types"])
+      if (kind != "full_attention")
+        fail("layer_types", "a list of \"full_attention\" (sliding windows are not supported)", kind);
+  }
   const std::string act = opt_string(j, "hidden_act", "silu", "hidden_act");
   TORCH_CHECK(act == "silu", "LlamaConfig: ", origin, ": unsupported hidden_act '", act, "' (only silu)");
-  TORCH_CHECK(!opt_bool("attention_bias", false), "LlamaConfig: ", origin, ": attention_bias is not supported");
   TORCH_CHECK(!opt_bool("mlp_bias", false), "LlamaConfig: ", origin, ": mlp_bias is not supported");
 
   LlamaConfig c;
+  c.model_type = model_type;
+  // Which projections have biases, as each family's attention module builds them: Llama, Mistral
+  // and Qwen3 give all four attention_bias (Mistral has none); Qwen2 always q/k/v and never o_proj.
+  const bool attention_bias = model_type != "mistral" && opt_bool("attention_bias", false);
+  c.qkv_bias = model_type == "qwen2" || attention_bias;
+  c.o_proj_bias = model_type != "qwen2" && attention_bias;
+  c.qk_norm = model_type == "qwen3";
   c.vocab_size = get_size("vocab_size");
   c.hidden_size = get_size("hidden_size");
   c.intermediate_size = get_size("intermediate_size");
@@ -103,7 +119,9 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
   TORCH_CHECK(c.num_heads > 0 && c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0, "LlamaConfig: ", origin,
               ": num_attention_heads (", c.num_heads, ") must be a positive multiple of num_key_value_heads (",
               c.num_kv_heads, ")");
+  // Absent head_dim: hidden_size / num_attention_heads, but Qwen3Config's default is 128.
   c.head_dim = j.contains("head_dim") && j["head_dim"].is_number_integer() ? j["head_dim"].get<int64_t>()
+               : model_type == "qwen3"                                     ? 128
                                                                            : c.hidden_size / c.num_heads;
   TORCH_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, "LlamaConfig: ", origin,
               ": head_dim must be positive and even, got ", c.head_dim);

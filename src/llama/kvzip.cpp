@@ -309,7 +309,7 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
         const LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, rope);
         keys.push_back(at::cat({full.keys(li), qkv.k}, 2));
         values.push_back(at::cat({full.values(li), qkv.v}, 2));
-        at::Tensor a = at::linear(model.layer_attention(qkv.q, keys.back(), values.back()), model.o_proj(li));
+        at::Tensor a = model.project_output(li, model.layer_attention(qkv.q, keys.back(), values.back()));
         a.retain_grad();
         outputs.push_back(a);
         queries.push_back(qkv.q.detach());
@@ -374,7 +374,7 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
         record_peak(result.memory, bytes_of({&keys, &values}),
                     bytes_of(inputs) + bytes_of({&context_embedding, &upstream}), bytes_of({&qkv.q}),
                     bytes_of({&scores}));
-        at::Tensor a = at::linear(model.layer_attention(qkv.q, keys, values), model.o_proj(li));
+        at::Tensor a = model.project_output(li, model.layer_attention(qkv.q, keys, values));
         a.retain_grad();
         model.layer_mlp(li, xin + a).backward(upstream);
         score_layer(chunk, li, keys.detach(), values.detach(), qkv.q.detach(), a.grad());

@@ -1,8 +1,10 @@
 // The Llama forward pass, its KV cache, and where a press plugs in (docs/LLAMA_RUNNER.md).
 //
-// Every step mirrors transformers' modeling_llama.py (eager attention) with the same ATen
-// operations in the same order, so float32 logits agree to ~1e-6:
-//   RMSNorm      x.float() * rsqrt(mean(x^2) + eps), cast back, times the weight
+// Every step mirrors transformers' modeling_llama.py (eager attention; modeling_qwen2/qwen3.py for
+// their biases and q/k norms) with the same ATen operations in the same order, so float32 logits
+// agree to ~1e-6:
+//   RMSNorm      x.float() * rsqrt(mean(x^2) + eps), cast back, times the weight (Qwen3's q_norm /
+//                k_norm: the same over each head's D values, before RoPE)
 //   RoPE         inv_freq = 1 / theta^(arange(0, D, 2) / D) in float32; angles = position * inv_freq;
 //                cos/sin of cat(angles, angles); x * cos + rotate_half(x) * sin
 //   attention    softmax(q k^T * D^-0.5 + causal mask) in float32, cast to the model dtype, times v,
@@ -299,6 +301,16 @@ LlamaModel::LlamaModel(LlamaConfig config, const std::map<std::string, at::Tenso
     l.k_proj = take_weight(weights, p + "self_attn.k_proj.weight", {c.num_kv_heads * d, h}, dtype);
     l.v_proj = take_weight(weights, p + "self_attn.v_proj.weight", {c.num_kv_heads * d, h}, dtype);
     l.o_proj = take_weight(weights, p + "self_attn.o_proj.weight", {h, c.num_heads * d}, dtype);
+    if (c.qkv_bias) {
+      l.q_bias = take_weight(weights, p + "self_attn.q_proj.bias", {c.num_heads * d}, dtype);
+      l.k_bias = take_weight(weights, p + "self_attn.k_proj.bias", {c.num_kv_heads * d}, dtype);
+      l.v_bias = take_weight(weights, p + "self_attn.v_proj.bias", {c.num_kv_heads * d}, dtype);
+    }
+    if (c.o_proj_bias) l.o_bias = take_weight(weights, p + "self_attn.o_proj.bias", {h}, dtype);
+    if (c.qk_norm) {
+      l.q_norm = take_weight(weights, p + "self_attn.q_norm.weight", {d}, dtype);
+      l.k_norm = take_weight(weights, p + "self_attn.k_norm.weight", {d}, dtype);
+    }
     l.post_norm = take_weight(weights, p + "post_attention_layernorm.weight", {h}, dtype);
     l.gate_proj = take_weight(weights, p + "mlp.gate_proj.weight", {c.intermediate_size, h}, dtype);
     l.up_proj = take_weight(weights, p + "mlp.up_proj.weight", {c.intermediate_size, h}, dtype);
@@ -381,8 +393,14 @@ at::Tensor LlamaModel::layer_output(int64_t layer, const at::Tensor& x, const at
                                     const LoraAdapter* lora) const {
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_output: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
-  const LoraLinear* update = lora ? lora->find(layer, "o_proj") : nullptr;
-  return mlp_residual(layer, x + lora_linear(attn, layers_[static_cast<size_t>(layer)].o_proj, update), lora);
+  return mlp_residual(layer, x + project_output(layer, attn, lora), lora);
+}
+
+at::Tensor LlamaModel::project_output(int64_t layer, const at::Tensor& attn, const LoraAdapter* lora) const {
+  TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::project_output: layer must be in [0, ",
+              config_.num_layers, "), got ", layer);
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  return lora_linear(attn, w.o_proj, lora ? lora->find(layer, "o_proj") : nullptr, w.o_bias);
 }
 
 at::Tensor LlamaModel::layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const {
@@ -548,7 +566,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
         if (e.evict.numel() > 0 && e.evict.any().item<bool>()) cache.evict(li, e.first, e.evict);
       }
 
-      x = mlp_residual(li, x + at::linear(attn_out, w.o_proj), nullptr);
+      x = mlp_residual(li, x + project_output(li, attn_out), nullptr);
     }
     // After a press that re-rotates the kept keys to positions 0..n_kept-1 (KeyRerotationPress), the
     // next token continues at n_kept, as in kvpress's pipeline; otherwise after the last input token.
@@ -581,14 +599,17 @@ LlamaModel::LayerQKV LlamaModel::project_qkv(int64_t layer, const at::Tensor& h,
   const Layer& w = layers_[static_cast<size_t>(layer)];
   const auto update = [&](const char* module) { return lora ? lora->find(layer, module) : nullptr; };
   const int64_t batch = h.size(0), n = h.size(1), d = config_.head_dim;
+  // [B, n, heads * D] -> [B, heads, n, D], RMS-normed per head first where the model has the norm.
+  const auto heads = [&](const at::Tensor& projected, int64_t count, const at::Tensor& norm) {
+    const at::Tensor x = projected.view({batch, n, count, d});
+    return (norm.defined() ? rms_norm(x, norm) : x).transpose(1, 2);
+  };
   LayerQKV out;
-  out.q =
-      ops::apply_rope(lora_linear(h, w.q_proj, update("q_proj")).view({batch, n, config_.num_heads, d}).transpose(1, 2),
-                      rope_tables.cos, rope_tables.sin);
-  out.k = ops::apply_rope(
-      lora_linear(h, w.k_proj, update("k_proj")).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2),
-      rope_tables.cos, rope_tables.sin);
-  out.v = lora_linear(h, w.v_proj, update("v_proj")).view({batch, n, config_.num_kv_heads, d}).transpose(1, 2);
+  out.q = ops::apply_rope(heads(lora_linear(h, w.q_proj, update("q_proj"), w.q_bias), config_.num_heads, w.q_norm),
+                          rope_tables.cos, rope_tables.sin);
+  out.k = ops::apply_rope(heads(lora_linear(h, w.k_proj, update("k_proj"), w.k_bias), config_.num_kv_heads, w.k_norm),
+                          rope_tables.cos, rope_tables.sin);
+  out.v = heads(lora_linear(h, w.v_proj, update("v_proj"), w.v_bias), config_.num_kv_heads, at::Tensor());
   return out;
 }
 
@@ -654,6 +675,10 @@ LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, 
   in.hidden_states = h;  // this forward's attention input
   in.q_proj = w.q_proj;
   in.k_proj = w.k_proj;
+  in.q_bias = w.q_bias;  // undefined unless the model has them (Qwen2)
+  in.k_bias = w.k_bias;
+  in.q_norm = w.q_norm;  // Qwen3
+  in.k_norm = w.k_norm;
   in.o_proj = w.o_proj;      // CriticalKVPress / CriticalAdaKVPress weigh values by it
   in.cos = rope_tables.cos;  // this forward's positions (0..S-1 at prefill)
   in.sin = rope_tables.sin;

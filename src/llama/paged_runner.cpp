@@ -99,7 +99,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
       };
       // [1, Hkv, T, D] -> [T, Hkv, D], the varlen layout.
       cache.store(li, seqs, qkv.k[0].transpose(0, 1), qkv.v[0].transpose(0, 1), cu_seqlens, press, inputs);
-      x = mlp_residual(li, x + at::linear(at::cat(attn, 1), w.o_proj), nullptr);
+      x = mlp_residual(li, x + project_output(li, at::cat(attn, 1)), nullptr);
     }
   } catch (...) {
     for (SequenceId s : seqs)
@@ -175,7 +175,7 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
         }
       }
       x = mlp_residual(
-          li, x + at::linear(attn.transpose(1, 2).reshape({1, batch, config_.num_heads * config_.head_dim}), w.o_proj),
+          li, x + project_output(li, attn.transpose(1, 2).reshape({1, batch, config_.num_heads * config_.head_dim})),
           nullptr);
     }
   } catch (...) {

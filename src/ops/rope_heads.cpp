@@ -19,21 +19,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   return x * at::rsqrt(variance + eps) * weight.to(at::kFloat);
 }
 
-// hidden [B, n, hidden] @ proj^T -> [B, heads, n, D] in float32, RMS-normed per head by `norm`
-// when it is defined (Qwen3-style q_norm / k_norm). `model_rounding`: the product is computed in
+// hidden [B, n, hidden] @ proj^T (+ bias [heads * D] when defined: Qwen2-style attention biases)
+// -> [B, heads, n, D] in float32, RMS-normed per head by `norm` when it is defined (Qwen3-style
+// q_norm / k_norm). `model_rounding`: the product is computed in
 // hidden's dtype by at::linear, the op the model's nn.Linear runs, and so rounded as the model
 // rounds it on every CPU (a float32 product rounded afterwards differs in the last bit wherever
 // that CPU's reduced-precision GEMM accumulates in another order); else in float32.
-at::Tensor project_heads(const at::Tensor& hidden, const at::Tensor& proj, const at::Tensor& norm, double eps,
-                         int64_t heads, int64_t head_dim, const char* op, const char* proj_name, const char* norm_name,
+at::Tensor project_heads(const at::Tensor& hidden, const at::Tensor& proj, const at::Tensor& bias,
+                         const at::Tensor& norm, double eps, int64_t heads, int64_t head_dim, const char* op,
+                         const char* proj_name, const char* bias_name, const char* norm_name,
                          bool model_rounding = false) {
   checks::check_rank(op, proj_name, proj, 2, "[heads * head_dim, hidden]");
   TORCH_CHECK(proj.size(0) == heads * head_dim && proj.size(1) == hidden.size(2), op, ": ", proj_name, " must be [",
               heads * head_dim, ", ", hidden.size(2), "], got ", checks::shape_str(proj));
   checks::check_same_device(op, proj_name, proj, "hidden_states", hidden);
+  if (bias.defined()) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == heads * head_dim, op, ": ", bias_name, " must be [",
+                heads * head_dim, "] (", proj_name, "'s rows), got ", checks::shape_str(bias));
+    checks::check_same_device(op, bias_name, bias, "hidden_states", hidden);
+  }
   const int64_t batch = hidden.size(0), n = hidden.size(1);
-  const at::Tensor product = model_rounding ? at::linear(hidden, proj.to(hidden.scalar_type())).to(at::kFloat)
-                                            : at::matmul(hidden.to(at::kFloat), proj.to(at::kFloat).t());
+  const auto as = [&](const at::Tensor& t, at::ScalarType dtype) { return t.defined() ? t.to(dtype) : t; };
+  const at::Tensor product =
+      model_rounding ? at::linear(hidden, proj.to(hidden.scalar_type()), as(bias, hidden.scalar_type())).to(at::kFloat)
+                     : at::linear(hidden.to(at::kFloat), proj.to(at::kFloat), as(bias, at::kFloat));
   at::Tensor x = product.view({batch, n, heads, head_dim}).transpose(1, 2);
   return norm.defined() ? rms_norm(x, norm, eps, op, norm_name) : x;
 }
@@ -132,16 +141,16 @@ at::Tensor prerope_keys(const LayerInputs& in, const char* op) {
               ": needs cos/sin (to invert RoPE on the cached keys) or hidden_states + k_proj");
   check_hidden(op, in);
   // kvpress's get_prerope_key_states runs the model's k_proj in the model's dtype.
-  return project_heads(in.hidden_states, in.k_proj, in.k_norm, in.norm_eps, in.keys.size(1), in.keys.size(3), op,
-                       "k_proj", "k_norm", /*model_rounding=*/true);
+  return project_heads(in.hidden_states, in.k_proj, in.k_bias, in.k_norm, in.norm_eps, in.keys.size(1), in.keys.size(3),
+                       op, "k_proj", "k_bias", "k_norm", /*model_rounding=*/true);
 }
 
 at::Tensor project_queries(const at::Tensor& hidden, const LayerInputs& in, const char* op) {
   checks::check_rank(op, "hidden_states", hidden, 3, "[batch, n, hidden]");
   checks::check_keys(op, in.keys);
   checks::check_defined(op, "q_proj", in.q_proj);
-  return project_heads(hidden, in.q_proj, in.q_norm, in.norm_eps, num_query_heads(in), in.keys.size(3), op, "q_proj",
-                       "q_norm");
+  return project_heads(hidden, in.q_proj, in.q_bias, in.q_norm, in.norm_eps, num_query_heads(in), in.keys.size(3), op,
+                       "q_proj", "q_bias", "q_norm");
 }
 
 at::Tensor prerope_queries(const LayerInputs& in, int64_t start, int64_t n, const char* op) {

@@ -24,7 +24,8 @@ import kvpress
 import kvpress_cpp
 from checklist import Checklist
 from kvpress_cpp import ops, presses
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 check = Checklist()
 accelerate = importlib.import_module("kvpress_cpp.accelerate")  # the module (kvpress_cpp.accelerate is the function)
@@ -321,15 +322,40 @@ with kvpress_cpp.accelerate() as handle:
                                             for r in handle.fallback_reasons), str(handle.fallback_reasons))
 
 # An attention module that is not Llama-like: only presses that need its projections fall back.
-biased = copy.deepcopy(model.model.layers[0].self_attn)
-biased.q_proj.bias = torch.nn.Parameter(torch.zeros(biased.q_proj.out_features))
+odd = copy.deepcopy(model.model.layers[0].self_attn)
+odd.q_proj = torch.nn.Sequential(odd.q_proj)  # computes the same, but has no weight of its own
 cos, sin = model.model.rotary_emb(hs, torch.arange(40)[None])
 with kvpress_cpp.accelerate() as handle, torch.no_grad():
-    kvpress.KnormPress(0.5).score(biased, hs, keys, values, None, {"position_embeddings": (cos, sin)})
-    kvpress.SnapKVPress(0.5, window_size=4).score(biased, hs, keys, values, None, {"position_embeddings": (cos, sin)})
-check("a q_proj with a bias: KnormPress goes through, SnapKVPress falls back for 'module'",
+    kvpress.KnormPress(0.5).score(odd, hs, keys, values, None, {"position_embeddings": (cos, sin)})
+    kvpress.SnapKVPress(0.5, window_size=4).score(odd, hs, keys, values, None, {"position_embeddings": (cos, sin)})
+check("a q_proj without a weight: KnormPress goes through, SnapKVPress falls back for 'module'",
       handle.counts() == {"KnormPress": {"calls": 1, "fallbacks": 0, "reasons": {}},
                           "SnapKVPress": {"calls": 0, "fallbacks": 1, "reasons": {"module": 1}}}, str(handle.counts()))
+
+# Qwen2's attention biases and Qwen3's q/k norms: every accelerated press keeps kvpress's sets.
+for family_config, family_model in ((Qwen2Config, Qwen2ForCausalLM), (Qwen3Config, Qwen3ForCausalLM)):
+    torch.manual_seed(3)
+    family = family_model(family_config(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=300, head_dim=16, attn_implementation="sdpa")).eval()
+    # transformers initialises biases to 0 and norm weights to 1, which would hide a dropped bias and
+    # (with RMS-normed keys of equal norms) make KnormPress's scores all ties.
+    with torch.no_grad():
+        for name, tensor in family.named_parameters():
+            if name.endswith(".bias"):
+                tensor.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.uniform_(0.5, 1.5)
+    for name in kvpress_cpp.accelerated_presses():
+        if name == "ObservedAttentionPress":  # needs an eager model; its inputs do not depend on the family
+            continue
+        kw = {"window_size": 16} if name == "SnapKVPress" else {}
+        expected = kept_rows(family, getattr(kvpress, name)(compression_ratio=0.5, **kw))
+        with kvpress_cpp.accelerate() as handle:
+            got = kept_rows(family, getattr(kvpress, name)(compression_ratio=0.5, **kw))
+        check(f"accelerated {name} on {family_model.__name__}: kvpress's kept sets, every call through kvpress-cpp",
+              got == expected and handle.calls == 2 and handle.fallbacks == 0,
+              f"calls {handle.calls}, fallbacks {handle.fallback_reasons}, same sets {got == expected}")
 
 # ---- the wheel -------------------------------------------------------------------------------
 if len(sys.argv) > 1:

@@ -249,7 +249,7 @@ def spy_on(press, reseed: int | None):
     return record
 
 
-def prompt_fixture(out: Path, model, sdpa_model, tok, stories, prompt) -> tuple[dict, dict]:
+def prompt_fixture(out: Path, model, sdpa_model, tok, stories, prompt, presses=PRESSES) -> tuple[dict, dict]:
     name, story, prefix_len, n_question, n_decode = prompt
     ids = token_ids(tok, stories[story])
     assert ids.shape[1] >= prefix_len + n_question, (name, ids.shape)
@@ -276,7 +276,7 @@ def prompt_fixture(out: Path, model, sdpa_model, tok, stories, prompt) -> tuple[
              "decode_steps": n_decode, "file": file, "runs": []}
 
     stats = {"runs": 0}
-    for press_name, params in PRESSES:
+    for press_name, params in presses:
         if not hasattr(kvpress, press_name):
             continue
         kv_params, reseed = split_seed(press_name, params)

@@ -7,6 +7,12 @@
 namespace kvpress::llama {
 
 struct LlamaConfig {
+  // The family, as config.json's model_type: "llama", "mistral", "qwen2" or "qwen3". They share
+  // Llama's computation but for the three switches below.
+  std::string model_type = "llama";
+  bool qkv_bias = false;     // q/k/v projections have biases (Qwen2; Llama and Qwen3 with attention_bias)
+  bool o_proj_bias = false;  // o_proj has a bias (Llama and Qwen3 with attention_bias)
+  bool qk_norm = false;      // per-head RMSNorm of queries and keys before RoPE (Qwen3's q_norm / k_norm)
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -30,10 +36,13 @@ struct LlamaConfig {
   int64_t bos_token_id = -1;  // -1 when the config has none
   int64_t eos_token_id = -1;
 
-  // Parses config.json text. Supports the plain Llama architecture (model_type "llama", or
-  // "mistral" without a sliding window; SiLU MLP, no biases) with RoPE of rope_type "default" (or rope_scaling null),
-  // "linear" or "llama3", rope_theta at the top level or in transformers 5's rope_parameters. Anything else raises
-  // c10::Error "LlamaConfig: <origin>: ..." naming the unsupported field.
+  // Parses config.json text. Supports model_type "llama" (attention_bias allowed, mlp_bias not),
+  // "mistral" without a sliding window, "qwen2" (q/k/v biases) and "qwen3" (q/k norms,
+  // attention_bias allowed), the last two without sliding-window layers; SiLU MLP; RoPE of
+  // rope_type "default" (or rope_scaling null), "linear" or "llama3", rope_theta at the top level
+  // or in transformers 5's rope_parameters. Absent fields take transformers' defaults for the
+  // family (Qwen3's head_dim is 128). Anything else raises c10::Error "LlamaConfig: <origin>: ..."
+  // naming the unsupported field.
   static LlamaConfig from_json(const std::string& json_text, const std::string& origin = "config.json");
 
   // Reads and parses `path` (a config.json file).

@@ -9,10 +9,10 @@
 //   auto next = model.forward(question_ids, cache);                // positions continue at context length
 //
 // The forward pass follows transformers' LlamaForCausalLM (eager attention) operation by operation:
-// embedding, per layer RMSNorm -> q/k/v projections -> RoPE (rotate_half convention, rope_theta)
-// -> cache append -> causal softmax attention (float32 softmax, GQA without repeating K/V) ->
-// o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual, final RMSNorm, lm_head (tied to the
-// embedding when the checkpoint says so). See docs/LLAMA_RUNNER.md.
+// embedding, per layer RMSNorm -> q/k/v projections (with biases: Qwen2) -> per-head q/k RMSNorm
+// (Qwen3) -> RoPE (rotate_half convention, rope_theta) -> cache append -> causal softmax attention (float32 softmax,
+// GQA without repeating K/V) -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual, final RMSNorm, lm_head
+// (tied to the embedding when the checkpoint says so). See docs/LLAMA_RUNNER.md.
 //
 // Thread safety: a LlamaModel is read-only after loading (prefill and forward are const and write
 // only the KVCache, DecodingState and outputs they are given), so one model may serve several
@@ -317,6 +317,9 @@ class LlamaModel {
   at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) const;
   // The layer's output projection weight [hidden, Hq * D].
   const at::Tensor& o_proj(int64_t layer) const;
+  // The layer's output projection of attn [B, n, Hq * D] (heads concatenated), with its bias where
+  // the model has one -> [B, n, hidden].
+  at::Tensor project_output(int64_t layer, const at::Tensor& attn, const LoraAdapter* lora = nullptr) const;
   // The MLP half of a layer: y + MLP(RMSNorm(y)), y [B, n, hidden] the residual after attention.
   at::Tensor layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora = nullptr) const;
   // The rest of the layer: x + o_proj(attn), then the MLP with its residual. attn [B, n, Hq * D]
@@ -332,6 +335,8 @@ class LlamaModel {
   static at::Tensor scaled_inv_freq(const LlamaConfig& config, const at::Tensor& inv_freq);
   struct Layer {
     at::Tensor input_norm, q_proj, k_proj, v_proj, o_proj, post_norm, gate_proj, up_proj, down_proj;
+    at::Tensor q_bias, k_bias, v_bias, o_bias;  // [out] each; undefined where config_ says none
+    at::Tensor q_norm, k_norm;                  // [D] (Qwen3); undefined otherwise
   };
 
   // One forward pass (prefill when `prefill` is given): per layer, the projections, the attention

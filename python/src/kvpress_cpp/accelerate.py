@@ -556,7 +556,8 @@ def _check_needs(press, name: str, inputs: dict, seq: int, hidden_states, rope_r
 
 
 def _projections(press, module) -> dict:
-    """The attention module's projection weights (and Qwen3's q_norm/k_norm), Llama-like modules only."""
+    """The attention module's projection weights and biases (Qwen2's), and Qwen3's q_norm/k_norm,
+    Llama-like modules only."""
     out = {}
     if not hasattr(module, "q_proj") or not hasattr(module, "k_proj"):
         raise Unsupported(press, "module", f"{type(module).__name__} has no q_proj/k_proj")
@@ -564,13 +565,15 @@ def _projections(press, module) -> dict:
         layer = getattr(module, field, None)
         if layer is None:
             continue
-        # Any module computing x W^T alike (nn.Linear, or a class of the same shape): a 2-D weight, no bias.
+        # Any module computing x W^T + b alike (nn.Linear, or a class of the same shape): a 2-D weight.
         weight = getattr(layer, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise Unsupported(press, "module", f"{field} ({type(layer).__name__}) has no 2-D weight")
-        if getattr(layer, "bias", None) is not None:
-            raise Unsupported(press, "module", f"{field} has a bias")
         out[field] = weight
+        bias = getattr(layer, "bias", None)
+        # o_proj's bias is not an input: the presses that read o_proj (kvpress's CriticalKV) read its weight only.
+        if bias is not None and field != "o_proj":
+            out[field[0] + "_bias"] = bias
     for field in ("q_norm", "k_norm"):
         norm = getattr(module, field, None)
         if norm is None:
