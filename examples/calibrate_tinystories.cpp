@@ -107,9 +107,10 @@ int main(int argc, char** argv) {
   }
   try {
     kvpress::make_press(press_name, 0.5);  // fail early on an unknown press
-    const std::string dir = llama::resolve_model_dir("tinystories-656k");
-    const llama::LlamaModel model = llama::LlamaModel::load(dir);
-    const llama::Tokenizer tokenizer = llama::Tokenizer::load(dir + "/tokenizer.json");
+    const llama::Checkpoint checkpoint = llama::load_checkpoint("tinystories-656k");
+    const std::string& dir = checkpoint.path;
+    const llama::LlamaModel& model = checkpoint.model;
+    const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
     if (stories_path.empty()) stories_path = llama::default_stories_path();
     const std::vector<std::string> texts = llama::read_stories(stories_path);
 

@@ -1,7 +1,11 @@
-// kvpress_demo (scripts/demo.sh): kvpress presses in the loop of a real model, TinyStories-656K,
-// run by the kvpress::llama runner. No arguments needed.
+// kvpress_demo (scripts/demo.sh): kvpress presses in the loop of real models, run by the
+// kvpress::llama runner. No arguments needed.
 //
-//   1. A story continuation: the first tokens of a held-out story are prefilled, every layer's
+//   0. SmolLM2-135M-Instruct (its GGUF file, installed by scripts/setup.sh) through its chat template,
+//      as kvpress's pipeline prompts it: a 7-digit code hidden in the middle of about 2,400 tokens of
+//      held-out stories, asked for with the full cache and with presses: answer, whether it holds the
+//      code, the KV cache kept, the time.
+//   1. On TinyStories-656K, a story continuation: the first tokens of a held-out story are prefilled, every layer's
 //      cache is compressed right after its prefill attention (kvpress's protocol), and up to 60
 //      tokens are generated greedily at the original positions; with the full cache and with two presses.
 //   2. The quality table: the protocol of `kvpress-cli eval` (docs/EVAL.md) on the first held-out
@@ -10,7 +14,7 @@
 //      increase over the full cache and the fraction of positions whose argmax is the full
 //      cache's. `kvpress-cli eval` runs the same on all stories (with --json/--csv/--png).
 //
-// Usage: kvpress_demo [--model NAME|DIR] [--text FILE] [--stories N]
+// Usage: kvpress_demo [--model NAME|DIR] [--text FILE] [--stories N]   (--model: parts 1 and 2)
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -20,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvpress/llama/llama.h"
@@ -42,6 +47,84 @@ std::string tail(const std::string& text, size_t max_chars) {
   size_t cut = text.find(' ', text.size() - max_chars);
   if (cut == std::string::npos) cut = text.size() - max_chars;
   return "..." + text.substr(cut);
+}
+
+// Part 0: the needle, and where it goes.
+constexpr const char* kNeedleModel = "smollm2-135m-instruct";
+constexpr const char* kCode = "4829173";
+constexpr size_t kHaystackChars = 7600;  // about 2,400 SmolLM2 tokens
+
+// Held-out stories without digits joined to about kHaystackChars, the code's sentence in the middle.
+std::string haystack(const std::vector<std::string>& stories) {
+  std::vector<std::string> parts;
+  size_t chars = 0;
+  for (const std::string& s : stories) {
+    if (chars >= kHaystackChars) break;
+    if (s.find_first_of("0123456789") != std::string::npos) continue;
+    parts.push_back(s);
+    chars += s.size() + 1;
+  }
+  parts.insert(parts.begin() + static_cast<std::ptrdiff_t>(parts.size() / 2),
+               std::string("The secret code to open the treasure chest is ") + kCode + ". Remember it.");
+  std::string out;
+  for (const std::string& p : parts) out += (out.empty() ? "" : "\n") + p;
+  return out;
+}
+
+// The first line of `text`.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+void needle_demo(const std::vector<std::string>& stories) {
+  // Every core: this model's matrices are large enough for threads to pay off.
+  at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  const auto start = std::chrono::steady_clock::now();
+  const llama::Checkpoint smol = llama::load_checkpoint(kNeedleModel);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const llama::ChatTemplate chat = llama::ChatTemplate::recognize(smol.chat_template, smol.path);
+  const auto& c = smol.model.config();
+  const std::string context = haystack(stories);
+  const std::string question = "What is the secret code to open the treasure chest?";
+  std::printf(
+      "0. SmolLM2-135M-Instruct (%s: %lld layers, %lld query / %lld KV heads, Q4_1 weights dequantised to "
+      "float32 in %.1f s), prompted through its chat template (%s) as kvpress's pipeline does.\n"
+      "   A %zu-character document of held-out stories with one sentence in the middle giving a 7-digit code; "
+      "question: \"%s\"\n\n",
+      smol.path.c_str(), (long long)c.num_layers, (long long)c.num_heads, (long long)c.num_kv_heads, load_s,
+      chat.name().c_str(), context.size(), question.c_str());
+  std::printf("%-44s %-6s %10s %7s  %s\n", "press", "code?", "KV cache", "time", "answer");
+  int64_t prefill_tokens = 0;
+  struct Run {
+    const char* press;
+    double ratio;
+    bool query_aware;
+  };
+  for (const Run& run :
+       {Run{nullptr, 0.0, false}, Run{"KnormPress", 0.25, false}, Run{"StreamingLLMPress", 0.25, false},
+        Run{"SnapKVPress", 0.25, false}, Run{"SnapKVPress", 0.25, true}, Run{"SnapKVPress", 0.5, true},
+        Run{"ExpectedAttentionPress", 0.5, false}}) {
+    const auto press = run.press ? kvpress::make_press(run.press, run.ratio) : nullptr;
+    llama::PipelineOptions options;
+    options.press = press.get();
+    options.chat_template = &chat;
+    options.query_aware = run.query_aware;
+    options.max_new_tokens = 24;
+    const auto t0 = std::chrono::steady_clock::now();
+    const llama::Answer a = llama::answer_questions(smol.model, smol.tokenizer, context, {question}, options)[0];
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    prefill_tokens = a.prefill_length;
+    int64_t tokens = 0;
+    for (int64_t n : a.cache_lengths) tokens += n;
+    const double mib = static_cast<double>(tokens * c.num_kv_heads * c.head_dim * 2 * 4) / (1 << 20);  // K + V, fp32
+    const std::string label = run.press ? std::string(run.press) + " " + std::to_string(run.ratio).substr(0, 4) +
+                                              (run.query_aware ? " (query-aware)" : "")
+                                        : std::string("full cache");
+    std::printf("%-44s %-6s %7.1f MiB %6.1fs  %s\n", label.c_str(),
+                a.text.find(kCode) != std::string::npos ? "yes" : "no", mib, seconds, first_line(a.text).c_str());
+  }
+  std::printf(
+      "\n   (time: the prefill of %lld tokens, its compression and the answer, on %d threads. A press scores "
+      "the cache before it has seen the question unless query-aware: a 135M model then often loses the code.)\n\n",
+      (long long)prefill_tokens, at::get_num_threads());
 }
 
 size_t common_prefix(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
@@ -68,19 +151,23 @@ int main(int argc, char** argv) {
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
-  // One intra-op thread: this model's tensors are too small for threading to pay off.
-  at::set_num_threads(1);
   at::manual_seed(0);  // presses without a seed draw from the global generator
   try {
     const auto start = std::chrono::steady_clock::now();
-    const std::string dir = llama::resolve_model_dir(model_name);
-    const llama::LlamaModel model = llama::LlamaModel::load(dir);
-    const llama::Tokenizer tokenizer = llama::Tokenizer::load(dir + "/tokenizer.json");
     if (text_path.empty()) text_path = llama::default_stories_path();
     const std::vector<std::string> stories = llama::read_stories(text_path);
+    std::printf("kvpress %s demo: presses in the loop of real models (kvpress::llama runner, CPU)\n\n",
+                KVPRESS_VERSION);
+    needle_demo(stories);
+
+    // One intra-op thread: TinyStories-656K's tensors are too small for threading to pay off.
+    at::set_num_threads(1);
+    const llama::Checkpoint checkpoint = llama::load_checkpoint(model_name);
+    const std::string& dir = checkpoint.path;
+    const llama::LlamaModel& model = checkpoint.model;
+    const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
     const auto& c = model.config();
-    std::printf("kvpress %s demo: presses in the loop of TinyStories-656K (kvpress::llama runner)\n", KVPRESS_VERSION);
-    std::printf("model: %s (%lld layers, %lld query / %lld KV heads, head_dim %lld, float32, CPU)\n", dir.c_str(),
+    std::printf("TinyStories-656K: %s (%lld layers, %lld query / %lld KV heads, head_dim %lld, float32)\n", dir.c_str(),
                 (long long)c.num_layers, (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
 
     // ---- 1. story continuation ----------------------------------------------------------------

@@ -106,10 +106,11 @@ int main(int argc, char** argv) {
     // The press first, so that a bad name or parameter fails before any work.
     const auto press = kvpress::make_press(args.press, args.ratio, args.params);
 
-    // 1. Model and tokenizer from a Hugging Face checkpoint folder.
-    const std::string dir = kvpress::llama::resolve_model_dir(args.model);
-    const auto model = kvpress::llama::LlamaModel::load(dir);
-    const auto tokenizer = kvpress::llama::Tokenizer::load(dir + "/tokenizer.json");
+    // 1. Model and tokenizer from a Hugging Face checkpoint folder or a GGUF file.
+    const kvpress::llama::Checkpoint checkpoint = kvpress::llama::load_checkpoint(args.model);
+    const std::string& dir = checkpoint.path;
+    const auto& model = checkpoint.model;
+    const auto& tokenizer = checkpoint.tokenizer;
     const auto& c = model.config();
     std::cout << "model: " << dir << " (" << c.num_layers << " layers, " << c.num_heads << " query / " << c.num_kv_heads
               << " KV heads, head_dim " << c.head_dim << ")\n";

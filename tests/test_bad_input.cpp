@@ -496,21 +496,6 @@ const LlamaModel& model() {
 
 at::Tensor ids(std::vector<int64_t> v) { return at::tensor(at::ArrayRef<int64_t>(v), at::kLong).unsqueeze(0); }
 
-// A temporary folder, removed afterwards, for broken checkpoints.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string templ = "/tmp/kvpress_bad_XXXXXX";
-    path = ::mkdtemp(templ.data());
-  }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-  void write(const std::string& name, const std::string& text) const {
-    std::FILE* f = std::fopen((path + "/" + name).c_str(), "wb");
-    std::fwrite(text.data(), 1, text.size(), f);
-    std::fclose(f);
-  }
-};
-
 std::string read_text(const std::string& path) {
   std::string out;
   if (std::FILE* f = std::fopen(path.c_str(), "rb")) {
@@ -529,7 +514,7 @@ TEST(BadInput, CheckpointsAndTokenizersThatDoNotFit) {
   expect_error([] { llama::resolve_model_dir("no-such-model"); },
                {"resolve_model_dir: no config.json in 'no-such-model'"});
   // A folder whose weights do not match its config, or are cut short.
-  TempDir broken;
+  kvpress::testing::TempDir broken;
   const std::string config = read_text(dir + "/config.json");
   broken.write("config.json", config);
   expect_error([&] { LlamaModel::load(broken.path); },

@@ -8,10 +8,30 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 
 namespace kvpress::testing {
+
+// A temporary folder, removed afterwards (with the C library and rm: std::filesystem may resolve
+// into libtorch's copy, which crashes).
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string templ = "/tmp/kvpress_test_XXXXXX";
+    path = ::mkdtemp(templ.data());
+  }
+  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  void write(const std::string& name, const std::string& text) const {
+    std::FILE* f = std::fopen((path + "/" + name).c_str(), "wb");
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+  }
+};
 
 // Runs `fn`, expects a c10::Error whose message (without backtrace) contains every `parts`.
 inline void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> parts) {

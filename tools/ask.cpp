@@ -7,7 +7,6 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -36,6 +35,7 @@ struct AskArgs {
   int64_t threads = 1;
   std::string json;
   bool quiet = false;
+  bool chat = false;  // prompt through the model's chat template, as kvpress's pipeline does
 };
 
 AskArgs parse_ask_args(const std::vector<std::string>& args) {
@@ -63,6 +63,8 @@ AskArgs parse_ask_args(const std::vector<std::string>& args) {
       out.json = value;
     } else if (a == "--query-aware") {
       out.pipeline.query_aware = true;
+    } else if (a == "--chat") {
+      out.chat = true;
     } else if (a == "--quiet" || a == "-q") {
       out.quiet = true;
     } else {
@@ -86,16 +88,16 @@ std::string read_context(const std::string& path) {
   return context;
 }
 
-// kvpress's pipeline applies a tokenizer's chat template when it has one; answer_questions follows
-// its other branch only, so a model with a template is refused rather than answered differently.
-void refuse_chat_template(const std::string& dir) {
-  const std::filesystem::path config = std::filesystem::path(dir) / "tokenizer_config.json";
-  std::ifstream in(config);
-  if (!in.good()) return;
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(!j.is_discarded(), "ask: ", config.string(), ": not valid JSON");
-  TORCH_CHECK(!j.contains("chat_template") || j["chat_template"].is_null(), "ask: ", config.string(),
-              " has a chat_template; kvpress-cli ask prompts as kvpress's pipeline does for models without one");
+// kvpress's pipeline applies a tokenizer's chat template when it has one, so a model with one is
+// prompted through it, which --chat asks for (rather than answered differently without a word).
+std::optional<llama::ChatTemplate> chat_template(const llama::Checkpoint& checkpoint, bool chat) {
+  if (!chat) {
+    TORCH_CHECK(checkpoint.chat_template.empty(), "ask: ", checkpoint.path,
+                " has a chat template, which kvpress's pipeline prompts through: pass --chat");
+    return std::nullopt;
+  }
+  TORCH_CHECK(!checkpoint.chat_template.empty(), "ask: --chat: ", checkpoint.path, " has no chat template");
+  return llama::ChatTemplate::recognize(checkpoint.chat_template, checkpoint.path);
 }
 
 }  // namespace
@@ -107,17 +109,19 @@ int run_ask(const std::vector<std::string>& argv) {
   args.pipeline.press = press.get();
   const std::string context = read_context(args.context_file);
   at::set_num_threads(static_cast<int>(args.threads));
-  const std::string dir = llama::resolve_model_dir(args.model);
-  refuse_chat_template(dir);
-  const llama::LlamaModel model = llama::LlamaModel::load(dir);
-  const llama::Tokenizer tokenizer = llama::Tokenizer::load(dir + "/tokenizer.json");
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  const std::string& dir = checkpoint.path;
+  const std::optional<llama::ChatTemplate> chat = chat_template(checkpoint, args.chat);
+  args.pipeline.chat_template = chat ? &*chat : nullptr;
+  const llama::LlamaModel& model = checkpoint.model;
+  const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
   const std::vector<llama::Answer> answers =
       llama::answer_questions(model, tokenizer, context, args.questions, args.pipeline);
 
   if (!args.quiet) {
-    fmt::print("model: {}; press: {}{}\n", dir,
+    fmt::print("model: {}; press: {}{}{}\n", dir,
                press ? fmt::format("{} (compression_ratio {})", press->name(), args.press.ratio.value_or(0.0)) : "none",
-               args.pipeline.query_aware ? "; query-aware" : "");
+               args.pipeline.query_aware ? "; query-aware" : "", chat ? "; chat template " + chat->name() : "");
     for (size_t i = 0; i < answers.size(); ++i) {
       const llama::Answer& a = answers[i];
       fmt::print("[{}] Q: {}\n    A: {}\n    ({} tokens prefilled; cache after compression, per layer: {})\n", i,
@@ -131,6 +135,7 @@ int run_ask(const std::vector<std::string>& argv) {
     j["compression_ratio"] = args.press.ratio ? nlohmann::json(*args.press.ratio) : nlohmann::json(nullptr);
     j["params"] = args.press.params;
     j["query_aware"] = args.pipeline.query_aware;
+    j["chat_template"] = chat ? nlohmann::json(chat->name()) : nlohmann::json(nullptr);
     j["max_new_tokens"] = args.pipeline.max_new_tokens;
     nlohmann::json items = nlohmann::json::array();
     for (size_t i = 0; i < answers.size(); ++i) {

@@ -334,9 +334,10 @@ Evaluation evaluate(const EvalArgs& args) {
   e.text_path = args.text.empty() ? llama::default_stories_path() : args.text;
   const std::vector<std::string> texts = llama::read_stories(e.text_path);
   TORCH_CHECK(!texts.empty(), "--text ", e.text_path, ": no stories (stories are separated by <|endoftext|> lines)");
-  e.model_dir = llama::resolve_model_dir(args.model);
-  const llama::LlamaModel model = llama::LlamaModel::load(e.model_dir);
-  const llama::Tokenizer tokenizer = llama::Tokenizer::load(e.model_dir + "/tokenizer.json");
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  e.model_dir = checkpoint.path;
+  const llama::LlamaModel& model = checkpoint.model;
+  const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
   e.stories = select_stories(args, texts, tokenizer, e.skipped);
   TORCH_CHECK(!e.stories.empty(), "--text ", e.text_path, ": no story is long enough for the prefix (",
               args.prefix_tokens > 0 ? fmt::format("{} tokens", args.prefix_tokens)

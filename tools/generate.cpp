@@ -40,6 +40,7 @@ struct GenerateArgs {
   int64_t threads = 1;
   std::string json;
   bool quiet = false;
+  bool chat = false;  // each prompt as a user message through the model's chat template
 };
 
 GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
@@ -72,6 +73,8 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
       out.paged = true;
     } else if (a == "--no-stop-at-eos") {
       out.stop_at_eos = false;
+    } else if (a == "--chat") {
+      out.chat = true;
     } else if (a == "--quiet" || a == "-q") {
       out.quiet = true;
     } else {
@@ -145,11 +148,20 @@ int run_generate(const std::vector<std::string>& argv) {
     for (std::string& p : read_prompt_lines(args.prompts_file)) args.prompts.push_back(std::move(p));
   }
   at::set_num_threads(static_cast<int>(args.threads));
-  const std::string dir = llama::resolve_model_dir(args.model);
-  const llama::LlamaModel model = llama::LlamaModel::load(dir);
-  const llama::Tokenizer tokenizer = llama::Tokenizer::load(dir + "/tokenizer.json");
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  const std::string& dir = checkpoint.path;
+  const llama::LlamaModel& model = checkpoint.model;
+  const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
   std::vector<std::vector<int64_t>> prompts;
-  for (const std::string& text : args.prompts) prompts.push_back(tokenizer.encode(text));
+  if (args.chat) {
+    // As apply_chat_template(..., add_generation_prompt=True): the template's text, no BOS added.
+    TORCH_CHECK(!checkpoint.chat_template.empty(), "generate: --chat: ", dir, " has no chat template");
+    const llama::ChatTemplate chat = llama::ChatTemplate::recognize(checkpoint.chat_template, dir);
+    for (const std::string& text : args.prompts)
+      prompts.push_back(tokenizer.encode(chat.apply({{"user", text}}, /*add_generation_prompt=*/true), false));
+  } else {
+    for (const std::string& text : args.prompts) prompts.push_back(tokenizer.encode(text));
+  }
 
   std::vector<llama::Generation> generations;
   std::optional<llama::PagedGenerationStats> stats;

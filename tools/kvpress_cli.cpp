@@ -79,9 +79,9 @@ Usage:
   kvpress-cli generate (--prompts FILE | --prompt TEXT ...) [--press NAME --ratio R
                    [--param KEY=VALUE ...]] [--max-new-tokens N] [--model DIR] [--paged
                    [--page-size P] [--pages-per-layer N] [--max-batch B]] [--no-stop-at-eos]
-                   [--threads N] [--json OUT] [--quiet]
+                   [--chat] [--threads N] [--json OUT] [--quiet]
   kvpress-cli ask --context FILE --question Q [--question Q ...] [--press NAME --ratio R
-                   [--param KEY=VALUE ...]] [--query-aware] [--max-new-tokens N]
+                   [--param KEY=VALUE ...]] [--query-aware] [--chat] [--max-new-tokens N]
                    [--answer-prefix TEXT] [--max-context-length N] [--model DIR] [--threads N]
                    [--json OUT] [--quiet]
   kvpress-cli list [--names | --json]
@@ -116,7 +116,7 @@ calibrate options (largest ratio whose attention output stays within a tolerance
   --json OUT               also write the result and every evaluation as JSON
 
 eval options (perplexity under compression with the kvpress::llama runner):
-  --model NAME|DIR         checkpoint folder or model name (default tinystories-656k)
+  --model NAME|DIR         checkpoint folder, .gguf file or model name (default tinystories-656k)
   --text FILE              stories separated by <|endoftext|> lines (default: the bundled
                            tinystories_valid_100.txt)
   --press NAME             a press to evaluate (repeatable; default: every registry press)
@@ -141,7 +141,7 @@ generate options (greedy continuations with the kvpress::llama runner):
   --press NAME, --ratio R  the press and its ratio (decoding presses: their own budget,
                            --ratio optional); --param KEY=VALUE as for compress
   --max-new-tokens N       tokens generated per prompt (default 32)
-  --model NAME|DIR         checkpoint folder or model name (default tinystories-656k)
+  --model NAME|DIR         checkpoint folder, .gguf file or model name (default tinystories-656k)
   --paged                  continuous batching over one paged KV cache: prompts run together,
                            each compressed while its pages are written; a finished prompt's
                            pages go to the next one; prints the pool's figures
@@ -149,6 +149,8 @@ generate options (greedy continuations with the kvpress::llama runner):
   --pages-per-layer N      pool size per layer (default: max-batch prompts' worst case)
   --max-batch B            sequences running at once (default 8)
   --no-stop-at-eos         generate N tokens even after the end-of-story token
+  --chat                   each prompt as a user message through the model's chat template
+                           (the generation prompt after it; no BOS added)
   --threads N              intra-op threads (default 1)
   --json OUT               prompts, tokens, texts, cache lengths and the pool's figures
   --quiet, -q              print nothing (with --json)
@@ -161,10 +163,14 @@ ask options (kvpress's KVPressTextGenerationPipeline: compress once, answer each
                            (a decoding press takes one question)
   --query-aware            compress each question's own prefill of context + question (the
                            press sees the question; FinchPress needs it)
+  --chat                   prompt through the model's chat template, as kvpress's pipeline
+                           does (required for a model that has one): the context in a user
+                           message, each question ending it before the generation prompt
   --max-new-tokens N       tokens per answer (default 50, kvpress's)
   --answer-prefix TEXT     text after each question's newline, before the answer
   --max-context-length N   cut the prefill to its first N tokens
-  --model NAME|DIR         checkpoint folder or model name (default tinystories-656k)
+  --model NAME|DIR         checkpoint folder, .gguf file or model name (default tinystories-656k;
+                           smollm2-135m-instruct: SmolLM2, installed by scripts/setup.sh)
   --threads N              intra-op threads (default 1)
   --json OUT               questions, answers, tokens and cache lengths
   --quiet, -q              print nothing (with --json)

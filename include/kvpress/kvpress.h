@@ -4,6 +4,7 @@
 #include "kvpress/cache.h"
 #include "kvpress/calibration.h"
 #include "kvpress/io/atomic_file.h"
+#include "kvpress/io/gguf.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/lora.h"
 #include "kvpress/ops.h"

@@ -1,19 +1,15 @@
-// config.json -> LlamaConfig, and where model folders are found.
+// config.json -> LlamaConfig.
 #include "kvpress/llama/config.h"
 
 #include <c10/util/Exception.h>
-#include <sys/stat.h>
 #include <nlohmann/json.hpp>
 
 #include "io/json_text.h"
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <fstream>
 #include <sstream>
-
-#include "kvpress/llama/model.h"
 
 namespace kvpress::llama {
 namespace {
@@ -24,11 +20,6 @@ std::string read_text_file(const std::string& path, const char* who) {
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-bool is_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 }  // namespace
@@ -176,19 +167,5 @@ LlamaConfig LlamaConfig::from_json(const std::string& json_text, const std::stri
 }
 
 LlamaConfig LlamaConfig::load(const std::string& path) { return from_json(read_text_file(path, "LlamaConfig"), path); }
-
-std::string default_models_dir() {
-  if (const char* env = std::getenv("KVPRESS_MODELS"); env && *env) return env;
-  return KVPRESS_LLAMA_DEFAULT_MODELS_DIR;
-}
-
-std::string resolve_model_dir(const std::string& name_or_path) {
-  TORCH_CHECK(!name_or_path.empty(), "resolve_model_dir: empty model name");
-  if (is_file(name_or_path + "/config.json")) return name_or_path;
-  const std::string candidate = default_models_dir() + "/" + name_or_path;
-  if (is_file(candidate + "/config.json")) return candidate;
-  TORCH_CHECK(false, "resolve_model_dir: no config.json in '", name_or_path, "' nor in '", candidate,
-              "' (set KVPRESS_MODELS to the folder holding the models, or pass a model folder)");
-}
 
 }  // namespace kvpress::llama

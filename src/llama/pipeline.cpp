@@ -15,8 +15,20 @@ namespace kvpress::llama {
 namespace {
 
 constexpr const char* kOp = "answer_questions";
-// What kvpress's pipeline puts after each question when the tokenizer has no chat template.
-constexpr const char* kQuestionSuffix = "\n";
+// kvpress's preprocess of a context text: the prefill's text and what follows each question.
+struct Framed {
+  std::string prefill, question_suffix;
+};
+Framed frame(const std::string& text, const std::string& bos_text, const ChatTemplate* chat) {
+  if (chat == nullptr) return {bos_text + text, "\n"};  // the tokenizer has no chat template
+  // A user message of the text and a separator no text contains, rendered, split at the separator.
+  const std::string separator(text.size() + 10, '#');
+  const std::string rendered = chat->apply({{"user", text + separator}}, /*add_generation_prompt=*/true);
+  const size_t at = rendered.find(separator);
+  TORCH_CHECK(at != std::string::npos && rendered.find(separator, at + 1) == std::string::npos, kOp,
+              ": the chat template ", chat->name(), " must render the user message once");
+  return {rendered.substr(0, at), rendered.substr(at + separator.size())};
+}
 
 struct Prefilled {
   KVCache cache;
@@ -68,11 +80,13 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   TORCH_CHECK(!observes_question || options.query_aware, kOp, ": ", press ? press->name() : std::string(),
               " observes the question: set query_aware (kvpress: the question after its delimiter token in the "
               "context)");
+  const ChatTemplate* chat = options.chat_template;
+  TORCH_CHECK(chat == nullptr || !observes_question, kOp, ": ", press ? press->name() : std::string(),
+              " observes the question, which is not supported with a chat template yet");
   const int64_t bos = model.config().bos_token_id;
-  TORCH_CHECK(bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
-  const std::string bos_text = tokenizer.id_to_token(bos);
+  TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
+  const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();
   const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
-  const std::vector<int64_t> answer_start = encode(std::string(kQuestionSuffix) + options.answer_prefix);
 
   // Each question's answer over `p`'s cache, which is cut back to the prefill afterwards.
   const auto answer = [&](Prefilled& p, const std::vector<int64_t>& question_ids) {
@@ -97,9 +111,10 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
 
   std::vector<Answer> answers;
   if (!options.query_aware) {
-    Prefilled p = prefill(model, tokenizer, encode(bos_text + context), 0, options);
+    const Framed framed = frame(context, bos_text, chat);
+    Prefilled p = prefill(model, tokenizer, encode(framed.prefill), 0, options);
     for (const std::string& q : questions) {
-      std::vector<int64_t> ids = encode(q + kQuestionSuffix + options.answer_prefix);
+      std::vector<int64_t> ids = encode(q + framed.question_suffix + options.answer_prefix);
       answers.push_back(answer(p, ids));
     }
     return answers;
@@ -107,6 +122,7 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   for (const std::string& q : questions) {
     std::vector<int64_t> ids;
     int64_t question_length = 0;
+    Framed framed{"", "\n"};
     if (observes_question) {
       // kvpress's delimiter token splits the text, so the question is tokenized on its own.
       ids = encode(bos_text + context);
@@ -114,10 +130,11 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
       ids.insert(ids.end(), question_ids.begin(), question_ids.end());
       question_length = static_cast<int64_t>(question_ids.size());
     } else {
-      ids = encode(bos_text + context + q);  // kvpress's evaluation: one text
+      framed = frame(context + q, bos_text, chat);  // kvpress's evaluation: one text, an empty question
+      ids = encode(framed.prefill);
     }
     Prefilled p = prefill(model, tokenizer, std::move(ids), question_length, options);
-    answers.push_back(answer(p, answer_start));
+    answers.push_back(answer(p, encode(framed.question_suffix + options.answer_prefix)));
   }
   return answers;
 }

@@ -282,8 +282,9 @@ struct Tokenizer::Impl {
           continue;
         }
       }
-      TORCH_CHECK(unk_id >= 0, "Tokenizer: ", origin, ": character '", ch,
-                  "' is not in the vocabulary and the model has no unk_token");
+      // No unk_token: tokenizers drops the character (a byte-level vocabulary without the bytes
+      // that valid UTF-8 of assigned code points never has, e.g. SmolLM2's).
+      if (unk_id < 0) continue;
       if (pending_unk && !fuse_unk) add(unk_id);
       pending_unk = true;
     }

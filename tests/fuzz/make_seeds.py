@@ -239,6 +239,80 @@ def make_press_seeds(cli):
         write("make_press", "nested_" + name + ".txt", text)
 
 
+# ---- gguf ----------------------------------------------------------------------------------------
+
+GGUF_VALUE = {"u8": (0, "<B"), "i8": (1, "<b"), "u16": (2, "<H"), "i16": (3, "<h"), "u32": (4, "<I"),
+              "i32": (5, "<i"), "f32": (6, "<f"), "bool": (7, "<?"), "u64": (10, "<Q"), "i64": (11, "<q"),
+              "f64": (12, "<d")}
+# ggml type: (code, values per block, bytes per block)
+GGML_TYPES = {"F32": (0, 1, 4), "F16": (1, 1, 2), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
+              "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+              "Q6_K": (14, 256, 210), "BF16": (30, 1, 2), "IQ2_XXS": (16, 256, 66)}
+
+
+def gguf_string(text):
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def gguf_value(kind, value):
+    """(type code, bytes) of a metadata value: kind is a GGUF_VALUE key, "str", or ("arr", kind)."""
+    if kind == "str":
+        return 8, gguf_string(value)
+    if isinstance(kind, tuple):
+        element = kind[1]
+        code = 8 if element == "str" else 9 if isinstance(element, tuple) else GGUF_VALUE[element][0]
+        return 9, struct.pack("<IQ", code, len(value)) + b"".join(gguf_value(element, v)[1] for v in value)
+    code, fmt = GGUF_VALUE[kind]
+    return code, struct.pack(fmt, value)
+
+
+def gguf_bytes(metadata, tensors, alignment=32):
+    """metadata: [(key, kind, value)]; tensors: [(name, dims (GGUF order: contiguous first), type name)],
+    each filled with a deterministic byte pattern whose float16 scales stay finite."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
+    for key, kind, value in metadata:
+        code, data = gguf_value(kind, value)
+        out += gguf_string(key) + struct.pack("<I", code) + data
+    offset, payloads = 0, []
+    for name, dims, type_name in tensors:
+        code, block, block_bytes = GGML_TYPES[type_name]
+        count = 1
+        for d in dims:
+            count *= d
+        size = count // block * block_bytes
+        out += gguf_string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", code, offset)
+        payload = bytes((i * 37 + 11) % 251 & 0x3B for i in range(size))  # exponent bits cleared: finite halves
+        payloads.append(payload + b"\0" * (-size % alignment))
+        offset += len(payloads[-1])
+    out += b"\0" * (-len(out) % alignment)
+    return out + b"".join(payloads)
+
+
+def gguf_seeds():
+    tiny_llama = [
+        ("general.architecture", "str", "llama"), ("general.alignment", "u32", 32),
+        ("llama.block_count", "u32", 1), ("llama.embedding_length", "u32", 64), ("llama.feed_forward_length", "u32", 128),
+        ("llama.attention.head_count", "u32", 2), ("llama.attention.head_count_kv", "u32", 1),
+        ("llama.rope.freq_base", "f32", 10000.0), ("llama.attention.layer_norm_rms_epsilon", "f32", 1e-5),
+        ("tokenizer.ggml.model", "str", "gpt2"), ("tokenizer.ggml.pre", "str", "smollm"),
+        ("tokenizer.ggml.tokens", ("arr", "str"), ["a", "b", "ab", "<|endoftext|>"]),
+        ("tokenizer.ggml.token_type", ("arr", "i32"), [1, 1, 1, 3]),
+        ("tokenizer.ggml.merges", ("arr", "str"), ["a b"]), ("tokenizer.ggml.bos_token_id", "u32", 3),
+        ("tokenizer.ggml.add_bos_token", "bool", False), ("tokenizer.chat_template", "str", "{{ messages }}"),
+    ]
+    write("gguf", "tiny_llama.gguf", gguf_bytes(tiny_llama, [
+        ("token_embd.weight", [64, 4], "Q8_0"), ("blk.0.attn_q.weight", [64, 64], "Q4_1"),
+        ("blk.0.attn_norm.weight", [64], "F32"), ("output_norm.weight", [64], "F16")]))
+    write("gguf", "every_type.gguf", gguf_bytes([], [(name, [256, 2], name) for name in GGML_TYPES]))
+    every_value = [("k." + kind, kind, 1) for kind in GGUF_VALUE if kind not in ("f32", "f64", "bool")]
+    every_value += [("k.f32", "f32", 0.5), ("k.f64", "f64", -2.0), ("k.bool", "bool", True), ("k.str", "str", "x"),
+                    ("k.nested", ("arr", ("arr", "u8")), [[1, 2], [3]]), ("k.empty", ("arr", "str"), [])]
+    write("gguf", "every_value.gguf", gguf_bytes(every_value, []))
+    write("gguf", "aligned_64.gguf", gguf_bytes([("general.alignment", "u32", 64)], [("t", [32, 3], "Q4_0")], 64))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", nargs="?",
@@ -248,4 +322,5 @@ if __name__ == "__main__":
     safetensors_seeds(args.model_dir)
     tokenizer_seeds(args.model_dir)
     config_seeds(args.model_dir)
+    gguf_seeds()
     make_press_seeds(args.cli)

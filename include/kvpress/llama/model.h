@@ -52,8 +52,10 @@ class Tokenizer;  // kvpress/llama/tokenizer.h
 // Where models live: $KVPRESS_MODELS when set, else <source tree>/../shared/models.
 std::string default_models_dir();
 
-// A checkpoint folder from a path (any folder holding config.json) or a model name looked up in
-// default_models_dir() (e.g. "tinystories-656k"). Raises c10::Error listing where it looked.
+// A Hugging Face checkpoint folder from a path (any folder holding config.json) or a model name
+// looked up in default_models_dir() (e.g. "tinystories-656k"), then in user_models_dir()
+// (kvpress/llama/checkpoint.h, whose resolve_model also finds GGUF files). Raises c10::Error listing
+// where it looked.
 std::string resolve_model_dir(const std::string& name_or_path);
 
 // ---- KV cache ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-// Question answering over a compressed context, as kvpress's KVPressTextGenerationPipeline does
-// (for models without a chat template): the context is prefilled once and compressed by the press,
+// Question answering over a compressed context, as kvpress's KVPressTextGenerationPipeline does:
+// the context is prefilled once and compressed by the press,
 // then each question runs over the same compressed cache and is answered greedily, the cache cut
 // back to the compressed context between questions. Query-aware: each question is prefilled with
 // the context instead, so the press sees it (kvpress's evaluation: context + question as one
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/llama/chat.h"
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/tokenizer.h"
 
@@ -25,6 +26,9 @@ struct PipelineOptions {
   std::string answer_prefix;       // text after each question's "\n", before the answer
   int64_t max_context_length = 0;  // > 0: the context's tokens (BOS included) are cut to this many
   bool query_aware = false;        // compress each question's own prefill of context + question
+  // The model's chat template (kvpress's pipeline uses the tokenizer's when it has one): the context
+  // is the content of one user message and each question continues it. nullptr: the plain prompt.
+  const ChatTemplate* chat_template = nullptr;
 };
 
 struct Answer {
@@ -34,12 +38,16 @@ struct Answer {
   std::vector<int64_t> cache_lengths;  // per layer, after the prefill's compression
 };
 
-// One answer per question, in order. Tokenization (kvpress's, without a chat template): the
-// prefill is "<bos>" + context (+ question when query-aware), each question is followed by "\n" +
-// answer_prefix, all encoded without adding special tokens. A DecodingPress (or a
+// One answer per question, in order. Tokenization (kvpress's preprocess): without a chat template,
+// the prefill is "<bos>" + context (+ question when query-aware) and each question is followed by
+// "\n" + answer_prefix; with one, the template renders a user message of context + a separator
+// ("#" x (len + 10)) with the generation prompt, the text before the separator is the prefill and
+// the text after it follows each question (before answer_prefix), e.g. SmolLM2's
+// "<|im_end|>\n<|im_start|>assistant\n". All is encoded without adding special tokens. A DecodingPress (or a
 // PrefillDecodingPress) takes a single question, as in kvpress; a press that observes the question
-// (BasePress::observes_question(): FinchPress) requires query_aware. Raises c10::Error on an empty
-// question list, a model config without bos_token_id, or options out of range.
+// (BasePress::observes_question(): FinchPress) requires query_aware, and no chat template (not
+// supported yet). Raises c10::Error on an empty question list, a model config without bos_token_id
+// (without a chat template), or options out of range.
 std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& tokenizer, const std::string& context,
                                      const std::vector<std::string>& questions, const PipelineOptions& options = {});
 

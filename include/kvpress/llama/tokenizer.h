@@ -12,7 +12,8 @@
 //                   Digits and ByteLevel (add_prefix_space, use_regex), or none (each normalized
 //                   piece is one BPE "word", spaces included)
 //   model           BPE: merges applied by rank (lowest first, leftmost on equal rank), byte_fallback
-//                   to <0xXX> tokens when the vocabulary has them (else <unk>), fuse_unk,
+//                   to <0xXX> tokens when the vocabulary has them (else <unk>; a character outside
+//                   a vocabulary without unk_token is dropped, as tokenizers drops it), fuse_unk,
 //                   ignore_merges
 //   added tokens    matched leftmost-longest, before normalization for normalized=false tokens and
 //                   in the normalized text (against their normalized form) for normalized=true ones
