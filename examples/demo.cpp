@@ -80,7 +80,7 @@ void needle_demo(const std::vector<std::string>& stories) {
   const auto start = std::chrono::steady_clock::now();
   const llama::Checkpoint smol = llama::load_checkpoint(kNeedleModel);
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const llama::ChatTemplate chat = llama::ChatTemplate::recognize(smol.chat_template, smol.path);
+  const llama::ChatTemplate chat = llama::chat_template_of(smol);
   const auto& c = smol.model.config();
   const std::string context = haystack(stories);
   const std::string question = "What is the secret code to open the treasure chest?";

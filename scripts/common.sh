@@ -78,6 +78,7 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_cam_fixtures.py" --out "$build/fixtures/cam"
   "$python" "$root/tests/reference/make_pipeline_fixtures.py" --out "$build/fixtures/pipeline"
   "$python" "$root/tests/reference/make_tokenizer_fixtures.py" --out "$build/fixtures/tokenizers"
+  "$python" "$root/tests/reference/make_chat_fixtures.py" --out "$build/fixtures/chat"  # after tokenizers: uses them
   "$python" "$root/tests/reference/make_architecture_fixtures.py" --out "$build/fixtures/architectures"
   "$python" "$root/tests/reference/make_family_fixtures.py" --out "$build/fixtures/families"
   "$python" "$root/tests/reference/make_gguf_fixtures.py" --out "$build/fixtures/gguf" \

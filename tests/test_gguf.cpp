@@ -283,7 +283,7 @@ TEST(GgufParity, SmolLM2LogitsAndTokenizer) {
 TEST(GgufParity, SmolLM2ChatTemplate) {
   REQUIRE_GGUF_FIXTURES();
   const kvpress::llama::Checkpoint& ckpt = smollm2();
-  const auto chat = kvpress::llama::ChatTemplate::recognize(ckpt.chat_template, ckpt.path);
+  const auto chat = kvpress::llama::chat_template_of(ckpt);
   EXPECT_EQ(chat.name(), "smollm2");
   int n = 0;
   for (const auto& c : read_json(fx.dir + "/smollm2/chat_cases.json")) {
@@ -296,7 +296,8 @@ TEST(GgufParity, SmolLM2ChatTemplate) {
   }
   EXPECT_EQ(n, 12);
   expect_error([&] { kvpress::llama::ChatTemplate::recognize(ckpt.chat_template + " ", "x"); },
-               {"ChatTemplate::recognize: x: its chat template is not one this library renders (smollm2)"});
+               {"ChatTemplate::recognize: x: its chat template is not one this library renders (smollm2, qwen2.5, "
+                "qwen3, llama3, llama3.1, llama3.2)"});
   expect_error([&] { kvpress::llama::ChatTemplate::recognize("", "x"); },
                {"ChatTemplate::recognize: x has no chat template"});
 }
@@ -305,7 +306,7 @@ TEST(GgufParity, SmolLM2ChatTemplate) {
 TEST(GgufParity, SmolLM2PipelineWithChatTemplateMatchesKvpress) {
   REQUIRE_GGUF_FIXTURES();
   const kvpress::llama::Checkpoint& ckpt = smollm2();
-  const auto chat = kvpress::llama::ChatTemplate::recognize(ckpt.chat_template, ckpt.path);
+  const auto chat = kvpress::llama::chat_template_of(ckpt);
   const json p = read_json(fx.dir + "/smollm2/pipeline.json");
   const auto questions = p.at("questions").get<std::vector<std::string>>();
   for (const auto& c : p.at("cases")) {

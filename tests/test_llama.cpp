@@ -414,6 +414,71 @@ TEST(Llama, PrefillCompressesInPlace) {
   }
 }
 
+// One prefill compressed by many presses (LlamaModel::capture_prefill / compress_captured, what
+// kvpress-cli bench uses): for every registry press a captured prefill can serve, the same cache as
+// prefill() with that press (kept tokens, their order, the next position, the stored layout and what
+// later tokens read); for the others, an error saying why.
+TEST(Llama, CapturedPrefillCompressesAsPrefillDoes) {
+  const LlamaModel& model = tiny_model();
+  const auto& c = model.config();
+  const std::vector<int64_t> ids = tiny_tokenizer().encode(kStory);
+  const int64_t s = static_cast<int64_t>(ids.size()) - 2;
+  ASSERT_GT(s, 64);  // SnapKVPress's window
+  const at::Tensor prompt = ids_tensor(std::vector<int64_t>(ids.begin(), ids.begin() + s));
+  const at::Tensor next = ids_tensor({ids[s], ids[s + 1]});
+  const kvpress::llama::CapturedPrefill captured = model.capture_prefill(prompt);
+  ASSERT_EQ(static_cast<int64_t>(captured.layers.size()), c.num_layers);
+  EXPECT_EQ(captured.cache.position(), s);
+  int served = 0, refused = 0;
+  for (const kvpress::PressInfo& info : kvpress::list_presses()) {
+    for (const auto layout : {PrefillOptions::RaggedLayout::kPacked, PrefillOptions::RaggedLayout::kMasked}) {
+      SCOPED_TRACE(info.name + (layout == PrefillOptions::RaggedLayout::kMasked ? " (masked)" : ""));
+      const auto press =
+          kvpress::make_press(info.name, kvpress::ratio_for(info, 0.5),
+                              kvpress::testing::runnable_params(
+                                  info, {c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size}, ""));
+      if (layout == PrefillOptions::RaggedLayout::kMasked && !press->head_ragged()) continue;
+      PrefillOptions opt;
+      opt.press = press.get();
+      opt.ragged_layout = layout;
+      const std::string why = LlamaModel::why_not_captured(press.get(), opt.press_attentions);
+      if (!why.empty()) {
+        ++refused;
+        expect_error([&] { model.compress_captured(captured, opt); }, {"LlamaModel::compress_captured: ", why});
+        continue;
+      }
+      ++served;
+      at::manual_seed(0);  // RandomPress and unseeded LeverageScorePress draw from the global generator
+      KVCache expected = model.new_cache();
+      opt.tokenizer = &tiny_tokenizer();
+      const auto direct = model.prefill(prompt, expected, opt);
+      at::manual_seed(0);
+      kvpress::llama::ForwardOutput out;
+      KVCache cache = model.compress_captured(captured, opt, &out);
+      EXPECT_EQ(cache.position(), expected.position());
+      ASSERT_EQ(out.kept_indices.size(), direct.kept_indices.size());
+      ASSERT_EQ(out.keep_masks.size(), direct.keep_masks.size());
+      for (size_t l = 0; l < out.kept_indices.size(); ++l)
+        EXPECT_TRUE(at::equal(out.kept_indices[l], direct.kept_indices[l]));
+      for (size_t l = 0; l < out.keep_masks.size(); ++l)
+        EXPECT_TRUE(at::equal(out.keep_masks[l], direct.keep_masks[l]));
+      for (int64_t l = 0; l < c.num_layers; ++l) {
+        ASSERT_EQ(cache.is_ragged(l), expected.is_ragged(l)) << "layer " << l;
+        EXPECT_EQ(cache.length(l), expected.length(l)) << "layer " << l;
+        if (!cache.is_ragged(l)) {
+          EXPECT_TRUE(at::equal(cache.keys(l), expected.keys(l))) << "layer " << l;
+          EXPECT_TRUE(at::equal(cache.values(l), expected.values(l))) << "layer " << l;
+        }
+      }
+      EXPECT_TRUE(at::equal(model.forward(next, cache).logits, model.forward(next, expected).logits));
+    }
+  }
+  // The capture itself is untouched: every layer still holds the whole prompt.
+  for (int64_t l = 0; l < c.num_layers; ++l) EXPECT_EQ(captured.cache.length(l), s);
+  EXPECT_GT(served, 40);
+  EXPECT_GT(refused, 3);  // KVzip's family and KVCompose (second pass), DMSPress, FinchPress, ObservedAttentionPress
+}
+
 // kvpress-cli eval's protocol (include/kvpress/llama/eval.h); its parity with kvpress is
 // tests/cli/test_eval_parity.py.
 TEST(Llama, ScoreContinuation) {

@@ -96,8 +96,7 @@ std::optional<llama::ChatTemplate> chat_template(const llama::Checkpoint& checkp
                 " has a chat template, which kvpress's pipeline prompts through: pass --chat");
     return std::nullopt;
   }
-  TORCH_CHECK(!checkpoint.chat_template.empty(), "ask: --chat: ", checkpoint.path, " has no chat template");
-  return llama::ChatTemplate::recognize(checkpoint.chat_template, checkpoint.path);
+  return llama::chat_template_of(checkpoint);
 }
 
 }  // namespace

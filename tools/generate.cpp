@@ -155,8 +155,7 @@ int run_generate(const std::vector<std::string>& argv) {
   std::vector<std::vector<int64_t>> prompts;
   if (args.chat) {
     // As apply_chat_template(..., add_generation_prompt=True): the template's text, no BOS added.
-    TORCH_CHECK(!checkpoint.chat_template.empty(), "generate: --chat: ", dir, " has no chat template");
-    const llama::ChatTemplate chat = llama::ChatTemplate::recognize(checkpoint.chat_template, dir);
+    const llama::ChatTemplate chat = llama::chat_template_of(checkpoint);
     for (const std::string& text : args.prompts)
       prompts.push_back(tokenizer.encode(chat.apply({{"user", text}}, /*add_generation_prompt=*/true), false));
   } else {

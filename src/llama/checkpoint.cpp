@@ -132,4 +132,10 @@ Checkpoint load_checkpoint(const std::string& name_or_path, at::ScalarType dtype
                     folder_chat_template(path)};
 }
 
+ChatTemplate chat_template_of(const Checkpoint& checkpoint) {
+  const int64_t bos = checkpoint.model.config().bos_token_id;
+  const std::string bos_token = bos >= 0 ? checkpoint.tokenizer.id_to_token(bos) : std::string();
+  return ChatTemplate::recognize(checkpoint.chat_template, checkpoint.path, bos_token);
+}
+
 }  // namespace kvpress::llama

@@ -468,12 +468,57 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   return run(input_ids, cache, options, &options);
 }
 
+CapturedPrefill LlamaModel::capture_prefill(const at::Tensor& input_ids, const ForwardOptions& options) const {
+  ForwardOptions plain = options;  // no decoding press: a prefill has none
+  plain.decoding_press = nullptr;
+  plain.decoding_state = nullptr;
+  plain.dms_press = nullptr;
+  plain.dms_window = nullptr;
+  PrefillOptions no_press;
+  static_cast<ForwardOptions&>(no_press) = plain;
+  CapturedPrefill captured;
+  captured.cache = new_cache();
+  captured.layers.reserve(static_cast<size_t>(config_.num_layers));
+  captured.logits = run(input_ids, captured.cache, plain, &no_press, &captured.layers).logits;
+  return captured;
+}
+
+std::string LlamaModel::why_not_captured(const BasePress* press, PressAttentions press_attentions) {
+  const BasePress* p = prefill_press_of(press);
+  if (p == nullptr) return "";
+  if (p->needs_second_pass()) return p->name() + " runs a second pass over the context";
+  if (dynamic_cast<const DMSPress*>(p) != nullptr) return p->name() + " fills its decoding window at prefill";
+  if (p->observes_question()) return p->name() + " observes the question (a query-aware prefill of its own)";
+  if (wants_attentions(press_attentions, ForwardOptions{}, p->name()))
+    return p->name() + " reads attention weights, which a captured prefill does not keep";
+  return "";
+}
+
+KVCache LlamaModel::compress_captured(const CapturedPrefill& captured, const PrefillOptions& options,
+                                      ForwardOutput* out) const {
+  const std::string why = why_not_captured(options.press, options.press_attentions);
+  TORCH_CHECK(why.empty(), "LlamaModel::compress_captured: ", why, "; run prefill() with it instead");
+  TORCH_CHECK(static_cast<int64_t>(captured.layers.size()) == config_.num_layers &&
+                  captured.cache.num_layers() == config_.num_layers,
+              "LlamaModel::compress_captured: the capture has ", captured.layers.size(), " layers, the model ",
+              config_.num_layers, " (use this model's capture_prefill())");
+  KVCache cache = captured.cache;  // shares the capture's tensors; compressing replaces them
+  const BasePress* press = prefill_press_of(options.press);
+  if (press == nullptr) return cache;
+  ForwardOutput local;
+  for (int64_t li = 0; li < config_.num_layers; ++li)
+    compress_at_prefill(*press, options, li, captured.layers[static_cast<size_t>(li)], /*in_place=*/false, cache,
+                        out ? *out : local);
+  cache.set_position(press->position_after(cache.position(), cache.length(0)));
+  return cache;
+}
+
 ForwardOutput LlamaModel::forward(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options) const {
   return run(input_ids, cache, options, nullptr);
 }
 
 ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options,
-                              const PrefillOptions* prefill) const {
+                              const PrefillOptions* prefill, std::vector<LayerInputs>* capture) const {
   const LlamaConfig& c = config_;
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.size(1) > 0 && input_ids.scalar_type() == at::kLong,
               "LlamaModel: input_ids must be a non-empty int64 [batch, n] tensor, got ", shape_str(input_ids), " ",
@@ -539,7 +584,12 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
       if (options.return_attentions) out.attentions.push_back(attn_weights);
 
       // The presses' hooks run here, after the attention used the full cache, as kvpress's forward hook.
-      if (press || decoding) {
+      if (capture) {
+        LayerInputs in =
+            hook_inputs(li, input_ids, h, rope_tables, cache.keys(li).contiguous(), cache.values(li).contiguous());
+        in.queries = qkv.q;
+        capture->push_back(std::move(in));
+      } else if (press || decoding) {
         LayerInputs in =
             hook_inputs(li, input_ids, h, rope_tables, cache.keys(li).contiguous(), cache.values(li).contiguous());
         if (press) {

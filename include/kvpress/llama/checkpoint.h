@@ -15,6 +15,7 @@
 
 #include <string>
 
+#include "kvpress/llama/chat.h"
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/tokenizer.h"
 
@@ -34,6 +35,11 @@ std::string user_models_dir();
 // holding exactly one .gguf file; else the same looked up by name in default_models_dir() and then
 // user_models_dir(). Raises c10::Error "resolve_model: ..." listing where it looked.
 std::string resolve_model(const std::string& name_or_path);
+
+// The checkpoint's chat template (ChatTemplate::recognize, with the tokenizer's text of the model's
+// bos_token_id as the BOS token, as transformers passes the tokenizer's bos_token). Raises
+// c10::Error when it has none, or one this library does not render.
+ChatTemplate chat_template_of(const Checkpoint& checkpoint);
 
 // Reads the checkpoint resolve_model() finds, weights cast to `dtype` (float32, float16, bfloat16).
 Checkpoint load_checkpoint(const std::string& name_or_path, at::ScalarType dtype = at::kFloat);

@@ -240,6 +240,13 @@ struct ForwardOutput {
                                          // (kept_indices stays empty then)
 };
 
+// A prefill kept so that several presses can compress it (LlamaModel::capture_prefill).
+struct CapturedPrefill {
+  KVCache cache;                    // the uncompressed cache
+  std::vector<LayerInputs> layers;  // per layer, what a press at prefill sees (queries included, no attentions)
+  at::Tensor logits;                // the forward's logits (as ForwardOptions::last_logits_only asked)
+};
+
 // RoPE tables in the model dtype: cos/sin [n, head_dim], each half repeating the frequencies.
 struct RopeTables {
   at::Tensor cos, sin;
@@ -269,6 +276,26 @@ class LlamaModel {
   // the uncompressed forward's (the press acts after each layer's attention). A KVComposePress runs
   // kvcompose_prefill instead (kvpress/llama/kvcompose.h: its second pass, then every layer).
   ForwardOutput prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options = {}) const;
+
+  // ---- one prefill, several presses (benchmarks: kvpress-cli bench) ----------------------------
+  // A press acts after each layer's attention, which used the full cache, so a prefill's forward is
+  // the same whatever the press: only the tokens kept differ. capture_prefill() runs it once, without
+  // a press, and keeps what each layer's press would see; compress_captured() then gives, for one
+  // press, the cache prefill() with that press leaves (the same tensors: tests/test_llama.cpp).
+  // input_ids [B, S] as prefill()'s; the decoding fields of `options` are ignored.
+  CapturedPrefill capture_prefill(const at::Tensor& input_ids, const ForwardOptions& options = {}) const;
+  // Why `press` cannot compress a captured prefill, or "" when it can (no press, or a DecodingPress,
+  // leaves it as it is): it runs a second pass over the context (KVzip, KVCompose), fills a DMS
+  // window, observes the question, or reads attention weights (the capture keeps none, and computing
+  // them changes the forward's rounding).
+  static std::string why_not_captured(const BasePress* press, PressAttentions press_attentions);
+  // The cache prefill() with options.press leaves (its prefilling press: prefill_press_of), from
+  // `captured`, which stays as it was: a compressed layer is a copy of its kept tokens (as with
+  // PrefillOptions::compress_in_place = false). Honours ragged_layout, on_compress and
+  // on_compress_ragged; question_length and tokenizer do not apply. `out` (optional) receives the
+  // kept_indices / keep_masks prefill() returns. Raises c10::Error with why_not_captured()'s reason.
+  KVCache compress_captured(const CapturedPrefill& captured, const PrefillOptions& options,
+                            ForwardOutput* out = nullptr) const;
 
   // Any later forward: input_ids [B, n] at positions cache.position() .. + n - 1, each attending
   // over the whole (possibly compressed) cache and the new tokens up to itself. A failure part-way
@@ -343,8 +370,9 @@ class LlamaModel {
 
   // One forward pass (prefill when `prefill` is given): per layer, the projections, the attention
   // over the cache (dense or head-ragged), the presses' hooks, the MLP.
+  // With `capture`, a prefill without a press that appends each layer's press inputs to it.
   ForwardOutput run(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options,
-                    const PrefillOptions* prefill) const;
+                    const PrefillOptions* prefill, std::vector<LayerInputs>* capture = nullptr) const;
   // Whether the prefill press gets the layer's attention weights.
   static bool wants_attentions(PressAttentions mode, const ForwardOptions& options, const std::string& press_name);
   LayerQKV project_qkv(int64_t layer, const at::Tensor& h,  // h: [B, n, hidden] after the input norm
