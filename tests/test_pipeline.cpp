@@ -80,6 +80,49 @@ TEST(Pipeline, AnswersFromOneCacheEqualSeparateRuns) {
   }
 }
 
+// One captured prefill answered through by several presses (PipelineOptions::captured; kvpress-cli
+// bench): the same answers and cache lengths as each press's own prefill.
+TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
+  const auto& [model, tok] = tiny();
+  const std::vector<std::string> questions{"Who is in the story?", "What happened next?"};
+  PipelineOptions plain;
+  plain.max_new_tokens = 12;
+  const std::vector<int64_t> ids = kvpress::llama::context_prefill_ids(model, tok, story(), plain);
+  kvpress::llama::ForwardOptions last;
+  last.last_logits_only = true;
+  const kvpress::llama::CapturedPrefill captured = model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
+  for (const char* name : {"", "SnapKVPress", "KeyRerotationPress", "AdaKVPress", "CompressionRatioDecodingPress"}) {
+    SCOPED_TRACE(name);
+    const auto press = *name ? kvpress::make_press(name, 0.5) : nullptr;
+    PipelineOptions opt = plain;
+    opt.press = press.get();
+    // A decoding press takes one question (it compresses the cache the next one would reuse).
+    const bool decoding = press && press->name() == "CompressionRatioDecodingPress";
+    const std::vector<std::string> asked = decoding ? std::vector<std::string>{questions[0]} : questions;
+    const std::vector<Answer> own = answer_questions(model, tok, story(), asked, opt);
+    opt.captured = &captured;
+    const std::vector<Answer> shared = answer_questions(model, tok, story(), asked, opt);
+    ASSERT_EQ(shared.size(), own.size());
+    for (size_t i = 0; i < own.size(); ++i) {
+      EXPECT_EQ(shared[i].tokens, own[i].tokens) << "question " << i;
+      EXPECT_EQ(shared[i].cache_lengths, own[i].cache_lengths) << "question " << i;
+      EXPECT_EQ(shared[i].prefill_length, own[i].prefill_length);
+    }
+  }
+  PipelineOptions opt = plain;
+  opt.captured = &captured;
+  expect_error([&] { answer_questions(model, tok, story() + " More.", questions, opt); },
+               {"answer_questions: options.captured holds another prefill than this context's"});
+  opt.query_aware = true;
+  expect_error([&] { answer_questions(model, tok, story(), questions, opt); },
+               {"answer_questions: options.captured is the context's prefill"});
+  opt.query_aware = false;
+  const auto kvzip = kvpress::make_press("KVzipPress", 0.5);
+  opt.press = kvzip.get();
+  expect_error([&] { answer_questions(model, tok, story(), questions, opt); },
+               {"LlamaModel::compress_captured: KVzipPress runs a second pass over the context"});
+}
+
 TEST(Pipeline, QueryAwarePrefillHoldsTheQuestion) {
   const auto& [model, tok] = tiny();
   const std::string question = " Where did they go?";

@@ -46,11 +46,23 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
     question_length = std::max<int64_t>(0, question_length - cut);
   }
   Prefilled p;
-  p.cache = model.new_cache();
   p.length = static_cast<int64_t>(ids.size());
   PrefillOptions prefill;
   prefill.press = prefill_press_of(options.press);  // a DecodingPress leaves the prefill alone
   prefill.press_attentions = options.press_attentions;
+  if (const CapturedPrefill* captured = options.captured) {
+    const at::Tensor batch = detail::as_batch(ids);
+    TORCH_CHECK(!captured->layers.empty() && captured->layers.front().input_ids.sizes() == batch.sizes() &&
+                    at::equal(captured->layers.front().input_ids, batch),
+                kOp, ": options.captured holds another prefill than this context's ", ids.size(),
+                " tokens (capture context_prefill_ids())");
+    TORCH_CHECK(captured->logits.dim() == 3 && captured->logits.size(1) >= 1, kOp,
+                ": options.captured has no logits (capture_prefill gives them)");
+    p.cache = model.compress_captured(*captured, prefill);
+    p.logits = captured->logits.narrow(1, captured->logits.size(1) - 1, 1);
+    return p;
+  }
+  p.cache = model.new_cache();
   prefill.last_logits_only = true;
   prefill.question_length = question_length;
   prefill.tokenizer = &tokenizer;  // KVzipPress's repeat prompt
@@ -60,6 +72,21 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
 }
 
 }  // namespace
+
+std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
+                                         const std::string& context, const PipelineOptions& options) {
+  const ChatTemplate* chat = options.chat_template;
+  const int64_t bos = model.config().bos_token_id;
+  TORCH_CHECK(chat != nullptr || bos >= 0,
+              "context_prefill_ids: the model's config has no bos_token_id; the prefill "
+              "starts with it");
+  std::vector<int64_t> ids =
+      tokenizer.encode(frame(context, chat == nullptr ? tokenizer.id_to_token(bos) : std::string(), chat).prefill,
+                       /*add_special_tokens=*/false);
+  if (options.max_context_length > 0 && static_cast<int64_t>(ids.size()) > options.max_context_length)
+    ids.resize(static_cast<size_t>(options.max_context_length));
+  return ids;
+}
 
 std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& tokenizer, const std::string& context,
                                      const std::vector<std::string>& questions, const PipelineOptions& options) {
@@ -85,6 +112,8 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
               " observes the question, which is not supported with a chat template yet");
   const int64_t bos = model.config().bos_token_id;
   TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
+  TORCH_CHECK(options.captured == nullptr || !options.query_aware, kOp,
+              ": options.captured is the context's prefill, and a query-aware prefill holds the question too");
   const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();
   const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
 

@@ -29,6 +29,11 @@ struct PipelineOptions {
   // The model's chat template (kvpress's pipeline uses the tokenizer's when it has one): the context
   // is the content of one user message and each question continues it. nullptr: the plain prompt.
   const ChatTemplate* chat_template = nullptr;
+  // The context's prefill, captured once (LlamaModel::capture_prefill of context_prefill_ids(), with
+  // last_logits_only) and compressed here by `press` (compress_captured) instead of prefilled again:
+  // the same cache and answers, for many presses at the cost of one prefill. Not with query_aware,
+  // nor with a press LlamaModel::why_not_captured() names.
+  const CapturedPrefill* captured = nullptr;
 };
 
 struct Answer {
@@ -48,6 +53,11 @@ struct Answer {
 // (BasePress::observes_question(): FinchPress) requires query_aware, and no chat template (not
 // supported yet). Raises c10::Error on an empty question list, a model config without bos_token_id
 // (without a chat template), or options out of range.
+// The tokens answer_questions() prefills for `context` without query_aware (the framing above),
+// to capture once for PipelineOptions::captured.
+std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
+                                         const std::string& context, const PipelineOptions& options = {});
+
 std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& tokenizer, const std::string& context,
                                      const std::vector<std::string>& questions, const PipelineOptions& options = {});
 
