@@ -5,6 +5,10 @@
         Mean NLL against compression ratio, one curve per press starting at the full cache
         (ratio 0), the full cache as a dashed line. Input: the file `kvpress-cli eval --json` or
         `--csv` writes (docs/CLI.md). Presses without a ratio (DecodingPress) get no curve.
+    plot.py bench SUMMARY.csv --out OUT.png [--title TITLE]
+        Accuracy (mean over tasks and lengths, each weighted alike) against compression ratio, one
+        line per press starting at the uncompressed accuracy (ratio 0), as kvpress's leaderboard
+        draws it; no compression as a dashed line. Input: `kvpress-cli bench --csv`.
     plot.py compare RESULTS.json|RESULTS.csv --out OUT.png [--title TITLE]
         Speedup of kvpress-cpp over kvpress 0.5.5 per press (kvpress_ms / kvpress_cpp_ms),
         horizontal bars on a log scale, one colour per table of benchmarks/compare_kvpress.py
@@ -123,6 +127,49 @@ def plot_eval(full_nll, curves, out, title):
     save(fig, out)
 
 
+# ----------------------------------------------------------------------------- bench
+
+
+def load_bench(path):
+    """(uncompressed accuracy or None, {press: [(ratio, accuracy)]}, default title) of a bench summary CSV."""
+    rows, _ = read_rows(path, ["press", "ratio", "task", "length", "examples", "accuracy"])
+    cells = {}  # (press, ratio) -> accuracies of its (task, length) cells
+    for i, r in enumerate(rows):
+        where = f"{path}: row {i + 1} ({r['press']})"
+        cells.setdefault((r["press"], number(r, "ratio", where, optional=True)), []).append(number(r, "accuracy", where))
+    mean = {key: sum(v) / len(v) for key, v in cells.items()}
+    baseline = mean.get(("none", None))
+    curves = {}
+    for (press, ratio), acc in mean.items():
+        if ratio is not None:
+            curves.setdefault(press, [] if baseline is None else [(0.0, baseline)]).append((ratio, acc))
+    tasks = sorted({r["task"] for r in rows})
+    lengths = sorted({int(number(r, "length", path)) for r in rows})
+    return baseline, {p: sorted(v) for p, v in curves.items()}, (
+        f"Accuracy under compression ({len(tasks)} tasks, {', '.join(map(str, lengths))} tokens)")
+
+
+def plot_bench(baseline, curves, out, title):
+    fig, ax = plt.subplots(figsize=(12, 7), layout="constrained")
+    tab20 = plt.get_cmap("tab20").colors
+    colours = tab20[0::2] + tab20[1::2]
+    ordered = sorted(curves.items(), key=lambda item: -item[1][-1][1])  # legend in the order of the right ends
+    for i, (label, points) in enumerate(ordered):
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=4, linewidth=1.4,
+                color=colours[i % len(colours)], label=label)
+    if baseline is not None:
+        ax.axhline(baseline, color="0.3", linestyle="--", linewidth=1.2, label=f"no compression ({baseline:.1f})")
+    ax.set_title(title)
+    ax.set_xlabel("compression ratio (fraction of cached tokens removed)")
+    ax.set_ylabel("accuracy (%, RULER string match)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7.5, title="press", title_fontsize=8)
+    save(fig, out)
+
+
 # ----------------------------------------------------------------------------- compare
 
 
@@ -203,6 +250,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="plot.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="chart", required=True)
     for name, help_text in (("eval", "mean NLL against compression ratio (kvpress-cli eval --json/--csv)"),
+                            ("bench", "accuracy against compression ratio (kvpress-cli bench --csv)"),
                             ("compare", "speedup per press (benchmarks/compare_kvpress.py --json/--csv)")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("results", help="results file, .json or .csv")
@@ -213,6 +261,9 @@ def main(argv=None):
         if args.chart == "eval":
             full_nll, curves, title = load_eval(args.results)
             plot_eval(full_nll, curves, args.out, args.title or title)
+        elif args.chart == "bench":
+            baseline, curves, title = load_bench(args.results)
+            plot_bench(baseline, curves, args.out, args.title or title)
         else:
             rows, title = load_compare(args.results)
             plot_compare(rows, args.out, args.title or title or "kvpress-cpp vs kvpress 0.5.5")

@@ -29,6 +29,7 @@
 #include "kvpress/presses/qsm_press.h"
 #include "kvpress/registry.h"
 #include "plot_runner.h"
+#include "progress.h"
 
 namespace kvpress_cli {
 namespace {
@@ -154,41 +155,6 @@ EvalArgs parse_eval_args(const std::vector<std::string>& args) {
   }
   return out;
 }
-
-std::string fmt_duration(double s) {
-  if (s < 60) return fmt::format("{:.0f} s", s);
-  return fmt::format("{}m{:02d}s", static_cast<int>(s) / 60, static_cast<int>(s) % 60);
-}
-
-// A one-line progress bar on stderr, redrawn at most every 0.2 s, only when stderr is a terminal.
-class Progress {
- public:
-  Progress(int64_t total, bool enabled) : total_(total), enabled_(enabled && isatty(STDERR_FILENO)) {}
-  void step(int64_t done) {
-    if (!enabled_) return;
-    const auto now = Clock::now();
-    if (done < total_ && now - last_ < std::chrono::milliseconds(200)) return;
-    last_ = now;
-    const double elapsed = std::chrono::duration<double>(now - start_).count();
-    const double left = done > 0 ? elapsed * static_cast<double>(total_ - done) / static_cast<double>(done) : 0.0;
-    constexpr int kWidth = 30;
-    const int filled = static_cast<int>(kWidth * done / std::max<int64_t>(total_, 1));
-    fmt::print(stderr, "\r[{}{}] {}/{} runs, {} elapsed, ~{} left ", std::string(filled, '#'),
-               std::string(kWidth - filled, '.'), done, total_, fmt_duration(elapsed), fmt_duration(left));
-    std::fflush(stderr);
-    drawn_ = true;
-  }
-  void finish() {
-    if (drawn_) fmt::print(stderr, "\r{}\r", std::string(90, ' '));
-  }
-
- private:
-  int64_t total_;
-  bool enabled_;
-  bool drawn_ = false;
-  Clock::time_point start_ = Clock::now();
-  Clock::time_point last_{};
-};
 
 // A press without a ratio (PressInfo::no_ratio: DecodingPress's budget is its target_size,
 // SimLayerKVPress's layers decide; the registry refuses one) runs once, whatever --ratios says, and

@@ -47,6 +47,7 @@
 #include "kvpress/version.h"
 
 #include "ask.h"
+#include "bench.h"
 #include "cli_args.h"
 #include "eval.h"
 #include "generate.h"
@@ -84,6 +85,10 @@ Usage:
                    [--param KEY=VALUE ...]] [--query-aware] [--chat] [--max-new-tokens N]
                    [--answer-prefix TEXT] [--max-context-length N] [--model DIR] [--threads N]
                    [--json OUT] [--quiet]
+  kvpress-cli bench --tasks DIR --out RESULTS.jsonl [--model NAME|DIR] [--task LIST]
+                   [--lengths LIST] [--examples N] [--press NAME [--param KEY=VALUE ...]]...
+                   [--query-aware NAME]... [--ratios LIST] [--csv OUT [--png OUT]] [--threads N]
+                   [--no-progress]
   kvpress-cli list [--names | --json]
   kvpress-cli --help
   kvpress-cli --version
@@ -174,6 +179,26 @@ ask options (kvpress's KVPressTextGenerationPipeline: compress once, answer each
   --threads N              intra-op threads (default 1)
   --json OUT               questions, answers, tokens and cache lengths
   --quiet, -q              print nothing (with --json)
+
+bench options (RULER-style accuracy of every press on a real model; docs/QUALITY.md):
+  --tasks DIR              examples written by benchmarks/quality/make_tasks.py
+  --out RESULTS.jsonl      one JSON row per answer, appended as it comes; a rerun with the
+                           same file skips what is there (resumes an interrupted run)
+  --model NAME|DIR         checkpoint (default smollm2-135m-instruct), prompted through its
+                           chat template when it has one
+  --task LIST, --lengths LIST, --examples N
+                           only these tasks / context lengths / the first N examples of each
+  --press NAME             a press (repeatable; "none": no compression); default: none,
+                           StreamingLLM, Knorm, KeyDiff, SnapKV, TOVA, ExpectedAttention,
+                           Compactor, PyramidKV, KVzip, AdaKV(ExpectedAttention),
+                           CriticalKV(ExpectedAttention) and query-aware SnapKV
+  --param KEY=VALUE        a parameter of the --press (or --query-aware) it follows
+  --query-aware NAME       a press whose prefill holds the question (repeatable)
+  --ratios LIST            comma-separated compression ratios (default 0.25,0.5,0.75)
+  --csv OUT                accuracy per press, ratio, task and length (all rows of --out)
+  --png OUT                accuracy against ratio, one line per press (scripts/plot.py)
+  --threads N              intra-op threads (default: every core)
+  --no-progress            no progress bar (shown only on a terminal)
 
 list options:
   --names                  print only the press names, one per line
@@ -553,6 +578,7 @@ int run(int argc, char** argv) {
   if (command == "list") return run_list(rest);
   if (command == "calibrate") return run_calibrate(rest);
   if (command == "eval") return kvpress_cli::run_eval(rest);
+  if (command == "bench") return kvpress_cli::run_bench(rest);
   if (command == "generate") return kvpress_cli::run_generate(rest);
   if (command == "ask") return kvpress_cli::run_ask(rest);
   usage_error("unknown command '{}' (commands: compress, calibrate, eval, generate, ask, list; see kvpress-cli --help)",

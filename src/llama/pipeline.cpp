@@ -9,6 +9,7 @@
 #include "greedy.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/dms_press.h"
+#include "kvpress/presses/kvzip_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
@@ -110,6 +111,12 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   const ChatTemplate* chat = options.chat_template;
   TORCH_CHECK(chat == nullptr || !observes_question, kOp, ": ", press ? press->name() : std::string(),
               " observes the question, which is not supported with a chat template yet");
+  // kvpress's KVzip replays the context inside the template's user turn (its prefix and suffix);
+  // ours replays it after a plain "\n" (kvpress without a chat template).
+  TORCH_CHECK(chat == nullptr || dynamic_cast<const KVzipPress*>(prefill_press_of(press)) == nullptr, kOp, ": ",
+              press ? press->name() : std::string(),
+              " with a chat template is not supported yet (kvpress replays "
+              "the context within the template's user turn)");
   const int64_t bos = model.config().bos_token_id;
   TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
   TORCH_CHECK(options.captured == nullptr || !options.query_aware, kOp,

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""`kvpress-cli bench` end to end on SmolLM2-135M-Instruct: a reduced run of the quality benchmark.
+
+    test_bench.py <kvpress-cli> <make_tasks.py>
+
+make_tasks.py writes two 1,024-token examples of one task; the bench runs them with no compression
+and SnapKVPress at ratio 0.5 (4 runs) and must:
+* write one row per run, each scored as RULER scores it (recomputed here: the fraction of the
+  expected strings in the answer, case-insensitive), the uncompressed rows keeping every token;
+* resume: a second run with the same --out runs nothing; after the file loses half of its last row
+  (an interrupted write), a third run drops that partial row and runs exactly that one again;
+* write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart;
+* refuse a results file of another model, and a --task the folder does not hold, with clear errors.
+"""
+import csv
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+cli, make_tasks = sys.argv[1], sys.argv[2]
+TASK, LENGTH = "niah_single_1", 1024
+
+
+def run(cmd, expect_ok=True):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if expect_ok and proc.returncode != 0:
+        sys.exit(f"test_bench: {' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def ruler_all(answer, expected):
+    return sum(e.lower() in answer.lower() for e in expected) / len(expected)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    tasks, out, summary, chart = tmp / "tasks", tmp / "results.jsonl", tmp / "summary.csv", tmp / "chart.png"
+    run([sys.executable, make_tasks, "--out", tasks, "--tasks", TASK, "--lengths", str(LENGTH), "--examples", "2"])
+    bench = [cli, "bench", "--tasks", tasks, "--out", out, "--press", "none", "--press", "SnapKVPress",
+             "--ratios", "0.5", "--csv", summary, "--png", chart, "--threads", "2", "--no-progress"]
+    first = run(bench)
+    got = rows(out)
+    assert len(got) == 4, f"expected 4 rows (2 examples x 2 presses), got {len(got)}:\n{first.stdout}"
+    for r in got:
+        assert r["task"] == TASK and r["length"] == LENGTH, r
+        assert r["score"] == ruler_all(r["answer"], r["expected"]), r
+        assert r["shared_prefill"] is True, r  # both presses compress the one captured prefill
+        if r["press"] == "none":
+            assert r["ratio"] is None and r["kept_fraction"] == 1.0, r
+        else:
+            assert r["ratio"] == 0.5 and 0.45 < r["kept_fraction"] <= 0.5, r
+    assert summary.exists() and chart.stat().st_size > 10_000, "no summary CSV or chart"
+    table = list(csv.DictReader(summary.open()))
+    assert {(t["press"], t["ratio"]) for t in table} == {("none", ""), ("SnapKVPress", "0.5")}, table
+    for t in table:
+        mine = [r["score"] for r in got if r["press"] == t["press"]]
+        assert abs(float(t["accuracy"]) - 100 * sum(mine) / len(mine)) < 1e-3, (t, mine)
+
+    second = run(bench)
+    assert "0 runs to do (4 already in" in second.stdout, second.stdout
+    assert len(rows(out)) == 4
+
+    text = out.read_text()
+    last = text.rstrip("\n").rfind("\n") + 1
+    out.write_text(text[: last + (len(text) - last) // 2])  # half of the last row, no newline
+    third = run(bench)
+    assert "dropping an incomplete last row" in third.stderr, third.stderr
+    assert "1 runs to do (3 already in" in third.stdout, third.stdout
+    again = rows(out)
+    assert len(again) == 4 and again[3]["id"] == got[3]["id"] and again[3]["press"] == got[3]["press"], again
+    assert again[3]["answer"] == got[3]["answer"], (again[3], got[3])  # the same answer on a rerun
+
+    other = tmp / "other.jsonl"
+    other.write_text(json.dumps(dict(got[0], model="another.gguf")) + "\n")
+    proc = run([*bench[:5], other, *bench[6:]], expect_ok=False)
+    assert proc.returncode != 0 and "holds results of model another.gguf" in proc.stderr, proc.stderr
+    proc = run([cli, "bench", "--tasks", tasks, "--out", tmp / "x.jsonl", "--task", "vt"], expect_ok=False)
+    assert proc.returncode != 0 and "--task vt: not in" in proc.stderr, proc.stderr
+
+print(f"test_bench: 4 runs scored as RULER does, resumed after an interrupted row; answers: "
+      f"{[(r['press'], r['answer'].strip()[:20], r['score']) for r in got]}")

@@ -1,0 +1,457 @@
+// kvpress-cli bench: for each example of a task folder (benchmarks/quality/make_tasks.py), the
+// context is prefilled ONCE (LlamaModel::capture_prefill) and every press that compresses after the
+// prefill's attention compresses that capture (the same cache its own prefill gives:
+// tests/test_llama.cpp); presses that change the forward (a second pass, a query-aware prefill)
+// run their own. Each answer is scored as RULER scores it and appended to the results file at
+// once, so an interrupted run continues where it stopped. See docs/QUALITY.md.
+#include "bench.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "cli_args.h"
+#include "kvpress/io/atomic_file.h"
+#include "kvpress/llama/llama.h"
+#include "kvpress/registry.h"
+#include "plot_runner.h"
+#include "progress.h"
+
+namespace kvpress_cli {
+namespace {
+
+namespace llama = kvpress::llama;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// One press configuration of the benchmark: a registry press with parameters, or none.
+struct BenchPress {
+  std::string name;  // "" : no compression
+  std::map<std::string, std::string> params;
+  bool query_aware = false;  // its prefill holds the question (kvpress's query-aware evaluation)
+  std::string label;         // what the rows and tables call it
+};
+
+struct BenchArgs {
+  std::string model = "smollm2-135m-instruct";
+  std::string tasks;                    // folder written by make_tasks.py
+  std::vector<std::string> task_names;  // empty: every task of the folder
+  std::vector<int64_t> lengths;         // empty: every length
+  int64_t examples = 0;                 // per task and length; 0: all
+  std::vector<BenchPress> presses;      // empty: the default list
+  std::vector<double> ratios = {0.25, 0.5, 0.75};
+  std::string out, csv, png;
+  int64_t threads = 0;  // 0: every core
+  bool progress = true;
+};
+
+// The presses of kvpress's leaderboard that run here without artifacts, as kvpress's evaluation
+// configures them: AdaKV over ExpectedAttention with epsilon 1e-2, CriticalKV over
+// ExpectedAttention without its ||v|| rescaling; SnapKV also query-aware (the question in the
+// prefill). DuoAttentionPress and QFilterPress need their artifacts (--press with --param).
+std::vector<BenchPress> default_presses() {
+  std::vector<BenchPress> out = {{"", {}, false, ""},
+                                 {"StreamingLLMPress", {}, false, ""},
+                                 {"KnormPress", {}, false, ""},
+                                 {"KeyDiffPress", {}, false, ""},
+                                 {"SnapKVPress", {}, false, ""},
+                                 {"TOVAPress", {}, false, ""},
+                                 {"ExpectedAttentionPress", {}, false, ""},
+                                 {"CompactorPress", {}, false, ""},
+                                 {"PyramidKVPress", {}, false, ""},
+                                 {"KVzipPress", {}, false, ""},
+                                 {"AdaKVPress",
+                                  {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}},
+                                  false,
+                                  "AdaKVPress(ExpectedAttentionPress)"},
+                                 {"CriticalKVPress",
+                                  {{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}},
+                                  false,
+                                  "CriticalKVPress(ExpectedAttentionPress)"},
+                                 {"SnapKVPress", {}, true, ""}};
+  return out;
+}
+
+std::string label_of(const BenchPress& p) {
+  if (!p.label.empty()) return p.label;
+  std::string label = p.name.empty() ? "none" : p.name;
+  if (!p.params.empty()) {
+    std::string inner;
+    for (const auto& [k, v] : p.params) inner += (inner.empty() ? "" : ",") + k + "=" + v;
+    label += "(" + inner + ")";
+  }
+  return p.query_aware ? label + " [query-aware]" : label;
+}
+
+// A press that takes no ratio (DecodingPress's target_size, DuoAttention's heads) runs once.
+bool takes_ratio(const BenchPress& p) {
+  if (p.name.empty()) return false;
+  const kvpress::PressInfo* info = kvpress::find_press(p.name);
+  return info == nullptr || info->no_ratio.empty();
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+BenchArgs parse_args(const std::vector<std::string>& args) {
+  BenchArgs out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string v;
+    if (take_value(args, i, "--model", "", out.model)) {
+    } else if (take_value(args, i, "--tasks", "", out.tasks)) {
+    } else if (take_value(args, i, "--task", "", v)) {
+      for (const std::string& t : split_list(v)) out.task_names.push_back(t);
+    } else if (take_value(args, i, "--lengths", "", v)) {
+      for (const std::string& l : split_list(v)) out.lengths.push_back(parse_int_option("--lengths", l, 1, 1 << 24));
+    } else if (take_value(args, i, "--examples", "", v)) {
+      out.examples = parse_int_option("--examples", v, 1, 1 << 30);
+    } else if (take_value(args, i, "--press", "", v)) {
+      if (v != "none" && kvpress::find_press(v) == nullptr)
+        usage_error("bench: --press {}: no such press (kvpress-cli list)", v);
+      out.presses.push_back({v == "none" ? "" : v, {}, false, ""});
+    } else if (take_value(args, i, "--query-aware", "", v)) {
+      if (kvpress::find_press(v) == nullptr)
+        usage_error("bench: --query-aware {}: no such press (kvpress-cli list)", v);
+      out.presses.push_back({v, {}, true, ""});
+    } else if (take_value(args, i, "--param", "", v)) {
+      if (out.presses.empty() || out.presses.back().name.empty())
+        usage_error("bench: --param {} must follow the --press it applies to", v);
+      add_param(out.presses.back().params, v);
+    } else if (take_value(args, i, "--ratios", "", v)) {
+      out.ratios.clear();
+      for (const std::string& r : split_list(v)) out.ratios.push_back(parse_ratio(r));
+      if (out.ratios.empty()) usage_error("bench: --ratios needs at least one ratio");
+    } else if (take_value(args, i, "--out", "", out.out)) {
+    } else if (take_value(args, i, "--csv", "", out.csv)) {
+    } else if (take_value(args, i, "--png", "", out.png)) {
+    } else if (take_value(args, i, "--threads", "", v)) {
+      out.threads = parse_int_option("--threads", v, 1, 1024);
+    } else if (args[i] == "--no-progress") {
+      out.progress = false;
+    } else {
+      reject_argument("bench", args[i]);
+    }
+  }
+  if (out.tasks.empty()) usage_error("bench: --tasks DIR is required (benchmarks/quality/make_tasks.py writes it)");
+  if (out.out.empty()) usage_error("bench: --out RESULTS.jsonl is required (rows are appended; a rerun resumes)");
+  if (!out.png.empty() && out.csv.empty()) usage_error("bench: --png draws the --csv summary: give --csv too");
+  if (out.presses.empty()) out.presses = default_presses();
+  return out;
+}
+
+// ---- tasks ---------------------------------------------------------------------------------------
+
+struct Example {
+  std::string id, task, context, question, answer_prefix, metric;
+  int64_t length = 0, max_new_tokens = 0;
+  std::vector<std::string> answers;
+};
+
+json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "bench: cannot open ", path);
+  try {
+    return json::parse(in);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "bench: ", path, " is not valid JSON: ", e.what());
+  }
+}
+
+std::vector<Example> read_examples(const BenchArgs& args) {
+  const json manifest = read_json_file(args.tasks + "/manifest.json");
+  std::vector<Example> out;
+  std::set<std::string> tasks_seen;
+  for (const auto& file : manifest.at("files")) {
+    std::ifstream in(args.tasks + "/" + file.get<std::string>());
+    TORCH_CHECK(in.good(), "bench: cannot open ", args.tasks, "/", file.get<std::string>());
+    int64_t taken = 0;
+    for (std::string line; std::getline(in, line);) {
+      if (line.empty()) continue;
+      const json j = json::parse(line);
+      Example e;
+      e.id = j.at("id");
+      e.task = j.at("task");
+      e.length = j.at("length");
+      tasks_seen.insert(e.task);
+      if (!args.task_names.empty() &&
+          std::find(args.task_names.begin(), args.task_names.end(), e.task) == args.task_names.end())
+        break;
+      if (!args.lengths.empty() && std::find(args.lengths.begin(), args.lengths.end(), e.length) == args.lengths.end())
+        break;
+      if (args.examples > 0 && taken >= args.examples) break;
+      e.context = j.at("context");
+      e.question = j.at("question");
+      e.answer_prefix = j.at("answer_prefix");
+      e.metric = j.at("metric");
+      e.max_new_tokens = j.at("max_new_tokens");
+      e.answers = j.at("answers").get<std::vector<std::string>>();
+      TORCH_CHECK(e.metric == "all" || e.metric == "part", "bench: ", e.id, ": metric must be all or part, got ",
+                  e.metric);
+      out.push_back(std::move(e));
+      ++taken;
+    }
+  }
+  for (const std::string& t : args.task_names)
+    TORCH_CHECK(tasks_seen.count(t), "bench: --task ", t, ": not in ", args.tasks, "/manifest.json");
+  TORCH_CHECK(!out.empty(), "bench: no example of ", args.tasks, " matches --task/--lengths");
+  return out;
+}
+
+// RULER's string match, ASCII case folded (the answers are ASCII): "all" the fraction of the
+// expected strings found in the answer, "part" 1 when any is.
+double score(const std::string& metric, const std::string& answer, const std::vector<std::string>& expected) {
+  const auto lower = [](std::string s) {
+    for (char& c : s) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+    return s;
+  };
+  const std::string a = lower(answer);
+  double found = 0.0;
+  for (const std::string& e : expected) found += a.find(lower(e)) != std::string::npos ? 1.0 : 0.0;
+  if (metric == "part") return found > 0.0 ? 1.0 : 0.0;
+  return expected.empty() ? 0.0 : found / static_cast<double>(expected.size());
+}
+
+// ---- results -------------------------------------------------------------------------------------
+
+struct RunKey {
+  std::string id, press;
+  double ratio;
+  bool operator<(const RunKey& o) const { return std::tie(id, press, ratio) < std::tie(o.id, o.press, o.ratio); }
+};
+
+// The rows already in the results file (a run that stopped mid-line leaves a partial last line,
+// which is dropped from the file). Rows of another model are refused: one file, one model.
+std::vector<json> read_results(const std::string& path, const std::string& model) {
+  std::vector<json> rows;
+  std::ifstream in(path);
+  if (!in.good()) return rows;
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  size_t keep = 0;  // bytes of whole, parsable lines
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = text.find('\n', begin);
+    if (end == std::string::npos) break;  // no newline: the last write was cut short
+    const std::string line = text.substr(begin, end - begin);
+    json row;
+    try {
+      row = json::parse(line);
+    } catch (const std::exception&) {
+      break;
+    }
+    TORCH_CHECK(row.value("model", "") == model, "bench: ", path, " holds results of model ", row.value("model", ""),
+                ", not ", model, ": use another --out");
+    rows.push_back(std::move(row));
+    keep = begin = end + 1;
+  }
+  if (keep < text.size()) {
+    fmt::print(stderr, "bench: {}: dropping an incomplete last row ({} bytes) before resuming\n", path,
+               text.size() - keep);
+    kvpress::io::write_text_atomically("--out", path, text.substr(0, keep));
+  }
+  return rows;
+}
+
+// Per (press, ratio, task, length): mean score over examples, in percent.
+struct Cell {
+  double sum = 0.0;
+  int64_t n = 0;
+};
+using Summary = std::map<std::tuple<std::string, double, std::string, int64_t>, Cell>;
+
+Summary summarize(const std::vector<json>& rows) {
+  Summary s;
+  for (const json& r : rows) {
+    Cell& c = s[{r.at("press").get<std::string>(), r.at("ratio").is_null() ? -1.0 : r.at("ratio").get<double>(),
+                 r.at("task").get<std::string>(), r.at("length").get<int64_t>()}];
+    c.sum += r.at("score").get<double>();
+    ++c.n;
+  }
+  return s;
+}
+
+std::string ratio_text(double r) { return r < 0 ? "-" : fmt::format("{:.2f}", r); }
+
+void print_table(const Summary& s) {
+  std::vector<std::string> tasks;
+  std::map<std::pair<std::string, double>, std::map<std::string, Cell>> by_press;
+  for (const auto& [key, cell] : s) {
+    const auto& [press, ratio, task, length] = key;
+    if (std::find(tasks.begin(), tasks.end(), task) == tasks.end()) tasks.push_back(task);
+    Cell& c = by_press[{press, ratio}][task];
+    c.sum += cell.sum;
+    c.n += cell.n;
+  }
+  std::string header = fmt::format("{:<44} {:>5}", "press", "ratio");
+  for (const std::string& t : tasks) header += fmt::format(" {:>9}", t.substr(0, 9));
+  fmt::print("{} {:>6}\n", header, "mean");
+  for (const auto& [key, per_task] : by_press) {
+    std::string line = fmt::format("{:<44} {:>5}", key.first.substr(0, 44), ratio_text(key.second));
+    double total = 0.0;
+    int64_t counted = 0;
+    for (const std::string& t : tasks) {
+      const auto it = per_task.find(t);
+      if (it == per_task.end()) {
+        line += fmt::format(" {:>9}", "");
+        continue;
+      }
+      const double acc = 100.0 * it->second.sum / static_cast<double>(it->second.n);
+      line += fmt::format(" {:>9.1f}", acc);
+      total += acc;
+      ++counted;
+    }
+    fmt::print("{} {:>6.1f}\n", line, counted ? total / static_cast<double>(counted) : 0.0);
+  }
+}
+
+std::string summary_csv(const Summary& s) {
+  std::string out = "press,ratio,task,length,examples,accuracy\n";
+  for (const auto& [key, cell] : s) {
+    const auto& [press, ratio, task, length] = key;
+    out += fmt::format("\"{}\",{},{},{},{},{:.4f}\n", press, ratio < 0 ? "" : fmt::format("{:.4g}", ratio), task,
+                       length, cell.n, 100.0 * cell.sum / static_cast<double>(cell.n));
+  }
+  return out;
+}
+
+}  // namespace
+
+int run_bench(const std::vector<std::string>& argv) {
+  const BenchArgs args = parse_args(argv);
+  std::optional<Plotter> plotter;
+  if (!args.png.empty()) plotter = find_plotter("--png");  // before the long work
+  at::set_num_threads(
+      static_cast<int>(args.threads > 0 ? args.threads : std::max(1u, std::thread::hardware_concurrency())));
+  // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global generator.
+  at::manual_seed(0);
+
+  const std::vector<Example> examples = read_examples(args);
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  std::optional<llama::ChatTemplate> chat;
+  if (!checkpoint.chat_template.empty()) chat = llama::chat_template_of(checkpoint);
+  const std::string model_name = checkpoint.path.substr(checkpoint.path.find_last_of('/') + 1);
+  std::vector<BenchPress> presses;
+  for (const BenchPress& p : args.presses) {
+    if (chat && p.name == "KVzipPress") {
+      fmt::print(
+          "bench: leaving out KVzipPress: its context replay inside a chat template is not supported yet "
+          "(kvpress replays within the template's user turn)\n");
+      continue;
+    }
+    presses.push_back(p);
+  }
+
+  std::vector<json> rows = read_results(args.out, model_name);
+  std::set<RunKey> done;
+  for (const json& r : rows)
+    done.insert({r.at("id"), r.at("press"), r.at("ratio").is_null() ? -1.0 : r.at("ratio").get<double>()});
+
+  // Every (example, press, ratio) still to run.
+  struct Planned {
+    const BenchPress* press;
+    double ratio;  // -1: the press takes none
+  };
+  std::vector<std::pair<const Example*, std::vector<Planned>>> plan;
+  int64_t total = 0;
+  for (const Example& e : examples) {
+    std::vector<Planned> todo;
+    for (const BenchPress& p : presses) {
+      const std::vector<double> ratios = takes_ratio(p) ? args.ratios : std::vector<double>{-1.0};
+      for (double r : ratios)
+        if (!done.count({e.id, label_of(p), r})) todo.push_back({&p, r});
+    }
+    total += static_cast<int64_t>(todo.size());
+    if (!todo.empty()) plan.emplace_back(&e, std::move(todo));
+  }
+  fmt::print("bench: {} examples, {} presses, ratios {}: {} runs to do ({} already in {})\n", examples.size(),
+             presses.size(), fmt::join(args.ratios, ","), total, rows.size(), args.out);
+
+  std::ofstream results(args.out, std::ios::app);
+  TORCH_CHECK(results.good(), "bench: --out ", args.out, ": cannot open for appending");
+  Progress progress(total, args.progress);
+  int64_t finished = 0;
+  const auto start = Clock::now();
+  for (const auto& [example, todo] : plan) {
+    const Example& e = *example;
+    llama::PipelineOptions base;
+    base.chat_template = chat ? &*chat : nullptr;
+    base.answer_prefix = e.answer_prefix;
+    base.max_new_tokens = e.max_new_tokens;
+    const std::vector<int64_t> ids =
+        llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, base);
+    std::optional<llama::CapturedPrefill> captured;  // made when the first press can use it
+    for (const Planned& run : todo) {
+      const BenchPress& p = *run.press;
+      progress.step(finished, e.id + " " + label_of(p));
+      std::unique_ptr<kvpress::BasePress> press;
+      if (!p.name.empty()) press = kvpress::make_press(p.name, std::max(run.ratio, 0.0), p.params);
+      llama::PipelineOptions opt = base;
+      opt.press = press.get();
+      opt.query_aware = p.query_aware;
+      const bool shared =
+          !p.query_aware && llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
+      const auto t0 = Clock::now();
+      if (shared) {
+        if (!captured) {
+          llama::ForwardOptions last;
+          last.last_logits_only = true;
+          captured = checkpoint.model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
+        }
+        opt.captured = &*captured;
+      }
+      at::manual_seed(0);
+      const llama::Answer a =
+          llama::answer_questions(checkpoint.model, checkpoint.tokenizer, e.context, {e.question}, opt).at(0);
+      double kept = 0.0;
+      for (int64_t len : a.cache_lengths) kept += static_cast<double>(len);
+      json row = {{"model", model_name},
+                  {"id", e.id},
+                  {"task", e.task},
+                  {"length", e.length},
+                  {"press", label_of(p)},
+                  {"ratio", run.ratio < 0 ? json(nullptr) : json(run.ratio)},
+                  {"prefill_tokens", a.prefill_length},
+                  {"kept_fraction", kept / static_cast<double>(a.cache_lengths.size() * a.prefill_length)},
+                  {"answer", a.text},
+                  {"expected", e.answers},
+                  {"score", score(e.metric, a.text, e.answers)},
+                  {"shared_prefill", shared},
+                  {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
+      results << row.dump() << '\n' << std::flush;
+      TORCH_CHECK(results.good(), "bench: --out ", args.out, ": write failed");
+      rows.push_back(std::move(row));
+      ++finished;
+    }
+  }
+  progress.finish();
+  if (total > 0)
+    fmt::print("bench: {} runs in {}\n", total,
+               fmt_duration(std::chrono::duration<double>(Clock::now() - start).count()));
+
+  const Summary summary = summarize(rows);
+  print_table(summary);
+  if (!args.csv.empty()) kvpress::io::write_text_atomically("--csv", args.csv, summary_csv(summary));
+  if (plotter) run_plotter(*plotter, {"bench", args.csv, "--out", args.png}, "--png");
+  return 0;
+}
+
+}  // namespace kvpress_cli
