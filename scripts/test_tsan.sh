@@ -27,12 +27,23 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/
 (cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -R '^(Concurrency|CudaEmulation)\.')
 
 # The CUDA execution model must make a missing __syncthreads() a race that ThreadSanitizer sees
-# (tests/test_cuda_emulation.cpp, CudaEmulationRaceDemo): this run must fail with a report.
-demo="$build/cuda_emulation_race_demo.log"
-if OMP_NUM_THREADS=1 "$build/tests/kvpress_cuda_emulation_tests" --gtest_filter='CudaEmulationRaceDemo.*' \
-    >"$demo" 2>&1 || ! grep -q 'WARNING: ThreadSanitizer: data race' "$demo"; then
-  echo "test_tsan.sh: ThreadSanitizer did not report the emulated kernel's missing barrier (log: $demo)" >&2
+# (tests/test_cuda_emulation.cpp, CudaEmulationRaceDemo): a run must fail with a report. Not every
+# run does: on an idle 2-core machine 7 runs in 8 report it, and with three other processes busy on
+# its cores none of 8 did (2026-12-04; hiding the thread pool's own locks from ThreadSanitizer did
+# not change that, so the ordering that hides the race is not yet found). So up to 5 runs, each
+# log kept; the check fails only if none reports the race.
+demo="$build/cuda_emulation_race_demo"
+reported=0
+for attempt in 1 2 3 4 5; do
+  if ! OMP_NUM_THREADS=1 "$build/tests/kvpress_cuda_emulation_tests" --gtest_filter='CudaEmulationRaceDemo.*' \
+      >"$demo.$attempt.log" 2>&1 && grep -q 'WARNING: ThreadSanitizer: data race' "$demo.$attempt.log"; then
+    reported=$attempt
+    break
+  fi
+done
+if [ "$reported" = 0 ]; then
+  echo "test_tsan.sh: ThreadSanitizer did not report the emulated kernel's missing barrier in 5 runs (logs: $demo.*.log)" >&2
   exit 1
 fi
-echo "test_tsan.sh: the emulated kernel without its barrier was reported as a data race, as it must be"
+echo "test_tsan.sh: the emulated kernel without its barrier was reported as a data race, as it must be (run $reported of at most 5)"
 

@@ -54,6 +54,9 @@ GENERATOR = "benchmarks/quality/make_tasks.py"
 RESERVE = 40  # tokens of the target length left for the chat template and the answer prefix
 NOISE = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."]
 STORY_BREAK = "\n\n"  # between stories of a haystack
+# Before the question, which the pipeline appends to the context's text (in the chat template's user
+# turn, as kvpress's does): RULER's templates put it on a line of its own.
+QUESTION_BREAK = "\n"
 OPENING_WORDS = 10  # words of a story quoted by qa's question
 
 # niah keys are "<adjective>-<noun>" pairs.
@@ -249,6 +252,7 @@ def fit(build: Callable[[int], tuple[str, str]], n: int, counter: TokenCounter, 
     question, tokens, n)."""
     while n >= 0:
         context, question = build(n)
+        question = QUESTION_BREAK + question
         tokens = counter.count(context) + counter.count(question)
         if tokens <= budget:
             return context, question, tokens, n
