@@ -107,7 +107,14 @@ TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
       EXPECT_EQ(shared[i].tokens, own[i].tokens) << "question " << i;
       EXPECT_EQ(shared[i].cache_lengths, own[i].cache_lengths) << "question " << i;
       EXPECT_EQ(shared[i].prefill_length, own[i].prefill_length);
+      EXPECT_EQ(shared[i].kept_fraction, own[i].kept_fraction);
     }
+    // Uniform and head-ragged budgets alike keep int(S * 0.5) tokens per head on average.
+    const double half = static_cast<double>(kvpress::ops::n_kept(own[0].prefill_length, 0.5)) /
+                        static_cast<double>(own[0].prefill_length);
+    if (press && (press->name() == "SnapKVPress" || press->name() == "AdaKVPress"))
+      EXPECT_NEAR(own[0].kept_fraction, half, 1e-12);
+    if (!press) EXPECT_EQ(own[0].kept_fraction, 1.0);
   }
   PipelineOptions opt = plain;
   opt.captured = &captured;

@@ -421,8 +421,6 @@ int run_bench(const std::vector<std::string>& argv) {
       at::manual_seed(0);
       const llama::Answer a =
           llama::answer_questions(checkpoint.model, checkpoint.tokenizer, e.context, {e.question}, opt).at(0);
-      double kept = 0.0;
-      for (int64_t len : a.cache_lengths) kept += static_cast<double>(len);
       json row = {{"model", model_name},
                   {"id", e.id},
                   {"task", e.task},
@@ -433,7 +431,7 @@ int run_bench(const std::vector<std::string>& argv) {
                   {"query_aware", p.query_aware},
                   {"ratio", run.ratio < 0 ? json(nullptr) : json(run.ratio)},
                   {"prefill_tokens", a.prefill_length},
-                  {"kept_fraction", kept / static_cast<double>(a.cache_lengths.size() * a.prefill_length)},
+                  {"kept_fraction", a.kept_fraction},
                   {"answer", a.text},
                   {"answer_tokens", a.tokens},
                   {"expected", e.answers},

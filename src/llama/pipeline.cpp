@@ -72,6 +72,23 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   return p;
 }
 
+// Mean over layers and KV heads of the tokens each head keeps of the prefill's `length`.
+double kept_fraction(const KVCache& cache, int64_t length) {
+  double sum = 0.0;
+  for (int64_t l = 0; l < cache.num_layers(); ++l) {
+    if (cache.is_ragged(l)) {
+      const HeadRaggedLayer& r = cache.ragged(l);
+      sum += static_cast<double>(r.total_tokens() - r.appended() * r.batch() * r.kv_heads()) /
+             static_cast<double>(r.batch() * r.kv_heads() * length);
+    } else if (const at::Tensor mask = cache.keep_mask(l); mask.defined()) {
+      sum += mask.narrow(2, 0, length).to(at::kDouble).mean().item<double>();
+    } else {
+      sum += static_cast<double>(cache.length(l)) / static_cast<double>(length);
+    }
+  }
+  return sum / static_cast<double>(cache.num_layers());
+}
+
 }  // namespace
 
 std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
@@ -138,6 +155,7 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
     Answer a;
     a.prefill_length = p.length;
     a.cache_lengths = lengths;
+    a.kept_fraction = kept_fraction(p.cache, p.length);
     a.tokens = detail::greedy_continue(model, p.cache, p.logits, question_ids, step, options.max_new_tokens,
                                        /*stop_at_eos=*/true);
     a.text = tokenizer.decode(a.tokens, /*skip_special_tokens=*/true);

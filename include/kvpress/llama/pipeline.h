@@ -40,7 +40,10 @@ struct Answer {
   std::string text;                    // decoded without special tokens (an EOS that ended it is dropped)
   std::vector<int64_t> tokens;         // generated ids, EOS included when it ended the answer
   int64_t prefill_length = 0;          // tokens prefilled (the context, and the question when query-aware)
-  std::vector<int64_t> cache_lengths;  // per layer, after the prefill's compression
+  std::vector<int64_t> cache_lengths;  // per layer, after the prefill's compression (head-ragged: the longest head)
+  // The prefill's tokens still visible after its compression: mean over layers and KV heads of each
+  // head's kept tokens over prefill_length (head-ragged and masked layers counted per head).
+  double kept_fraction = 1.0;
 };
 
 // One answer per question, in order. Tokenization (kvpress's preprocess): without a chat template,
