@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_util.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/llama/checkpoint.h"
 
@@ -93,11 +94,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const c10::Error& e) {
-    std::cerr << e.what_without_backtrace() << "\n";
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return kvpress_bench::guarded_main(run, argc, argv); }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -56,6 +57,19 @@ inline at::Tensor aten_decode_attention(const at::Tensor& queries,  // [B, Hq, 1
     scores = scores.masked_fill(keep_mask.logical_not().unsqueeze(2), -std::numeric_limits<double>::infinity());
   const at::Tensor weights = at::softmax(scores, -1, at::kFloat);
   return at::matmul(weights, values).view({batch, q_heads, 1, dim});
+}
+
+// main() of a stand-alone benchmark program: run(argc, argv); an error is one line on stderr (a
+// c10::Error without its backtrace) and exit code 2.
+inline int guarded_main(int (*run)(int, char**), int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::cerr << e.what_without_backtrace() << "\n";
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+  }
+  return 2;
 }
 
 }  // namespace kvpress_bench

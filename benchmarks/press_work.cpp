@@ -16,6 +16,7 @@
 #include <map>
 #include <string>
 
+#include "bench_util.h"
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
 #include "press_work.h"
@@ -55,11 +56,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << e.what() << "\n";
-    return 2;
-  }
-}
+int main(int argc, char** argv) { return kvpress_bench::guarded_main(run, argc, argv); }

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 
 # First: importing common checks the pinned kvpress version (the reference stack's pin).
-from common import parse_args, prepare_out, save, setup, versions, write_json
+from common import parse_args, perturb_biases_and_norms, prepare_out, save, setup, versions, write_json
 
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -59,12 +59,7 @@ def build(family: str, scaling: dict, extra: dict, seed: int, vocab_size: int = 
                   rope_scaling=scaling, initializer_range=0.08, tie_word_embeddings=False,
                   attn_implementation="eager")
     model = model_class(config_class(**{**fields, **extra})).eval()
-    with torch.no_grad():  # biases and norm weights away from transformers' 0 and 1
-        for name, tensor in model.named_parameters():
-            if name.endswith(".bias"):
-                tensor.normal_(0.0, 0.5)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                tensor.uniform_(0.5, 1.5)
+    perturb_biases_and_norms(model)
     return model
 
 

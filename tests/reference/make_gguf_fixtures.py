@@ -38,7 +38,8 @@ from pathlib import Path
 os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF loading draws progress bars (read when tqdm loads)
 
 # First: importing common checks the pinned kvpress version (the reference stack's pin).
-from common import build_press, load_stories, parse_args, prepare_out, save, setup, versions, write_json
+from common import (build_press, load_stories, parse_args, perturb_biases_and_norms, prepare_out, save, setup,
+                    versions, write_json)
 
 import gguf
 import numpy as np
@@ -137,12 +138,7 @@ def family_fixture(out: Path, family: str, seed: int) -> None:
                           rope_theta=100000.0, rms_norm_eps=1e-5, initializer_range=0.08, tie_word_embeddings=False,
                           **extra)
     model = model_class(config).eval()
-    with torch.no_grad():  # biases and norm weights away from transformers' 0 and 1
-        for name, tensor in model.named_parameters():
-            if name.endswith(".bias"):
-                tensor.normal_(0.0, 0.5)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                tensor.uniform_(0.5, 1.5)
+    perturb_biases_and_norms(model)
     path = out / f"{family}.gguf"
     writer = gguf.GGUFWriter(str(path), arch=family)
     writer.add_block_count(2)
