@@ -196,10 +196,6 @@ def random_llama(seed: int, head_dim: int, num_layers: int, hidden_size: int, in
     return LlamaForCausalLM(config).eval()
 
 
-# ---------------------------------------------------------------------------------------------
-# What kvpress sees
-# ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
 def perturb_biases_and_norms(model) -> None:
     """Draws a random-weight model's biases and per-head q/k norm weights away from transformers'
     initial 0 and 1 (N(0, 0.5) and U(0.5, 1.5)), so that a runner ignoring them is caught."""
@@ -211,6 +207,10 @@ def perturb_biases_and_norms(model) -> None:
                 tensor.uniform_(0.5, 1.5)
 
 
+# ---------------------------------------------------------------------------------------------
+# What kvpress sees
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
 def capture(model):
     """Forward hooks (with_kwargs) on every layer's self_attn recording, per layer index, what
     kvpress's BasePress.forward_hook receives: the module, kwargs["hidden_states"], the layer's
