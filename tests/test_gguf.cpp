@@ -92,6 +92,9 @@ TEST(Gguf, RefusesMalformedFiles) {
   refused(one_tensor_file(0, 32, 16).s, "tensor 't' offset 16 is not a multiple of 32");
   refused(one_tensor_file(0, 32, 32).s, "tensor 't' (256 bytes at offset 32) lies beyond the data section (256 bytes)");
   refused(one_tensor_file(0, 0).s, "tensor 't' has a dimension of 0");
+  // 2^62 float32 elements: 2^64 bytes, which a 64-bit size would wrap to 0 (found by the fuzzer).
+  refused(one_tensor_file(0, uint64_t{1} << 61).s,
+          "tensor 't' (4611686018427387904 elements of type F32) would take 2^64 bytes or more");
   refused(one_tensor_file(99).s, "tensor 't' has unknown ggml type 99");
   refused(one_tensor_file(2, 33).s,
           "tensor 't' of type Q4_0 has a first dimension of 33, not a multiple of its block of 32");

@@ -298,7 +298,12 @@ struct GgufParser {
       if (dims[0] % info->block != 0)
         fail("tensor '", t.name, "' of type ", info->name, " has a first dimension of ", dims[0],
              ", not a multiple of its block of ", info->block);
-      t.bytes = elements / static_cast<uint64_t>(info->block) * static_cast<uint64_t>(info->bytes);
+      // Stored bytes = blocks x block bytes, which must not wrap around (a wrapped size would pass the
+      // bounds check below and leave the dequantisation to allocate for the true element count).
+      const uint64_t blocks = elements / static_cast<uint64_t>(info->block);
+      if (blocks > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(info->bytes))
+        fail("tensor '", t.name, "' (", elements, " elements of type ", info->name, ") would take 2^64 bytes or more");
+      t.bytes = blocks * static_cast<uint64_t>(info->bytes);
       if (t.offset % alignment != 0)
         fail("tensor '", t.name, "' offset ", t.offset, " is not a multiple of ", alignment);
       if (file.tensor_index_.count(t.name)) fail("tensor name '", t.name, "' appears twice");
