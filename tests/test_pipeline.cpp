@@ -83,7 +83,9 @@ TEST(Pipeline, AnswersFromOneCacheEqualSeparateRuns) {
 // One captured prefill answered through by several presses (PipelineOptions::captured; kvpress-cli
 // bench): the same answers and cache lengths as each press's own prefill.
 TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
-  const auto& [model, tok] = tiny();
+  // References, not a structured binding: C++17 lambdas cannot capture those (clang refuses).
+  const LlamaModel& model = tiny().model;
+  const Tokenizer& tok = tiny().tokenizer;
   const std::vector<std::string> questions{"Who is in the story?", "What happened next?"};
   PipelineOptions plain;
   plain.max_new_tokens = 12;
