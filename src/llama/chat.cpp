@@ -17,15 +17,6 @@ namespace {
 
 constexpr const char* kOp = "ChatTemplate::recognize";
 
-// A published template text this library knows, by its byte length and 64-bit FNV-1a digest (the
-// texts themselves are test data: tests/data/chat_templates/<file>), and how it renders.
-struct KnownTemplate {
-  const char* file;  // under tests/data/chat_templates
-  size_t length;
-  uint64_t fnv1a;
-  void (*configure)(ChatTemplate& t);
-};
-
 uint64_t fnv1a(const std::string& text) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
@@ -86,64 +77,43 @@ std::string today() {
 
 }  // namespace
 
-// The known texts. Versions of one family that differ only in what this library does not render
-// (tools, non-text content) share its rendering; those that differ in what it renders set a flag.
+// The known texts, by byte length and 64-bit FNV-1a digest (the texts themselves are test data:
+// tests/data/chat_templates/<file>). Versions of one family that differ only in what this library
+// does not render (tools, non-text content) share a variant; those that differ in what it renders
+// have their own.
 struct ChatTemplateTable {
-  static const std::vector<KnownTemplate>& all() {
-    static const std::vector<KnownTemplate> known = {
-        {"smollm2.jinja", 368, 0x45ec583d4d25bc3aull,
-         [](ChatTemplate& t) {
-           t.name_ = "smollm2";
-           t.default_system_ = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
-         }},
-        {"qwen2_5.jinja", 2507, 0xc2b27ee60f1b8775ull,
-         [](ChatTemplate& t) {
-           t.name_ = "qwen2.5";
-           t.default_system_ = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
-         }},
-        {"qwen3.jinja", 4116, 0x2bfdb7aa9754484eull,
-         [](ChatTemplate& t) {
-           t.name_ = "qwen3";
-           t.family_ = ChatTemplate::Family::kQwen3;
-         }},
-        {"qwen3_string_content.jinja", 4168, 0x959a4551391a6549ull,
-         [](ChatTemplate& t) {
-           t.name_ = "qwen3";
-           t.family_ = ChatTemplate::Family::kQwen3;
-         }},
-        {"qwen3_think_history.jinja", 4137, 0xe01a1262938cdcddull,
-         [](ChatTemplate& t) {
-           t.name_ = "qwen3";
-           t.family_ = ChatTemplate::Family::kQwen3;
-           t.think_in_history_ = true;
-         }},
-        {"llama3.jinja", 389, 0x0e60067a5537498eull,
-         [](ChatTemplate& t) {
-           t.name_ = "llama3";
-           t.family_ = ChatTemplate::Family::kLlama3;
-         }},
-        {"llama3_always_prompt.jinja", 348, 0x74891e390e614ae2ull,
-         [](ChatTemplate& t) {
-           t.name_ = "llama3";
-           t.family_ = ChatTemplate::Family::kLlama3;
-           t.always_generation_prompt_ = true;
-         }},
-        {"llama3_1.jinja", 4614, 0x60848a05837ce656ull,
-         [](ChatTemplate& t) {
-           t.name_ = "llama3.1";
-           t.family_ = ChatTemplate::Family::kLlama31;
-         }},
-        {"llama3_1_initial.jinja", 4542, 0x104a4b13144daee3ull,
-         [](ChatTemplate& t) {
-           t.name_ = "llama3.1";
-           t.family_ = ChatTemplate::Family::kLlama31;
-         }},
-        {"llama3_2.jinja", 3827, 0x0ac29b9538e2befaull,
-         [](ChatTemplate& t) {
-           t.name_ = "llama3.2";
-           t.family_ = ChatTemplate::Family::kLlama31;
-           t.today_by_default_ = true;
-         }},
+  using Family = ChatTemplate::Family;
+  using Variant = ChatTemplate::Variant;
+  struct Known {
+    const char* file;  // under tests/data/chat_templates
+    size_t length;
+    uint64_t fnv1a;
+    const Variant& variant;
+  };
+  static constexpr Variant kSmolLM2{
+      "smollm2", Family::kChatML, "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+      false,     false,           false};
+  static constexpr Variant kQwen25{
+      "qwen2.5", Family::kChatML, "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+      false,     false,           false};
+  static constexpr Variant kQwen3{"qwen3", Family::kQwen3, "", false, false, false};
+  static constexpr Variant kQwen3ThinkHistory{"qwen3", Family::kQwen3, "", true, false, false};
+  static constexpr Variant kLlama3{"llama3", Family::kLlama3, "", false, false, false};
+  static constexpr Variant kLlama3AlwaysPrompt{"llama3", Family::kLlama3, "", false, true, false};
+  static constexpr Variant kLlama31{"llama3.1", Family::kLlama31, "", false, false, false};
+  static constexpr Variant kLlama32{"llama3.2", Family::kLlama31, "", false, false, true};
+  static const std::vector<Known>& all() {
+    static const std::vector<Known> known = {
+        {"smollm2.jinja", 368, 0x45ec583d4d25bc3aull, kSmolLM2},
+        {"qwen2_5.jinja", 2507, 0xc2b27ee60f1b8775ull, kQwen25},
+        {"qwen3.jinja", 4116, 0x2bfdb7aa9754484eull, kQwen3},
+        {"qwen3_string_content.jinja", 4168, 0x959a4551391a6549ull, kQwen3},
+        {"qwen3_think_history.jinja", 4137, 0xe01a1262938cdcddull, kQwen3ThinkHistory},
+        {"llama3.jinja", 389, 0x0e60067a5537498eull, kLlama3},
+        {"llama3_always_prompt.jinja", 348, 0x74891e390e614ae2ull, kLlama3AlwaysPrompt},
+        {"llama3_1.jinja", 4614, 0x60848a05837ce656ull, kLlama31},
+        {"llama3_1_initial.jinja", 4542, 0x104a4b13144daee3ull, kLlama31},
+        {"llama3_2.jinja", 3827, 0x0ac29b9538e2befaull, kLlama32},
     };
     return known;
   }
@@ -151,11 +121,8 @@ struct ChatTemplateTable {
 
 std::vector<std::string> ChatTemplate::known() {
   std::vector<std::string> out;
-  for (const KnownTemplate& k : ChatTemplateTable::all()) {
-    ChatTemplate t;
-    k.configure(t);
-    if (out.empty() || out.back() != t.name_) out.push_back(t.name_);
-  }
+  for (const ChatTemplateTable::Known& k : ChatTemplateTable::all())
+    if (out.empty() || out.back() != k.variant.name) out.push_back(k.variant.name);
   return out;
 }
 
@@ -163,14 +130,12 @@ ChatTemplate ChatTemplate::recognize(const std::string& jinja, const std::string
                                      const std::string& bos_token) {
   TORCH_CHECK(!jinja.empty(), kOp, ": ", origin, " has no chat template");
   const uint64_t digest = fnv1a(jinja);
-  for (const KnownTemplate& k : ChatTemplateTable::all()) {
+  for (const ChatTemplateTable::Known& k : ChatTemplateTable::all()) {
     if (jinja.size() != k.length || digest != k.fnv1a) continue;
-    ChatTemplate t;
-    k.configure(t);
-    t.bos_token_ = bos_token;
-    TORCH_CHECK((t.family_ != Family::kLlama3 && t.family_ != Family::kLlama31) || !bos_token.empty(), kOp, ": ",
-                origin, ": the ", t.name_, " chat template writes the BOS token first; pass bos_token (got \"\")");
-    return t;
+    const Family family = k.variant.family;
+    TORCH_CHECK((family != Family::kLlama3 && family != Family::kLlama31) || !bos_token.empty(), kOp, ": ", origin,
+                ": the ", k.variant.name, " chat template writes the BOS token first; pass bos_token (got \"\")");
+    return ChatTemplate(k.variant, bos_token);
   }
   std::string names;
   for (const std::string& n : known()) names += (names.empty() ? "" : ", ") + n;
@@ -188,10 +153,11 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool a
   }
   const bool first_is_system = messages.front().role == "system";
   std::string out;
-  switch (family_) {
+  const Variant& v = *variant_;
+  switch (v.family) {
     case Family::kChatML:
-      if (!first_is_system && !default_system_.empty())
-        out += "<|im_start|>system\n" + default_system_ + "<|im_end|>\n";
+      if (!first_is_system && *v.default_system)
+        out += "<|im_start|>system\n" + std::string(v.default_system) + "<|im_end|>\n";
       for (const ChatMessage& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
       if (add_generation_prompt) out += "<|im_start|>assistant\n";
       return out;
@@ -220,7 +186,7 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool a
           reasoning = lstrip(open == std::string::npos ? before : before.substr(open + 7), '\n');
           content = lstrip(content.substr(content.rfind("</think>") + 8), '\n');
         }
-        const bool after_query = static_cast<int64_t>(i) > last_query || (think_in_history_ && !reasoning.empty());
+        const bool after_query = static_cast<int64_t>(i) > last_query || (v.think_in_history && !reasoning.empty());
         if (after_query && (i + 1 == messages.size() || !reasoning.empty()))
           out += "<|im_start|>assistant\n<think>\n" + strip(reasoning, '\n') + "\n</think>\n\n" + lstrip(content, '\n');
         else
@@ -238,12 +204,14 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool a
       for (size_t i = 0; i < messages.size(); ++i)
         out += (i == 0 ? bos_token_ : std::string()) + "<|start_header_id|>" + messages[i].role +
                "<|end_header_id|>\n\n" + trim(messages[i].content) + "<|eot_id|>";
-      if (add_generation_prompt || always_generation_prompt_)
+      if (add_generation_prompt || v.always_generation_prompt)
         out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
       return out;
 
     case Family::kLlama31: {
-      const std::string date = options.date_string ? *options.date_string : today_by_default_ ? today() : "26 Jul 2024";
+      const std::string date = options.date_string  ? *options.date_string
+                               : v.today_by_default ? today()
+                                                    : "26 Jul 2024";
       out +=
           bos_token_ +
           "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: " + date +

@@ -24,6 +24,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvpress::llama {
@@ -60,13 +61,19 @@ class ChatTemplate {
  private:
   friend struct ChatTemplateTable;  // src/llama/chat.cpp: the known texts
   enum class Family { kChatML, kQwen3, kLlama3, kLlama31 };
-  ChatTemplate() = default;
+  // How a recognised text renders; one per published version (src/llama/chat.cpp).
+  struct Variant {
+    const char* name;
+    Family family;
+    const char* default_system;     // ChatML: the system message a conversation without one gets ("": none)
+    bool think_in_history;          // Qwen3: earlier assistant turns with reasoning keep it
+    bool always_generation_prompt;  // Llama 3: the first release adds the prompt regardless
+    bool today_by_default;          // Llama 3.2: date_string defaults to today
+  };
+  ChatTemplate(const Variant& variant, std::string bos_token)
+      : variant_(&variant), name_(variant.name), bos_token_(std::move(bos_token)) {}
+  const Variant* variant_;
   std::string name_;
-  Family family_ = Family::kChatML;
-  std::string default_system_;             // ChatML: the system message a conversation without one gets
-  bool think_in_history_ = false;          // Qwen3: earlier assistant turns with reasoning keep it
-  bool always_generation_prompt_ = false;  // Llama 3: the first release adds the prompt regardless
-  bool today_by_default_ = false;          // Llama 3.2: date_string defaults to today
   std::string bos_token_;
 };
 
