@@ -139,9 +139,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
         usage_error("bench: --param {} must follow the --press it applies to", v);
       add_param(out.presses.back().params, v);
     } else if (take_value(args, i, "--ratios", "", v)) {
-      out.ratios.clear();
-      for (const std::string& r : split_list(v)) out.ratios.push_back(parse_ratio(r));
-      if (out.ratios.empty()) usage_error("bench: --ratios needs at least one ratio");
+      out.ratios = parse_ratios(v);
     } else if (take_value(args, i, "--out", "", out.out)) {
     } else if (take_value(args, i, "--csv", "", out.csv)) {
     } else if (take_value(args, i, "--png", "", out.png)) {

@@ -2,8 +2,10 @@
 // "--name VALUE" / "--name=VALUE", a press's --param KEY=VALUE list and --ratio.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -65,6 +67,17 @@ inline double parse_ratio(const std::string& text) {
     usage_error("--ratio must be a number in [0, 1), got '{}'", text);
   }
   return *r;
+}
+
+// --ratios: comma-separated ratios in [0, 1), sorted, each once.
+inline std::vector<double> parse_ratios(const std::string& text) {
+  std::optional<std::vector<double>> list = kvpress::parse_double_list(text);
+  const bool ok = list && std::all_of(list->begin(), list->end(), [](double r) { return r >= 0.0 && r < 1.0; });
+  TORCH_CHECK(ok, "--ratios must be a comma-separated list of numbers in [0, 1), got '", text, "'");
+  std::vector<double> out = *list;
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 // An integer option in [lo, hi].

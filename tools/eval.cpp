@@ -24,6 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_args.h"
 #include "kvpress/io/atomic_file.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/presses/qsm_press.h"
@@ -59,16 +60,6 @@ struct EvalArgs {
   bool progress = true;
   bool quiet = false;
 };
-
-std::vector<double> parse_ratios(const std::string& text) {
-  std::optional<std::vector<double>> list = kvpress::parse_double_list(text);
-  const bool ok = list && std::all_of(list->begin(), list->end(), [](double r) { return r >= 0.0 && r < 1.0; });
-  TORCH_CHECK(ok, "--ratios must be a comma-separated list of numbers in [0, 1), got '", text, "'");
-  std::vector<double> out = *list;
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
-}
 
 EvalArgs parse_eval_args(const std::vector<std::string>& args) {
   EvalArgs out;

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,7 +51,6 @@ def model_file(spec: str) -> Path:
     path = Path(spec)
     if path.suffix == ".gguf":
         return path
-    import os
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     found = sorted((cache / "kvpress-cpp" / "models" / spec).glob("*.gguf"))
     if not found:
@@ -71,13 +71,19 @@ def load(path: Path):
     return model, tokenizer
 
 
+def pipeline_texts(example: dict, row: dict) -> tuple[str, str]:
+    """(context, question) as the pipeline gets them: a query-aware row prefills context + question
+    as one text and asks an empty question (kvpress's evaluation)."""
+    if row["query_aware"]:
+        return example["context"] + example["question"], ""
+    return example["context"], example["question"]
+
+
 def first_divergence(pipe, press, example: dict, row: dict) -> dict:
     """Our answer tokens teacher-forced over kvpress's compressed cache: the first position where
     kvpress's argmax differs from our token, and the logit gap there."""
     model, tokenizer = pipe.model, pipe.tokenizer
-    context, question = example["context"], example["question"]
-    if row["query_aware"]:
-        context, question = context + question, ""
+    context, question = pipeline_texts(example, row)
     inputs = pipe.preprocess(context, questions=[question], answer_prefix=example["answer_prefix"],
                              max_context_length=int(1e10))
     context_ids, question_ids = inputs["context_ids"], inputs["questions_ids"][0]
@@ -134,9 +140,7 @@ def main() -> None:
             example = examples[row["id"]]
             ratio = row["ratio"] if row["ratio"] is not None else 0.0
             press = build_press(row["press_name"], row["params"], ratio) if row["press_name"] else None
-            context, question = example["context"], example["question"]
-            if row["query_aware"]:
-                context, question = context + question, ""
+            context, question = pipeline_texts(example, row)
             t0 = time.time()
             torch.manual_seed(0)
             result = {"id": row["id"], "task": row["task"], "length": row["length"], "press": row["press"],
