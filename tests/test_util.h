@@ -10,10 +10,13 @@
 
 #include <stdlib.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace kvpress::testing {
 
@@ -78,6 +81,54 @@ inline std::string cuda_half_unavailable() {
   if (!at::hasCUDA()) return "no CUDA device on this machine";
   if (!cuda_kernels_built()) return "libkvpress built without CUDA kernels";
   return "";
+}
+
+// How far two LagKV kernels' float32 softmax averages may differ, relative: per kernel, the std's
+// sums over dim channels (relative error up to dim units of rounding, the std of values normalised to
+// the reference's range being below 1 on random inputs), the softmax's normalising sum over lag
+// tokens (lag units) and a few roundings (exp, sqrt, divisions: 8 units), for both kernels.
+inline double lag_average_rtol(int64_t dim, int64_t lag) { return 2.0 * static_cast<double>(dim + lag + 8) * 0x1p-24; }
+
+// LagKV's ranks against the partitions' softmax averages they rank. A rank is a step function of
+// the averages, so two kernels that sum in different orders may swap two tokens whose averages lie
+// within rounding of each other. Expects, in every scored partition, rank * lag to be a permutation
+// of 0..lag-1 (each rank / lag rounded to `cache_dtype`, as kvpress rounds it), ordered as
+// `averages` are wherever two differ by more than `rtol` of the larger.
+inline void expect_lag_ranks_consistent(const at::Tensor& ranks,     // [..., seq] rank / lag
+                                        const at::Tensor& averages,  // [..., seq] float32 averages
+                                        int64_t n_sink, int64_t lag, int64_t scored, at::ScalarType cache_dtype,
+                                        double rtol, const std::string& what) {
+  ASSERT_EQ(ranks.sizes(), averages.sizes()) << what;
+  const int64_t seq = ranks.size(-1);
+  const at::Tensor r = ranks.reshape({-1, seq}).to(at::kDouble).contiguous();
+  const at::Tensor a = averages.reshape({-1, seq}).to(at::kDouble).contiguous();
+  const auto rank_of = r.accessor<double, 2>();
+  const auto average = a.accessor<double, 2>();
+  for (int64_t row = 0; row < r.size(0); ++row) {
+    for (int64_t p = 0; p < scored; ++p) {
+      const int64_t first = n_sink + p * lag;
+      const std::string where = what + ", row " + std::to_string(row) + ", partition " + std::to_string(p);
+      std::vector<int64_t> order(lag, -1);  // token of each rank
+      for (int64_t t = 0; t < lag; ++t) {
+        const double value = rank_of[row][first + t];
+        const int64_t k = std::llround(value * static_cast<double>(lag));
+        ASSERT_TRUE(k >= 0 && k < lag) << where << ": token " << t << " has rank value " << value;
+        const double rounded =
+            at::scalar_tensor(static_cast<double>(k) / static_cast<double>(lag)).to(cache_dtype).item<double>();
+        ASSERT_EQ(value, rounded) << where << ": token " << t << " is not rank " << k << " / " << lag;
+        ASSERT_EQ(order[k], -1) << where << ": tokens " << order[k] << " and " << t << " share rank " << k;
+        order[k] = t;
+      }
+      for (int64_t k = 0; k + 1 < lag; ++k) {
+        for (int64_t j = k + 1; j < lag; ++j) {  // order[k] ranks below order[j]
+          const double lo = average[row][first + order[k]], hi = average[row][first + order[j]];
+          ASSERT_LE(lo - hi, rtol * std::max(std::abs(lo), std::abs(hi)))
+              << where << ": token " << order[k] << " (average " << lo << ") ranks below token " << order[j]
+              << " (average " << hi << ")";
+        }
+      }
+    }
+  }
 }
 
 }  // namespace kvpress::testing
