@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <string>
 
@@ -16,6 +18,15 @@ inline std::string shape_str(const at::Tensor& t) {
   std::ostringstream os;
   os << t.sizes();
   return os.str();
+}
+
+// A 0/1 switch from the environment: unset, "" or "0" is false, "1" true; anything else is refused
+// rather than guessed ("<who>: <variable> must be 0 or 1, got ...").
+inline bool env_flag(const char* variable, const char* who) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "0") == 0) return false;
+  TORCH_CHECK(std::strcmp(value, "1") == 0, who, ": ", variable, " must be 0 or 1, got \"", value, "\"");
+  return true;
 }
 
 inline bool is_supported_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }

@@ -191,17 +191,24 @@ inline RaggedAttentionArgs ragged_attention_args(const at::Tensor& queries, cons
           s};
 }
 
-// paged_attention's arguments (see kvpress/ops.h), checked and laid out as the kernels read them; the
-// page table and lengths are also copied to the host and every page a head uses is checked to lie
-// in the pool, so a kernel never reads outside it.
+// The paged ops' index tensors (page tables, lengths, slots): whether the host reads their contents
+// to check them. kRead: copied to the host (free on the CPU, a synchronisation on CUDA) and every
+// value checked, so the kernel may trust them. kLeaveOnDevice: only their shapes, dtypes and devices
+// are checked; the CUDA kernels check each index they use (ops::set_device_argument_checks).
+enum class IndexContents { kRead, kLeaveOnDevice };
+
+// paged_attention's arguments (see kvpress/ops.h), checked and laid out as the kernels read them.
+// With IndexContents::kRead the page table and lengths are also copied to the host and every page a
+// head uses is checked to lie in the pool, so a kernel never reads outside it.
 struct PagedAttentionArgs {
   at::Tensor queries, key_pool, value_pool, page_table, lengths;  // contiguous
-  at::Tensor host_page_table, host_lengths;                       // CPU copies
+  at::Tensor host_page_table, host_lengths;                       // CPU copies (kRead only)
   double scale;
 };
 inline PagedAttentionArgs paged_attention_args(const at::Tensor& queries, const at::Tensor& key_pool,
                                                const at::Tensor& value_pool, const at::Tensor& page_table,
-                                               const at::Tensor& lengths, std::optional<double> scale) {
+                                               const at::Tensor& lengths, std::optional<double> scale,
+                                               IndexContents contents = IndexContents::kRead) {
   constexpr const char* op = "paged_attention";
   check_rank(op, "queries", queries, 4, "[batch, q_heads, n, head_dim]");
   check_float(op, "queries", queries);
@@ -232,6 +239,17 @@ inline PagedAttentionArgs paged_attention_args(const at::Tensor& queries, const 
   check_gqa(op, q_heads, kv_heads);
   TORCH_CHECK(lengths.size(0) == batch && lengths.size(1) == kv_heads, op, ": lengths must be [", batch, ", ", kv_heads,
               "], got ", shape_str(lengths));
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  TORCH_CHECK(std::isfinite(s) && s > 0.0, op, ": scale must be a finite positive number, got ", s);
+  PagedAttentionArgs args{queries.contiguous(),
+                          key_pool.contiguous(),
+                          value_pool.contiguous(),
+                          page_table.contiguous(),
+                          lengths.contiguous(),
+                          {},
+                          {},
+                          s};
+  if (contents == IndexContents::kLeaveOnDevice) return args;
   const at::Tensor host_lengths = lengths.to(at::kCPU).contiguous();
   const at::Tensor host_pages = page_table.to(at::kCPU).contiguous();
   const int64_t* len = host_lengths.const_data_ptr<int64_t>();
@@ -248,22 +266,17 @@ inline PagedAttentionArgs paged_attention_args(const at::Tensor& queries, const 
                   ") where used, got ", page, " at head ", bh, ", slot ", p);
     }
   }
-  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
-  TORCH_CHECK(std::isfinite(s) && s > 0.0, op, ": scale must be a finite positive number, got ", s);
-  return {queries.contiguous(),
-          key_pool.contiguous(),
-          value_pool.contiguous(),
-          page_table.contiguous(),
-          lengths.contiguous(),
-          host_pages,
-          host_lengths,
-          s};
+  args.host_page_table = host_pages;
+  args.host_lengths = host_lengths;
+  return args;
 }
 
 // paged_write: pools [num_pages, page_size, D] contiguous, rows [N, D] of their dtype, slots [N]
 // int64 (page * page_size + offset) in range, every tensor on the pools' device.
+// With IndexContents::kRead, slots are also copied to the host and checked: in range and distinct.
 inline void check_paged_write(const at::Tensor& key_pool, const at::Tensor& value_pool, const at::Tensor& keys,
-                              const at::Tensor& values, const at::Tensor& slots) {
+                              const at::Tensor& values, const at::Tensor& slots,
+                              IndexContents contents = IndexContents::kRead) {
   constexpr const char* op = "paged_write";
   check_rank(op, "key_pool", key_pool, 3, "[num_pages, page_size, head_dim]");
   check_float(op, "key_pool", key_pool);
@@ -285,7 +298,7 @@ inline void check_paged_write(const at::Tensor& key_pool, const at::Tensor& valu
                                 {"values", &values},
                                 {"slots", &slots}})
     check_same_device(op, name, *t, "key_pool", key_pool);
-  if (slots.numel() == 0) return;
+  if (slots.numel() == 0 || contents == IndexContents::kLeaveOnDevice) return;
   // The slots sorted, on the host (one copy): their range, and no slot twice (two rows for one slot
   // would be written by two threads on the CPU, or blocks on CUDA, in no set order).
   const at::Tensor sorted = std::get<0>(slots.sort()).cpu();
@@ -363,6 +376,12 @@ inline void check_cholesky_leverage(const char* op, const at::Tensor& sketched, 
 }
 
 }  // namespace checks
+
+// Reads and clears the record of bad device data of CUDA device `index` (ops::check_device_errors)
+// and raises what it names. The CUDA kernels' host part (kernels/cuda/device_errors.cpp) registers
+// it when the library is built with them.
+using DeviceErrorCheck = void (*)(c10::DeviceIndex index);
+void register_cuda_device_error_check(DeviceErrorCheck check);
 
 // ---- ATen composites of the kernel ops (same contracts as kvpress/ops.h) ----------------------
 namespace ops::composite {

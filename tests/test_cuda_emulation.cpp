@@ -242,12 +242,15 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
     const int64_t units = batch * q_heads * c.n;
     cu::plan_paged_splits(shape, units, *std::max_element(c.lengths.begin(), c.lengths.end()), c.sms);
     at::Tensor partials = at::empty({units, shape.splits, cu::paged_partial_stride(c.dim)}, at::kFloat);
+    at::Tensor errors = at::zeros({1}, at::kInt);
     with_cuda_type(c.dtype, [&](auto element) {
       using T = decltype(element);
       expect_launched(cu::launch_paged_attention<T>(
           ptr<T>(queries), ptr<T>(l.key_pool), ptr<T>(l.value_pool), l.page_table.const_data_ptr<int64_t>(),
-          l.lengths.const_data_ptr<int64_t>(), mut<T>(out), partials.data_ptr<float>(), shape, nullptr));
+          l.lengths.const_data_ptr<int64_t>(), mut<T>(out), partials.data_ptr<float>(), errors.data_ptr<int>(), shape,
+          nullptr));
     });
+    EXPECT_EQ(errors.item<int>(), 0);
     const double rtol = attention_rtol(c.dtype);
     expect_close(out, expected, c.dtype == at::kFloat ? 1e-5 : rtol, rtol,
                  "paged dim " + std::to_string(c.dim) + " page " + std::to_string(c.page_size) + " group " +
@@ -266,12 +269,57 @@ TEST(CudaEmulation, PagedWriteMatchesTheCpuKernel) {
       with_cuda_type(dtype, [&](auto element) {
         using T = decltype(element);
         expect_launched(cu::launch_paged_write<T>(mut<T>(key_pool), mut<T>(value_pool), ptr<T>(keys), ptr<T>(values),
-                                                  slots.const_data_ptr<int64_t>(), 11, dim, nullptr));
+                                                  slots.const_data_ptr<int64_t>(), 11, dim, 80, nullptr, nullptr));
       });
       EXPECT_TRUE(at::equal(key_pool, key_expected) && at::equal(value_pool, value_expected))
           << "paged_write dim " << dim << " " << dtype;
     }
   }
+}
+
+// Tables, lengths and slots the host did not check (a decode step without a synchronisation): the
+// kernels read nothing outside the pools and tables (the sanitized stage runs this under
+// AddressSanitizer), give the heads with a bad length or page NaN outputs while the other heads'
+// outputs stay right, skip rows with a bad slot, and record each kind of error.
+TEST(CudaEmulation, PagedKernelsRefuseBadDeviceDataWithoutReadingOutside) {
+  const int64_t dim = 64, page_size = 16;
+  for (const int64_t sms : {132, 1}) {  // split heads (reduce kernel) and one split
+    // Three (batch row, KV head) pairs: a good one, one whose length exceeds its table row, one
+    // whose second page lies outside the pool; GQA group 2, n = 1.
+    const PagedLayout l = make_paged_layout({at::kFloat, dim, page_size, 2, 1, {300, 40, 40}, 1, sms});
+    at::Tensor page_table = l.page_table.clone(), lengths = l.lengths.clone();
+    const int64_t max_pages = page_table.size(2), num_pages = l.key_pool.size(0);
+    lengths[1][0] = max_pages * page_size + 5;
+    page_table[2][0][1] = num_pages + 7;
+    const at::Tensor queries = at::randn({3, 2, 1, dim});
+    cu::PagedAttentionShape shape = cu::paged_attention_shape(queries, l.key_pool, page_table, 0.125);
+    // Planned from the tables' capacity, as the bridge does when it leaves the lengths on the device.
+    cu::plan_paged_splits(shape, 6, max_pages * page_size, sms);
+    at::Tensor out = at::empty_like(queries);
+    at::Tensor partials = at::empty({6, shape.splits, cu::paged_partial_stride(dim)}, at::kFloat);
+    at::Tensor errors = at::zeros({1}, at::kInt);
+    expect_launched(cu::launch_paged_attention<float>(
+        ptr<float>(queries), ptr<float>(l.key_pool), ptr<float>(l.value_pool), page_table.const_data_ptr<int64_t>(),
+        lengths.const_data_ptr<int64_t>(), mut<float>(out), partials.data_ptr<float>(), errors.data_ptr<int>(), shape,
+        nullptr));
+    const std::string what = "splits " + std::to_string(shape.splits);
+    EXPECT_EQ(errors.item<int>(), cu::kPagedBadLength | cu::kPagedBadPage) << what;
+    EXPECT_TRUE(at::isnan(out.narrow(0, 1, 2)).all().item<bool>()) << what;
+    const at::Tensor good =
+        kvpress::ops::paged_attention(queries.narrow(0, 0, 1), l.key_pool, l.value_pool, l.page_table.narrow(0, 0, 1),
+                                      l.lengths.narrow(0, 0, 1), 0.125);
+    expect_close(out.narrow(0, 0, 1), good, 1e-5, attention_rtol(at::kFloat), what + " good head");
+  }
+  at::Tensor key_pool = at::zeros({5, page_size, dim}), value_pool = at::zeros({5, page_size, dim});
+  const at::Tensor keys = at::randn({3, dim}), values = at::randn({3, dim});
+  const at::Tensor slots = at::tensor({int64_t{4}, int64_t{80}, int64_t{-1}}, at::kLong);
+  at::Tensor errors = at::zeros({1}, at::kInt);
+  expect_launched(cu::launch_paged_write<float>(mut<float>(key_pool), mut<float>(value_pool), ptr<float>(keys),
+                                                ptr<float>(values), slots.const_data_ptr<int64_t>(), 3, dim, 80,
+                                                errors.data_ptr<int>(), nullptr));
+  EXPECT_EQ(errors.item<int>(), cu::kPagedBadSlot);
+  EXPECT_TRUE(at::equal(key_pool.view({-1, dim})[4], keys[0]) && at::equal(value_pool.view({-1, dim})[4], values[0]));
+  EXPECT_EQ(key_pool.abs().sum().item<double>(), keys[0].abs().sum().item<double>()) << "only slot 4 written";
 }
 
 // ---- ragged_attention ------------------------------------------------------------------------

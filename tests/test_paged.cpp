@@ -15,6 +15,11 @@
 #include <type_traits>
 #include <vector>
 
+#if KVPRESS_TESTS_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#endif
+
 #include "kernel_ops.h"
 #include "kvpress/kvpress.h"
 #include "kvpress/paged.h"
@@ -695,6 +700,97 @@ TEST(PagedCuda, WriteMatchesCpu) {
     EXPECT_TRUE(at::equal(vp, vg.cpu())) << dtype;
   }
   KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+}
+
+// What the CUDA bridges check on the host when device argument checks are off: shapes, dtypes and
+// devices only, never the contents of the tables, lengths or slots. Meta tensors have no contents,
+// so reading them raises: the checks pass on them with kLeaveOnDevice and raise with kRead.
+TEST(PagedOps, ChecksLeftOnTheDeviceReadNoIndexContents) {
+  const auto meta = [](std::initializer_list<int64_t> shape, at::ScalarType dtype) {
+    return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kMeta));
+  };
+  const at::Tensor q = meta({2, 4, 1, 64}, at::kFloat), pool = meta({10, 16, 64}, at::kFloat);
+  const at::Tensor table = meta({2, 2, 5}, at::kLong), lengths = meta({2, 2}, at::kLong);
+  const checks::PagedAttentionArgs a =
+      checks::paged_attention_args(q, pool, pool, table, lengths, std::nullopt, checks::IndexContents::kLeaveOnDevice);
+  EXPECT_FALSE(a.host_lengths.defined() || a.host_page_table.defined());
+  EXPECT_THROW(checks::paged_attention_args(q, pool, pool, table, lengths, std::nullopt, checks::IndexContents::kRead),
+               c10::Error);
+  at::Tensor key_pool = pool, value_pool = meta({10, 16, 64}, at::kFloat);
+  const at::Tensor rows = meta({3, 64}, at::kFloat), slots = meta({3}, at::kLong);
+  checks::check_paged_write(key_pool, value_pool, rows, rows, slots, checks::IndexContents::kLeaveOnDevice);
+  EXPECT_THROW(checks::check_paged_write(key_pool, value_pool, rows, rows, slots, checks::IndexContents::kRead),
+               c10::Error);
+  // Shapes are still checked without the contents.
+  expect_error(
+      [&] {
+        checks::paged_attention_args(q, pool, pool, table, meta({2, 3}, at::kLong), std::nullopt,
+                                     checks::IndexContents::kLeaveOnDevice);
+      },
+      {"paged_attention: lengths must be [2, 2], got [2, 3]"});
+}
+
+// The switch and its default: off unless KVPRESS_CHECK_DEVICE_ARGUMENTS=1 was set at load (ctest
+// does not set it). CPU tensors are checked on the host either way.
+TEST(PagedOps, DeviceArgumentChecksAreASwitchCpuIgnores) {
+  ASSERT_FALSE(ops::device_argument_checks());
+  const PagedLayout l = random_layout(1, 1, {20}, 16, 32, at::kFloat, 90);
+  const at::Tensor q = randn({1, 1, 1, 32}, 91);
+  for (const bool on : {true, false}) {
+    ops::set_device_argument_checks(on);
+    EXPECT_EQ(ops::device_argument_checks(), on);
+    expect_error([&] { ops::paged_attention(q, l.key_pool, l.value_pool, l.page_table, l.lengths + 100); },
+                 {"paged_attention: lengths must be in [n (1), max_pages * page_size (32)]"});
+  }
+  ops::check_device_errors(at::Device(at::kCPU));  // nothing to report on the CPU
+}
+
+// A decode step on CUDA (paged_write of the new token's K/V, then paged_attention) makes no host
+// synchronisation: counted by c10's sync-debug mode, which warns at every synchronising call. The
+// count is checked to see synchronisations (device argument checks on: one per call). Bad device
+// data is then reported by check_device_errors, once.
+TEST(PagedCuda, DecodeStepMakesNoHostSynchronisation) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+#if KVPRESS_TESTS_WITH_CUDA
+  const PagedLayout l = random_layout(2, 2, {700, 3, 40, 2}, 16, 128, at::kHalf, 92);
+  at::Tensor key_pool = l.key_pool.cuda(), value_pool = l.value_pool.cuda();
+  const at::Tensor page_table = l.page_table.cuda(), lengths = l.lengths.cuda();
+  const at::Tensor q = randn({2, 8, 1, 128}, 93, at::kHalf).cuda();
+  const at::Tensor rows = randn({4, 128}, 94, at::kHalf).cuda();
+  const at::Tensor slots = at::arange(4, at::kLong).cuda() + 16 * (key_pool.size(0) - 1);  // the unused last page
+  const auto step = [&] {
+    ops::paged_write(key_pool, value_pool, rows, rows, slots);
+    return ops::paged_attention(q, key_pool, value_pool, page_table, lengths);
+  };
+  step();  // warm-up: allocates the device's error word
+  c10::cuda::device_synchronize();
+  const auto count_synchronisations = [&](bool device_checks) {
+    int count = 0;
+    struct Counter : c10::WarningHandler {
+      int* count;
+      void process(const c10::Warning& w) override {
+        if (w.msg().find("synchroniz") != std::string::npos) ++*count;
+      }
+    } counter;
+    counter.count = &count;
+    const c10::WarningUtils::WarningHandlerGuard handler(&counter);
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+    ops::set_device_argument_checks(device_checks);
+    step();
+    ops::set_device_argument_checks(false);
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    return count;
+  };
+  EXPECT_EQ(count_synchronisations(false), 0);
+  EXPECT_GE(count_synchronisations(true), 2) << "the counter must see the host checks' copies";
+  ops::check_device_errors(q.device());  // nothing wrong so far
+  const at::Tensor out = ops::paged_attention(q, key_pool, value_pool, page_table, lengths + 10000);
+  expect_error([&] { ops::check_device_errors(q.device()); },
+               {"check_device_errors", "paged_attention got lengths outside [n, max_pages * page_size]"});
+  EXPECT_TRUE(at::isnan(out.cpu()).all().item<bool>());
+  ops::check_device_errors(q.device());  // cleared
+#endif
 }
 
 TEST(PagedCuda, CacheOnCudaKeepsAndAttendsAsOnCpu) {

@@ -294,12 +294,32 @@ at::Tensor paged_attention(const at::Tensor& queries,                    // [B, 
                            std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
 
 // Writes row r of keys/values into slot slots[r] = page * page_size + row of the pools, in place
-// (vLLM's reshape_and_cache). Slots must be in range and distinct (c10::Error otherwise).
+// (vLLM's reshape_and_cache). Slots must be in range and distinct (c10::Error otherwise; on CUDA
+// see device_argument_checks).
 void paged_write(at::Tensor& key_pool,      // [num_pages, page_size, D], contiguous, written
                  at::Tensor& value_pool,    // [num_pages, page_size, D], contiguous, written
                  const at::Tensor& keys,    // [N, D]
                  const at::Tensor& values,  // [N, D]
                  const at::Tensor& slots);  // [N] int64
+
+// On CUDA, paged_attention and paged_write do not read their page tables, lengths or slots on the
+// host by default: a decode step makes no host synchronisation and can be captured in a CUDA graph.
+// Their kernels check every index they take from those tensors and never read or write outside the
+// pools: the queries of a head whose length lies outside [n, max_pages * page_size] or whose used
+// pages lie outside the pool get NaN outputs, a row whose slot lies outside the pool is not written,
+// and the device records which (check_device_errors raises it). Repeated slots are not detected
+// (the rows race). With device argument checks on, the ops copy those tensors to the host and raise
+// before launching, as on the CPU (one synchronisation per call). Off unless turned on here or by
+// KVPRESS_CHECK_DEVICE_ARGUMENTS=1 in the environment (read at the first use). PagedKVCache derives
+// its tables and slots on the host from its own bookkeeping, so what it passes is valid either way.
+void set_device_argument_checks(bool on);
+bool device_argument_checks();
+
+// Raises a c10::Error naming what the CUDA kernels on `device` found wrong in device data since the
+// last call (see set_device_argument_checks), and clears the record. Copies one int to the host, a
+// synchronisation: an engine calls it where it synchronises anyway (after sampling a step's tokens).
+// Does nothing for other devices or without the CUDA kernels.
+void check_device_errors(const c10::Device& device);
 
 // What the CPU kernels' hot loops run in this process, for benchmark tables and bug reports:
 // "avx512" (the AVX-512 register tiles and the loops' AVX-512 clones), "avx512-clones" (the clones

@@ -4,21 +4,15 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "checks.h"
 #include "cpu/vector_clones.h"
 #include "kvpress/ops.h"
 
 namespace kvpress::kernels {
 namespace {
 
-// KVPRESS_DISABLE_AVX512: unset, "" or "0" leaves the kernels on where the CPU has AVX-512F; "1"
-// turns them off. Anything else is refused rather than guessed.
-bool avx512_disabled_by_environment() {
-  const char* value = std::getenv("KVPRESS_DISABLE_AVX512");
-  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "0") == 0) return false;
-  TORCH_CHECK(std::strcmp(value, "1") == 0, "kvpress CPU kernels: KVPRESS_DISABLE_AVX512 must be 0 or 1, got \"", value,
-              "\"");
-  return true;
-}
+// KVPRESS_DISABLE_AVX512=1 turns the AVX-512 kernels off where the CPU has AVX-512F.
+bool avx512_disabled_by_environment() { return checks::env_flag("KVPRESS_DISABLE_AVX512", "kvpress CPU kernels"); }
 
 // What the CPU offers, by the tests gcc's target_clones resolver makes (KVPRESS_VECTOR_CLONES
 // picks its clone by them).

@@ -5,11 +5,11 @@
 
 namespace kvpress::cuda {
 
-#define KVPRESS_INSTANTIATE(T)                                                                                     \
-  template cudaError_t launch_paged_attention<T>(const T*, const T*, const T*, const int64_t*, const int64_t*, T*, \
-                                                 float*, const PagedAttentionShape&, cudaStream_t);                \
-  template cudaError_t launch_paged_write<T>(T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t,         \
-                                             cudaStream_t);
+#define KVPRESS_INSTANTIATE(T)                                                                                      \
+  template cudaError_t launch_paged_attention<T>(const T*, const T*, const T*, const int64_t*, const int64_t*, T*,  \
+                                                 float*, int*, const PagedAttentionShape&, cudaStream_t);           \
+  template cudaError_t launch_paged_write<T>(T*, T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, \
+                                             int*, cudaStream_t);
 KVPRESS_INSTANTIATE(float)
 KVPRESS_INSTANTIATE(__half)
 KVPRESS_INSTANTIATE(__nv_bfloat16)

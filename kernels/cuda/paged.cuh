@@ -9,6 +9,9 @@
 // unnormalised accumulator) and paged_attention_reduce merges the splits of each unit. Splitting
 // keeps every SM busy when a decoding batch has few heads but long ones.
 // paged_write: one thread per element of the copied rows.
+// The tables, lengths and slots are device data the host may not have checked (a decode step makes
+// no host synchronisation): every index taken from them is checked here before it is used, and what
+// is wrong is or-ed into the `errors` word (PagedError) for ops::check_device_errors.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,7 +31,7 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
                                        const int64_t* __restrict__ lengths,     // [B, Hkv]
                                        T* __restrict__ out,                     // [B, Hq, n, D]
                                        float* __restrict__ partials,  // [units, splits, D + 2] when splits > 1
-                                       PagedAttentionShape s) {
+                                       int* __restrict__ errors, PagedAttentionShape s) {
   __shared__ float part_max[kPagedWarps], part_sum[kPagedWarps];
   __shared__ float part_acc[kPagedWarps][kPagedMaxDim];
 
@@ -45,15 +48,20 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
     q_reg[t] = d < s.dim ? to_float(q[d]) * s.scale : 0.f;
     acc[t] = 0.f;
   }
-  const int64_t n_visible = lengths[bh] - s.n + i + 1;  // tokens 0 .. length - n + i
+  const int64_t length = lengths[bh];
+  int bad = length < s.n || length > s.max_pages * s.page_size ? kPagedBadLength : 0;
+  const int64_t n_visible = bad ? 0 : length - s.n + i + 1;  // tokens 0 .. length - n + i
   const int64_t j_begin = split * s.chunk;
   const int64_t j_end = j_begin + s.chunk < n_visible ? j_begin + s.chunk : n_visible;
   const int64_t* pages = page_table + bh * s.max_pages;
 
   float run_max = -INFINITY, run_sum = 0.f;
   for (int64_t j = j_begin + warp; j < j_end; j += kPagedWarps) {
-    int64_t page = pages[j / s.page_size];
-    page = page < 0 ? 0 : (page >= s.num_pages ? s.num_pages - 1 : page);  // the bridge checks them too
+    const int64_t page = pages[j / s.page_size];
+    if (page < 0 || page >= s.num_pages) {  // the warp's lanes agree: skip the key, report it
+      bad |= kPagedBadPage;
+      continue;
+    }
     const int64_t row = (page * s.page_size + j % s.page_size) * s.dim;
     const T* k = key_pool + row;
     const T* v = value_pool + row;
@@ -75,6 +83,7 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
     }
     run_max = new_max;
   }
+  if (bad && lane == 0 && errors != nullptr) atomicOr(errors, bad);
 
   if (lane == 0) {
     part_max[warp] = run_max;
@@ -85,7 +94,16 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
     const int64_t d = lane + 32 * t;
     if (d < s.dim) part_acc[warp][d] = acc[t];
   }
-  __syncthreads();
+  if (__syncthreads_or(bad)) {  // the unit's output (or this split's part of it) is NaN
+    const float nan = __uint_as_float(0x7fc00000u);
+    if (s.splits == 1) {
+      for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) out[unit * s.dim + d] = from_float<T>(nan);
+    } else {
+      float* partial = partials + (unit * s.splits + split) * paged_partial_stride(s.dim);
+      for (int64_t d = threadIdx.x; d < paged_partial_stride(s.dim); d += blockDim.x) partial[d] = nan;
+    }
+    return;
+  }
 
   // Merge the warps; a warp (or a whole split) that saw no key has max -inf and weighs 0.
   float total_max = -INFINITY;
@@ -124,7 +142,12 @@ __global__ void paged_attention_reduce(const float* __restrict__ partials, T* __
   const int64_t unit = blockIdx.x, stride = paged_partial_stride(s.dim);
   const float* p = partials + unit * s.splits * stride;
   float total_max = -INFINITY;
-  for (int64_t c = 0; c < s.splits; ++c) total_max = fmaxf(total_max, p[c * stride]);
+  bool bad = false;  // a split that met a bad page left NaN (fmaxf would drop it)
+  for (int64_t c = 0; c < s.splits; ++c) {
+    total_max = fmaxf(total_max, p[c * stride]);
+    bad |= isnan(p[c * stride]);
+  }
+  if (bad) total_max = __uint_as_float(0x7fc00000u);
   float total_sum = 0.f;
   for (int64_t c = 0; c < s.splits; ++c) {
     const float m = p[c * stride];
@@ -143,14 +166,14 @@ __global__ void paged_attention_reduce(const float* __restrict__ partials, T* __
 
 template <typename T>
 cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T* value_pool, const int64_t* page_table,
-                                   const int64_t* lengths, T* out, float* partials, const PagedAttentionShape& shape,
-                                   cudaStream_t stream) {
+                                   const int64_t* lengths, T* out, float* partials, int* errors,
+                                   const PagedAttentionShape& shape, cudaStream_t stream) {
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return cudaSuccess;
   if (shape.dim > kPagedMaxDim || shape.splits < 1 || shape.splits > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.splits));
   KVPRESS_LAUNCH(paged_attention_kernel<T>, grid, kPagedWarps * 32, 0, stream, queries, key_pool, value_pool,
-                 page_table, lengths, out, partials, shape);
+                 page_table, lengths, out, partials, errors, shape);
   if (shape.splits > 1) {
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -159,26 +182,30 @@ cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T*
   return cudaGetLastError();
 }
 
-// Row r of keys/values ([rows, dim]) to slot slots[r] of the pools ([*, dim] rows).
+// Row r of keys/values ([rows, dim]) to slot slots[r] of the pools ([capacity, dim] rows).
 template <typename T>
 __global__ void paged_write_kernel(T* __restrict__ key_pool, T* __restrict__ value_pool, const T* __restrict__ keys,
                                    const T* __restrict__ values, const int64_t* __restrict__ slots, int64_t rows,
-                                   int64_t dim) {
+                                   int64_t dim, int64_t capacity, int* __restrict__ errors) {
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= rows * dim) return;
-  const int64_t r = e / dim, d = e % dim, dst = slots[r] * dim + d;
-  key_pool[dst] = keys[e];
-  value_pool[dst] = values[e];
+  const int64_t r = e / dim, d = e % dim, slot = slots[r];
+  if (slot < 0 || slot >= capacity) {
+    if (d == 0 && errors != nullptr) atomicOr(errors, static_cast<int>(kPagedBadSlot));
+    return;
+  }
+  key_pool[slot * dim + d] = keys[e];
+  value_pool[slot * dim + d] = values[e];
 }
 
 template <typename T>
 cudaError_t launch_paged_write(T* key_pool, T* value_pool, const T* keys, const T* values, const int64_t* slots,
-                               int64_t rows, int64_t dim, cudaStream_t stream) {
+                               int64_t rows, int64_t dim, int64_t capacity, int* errors, cudaStream_t stream) {
   const int64_t elements = rows * dim;
   if (elements == 0) return cudaSuccess;
   constexpr int threads = 256;
   KVPRESS_LAUNCH(paged_write_kernel<T>, static_cast<unsigned>((elements + threads - 1) / threads), threads, 0, stream,
-                 key_pool, value_pool, keys, values, slots, rows, dim);
+                 key_pool, value_pool, keys, values, slots, rows, dim, capacity, errors);
   return cudaGetLastError();
 }
 

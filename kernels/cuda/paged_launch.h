@@ -38,7 +38,18 @@ inline void plan_paged_splits(PagedAttentionShape& shape, int64_t units, int64_t
 // Partial state of one (unit, split): max, sum, then dim accumulator values.
 __host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
 
-// `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused).
+// What the paged kernels found wrong in device data they were given without a host check (bits
+// or-ed into the `errors` word, kernels/cuda/device_errors.h). The kernels never read or write outside
+// the pools and tables: a unit whose head has a bad length or page gets NaN outputs, a row whose
+// slot is out of range is not written.
+enum PagedError : int {
+  kPagedBadLength = 1 << 0,  // lengths[b, h] outside [n, max_pages * page_size]
+  kPagedBadPage = 1 << 1,    // a used page_table entry outside [0, num_pages)
+  kPagedBadSlot = 1 << 2,    // a paged_write slot outside [0, num_pages * page_size)
+};
+
+// `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused). `errors`:
+// a device word the kernel ors PagedError bits into (nullptr: the caller checked the tables).
 // cudaErrorInvalidValue when dim > kPagedMaxDim or splits is outside [1, 65535].
 template <typename T>
 cudaError_t launch_paged_attention(const T* queries,           // [B, Hq, n, D] contiguous
@@ -47,13 +58,14 @@ cudaError_t launch_paged_attention(const T* queries,           // [B, Hq, n, D] 
                                    const int64_t* page_table,  // [B, Hkv, max_pages]
                                    const int64_t* lengths,     // [B, Hkv]
                                    T* out,                     // [B, Hq, n, D]
-                                   float* partials, const PagedAttentionShape& shape, cudaStream_t stream);
+                                   float* partials, int* errors, const PagedAttentionShape& shape, cudaStream_t stream);
 
-// Row r of keys/values to slot slots[r] of the pools ([*, dim] rows).
+// Row r of keys/values to slot slots[r] of the pools ([capacity, dim] rows); a slot outside
+// [0, capacity) is skipped and reported in `errors` (as above).
 template <typename T>
-cudaError_t launch_paged_write(T* key_pool, T* value_pool,      // [P * page_size, dim]
+cudaError_t launch_paged_write(T* key_pool, T* value_pool,      // [capacity, dim]
                                const T* keys, const T* values,  // [rows, dim] contiguous
                                const int64_t* slots,            // [rows], distinct
-                               int64_t rows, int64_t dim, cudaStream_t stream);
+                               int64_t rows, int64_t dim, int64_t capacity, int* errors, cudaStream_t stream);
 
 }  // namespace kvpress::cuda

@@ -2,6 +2,7 @@
 // (devices without a kernel; the reference of kernels/cpu/paged.cpp and kernels/cuda/paged.cu).
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <limits>
 #include <optional>
 #include <utility>
@@ -10,7 +11,29 @@
 #include "kernel_ops.h"
 #include "kvpress/ops.h"
 
-namespace kvpress::ops {
+namespace kvpress {
+namespace {
+
+std::atomic<bool>& device_argument_checks_flag() {
+  static std::atomic<bool> on{checks::env_flag("KVPRESS_CHECK_DEVICE_ARGUMENTS", "kvpress")};
+  return on;
+}
+
+std::atomic<DeviceErrorCheck> cuda_device_error_check{nullptr};
+
+}  // namespace
+
+void register_cuda_device_error_check(DeviceErrorCheck check) { cuda_device_error_check = check; }
+
+namespace ops {
+
+void set_device_argument_checks(bool on) { device_argument_checks_flag() = on; }
+bool device_argument_checks() { return device_argument_checks_flag(); }
+
+void check_device_errors(const c10::Device& device) {
+  const DeviceErrorCheck check = cuda_device_error_check;
+  if (device.is_cuda() && check != nullptr) check(device.has_index() ? device.index() : c10::DeviceIndex{-1});
+}
 
 at::Tensor paged_attention(const at::Tensor& queries, const at::Tensor& key_pool, const at::Tensor& value_pool,
                            const at::Tensor& page_table, const at::Tensor& lengths, std::optional<double> scale) {
@@ -80,4 +103,5 @@ void composite::paged_write(at::Tensor& key_pool, at::Tensor& value_pool, const 
   value_pool.view({-1, dim}).index_copy_(0, slots, values);
 }
 
-}  // namespace kvpress::ops
+}  // namespace ops
+}  // namespace kvpress

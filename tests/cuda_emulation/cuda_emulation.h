@@ -187,6 +187,10 @@ T atomicExch(T* address, T v) {
   return __atomic_exchange_n(address, v, __ATOMIC_RELAXED);
 }
 template <typename T>
+T atomicOr(T* address, T v) {
+  return __atomic_fetch_or(address, v, __ATOMIC_RELAXED);
+}
+template <typename T>
 T atomicMax(T* address, T v) {
   T old = __atomic_load_n(address, __ATOMIC_RELAXED);
   while (old < v && !__atomic_compare_exchange_n(address, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
