@@ -116,11 +116,12 @@ inline LagLayout lag_layout(int64_t seq, int64_t n_sink, int64_t lag_size) {
 }
 
 // ragged_attention's raw arguments (see kvpress/ops.h); returns the scale to use. Checks the
-// offsets' contents too (one small host copy), so a kernel never reads outside the packed rows.
+// offsets' contents too (one small host copy), so a kernel never reads outside the packed rows;
+// `longest_packed`, when given, receives the most packed rows a head holds.
 inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor& packed_keys,
                                      const at::Tensor& packed_values, const at::Tensor& offsets,
                                      const at::Tensor& tail_keys, const at::Tensor& tail_values,
-                                     std::optional<double> scale) {
+                                     std::optional<double> scale, int64_t* longest_packed = nullptr) {
   constexpr const char* op = "ragged_attention";
   check_rank(op, "queries", queries, 4, "[batch, q_heads, n, head_dim]");
   check_float(op, "queries", queries);
@@ -159,9 +160,13 @@ inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor
   const at::Tensor host = offsets.to(at::kCPU).contiguous();
   const int64_t* o = host.const_data_ptr<int64_t>();
   TORCH_CHECK(o[0] == 0, op, ": offsets[0] must be 0, got ", o[0]);
-  for (int64_t i = 0; i < batch * kv_heads; ++i)
+  int64_t longest = 0;
+  for (int64_t i = 0; i < batch * kv_heads; ++i) {
     TORCH_CHECK(o[i + 1] >= o[i], op, ": offsets must be non-decreasing, got offsets[", i, "] = ", o[i], " > offsets[",
                 i + 1, "] = ", o[i + 1]);
+    longest = std::max(longest, o[i + 1] - o[i]);
+  }
+  if (longest_packed != nullptr) *longest_packed = longest;
   TORCH_CHECK(o[batch * kv_heads] == packed_keys.size(0), op, ": offsets[", batch * kv_heads,
               "] must equal the packed token count ", packed_keys.size(0), ", got ", o[batch * kv_heads]);
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim));
@@ -175,12 +180,15 @@ inline double check_ragged_attention(const at::Tensor& queries, const at::Tensor
 struct RaggedAttentionArgs {
   at::Tensor queries, packed_keys, packed_values, offsets, tail_keys, tail_values;
   double scale;
+  int64_t longest_packed;  // the most packed rows a head holds
 };
 inline RaggedAttentionArgs ragged_attention_args(const at::Tensor& queries, const at::Tensor& packed_keys,
                                                  const at::Tensor& packed_values, const at::Tensor& offsets,
                                                  const at::Tensor& tail_keys, const at::Tensor& tail_values,
                                                  std::optional<double> scale) {
-  const double s = check_ragged_attention(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, scale);
+  int64_t longest_packed = 0;
+  const double s = check_ragged_attention(queries, packed_keys, packed_values, offsets, tail_keys, tail_values, scale,
+                                          &longest_packed);
   const auto rows_contiguous = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
   return {queries.contiguous(),
           packed_keys.contiguous(),
@@ -188,7 +196,8 @@ inline RaggedAttentionArgs ragged_attention_args(const at::Tensor& queries, cons
           offsets.contiguous(),
           rows_contiguous(tail_keys),
           rows_contiguous(tail_values),
-          s};
+          s,
+          longest_packed};
 }
 
 // The paged ops' index tensors (page tables, lengths, slots): whether the host reads their contents

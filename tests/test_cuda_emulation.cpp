@@ -227,8 +227,8 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
       // many splits: one short unit over 300 keys (3 splits of 100), merged by the reduce kernel
       {at::kFloat, 128, 16, 1, 1, {300}, 1, 132},
       {at::kBFloat16, 64, 64, 4, 1, {260, 130}, 1, 132},
-      // one split for the same head when the device is small
-      {at::kFloat, 128, 16, 1, 1, {300}, 1, 1},
+      // one split for the same head when the device is small (4 units fill a 1-SM device)
+      {at::kFloat, 128, 16, 4, 1, {300}, 1, 1},
   };
   for (const PagedCase& c : cases) {
     const PagedLayout l = make_paged_layout(c);
@@ -240,8 +240,9 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
     cu::PagedAttentionShape shape =
         cu::paged_attention_shape(queries, l.key_pool, l.page_table, 1.0 / std::sqrt(static_cast<double>(c.dim)));
     const int64_t units = batch * q_heads * c.n;
-    cu::plan_paged_splits(shape, units, *std::max_element(c.lengths.begin(), c.lengths.end()), c.sms);
-    at::Tensor partials = at::empty({units, shape.splits, cu::paged_partial_stride(c.dim)}, at::kFloat);
+    shape.split = cu::plan_attention_splits(units, *std::max_element(c.lengths.begin(), c.lengths.end()), c.sms);
+    if (c.sms == 1) EXPECT_EQ(shape.split.count, 1) << "the small-device case must take the one-split path";
+    at::Tensor partials = at::empty({units, shape.split.count, cu::split_partial_stride(c.dim)}, at::kFloat);
     at::Tensor errors = at::zeros({1}, at::kInt);
     with_cuda_type(c.dtype, [&](auto element) {
       using T = decltype(element);
@@ -254,7 +255,7 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
     const double rtol = attention_rtol(c.dtype);
     expect_close(out, expected, c.dtype == at::kFloat ? 1e-5 : rtol, rtol,
                  "paged dim " + std::to_string(c.dim) + " page " + std::to_string(c.page_size) + " group " +
-                     std::to_string(c.group) + " splits " + std::to_string(shape.splits));
+                     std::to_string(c.group) + " splits " + std::to_string(shape.split.count));
   }
 }
 
@@ -294,15 +295,15 @@ TEST(CudaEmulation, PagedKernelsRefuseBadDeviceDataWithoutReadingOutside) {
     const at::Tensor queries = at::randn({3, 2, 1, dim});
     cu::PagedAttentionShape shape = cu::paged_attention_shape(queries, l.key_pool, page_table, 0.125);
     // Planned from the tables' capacity, as the bridge does when it leaves the lengths on the device.
-    cu::plan_paged_splits(shape, 6, max_pages * page_size, sms);
+    shape.split = cu::plan_attention_splits(6, max_pages * page_size, sms);
     at::Tensor out = at::empty_like(queries);
-    at::Tensor partials = at::empty({6, shape.splits, cu::paged_partial_stride(dim)}, at::kFloat);
+    at::Tensor partials = at::empty({6, shape.split.count, cu::split_partial_stride(dim)}, at::kFloat);
     at::Tensor errors = at::zeros({1}, at::kInt);
     expect_launched(cu::launch_paged_attention<float>(
         ptr<float>(queries), ptr<float>(l.key_pool), ptr<float>(l.value_pool), page_table.const_data_ptr<int64_t>(),
         lengths.const_data_ptr<int64_t>(), mut<float>(out), partials.data_ptr<float>(), errors.data_ptr<int>(), shape,
         nullptr));
-    const std::string what = "splits " + std::to_string(shape.splits);
+    const std::string what = "splits " + std::to_string(shape.split.count);
     EXPECT_EQ(errors.item<int>(), cu::kPagedBadLength | cu::kPagedBadPage) << what;
     EXPECT_TRUE(at::isnan(out.narrow(0, 1, 2)).all().item<bool>()) << what;
     const at::Tensor good =
@@ -328,15 +329,23 @@ struct RaggedCase {
   at::ScalarType dtype;
   int64_t dim, group, n, m;
   std::vector<int64_t> packed;  // packed rows per (batch row, KV head); B = packed.size() / kv_heads
-  int64_t kv_heads;
+  int64_t kv_heads, sms = 132;  // sms: the device's SM count the split plan sees
 };
 
 TEST(CudaEmulation, RaggedAttentionMatchesTheCpuKernel) {
   const std::vector<RaggedCase> cases = {
       {at::kFloat, 64, 4, 1, 1, {0, 5, 33, 1}, 2},  // a head with no packed rows; S = 1 new token
-      {at::kFloat, 80, 1, 2, 3, {9, 3}, 1},        {at::kFloat, 96, 8, 1, 2, {40, 2}, 1},
-      {at::kFloat, 128, 4, 3, 4, {20, 17}, 1},     {at::kFloat, 256, 1, 1, 1, {31, 16}, 1},
-      {at::kHalf, 128, 4, 2, 2, {18, 7}, 1},       {at::kBFloat16, 128, 4, 2, 2, {18, 7}, 1},
+      {at::kFloat, 80, 1, 2, 3, {9, 3}, 1},
+      {at::kFloat, 96, 8, 1, 2, {40, 2}, 1},
+      {at::kFloat, 128, 4, 3, 4, {20, 17}, 1},
+      {at::kFloat, 256, 1, 1, 1, {31, 16}, 1},
+      {at::kHalf, 128, 4, 2, 2, {18, 7}, 1},
+      {at::kBFloat16, 128, 4, 2, 2, {18, 7}, 1},
+      // long heads split across blocks (150 packed + 120 tail rows: 3 splits of 90, a boundary in
+      // the packed rows and one in the tail), merged by the reduce kernel; one split on a small device
+      {at::kFloat, 128, 1, 1, 120, {150, 2}, 1},
+      {at::kBFloat16, 64, 4, 2, 20, {260, 130}, 1},
+      {at::kFloat, 128, 4, 1, 40, {300, 2}, 1, 1},
   };
   for (const RaggedCase& c : cases) {
     const int64_t batch = static_cast<int64_t>(c.packed.size()) / c.kv_heads, q_heads = c.kv_heads * c.group;
@@ -352,18 +361,22 @@ TEST(CudaEmulation, RaggedAttentionMatchesTheCpuKernel) {
     const at::Tensor expected =
         kvpress::ops::ragged_attention(queries, packed_keys, packed_values, offsets_t, tail_keys, tail_values);
     at::Tensor out = at::empty_like(queries);
-    const cu::RaggedAttentionShape shape = cu::ragged_attention_shape(queries, packed_keys, tail_keys, tail_values,
-                                                                      1.0 / std::sqrt(static_cast<double>(c.dim)));
+    cu::RaggedAttentionShape shape = cu::ragged_attention_shape(queries, packed_keys, tail_keys, tail_values,
+                                                                1.0 / std::sqrt(static_cast<double>(c.dim)));
+    const int64_t units = batch * q_heads * c.n;
+    shape.split = cu::plan_attention_splits(units, *std::max_element(c.packed.begin(), c.packed.end()) + c.m, c.sms);
+    if (c.sms == 1) EXPECT_EQ(shape.split.count, 1) << "the small-device case must take the one-split path";
+    at::Tensor partials = at::empty({units, shape.split.count, cu::split_partial_stride(c.dim)}, at::kFloat);
     with_cuda_type(c.dtype, [&](auto element) {
       using T = decltype(element);
-      expect_launched(cu::launch_ragged_attention<T>(ptr<T>(queries), ptr<T>(packed_keys), ptr<T>(packed_values),
-                                                     offsets_t.const_data_ptr<int64_t>(), ptr<T>(tail_keys),
-                                                     ptr<T>(tail_values), mut<T>(out), shape, nullptr));
+      expect_launched(cu::launch_ragged_attention<T>(
+          ptr<T>(queries), ptr<T>(packed_keys), ptr<T>(packed_values), offsets_t.const_data_ptr<int64_t>(),
+          ptr<T>(tail_keys), ptr<T>(tail_values), mut<T>(out), partials.data_ptr<float>(), shape, nullptr));
     });
     const double rtol = attention_rtol(c.dtype);
-    expect_close(
-        out, expected, c.dtype == at::kFloat ? 1e-5 : rtol, rtol,
-        "ragged dim " + std::to_string(c.dim) + " group " + std::to_string(c.group) + " n " + std::to_string(c.n));
+    expect_close(out, expected, c.dtype == at::kFloat ? 1e-5 : rtol, rtol,
+                 "ragged dim " + std::to_string(c.dim) + " group " + std::to_string(c.group) + " n " +
+                     std::to_string(c.n) + " splits " + std::to_string(shape.split.count));
   }
 }
 

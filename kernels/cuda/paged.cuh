@@ -6,7 +6,7 @@
 // its warps taking the keys round-robin (each lane holding D / 32 dimensions of the query and the
 // accumulator), with an online softmax in float32; the warps are merged through shared memory.
 // With one split the block writes the output; otherwise it writes its partial state (max, sum,
-// unnormalised accumulator) and paged_attention_reduce merges the splits of each unit. Splitting
+// unnormalised accumulator) and attention_split_reduce merges the splits of each unit. Splitting
 // keeps every SM busy when a decoding batch has few heads but long ones.
 // paged_write: one thread per element of the copied rows.
 // The tables, lengths and slots are device data the host may not have checked (a decode step makes
@@ -20,6 +20,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/paged_launch.h"
+#include "cuda/split_attention.cuh"
 
 namespace kvpress::cuda {
 
@@ -51,8 +52,8 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
   const int64_t length = lengths[bh];
   int bad = length < s.n || length > s.max_pages * s.page_size ? kPagedBadLength : 0;
   const int64_t n_visible = bad ? 0 : length - s.n + i + 1;  // tokens 0 .. length - n + i
-  const int64_t j_begin = split * s.chunk;
-  const int64_t j_end = j_begin + s.chunk < n_visible ? j_begin + s.chunk : n_visible;
+  const int64_t j_begin = split * s.split.chunk;
+  const int64_t j_end = j_begin + s.split.chunk < n_visible ? j_begin + s.split.chunk : n_visible;
   const int64_t* pages = page_table + bh * s.max_pages;
 
   float run_max = -INFINITY, run_sum = 0.f;
@@ -96,72 +97,17 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
   }
   if (__syncthreads_or(bad)) {  // the unit's output (or this split's part of it) is NaN
     const float nan = __uint_as_float(0x7fc00000u);
-    if (s.splits == 1) {
+    if (s.split.count == 1) {
       for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) out[unit * s.dim + d] = from_float<T>(nan);
     } else {
-      float* partial = partials + (unit * s.splits + split) * paged_partial_stride(s.dim);
-      for (int64_t d = threadIdx.x; d < paged_partial_stride(s.dim); d += blockDim.x) partial[d] = nan;
+      float* partial = partials + (unit * s.split.count + split) * split_partial_stride(s.dim);
+      for (int64_t d = threadIdx.x; d < split_partial_stride(s.dim); d += blockDim.x) partial[d] = nan;
     }
     return;
   }
 
-  // Merge the warps; a warp (or a whole split) that saw no key has max -inf and weighs 0.
-  float total_max = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kPagedWarps; ++w) total_max = fmaxf(total_max, part_max[w]);
-  const auto weight = [&](int w) { return part_max[w] == -INFINITY ? 0.f : __expf(part_max[w] - total_max); };
-  float total_sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kPagedWarps; ++w) total_sum += part_sum[w] * weight(w);
-  if (s.splits == 1) {  // a new token always sees itself, so total_sum > 0
-    T* o = out + unit * s.dim;
-    for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
-      float value = 0.f;
-#pragma unroll
-      for (int w = 0; w < kPagedWarps; ++w) value += part_acc[w][d] * weight(w);
-      o[d] = from_float<T>(value / total_sum);
-    }
-    return;
-  }
-  float* partial = partials + (unit * s.splits + split) * paged_partial_stride(s.dim);
-  if (threadIdx.x == 0) {
-    partial[0] = total_max;
-    partial[1] = total_sum;
-  }
-  for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
-    float value = 0.f;
-#pragma unroll
-    for (int w = 0; w < kPagedWarps; ++w) value += part_acc[w][d] * weight(w);
-    partial[2 + d] = value;
-  }
-}
-
-// Merges the splits of each unit (one block per unit).
-template <typename T>
-__global__ void paged_attention_reduce(const float* __restrict__ partials, T* __restrict__ out, PagedAttentionShape s) {
-  const int64_t unit = blockIdx.x, stride = paged_partial_stride(s.dim);
-  const float* p = partials + unit * s.splits * stride;
-  float total_max = -INFINITY;
-  bool bad = false;  // a split that met a bad page left NaN (fmaxf would drop it)
-  for (int64_t c = 0; c < s.splits; ++c) {
-    total_max = fmaxf(total_max, p[c * stride]);
-    bad |= isnan(p[c * stride]);
-  }
-  if (bad) total_max = __uint_as_float(0x7fc00000u);
-  float total_sum = 0.f;
-  for (int64_t c = 0; c < s.splits; ++c) {
-    const float m = p[c * stride];
-    if (m != -INFINITY) total_sum += p[c * stride + 1] * __expf(m - total_max);
-  }
-  T* o = out + unit * s.dim;
-  for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
-    float value = 0.f;
-    for (int64_t c = 0; c < s.splits; ++c) {
-      const float m = p[c * stride];
-      if (m != -INFINITY) value += p[c * stride + 2 + d] * __expf(m - total_max);
-    }
-    o[d] = from_float<T>(value / total_sum);
-  }
+  finish_split<kPagedWarps, kPagedMaxDim>(part_max, part_sum, part_acc, s.dim, unit, split, s.split.count, out,
+                                          partials);
 }
 
 template <typename T>
@@ -170,16 +116,11 @@ cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T*
                                    const PagedAttentionShape& shape, cudaStream_t stream) {
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return cudaSuccess;
-  if (shape.dim > kPagedMaxDim || shape.splits < 1 || shape.splits > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.splits));
+  if (shape.dim > kPagedMaxDim || shape.split.count < 1 || shape.split.count > kMaxSplits) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.split.count));
   KVPRESS_LAUNCH(paged_attention_kernel<T>, grid, kPagedWarps * 32, 0, stream, queries, key_pool, value_pool,
                  page_table, lengths, out, partials, errors, shape);
-  if (shape.splits > 1) {
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    KVPRESS_LAUNCH(paged_attention_reduce<T>, static_cast<unsigned>(units), 128, 0, stream, partials, out, shape);
-  }
-  return cudaGetLastError();
+  return launch_split_reduce<T>(partials, out, units, shape.dim, shape.split.count, stream);
 }
 
 // Row r of keys/values ([rows, dim]) to slot slots[r] of the pools ([capacity, dim] rows).

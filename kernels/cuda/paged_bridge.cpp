@@ -43,10 +43,11 @@ at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& 
     const int64_t* len = a.host_lengths.const_data_ptr<int64_t>();
     longest = *std::max_element(len, len + a.host_lengths.numel());
   }
-  plan_paged_splits(shape, units, longest, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  shape.split = plan_attention_splits(units, longest, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   at::Tensor partials;
-  if (shape.splits > 1)
-    partials = at::empty({units, shape.splits, paged_partial_stride(shape.dim)}, a.queries.options().dtype(at::kFloat));
+  if (shape.split.count > 1)
+    partials =
+        at::empty({units, shape.split.count, split_partial_stride(shape.dim)}, a.queries.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_types(a.queries.scalar_type(), "paged_attention", "queries", [&](auto element) {
     using T = decltype(element);

@@ -5,10 +5,10 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cuda/limits.h"
+#include "cuda/split_plan.h"
 
 namespace kvpress::cuda {
 
@@ -19,24 +19,9 @@ constexpr int kPagedMaxDim = kWarpSize * kPagedMaxDimPerLane;
 struct PagedAttentionShape {
   int64_t batch, q_heads, kv_heads, n, dim;
   int64_t num_pages, page_size, max_pages;
-  int64_t splits, chunk;  // keys [s * chunk, (s + 1) * chunk) of a unit go to split s
+  SplitPlan split;  // plan_attention_splits over the units' keys
   float scale;
 };
-
-// How paged_attention splits each unit's keys: about 4 blocks per SM over the grid, each split
-// holding at least kPagedMinKeysPerSplit keys, at most 65535 splits. `units` = B * Hq * n > 0,
-// `longest` = the longest head's length, `sms` = the device's multiprocessor count. Sets
-// shape.splits and shape.chunk; the bridge and the emulated tests both call it.
-constexpr int64_t kPagedMinKeysPerSplit = 128;
-inline void plan_paged_splits(PagedAttentionShape& shape, int64_t units, int64_t longest, int64_t sms) {
-  const int64_t wanted = std::max<int64_t>(1, (4 * sms + units - 1) / units);
-  shape.splits = std::clamp<int64_t>((longest + kPagedMinKeysPerSplit - 1) / kPagedMinKeysPerSplit, 1, wanted);
-  shape.splits = std::min<int64_t>(shape.splits, 65535);
-  shape.chunk = (longest + shape.splits - 1) / shape.splits;
-}
-
-// Partial state of one (unit, split): max, sum, then dim accumulator values.
-__host__ __device__ inline int64_t paged_partial_stride(int64_t dim) { return dim + 2; }
 
 // What the paged kernels found wrong in device data they were given without a host check (bits
 // or-ed into the `errors` word, kernels/cuda/device_errors.h). The kernels never read or write outside
@@ -48,7 +33,7 @@ enum PagedError : int {
   kPagedBadSlot = 1 << 2,    // a paged_write slot outside [0, num_pages * page_size)
 };
 
-// `partials`: [units, splits, D + 2] float32 scratch when shape.splits > 1 (else unused). `errors`:
+// `partials`: [units, splits, D + 2] float32 scratch when shape.split.count > 1 (else unused). `errors`:
 // a device word the kernel ors PagedError bits into (nullptr: the caller checked the tables).
 // cudaErrorInvalidValue when dim > kPagedMaxDim or splits is outside [1, 65535].
 template <typename T>

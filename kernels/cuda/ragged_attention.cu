@@ -7,7 +7,7 @@ namespace kvpress::cuda {
 
 #define KVPRESS_INSTANTIATE(T)                                                                                      \
   template cudaError_t launch_ragged_attention<T>(const T*, const T*, const T*, const int64_t*, const T*, const T*, \
-                                                  T*, const RaggedAttentionShape&, cudaStream_t);
+                                                  T*, float*, const RaggedAttentionShape&, cudaStream_t);
 KVPRESS_INSTANTIATE(float)
 KVPRESS_INSTANTIATE(__half)
 KVPRESS_INSTANTIATE(__nv_bfloat16)

@@ -1,8 +1,10 @@
 // Torch-free CUDA kernel: causal attention of n new tokens over a head-ragged layer (see
-// kvpress::ops::ragged_attention). One block per (batch row, query head, new token); its warps take
-// the visible keys round-robin, each lane holding D / 32 dimensions of the query and of the output
-// accumulator. Online softmax in float32 per warp, then the warps' partial results are merged
-// through shared memory. GQA: query head q reads KV head q / G; nothing is repeated.
+// kvpress::ops::ragged_attention). The grid is (units, splits), one unit per (batch row, query
+// head, new token): block (u, s) attends unit u over its s-th chunk of visible keys (split_plan.h),
+// its warps taking the keys round-robin, each lane holding D / 32 dimensions of the query and of the
+// output accumulator. Online softmax in float32 per warp, then the warps' partial results are merged
+// through shared memory, into the output or the split's partial state that attention_split_reduce
+// merges. GQA: query head q reads KV head q / G; nothing is repeated.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +13,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/ragged_attention_launch.h"
+#include "cuda/split_attention.cuh"
 
 namespace kvpress::cuda {
 
@@ -19,11 +22,12 @@ __global__ void ragged_attention_kernel(const T* __restrict__ queries,  // [B, H
                                         const T* __restrict__ packed_keys, const T* __restrict__ packed_values,
                                         const int64_t* __restrict__ offsets, const T* __restrict__ tail_keys,
                                         const T* __restrict__ tail_values, T* __restrict__ out,
+                                        float* __restrict__ partials,  // [units, splits, D + 2] when splits > 1
                                         RaggedAttentionShape s) {
   __shared__ float part_max[kRaggedWarps], part_sum[kRaggedWarps];
   __shared__ float part_acc[kRaggedWarps][kRaggedMaxDim];
 
-  const int64_t unit = blockIdx.x;
+  const int64_t unit = blockIdx.x, split = blockIdx.y;
   const int64_t i = unit % s.n, bq = unit / s.n, b = bq / s.q_heads, qh = bq % s.q_heads;
   const int64_t h = qh / (s.q_heads / s.kv_heads), bh = b * s.kv_heads + h;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -45,8 +49,11 @@ __global__ void ragged_attention_kernel(const T* __restrict__ queries,  // [B, H
   const T* tail_k = tail_keys + b * s.tk_b + h * s.tk_h;
   const T* tail_v = tail_values + b * s.tv_b + h * s.tv_h;
 
+  const int64_t j_begin = split * s.split.chunk;
+  const int64_t j_end = j_begin + s.split.chunk < n_visible ? j_begin + s.split.chunk : n_visible;
+
   float run_max = -INFINITY, run_sum = 0.f;
-  for (int64_t j = warp; j < n_visible; j += kRaggedWarps) {
+  for (int64_t j = j_begin + warp; j < j_end; j += kRaggedWarps) {
     const T* k = j < n_packed ? packed_keys + (begin + j) * s.dim : tail_k + (j - n_packed) * s.tk_s;
     const T* v = j < n_packed ? packed_values + (begin + j) * s.dim : tail_v + (j - n_packed) * s.tv_s;
     float dot = 0.f;
@@ -80,32 +87,22 @@ __global__ void ragged_attention_kernel(const T* __restrict__ queries,  // [B, H
   }
   __syncthreads();
 
-  // Merge the warps (a warp that saw no key has max -inf and contributes 0).
-  float total_max = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kRaggedWarps; ++w) total_max = fmaxf(total_max, part_max[w]);
-  float total_sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kRaggedWarps; ++w) total_sum += part_sum[w] * __expf(part_max[w] - total_max);
-  T* o = out + unit * s.dim;
-  for (int64_t d = threadIdx.x; d < s.dim; d += blockDim.x) {
-    float value = 0.f;
-#pragma unroll
-    for (int w = 0; w < kRaggedWarps; ++w) value += part_acc[w][d] * __expf(part_max[w] - total_max);
-    o[d] = from_float<T>(value / total_sum);
-  }
+  finish_split<kRaggedWarps, kRaggedMaxDim>(part_max, part_sum, part_acc, s.dim, unit, split, s.split.count, out,
+                                            partials);
 }
 
 template <typename T>
 cudaError_t launch_ragged_attention(const T* queries, const T* packed_keys, const T* packed_values,
                                     const int64_t* offsets, const T* tail_keys, const T* tail_values, T* out,
-                                    const RaggedAttentionShape& shape, cudaStream_t stream) {
-  const int64_t blocks = shape.batch * shape.q_heads * shape.n;
-  if (blocks == 0) return cudaSuccess;
-  if (shape.dim > kRaggedMaxDim) return cudaErrorInvalidValue;
-  KVPRESS_LAUNCH(ragged_attention_kernel<T>, static_cast<unsigned>(blocks), kRaggedWarps * 32, 0, stream, queries,
-                 packed_keys, packed_values, offsets, tail_keys, tail_values, out, shape);
-  return cudaGetLastError();
+                                    float* partials, const RaggedAttentionShape& shape, cudaStream_t stream) {
+  const int64_t units = shape.batch * shape.q_heads * shape.n;
+  if (units == 0) return cudaSuccess;
+  if (shape.dim > kRaggedMaxDim || shape.split.count < 1 || shape.split.count > kMaxSplits)
+    return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.split.count));
+  KVPRESS_LAUNCH(ragged_attention_kernel<T>, grid, kRaggedWarps * 32, 0, stream, queries, packed_keys, packed_values,
+                 offsets, tail_keys, tail_values, out, partials, shape);
+  return launch_split_reduce<T>(partials, out, units, shape.dim, shape.split.count, stream);
 }
 
 }  // namespace kvpress::cuda

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/limits.h"
+#include "cuda/split_plan.h"
 
 namespace kvpress::cuda {
 
@@ -19,16 +20,18 @@ struct RaggedAttentionShape {
   int64_t batch, q_heads, kv_heads, n, m, dim, packed_tokens;
   int64_t tk_b, tk_h, tk_s;  // tail_keys strides (elements); the last dimension is contiguous
   int64_t tv_b, tv_h, tv_s;  // tail_values strides
+  SplitPlan split;           // plan_attention_splits over the units' visible keys
   float scale;
 };
 
-// cudaErrorInvalidValue when dim > kRaggedMaxDim.
+// `partials`: [units, splits, D + 2] float32 scratch when shape.split.count > 1 (else unused).
+// cudaErrorInvalidValue when dim > kRaggedMaxDim or the split count is outside [1, kMaxSplits].
 template <typename T>
 cudaError_t launch_ragged_attention(const T* queries,                              // [B, Hq, n, D] contiguous
                                     const T* packed_keys, const T* packed_values,  // [packed_tokens, D]
                                     const int64_t* offsets,                        // [B * Hkv + 1]
                                     const T* tail_keys, const T* tail_values,      // [B, Hkv, m, D], strided
                                     T* out,                                        // [B, Hq, n, D]
-                                    const RaggedAttentionShape& shape, cudaStream_t stream);
+                                    float* partials, const RaggedAttentionShape& shape, cudaStream_t stream);
 
 }  // namespace kvpress::cuda

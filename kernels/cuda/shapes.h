@@ -33,7 +33,7 @@ inline RaggedAttentionShape ragged_attention_shape(const at::Tensor& queries, co
 }
 
 // queries [B, Hq, n, D]; key_pool [P, page_size, D]; page_table [B, Hkv, max_pages]. The split plan
-// (splits, chunk) is left to plan_paged_splits.
+// (shape.split) is left to plan_attention_splits.
 inline PagedAttentionShape paged_attention_shape(const at::Tensor& queries, const at::Tensor& key_pool,
                                                  const at::Tensor& page_table, double scale) {
   PagedAttentionShape shape{};
