@@ -444,4 +444,10 @@ void paged_write(at::Tensor& key_pool,      // [num_pages, page_size, D], writte
                  const at::Tensor& slots);  // [N] int64
 
 }  // namespace ops::composite
+
+namespace ops {
+// L⁻¹ of the lower-triangular Cholesky factors (one small triangular solve per head), the matrix
+// cholesky_leverage's composite and kernels apply to every sketched row.
+at::Tensor lower_triangular_inverse(const at::Tensor& factor);  // [B, H, k, k] -> [B, H, k, k]
+}  // namespace ops
 }  // namespace kvpress

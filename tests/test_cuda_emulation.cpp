@@ -20,9 +20,11 @@
 // Hidden: the test binary's instances of the launchers must not stand in for libkvpress.so's own
 // (the target is also compiled with -fvisibility=hidden, tests/CMakeLists.txt).
 #pragma GCC visibility push(hidden)
+#include "cuda/invert_rope.cuh"
 #include "cuda/key_norm.cuh"
 #include "cuda/keydiff.cuh"
 #include "cuda/lagkv.cuh"
+#include "cuda/leverage.cuh"
 #include "cuda/paged.cuh"
 #include "cuda/ragged_attention.cuh"
 #include "cuda/selection.cuh"
@@ -431,6 +433,57 @@ TEST(CudaEmulation, LagKVMatchesTheCpuKernel) {
     kvpress::testing::expect_lag_ranks_consistent(out, lagkv_partition_scores(keys, values, c.n_sink, c.lag, true),
                                                   c.n_sink, c.lag, scored, c.dtype, rtol, what);
   }
+}
+
+// ---- invert_rope, cholesky_leverage ---------------------------------------------------------
+
+// cos / sin [seq, dim] of a Llama RoPE (float32, as a model gives them).
+std::pair<at::Tensor, at::Tensor> rope_tables(int64_t seq, int64_t dim) {
+  const at::Tensor inv_freq = at::pow(10000.0, -at::arange(0, dim, 2, at::kFloat) / static_cast<double>(dim));
+  const at::Tensor angles = at::outer(at::arange(seq, at::kFloat), inv_freq);
+  return {at::cat({angles, angles}, -1).cos(), at::cat({angles, angles}, -1).sin()};
+}
+
+// Bit for bit the ATen composite (each product and the difference rounded to the dtype), on every
+// dtype, head sizes 64 / 80 / 128 / 256 and a grid the element count does not fill evenly.
+TEST(CudaEmulation, InvertRopeMatchesTheCompositeBitForBit) {
+  for (const at::ScalarType dtype : kDtypes) {
+    for (const int64_t dim : {64, 80, 128, 256}) {
+      const auto [cos, sin] = rope_tables(33, dim);
+      const at::Tensor x = at::randn({2, 3, 33, dim}).to(dtype);
+      const at::Tensor expected = kvpress::ops::composite::invert_rope(x, cos, sin);
+      const at::Tensor cos_t = cos.to(dtype), sin_t = sin.to(dtype);
+      at::Tensor out = at::empty_like(x);
+      with_cuda_type(dtype, [&](auto element) {
+        using T = decltype(element);
+        expect_launched(cu::launch_invert_rope<T>(ptr<T>(x), ptr<T>(cos_t), ptr<T>(sin_t), mut<T>(out), 2 * 3 * 33, 33,
+                                                  dim, nullptr));
+      });
+      EXPECT_TRUE(at::equal(out, expected)) << "invert_rope dim " << dim << " " << dtype;
+    }
+  }
+}
+
+// Against the op on the CPU (its kernel or composite), at sketch sizes 16 / 48 (the presses'
+// default) / 64 and lengths 1, 65 (a partial second tile) and 200. Both sum in float32 in different
+// orders: y_j = (L⁻¹ x)_j has at most k terms, so each is off by about k units of rounding of its
+// largest terms; on these random rows (|L⁻¹| |x| at most ~10x |L⁻¹ x|) that bounds the relative
+// error of the sum of squares by 2 * 64 * 2^-24 * 10 < 1e-4.
+TEST(CudaEmulation, CholeskyLeverageMatchesTheCpuOp) {
+  for (const int64_t k : {16, 48, 64}) {
+    for (const int64_t seq : {1, 65, 200}) {
+      const at::Tensor sketched = at::randn({2, 3, seq, k});
+      const at::Tensor factor = (at::randn({2, 3, k, k}) * 0.1).tril() + 2 * at::eye(k);
+      const at::Tensor inverse = kvpress::ops::lower_triangular_inverse(factor).contiguous();
+      at::Tensor out = at::empty({2, 3, seq});
+      expect_launched(cu::launch_cholesky_leverage(sketched.const_data_ptr<float>(), inverse.const_data_ptr<float>(),
+                                                   out.data_ptr<float>(), 6, seq, k, nullptr));
+      expect_close(out, kvpress::ops::cholesky_leverage(sketched, factor), 1e-6, 1e-4,
+                   "cholesky_leverage k " + std::to_string(k) + " seq " + std::to_string(seq));
+    }
+  }
+  EXPECT_EQ(cu::launch_cholesky_leverage(nullptr, nullptr, nullptr, 1, 1, cu::kLeverageMaxSketch + 1, nullptr),
+            cudaErrorInvalidValue);
 }
 
 // ---- window_attention_mean -------------------------------------------------------------------

@@ -79,6 +79,34 @@ TEST(CudaKernels, LagKVScoresMatchCpu) {
   KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
+TEST(CudaKernels, InvertRopeMatchesCpuBitForBit) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  const at::Tensor inv_freq = at::pow(500000.0, -at::arange(0, 128, 2, at::kFloat) / 128.0);
+  const at::Tensor angles = at::outer(at::arange(1000, at::kFloat), inv_freq);
+  const at::Tensor cos = at::cat({angles, angles}, -1).cos(), sin = at::cat({angles, angles}, -1).sin();
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    const at::Tensor x = randn({2, 8, 1000, 128}, 11, dtype);
+    const at::Tensor cpu = ops::invert_rope(x, cos, sin);
+    if (!no_cuda.empty()) continue;
+    EXPECT_TRUE(at::equal(cpu, ops::invert_rope(x.cuda(), cos.cuda(), sin.cuda()).cpu())) << dtype;
+  }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+}
+
+// Tolerance: tests/test_cuda_emulation.cpp, CholeskyLeverageMatchesTheCpuOp.
+TEST(CudaKernels, CholeskyLeverageMatchesCpu) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  for (const int64_t k : {48, 96}) {  // the kernel's sketch sizes, and the composite beyond them
+    const at::Tensor sketched = randn({2, 8, 3000, k}, 12);
+    const at::Tensor factor = (randn({2, 8, k, k}, 13) * 0.1).tril() + 2 * at::eye(k);
+    const at::Tensor cpu = ops::cholesky_leverage(sketched, factor);
+    if (!no_cuda.empty()) continue;
+    const at::Tensor gpu = ops::cholesky_leverage(sketched.cuda(), factor.cuda()).cpu();
+    EXPECT_TRUE(at::allclose(gpu, cpu, 1e-4, 1e-6)) << "k " << k;
+  }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+}
+
 TEST(CudaKernels, KeyDiffScoresMatchCpu) {
   const std::string no_cuda = testing::cuda_half_unavailable();
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {

@@ -311,10 +311,8 @@ at::Tensor cholesky_leverage_cpu(const at::Tensor& sketched_in, const at::Tensor
   if (!tiles_fit(0, k)) return ops::composite::cholesky_leverage(sketched_in, factor);
 #if KVPRESS_HAVE_AVX512_KERNELS
   const at::Tensor x = sketched_in.contiguous();
-  const at::Tensor eye = at::eye(k, factor.options()).expand_as(factor);
   // Row j of (L⁻¹)ᵀ holds column j of L⁻¹, the vector the tile multiplies x_p[j] by.
-  const at::Tensor inverse_t =
-      at::linalg_solve_triangular(factor, eye, /*upper=*/false).transpose(2, 3).contiguous();  // [B, H, k, k]
+  const at::Tensor inverse_t = ops::lower_triangular_inverse(factor).transpose(2, 3).contiguous();  // [B, H, k, k]
   const int64_t seq = x.size(2), units = x.size(0) * x.size(1), chunks = chunks_of(seq);
   at::Tensor out = at::empty({x.size(0), x.size(1), seq}, x.options());
   const float *xp = x.data_ptr<float>(), *ip = inverse_t.data_ptr<float>();

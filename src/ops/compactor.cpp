@@ -206,10 +206,14 @@ at::Tensor cholesky_leverage(const at::Tensor& sketched, const at::Tensor& facto
 // The k x k inverse of the factor is one small triangular solve, and L⁻¹ applied to every row is a
 // GEMM (kvpress's cholesky_solve does two triangular solves against all S rows, several times
 // slower on the CPU).
+at::Tensor lower_triangular_inverse(const at::Tensor& factor) {
+  const at::Tensor eye = at::eye(factor.size(-1), factor.options()).expand_as(factor);
+  return at::linalg_solve_triangular(factor, eye, /*upper=*/false);
+}
+
 at::Tensor composite::cholesky_leverage(const at::Tensor& sketched, const at::Tensor& factor) {
   checks::check_cholesky_leverage("cholesky_leverage", sketched, factor);
-  const at::Tensor eye = at::eye(factor.size(-1), factor.options()).expand_as(factor);
-  const at::Tensor inverse = at::linalg_solve_triangular(factor, eye, /*upper=*/false);  // [B, H, k, k]
+  const at::Tensor inverse = lower_triangular_inverse(factor);  // [B, H, k, k]
   at::Tensor out = at::empty({sketched.size(0), sketched.size(1), sketched.size(2)}, sketched.options());
   // One head at a time so the [S, k] product stays per head.
   for (int64_t h = 0; h < sketched.size(1); ++h) {

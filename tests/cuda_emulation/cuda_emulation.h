@@ -203,6 +203,10 @@ using std::isfinite;
 using std::isinf;
 using std::isnan;
 inline float __expf(float x) { return std::exp(x); }
+// Rounded products and differences, never fused (the test binary is compiled with -ffp-contract=off).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline unsigned __float_as_uint(float x) {
   return ::kvpress::cuda_emulation::bits_to<unsigned>(::kvpress::cuda_emulation::to_bits(x));
 }
