@@ -239,8 +239,8 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
     const at::Tensor expected =
         kvpress::ops::paged_attention(queries, l.key_pool, l.value_pool, l.page_table, l.lengths);
     at::Tensor out = at::empty_like(queries);
-    cu::PagedAttentionShape shape =
-        cu::paged_attention_shape(queries, l.key_pool, l.page_table, 1.0 / std::sqrt(static_cast<double>(c.dim)));
+    cu::PagedAttentionShape shape = cu::paged_attention_shape(queries, l.key_pool, l.value_pool, l.page_table,
+                                                              1.0 / std::sqrt(static_cast<double>(c.dim)));
     const int64_t units = batch * q_heads * c.n;
     shape.split = cu::plan_attention_splits(units, *std::max_element(c.lengths.begin(), c.lengths.end()), c.sms);
     if (c.sms == 1) EXPECT_EQ(shape.split.count, 1) << "the small-device case must take the one-split path";
@@ -259,6 +259,52 @@ TEST(CudaEmulation, PagedAttentionMatchesTheCpuKernel) {
                  "paged dim " + std::to_string(c.dim) + " page " + std::to_string(c.page_size) + " group " +
                      std::to_string(c.group) + " splits " + std::to_string(shape.split.count));
   }
+}
+
+// The lane layouts of the attention kernels: 16-byte vectors where rows allow, else 32 lanes with
+// scalar loads (the cases above run both: fp32 D = 80 and 96 fill no power of two of vectors).
+TEST(CudaEmulation, AttentionLaneLayouts) {
+  struct Expected {
+    int64_t dim, bytes;
+    bool aligned;
+    int lanes, per_lane;
+    bool vectors;
+  };
+  for (const Expected& e : std::vector<Expected>{{128, 2, true, 16, 8, true},    // bf16 Llama: two keys a warp
+                                                 {64, 2, true, 8, 8, true},      // four keys a warp
+                                                 {256, 2, true, 32, 8, true},    //
+                                                 {128, 4, true, 32, 4, true},    // fp32
+                                                 {256, 4, true, 32, 8, true},    // two vectors a lane
+                                                 {64, 4, true, 16, 4, true},     //
+                                                 {80, 4, true, 32, 3, false},    // 20 vectors: scalar
+                                                 {96, 2, true, 32, 3, false},    // 12 vectors: scalar
+                                                 {128, 2, false, 32, 4, false},  // rows off the grid
+                                                 {4, 2, true, 32, 1, false}}) {  // under one vector
+    const cu::LaneRows r = cu::plan_lane_rows(e.dim, e.bytes, e.aligned);
+    EXPECT_EQ(r.lanes, e.lanes) << e.dim << " x " << e.bytes;
+    EXPECT_EQ(r.per_lane, e.per_lane) << e.dim << " x " << e.bytes;
+    EXPECT_EQ(r.vectors, e.vectors) << e.dim << " x " << e.bytes;
+    EXPECT_TRUE(cu::valid_lane_rows(r, e.dim)) << e.dim << " x " << e.bytes;
+  }
+  // The same bf16 launch from queries one element off the 16-byte grid takes the scalar loads and
+  // gives the same output.
+  const PagedLayout l = make_paged_layout({at::kBFloat16, 128, 16, 4, 1, {40, 7}, 1, 132});
+  const at::Tensor storage = at::randn({2 * 4 * 128 + 1}).to(at::kBFloat16);
+  const at::Tensor queries = storage.narrow(0, 1, 2 * 4 * 128).view({2, 4, 1, 128});
+  at::Tensor outputs[2];
+  for (const bool vectors : {true, false}) {
+    const at::Tensor q = vectors ? queries.clone() : queries;
+    cu::PagedAttentionShape shape = cu::paged_attention_shape(q, l.key_pool, l.value_pool, l.page_table, 0.1);
+    ASSERT_EQ(shape.rows.vectors, vectors);
+    shape.split = cu::plan_attention_splits(8, 40, 132);
+    at::Tensor partials = at::empty({8, shape.split.count, cu::split_partial_stride(128)}, at::kFloat);
+    outputs[vectors] = at::empty({2, 4, 1, 128}, at::kBFloat16);
+    expect_launched(cu::launch_paged_attention<__nv_bfloat16>(
+        ptr<__nv_bfloat16>(q), ptr<__nv_bfloat16>(l.key_pool), ptr<__nv_bfloat16>(l.value_pool),
+        l.page_table.const_data_ptr<int64_t>(), l.lengths.const_data_ptr<int64_t>(),
+        mut<__nv_bfloat16>(outputs[vectors]), partials.data_ptr<float>(), nullptr, shape, nullptr));
+  }
+  expect_close(outputs[0], outputs[1], 1e-6, attention_rtol(at::kBFloat16), "scalar against vector loads");
 }
 
 TEST(CudaEmulation, PagedWriteMatchesTheCpuKernel) {
@@ -295,7 +341,7 @@ TEST(CudaEmulation, PagedKernelsRefuseBadDeviceDataWithoutReadingOutside) {
     lengths[1][0] = max_pages * page_size + 5;
     page_table[2][0][1] = num_pages + 7;
     const at::Tensor queries = at::randn({3, 2, 1, dim});
-    cu::PagedAttentionShape shape = cu::paged_attention_shape(queries, l.key_pool, page_table, 0.125);
+    cu::PagedAttentionShape shape = cu::paged_attention_shape(queries, l.key_pool, l.value_pool, page_table, 0.125);
     // Planned from the tables' capacity, as the bridge does when it leaves the lengths on the device.
     shape.split = cu::plan_attention_splits(6, max_pages * page_size, sms);
     at::Tensor out = at::empty_like(queries);
@@ -363,8 +409,8 @@ TEST(CudaEmulation, RaggedAttentionMatchesTheCpuKernel) {
     const at::Tensor expected =
         kvpress::ops::ragged_attention(queries, packed_keys, packed_values, offsets_t, tail_keys, tail_values);
     at::Tensor out = at::empty_like(queries);
-    cu::RaggedAttentionShape shape = cu::ragged_attention_shape(queries, packed_keys, tail_keys, tail_values,
-                                                                1.0 / std::sqrt(static_cast<double>(c.dim)));
+    cu::RaggedAttentionShape shape = cu::ragged_attention_shape(
+        queries, packed_keys, packed_values, tail_keys, tail_values, 1.0 / std::sqrt(static_cast<double>(c.dim)));
     const int64_t units = batch * q_heads * c.n;
     shape.split = cu::plan_attention_splits(units, *std::max_element(c.packed.begin(), c.packed.end()) + c.m, c.sms);
     if (c.sms == 1) EXPECT_EQ(shape.split.count, 1) << "the small-device case must take the one-split path";

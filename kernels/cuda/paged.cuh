@@ -3,8 +3,9 @@
 //
 // paged_attention, flash-decoding style: the grid is (units, splits), one unit per (batch row,
 // query head, new token). Block (u, s) attends unit u over its s-th chunk of `chunk` visible keys,
-// its warps taking the keys round-robin (each lane holding D / 32 dimensions of the query and the
-// accumulator), with an online softmax in float32; the warps are merged through shared memory.
+// its warps taking the keys round-robin (a key read by a group of lanes, each holding its part of the
+// query and the accumulator, as 16-byte vectors where the rows allow: attention_plan.h), with an
+// online softmax in float32; the groups' states are merged through shared memory.
 // With one split the block writes the output; otherwise it writes its partial state (max, sum,
 // unnormalised accumulator) and attention_split_reduce merges the splits of each unit. Splitting
 // keeps every SM busy when a decoding batch has few heads but long ones.
@@ -33,68 +34,35 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
                                        T* __restrict__ out,                     // [B, Hq, n, D]
                                        float* __restrict__ partials,  // [units, splits, D + 2] when splits > 1
                                        int* __restrict__ errors, PagedAttentionShape s) {
-  __shared__ float part_max[kPagedWarps], part_sum[kPagedWarps];
-  __shared__ float part_acc[kPagedWarps][kPagedMaxDim];
+  __shared__ float part_max[kPagedWarps * kWarpSize], part_sum[kPagedWarps * kWarpSize];
+  __shared__ float part_acc[kPagedWarps * kWarpSize * kMaxPerLane];
 
   const int64_t unit = blockIdx.x, split = blockIdx.y;
   const int64_t i = unit % s.n, bq = unit / s.n, b = bq / s.q_heads, qh = bq % s.q_heads;
   const int64_t bh = b * s.kv_heads + qh / (s.q_heads / s.kv_heads);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % kWarpSize;
 
-  const T* q = queries + unit * s.dim;
-  float q_reg[kPagedMaxDimPerLane], acc[kPagedMaxDimPerLane];
+  float q[kMaxPerLane];
+  load_lane(queries + unit * s.dim, s.rows, lane % s.rows.lanes, s.dim, q);
 #pragma unroll
-  for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
-    const int64_t d = lane + 32 * t;
-    q_reg[t] = d < s.dim ? to_float(q[d]) * s.scale : 0.f;
-    acc[t] = 0.f;
-  }
+  for (int t = 0; t < kMaxPerLane; ++t) q[t] *= s.scale;
   const int64_t length = lengths[bh];
   int bad = length < s.n || length > s.max_pages * s.page_size ? kPagedBadLength : 0;
   const int64_t n_visible = bad ? 0 : length - s.n + i + 1;  // tokens 0 .. length - n + i
   const int64_t j_begin = split * s.split.chunk;
   const int64_t j_end = j_begin + s.split.chunk < n_visible ? j_begin + s.split.chunk : n_visible;
   const int64_t* pages = page_table + bh * s.max_pages;
-
-  float run_max = -INFINITY, run_sum = 0.f;
-  for (int64_t j = j_begin + warp; j < j_end; j += kPagedWarps) {
+  const auto row = [&](int64_t j, const T*& key, const T*& value) {
     const int64_t page = pages[j / s.page_size];
-    if (page < 0 || page >= s.num_pages) {  // the warp's lanes agree: skip the key, report it
-      bad |= kPagedBadPage;
-      continue;
-    }
-    const int64_t row = (page * s.page_size + j % s.page_size) * s.dim;
-    const T* k = key_pool + row;
-    const T* v = value_pool + row;
-    float dot = 0.f;
-#pragma unroll
-    for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
-      const int64_t d = lane + 32 * t;
-      if (d < s.dim) dot += q_reg[t] * to_float(k[d]);
-    }
-    dot = warp_sum(dot);
-    const float new_max = fmaxf(run_max, dot);
-    const float correction = __expf(run_max - new_max);  // 0 for the first key
-    const float p = __expf(dot - new_max);
-    run_sum = run_sum * correction + p;
-#pragma unroll
-    for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
-      const int64_t d = lane + 32 * t;
-      if (d < s.dim) acc[t] = acc[t] * correction + p * to_float(v[d]);
-    }
-    run_max = new_max;
-  }
-  if (bad && lane == 0 && errors != nullptr) atomicOr(errors, bad);
-
-  if (lane == 0) {
-    part_max[warp] = run_max;
-    part_sum[warp] = run_sum;
-  }
-#pragma unroll
-  for (int t = 0; t < kPagedMaxDimPerLane; ++t) {
-    const int64_t d = lane + 32 * t;
-    if (d < s.dim) part_acc[warp][d] = acc[t];
-  }
+    if (page < 0 || page >= s.num_pages) return false;  // skipped and reported
+    const int64_t offset = (page * s.page_size + j % s.page_size) * s.dim;
+    key = key_pool + offset;
+    value = value_pool + offset;
+    return true;
+  };
+  if (attend_keys<kPagedWarps, T>(s.rows, q, s.dim, j_begin, j_end, row, part_max, part_sum, part_acc))
+    bad |= kPagedBadPage;
+  if (bad && errors != nullptr) atomicOr(errors, bad);
   if (__syncthreads_or(bad)) {  // the unit's output (or this split's part of it) is NaN
     const float nan = __uint_as_float(0x7fc00000u);
     if (s.split.count == 1) {
@@ -106,8 +74,8 @@ __global__ void paged_attention_kernel(const T* __restrict__ queries,           
     return;
   }
 
-  finish_split<kPagedWarps, kPagedMaxDim>(part_max, part_sum, part_acc, s.dim, unit, split, s.split.count, out,
-                                          partials);
+  finish_split<T>(part_max, part_sum, part_acc, kPagedWarps * (kWarpSize / s.rows.lanes), s.dim, unit, split,
+                  s.split.count, out, partials);
 }
 
 template <typename T>
@@ -116,7 +84,9 @@ cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T*
                                    const PagedAttentionShape& shape, cudaStream_t stream) {
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return cudaSuccess;
-  if (shape.dim > kPagedMaxDim || shape.split.count < 1 || shape.split.count > kMaxSplits) return cudaErrorInvalidValue;
+  if (shape.dim > kPagedMaxDim || shape.split.count < 1 || shape.split.count > kMaxSplits ||
+      !valid_lane_rows(shape.rows, shape.dim))
+    return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.split.count));
   KVPRESS_LAUNCH(paged_attention_kernel<T>, grid, kPagedWarps * 32, 0, stream, queries, key_pool, value_pool,
                  page_table, lengths, out, partials, errors, shape);

@@ -33,7 +33,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& 
   TORCH_CHECK(a.queries.size(3) <= kPagedMaxDim, "paged_attention: head_dim must be <= ", kPagedMaxDim,
               " on CUDA, got ", a.queries.size(3));
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
-  PagedAttentionShape shape = paged_attention_shape(a.queries, a.key_pool, a.page_table, a.scale);
+  PagedAttentionShape shape = paged_attention_shape(a.queries, a.key_pool, a.value_pool, a.page_table, a.scale);
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return out;
   // The longest head: read where the lengths were copied to the host, else the tables' capacity

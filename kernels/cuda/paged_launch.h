@@ -7,19 +7,19 @@
 
 #include <cstdint>
 
+#include "cuda/attention_plan.h"
 #include "cuda/limits.h"
-#include "cuda/split_plan.h"
 
 namespace kvpress::cuda {
 
 constexpr int kPagedWarps = 4;
-constexpr int kPagedMaxDimPerLane = 8;  // head_dim <= 256
-constexpr int kPagedMaxDim = kWarpSize * kPagedMaxDimPerLane;
+constexpr int kPagedMaxDim = kWarpSize * kMaxPerLane;  // head_dim <= 256
 
 struct PagedAttentionShape {
   int64_t batch, q_heads, kv_heads, n, dim;
   int64_t num_pages, page_size, max_pages;
   SplitPlan split;  // plan_attention_splits over the units' keys
+  LaneRows rows;    // plan_lane_rows of the queries' and pools' rows
   float scale;
 };
 
@@ -35,7 +35,8 @@ enum PagedError : int {
 
 // `partials`: [units, splits, D + 2] float32 scratch when shape.split.count > 1 (else unused). `errors`:
 // a device word the kernel ors PagedError bits into (nullptr: the caller checked the tables).
-// cudaErrorInvalidValue when dim > kPagedMaxDim or splits is outside [1, 65535].
+// cudaErrorInvalidValue when dim > kPagedMaxDim, splits is outside [1, 65535] or the lane layout
+// does not fit dim.
 template <typename T>
 cudaError_t launch_paged_attention(const T* queries,           // [B, Hq, n, D] contiguous
                                    const T* key_pool,          // [P, page_size, D]

@@ -25,7 +25,8 @@ at::Tensor ragged_attention_cuda(const at::Tensor& queries_in, const at::Tensor&
   TORCH_CHECK(a.queries.size(3) <= kRaggedMaxDim, "ragged_attention: head_dim must be <= ", kRaggedMaxDim,
               " on CUDA, got ", a.queries.size(3));
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
-  RaggedAttentionShape shape = ragged_attention_shape(a.queries, a.packed_keys, a.tail_keys, a.tail_values, a.scale);
+  RaggedAttentionShape shape =
+      ragged_attention_shape(a.queries, a.packed_keys, a.packed_values, a.tail_keys, a.tail_values, a.scale);
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return out;
   // A unit sees at most its head's packed rows and the whole tail.
