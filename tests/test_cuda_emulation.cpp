@@ -30,6 +30,7 @@
 #include "cuda/selection.cuh"
 #include "cuda/shapes.h"
 #include "cuda/window_attention.cuh"
+#include "cuda/window_attention_heads.h"
 #pragma GCC visibility pop
 
 namespace {
@@ -534,9 +535,8 @@ TEST(CudaEmulation, CholeskyLeverageMatchesTheCpuOp) {
 
 // ---- window_attention_mean -------------------------------------------------------------------
 
-// The bridge's composition (kernels/cuda/window_attention_bridge.cpp) with the CPU's GEMM in place
-// of cuBLAS: per (batch row, KV head) the float32 logits of its query heads' window rows, then the
-// two kernels.
+// The bridge's composition (kernels/cuda/window_attention_heads.h) on CPU tensors: the CPU's GEMM in
+// place of cuBLAS, then the two kernels through the model.
 TEST(CudaEmulation, WindowAttentionMeanMatchesTheCpuKernel) {
   struct WindowCase {
     at::ScalarType dtype;
@@ -548,25 +548,12 @@ TEST(CudaEmulation, WindowAttentionMeanMatchesTheCpuKernel) {
       {at::kFloat, 80, 8, 4, 40},  {at::kHalf, 128, 4, 8, 70}, {at::kBFloat16, 128, 4, 8, 70},
   };
   for (const WindowCase& c : cases) {
-    const int64_t batch = 1, kv_heads = 2, heads = kv_heads * c.group, rows = c.group * c.window;
+    const int64_t batch = 1, kv_heads = 2, heads = kv_heads * c.group;
     const at::Tensor queries = at::randn({batch, heads, c.window, c.dim}).to(c.dtype);
     const at::Tensor keys = at::randn({batch, kv_heads, c.seq, c.dim}).to(c.dtype);
     const at::Tensor expected = kvpress::ops::window_attention_mean(queries, keys);
-    const at::Tensor scaled = (queries.to(at::kFloat) * (1.0 / std::sqrt(static_cast<double>(c.dim)))).contiguous();
     at::Tensor out = at::empty({batch, heads, c.seq - c.window}, at::kFloat);
-    at::Tensor logits = at::empty({rows, c.seq}, at::kFloat);
-    at::Tensor row_max = at::empty({rows}, at::kFloat), row_inv_sum = at::empty({rows}, at::kFloat);
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const at::Tensor k = keys.select(0, b).select(0, h).to(at::kFloat);
-        const at::Tensor q = scaled.select(0, b).narrow(0, h * c.group, c.group).reshape({rows, c.dim});
-        at::mm_out(logits, q, k.t());
-        at::Tensor dst = out.select(0, b).narrow(0, h * c.group, c.group);
-        expect_launched(cu::launch_window_mean(logits.const_data_ptr<float>(), c.group, c.seq, c.window,
-                                               row_max.data_ptr<float>(), row_inv_sum.data_ptr<float>(),
-                                               dst.data_ptr<float>(), dst.stride(0), nullptr));
-      }
-    }
+    expect_launched(cu::window_attention_mean_by_heads(queries, keys, out, nullptr));
     expect_close(out, expected, 1e-6, 1e-4,
                  "window mean dim " + std::to_string(c.dim) + " group " + std::to_string(c.group) + " window " +
                      std::to_string(c.window) + " seq " + std::to_string(c.seq));
