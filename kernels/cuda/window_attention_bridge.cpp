@@ -16,9 +16,8 @@ at::Tensor window_attention_mean_cuda(const at::Tensor& queries_in, const at::Te
   constexpr const char* op = "window_attention_mean";
   checks::check_window_attention(op, queries_in, keys_in);
   const c10::cuda::CUDAGuard guard(keys_in.device());
-  at::Tensor out =
-      at::empty({keys_in.size(0), queries_in.size(1), keys_in.size(2) - queries_in.size(2)},
-                keys_in.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({keys_in.size(0), queries_in.size(1), keys_in.size(2) - queries_in.size(2)},
+                             keys_in.options().dtype(at::kFloat));
   check_launch(window_attention_mean_by_heads(queries_in, keys_in, out, c10::cuda::getCurrentCUDAStream()), op);
   return out;
 }

@@ -33,9 +33,9 @@ inline cudaError_t window_attention_mean_by_heads(const at::Tensor& queries_in, 
       const at::Tensor q = queries.select(0, b).narrow(0, h * group, group).reshape({rows, dim});  // view
       at::mm_out(logits, q, k.t());
       at::Tensor dst = out.select(0, b).narrow(0, h * group, group);  // [group, S - w], contiguous rows
-      const cudaError_t err = launch_window_mean(logits.const_data_ptr<float>(), group, seq, window,
-                                                 row_max.data_ptr<float>(), row_inv_sum.data_ptr<float>(),
-                                                 dst.data_ptr<float>(), dst.stride(0), stream);
+      const cudaError_t err =
+          launch_window_mean(logits.const_data_ptr<float>(), group, seq, window, row_max.data_ptr<float>(),
+                             row_inv_sum.data_ptr<float>(), dst.data_ptr<float>(), dst.stride(0), stream);
       if (err != cudaSuccess) return err;
     }
   }
