@@ -84,9 +84,7 @@ cudaError_t launch_paged_attention(const T* queries, const T* key_pool, const T*
                                    const PagedAttentionShape& shape, cudaStream_t stream) {
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return cudaSuccess;
-  if (shape.dim > kPagedMaxDim || shape.split.count < 1 || shape.split.count > kMaxSplits ||
-      !valid_lane_rows(shape.rows, shape.dim))
-    return cudaErrorInvalidValue;
+  if (!valid_attention_launch(shape.dim, shape.split, shape.rows)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.split.count));
   KVPRESS_LAUNCH(paged_attention_kernel<T>, grid, kPagedWarps * 32, 0, stream, queries, key_pool, value_pool,
                  page_table, lengths, out, partials, errors, shape);

@@ -63,9 +63,7 @@ cudaError_t launch_ragged_attention(const T* queries, const T* packed_keys, cons
                                     float* partials, const RaggedAttentionShape& shape, cudaStream_t stream) {
   const int64_t units = shape.batch * shape.q_heads * shape.n;
   if (units == 0) return cudaSuccess;
-  if (shape.dim > kRaggedMaxDim || shape.split.count < 1 || shape.split.count > kMaxSplits ||
-      !valid_lane_rows(shape.rows, shape.dim))
-    return cudaErrorInvalidValue;
+  if (!valid_attention_launch(shape.dim, shape.split, shape.rows)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(shape.split.count));
   KVPRESS_LAUNCH(ragged_attention_kernel<T>, grid, kRaggedWarps * 32, 0, stream, queries, packed_keys, packed_values,
                  offsets, tail_keys, tail_values, out, partials, shape);
