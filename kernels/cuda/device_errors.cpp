@@ -16,15 +16,15 @@
 namespace kvpress::cuda {
 namespace {
 
-// One int32 tensor per device, made at the device's first use; never freed, so a captured graph
-// keeps a valid pointer.
+// One int32 tensor per device, made at the device's first use; never freed (not even at exit, when
+// the CUDA runtime may already be gone), so a captured graph keeps a valid pointer.
 at::Tensor& word_of(c10::DeviceIndex index) {
   static std::mutex mutex;
-  static std::vector<at::Tensor> words(static_cast<size_t>(c10::cuda::device_count()));
+  static auto* words = new std::vector<at::Tensor>(static_cast<size_t>(c10::cuda::device_count()));
   const std::lock_guard<std::mutex> lock(mutex);
-  TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < words.size(), "check_device_errors: device must be a CUDA ",
-              "device in [0, ", words.size(), "), got ", static_cast<int>(index));
-  at::Tensor& word = words[static_cast<size_t>(index)];
+  TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < words->size(), "check_device_errors: device must be a CUDA ",
+              "device in [0, ", words->size(), "), got ", static_cast<int>(index));
+  at::Tensor& word = (*words)[static_cast<size_t>(index)];
   if (!word.defined()) word = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, index));
   return word;
 }
