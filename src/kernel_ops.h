@@ -449,5 +449,11 @@ namespace ops {
 // L⁻¹ of the lower-triangular Cholesky factors (one small triangular solve per head), the matrix
 // cholesky_leverage's composite and kernels apply to every sketched row.
 at::Tensor lower_triangular_inverse(const at::Tensor& factor);  // [B, H, k, k] -> [B, H, k, k]
+// X rows of one KV head from its centred pre-RoPE keys: x_head[b, 0] = centred[b, 0] Φ, the GEMM in
+// the keys' dtype as kvpress's (Φ converted to it), written into float32 X. sketch_prerope_keys'
+// composite and its CUDA bridge.
+void sketch_centred_into(const at::Tensor& centred,  // [B, 1, S, D]
+                         const at::Tensor& sketch,   // [D, k] or [B, 1, D, k]
+                         const at::Tensor& x_head);  // [B, 1, S, k] float32, written
 }  // namespace ops
 }  // namespace kvpress

@@ -26,6 +26,7 @@
 #include "cuda/lagkv.cuh"
 #include "cuda/leverage.cuh"
 #include "cuda/paged.cuh"
+#include "cuda/prerope.cuh"
 #include "cuda/ragged_attention.cuh"
 #include "cuda/selection.cuh"
 #include "cuda/shapes.h"
@@ -507,6 +508,47 @@ TEST(CudaEmulation, InvertRopeMatchesTheCompositeBitForBit) {
                                                   dim, nullptr));
       });
       EXPECT_TRUE(at::equal(out, expected)) << "invert_rope dim " << dim << " " << dtype;
+    }
+  }
+}
+
+// sketch_prerope_keys' centring on CUDA, for head 1 of keys [2, 3, S, D] (batch rows a head apart):
+// with zero means the kernel writes the pre-RoPE keys P themselves, which must equal the composite's
+// (float32 un-rotation rounded to the dtype) bit for bit; the means must be P's column means within
+// their float32 sum's rounding (S terms of at most max |P|: S * 2^-24 * max |P|) plus one rounding to
+// the dtype, and be rounded to it (as ATen's mean in the dtype is); and the centred keys must equal P - means rounded
+// to the dtype, bit for bit.
+TEST(CudaEmulation, PreropeCentringMatchesTheComposite) {
+  for (const at::ScalarType dtype : kDtypes) {
+    for (const auto& [seq, dim] : std::vector<std::pair<int64_t, int64_t>>{{1, 64}, {70, 128}, {33, 80}}) {
+      const auto [cos, sin] = rope_tables(seq, dim);
+      const at::Tensor keys = at::randn({2, 3, seq, dim}).to(dtype);
+      const at::Tensor p = kvpress::ops::composite::invert_rope(keys.narrow(1, 1, 1).to(at::kFloat), cos, sin)
+                               .to(dtype)
+                               .squeeze(1);  // [2, S, D]
+      const std::string what = "prerope S " + std::to_string(seq) + " D " + std::to_string(dim);
+      at::Tensor zeros = at::zeros({2, dim}), means = at::empty({2, dim}), centred = at::empty({2, seq, dim}, dtype);
+      with_cuda_type(dtype, [&](auto element) {
+        using T = decltype(element);
+        const T* head = ptr<T>(keys) + seq * dim;
+        const int64_t stride = 3 * seq * dim;
+        expect_launched(cu::launch_prerope_centred<T>(head, stride, cos.const_data_ptr<float>(),
+                                                      sin.const_data_ptr<float>(), zeros.const_data_ptr<float>(),
+                                                      mut<T>(centred), 2, seq, dim, nullptr));
+        EXPECT_TRUE(at::equal(centred, p)) << what << " " << dtype << ": P";
+        expect_launched(cu::launch_prerope_column_means<T>(head, stride, cos.const_data_ptr<float>(),
+                                                           sin.const_data_ptr<float>(), means.data_ptr<float>(), 2, seq,
+                                                           dim, nullptr));
+        expect_launched(cu::launch_prerope_centred<T>(head, stride, cos.const_data_ptr<float>(),
+                                                      sin.const_data_ptr<float>(), means.const_data_ptr<float>(),
+                                                      mut<T>(centred), 2, seq, dim, nullptr));
+      });
+      const at::Tensor exact = p.to(at::kDouble).mean(1);
+      const double sum_error = static_cast<double>(seq) * 0x1p-24 * p.abs().max().item<double>();
+      const double ulp = dtype == at::kFloat ? 0x1p-24 : (dtype == at::kHalf ? 0x1p-11 : 0x1p-8);
+      expect_close(means, exact, sum_error + 1e-30, ulp, what + " means");
+      EXPECT_TRUE(at::equal(means, means.to(dtype).to(at::kFloat))) << what << ": means rounded to " << dtype;
+      EXPECT_TRUE(at::equal(centred, (p.to(at::kFloat) - means.unsqueeze(1)).to(dtype))) << what << " " << dtype;
     }
   }
 }

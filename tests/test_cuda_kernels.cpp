@@ -93,6 +93,25 @@ TEST(CudaKernels, InvertRopeMatchesCpuBitForBit) {
   KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
+// The centring kernels and the composite's sketch against the CPU: X and the Gram matrix in float32
+// from GEMMs in the cache dtype on both sides; bfloat16 keys round the centred keys and X to 8 bits.
+TEST(CudaKernels, SketchPreropeKeysMatchesCpu) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  const at::Tensor inv_freq = at::pow(500000.0, -at::arange(0, 128, 2, at::kFloat) / 128.0);
+  const at::Tensor angles = at::outer(at::arange(700, at::kFloat), inv_freq);
+  const at::Tensor cos = at::cat({angles, angles}, -1).cos(), sin = at::cat({angles, angles}, -1).sin();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    const at::Tensor keys = randn({2, 4, 700, 128}, 14, dtype), sketch = randn({128, 48}, 15, dtype);
+    const auto [x, gram] = ops::sketch_prerope_keys(keys, cos, sin, sketch);
+    if (!no_cuda.empty()) continue;
+    const auto [xg, gramg] = ops::sketch_prerope_keys(keys.cuda(), cos.cuda(), sin.cuda(), sketch.cuda());
+    const double tol = dtype == at::kFloat ? 1e-4 : 2e-2;
+    EXPECT_TRUE(at::allclose(xg.cpu(), x, tol, tol)) << dtype;
+    EXPECT_TRUE(at::allclose(gramg.cpu(), gram, tol, tol * gram.abs().max().item<double>())) << dtype;
+  }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+}
+
 // Tolerance: tests/test_cuda_emulation.cpp, CholeskyLeverageMatchesTheCpuOp.
 TEST(CudaKernels, CholeskyLeverageMatchesCpu) {
   const std::string no_cuda = testing::cuda_half_unavailable();

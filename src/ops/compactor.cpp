@@ -51,18 +51,11 @@ at::Tensor centred_sketch(const at::Tensor& keys, const at::Tensor& sketch) {
 }
 
 // centred_sketch of one KV head written into X, without its temporaries: `keys` ([B, 1, S, D], owned
-// by the caller) are centred in place, and in float32 the GEMM writes X's rows directly. The same
-// values as centred_sketch. sketch [D, k] or [B, 1, D, k]; x_head [B, 1, S, k] float32.
+// by the caller) are centred in place, then sketched (sketch_centred_into). The same values as
+// centred_sketch. sketch [D, k] or [B, 1, D, k]; x_head [B, 1, S, k] float32.
 void centred_sketch_into(at::Tensor keys, const at::Tensor& sketch, const at::Tensor& x_head) {
   keys.sub_(keys.mean(2, /*keepdim=*/true));
-  for (int64_t b = 0; b < keys.size(0); ++b) {
-    const at::Tensor phi = (sketch.dim() == 2 ? sketch : sketch[b][0]).to(keys.scalar_type());  // [D, k]
-    at::Tensor x_bh = x_head[b][0];  // [S, k], contiguous rows of X
-    if (keys.scalar_type() == at::kFloat)
-      at::mm_out(x_bh, keys[b][0], phi);
-    else
-      x_bh.copy_(at::mm(keys[b][0], phi));
-  }
+  sketch_centred_into(keys, sketch, x_head);
 }
 
 // ℓ_i = x_iᵀ (G + λI)⁻¹ x_i for the rows of X given G = XᵀX: G symmetrised and factorised by
@@ -206,6 +199,17 @@ at::Tensor cholesky_leverage(const at::Tensor& sketched, const at::Tensor& facto
 // The k x k inverse of the factor is one small triangular solve, and L⁻¹ applied to every row is a
 // GEMM (kvpress's cholesky_solve does two triangular solves against all S rows, several times
 // slower on the CPU).
+void sketch_centred_into(const at::Tensor& centred, const at::Tensor& sketch, const at::Tensor& x_head) {
+  for (int64_t b = 0; b < centred.size(0); ++b) {
+    const at::Tensor phi = (sketch.dim() == 2 ? sketch : sketch[b][0]).to(centred.scalar_type());  // [D, k]
+    at::Tensor x_bh = x_head[b][0];  // [S, k], contiguous rows of X
+    if (centred.scalar_type() == at::kFloat)
+      at::mm_out(x_bh, centred[b][0], phi);  // in float32 the GEMM writes X's rows directly
+    else
+      x_bh.copy_(at::mm(centred[b][0], phi));
+  }
+}
+
 at::Tensor lower_triangular_inverse(const at::Tensor& factor) {
   const at::Tensor eye = at::eye(factor.size(-1), factor.options()).expand_as(factor);
   return at::linalg_solve_triangular(factor, eye, /*upper=*/false);
