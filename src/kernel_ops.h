@@ -369,6 +369,15 @@ inline void check_noncausal(const char* op, const at::Tensor& queries, const at:
   check_all_queries(op, queries, keys);
 }
 
+// sketch_prerope_keys: keys [B, Hkv, S, D] with their RoPE tables cos / sin [S, D] and a sketch
+// (check_sketch).
+inline void check_sketch_prerope_keys(const at::Tensor& keys, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& sketch) {
+  constexpr const char* op = "sketch_prerope_keys";
+  check_sketch(op, "keys", keys, sketch);
+  check_rope(op, keys, cos, sin);
+}
+
 // cholesky_leverage: sketched [B, H, S, k] float32 non-empty, factor [B, H, k, k] float32 on its device.
 inline void check_cholesky_leverage(const char* op, const at::Tensor& sketched, const at::Tensor& factor) {
   check_rank(op, "sketched", sketched, 4, "[batch, kv_heads, seq_len, sketch_dimension]");

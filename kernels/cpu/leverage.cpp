@@ -259,9 +259,7 @@ void reduce_chunks(const at::Tensor& partial, double scale, float* out) {  // pa
 
 std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys_cpu(const at::Tensor& keys_in, const at::Tensor& cos_in,
                                                            const at::Tensor& sin_in, const at::Tensor& sketch_in) {
-  constexpr const char* op = "sketch_prerope_keys";
-  checks::check_sketch(op, "keys", keys_in, sketch_in);
-  checks::check_rope(op, keys_in, cos_in, sin_in);
+  checks::check_sketch_prerope_keys(keys_in, cos_in, sin_in, sketch_in);
   const int64_t batch = keys_in.size(0), heads = keys_in.size(1), seq = keys_in.size(2), dim = keys_in.size(3);
   const int64_t k = sketch_in.size(-1);
   if (keys_in.scalar_type() != at::kFloat || !tiles_fit(dim, k))

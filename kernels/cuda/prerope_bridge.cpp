@@ -19,8 +19,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys_cuda(const at::Tensor& keys_in, const at::Tensor& cos,
                                                             const at::Tensor& sin, const at::Tensor& sketch) {
   constexpr const char* op = "sketch_prerope_keys";
-  checks::check_sketch(op, "keys", keys_in, sketch);
-  checks::check_rope(op, keys_in, cos, sin);
+  checks::check_sketch_prerope_keys(keys_in, cos, sin, sketch);
   const int64_t batch = keys_in.size(0), heads = keys_in.size(1), seq = keys_in.size(2), dim = keys_in.size(3);
   if (batch > 65535) return ops::composite::sketch_prerope_keys(keys_in, cos, sin, sketch);
   const c10::cuda::CUDAGuard guard(keys_in.device());

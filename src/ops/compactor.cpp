@@ -176,9 +176,7 @@ std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys(const at::Tensor& keys, c
 
 std::tuple<at::Tensor, at::Tensor> composite::sketch_prerope_keys(const at::Tensor& keys, const at::Tensor& cos,
                                                                   const at::Tensor& sin, const at::Tensor& sketch) {
-  constexpr const char* op = "sketch_prerope_keys";
-  checks::check_sketch(op, "keys", keys, sketch);
-  checks::check_rope(op, keys, cos, sin);
+  checks::check_sketch_prerope_keys(keys, cos, sin, sketch);
   const int64_t batch = keys.size(0), heads = keys.size(1), seq = keys.size(2);
   at::Tensor x = at::empty({batch, heads, seq, sketch.size(-1)}, keys.options().dtype(at::kFloat));
   const at::Tensor cos_f = cos.to(at::kFloat), sin_f = sin.to(at::kFloat);  // converted once, not per head
