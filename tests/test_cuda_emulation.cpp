@@ -520,8 +520,12 @@ TEST(CudaEmulation, InvertRopeMatchesTheCompositeBitForBit) {
 // to the dtype, bit for bit.
 TEST(CudaEmulation, PreropeCentringMatchesTheComposite) {
   for (const at::ScalarType dtype : kDtypes) {
-    for (const auto& [seq, dim] : std::vector<std::pair<int64_t, int64_t>>{{1, 64}, {70, 128}, {33, 80}}) {
-      const auto [cos, sin] = rope_tables(seq, dim);
+    for (const auto& shape : std::vector<std::pair<int64_t, int64_t>>{{1, 64}, {70, 128}, {33, 80}}) {
+      // Plain variables: clang's lambdas cannot capture structured bindings (C++17).
+      const int64_t seq = shape.first, dim = shape.second;
+      const std::pair<at::Tensor, at::Tensor> tables = rope_tables(seq, dim);
+      const at::Tensor& cos = tables.first;
+      const at::Tensor& sin = tables.second;
       const at::Tensor keys = at::randn({2, 3, seq, dim}).to(dtype);
       const at::Tensor p = kvpress::ops::composite::invert_rope(keys.narrow(1, 1, 1).to(at::kFloat), cos, sin)
                                .to(dtype)
