@@ -298,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> sketch_prerope_keys_cpu(const at::Tensor& key
   reduce_gram(partial_gram, k, gram.data_ptr<float>());
   return {x, gram};
 #else
-  TORCH_CHECK(false, op, ": unreachable without AVX-512 kernels");
+  TORCH_CHECK(false, "sketch_prerope_keys: unreachable without AVX-512 kernels");
 #endif
 }
 
