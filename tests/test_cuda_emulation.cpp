@@ -485,19 +485,12 @@ TEST(CudaEmulation, LagKVMatchesTheCpuKernel) {
 
 // ---- invert_rope, cholesky_leverage ---------------------------------------------------------
 
-// cos / sin [seq, dim] of a Llama RoPE (float32, as a model gives them).
-std::pair<at::Tensor, at::Tensor> rope_tables(int64_t seq, int64_t dim) {
-  const at::Tensor inv_freq = at::pow(10000.0, -at::arange(0, dim, 2, at::kFloat) / static_cast<double>(dim));
-  const at::Tensor angles = at::outer(at::arange(seq, at::kFloat), inv_freq);
-  return {at::cat({angles, angles}, -1).cos(), at::cat({angles, angles}, -1).sin()};
-}
-
 // Bit for bit the ATen composite (each product and the difference rounded to the dtype), on every
 // dtype, head sizes 64 / 80 / 128 / 256 and a grid the element count does not fill evenly.
 TEST(CudaEmulation, InvertRopeMatchesTheCompositeBitForBit) {
   for (const at::ScalarType dtype : kDtypes) {
     for (const int64_t dim : {64, 80, 128, 256}) {
-      const auto [cos, sin] = rope_tables(33, dim);
+      const auto [cos, sin] = kvpress::testing::rope_tables(33, dim);
       const at::Tensor x = at::randn({2, 3, 33, dim}).to(dtype);
       const at::Tensor expected = kvpress::ops::composite::invert_rope(x, cos, sin);
       const at::Tensor cos_t = cos.to(dtype), sin_t = sin.to(dtype);
@@ -523,7 +516,7 @@ TEST(CudaEmulation, PreropeCentringMatchesTheComposite) {
     for (const auto& shape : std::vector<std::pair<int64_t, int64_t>>{{1, 64}, {70, 128}, {33, 80}}) {
       // Plain variables: clang's lambdas cannot capture structured bindings (C++17).
       const int64_t seq = shape.first, dim = shape.second;
-      const std::pair<at::Tensor, at::Tensor> tables = rope_tables(seq, dim);
+      const std::pair<at::Tensor, at::Tensor> tables = kvpress::testing::rope_tables(seq, dim);
       const at::Tensor& cos = tables.first;
       const at::Tensor& sin = tables.second;
       const at::Tensor keys = at::randn({2, 3, seq, dim}).to(dtype);

@@ -81,9 +81,7 @@ TEST(CudaKernels, LagKVScoresMatchCpu) {
 
 TEST(CudaKernels, InvertRopeMatchesCpuBitForBit) {
   const std::string no_cuda = testing::cuda_half_unavailable();
-  const at::Tensor inv_freq = at::pow(500000.0, -at::arange(0, 128, 2, at::kFloat) / 128.0);
-  const at::Tensor angles = at::outer(at::arange(1000, at::kFloat), inv_freq);
-  const at::Tensor cos = at::cat({angles, angles}, -1).cos(), sin = at::cat({angles, angles}, -1).sin();
+  const auto [cos, sin] = testing::rope_tables(1000, 128, 500000.0);
   for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
     const at::Tensor x = randn({2, 8, 1000, 128}, 11, dtype);
     const at::Tensor cpu = ops::invert_rope(x, cos, sin);
@@ -97,9 +95,7 @@ TEST(CudaKernels, InvertRopeMatchesCpuBitForBit) {
 // from GEMMs in the cache dtype on both sides; bfloat16 keys round the centred keys and X to 8 bits.
 TEST(CudaKernels, SketchPreropeKeysMatchesCpu) {
   const std::string no_cuda = testing::cuda_half_unavailable();
-  const at::Tensor inv_freq = at::pow(500000.0, -at::arange(0, 128, 2, at::kFloat) / 128.0);
-  const at::Tensor angles = at::outer(at::arange(700, at::kFloat), inv_freq);
-  const at::Tensor cos = at::cat({angles, angles}, -1).cos(), sin = at::cat({angles, angles}, -1).sin();
+  const auto [cos, sin] = testing::rope_tables(700, 128, 500000.0);
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     const at::Tensor keys = randn({2, 4, 700, 128}, 14, dtype), sketch = randn({128, 48}, 15, dtype);
     const auto [x, gram] = ops::sketch_prerope_keys(keys, cos, sin, sketch);

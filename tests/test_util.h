@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvpress::testing {
@@ -52,6 +53,14 @@ inline void expect_error(const std::function<void()>& fn, std::initializer_list<
 inline at::Tensor randn(std::initializer_list<int64_t> shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
   at::manual_seed(seed);
   return at::randn(shape, at::TensorOptions().dtype(at::kFloat)).to(dtype);
+}
+
+// cos / sin [seq, dim] float32 of a Llama RoPE with this base (10000: Llama 2, 500000: Llama 3).
+inline std::pair<at::Tensor, at::Tensor> rope_tables(int64_t seq, int64_t dim, double base = 10000.0) {
+  const at::Tensor inv_freq = at::pow(base, -at::arange(0, dim, 2, at::kFloat) / static_cast<double>(dim));
+  const at::Tensor angles = at::outer(at::arange(seq, at::kFloat), inv_freq);
+  const at::Tensor both = at::cat({angles, angles}, -1);
+  return {both.cos(), both.sin()};
 }
 
 // Whether libkvpress registered its CUDA kernels (built with KVPRESS_WITH_CUDA).

@@ -21,8 +21,9 @@
 namespace kvpress::cuda {
 
 constexpr int64_t kMinKeysPerSplit = 128;
-constexpr int64_t kMaxSplits = 65535;  // gridDim.y
-constexpr int kMaxPerLane = 8;         // elements a lane holds: head_dim <= 32 * 8 = 256
+constexpr int64_t kMaxSplits = 65535;                          // gridDim.y
+constexpr int kMaxPerLane = 8;                                 // elements a lane holds: head_dim <= 32 * 8 = 256
+constexpr int64_t kAttentionMaxDim = kWarpSize * kMaxPerLane;  // 256
 constexpr int kVectorBytes = 16;
 
 struct SplitPlan {

@@ -30,7 +30,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& 
   const c10::cuda::CUDAGuard guard(queries_in.device());
   const checks::PagedAttentionArgs a = checks::paged_attention_args(
       queries_in, key_pool_in, value_pool_in, page_table_in, lengths_in, scale_in, index_contents());
-  TORCH_CHECK(a.queries.size(3) <= kPagedMaxDim, "paged_attention: head_dim must be <= ", kPagedMaxDim,
+  TORCH_CHECK(a.queries.size(3) <= kAttentionMaxDim, "paged_attention: head_dim must be <= ", kAttentionMaxDim,
               " on CUDA, got ", a.queries.size(3));
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
   PagedAttentionShape shape = paged_attention_shape(a.queries, a.key_pool, a.value_pool, a.page_table, a.scale);

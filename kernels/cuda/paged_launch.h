@@ -13,7 +13,6 @@
 namespace kvpress::cuda {
 
 constexpr int kPagedWarps = 4;
-constexpr int kPagedMaxDim = kWarpSize * kMaxPerLane;  // head_dim <= 256
 
 struct PagedAttentionShape {
   int64_t batch, q_heads, kv_heads, n, dim;
@@ -35,7 +34,7 @@ enum PagedError : int {
 
 // `partials`: [units, splits, D + 2] float32 scratch when shape.split.count > 1 (else unused). `errors`:
 // a device word the kernel ors PagedError bits into (nullptr: the caller checked the tables).
-// cudaErrorInvalidValue when dim > kPagedMaxDim, splits is outside [1, 65535] or the lane layout
+// cudaErrorInvalidValue when dim > kAttentionMaxDim, splits is outside [1, 65535] or the lane layout
 // does not fit dim.
 template <typename T>
 cudaError_t launch_paged_attention(const T* queries,           // [B, Hq, n, D] contiguous

@@ -22,7 +22,7 @@ at::Tensor ragged_attention_cuda(const at::Tensor& queries_in, const at::Tensor&
   const c10::cuda::CUDAGuard guard(queries_in.device());
   const checks::RaggedAttentionArgs a = checks::ragged_attention_args(
       queries_in, packed_keys_in, packed_values_in, offsets_in, tail_keys_in, tail_values_in, scale_in);
-  TORCH_CHECK(a.queries.size(3) <= kRaggedMaxDim, "ragged_attention: head_dim must be <= ", kRaggedMaxDim,
+  TORCH_CHECK(a.queries.size(3) <= kAttentionMaxDim, "ragged_attention: head_dim must be <= ", kAttentionMaxDim,
               " on CUDA, got ", a.queries.size(3));
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
   RaggedAttentionShape shape =

@@ -13,7 +13,6 @@
 namespace kvpress::cuda {
 
 constexpr int kRaggedWarps = 8;
-constexpr int kRaggedMaxDim = kWarpSize * kMaxPerLane;  // head_dim <= 256
 
 struct RaggedAttentionShape {
   int64_t batch, q_heads, kv_heads, n, m, dim, packed_tokens;
@@ -25,7 +24,7 @@ struct RaggedAttentionShape {
 };
 
 // `partials`: [units, splits, D + 2] float32 scratch when shape.split.count > 1 (else unused).
-// cudaErrorInvalidValue when dim > kRaggedMaxDim, the split count is outside [1, kMaxSplits] or the
+// cudaErrorInvalidValue when dim > kAttentionMaxDim, the split count is outside [1, kMaxSplits] or the
 // lane layout does not fit dim.
 template <typename T>
 cudaError_t launch_ragged_attention(const T* queries,                              // [B, Hq, n, D] contiguous

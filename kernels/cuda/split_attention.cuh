@@ -179,10 +179,10 @@ inline bool valid_lane_rows(const LaneRows& rows, int64_t dim) {
                        : rows.lanes == kWarpSize && static_cast<int64_t>(kWarpSize) * rows.per_lane >= dim);
 }
 
-// Whether an attention launch's plan fits its kernel: head_dim <= 32 * kMaxPerLane, a split count in
+// Whether an attention launch's plan fits its kernel: head_dim <= kAttentionMaxDim, a split count in
 // [1, kMaxSplits] and a lane layout for dim.
 inline bool valid_attention_launch(int64_t dim, const SplitPlan& split, const LaneRows& rows) {
-  return dim <= kWarpSize * kMaxPerLane && split.count >= 1 && split.count <= kMaxSplits && valid_lane_rows(rows, dim);
+  return dim <= kAttentionMaxDim && split.count >= 1 && split.count <= kMaxSplits && valid_lane_rows(rows, dim);
 }
 
 }  // namespace kvpress::cuda
