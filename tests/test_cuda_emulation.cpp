@@ -25,6 +25,7 @@
 #include "cuda/keydiff.cuh"
 #include "cuda/lagkv.cuh"
 #include "cuda/leverage.cuh"
+#include "cuda/noncausal.cuh"
 #include "cuda/paged.cuh"
 #include "cuda/prerope.cuh"
 #include "cuda/ragged_attention.cuh"
@@ -599,6 +600,101 @@ TEST(CudaEmulation, WindowAttentionMeanMatchesTheCpuKernel) {
   }
 }
 
+// noncausal_column_sums on the tensor cores (half, bfloat16: wmma, float32 accumulation, logits
+// rounded to the dtype as kvpress's GEMM in the dtype rounds them) against the op on the CPU (its
+// composite in these dtypes), at every head size, GQA groups 1, 4 and 8, S = 1, S below, at and
+// past a chunk, chunks that are not a multiple of 16 (partial key and row tiles) and B > 1.
+//
+// Inputs on a grid (q in {-7..7}/8, k in {-7..7}/16): every logit is a multiple of 2^-7 below
+// 2^24 of them, so both sides' float32 dot products are exact in any order and round to the same
+// value of the dtype (most need the rounding: they have more significant bits than bfloat16). What differs is float32
+// softmax arithmetic: each exp within an ulp or two on both sides, each row's sum of at most C terms in a different
+// order ((C - 1) 2^-24 relative), then the column's sum of at most C positive terms: relative error at most (2 C + 8)
+// 2^-24, C = min(chunk, S).
+TEST(CudaEmulation, NoncausalColumnSumsMatchTheCpuOp) {
+  struct Case {
+    int64_t batch, kv_heads, group, seq, dim, chunk;
+  };
+  const std::vector<Case> cases = {{1, 1, 1, 1, 64, 256},   {2, 2, 4, 70, 80, 32},  {1, 1, 8, 45, 96, 16},
+                                   {1, 2, 1, 100, 128, 48}, {1, 1, 1, 33, 256, 24}, {2, 1, 4, 40, 64, 256},
+                                   {1, 1, 1, 64, 128, 64}};
+  for (const at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    for (const Case& c : cases) {
+      const int64_t heads = c.kv_heads * c.group;
+      const at::Tensor queries = (at::randint(-7, 8, {c.batch, heads, c.seq, c.dim}) / 8.0).to(dtype);
+      const at::Tensor keys = (at::randint(-7, 8, {c.batch, c.kv_heads, c.seq, c.dim}) / 16.0).to(dtype);
+      const at::Tensor expected = kvpress::ops::noncausal_column_sums(queries, keys, c.chunk);
+      const cu::NoncausalPlan plan = cu::plan_noncausal(c.batch, heads, c.seq, c.dim, c.chunk, 2, 227 * 1024);
+      const std::string what = "noncausal B " + std::to_string(c.batch) + " group " + std::to_string(c.group) + " S " +
+                               std::to_string(c.seq) + " D " + std::to_string(c.dim) + " chunk " +
+                               std::to_string(c.chunk) + " " + c10::toString(dtype);
+      ASSERT_TRUE(plan.applies) << what;
+      at::Tensor out = at::empty({c.batch, heads, c.seq});
+      with_cuda_type(dtype, [&](auto element) {
+        using T = decltype(element);
+        if constexpr (!std::is_same_v<T, float>) {
+          expect_launched(cu::launch_noncausal_column_sums<T>(
+              ptr<T>(queries), queries.stride(0), queries.stride(1), queries.stride(2), ptr<T>(keys), keys.stride(0),
+              keys.stride(1), keys.stride(2), out.data_ptr<float>(), c.group, c.seq, c.dim, c.chunk, plan, nullptr));
+        }
+      });
+      const double columns = static_cast<double>(std::min(c.chunk, c.seq));
+      expect_close(out, expected, 1e-30, (2 * columns + 8) * 0x1p-24, what);
+    }
+  }
+}
+
+// Gaussian inputs: the two sides' dot products are summed in different orders, so a logit near the
+// dtype's rounding boundary may round to a neighbour: off by at most u, one ulp of the dtype at the
+// largest |logit|. A row's softmax then moves by a factor within e^(±2u) (numerator and
+// denominator), and so does each column's sum, on top of the float32 error above.
+TEST(CudaEmulation, NoncausalColumnSumsOnGaussianInputs) {
+  for (const at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    const int64_t batch = 1, kv_heads = 2, group = 4, seq = 90, dim = 128, chunk = 64;
+    const at::Tensor queries = at::randn({batch, kv_heads * group, seq, dim}).to(dtype);
+    const at::Tensor keys = (at::randn({batch, kv_heads, seq, dim}) / 4).to(dtype);
+    const at::Tensor expected = kvpress::ops::noncausal_column_sums(queries, keys, chunk);
+    const cu::NoncausalPlan plan = cu::plan_noncausal(batch, kv_heads * group, seq, dim, chunk, 2, 227 * 1024);
+    at::Tensor out = at::empty({batch, kv_heads * group, seq});
+    with_cuda_type(dtype, [&](auto element) {
+      using T = decltype(element);
+      if constexpr (!std::is_same_v<T, float>) {
+        expect_launched(cu::launch_noncausal_column_sums<T>(
+            ptr<T>(queries), queries.stride(0), queries.stride(1), queries.stride(2), ptr<T>(keys), keys.stride(0),
+            keys.stride(1), keys.stride(2), out.data_ptr<float>(), group, seq, dim, chunk, plan, nullptr));
+      }
+    });
+    const at::Tensor logits = at::matmul(queries.to(at::kFloat).view({batch, kv_heads, group * seq, dim}),
+                                         keys.to(at::kFloat).transpose(2, 3));
+    const double largest = logits.abs().max().item<double>();
+    const double ulp = std::exp2(std::floor(std::log2(largest)) - (dtype == at::kHalf ? 10 : 7));
+    expect_close(out, expected, 1e-30, std::expm1(2 * ulp) + (2 * chunk + 8) * 0x1p-24,
+                 std::string("noncausal gaussian ") + c10::toString(dtype));
+  }
+}
+
+// The plan: the most warps (up to 4, no more than row tiles) whose shared memory fits the device's
+// limit; head sizes that are not a multiple of 16 and chunks too wide for shared memory do not apply.
+TEST(CudaEmulation, NoncausalPlanFitsSharedMemory) {
+  const size_t h200 = 227 * 1024, a100 = 163 * 1024;
+  const cu::NoncausalPlan llama = cu::plan_noncausal(1, 32, 16384, 128, 256, 2, h200);
+  ASSERT_TRUE(llama.applies);
+  EXPECT_EQ(llama.warps, 4);
+  EXPECT_EQ(llama.grid.x, 64u);
+  EXPECT_EQ(llama.grid.y, 32u);
+  EXPECT_LE(llama.shared_bytes, h200);
+  const cu::NoncausalPlan wide = cu::plan_noncausal(1, 8, 4096, 256, 256, 2, a100);
+  ASSERT_TRUE(wide.applies);
+  EXPECT_LT(wide.warps, 4) << "D 256, chunk 256 needs fewer warps within 163 KiB";
+  EXPECT_LE(wide.shared_bytes, a100);
+  EXPECT_EQ(cu::plan_noncausal(1, 8, 100, 64, 256, 2, h200).width, 112) << "one partial chunk: 100 keys, 7 tiles";
+  EXPECT_EQ(cu::plan_noncausal(1, 8, 100, 64, 256, 2, h200).warps, 4);
+  EXPECT_EQ(cu::plan_noncausal(1, 8, 20, 64, 256, 2, h200).warps, 2) << "2 row tiles, 2 warps";
+  EXPECT_FALSE(cu::plan_noncausal(1, 8, 4096, 72, 256, 2, h200).applies) << "D not a multiple of 16";
+  EXPECT_FALSE(cu::plan_noncausal(1, 8, 8192, 256, 2048, 2, h200).applies) << "chunk 2048 x D 256 in shared memory";
+  EXPECT_FALSE(cu::plan_noncausal(70000, 8, 64, 64, 256, 2, h200).applies) << "gridDim.z";
+}
+
 // ---- the model itself ------------------------------------------------------------------------
 
 namespace model_checks {
@@ -624,6 +720,29 @@ __global__ void barrier_after_early_return(float* out) {
   if (threadIdx.x >= 32) return;
   __syncthreads();
   out[threadIdx.x] = 1.f;
+}
+
+// One 16x16x16 product through wmma: c [16, 16] = a [16, 16] (row-major) x b [16, 16] (column-major).
+template <typename T>
+__global__ void wmma_product(const T* a, const T* b, float* c, int offset) {
+  namespace wmma = nvcuda::wmma;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.f);
+  wmma::load_matrix_sync(fa, a + offset, 16);
+  wmma::load_matrix_sync(fb, b, 16);
+  wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
+// wmma reached by half the warp.
+__global__ void wmma_by_half_the_warp(const __half* a, float* c) {
+  namespace wmma = nvcuda::wmma;
+  if (threadIdx.x >= 16) return;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+  wmma::load_matrix_sync(fa, a, 16);
+  c[threadIdx.x] = __half2float(fa.x[0]);
 }
 
 __global__ void write_index(int* out) { out[blockIdx.x * blockDim.x + threadIdx.x] = static_cast<int>(threadIdx.x); }
@@ -653,6 +772,34 @@ TEST(CudaEmulation, TheModelReportsBrokenCollectives) {
   KVPRESS_LAUNCH(model_checks::barrier_after_early_return, 1, 64, 0, nullptr, out.data_ptr<float>());
   EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure) << "__syncthreads after part of the block returned";
   EXPECT_NE(emu::last_error_message().find("__syncthreads"), std::string::npos) << emu::last_error_message();
+}
+
+// wmma in the model: the product of a 16x16 tile pair equals float32 matmul (exact products, at most
+// 16 terms), each lane holding its own elements; a misaligned tile and a partial warp are refused.
+TEST(CudaEmulation, TheModelsWmmaMultipliesTilesAndRefusesMisuse) {
+  for (const at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    const at::Tensor a = at::randn({16 * 16 + 8}).to(dtype), b = at::randn({16, 16}).to(dtype);
+    at::Tensor c = at::empty({16, 16});
+    with_cuda_type(dtype, [&](auto element) {
+      using T = decltype(element);
+      if constexpr (!std::is_same_v<T, float>) {
+        KVPRESS_LAUNCH(model_checks::wmma_product<T>, 1, 32, 0, nullptr, ptr<T>(a), ptr<T>(b), c.data_ptr<float>(), 0);
+        expect_launched(cudaGetLastError());
+        // b is read column-major: element (k, n) at b[n * 16 + k], i.e. bᵀ as a row-major tensor.
+        const at::Tensor expected =
+            at::matmul(a.narrow(0, 0, 256).view({16, 16}).to(at::kDouble), b.to(at::kDouble).t());
+        expect_close(c, expected, 1e-5, 16 * 0x1p-24, std::string("wmma ") + c10::toString(dtype));
+        KVPRESS_LAUNCH(model_checks::wmma_product<T>, 1, 32, 0, nullptr, ptr<T>(a), ptr<T>(b), c.data_ptr<float>(), 8);
+        EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure) << "a tile 16 bytes past an aligned address";
+        EXPECT_NE(emu::last_error_message().find("32-byte aligned"), std::string::npos) << emu::last_error_message();
+      }
+    });
+  }
+  const at::Tensor a = at::ones({256}).to(at::kHalf);
+  at::Tensor c = at::zeros({32});
+  KVPRESS_LAUNCH(model_checks::wmma_by_half_the_warp, 1, 32, 0, nullptr, ptr<__half>(a), c.data_ptr<float>());
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure) << "wmma reached by half the warp";
+  EXPECT_NE(emu::last_error_message().find("wmma::load_matrix_sync"), std::string::npos) << emu::last_error_message();
 }
 
 // Not a check of the kernels but of the model: scripts/test_tsan.sh runs it alone under

@@ -108,6 +108,24 @@ TEST(CudaKernels, SketchPreropeKeysMatchesCpu) {
   KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
 }
 
+// The tensor-core kernel (half, bfloat16) and the composite (float32) against the CPU, on grid
+// inputs whose logits are exact in float32 in any order; the tolerance is the float32 softmax and
+// sums' (tests/test_cuda_emulation.cpp, NoncausalColumnSumsMatchTheCpuOp), C = 256. 600 positions:
+// two whole chunks and a padded one.
+TEST(CudaKernels, NoncausalColumnSumsMatchCpu) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    at::manual_seed(16);
+    const at::Tensor queries = (at::randint(-7, 8, {2, 16, 600, 128}) / 8.0).to(dtype);
+    const at::Tensor keys = (at::randint(-7, 8, {2, 4, 600, 128}) / 16.0).to(dtype);
+    const at::Tensor cpu = ops::noncausal_column_sums(queries, keys, 256);
+    if (!no_cuda.empty()) continue;
+    const at::Tensor gpu = ops::noncausal_column_sums(queries.cuda(), keys.cuda(), 256).cpu();
+    EXPECT_TRUE(at::allclose(gpu, cpu, (2 * 256 + 8) * 0x1p-24, 1e-30)) << dtype;
+  }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+}
+
 // Tolerance: tests/test_cuda_emulation.cpp, CholeskyLeverageMatchesTheCpuOp.
 TEST(CudaKernels, CholeskyLeverageMatchesCpu) {
   const std::string no_cuda = testing::cuda_half_unavailable();

@@ -11,14 +11,20 @@
 
 #include "cuda/limits.h"
 
-// A launch and a dynamic shared array, as macros so that tests/cuda_emulation/cuda_emulation.h
-// can run the same launchers and kernels on the CPU (it defines both before including a kernel).
+// A launch, a dynamic shared array and the shared-memory opt-in, as macros so that
+// tests/cuda_emulation/cuda_emulation.h can run the same launchers and kernels on the CPU (it defines both before
+// including a kernel).
 #ifndef KVPRESS_LAUNCH
 #define KVPRESS_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
   kernel<<<grid, block, shared_bytes, stream>>>(__VA_ARGS__)
 #endif
 #ifndef KVPRESS_DYNAMIC_SHARED
 #define KVPRESS_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+// The opt-in a kernel needs before a launch with more than 48 KiB of dynamic shared memory.
+#ifndef KVPRESS_SET_MAX_DYNAMIC_SHARED
+#define KVPRESS_SET_MAX_DYNAMIC_SHARED(kernel, bytes) \
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)
 #endif
 
 namespace kvpress::cuda {

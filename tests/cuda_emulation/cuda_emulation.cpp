@@ -86,6 +86,9 @@ struct Warp {
   uint64_t delivered[32] = {};  // each lane's result of its last collective
   bool pending[32] = {};
   std::condition_variable cv;
+  // warp_all_gather's contributions, by the parity of the gather (a lane can be at most one gather
+  // ahead of the slowest lane still reading the previous one).
+  std::vector<unsigned char> gathered[2];
 };
 
 struct Block {
@@ -100,7 +103,11 @@ struct Block {
   int results[2] = {};
   std::vector<bool> left;  // per thread: has returned from the kernel
   std::vector<Warp> warps;
-  std::vector<std::max_align_t> dynamic_shared;
+  // Dynamic shared memory, 128-byte aligned as on the GPU (wmma needs 32-byte aligned tiles).
+  struct alignas(128) SharedLine {
+    unsigned char bytes[128];
+  };
+  std::vector<SharedLine> dynamic_shared;
   char barrier_tokens[2] = {};     // __syncthreads of even / odd generations
   std::atomic<uint64_t> epoch{0};  // bumped whenever waiters are released (wait_for)
   std::string error;
@@ -115,10 +122,9 @@ struct Block {
       w.what = nullptr;
       std::fill(std::begin(w.pending), std::end(w.pending), false);
     }
-    dynamic_shared.resize((shared_bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+    dynamic_shared.resize((shared_bytes + sizeof(SharedLine) - 1) / sizeof(SharedLine));
     // A NaN (and -1) pattern: a read before any write shows in the results.
-    if (!dynamic_shared.empty())
-      std::memset(dynamic_shared.data(), 0xff, dynamic_shared.size() * sizeof(std::max_align_t));
+    if (!dynamic_shared.empty()) std::memset(dynamic_shared.data(), 0xff, dynamic_shared.size() * sizeof(SharedLine));
     index = block_index;
   }
 };
@@ -126,6 +132,7 @@ struct Block {
 thread_local ThreadIndex tls_index;
 thread_local Block* tls_block = nullptr;
 thread_local int tls_linear = 0;
+thread_local uint64_t tls_gathers = 0;  // warp_all_gather calls of this thread in the current block
 
 std::mutex launch_mutex;  // one launch at a time: blocks never overlap, so __shared__ is one copy
 // ThreadSanitizer tokens: the coordinator starts a block after the launch and the previous block.
@@ -410,6 +417,33 @@ unsigned warp_ballot(unsigned mask, int predicate, const char* what) {
   return static_cast<unsigned>(warp_collective(mask, predicate != 0 ? 1u : 0u, -1, what));
 }
 
+void warp_all_gather(const void* own, size_t bytes, void* all, const char* what) {
+  Block& b = block_of_thread(what);
+  const int warp = tls_linear / 32, lane = tls_linear % 32;
+  Warp& w = b.warps[static_cast<size_t>(warp)];
+  std::vector<unsigned char>& buffer = w.gathered[tls_gathers++ & 1];
+  {
+    ModelInternals hidden;
+    std::lock_guard<std::mutex> lock(b.mutex);
+    if (!b.error.empty()) throw Abort{};
+    if (buffer.size() < 32 * bytes) buffer.resize(32 * bytes);
+    std::memcpy(buffer.data() + static_cast<size_t>(lane) * bytes, own, bytes);
+  }
+  // The whole warp meets here (an error if a lane is missing, has left, or is elsewhere).
+  warp_collective(0xffffffffu, 0, -1, what);
+  ModelInternals hidden;
+  std::lock_guard<std::mutex> lock(b.mutex);
+  std::memcpy(all, buffer.data(), 32 * bytes);
+}
+
+void kernel_error(const std::string& message) {
+  Block& b = block_of_thread("kernel_error");
+  ModelInternals hidden;
+  std::lock_guard<std::mutex> lock(b.mutex);
+  if (!b.error.empty()) throw Abort{};
+  abort_locked(b, message);
+}
+
 cudaError_t set_max_dynamic_shared(const void* function, int bytes) {
   if (bytes < 0 || static_cast<size_t>(bytes) > kOptInSharedLimit) return cudaErrorInvalidValue;
   std::lock_guard<std::mutex> lock(error_mutex);
@@ -485,6 +519,7 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
           uint3{static_cast<unsigned>(linear) % block.x, static_cast<unsigned>(linear) / block.x % block.y,
                 static_cast<unsigned>(linear) / (block.x * block.y)};
       tls_index.block = b.index;
+      tls_gathers = 0;
       try {
         body();
       } catch (const Abort&) {

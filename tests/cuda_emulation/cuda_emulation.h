@@ -16,13 +16,20 @@
 //     dynamic shared memory (KVPRESS_DYNAMIC_SHARED) is a fresh buffer per block, filled with a
 //     NaN pattern so that a read before any write shows.
 //   * Atomics are real atomic operations; the index variables are per thread.
+//   * wmma (nvcuda::wmma, 16x16x16 with half or bfloat16 inputs and a float32 accumulator): each lane
+//     holds 8 elements of a fragment, as on the GPU (which elements is the model's choice, as it
+//     is the hardware's: kernels may only do the same thing to every element). load/store/mma are
+//     collectives of the whole warp: every lane must reach them with the same pointer and leading
+//     dimension, the pointer 32-byte aligned and the leading dimension a multiple of 16 bytes. The
+//     product is exact and summed in float32 in k order (the tensor cores' order and rounding of
+//     that sum are not modelled).
 //   * Launch limits as on the GPU: at most 1024 threads a block (x, y <= 1024, z <= 64), grid
 //     x < 2^31, y and z <= 65535, no empty dimension, dynamic shared memory above 48 KiB only
 //     after cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize); an invalid launch
 //     runs nothing and cudaGetLastError() reports it.
-// What is not: timing, memory coalescing, real warp scheduling (lanes are independent threads,
-// which is stricter: code that relies on implicit warp-synchronous execution fails here),
-// the toolkit's code generation and the precision of fast intrinsics (__expf is expf here).
+// What is not: timing, memory coalescing, shared memory bank conflicts, real warp scheduling (lanes are independent
+// threads, which is stricter: code that relies on implicit warp-synchronous execution fails here), the toolkit's code
+// generation and the precision of fast intrinsics (__expf is expf here).
 //
 // Include this header before any kernel header, in a translation unit of its own: it redefines
 // __shared__, cudaGetLastError and the launch macro for everything included after it.
@@ -38,6 +45,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -59,6 +67,11 @@ int block_barrier(int predicate, int mode);  // mode: 0 plain, 1 or, 2 and, 3 co
 uint64_t warp_exchange(unsigned mask, uint64_t value, int source_lane, const char* what);
 unsigned warp_ballot(unsigned mask, int predicate, const char* what);
 void* dynamic_shared_memory();
+// Every lane of the calling warp (all 32 must be present) contributes `bytes` bytes; `all` receives
+// the 32 contributions in lane order. An error unless the whole warp reaches the same call.
+void warp_all_gather(const void* own, size_t bytes, void* all, const char* what);
+// Fails the launch from inside a kernel thread with `message` (as a GPU's fault would) and leaves it.
+[[noreturn]] void kernel_error(const std::string& message);
 
 // Runs `body` once per thread of every block of the grid; returns the launch's error.
 cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const void* function,
@@ -217,3 +230,141 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a < b ? b : a; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a < b ? b : a; }
+
+// ---- wmma: warp-wide matrix tiles (the subset the kernels use) ------------------------------
+namespace nvcuda::wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+class fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the CUDA model has wmma's 16x16x16 shape only");
+  static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float>
+                                                 : std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>,
+                "the CUDA model has half / bfloat16 inputs and float32 accumulators only");
+
+ public:
+  static constexpr int num_elements = 16 * 16 / 32;
+  T x[num_elements];
+};
+
+namespace detail {
+
+// Element e of a lane is the tile's element (row, col) with row * 16 + col = e * 32 + lane.
+inline int tile_row(int e, int lane) { return (e * 32 + lane) / 16; }
+inline int tile_col(int e, int lane) { return (e * 32 + lane) % 16; }
+inline size_t offset(int row, int col, unsigned ldm, bool row_major) {
+  return row_major ? static_cast<size_t>(row) * ldm + col : static_cast<size_t>(col) * ldm + row;
+}
+template <typename T>
+float to_float(T v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else if constexpr (std::is_same_v<T, __half>)
+    return __half2float(v);
+  else
+    return __bfloat162float(v);
+}
+
+// The warp must agree on the tile's address and leading dimension; both must suit wmma.
+inline void check_tile(const void* p, unsigned ldm, size_t element_bytes, const char* what) {
+  namespace emu = ::kvpress::cuda_emulation;
+  struct Tile {
+    const void* p;
+    uint64_t ldm;
+  } own{p, ldm}, all[32];
+  emu::warp_all_gather(&own, sizeof(Tile), all, what);
+  char buf[200];
+  for (int l = 1; l < 32; ++l) {
+    if (all[l].p != all[0].p || all[l].ldm != all[0].ldm) {
+      std::snprintf(buf, sizeof(buf), "%s: lane %d passes (%p, ldm %llu), lane 0 (%p, ldm %llu)", what, l, all[l].p,
+                    static_cast<unsigned long long>(all[l].ldm), all[0].p, static_cast<unsigned long long>(all[0].ldm));
+      emu::kernel_error(buf);
+    }
+  }
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) {
+    std::snprintf(buf, sizeof(buf), "%s: tile address %p is not 32-byte aligned", what, p);
+    emu::kernel_error(buf);
+  }
+  if ((ldm * element_bytes) % 16 != 0) {
+    std::snprintf(buf, sizeof(buf), "%s: leading dimension %u is not a multiple of 16 bytes", what, ldm);
+    emu::kernel_error(buf);
+  }
+}
+
+template <typename Layout>
+constexpr bool is_row_major() {
+  static_assert(std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>,
+                "an input fragment needs row_major or col_major");
+  return std::is_same_v<Layout, row_major>;
+}
+
+}  // namespace detail
+
+template <typename Use, typename T, typename Layout>
+void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, T value) {
+  for (T& v : f.x) v = value;
+}
+
+template <typename Use, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  detail::check_tile(p, ldm, sizeof(T), "wmma::load_matrix_sync");
+  const int lane = static_cast<int>(::kvpress::cuda_emulation::lane_id());
+  for (int e = 0; e < f.num_elements; ++e)
+    f.x[e] =
+        p[detail::offset(detail::tile_row(e, lane), detail::tile_col(e, lane), ldm, detail::is_row_major<Layout>())];
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm,
+                             layout_t layout) {
+  detail::check_tile(p, ldm, sizeof(float), "wmma::load_matrix_sync");
+  const int lane = static_cast<int>(::kvpress::cuda_emulation::lane_id());
+  for (int e = 0; e < f.num_elements; ++e)
+    f.x[e] = p[detail::offset(detail::tile_row(e, lane), detail::tile_col(e, lane), ldm, layout == mem_row_major)];
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm,
+                              layout_t layout) {
+  detail::check_tile(p, ldm, sizeof(float), "wmma::store_matrix_sync");
+  const int lane = static_cast<int>(::kvpress::cuda_emulation::lane_id());
+  for (int e = 0; e < f.num_elements; ++e)
+    p[detail::offset(detail::tile_row(e, lane), detail::tile_col(e, lane), ldm, layout == mem_row_major)] = f.x[e];
+}
+
+// d = a b + c; d may be c.
+template <typename T, typename LayoutA, typename LayoutB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LayoutA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LayoutB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  constexpr int n = 16 * 16 / 32;
+  float own[2 * n], all[32][2 * n];
+  for (int e = 0; e < n; ++e) {
+    own[e] = detail::to_float(a.x[e]);
+    own[n + e] = detail::to_float(b.x[e]);
+  }
+  ::kvpress::cuda_emulation::warp_all_gather(own, sizeof(own), all, "wmma::mma_sync");
+  float tile_a[16][16], tile_b[16][16];
+  for (int l = 0; l < 32; ++l) {
+    for (int e = 0; e < n; ++e) {
+      tile_a[detail::tile_row(e, l)][detail::tile_col(e, l)] = all[l][e];
+      tile_b[detail::tile_row(e, l)][detail::tile_col(e, l)] = all[l][n + e];
+    }
+  }
+  const int lane = static_cast<int>(::kvpress::cuda_emulation::lane_id());
+  for (int e = 0; e < n; ++e) {
+    const int row = detail::tile_row(e, lane), col = detail::tile_col(e, lane);
+    float sum = c.x[e];
+    for (int k = 0; k < 16; ++k) sum += tile_a[row][k] * tile_b[k][col];
+    d.x[e] = sum;
+  }
+}
+
+}  // namespace nvcuda::wmma
+
+// The model's launch-time opt-in to more than 48 KiB of dynamic shared memory.
+#define KVPRESS_SET_MAX_DYNAMIC_SHARED(kernel, bytes) \
+  ::kvpress::cuda_emulation::set_max_dynamic_shared(reinterpret_cast<const void*>(&kernel), bytes)
