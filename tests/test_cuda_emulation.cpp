@@ -551,6 +551,63 @@ TEST(CudaEmulation, PreropeCentringMatchesTheComposite) {
   }
 }
 
+// The fused sketch (half, bfloat16; tensor cores through the model's wmma) for head 1 of keys
+// [2, 3, S, D], with one Φ for every batch row and with one per batch row. Reference: the centred
+// keys C = P - means rounded to the dtype (P the composite's pre-RoPE keys, the means the kernel's
+// own, checked above), multiplied by Φ in float64 and rounded to the dtype. The kernel's products
+// are exact and its float32 sum of D of them is off by at most D 2^-24 (|C| |Φ|), which may move the
+// rounding to the dtype by one unit: |X - reference| <= ulp(X) + D 2^-24 (|C| |Φ|) elementwise;
+// and X must be rounded to the dtype, as the composite's GEMM in the dtype writes it.
+TEST(CudaEmulation, PreropeSketchMatchesTheCentredProduct) {
+  struct Case {
+    int64_t seq, dim, k;
+  };
+  for (const at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    for (const Case& c : std::vector<Case>{{1, 64, 16}, {70, 128, 48}, {33, 80, 32}, {130, 256, 64}}) {
+      for (const bool shared_phi : {true, false}) {
+        const std::pair<at::Tensor, at::Tensor> tables = kvpress::testing::rope_tables(c.seq, c.dim);
+        const at::Tensor& cos = tables.first;
+        const at::Tensor& sin = tables.second;
+        const at::Tensor keys = at::randn({2, 3, c.seq, c.dim}).to(dtype);
+        const at::Tensor phi = (shared_phi ? at::randn({c.dim, c.k}) : at::randn({2, 3, c.dim, c.k})).to(dtype);
+        const at::Tensor p = kvpress::ops::composite::invert_rope(keys.narrow(1, 1, 1).to(at::kFloat), cos, sin)
+                                 .to(dtype)
+                                 .squeeze(1);  // [2, S, D]
+        const cu::PreropeSketchPlan plan = cu::plan_prerope_sketch(2, c.seq, c.dim, c.k, 2, 227 * 1024);
+        const std::string what = "prerope sketch S " + std::to_string(c.seq) + " D " + std::to_string(c.dim) + " k " +
+                                 std::to_string(c.k) + (shared_phi ? " one phi " : " phi per row ") +
+                                 c10::toString(dtype);
+        ASSERT_TRUE(plan.applies) << what;
+        at::Tensor means = at::empty({2, c.dim}), x = at::empty({2, c.seq, c.k});
+        with_cuda_type(dtype, [&](auto element) {
+          using T = decltype(element);
+          if constexpr (!std::is_same_v<T, float>) {
+            const T* head = ptr<T>(keys) + c.seq * c.dim;
+            const int64_t stride = 3 * c.seq * c.dim;
+            expect_launched(cu::launch_prerope_column_means<T>(head, stride, cos.const_data_ptr<float>(),
+                                                               sin.const_data_ptr<float>(), means.data_ptr<float>(), 2,
+                                                               c.seq, c.dim, nullptr));
+            expect_launched(cu::launch_prerope_sketch<T>(
+                head, stride, cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), means.const_data_ptr<float>(),
+                ptr<T>(phi) + (shared_phi ? 0 : c.dim * c.k), shared_phi ? 0 : 3 * c.dim * c.k, x.data_ptr<float>(),
+                c.seq * c.k, c.seq, c.dim, c.k, plan, nullptr));
+          }
+        });
+        const at::Tensor centred = (p.to(at::kFloat) - means.unsqueeze(1)).to(dtype).to(at::kDouble);  // [2, S, D]
+        const at::Tensor phi_rows = (shared_phi ? phi.expand({2, c.dim, c.k}) : phi.select(1, 1)).to(at::kDouble);
+        const at::Tensor reference = at::bmm(centred, phi_rows).to(dtype).to(at::kDouble);
+        const at::Tensor magnitude = at::bmm(centred.abs(), phi_rows.abs());
+        const double precision = dtype == at::kHalf ? 10 : 7;
+        const at::Tensor ulp = at::exp2(at::floor(at::log2(reference.abs().clamp_min(1e-30))) - precision);
+        const at::Tensor excess =
+            (x.to(at::kDouble) - reference).abs() - (ulp + static_cast<double>(c.dim) * 0x1p-24 * magnitude);
+        EXPECT_LE(excess.max().item<double>(), 0.0) << what;
+        EXPECT_TRUE(at::equal(x, x.to(dtype).to(at::kFloat))) << what << ": X rounded to the dtype";
+      }
+    }
+  }
+}
+
 // Against the op on the CPU (its kernel or composite), at sketch sizes 16 / 48 (the presses'
 // default) / 64 and lengths 1, 65 (a partial second tile) and 200. Both sum in float32 in different
 // orders: y_j = (L⁻¹ x)_j has at most k terms, so each is off by about k units of rounding of its
@@ -693,6 +750,19 @@ TEST(CudaEmulation, NoncausalPlanFitsSharedMemory) {
   EXPECT_FALSE(cu::plan_noncausal(1, 8, 4096, 72, 256, 2, h200).applies) << "D not a multiple of 16";
   EXPECT_FALSE(cu::plan_noncausal(1, 8, 8192, 256, 2048, 2, h200).applies) << "chunk 2048 x D 256 in shared memory";
   EXPECT_FALSE(cu::plan_noncausal(70000, 8, 64, 64, 256, 2, h200).applies) << "gridDim.z";
+}
+
+// The fused sketch's plan: dim and k multiples of 16, its shared memory within the device's limit.
+TEST(CudaEmulation, PreropeSketchPlanFitsSharedMemory) {
+  const cu::PreropeSketchPlan llama = cu::plan_prerope_sketch(1, 16384, 128, 48, 2, 227 * 1024);
+  ASSERT_TRUE(llama.applies);
+  EXPECT_EQ(llama.grid.x, 256u);
+  EXPECT_LE(llama.shared_bytes, cu::kSharedLimit) << "D 128, k 48 needs no opt-in";
+  EXPECT_TRUE(cu::plan_prerope_sketch(1, 100, 256, 64, 2, 163 * 1024).applies);
+  EXPECT_FALSE(cu::plan_prerope_sketch(1, 100, 256, 64, 2, 48 * 1024).applies) << "D 256, k 64 above 48 KiB";
+  EXPECT_FALSE(cu::plan_prerope_sketch(1, 100, 72, 48, 2, 227 * 1024).applies) << "D not a multiple of 16";
+  EXPECT_FALSE(cu::plan_prerope_sketch(1, 100, 128, 40, 2, 227 * 1024).applies) << "k not a multiple of 16";
+  EXPECT_FALSE(cu::plan_prerope_sketch(70000, 100, 128, 48, 2, 227 * 1024).applies) << "gridDim.y";
 }
 
 // ---- the model itself ------------------------------------------------------------------------

@@ -96,7 +96,7 @@ TEST(CudaKernels, InvertRopeMatchesCpuBitForBit) {
 TEST(CudaKernels, SketchPreropeKeysMatchesCpu) {
   const std::string no_cuda = testing::cuda_half_unavailable();
   const auto [cos, sin] = testing::rope_tables(700, 128, 500000.0);
-  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {  // half, bfloat16: the fused sketch
     const at::Tensor keys = randn({2, 4, 700, 128}, 14, dtype), sketch = randn({128, 48}, 15, dtype);
     const auto [x, gram] = ops::sketch_prerope_keys(keys, cos, sin, sketch);
     if (!no_cuda.empty()) continue;

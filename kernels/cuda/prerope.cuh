@@ -1,10 +1,15 @@
 // Torch-free CUDA kernels of kvpress::sketch_prerope_keys' centring (prerope_launch.h): the column
 // means of the pre-RoPE keys P and the centred P, each computed from the post-RoPE keys on the fly,
-// so P itself is never written. The composite instead converts every head to float32, un-rotates it
-// through five full-size temporaries, rounds it back and centres it (about 10x the floor); with
-// these kernels the bridge reads K twice and writes the centred keys once before cuBLAS sketches
-// them.
+// so P itself is never written; and, for half and bfloat16, the sketch X = (P - means) Φ fused with
+// the centring on the tensor cores, so the centred keys are never written either. The composite
+// instead converts every head to float32, un-rotates it through five full-size temporaries, rounds
+// it back, centres it and sketches it (about 10x the floor); with the fused kernel K is read twice
+// (means, sketch) and X written once, the floor.
 #pragma once
+
+#if defined(__CUDACC__)
+#include <mma.h>
+#endif
 
 #include <cuda_runtime.h>
 
@@ -64,6 +69,54 @@ __global__ void prerope_centred_kernel(const T* __restrict__ keys, int64_t unit_
   }
 }
 
+// Block (t, u): rows [64 t, 64 t + 64) of unit u. The block centres its rows into shared memory
+// (rows past seq zero) and stages Φ; warp w multiplies rows [16 w, 16 w + 16) by Φ, 16 columns of X
+// at a time, and writes them rounded to T.
+template <typename T>
+__global__ void __launch_bounds__(kPreropeSketchWarps* kWarpSize)
+    prerope_sketch_kernel(const T* __restrict__ keys, int64_t unit_stride, const float* __restrict__ cos,
+                          const float* __restrict__ sin, const float* __restrict__ means, const T* __restrict__ phi,
+                          int64_t phi_unit_stride, float* __restrict__ out, int64_t out_unit_stride, int64_t seq,
+                          int64_t dim, int64_t k, PreropeSketchPlan plan) {
+  namespace wmma = nvcuda::wmma;
+  KVPRESS_DYNAMIC_SHARED(unsigned char, shared);
+  T* const rows = reinterpret_cast<T*>(shared);                             // [64][key_stride]
+  T* const phi_s = reinterpret_cast<T*>(shared + plan.phi_offset);          // [dim][phi_stride]
+  float* const tiles = reinterpret_cast<float*>(shared + plan.out_offset);  // [64][out_stride]
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t unit = blockIdx.y, first = static_cast<int64_t>(blockIdx.x) * kPreropeSketchRows;
+  const T* x = keys + unit * unit_stride;
+  const float* mean = means + unit * dim;
+  for (int64_t e = threadIdx.x; e < kPreropeSketchRows * dim; e += blockDim.x) {
+    const int64_t r = e / dim, d = e % dim, s = first + r;
+    rows[r * plan.key_stride + d] =
+        s < seq ? from_float<T>(__fsub_rn(prerope_element(x, cos, sin, s, d, dim), mean[d])) : from_float<T>(0.f);
+  }
+  const T* phi_u = phi + unit * phi_unit_stride;
+  for (int64_t e = threadIdx.x; e < dim * k; e += blockDim.x) phi_s[(e / k) * plan.phi_stride + e % k] = phi_u[e];
+  __syncthreads();
+  const T* a_rows = rows + warp * 16 * plan.key_stride;
+  float* tile = tiles + warp * 16 * plan.out_stride;
+  for (int64_t n0 = 0; n0 < k; n0 += 16) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+      wmma::load_matrix_sync(a, a_rows + d0, static_cast<unsigned>(plan.key_stride));
+      wmma::load_matrix_sync(b, phi_s + d0 * plan.phi_stride + n0, static_cast<unsigned>(plan.phi_stride));
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(tile + n0, acc, static_cast<unsigned>(plan.out_stride), wmma::mem_row_major);
+  }
+  __syncthreads();  // the warps' tiles are in shared memory
+  float* o = out + unit * out_unit_stride;
+  for (int64_t e = threadIdx.x; e < kPreropeSketchRows * k; e += blockDim.x) {
+    const int64_t r = e / k, n = e % k, s = first + r;
+    if (s < seq) o[s * k + n] = round_to<T>(tiles[r * plan.out_stride + n]);
+  }
+}
+
 template <typename T>
 cudaError_t launch_prerope_column_means(const T* keys, int64_t unit_stride, const float* cos, const float* sin,
                                         float* means, int64_t units, int64_t seq, int64_t dim, cudaStream_t stream) {
@@ -85,6 +138,22 @@ cudaError_t launch_prerope_centred(const T* keys, int64_t unit_stride, const flo
   const int64_t blocks = std::min<int64_t>((elements + kThreads - 1) / kThreads, kPreropeMaxBlocks);
   KVPRESS_LAUNCH(prerope_centred_kernel<T>, static_cast<unsigned>(blocks), kThreads, 0, stream, keys, unit_stride, cos,
                  sin, means, out, units, seq, dim);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_prerope_sketch(const T* keys, int64_t unit_stride, const float* cos, const float* sin,
+                                  const float* means, const T* phi, int64_t phi_unit_stride, float* out,
+                                  int64_t out_unit_stride, int64_t seq, int64_t dim, int64_t k,
+                                  const PreropeSketchPlan& plan, cudaStream_t stream) {
+  if (!plan.applies) return cudaErrorInvalidValue;
+  if (plan.shared_bytes > kSharedLimit) {
+    const cudaError_t err =
+        KVPRESS_SET_MAX_DYNAMIC_SHARED(prerope_sketch_kernel<T>, static_cast<int>(plan.shared_bytes));
+    if (err != cudaSuccess) return err;
+  }
+  KVPRESS_LAUNCH(prerope_sketch_kernel<T>, plan.grid, kPreropeSketchWarps * kWarpSize, plan.shared_bytes, stream, keys,
+                 unit_stride, cos, sin, means, phi, phi_unit_stride, out, out_unit_stride, seq, dim, k, plan);
   return cudaGetLastError();
 }
 

@@ -10,7 +10,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "cuda/limits.h"
 
 namespace kvpress::cuda {
 
@@ -27,5 +30,51 @@ cudaError_t launch_prerope_centred(const T* keys, int64_t unit_stride, const flo
                                    const float* means,  // [units, dim], from launch_prerope_column_means
                                    T* out,              // [units, seq, dim] contiguous
                                    int64_t units, int64_t seq, int64_t dim, cudaStream_t stream);
+
+// The fused sketch (half and bfloat16): X[u, s, :] = (P[u, s, :] - means[u, :]) Φ_u in float32 from
+// the centred keys rounded to T and Φ in T, each element of X rounded to T, as the composite's GEMM
+// in T writes it, never writing the centred keys. A block takes kPreropeSketchRows rows of one unit:
+// it un-rotates and centres them into shared memory, then each warp multiplies 16 of them by Φ on
+// the tensor cores (wmma).
+constexpr int kPreropeSketchWarps = 4;
+constexpr int64_t kPreropeSketchRows = 16 * kPreropeSketchWarps;
+
+struct PreropeSketchPlan {
+  bool applies = false;  // false: the bridge centres into a buffer and sketches with cuBLAS
+  int64_t key_stride = 0, phi_stride = 0, out_stride = 0;   // shared row strides, in elements
+  size_t phi_offset = 0, out_offset = 0, shared_bytes = 0;  // bytes
+  dim3 grid{1, 1, 1};
+};
+
+// Applies when dim and k are multiples of 16, units <= 65535 and the block's shared memory (the
+// rows, Φ, the warps' output tiles) fits `shared_limit`, the device's opt-in limit.
+inline PreropeSketchPlan plan_prerope_sketch(int64_t units, int64_t seq, int64_t dim, int64_t k, size_t element_bytes,
+                                             size_t shared_limit) {
+  PreropeSketchPlan plan;
+  if (units <= 0 || seq <= 0 || dim % 16 != 0 || k % 16 != 0 || dim == 0 || k == 0 || units > 65535) return plan;
+  const auto align = [](size_t bytes) { return (bytes + 127) / 128 * 128; };
+  plan.key_stride = dim + 8;  // 16-byte rows, 32-byte aligned tiles, rows in different banks
+  plan.phi_stride = k + 8;
+  plan.out_stride = k + 4;
+  plan.phi_offset = align(static_cast<size_t>(kPreropeSketchRows * plan.key_stride) * element_bytes);
+  plan.out_offset = plan.phi_offset + align(static_cast<size_t>(dim * plan.phi_stride) * element_bytes);
+  plan.shared_bytes =
+      plan.out_offset + align(static_cast<size_t>(kPreropeSketchRows * plan.out_stride) * sizeof(float));
+  if (plan.shared_bytes > shared_limit) return plan;
+  const int64_t tiles = (seq + kPreropeSketchRows - 1) / kPreropeSketchRows;
+  if (tiles > 2147483647) return plan;
+  plan.grid = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(units));
+  plan.applies = true;
+  return plan;
+}
+
+template <typename T>
+cudaError_t launch_prerope_sketch(const T* keys, int64_t unit_stride, const float* cos, const float* sin,
+                                  const float* means,  // [units, dim], from launch_prerope_column_means
+                                  const T* phi,        // unit u's Φ [dim, k] at phi + u * phi_unit_stride
+                                  int64_t phi_unit_stride,
+                                  float* out,  // unit u's X [seq, k] at out + u * out_unit_stride
+                                  int64_t out_unit_stride, int64_t seq, int64_t dim, int64_t k,
+                                  const PreropeSketchPlan& plan, cudaStream_t stream);
 
 }  // namespace kvpress::cuda
