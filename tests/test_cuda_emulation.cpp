@@ -93,8 +93,13 @@ struct DimCase {
   at::ScalarType dtype;
   int64_t dim;
 };
-const std::vector<DimCase> kDimCases = {{at::kFloat, 64},  {at::kFloat, 80}, {at::kFloat, 96},    {at::kFloat, 128},
-                                        {at::kFloat, 256}, {at::kHalf, 128}, {at::kBFloat16, 128}};
+// Lane layouts (attention_plan.h's plan_row_lanes): float32 64 (16 lanes of a 16-byte vector), 128 (32
+// of one), 256 (32 of two); bfloat16 64 (8 lanes of one vector), 128 (16 of one); half 256 (32 of
+// two); 80 and 96 (no whole power-of-two vectors: scalar); 320 (wider than a warp's 8 elements a
+// lane: the wide layout).
+const std::vector<DimCase> kDimCases = {{at::kFloat, 64},     {at::kFloat, 80},  {at::kFloat, 96},    {at::kFloat, 128},
+                                        {at::kFloat, 256},    {at::kFloat, 320}, {at::kBFloat16, 64}, {at::kHalf, 128},
+                                        {at::kBFloat16, 128}, {at::kHalf, 256},  {at::kBFloat16, 80}};
 
 TEST(CudaEmulation, KeyNormMatchesTheCpuKernel) {
   for (const DimCase& c : kDimCases) {
@@ -108,8 +113,34 @@ TEST(CudaEmulation, KeyNormMatchesTheCpuKernel) {
       });
       expect_close(out, kvpress::ops::key_norm_scores(keys), 1e-6, 1e-5,
                    "key_norm dim " + std::to_string(c.dim) + " seq " + std::to_string(seq));
+      // The same keys one element past a 16-byte boundary: scalar loads.
+      at::Tensor storage = at::empty({keys.numel() + 1}, keys.options());
+      const at::Tensor shifted = storage.narrow(0, 1, keys.numel()).view(keys.sizes()).copy_(keys);
+      at::Tensor out_shifted = at::empty_like(out);
+      with_cuda_type(c.dtype, [&](auto element) {
+        using T = decltype(element);
+        ASSERT_FALSE(cu::vector_aligned(ptr<T>(shifted)));
+        expect_launched(cu::launch_key_norm_scores<T>(ptr<T>(shifted), out_shifted.data_ptr<float>(),
+                                                      keys.numel() / c.dim, c.dim, nullptr));
+      });
+      expect_close(out_shifted, out, 1e-6, 1e-5, "key_norm misaligned dim " + std::to_string(c.dim));
     }
   }
+}
+
+// The row layouts the kernels that read a row per group of lanes get (plan_row_lanes).
+TEST(CudaEmulation, RowLaneLayouts) {
+  const auto layout = [](int64_t dim, int64_t bytes, bool aligned) {
+    const cu::LaneRows l = cu::plan_row_lanes(dim, bytes, aligned);
+    return std::to_string(l.lanes) + "x" + std::to_string(l.per_lane) + (l.vectors ? " vectors" : " scalar");
+  };
+  EXPECT_EQ(layout(128, 2, true), "16x8 vectors");
+  EXPECT_EQ(layout(128, 4, true), "32x4 vectors");
+  EXPECT_EQ(layout(64, 2, true), "8x8 vectors");
+  EXPECT_EQ(layout(256, 2, true), "32x8 vectors");
+  EXPECT_EQ(layout(128, 2, false), "32x4 scalar");
+  EXPECT_EQ(layout(80, 2, true), "32x3 scalar");
+  EXPECT_EQ(layout(320, 4, true), "32x0 scalar") << "the wide layout";
 }
 
 // ---- keydiff_scores --------------------------------------------------------------------------
@@ -451,8 +482,10 @@ TEST(CudaEmulation, LagKVMatchesTheCpuKernel) {
   const std::vector<LagCase> cases = {
       {at::kFloat, 64, 40, 4, 8, false},  // a tail shorter than lag after the last partition
       {at::kFloat, 80, 37, 0, 16, true},  // no sink, cross scoring
-      {at::kFloat, 128, 64, 4, 20, false},   {at::kFloat, 256, 45, 2, 7, true},    {at::kHalf, 128, 50, 4, 8, false},
-      {at::kBFloat16, 128, 50, 4, 8, false}, {at::kBFloat16, 96, 36, 4, 16, true},
+      {at::kFloat, 128, 64, 4, 20, false},  {at::kFloat, 256, 45, 2, 7, true},
+      {at::kHalf, 128, 50, 4, 8, false},    {at::kBFloat16, 128, 50, 4, 8, false},
+      {at::kBFloat16, 96, 36, 4, 16, true}, {at::kBFloat16, 64, 40, 4, 8, false},  // 8 lanes a token: 4 tokens a warp
+      {at::kFloat, 320, 30, 2, 8, false},                                          // the wide layout
   };
   for (const LagCase& c : cases) {
     const at::Tensor keys = at::randn({1, 2, c.seq, c.dim}).to(c.dtype);

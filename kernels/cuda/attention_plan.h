@@ -68,6 +68,13 @@ inline LaneRows plan_lane_rows(int64_t dim, int64_t element_bytes, bool aligned)
   return rows;
 }
 
+// The layout of rows that a group of lanes reads whole (key norm, KeyDiff, LagKV): plan_lane_rows up
+// to kAttentionMaxDim elements; longer rows take the wide layout (32 lanes, d = lane + 32 t, scalar
+// loads, per_lane 0: lane_rows.cuh's for_lane_elements).
+inline LaneRows plan_row_lanes(int64_t dim, int64_t element_bytes, bool aligned) {
+  return dim <= kAttentionMaxDim ? plan_lane_rows(dim, element_bytes, aligned) : LaneRows{kWarpSize, 0, false};
+}
+
 // Whether p lies on a 16-byte boundary (the start of a vector load).
 inline bool vector_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }
 

@@ -13,6 +13,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/lagkv_launch.h"
+#include "cuda/lane_rows.cuh"
 
 namespace kvpress::cuda {
 
@@ -20,9 +21,10 @@ constexpr int kLagThreads = 256;
 constexpr int kLagWarps = kLagThreads / kWarpSize;
 // Softmax over the partition's lag per-token stds of one of K/V, into soft[0..lag).
 // Shared layout: lo[dim], inv[dim].
+// The per-token stds take a group of l.lanes lanes per token (lane_rows.cuh).
 template <typename T>
-__device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict__ ref, int lag, int dim, float* lo,
-                                  float* inv, float* soft, float* scratch) {
+__device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict__ ref, int lag, int dim,
+                                  const LaneRows& l, float* lo, float* inv, float* soft, float* scratch) {
   for (int d = threadIdx.x; d < dim; d += blockDim.x) {
     float mn = to_float(ref[d]), mx = mn;
     for (int t = 1; t < lag; ++t) {
@@ -34,19 +36,24 @@ __device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict
     inv[d] = 1.f / (mx - mn);
   }
   __syncthreads();
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  for (int t = warp; t < lag; t += kLagWarps) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, groups = kWarpSize / l.lanes;
+  const int lane_in_group = lane % l.lanes;
+  // Warp-uniform rounds (the group sums need every lane); group g of warp w takes token base + g.
+  for (int base = warp * groups; base < lag; base += kLagWarps * groups) {
+    const int t = base + lane / l.lanes;
     const T* x = cur + static_cast<int64_t>(t) * dim;
     float s = 0.f;
-    for (int d = lane; d < dim; d += kWarpSize) s += (to_float(x[d]) - lo[d]) * inv[d];
-    const float mean = warp_sum(s) / static_cast<float>(dim);
+    if (t < lag) for_lane_elements(x, l, lane_in_group, dim, [&](int64_t d, float v) { s += (v - lo[d]) * inv[d]; });
+    const float mean = group_sum(s, l) / static_cast<float>(dim);
     float q = 0.f;
-    for (int d = lane; d < dim; d += kWarpSize) {
-      const float y = (to_float(x[d]) - lo[d]) * inv[d] - mean;
-      q += y * y;
+    if (t < lag) {
+      for_lane_elements(x, l, lane_in_group, dim, [&](int64_t d, float v) {
+        const float y = (v - lo[d]) * inv[d] - mean;
+        q += y * y;
+      });
     }
-    q = warp_sum(q);
-    if (lane == 0) soft[t] = sqrtf(q / static_cast<float>(dim - 1));  // dim 1: NaN, as torch
+    q = group_sum(q, l);
+    if (t < lag && lane_in_group == 0) soft[t] = sqrtf(q / static_cast<float>(dim - 1));  // dim 1: NaN, as torch
   }
   __syncthreads();
   float m = -INFINITY;
@@ -65,7 +72,8 @@ __device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict
 // grid: (scored partitions, batch * heads). Shared: lo[dim], inv[dim], soft_k[lag], soft_v[lag].
 template <typename T>
 __global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __restrict__ values, int64_t seq,
-                                       int n_sink, int lag, int dim, bool cross_scoring, float* __restrict__ out) {
+                                       int n_sink, int lag, int dim, LaneRows l, bool cross_scoring,
+                                       float* __restrict__ out) {
   KVPRESS_DYNAMIC_SHARED(float, smem);
   __shared__ float scratch[kWarpSize];
   __shared__ int any_nan;
@@ -77,8 +85,8 @@ __global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __re
   const int64_t part = static_cast<int64_t>(lag) * dim;
   const int64_t base = row * seq * dim + static_cast<int64_t>(n_sink) * dim + p * part;
   if (threadIdx.x == 0) any_nan = 0;
-  partition_softmax<T>(keys + base, keys + base + part, lag, dim, lo, inv, soft_k, scratch);
-  partition_softmax<T>(values + base, values + base + part, lag, dim, lo, inv, soft_v, scratch);
+  partition_softmax<T>(keys + base, keys + base + part, lag, dim, l, lo, inv, soft_k, scratch);
+  partition_softmax<T>(values + base, values + base + part, lag, dim, l, lo, inv, soft_v, scratch);
   for (int t = threadIdx.x; t < lag; t += blockDim.x) {
     soft_k[t] = (soft_k[t] + soft_v[t]) / 2.f;
     if (isnan(soft_k[t])) any_nan = 1;
@@ -108,8 +116,10 @@ cudaError_t launch_lagkv_partition_scores(const T* keys, const T* values,  // [b
   const size_t shared = lagkv_shared_bytes(dim, lag);
   if (shared + kLagStaticShared > kSharedLimit || rows > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(scored), static_cast<unsigned>(rows));
+  // Every row the kernel reads starts a multiple of dim elements from keys or values.
+  const LaneRows l = plan_row_lanes(dim, sizeof(T), vector_aligned(keys) && vector_aligned(values));
   KVPRESS_LAUNCH(lagkv_partition_kernel<T>, grid, kLagThreads, shared, stream, keys, values, seq,
-                 static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), cross_scoring, out);
+                 static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), l, cross_scoring, out);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,5 @@
-// Device code the attention kernels share (paged_attention, ragged_attention; attention_plan.h): a
-// lane's part of a row, one query's online softmax over a range of keys by every warp of a block,
+// Device code the attention kernels share (paged_attention, ragged_attention; attention_plan.h):
+// one query's online softmax over a range of keys by every warp of a block,
 // the block's merge of its states into the unit's output or the split's partial state, and the
 // kernel that merges the splits of each unit. A state of max NaN marks bad input and makes the
 // output NaN.
@@ -11,39 +11,9 @@
 
 #include "cuda/attention_plan.h"
 #include "cuda/common.cuh"
+#include "cuda/lane_rows.cuh"
 
 namespace kvpress::cuda {
-
-// Element t of a lane (lane_in_group of its key's group) in the row.
-__device__ __forceinline__ int64_t lane_element(const LaneRows& l, int lane_in_group, int t) {
-  return l.vectors ? static_cast<int64_t>(lane_in_group) * l.per_lane + t
-                   : lane_in_group + static_cast<int64_t>(kWarpSize) * t;
-}
-
-// The lane's elements of `row` ([dim] of T) as floats in out[0, kMaxPerLane); 0 where it holds none.
-template <typename T>
-__device__ __forceinline__ void load_lane(const T* __restrict__ row, const LaneRows& l, int lane_in_group, int64_t dim,
-                                          float* out) {
-  if (l.vectors) {
-    constexpr int kPerVector = kVectorBytes / static_cast<int>(sizeof(T));
-    const T* first = row + static_cast<int64_t>(lane_in_group) * l.per_lane;
-#pragma unroll
-    for (int t0 = 0; t0 < kMaxPerLane; t0 += kPerVector) {
-      alignas(kVectorBytes) T part[kPerVector];
-      if (t0 < l.per_lane) {
-        *reinterpret_cast<uint4*>(part) = *reinterpret_cast<const uint4*>(first + t0);
-      }
-#pragma unroll
-      for (int u = 0; u < kPerVector; ++u) out[t0 + u] = t0 < l.per_lane ? to_float(part[u]) : 0.f;
-    }
-  } else {
-#pragma unroll
-    for (int t = 0; t < kMaxPerLane; ++t) {
-      const int64_t d = lane_element(l, lane_in_group, t);
-      out[t] = d < dim ? to_float(row[d]) : 0.f;
-    }
-  }
-}
 
 // One query's online softmax (float32) over keys [j_begin, j_end) by every warp of the block: group
 // g of warp w (attention_plan.h) takes key j_begin + w * G + g, then every (kWarps * G)-th, G = 32 /
