@@ -19,22 +19,44 @@ namespace kvpress::cuda {
 
 constexpr int kLagThreads = 256;
 constexpr int kLagWarps = kLagThreads / kWarpSize;
+// The reference partition's per-column min and 1 / (max - min), into lo[dim] and inv[dim]: a thread
+// per column, or, with `column_vectors` (16-byte aligned rows of whole vectors), per 16-byte vector of
+// columns.
+template <typename T>
+__device__ void partition_column_ranges(const T* __restrict__ ref, int lag, int dim, bool column_vectors, float* lo,
+                                        float* inv) {
+  constexpr int kPerVector = kVectorBytes / static_cast<int>(sizeof(T));
+  const int width = column_vectors ? kPerVector : 1;
+  for (int d0 = threadIdx.x * width; d0 < dim; d0 += blockDim.x * width) {
+    float mn[kPerVector], mx[kPerVector];
+    for (int t = 0; t < lag; ++t) {
+      const T* row = ref + static_cast<int64_t>(t) * dim + d0;
+      alignas(kVectorBytes) T part[kPerVector];
+      if (column_vectors)
+        *reinterpret_cast<uint4*>(part) = *reinterpret_cast<const uint4*>(row);
+      else
+        part[0] = row[0];
+      for (int u = 0; u < width; ++u) {
+        const float v = to_float(part[u]);
+        mn[u] = t == 0 ? v : fminf(mn[u], v);
+        mx[u] = t == 0 ? v : fmaxf(mx[u], v);
+      }
+    }
+    for (int u = 0; u < width; ++u) {
+      lo[d0 + u] = mn[u];
+      inv[d0 + u] = 1.f / (mx[u] - mn[u]);
+    }
+  }
+}
+
 // Softmax over the partition's lag per-token stds of one of K/V, into soft[0..lag).
 // Shared layout: lo[dim], inv[dim].
 // The per-token stds take a group of l.lanes lanes per token (lane_rows.cuh).
 template <typename T>
 __device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict__ ref, int lag, int dim,
-                                  const LaneRows& l, float* lo, float* inv, float* soft, float* scratch) {
-  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-    float mn = to_float(ref[d]), mx = mn;
-    for (int t = 1; t < lag; ++t) {
-      const float v = to_float(ref[static_cast<int64_t>(t) * dim + d]);
-      mn = fminf(mn, v);
-      mx = fmaxf(mx, v);
-    }
-    lo[d] = mn;
-    inv[d] = 1.f / (mx - mn);
-  }
+                                  const LaneRows& l, bool column_vectors, float* lo, float* inv, float* soft,
+                                  float* scratch) {
+  partition_column_ranges(ref, lag, dim, column_vectors, lo, inv);
   __syncthreads();
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, groups = kWarpSize / l.lanes;
   const int lane_in_group = lane % l.lanes;
@@ -72,8 +94,8 @@ __device__ void partition_softmax(const T* __restrict__ cur, const T* __restrict
 // grid: (scored partitions, batch * heads). Shared: lo[dim], inv[dim], soft_k[lag], soft_v[lag].
 template <typename T>
 __global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __restrict__ values, int64_t seq,
-                                       int n_sink, int lag, int dim, LaneRows l, bool cross_scoring,
-                                       float* __restrict__ out) {
+                                       int n_sink, int lag, int dim, LaneRows l, bool column_vectors,
+                                       bool cross_scoring, float* __restrict__ out) {
   KVPRESS_DYNAMIC_SHARED(float, smem);
   __shared__ float scratch[kWarpSize];
   __shared__ int any_nan;
@@ -85,8 +107,8 @@ __global__ void lagkv_partition_kernel(const T* __restrict__ keys, const T* __re
   const int64_t part = static_cast<int64_t>(lag) * dim;
   const int64_t base = row * seq * dim + static_cast<int64_t>(n_sink) * dim + p * part;
   if (threadIdx.x == 0) any_nan = 0;
-  partition_softmax<T>(keys + base, keys + base + part, lag, dim, l, lo, inv, soft_k, scratch);
-  partition_softmax<T>(values + base, values + base + part, lag, dim, l, lo, inv, soft_v, scratch);
+  partition_softmax<T>(keys + base, keys + base + part, lag, dim, l, column_vectors, lo, inv, soft_k, scratch);
+  partition_softmax<T>(values + base, values + base + part, lag, dim, l, column_vectors, lo, inv, soft_v, scratch);
   for (int t = threadIdx.x; t < lag; t += blockDim.x) {
     soft_k[t] = (soft_k[t] + soft_v[t]) / 2.f;
     if (isnan(soft_k[t])) any_nan = 1;
@@ -117,9 +139,12 @@ cudaError_t launch_lagkv_partition_scores(const T* keys, const T* values,  // [b
   if (shared + kLagStaticShared > kSharedLimit || rows > 65535) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(scored), static_cast<unsigned>(rows));
   // Every row the kernel reads starts a multiple of dim elements from keys or values.
-  const LaneRows l = plan_row_lanes(dim, sizeof(T), vector_aligned(keys) && vector_aligned(values));
+  const bool aligned = vector_aligned(keys) && vector_aligned(values);
+  const LaneRows l = plan_row_lanes(dim, sizeof(T), aligned);
+  const bool column_vectors = aligned && (dim * static_cast<int64_t>(sizeof(T))) % kVectorBytes == 0;
   KVPRESS_LAUNCH(lagkv_partition_kernel<T>, grid, kLagThreads, shared, stream, keys, values, seq,
-                 static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), l, cross_scoring, out);
+                 static_cast<int>(n_sink), static_cast<int>(lag), static_cast<int>(dim), l, column_vectors,
+                 cross_scoring, out);
   return cudaGetLastError();
 }
 
