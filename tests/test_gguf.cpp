@@ -305,7 +305,9 @@ TEST(GgufParity, SmolLM2ChatTemplate) {
                {"ChatTemplate::recognize: x has no chat template"});
 }
 
-// kvpress's KVPressTextGenerationPipeline on SmolLM2 with its chat template, with and without presses.
+// kvpress's KVPressTextGenerationPipeline on SmolLM2 with its chat template, with and without presses:
+// KVzipPress replays the context inside the template's user turn, and query-aware FinchPress takes
+// the question after the context in the user's message.
 TEST(GgufParity, SmolLM2PipelineWithChatTemplateMatchesKvpress) {
   REQUIRE_GGUF_FIXTURES();
   const kvpress::llama::Checkpoint& ckpt = smollm2();
@@ -320,6 +322,7 @@ TEST(GgufParity, SmolLM2PipelineWithChatTemplateMatchesKvpress) {
     opt.press = press.get();
     opt.max_new_tokens = p.at("max_new_tokens").get<int64_t>();
     opt.chat_template = &chat;
+    opt.query_aware = c.at("query_aware").get<bool>();
     const auto answers = kvpress::llama::answer_questions(ckpt.model, ckpt.tokenizer,
                                                           p.at("context").get<std::string>(), questions, opt);
     const auto expected = c.at("answers").get<std::vector<std::string>>();

@@ -76,6 +76,16 @@ TEST(KVzip, ReplayChunks) {
   EXPECT_EQ(chunks[2].repeat_ids, (std::vector<int64_t>{3, 13, 14, 15, 9, 16}));
   // One chunk when the context fits.
   EXPECT_EQ(KVzipPress(0.5).replay_chunks(ctx, {1}, {3}, {9}).size(), 1u);
+  // A chat template's first 2 tokens (its text before the user's message) are not replayed; the
+  // chunks start after them, at absolute positions.
+  const auto framed = KVzipPress(0.5, false, 4, false, 3).replay_chunks(ctx, {1, 2}, {3}, {9, 8}, 2);
+  ASSERT_EQ(framed.size(), 2u);
+  EXPECT_EQ(framed[0].start, 2);
+  EXPECT_EQ(framed[0].end, 5);
+  EXPECT_EQ(framed[0].repeat_ids, (std::vector<int64_t>{1, 2, 9, 8, 12, 13, 14}));
+  EXPECT_EQ(framed[1].start, 5);
+  EXPECT_EQ(framed[1].end, 7);
+  EXPECT_EQ(framed[1].repeat_ids, (std::vector<int64_t>{3, 12, 13, 14, 9, 8, 15, 16}));
 }
 
 TEST(KVzip, KeepMasksGlobalAndLayerwise) {
@@ -163,6 +173,11 @@ TEST(KVzip, Errors) {
   expect_error([&] { press.compress_ragged(in); }, {"KVzipPress.compress_ragged: KVzip cannot compress"});
   expect_error([&] { press.replay_chunks({}, {1}, {2}, {3}); },
                {"KVzipPress.replay_chunks: context_ids must be non-empty, got 0 tokens"});
+  expect_error(
+      [&] {
+        press.replay_chunks({5, 6}, {1}, {2}, {3}, 2);
+      },
+      {"KVzipPress.replay_chunks: prefix_length must be in [0, 2) (the context's tokens before its text), got 2"});
   const at::Tensor q = at::randn({1, 4, 2, 4}), k = at::randn({1, 2, 3, 4});
   expect_error(
       [&] {

@@ -349,20 +349,12 @@ int run_bench(const std::vector<std::string>& argv) {
   const std::string model_name = checkpoint.path.substr(checkpoint.path.find_last_of('/') + 1);
   std::vector<BenchPress> presses;
   for (const BenchPress& p : args.presses) {
-    if (chat && p.name == "KVzipPress") {
-      fmt::print(
-          "bench: leaving out KVzipPress: its context replay inside a chat template is not supported yet "
-          "(kvpress replays within the template's user turn)\n");
-      continue;
-    }
     // Built once before the long run, so that a bad parameter or a press the pipeline refuses here
     // stops it now rather than hours in.
     if (!p.name.empty()) {
       const auto built = kvpress::make_press(p.name, takes_ratio(p) ? args.ratios.front() : 0.0, p.params);
       TORCH_CHECK(!built->observes_question() || p.query_aware, "bench: ", label_of(p),
                   " observes the question: give it with --query-aware");
-      TORCH_CHECK(!chat || !built->observes_question(), "bench: ", label_of(p),
-                  " observes the question, which the pipeline does not support with a chat template yet");
     }
     presses.push_back(p);
   }

@@ -9,7 +9,10 @@ KVPressTextGenerationPipeline answers the same example with the same press (rebu
 press_name and params by tests/reference/common.py's build_press) on transformers loading the same
 GGUF file: the context in the chat template's user turn, the question after it, the answer prefix,
 greedy decoding (for a query-aware row: context + question as one text and an empty question, as
-kvpress's evaluation does). Each output row says whether the two answers are the same text and,
+kvpress's evaluation does; FinchPress gets its delimiter token between them, on a second copy of the
+model and tokenizer, since its update_model_and_tokenizer adds that token to both). KVzipPress loads
+its tokenizer by the model's name_or_path, which for a GGUF file needs its gguf_file: it is given
+the pipeline's. Each output row says whether the two answers are the same text and,
 where they differ, where and by how much: the question and OUR answer tokens are teacher-forced over
 kvpress's compressed cache (its prefill with the press, as the pipeline runs it), and at the first
 position where kvpress's argmax is not our token, the logit gap between the two (a small gap is a
@@ -45,6 +48,7 @@ from transformers import pipeline as hf_pipeline  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402,F401 (registers the kv-press-text-generation pipeline)
+import kvpress.presses.kvzip_press as kvzip_module  # noqa: E402
 
 
 def model_file(spec: str) -> Path:
@@ -71,11 +75,16 @@ def load(path: Path):
     return model, tokenizer
 
 
+FINCH_DELIMITER = "<|finch_sep|>"  # FinchPress.update_model_and_tokenizer's default
+
+
 def pipeline_texts(example: dict, row: dict) -> tuple[str, str]:
     """(context, question) as the pipeline gets them: a query-aware row prefills context + question
-    as one text and asks an empty question (kvpress's evaluation)."""
+    as one text and asks an empty question (kvpress's evaluation); FinchPress's delimiter token
+    separates them."""
     if row["query_aware"]:
-        return example["context"] + example["question"], ""
+        delimiter = FINCH_DELIMITER if row["press_name"] == "FinchPress" else ""
+        return example["context"] + delimiter + example["question"], ""
     return example["context"], example["question"]
 
 
@@ -135,11 +144,26 @@ def main() -> None:
 
     model, tokenizer = load(model_file(args.model))
     pipe = hf_pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    kvzip_module.AutoTokenizer = type("GgufTokenizer", (), {"from_pretrained": staticmethod(lambda *a, **k: tokenizer)})
+    finch = {}  # FinchPress's own model, tokenizer and pipeline (it adds a token to both)
+
+    def press_and_pipe(row: dict, ratio: float):
+        press = build_press(row["press_name"], row["params"], ratio) if row["press_name"] else None
+        if not isinstance(press, kvpress.FinchPress):
+            return press, pipe
+        if not finch:
+            finch["model"], finch["tokenizer"] = load(model_file(args.model))
+        torch.manual_seed(0)  # the delimiter's embedding row (never used: the press strips it)
+        press.update_model_and_tokenizer(finch["model"], finch["tokenizer"], FINCH_DELIMITER)
+        finch.setdefault("pipe", hf_pipeline("kv-press-text-generation", model=finch["model"],
+                                             tokenizer=finch["tokenizer"], device="cpu"))
+        return press, finch["pipe"]
+
     with args.out.open("a") as out:
         for n, row in enumerate(todo, 1):
             example = examples[row["id"]]
             ratio = row["ratio"] if row["ratio"] is not None else 0.0
-            press = build_press(row["press_name"], row["params"], ratio) if row["press_name"] else None
+            press, row_pipe = press_and_pipe(row, ratio)
             context, question = pipeline_texts(example, row)
             t0 = time.time()
             torch.manual_seed(0)
@@ -147,8 +171,8 @@ def main() -> None:
                       "ratio": row["ratio"], "ours": row["answer"]}
             try:
                 with torch.no_grad():
-                    answer = pipe(context, question=question, answer_prefix=example["answer_prefix"], press=press,
-                                  max_new_tokens=example["max_new_tokens"])["answer"]
+                    answer = row_pipe(context, question=question, answer_prefix=example["answer_prefix"], press=press,
+                                      max_new_tokens=example["max_new_tokens"])["answer"]
             except RuntimeError as e:
                 # kvpress cannot run it here (e.g. layers of different lengths after PyramidKVPress need
                 # flash attention, which a CPU lacks): recorded, not compared.
@@ -162,8 +186,8 @@ def main() -> None:
             result.update({"kvpress": answer, "same": answer == row["answer"], "seconds": time.time() - t0})
             if not result["same"]:
                 torch.manual_seed(0)
-                press = build_press(row["press_name"], row["params"], ratio) if row["press_name"] else None
-                result.update(first_divergence(pipe, press, example, row))
+                press, row_pipe = press_and_pipe(row, ratio)
+                result.update(first_divergence(row_pipe, press, example, row))
             out.write(json.dumps(result, ensure_ascii=False) + "\n")
             out.flush()
             print(f"[{n}/{len(todo)}] {row['id']} {row['press']} {row['ratio']}: "

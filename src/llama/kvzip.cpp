@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvpress/llama/chat.h"
 #include "tensor_bytes.h"
 
 namespace kvpress::llama {
@@ -168,6 +169,37 @@ at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, 
 
 namespace {
 
+// The context's replay chunks as kvpress frames them. Without a chat template the context is plain
+// text: every token is replayed, each chunk after "\n". With one (the template the context's user
+// turn was rendered in), the template's text before the user's message is not replayed (kvpress
+// skips its token count) and the text after the message (end of turn, the assistant's header, as
+// rendered without thinking) comes between each prompt and its chunk.
+std::vector<KVzipReplayChunk> framed_replay_chunks(const char* op, const KVzipPress& press,
+                                                   const std::vector<int64_t>& ids, const Tokenizer& tokenizer,
+                                                   const ChatTemplate* chat) {
+  const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
+  std::string prefix_text, suffix_text = KVzipPress::kRepeatSuffix;
+  if (chat != nullptr) {
+    // kvpress's own probe: a dummy message followed by a separator, rendered with the generation prompt.
+    const std::string dummy = "dummy context", separator = "\n" + std::string(dummy.size(), '#');
+    ChatOptions no_thinking;
+    no_thinking.enable_thinking = false;
+    const std::string rendered =
+        chat->apply({{"user", dummy + separator}}, /*add_generation_prompt=*/true, no_thinking);
+    const size_t at = rendered.find(separator);
+    TORCH_CHECK(at != std::string::npos && rendered.find(separator, at + 1) == std::string::npos, op,
+                ": the chat template ", chat->name(), " must render the user message once");
+    const std::string before = rendered.substr(0, at);
+    prefix_text = before.substr(0, before.find(dummy));
+    suffix_text = rendered.substr(at + separator.size());
+  }
+  const int64_t prefix_length = prefix_text.empty() ? 0 : static_cast<int64_t>(encode(prefix_text).size());
+  TORCH_CHECK(prefix_length < static_cast<int64_t>(ids.size()), op, ": the context has ", ids.size(),
+              " tokens, no more than the chat template's ", prefix_length, " before the user's message");
+  return press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
+                             encode(suffix_text), prefix_length);
+}
+
 // The checks both entry points share; returns the full cache's bytes (for KVzipMemory).
 int64_t check_prefill_args(const char* op, const LlamaModel& model, const at::Tensor& context_ids,
                            const KVCache& cache) {
@@ -226,12 +258,9 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
     restore->x = artifacts.embeddings.to(context_ids.device(), model.dtype()).unsqueeze(0);
     restore->adapter = &artifacts.adapter;
   }
-  const auto encode = [&](const char* text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
   const at::Tensor ids_cpu = context_ids.cpu().contiguous();
   const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
-  const std::vector<KVzipReplayChunk> chunks =
-      press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
-                          encode(KVzipPress::kRepeatSuffix));
+  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, prefill.chat_template);
   result.scores = scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, result.memory,
                                restore ? &*restore : nullptr);
   result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
@@ -270,12 +299,9 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
   c10::InferenceMode no_inference(false);
   at::AutoGradMode grad(true);
 
-  const auto encode = [&](const char* text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
   const at::Tensor ids_cpu = context_ids.cpu().contiguous();
   const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
-  const std::vector<KVzipReplayChunk> chunks =
-      press.replay_chunks(ids, encode(KVzipPress::kFirstRepeatPrompt), encode(KVzipPress::kNextRepeatPrompt),
-                          encode(KVzipPress::kRepeatSuffix));
+  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, prefill.chat_template);
   at::Tensor scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
   // A chunk's scores in one layer: KVzip's chunk scores of the repeat's queries over the layer's
   // keys ([1, Hkv, N + P, D]: the context's, then the repeat's), the rows scaled by ||dPhi/da_p||

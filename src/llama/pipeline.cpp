@@ -9,7 +9,6 @@
 #include "greedy.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/dms_press.h"
-#include "kvpress/presses/kvzip_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
@@ -66,7 +65,8 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   p.cache = model.new_cache();
   prefill.last_logits_only = true;
   prefill.question_length = question_length;
-  prefill.tokenizer = &tokenizer;  // KVzipPress's repeat prompt
+  prefill.tokenizer = &tokenizer;                 // KVzipPress's repeat prompt
+  prefill.chat_template = options.chat_template;  // and the user turn it replays the context in
   prefill.dms_window = &p.dms_window;
   p.logits = model.prefill(detail::as_batch(ids), p.cache, prefill).logits;
   return p;
@@ -126,14 +126,6 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
               " observes the question: set query_aware (kvpress: the question after its delimiter token in the "
               "context)");
   const ChatTemplate* chat = options.chat_template;
-  TORCH_CHECK(chat == nullptr || !observes_question, kOp, ": ", press ? press->name() : std::string(),
-              " observes the question, which is not supported with a chat template yet");
-  // kvpress's KVzip replays the context inside the template's user turn (its prefix and suffix);
-  // ours replays it after a plain "\n" (kvpress without a chat template).
-  TORCH_CHECK(chat == nullptr || dynamic_cast<const KVzipPress*>(prefill_press_of(press)) == nullptr, kOp, ": ",
-              press ? press->name() : std::string(),
-              " with a chat template is not supported yet (kvpress replays "
-              "the context within the template's user turn)");
   const int64_t bos = model.config().bos_token_id;
   TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
   TORCH_CHECK(options.captured == nullptr || !options.query_aware, kOp,
@@ -176,10 +168,13 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   for (const std::string& q : questions) {
     std::vector<int64_t> ids;
     int64_t question_length = 0;
-    Framed framed{"", "\n"};
+    Framed framed;
     if (observes_question) {
-      // kvpress's delimiter token splits the text, so the question is tokenized on its own.
-      ids = encode(bos_text + context);
+      // kvpress's text is context + delimiter token + question, framed as one user message; the
+      // delimiter splits the tokenization, and the press drops it. So: the framed context's tokens,
+      // then the question's, then after the prefill what follows the message.
+      framed = frame(context, bos_text, chat);
+      ids = encode(framed.prefill);
       const std::vector<int64_t> question_ids = encode(q);
       ids.insert(ids.end(), question_ids.begin(), question_ids.end());
       question_length = static_cast<int64_t>(question_ids.size());

@@ -58,17 +58,20 @@ at::Tensor KVzipPress::keep_mask(const LayerInputs&) const { refuse_layer_compre
 std::vector<KVzipReplayChunk> KVzipPress::replay_chunks(const std::vector<int64_t>& context_ids,
                                                         const std::vector<int64_t>& first_prompt_ids,
                                                         const std::vector<int64_t>& next_prompt_ids,
-                                                        const std::vector<int64_t>& suffix_ids) const {
+                                                        const std::vector<int64_t>& suffix_ids,
+                                                        int64_t prefix_length) const {
   constexpr const char* op = "KVzipPress.replay_chunks";
   TORCH_CHECK(!context_ids.empty(), op, ": context_ids must be non-empty, got 0 tokens");
   const int64_t n = static_cast<int64_t>(context_ids.size());
+  TORCH_CHECK(prefix_length >= 0 && prefix_length < n, op, ": prefix_length must be in [0, ", n,
+              ") (the context's tokens before its text), got ", prefix_length);
   std::vector<KVzipReplayChunk> chunks;
-  for (int64_t start = 0; start < n; start += chunk_size_) {
+  for (int64_t start = prefix_length; start < n; start += chunk_size_) {
     KVzipReplayChunk chunk;
     chunk.start = start;
     chunk.end = std::min(n, start + chunk_size_);
     std::vector<int64_t>& ids = chunk.repeat_ids;
-    if (start == 0) {
+    if (start == prefix_length) {
       ids = first_prompt_ids;
     } else {
       ids = next_prompt_ids;

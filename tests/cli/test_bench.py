@@ -10,8 +10,8 @@ and SnapKVPress at ratio 0.5 (4 runs) and must:
 * resume: a second run with the same --out runs nothing; after the file loses half of its last row
   (an interrupted write), a third run drops that partial row and runs exactly that one again;
 * write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart;
-* refuse a results file of another model, a --task the folder does not hold, and a press the pipeline
-  cannot run with the model's chat template (before running anything), with clear errors.
+* refuse a results file of another model, a --task the folder does not hold, and a press that
+  observes the question given without --query-aware (before running anything), with clear errors.
 """
 import csv
 import json
@@ -83,11 +83,10 @@ with tempfile.TemporaryDirectory() as tmp:
     assert proc.returncode != 0 and "holds results of model another.gguf" in proc.stderr, proc.stderr
     proc = run([cli, "bench", "--tasks", tasks, "--out", tmp / "x.jsonl", "--task", "vt"], expect_ok=False)
     assert proc.returncode != 0 and "--task vt: not in" in proc.stderr, proc.stderr
-    # Refused before any run: FinchPress with SmolLM2's chat template (not supported yet).
-    proc = run([cli, "bench", "--tasks", tasks, "--out", tmp / "y.jsonl", "--query-aware", "FinchPress"],
-               expect_ok=False)
-    assert proc.returncode != 0 and "FinchPress [query-aware] observes the question, which the pipeline does not " \
-        "support with a chat template yet" in proc.stderr, proc.stderr
+    # Refused before any run: FinchPress observes the question, so its prefill must hold it.
+    proc = run([cli, "bench", "--tasks", tasks, "--out", tmp / "y.jsonl", "--press", "FinchPress"], expect_ok=False)
+    assert proc.returncode != 0 and "FinchPress observes the question: give it with --query-aware" in proc.stderr, \
+        proc.stderr
     assert not (tmp / "y.jsonl").exists() or not (tmp / "y.jsonl").read_text(), "a refused run wrote rows"
 
 print(f"test_bench: 4 runs scored as RULER does, resumed after an interrupted row; answers: "

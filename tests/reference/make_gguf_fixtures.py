@@ -30,6 +30,7 @@ Takes about a minute (the SmolLM2 forward and checksums).
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import time
@@ -52,6 +53,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
 from transformers import pipeline as hf_pipeline
 
 import kvpress  # noqa: F401 (registers the "kv-press-text-generation" pipeline)
+import kvpress.presses.kvzip_press as kvzip_module
 
 import make_tokenizer_fixtures
 
@@ -66,9 +68,13 @@ CONVERSATIONS = [
     [{"role": "user", "content": "  spaces and <|im_start|> inside  "}],
     [{"role": "assistant", "content": "I start."}, {"role": "system", "content": "late system"}],
 ]
-# kvpress's pipeline on SmolLM2 with its chat template: no press, and two presses at ratio 0.5.
+# kvpress's pipeline on SmolLM2 with its chat template: no press, two presses at ratio 0.5, KVzipPress
+# (the context replayed inside the template's user turn) and query-aware FinchPress (the question
+# after the context in the user's message). (name, ratio, query-aware); FinchPress last: it adds a
+# token to the model's embeddings.
 PIPELINE_QUESTIONS = ["Who is the story about?", "What happened at the end?"]
-PIPELINE_PRESSES = [(None, 0.0), ("SnapKVPress", 0.5), ("KnormPress", 0.5)]
+PIPELINE_PRESSES = [(None, 0.0, False), ("SnapKVPress", 0.5, False), ("KnormPress", 0.5, False),
+                    ("KVzipPress", 0.5, False), ("FinchPress", 0.5, True)]
 PIPELINE_NEW_TOKENS = 24
 
 
@@ -266,14 +272,27 @@ def smollm2_fixture(out: Path, path: Path, stories: list[str]) -> dict:
     context = next(s for s in stories if not any(c.isdigit() for c in s) and 250 <= len(tok.encode(s).ids) <= 500)
     for text in [context] + PIPELINE_QUESTIONS:
         assert tok.encode(text).ids == hf_tok(text, add_special_tokens=False).input_ids, text
-    pipe = hf_pipeline("kv-press-text-generation", model=model, tokenizer=hf_tok, device="cpu")
+    # KVzipPress loads the tokenizer from the model's name_or_path, which for a GGUF file needs its
+    # gguf_file: give it this one, the pipeline's.
+    kvzip_module.AutoTokenizer = type("GgufTokenizer", (), {"from_pretrained": staticmethod(lambda *a, **k: hf_tok)})
     pipeline_cases = []
-    for name, ratio in PIPELINE_PRESSES:
+    for name, ratio, query_aware in PIPELINE_PRESSES:
         press = build_press(name, {}, ratio) if name else None
+        case_tok = hf_tok
+        if name == "FinchPress":
+            torch.manual_seed(0)  # the delimiter's new embedding row (never used: the press strips it)
+            case_tok = press.update_model_and_tokenizer(model, copy.deepcopy(hf_tok))
+        pipe = hf_pipeline("kv-press-text-generation", model=model, tokenizer=case_tok, device="cpu")
         with torch.no_grad():
-            answers = pipe(context, questions=PIPELINE_QUESTIONS, press=press,
-                           max_new_tokens=PIPELINE_NEW_TOKENS)["answers"]
-        pipeline_cases.append({"press": name, "compression_ratio": ratio, "answers": answers})
+            if query_aware:  # kvpress's query-aware form: context + delimiter + question, an empty question
+                answers = [pipe(context + press.delimiter_token + q, question="", press=press,
+                                max_new_tokens=PIPELINE_NEW_TOKENS)["answer"] for q in PIPELINE_QUESTIONS]
+            else:
+                answers = pipe(context, questions=PIPELINE_QUESTIONS, press=press,
+                               max_new_tokens=PIPELINE_NEW_TOKENS)["answers"]
+        pipeline_cases.append({"press": name, "compression_ratio": ratio, "query_aware": query_aware,
+                               "answers": answers})
+        print(f"  SmolLM2 pipeline, {name or 'no press'}{' query-aware' if query_aware else ''}: {answers}")
     write_json(folder / "pipeline.json", {"context": context, "questions": PIPELINE_QUESTIONS,
                                           "max_new_tokens": PIPELINE_NEW_TOKENS, "cases": pipeline_cases},
                ensure_ascii=False)

@@ -45,7 +45,8 @@ struct DMSWindow;
 
 namespace kvpress::llama {
 
-class Tokenizer;  // kvpress/llama/tokenizer.h
+class Tokenizer;     // kvpress/llama/tokenizer.h
+class ChatTemplate;  // kvpress/llama/chat.h
 
 // ---- model files ------------------------------------------------------------------------------
 
@@ -205,6 +206,10 @@ struct PrefillOptions : ForwardOptions {
   // The model's tokenizer, for presses that prompt the model themselves (KVzipPress replays the
   // context after a text prompt, kvpress/llama/kvzip.h); such a press raises without it.
   const Tokenizer* tokenizer = nullptr;
+  // The chat template the context was framed in (its user turn), for those presses: KVzipPress
+  // replays the context inside the template's user turn, as kvpress does with a tokenizer that has
+  // one. nullptr: the context is plain text (kvpress: BOS + text, replay after "\n").
+  const ChatTemplate* chat_template = nullptr;
   // Uniform presses compress each layer inside its own buffer (KVCache::compress_in_place): no
   // allocation for the kept tokens, peak S tokens per layer instead of S + kept, and the capacity
   // stays for the tokens decoding appends. false: the layer is replaced by a copy of the kept tokens

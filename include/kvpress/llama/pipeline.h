@@ -53,11 +53,12 @@ struct Answer {
 // the text after it follows each question (before answer_prefix), e.g. SmolLM2's
 // "<|im_end|>\n<|im_start|>assistant\n". All is encoded without adding special tokens. A DecodingPress (or a
 // PrefillDecodingPress) takes a single question, as in kvpress; a press that observes the question
-// (BasePress::observes_question(): FinchPress) requires query_aware, and no chat template (not
-// supported yet). Raises c10::Error on an empty question list, a model config without bos_token_id
-// (without a chat template), or options out of range.
-// The tokens answer_questions() prefills for `context` without query_aware (the framing above),
-// to capture once for PipelineOptions::captured.
+// (BasePress::observes_question(): FinchPress) requires query_aware: its prefill is the framed
+// context's tokens then the question's (kvpress: context + delimiter token + question as the
+// message's text, the delimiter dropped). KVzipPress replays the context inside the template's
+// user turn (PrefillOptions::chat_template). Raises c10::Error on an empty question list, a model config without
+// bos_token_id (without a chat template), or options out of range. The tokens answer_questions() prefills for `context`
+// without query_aware (the framing above), to capture once for PipelineOptions::captured.
 std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
                                          const std::string& context, const PipelineOptions& options = {});
 

@@ -85,13 +85,15 @@ class KVzipPress : public BasePress {
   RaggedKV compress_ragged(const LayerInputs& inputs) const override;
   at::Tensor keep_mask(const LayerInputs& inputs) const override;
 
-  // The replay passes for a context of N tokens: chunks of chunk_size tokens; the first chunk's
-  // prompt is first_prompt_ids, a later one's next_prompt_ids + the previous chunk's last
-  // kPreviousTailTokens tokens; each followed by suffix_ids and the chunk. Raises on an empty context.
+  // The replay passes for a context of N tokens: chunks of chunk_size tokens of positions
+  // [prefix_length, N) (the first prefix_length tokens, a chat template's text before the user's
+  // message, are not replayed, as kvpress); the first chunk's prompt is first_prompt_ids, a later
+  // one's next_prompt_ids + the previous chunk's last kPreviousTailTokens tokens; each followed by
+  // suffix_ids and the chunk. Chunk positions are absolute. Raises unless 0 <= prefix_length < N.
   std::vector<KVzipReplayChunk> replay_chunks(const std::vector<int64_t>& context_ids,
                                               const std::vector<int64_t>& first_prompt_ids,
                                               const std::vector<int64_t>& next_prompt_ids,
-                                              const std::vector<int64_t>& suffix_ids) const;
+                                              const std::vector<int64_t>& suffix_ids, int64_t prefix_length = 0) const;
 
   // The chunk's token scores from `r` rows of one replay pass in one layer: per KV head and chunk
   // token, the maximum over the group's query heads and the rows of the softmax over
