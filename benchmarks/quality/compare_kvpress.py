@@ -39,11 +39,10 @@ import torch
 REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "reference"
 sys.path.insert(0, str(REFERENCE))
 
-import gguf  # noqa: E402
 import transformers  # noqa: E402
 from common import build_press, setup  # noqa: E402 (pins kvpress 0.5.5)
-from make_gguf_fixtures import smollm2_tokenizer  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from make_gguf_fixtures import gguf_tokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers import pipeline as hf_pipeline  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -64,15 +63,8 @@ def model_file(spec: str) -> Path:
 
 def load(path: Path):
     """transformers' model from the GGUF file, and a fast tokenizer with the file's own BPE and chat template."""
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields
-    tokens = [bytes(field["tokenizer.ggml.tokens"].parts[i]).decode() for i in field["tokenizer.ggml.tokens"].data]
-    special = {name: tokens[int(field[f"tokenizer.ggml.{name}_token_id"].parts[-1][0])] for name in ("bos", "eos")}
-    template = bytes(field["tokenizer.chat_template"].parts[field["tokenizer.chat_template"].data[0]]).decode()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=smollm2_tokenizer(reader), bos_token=special["bos"],
-                                        eos_token=special["eos"], chat_template=template)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return model, tokenizer
+    return model, gguf_tokenizer(path)
 
 
 FINCH_DELIMITER = "<|finch_sep|>"  # FinchPress.update_model_and_tokenizer's default

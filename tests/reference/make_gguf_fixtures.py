@@ -233,6 +233,19 @@ def smollm2_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     return tok
 
 
+def gguf_tokenizer(path: Path):
+    """transformers' tokenizer with the GGUF file's own BPE (smollm2_tokenizer: transformers' GGUF loader
+    drops SmolLM2's Digits pre-tokenizer step), BOS / EOS and chat template."""
+    from transformers import PreTrainedTokenizerFast
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields
+    tokens = [bytes(field["tokenizer.ggml.tokens"].parts[i]).decode() for i in field["tokenizer.ggml.tokens"].data]
+    special = {name: tokens[int(field[f"tokenizer.ggml.{name}_token_id"].parts[-1][0])] for name in ("bos", "eos")}
+    template = bytes(field["tokenizer.chat_template"].parts[field["tokenizer.chat_template"].data[0]]).decode()
+    return PreTrainedTokenizerFast(tokenizer_object=smollm2_tokenizer(reader), bos_token=special["bos"],
+                                   eos_token=special["eos"], chat_template=template)
+
+
 def smollm2_fixture(out: Path, path: Path, stories: list[str]) -> dict:
     folder = prepare_out(out / "smollm2")
     reader = gguf.GGUFReader(str(path))
