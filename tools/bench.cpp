@@ -127,6 +127,11 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
     } else if (take_value(args, i, "--examples", "", v)) {
       out.examples = parse_int_option("--examples", v, 1, 1 << 30);
     } else if (take_value(args, i, "--press", "", v)) {
+      if (v == "default") {  // the default list, e.g. before presses that need artifacts
+        const std::vector<BenchPress> defaults = default_presses();
+        out.presses.insert(out.presses.end(), defaults.begin(), defaults.end());
+        continue;
+      }
       if (v != "none" && kvpress::find_press(v) == nullptr)
         usage_error("bench: --press {}: no such press (kvpress-cli list)", v);
       out.presses.push_back({v == "none" ? "" : v, {}, false, ""});
@@ -135,7 +140,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
         usage_error("bench: --query-aware {}: no such press (kvpress-cli list)", v);
       out.presses.push_back({v, {}, true, ""});
     } else if (take_value(args, i, "--param", "", v)) {
-      if (out.presses.empty() || out.presses.back().name.empty())
+      if (out.presses.empty() || out.presses.back().name.empty() || !out.presses.back().label.empty())
         usage_error("bench: --param {} must follow the --press it applies to", v);
       add_param(out.presses.back().params, v);
     } else if (take_value(args, i, "--ratios", "", v)) {
