@@ -8,7 +8,12 @@
     plot.py bench SUMMARY.csv --out OUT.png [--title TITLE]
         Accuracy (mean over tasks and lengths, each weighted alike) against compression ratio, one
         line per press starting at the uncompressed accuracy (ratio 0), as kvpress's leaderboard
-        draws it; no compression as a dashed line. Input: `kvpress-cli bench --csv`.
+        draws it; no compression as a dashed line. Input: `kvpress-cli bench --csv`. Calibrated
+        presses ("[calibrated]": their ratio column is a tolerance) are left to the kept chart.
+    plot.py kept SUMMARY.csv --out OUT.png [--title TITLE]
+        Accuracy against the mean kept fraction of the cache, one line per press, fixed-ratio and
+        calibrated ("[calibrated]", bench --calibrate) alike, all from the uncompressed point (1, its
+        accuracy): accuracy per byte kept. Input: `kvpress-cli bench --csv` (column kept_fraction).
     plot.py compare RESULTS.json|RESULTS.csv --out OUT.png [--title TITLE]
         Speedup of kvpress-cpp over kvpress 0.5.5 per press (kvpress_ms / kvpress_cpp_ms),
         horizontal bars on a log scale, one colour per table of benchmarks/compare_kvpress.py
@@ -130,18 +135,26 @@ def plot_eval(full_nll, curves, out, title):
 # ----------------------------------------------------------------------------- bench
 
 
+CALIBRATED = " [calibrated]"  # kvpress-cli bench's label suffix for --calibrate rows
+
+
+def mean_cells(rows, path, value):
+    """{(press, ratio): mean over its (task, length) cells of value(row, where)}."""
+    cells = {}
+    for i, r in enumerate(rows):
+        where = f"{path}: row {i + 1} ({r['press']})"
+        cells.setdefault((r["press"], number(r, "ratio", where, optional=True)), []).append(value(r, where))
+    return {key: sum(v) / len(v) for key, v in cells.items()}
+
+
 def load_bench(path):
     """(uncompressed accuracy or None, {press: [(ratio, accuracy)]}, default title) of a bench summary CSV."""
     rows, _ = read_rows(path, ["press", "ratio", "task", "length", "examples", "accuracy"])
-    cells = {}  # (press, ratio) -> accuracies of its (task, length) cells
-    for i, r in enumerate(rows):
-        where = f"{path}: row {i + 1} ({r['press']})"
-        cells.setdefault((r["press"], number(r, "ratio", where, optional=True)), []).append(number(r, "accuracy", where))
-    mean = {key: sum(v) / len(v) for key, v in cells.items()}
+    mean = mean_cells(rows, path, lambda r, where: number(r, "accuracy", where))
     baseline = mean.get(("none", None))
     curves = {}
     for (press, ratio), acc in mean.items():
-        if ratio is not None:
+        if ratio is not None and not press.endswith(CALIBRATED):
             curves.setdefault(press, [] if baseline is None else [(0.0, baseline)]).append((ratio, acc))
     tasks = sorted({r["task"] for r in rows})
     lengths = sorted({int(number(r, "length", path)) for r in rows})
@@ -149,7 +162,23 @@ def load_bench(path):
         f"Accuracy under compression ({len(tasks)} tasks, {', '.join(map(str, lengths))} tokens)")
 
 
-def plot_bench(baseline, curves, out, title):
+def load_kept(path):
+    """(uncompressed accuracy or None, {press: [(mean kept fraction, accuracy)]}, default title)."""
+    rows, _ = read_rows(path, ["press", "ratio", "task", "length", "examples", "accuracy", "kept_fraction"])
+    accuracy = mean_cells(rows, path, lambda r, where: number(r, "accuracy", where))
+    kept = mean_cells(rows, path, lambda r, where: number(r, "kept_fraction", where))
+    baseline = accuracy.get(("none", None))
+    curves = {}
+    for key, acc in accuracy.items():
+        press, ratio = key
+        if ratio is not None:
+            curves.setdefault(press, [] if baseline is None else [(1.0, baseline)]).append((kept[key], acc))
+    tasks = sorted({r["task"] for r in rows})
+    return baseline, {p: sorted(v) for p, v in curves.items()}, (
+        f"Accuracy against the cache kept ({len(tasks)} tasks): fixed ratios and calibrated")
+
+
+def plot_bench(baseline, curves, out, title, xlabel="compression ratio (fraction of cached tokens removed)"):
     fig, ax = plt.subplots(figsize=(12, 7), layout="constrained")
     tab20 = plt.get_cmap("tab20").colors
     colours = tab20[0::2] + tab20[1::2]
@@ -157,11 +186,12 @@ def plot_bench(baseline, curves, out, title):
     for i, (label, points) in enumerate(ordered):
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], markersize=4, linewidth=1.4,
-                color=colours[i % len(colours)], label=label)
+                color=colours[i % len(colours)], label=label,
+                linestyle="--" if label.endswith(CALIBRATED) else "-")
     if baseline is not None:
         ax.axhline(baseline, color="0.3", linestyle="--", linewidth=1.2, label=f"no compression ({baseline:.1f})")
     ax.set_title(title)
-    ax.set_xlabel("compression ratio (fraction of cached tokens removed)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy (%, RULER string match)")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
@@ -251,6 +281,7 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="chart", required=True)
     for name, help_text in (("eval", "mean NLL against compression ratio (kvpress-cli eval --json/--csv)"),
                             ("bench", "accuracy against compression ratio (kvpress-cli bench --csv)"),
+                            ("kept", "accuracy against mean kept fraction (kvpress-cli bench --csv)"),
                             ("compare", "speedup per press (benchmarks/compare_kvpress.py --json/--csv)")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("results", help="results file, .json or .csv")
@@ -264,6 +295,9 @@ def main(argv=None):
         elif args.chart == "bench":
             baseline, curves, title = load_bench(args.results)
             plot_bench(baseline, curves, args.out, args.title or title)
+        elif args.chart == "kept":
+            baseline, curves, title = load_kept(args.results)
+            plot_bench(baseline, curves, args.out, args.title or title, xlabel="mean fraction of the cache kept")
         else:
             rows, title = load_compare(args.results)
             plot_compare(rows, args.out, args.title or title or "kvpress-cpp vs kvpress 0.5.5")

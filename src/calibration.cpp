@@ -117,6 +117,23 @@ SearchResult search_max_ratio(const QualityFn& quality, double tolerance, const 
   return result;
 }
 
+ObservedLayer observe_last(const LayerInputs& inputs, int64_t n) {
+  constexpr const char* op = "observe_last";
+  const at::Tensor& q = inputs.queries;
+  TORCH_CHECK(q.defined() && q.dim() == 4, op,
+              ": inputs.queries must be [batch, num_heads, seq_len, head_dim] (the observation queries are their last "
+              "rows), got ",
+              q.defined() ? checks::shape_str(q) : std::string("none"));
+  TORCH_CHECK(n >= 1 && q.size(2) >= n, op, ": n must be in [1, ", q.size(2), "] (the queries' rows), got ", n);
+  checks::check_keys(op, inputs.keys);
+  const int64_t seq = inputs.keys.size(2);
+  ObservedLayer layer;
+  layer.inputs = inputs;
+  layer.queries = q.narrow(2, q.size(2) - n, n);
+  layer.query_positions = at::arange(seq - n, seq, at::TensorOptions().dtype(at::kLong));
+  return layer;
+}
+
 SearchResult search_max_ratio(const std::vector<ObservedLayer>& layers,
                               const std::function<std::unique_ptr<BasePress>(double)>& make_press, double tolerance,
                               const SearchOptions& options) {

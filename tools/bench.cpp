@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cli_args.h"
+#include "kvpress/calibration.h"
 #include "kvpress/io/atomic_file.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/registry.h"
@@ -46,6 +47,7 @@ struct BenchPress {
   std::map<std::string, std::string> params;
   bool query_aware = false;  // its prefill holds the question (kvpress's query-aware evaluation)
   std::string label;         // what the rows and tables call it
+  bool calibrated = false;   // its ratio searched per example (--calibrate); the runs' "ratio" is the tolerance
 };
 
 struct BenchArgs {
@@ -56,6 +58,9 @@ struct BenchArgs {
   int64_t examples = 0;                 // per task and length; 0: all
   std::vector<BenchPress> presses;      // empty: the default list
   std::vector<double> ratios = {0.25, 0.5, 0.75};
+  // --calibrate: per example, the largest ratio whose attention output stays within each tolerance
+  // (kvpress::calibration::search_max_ratio on the captured prefill), for every score-based press.
+  std::vector<double> tolerances;
   std::string out, csv, png;
   int64_t threads = 0;  // 0: every core
   bool progress = true;
@@ -96,6 +101,7 @@ std::string label_of(const BenchPress& p) {
     for (const auto& [k, v] : p.params) inner += (inner.empty() ? "" : ",") + k + "=" + v;
     label += "(" + inner + ")";
   }
+  if (p.calibrated) label += " [calibrated]";
   return p.query_aware ? label + " [query-aware]" : label;
 }
 
@@ -145,6 +151,12 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       add_param(out.presses.back().params, v);
     } else if (take_value(args, i, "--ratios", "", v)) {
       out.ratios = parse_ratios(v);
+    } else if (take_value(args, i, "--calibrate", "", v)) {
+      const std::optional<std::vector<double>> list = kvpress::parse_double_list(v);
+      if (!list || list->empty() ||
+          !std::all_of(list->begin(), list->end(), [](double t) { return t > 0.0 && t < 1.0; }))
+        usage_error("bench: --calibrate must be a comma-separated list of tolerances in (0, 1), got '{}'", v);
+      out.tolerances = *list;
     } else if (take_value(args, i, "--out", "", out.out)) {
     } else if (take_value(args, i, "--csv", "", out.csv)) {
     } else if (take_value(args, i, "--png", "", out.png)) {
@@ -276,7 +288,8 @@ std::vector<json> read_results(const std::string& path, const std::string& model
 
 // Per (press, ratio, task, length): mean score over examples, in percent.
 struct Cell {
-  double sum = 0.0;
+  double sum = 0.0;       // of the scores
+  double kept_sum = 0.0;  // of the kept fractions
   int64_t n = 0;
 };
 using Summary = std::map<std::tuple<std::string, double, std::string, int64_t>, Cell>;
@@ -287,6 +300,7 @@ Summary summarize(const std::vector<json>& rows) {
     Cell& c = s[{r.at("press").get<std::string>(), r.at("ratio").is_null() ? -1.0 : r.at("ratio").get<double>(),
                  r.at("task").get<std::string>(), r.at("length").get<int64_t>()}];
     c.sum += r.at("score").get<double>();
+    c.kept_sum += r.at("kept_fraction").get<double>();
     ++c.n;
   }
   return s;
@@ -302,6 +316,7 @@ void print_table(const Summary& s) {
     if (std::find(tasks.begin(), tasks.end(), task) == tasks.end()) tasks.push_back(task);
     Cell& c = by_press[{press, ratio}][task];
     c.sum += cell.sum;
+    c.kept_sum += cell.kept_sum;
     c.n += cell.n;
   }
   std::string header = fmt::format("{:<44} {:>5}", "press", "ratio");
@@ -327,11 +342,12 @@ void print_table(const Summary& s) {
 }
 
 std::string summary_csv(const Summary& s) {
-  std::string out = "press,ratio,task,length,examples,accuracy\n";
+  std::string out = "press,ratio,task,length,examples,accuracy,kept_fraction\n";
   for (const auto& [key, cell] : s) {
     const auto& [press, ratio, task, length] = key;
-    out += fmt::format("\"{}\",{},{},{},{},{:.4f}\n", press, ratio < 0 ? "" : fmt::format("{:.4g}", ratio), task,
-                       length, cell.n, 100.0 * cell.sum / static_cast<double>(cell.n));
+    const double n = static_cast<double>(cell.n);
+    out += fmt::format("\"{}\",{},{},{},{},{:.4f},{:.4f}\n", press, ratio < 0 ? "" : fmt::format("{:.4g}", ratio), task,
+                       length, cell.n, 100.0 * cell.sum / n, cell.kept_sum / n);
   }
   return out;
 }
@@ -360,6 +376,18 @@ int run_bench(const std::vector<std::string>& argv) {
       const auto built = kvpress::make_press(p.name, takes_ratio(p) ? args.ratios.front() : 0.0, p.params);
       TORCH_CHECK(!built->observes_question() || p.query_aware, "bench: ", label_of(p),
                   " observes the question: give it with --query-aware");
+      if (!args.tolerances.empty() && takes_ratio(p) && !p.query_aware) {
+        // The search compresses the captured prefill's layers, so only presses that can use it.
+        const std::string why = llama::LlamaModel::why_not_captured(built.get(), llama::PressAttentions::kAuto);
+        if (why.empty()) {
+          BenchPress calibrated = p;
+          calibrated.calibrated = true;
+          presses.push_back(p);
+          presses.push_back(std::move(calibrated));
+          continue;
+        }
+        fmt::print("bench: --calibrate leaves out {}: {}\n", label_of(p), why);
+      }
     }
     presses.push_back(p);
   }
@@ -379,7 +407,8 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const Example& e : examples) {
     std::vector<Planned> todo;
     for (const BenchPress& p : presses) {
-      const std::vector<double> ratios = takes_ratio(p) ? args.ratios : std::vector<double>{-1.0};
+      const std::vector<double> ratios =
+          p.calibrated ? args.tolerances : (takes_ratio(p) ? args.ratios : std::vector<double>{-1.0});
       for (double r : ratios)
         if (!done.count({e.id, label_of(p), r})) todo.push_back({&p, r});
     }
@@ -406,22 +435,39 @@ int run_bench(const std::vector<std::string>& argv) {
     for (const Planned& run : todo) {
       const BenchPress& p = *run.press;
       progress.step(finished, e.id + " " + label_of(p));
-      std::unique_ptr<kvpress::BasePress> press;
-      if (!p.name.empty()) press = kvpress::make_press(p.name, std::max(run.ratio, 0.0), p.params);
-      llama::PipelineOptions opt = base;
-      opt.press = press.get();
-      opt.query_aware = p.query_aware;
-      const bool shared =
-          !p.query_aware && llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
       const auto t0 = Clock::now();
-      if (shared) {
+      const auto capture = [&]() -> const llama::CapturedPrefill& {
         if (!captured) {
           llama::ForwardOptions last;
           last.last_logits_only = true;
           captured = checkpoint.model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
         }
-        opt.captured = &*captured;
+        return *captured;
+      };
+      double ratio = std::max(run.ratio, 0.0);
+      json calibration = nullptr;
+      if (p.calibrated) {  // run.ratio is the tolerance
+        std::vector<kvpress::calibration::ObservedLayer> observed;
+        for (const kvpress::LayerInputs& in : capture().layers)
+          observed.push_back(kvpress::calibration::observe_last(in));
+        const auto make = [&](double r) { return kvpress::make_press(p.name, r, p.params); };
+        const kvpress::calibration::SearchResult found =
+            kvpress::calibration::search_max_ratio(observed, make, run.ratio);
+        ratio = found.ratio;
+        calibration = {{"tolerance", run.ratio},
+                       {"ratio", found.ratio},
+                       {"quality", found.quality},
+                       {"evaluations", found.evaluations.size()},
+                       {"observed_queries", kvpress::calibration::kDefaultObservedQueries}};
       }
+      std::unique_ptr<kvpress::BasePress> press;
+      if (!p.name.empty()) press = kvpress::make_press(p.name, ratio, p.params);
+      llama::PipelineOptions opt = base;
+      opt.press = press.get();
+      opt.query_aware = p.query_aware;
+      const bool shared =
+          !p.query_aware && llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
+      if (shared) opt.captured = &capture();
       at::manual_seed(0);
       const llama::Answer a =
           llama::answer_questions(checkpoint.model, checkpoint.tokenizer, e.context, {e.question}, opt).at(0);
@@ -441,6 +487,7 @@ int run_bench(const std::vector<std::string>& argv) {
                   {"expected", e.answers},
                   {"score", score(e.metric, a.text, e.answers)},
                   {"shared_prefill", shared},
+                  {"calibration", calibration},  // --calibrate: the tolerance and the ratio found
                   {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
       results << row.dump() << '\n' << std::flush;
       TORCH_CHECK(results.good(), "bench: --out ", args.out, ": write failed");

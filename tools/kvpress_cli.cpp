@@ -87,7 +87,7 @@ Usage:
                    [--json OUT] [--quiet]
   kvpress-cli bench --tasks DIR --out RESULTS.jsonl [--model NAME|DIR] [--task LIST]
                    [--lengths LIST] [--examples N] [--press NAME [--param KEY=VALUE ...]]...
-                   [--query-aware NAME]... [--ratios LIST] [--csv OUT [--png OUT]] [--threads N]
+                   [--query-aware NAME]... [--ratios LIST] [--calibrate LIST] [--csv OUT [--png OUT]] [--threads N]
                    [--no-progress]
   kvpress-cli list [--names | --json]
   kvpress-cli --help
@@ -188,14 +188,18 @@ bench options (RULER-style accuracy of every press on a real model; docs/QUALITY
                            chat template when it has one
   --task LIST, --lengths LIST, --examples N
                            only these tasks / context lengths / the first N examples of each
-  --press NAME             a press (repeatable; "none": no compression); default: none,
+  --press NAME             a press (repeatable; "none": no compression; "default": the
+                           default list); default: none,
                            StreamingLLM, Knorm, KeyDiff, SnapKV, TOVA, ExpectedAttention,
                            Compactor, PyramidKV, KVzip, AdaKV(ExpectedAttention),
                            CriticalKV(ExpectedAttention) and query-aware SnapKV
   --param KEY=VALUE        a parameter of the --press (or --query-aware) it follows
   --query-aware NAME       a press whose prefill holds the question (repeatable)
   --ratios LIST            comma-separated compression ratios (default 0.25,0.5,0.75)
-  --csv OUT                accuracy per press, ratio, task and length (all rows of --out)
+  --calibrate LIST         tolerances in (0, 1): each score-based press also runs "[calibrated]",
+                           its ratio per example the largest whose attention output (last 16
+                           queries) stays within the tolerance; its rows' ratio is the tolerance
+  --csv OUT                accuracy and mean kept fraction per press, ratio, task and length
   --png OUT                accuracy against ratio, one line per press (scripts/plot.py)
   --threads N              intra-op threads (default: every core)
   --no-progress            no progress bar (shown only on a terminal)
@@ -425,7 +429,7 @@ struct CalibrateArgs {
   std::map<std::string, std::string> params;
   std::vector<std::string> inputs;  // one file per layer of the same context
   double tolerance = 0.05;
-  int64_t observe = 16;
+  int64_t observe = kvpress::calibration::kDefaultObservedQueries;
   double max_ratio = 0.95;
   std::string json;
 };
@@ -473,18 +477,14 @@ int run_calibrate(const std::vector<std::string>& argv) {
   std::vector<kvpress::calibration::ObservedLayer> layers;
   for (const auto& path : args.inputs) {
     auto file = kvpress::io::load_safetensors(path);
-    kvpress::calibration::ObservedLayer layer;
-    layer.inputs = layer_inputs(file, path, /*allow_unknown=*/false);
-    const at::Tensor& q = layer.inputs.queries;
+    const kvpress::LayerInputs inputs = layer_inputs(file, path, /*allow_unknown=*/false);
+    const at::Tensor& q = inputs.queries;
     TORCH_CHECK(q.defined(), "input ", path,
                 ": calibrate needs queries [B, Hq, Sq, D] (the observation queries "
                 "are their last --observe rows)");
     TORCH_CHECK(q.size(2) >= args.observe, "input ", path, ": queries must hold at least --observe (", args.observe,
                 ") rows, got ", q.size(2));
-    const int64_t seq = layer.inputs.keys.size(2);
-    layer.queries = q.narrow(2, q.size(2) - args.observe, args.observe);
-    layer.query_positions = at::arange(seq - args.observe, seq, at::TensorOptions().dtype(at::kLong));
-    layers.push_back(std::move(layer));
+    layers.push_back(kvpress::calibration::observe_last(inputs, args.observe));
   }
   kvpress::calibration::SearchOptions options;
   options.max_ratio = args.max_ratio;

@@ -42,6 +42,14 @@ struct ObservedLayer {
   at::Tensor query_positions;  // [n] int64, usually the last n positions
 };
 
+// The observation queries calibration uses by default: a layer's last 16 positions.
+constexpr int64_t kDefaultObservedQueries = 16;
+
+// `inputs` observed by its last `n` queries (inputs.queries [B, Hq, S, D] post-RoPE, every position
+// of the layer's S keys). Raises c10::Error "observe_last: ..." unless inputs.queries holds at least
+// n >= 1 rows.
+ObservedLayer observe_last(const LayerInputs& inputs, int64_t n = kDefaultObservedQueries);
+
 // Compresses every layer with `press` and returns 1 − E, E = ||O_c − O_f||_F / ||O_f||_F with
 // the attention outputs of all layers stacked (so layers weigh by their output energy).
 // 1 means "no change"; it can go below 0 for a destroyed cache.

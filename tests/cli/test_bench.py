@@ -10,6 +10,7 @@ and SnapKVPress at ratio 0.5 (4 runs) and must:
 * resume: a second run with the same --out runs nothing; after the file loses half of its last row
   (an interrupted write), a third run drops that partial row and runs exactly that one again;
 * write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart;
+* with --calibrate, run each score-based press again at the ratio its search finds per example;
 * refuse a results file of another model, a --task the folder does not hold, and a press that
   observes the question given without --query-aware (before running anything), with clear errors.
 """
@@ -76,6 +77,24 @@ with tempfile.TemporaryDirectory() as tmp:
     again = rows(out)
     assert len(again) == 4 and again[3]["id"] == got[3]["id"] and again[3]["press"] == got[3]["press"], again
     assert again[3]["answer"] == got[3]["answer"], (again[3], got[3])  # the same answer on a rerun
+
+    # --calibrate: SnapKVPress also runs "[calibrated]", its ratio per example searched on the
+    # captured prefill (attention output of the last 16 queries within the tolerance); the rows'
+    # ratio is the tolerance, the ratio found is in "calibration", and the summary has its kept fraction.
+    calibrate = run(bench + ["--calibrate", "0.2"])
+    assert "2 runs to do (4 already in" in calibrate.stdout, calibrate.stdout
+    cal = [r for r in rows(out) if r["press"] == "SnapKVPress [calibrated]"]
+    assert len(cal) == 2, rows(out)
+    for r in cal:
+        c = r["calibration"]
+        assert r["ratio"] == 0.2 and c["tolerance"] == 0.2 and 0 <= c["ratio"] <= 0.95, r
+        assert c["quality"] >= 1 - 0.2 - 1e-9 and c["evaluations"] >= 1 and c["observed_queries"] == 16, r
+        assert abs(r["kept_fraction"] - (1 - c["ratio"])) < 0.02, r  # SnapKV keeps int(S * (1 - ratio)) a head
+        assert r["score"] == ruler_all(r["answer"], r["expected"]), r
+    assert all(r["calibration"] is None for r in rows(out) if r not in cal)
+    table = list(csv.DictReader(summary.open()))
+    cell = next(t for t in table if t["press"] == "SnapKVPress [calibrated]")
+    assert abs(float(cell["kept_fraction"]) - sum(r["kept_fraction"] for r in cal) / 2) < 1e-3, cell
 
     other = tmp / "other.jsonl"
     other.write_text(json.dumps(dict(got[0], model="another.gguf")) + "\n")

@@ -1,4 +1,4 @@
-"""scripts/plot.py draws valid PNGs for both charts from JSON and CSV, and fails cleanly.
+"""scripts/plot.py draws valid PNGs for every chart from JSON and CSV, and fails cleanly.
 
 Usage: python test_plot.py /path/to/scripts/plot.py   (the Python needs matplotlib)
 """
@@ -80,8 +80,26 @@ rows, title = plot.load_compare(compare_csv)
 check("compare csv: rows and numbers", [(r["table"], r["press"], r["kvpress_ms"]) for r in rows] ==
       [("a", "KnormPress", 74.55), ("a", "LeverageScorePress", 90.0), ("b", "KnormPress", 80.0)] and title is None)
 
-# Both subcommands, both formats, from the command line.
-for chart, source in (("eval", eval_json), ("eval", eval_csv), ("compare", compare_json), ("compare", compare_csv)):
+# What `kvpress-cli bench --csv` writes (tools/bench.cpp): two tasks, a fixed-ratio press and its
+# calibrated form (ratio column: the tolerance), a press without a ratio.
+bench_csv = os.path.join(tmp, "bench.csv")
+with open(bench_csv, "w") as f:
+    f.write("press,ratio,task,length,examples,accuracy,kept_fraction\n"
+            '"none",,qa,2048,10,60.0,1.0\n"none",,vt,2048,10,80.0,1.0\n'
+            '"KnormPress",0.5,qa,2048,10,40.0,0.5\n"KnormPress",0.5,vt,2048,10,60.0,0.5\n'
+            '"KnormPress [calibrated]",0.05,qa,2048,10,55.0,0.7\n"KnormPress [calibrated]",0.05,vt,2048,10,75.0,0.5\n'
+            '"DuoAttentionPress",,qa,2048,10,50.0,0.8\n"DuoAttentionPress",,vt,2048,10,50.0,0.8\n')
+baseline, curves, _ = plot.load_bench(bench_csv)
+check("bench csv: mean over tasks, curves from ratio 0, calibrated and ratio-less presses left out",
+      baseline == 70.0 and curves == {"KnormPress": [(0.0, 70.0), (0.5, 50.0)]}, curves)
+baseline, curves, _ = plot.load_kept(bench_csv)
+check("kept csv: accuracy against mean kept fraction from (1, uncompressed), calibrated included",
+      baseline == 70.0 and curves == {"KnormPress": [(0.5, 50.0), (1.0, 70.0)],
+                                      "KnormPress [calibrated]": [(0.6, 65.0), (1.0, 70.0)]}, curves)
+
+# Every subcommand, both formats where it reads both, from the command line.
+for chart, source in (("eval", eval_json), ("eval", eval_csv), ("compare", compare_json), ("compare", compare_csv),
+                      ("bench", bench_csv), ("kept", bench_csv)):
     out = os.path.join(tmp, f"{chart}-{os.path.basename(source)}.png")
     r = run(chart, source, "--out", out)
     check(f"{chart} {os.path.basename(source)}: exit 0, a PNG, no temporary left",
@@ -114,6 +132,8 @@ for name, args, want in [
     ("unknown table", ["compare", bad_table, "--out", out], "'table' must be one of a, b, got 'c'"),
     ("missing column", ["compare", no_ms, "--out", out], "lacks kvpress_ms, kvpress_cpp_ms"),
     ("eval csv lacking columns", ["eval", no_ms, "--out", out], "lacks ratio, mean_nll, stories"),
+    ("kept without kept_fraction", ["kept", no_ms, "--out", out], "lacks ratio, task, length, examples, accuracy, "
+     "kept_fraction"),
     ("output folder missing", ["compare", compare_csv, "--out", os.path.join(tmp, "nope", "x.png")], "cannot create"),
     ("output is a folder", ["compare", compare_csv, "--out", tmp], "cannot write: Is a directory"),
 ]:
