@@ -22,11 +22,6 @@ namespace kvpress::cuda {
 
 constexpr int kNoncausalTile = 16;     // wmma's m = n = k
 constexpr int kNoncausalMaxWarps = 4;  // warps of a block, at most
-// Padding of each shared row, in elements: rows stay 16-byte multiples and tiles 32-byte aligned,
-// and consecutive rows start in different banks.
-constexpr int64_t kNoncausalKeyPad = 8;
-constexpr int64_t kNoncausalLogitPad = 4;
-constexpr size_t kNoncausalAlign = 128;  // each shared region starts on a 128-byte boundary
 
 struct NoncausalPlan {
   bool applies = false;      // false: the kernel does not cover this shape (the bridge takes the composite)
@@ -39,21 +34,17 @@ struct NoncausalPlan {
   dim3 grid{1, 1, 1};
 };
 
-inline size_t noncausal_align(size_t bytes) {
-  return (bytes + kNoncausalAlign - 1) / kNoncausalAlign * kNoncausalAlign;
-}
-
 // The shared memory of a block with `warps` warps, laid out in `plan` (width and strides set).
 inline void noncausal_layout(NoncausalPlan& plan, int warps, size_t element_bytes) {
   const size_t tile = kNoncausalTile, width = static_cast<size_t>(plan.width);
   plan.warps = warps;
   plan.logits_offset = 0;  // [warps][16][logit_stride] float
-  plan.sums_offset = noncausal_align(warps * tile * static_cast<size_t>(plan.logit_stride) * sizeof(float));
-  plan.keys_offset = plan.sums_offset + noncausal_align(warps * width * sizeof(float));  // [warps][width] float
-  plan.queries_offset =                                                                  // keys: [width][key_stride] T
-      plan.keys_offset + noncausal_align(width * static_cast<size_t>(plan.key_stride) * element_bytes);
+  plan.sums_offset = shared_region_bytes(warps * tile * static_cast<size_t>(plan.logit_stride) * sizeof(float));
+  plan.keys_offset = plan.sums_offset + shared_region_bytes(warps * width * sizeof(float));  // [warps][width] float
+  plan.queries_offset =  // keys: [width][key_stride] T
+      plan.keys_offset + shared_region_bytes(width * static_cast<size_t>(plan.key_stride) * element_bytes);
   plan.shared_bytes =  // query tiles: [warps][16][key_stride] T
-      plan.queries_offset + noncausal_align(warps * tile * static_cast<size_t>(plan.key_stride) * element_bytes);
+      plan.queries_offset + shared_region_bytes(warps * tile * static_cast<size_t>(plan.key_stride) * element_bytes);
 }
 
 // queries [batch, heads, seq, dim], keys [batch, heads / group, seq, dim] of `element_bytes` (2);
@@ -67,8 +58,8 @@ inline NoncausalPlan plan_noncausal(int64_t batch, int64_t heads, int64_t seq, i
   const int64_t chunks = (seq + chunk - 1) / chunk;
   if (dim % kNoncausalTile != 0 || chunks > 2147483647 || heads > 65535 || batch > 65535) return plan;
   plan.width = (std::min(chunk, seq) + kNoncausalTile - 1) / kNoncausalTile * kNoncausalTile;
-  plan.key_stride = dim + kNoncausalKeyPad;
-  plan.logit_stride = plan.width + kNoncausalLogitPad;
+  plan.key_stride = dim + kHalfRowPad;
+  plan.logit_stride = plan.width + kFloatRowPad;
   const int tiles = static_cast<int>(std::min<int64_t>(plan.width / kNoncausalTile, kNoncausalMaxWarps));
   for (int warps = tiles; warps >= 1; --warps) {
     noncausal_layout(plan, warps, element_bytes);

@@ -52,14 +52,13 @@ inline PreropeSketchPlan plan_prerope_sketch(int64_t units, int64_t seq, int64_t
                                              size_t shared_limit) {
   PreropeSketchPlan plan;
   if (units <= 0 || seq <= 0 || dim % 16 != 0 || k % 16 != 0 || dim == 0 || k == 0 || units > 65535) return plan;
-  const auto align = [](size_t bytes) { return (bytes + 127) / 128 * 128; };
-  plan.key_stride = dim + 8;  // 16-byte rows, 32-byte aligned tiles, rows in different banks
-  plan.phi_stride = k + 8;
-  plan.out_stride = k + 4;
-  plan.phi_offset = align(static_cast<size_t>(kPreropeSketchRows * plan.key_stride) * element_bytes);
-  plan.out_offset = plan.phi_offset + align(static_cast<size_t>(dim * plan.phi_stride) * element_bytes);
+  plan.key_stride = dim + kHalfRowPad;  // shared row paddings: limits.h
+  plan.phi_stride = k + kHalfRowPad;
+  plan.out_stride = k + kFloatRowPad;
+  plan.phi_offset = shared_region_bytes(static_cast<size_t>(kPreropeSketchRows * plan.key_stride) * element_bytes);
+  plan.out_offset = plan.phi_offset + shared_region_bytes(static_cast<size_t>(dim * plan.phi_stride) * element_bytes);
   plan.shared_bytes =
-      plan.out_offset + align(static_cast<size_t>(kPreropeSketchRows * plan.out_stride) * sizeof(float));
+      plan.out_offset + shared_region_bytes(static_cast<size_t>(kPreropeSketchRows * plan.out_stride) * sizeof(float));
   if (plan.shared_bytes > shared_limit) return plan;
   const int64_t tiles = (seq + kPreropeSketchRows - 1) / kPreropeSketchRows;
   if (tiles > 2147483647) return plan;
