@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The C++ suite on the path an AVX2-only CPU takes (docs/ARCHITECTURE.md, "AVX-512 register tiles"),
-# on a machine with AVX-512: our AVX-512 kernels off (KVPRESS_DISABLE_AVX512=1), libtorch's own
+# The C++ suite on the path an AVX2-only CPU takes (docs/ARCHITECTURE.md, "Register tiles"), on a
+# machine with AVX-512: our AVX2 register tiles instead of the AVX-512 ones (KVPRESS_DISABLE_AVX512=1), libtorch's own
 # CPU kernels capped at AVX2 (ATEN_CPU_CAPABILITY=avx2), and MKL's and oneDNN's too
 # (MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2). oneDNN's cap is needed on CPUs with AMX
 # (Intel Sapphire Rapids onwards): without it torch's bfloat16 attention, capped at AVX2, still asks
@@ -8,7 +8,7 @@
 # avx512 is supported"); an AVX2-only CPU has no AMX either.
 # The parity fixtures are made again by kvpress under the same caps (they are the reference an
 # AVX2 machine would make), then the unit tests and the press parity runs of kvpress_tests, in two
-# shards side by side. The tests of the AVX-512 kernels skip, naming the reason.
+# shards side by side. The tests of the register tiles check the AVX2 ones here.
 # On a CPU without AVX-512 the main run already took this path: this script says so and stops.
 # Needs the build of scripts/test.sh ($KVPRESS_BUILD_DIR, default build/).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include "avx512_skip.h"
 #include "cpu/vec16.h"
 #include "kernel_ops.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
 #include "test_util.h"
+#include "tile_kernels_skip.h"
 
 namespace kvpress {
 namespace {
@@ -147,12 +147,12 @@ TEST(KernelOps, InvertRopeKernelIsTheCompositeBitForBit) {
                         ops::composite::invert_rope(half, cos.to(at::kBFloat16), sin.to(at::kBFloat16))));
 }
 
-// The leverage kernels (AVX-512 register tiles, kernels/cpu/leverage.cpp) against the per-head
+// The leverage kernels (register tiles, kernels/cpu/leverage.cpp) against the per-head
 // composite: every tile width k = 16..64, head_dim 32..256, sequences that end inside a tile and a
 // chunk, shared and per-head sketches, strided keys. Shapes the tiles do not serve (bfloat16 keys,
 // head_dim 48, k = 8 or 80) take the composite exactly.
 TEST(KernelOps, SketchPreropeKeysMatchesTheComposite) {
-  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
+  KVPRESS_SKIP_UNLESS_TILE_KERNELS();
   struct Case {
     int64_t batch, heads, seq, dim, k;
     bool shared_sketch;
@@ -187,13 +187,32 @@ TEST(KernelOps, SketchPreropeKeysMatchesTheComposite) {
   }
 }
 
-// cpu_kernel_isa() reports the dispatch this process runs: "avx512" exactly when the tiles run.
+// cpu_kernel_isa() reports the dispatch this process runs: the tiles' ISA first, and the caps of
+// the environment hold.
 TEST(KernelOps, CpuKernelIsaNamesTheDispatch) {
   const std::string isa = ops::cpu_kernel_isa();
-  EXPECT_TRUE(isa == "avx512" || isa == "avx512-clones" || isa == "avx2" || isa == "baseline") << isa;
-  EXPECT_EQ(isa == "avx512", kvpress::kernels::cpu_has_avx512()) << isa;
-  const char* disabled = std::getenv("KVPRESS_DISABLE_AVX512");
-  if (disabled != nullptr && std::string(disabled) == "1") EXPECT_NE(isa, "avx512");
+  const std::string tiles = isa.substr(0, isa.find('+'));
+  EXPECT_EQ(tiles, kvpress::kernels::tile_isa_name(kvpress::kernels::cpu_tile_isa())) << isa;
+  for (const char* clones : {"", "+avx512-clones", "+avx2-clones", "+baseline-clones"}) {
+    if (isa == tiles + clones) return;
+  }
+  ADD_FAILURE() << "unexpected name " << isa;
+}
+
+TEST(KernelOps, CpuTileIsaHonoursTheEnvironmentCaps) {
+  const auto is_set = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr && std::string(value) == "1";
+  };
+  const kvpress::kernels::TileIsa isa = kvpress::kernels::cpu_tile_isa();
+  if (is_set("KVPRESS_DISABLE_AVX2")) EXPECT_EQ(isa, kvpress::kernels::TileIsa::kNone);
+  if (is_set("KVPRESS_DISABLE_AVX512")) EXPECT_NE(isa, kvpress::kernels::TileIsa::kAvx512);
+#if KVPRESS_HAVE_TILE_KERNELS
+  if (!is_set("KVPRESS_DISABLE_AVX2") && !is_set("KVPRESS_DISABLE_AVX512") && __builtin_cpu_supports("avx512f"))
+    EXPECT_EQ(isa, kvpress::kernels::TileIsa::kAvx512);
+  if (!is_set("KVPRESS_DISABLE_AVX2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    EXPECT_NE(isa, kvpress::kernels::TileIsa::kNone);
+#endif
 }
 
 // The ridge leverage of every row lies in [0, 1), whichever path computes it.
@@ -209,7 +228,7 @@ TEST(KernelOps, CholeskyLeverageLiesInTheUnitInterval) {
 }
 
 TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
-  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
+  KVPRESS_SKIP_UNLESS_TILE_KERNELS();
   for (int64_t k : {8, 16, 32, 48, 64, 80}) {
     for (int64_t seq : {5, 300, 777}) {
       const at::Tensor x = randn({2, 3, seq, k}, 70);
@@ -230,7 +249,7 @@ TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
 // chunk sizes that are not multiples of 16 (or 1), GQA groups 1-4, strided queries. Shapes the kernel
 // does not serve (bfloat16, head_dim 40) take the composite exactly.
 TEST(KernelOps, NoncausalColumnSumsMatchTheComposite) {
-  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
+  KVPRESS_SKIP_UNLESS_TILE_KERNELS();
   struct Case {
     int64_t heads, kv_heads, seq, dim, chunk;
   };
@@ -281,11 +300,11 @@ TEST(WindowAttentionMean, MatchesWindowAttentionMeanForEveryDtype) {
   }
 }
 
-// Window logits of many rows (here 4 query heads x 64 = 256, SnapKV's shape) come from the AVX-512
+// Window logits of many rows (here 4 query heads x 64 = 256, SnapKV's shape) come from the
 // register tile in blocks of 64 keys (the last one partial) and tiles of 6 rows (the last one of 4);
 // head_dim 80 (not a multiple of 16) takes the batched GEMM. Both against the composite.
 TEST(WindowAttentionMean, TiledLogitsMatchTheComposite) {
-  KVPRESS_SKIP_UNLESS_AVX512_KERNELS();
+  KVPRESS_SKIP_UNLESS_TILE_KERNELS();
   for (int64_t dim : {128, 80, 16}) {
     const at::Tensor q = randn({1, 8, 64, dim}, 3);
     const at::Tensor k = randn({1, 2, 1000, dim}, 4);
@@ -552,12 +571,12 @@ TEST(ParallelKernels, FourThreadsGiveTheResultsOfOne) {
                                           "paged_write values", "sketch_prerope_keys X", "sketch_prerope_keys Gram",
                                           "cholesky_leverage",  "noncausal_column_sums"};
   ASSERT_EQ(one.size(), names.size());
-  // Without the AVX-512 kernels the leverage ops are their ATen composites (at::matmul, triangular
+  // Without the register tiles the leverage ops are their ATen composites (at::matmul, triangular
   // solves): BLAS blocks its sums by thread count and alignment (MKL's AVX2 path does on an Intel
   // Sapphire Rapids), so they are compared within float32 rounding of their longest sums (the
   // Gram's 1500 terms: about sqrt(1500) 2^-24 = 2.3e-6 relative; rtol 1e-4). Our own loops must be
   // equal.
-  const bool leverage_is_composite = !kvpress::kernels::cpu_has_avx512();
+  const bool leverage_is_composite = kvpress::kernels::cpu_tile_isa() == kvpress::kernels::TileIsa::kNone;
   for (size_t i = 0; i < names.size(); ++i) {
     const bool leverage_op = names[i].rfind("sketch_prerope_keys", 0) == 0 || names[i] == "cholesky_leverage";
     if (names[i] == "ragged_attention" || names[i] == "paged_attention")

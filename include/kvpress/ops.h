@@ -321,10 +321,11 @@ bool device_argument_checks();
 // Does nothing for other devices or without the CUDA kernels.
 void check_device_errors(const c10::Device& device);
 
-// What the CPU kernels' hot loops run in this process, for benchmark tables and bug reports:
-// "avx512" (the AVX-512 register tiles and the loops' AVX-512 clones), "avx512-clones" (the clones
-// only: KVPRESS_DISABLE_AVX512=1), "avx2" (the AVX2 clones; the tiles need AVX-512) or "baseline"
-// (x86-64 or another architecture). kernels/cpu/cpu_features.cpp.
+// What the CPU kernels' hot loops run in this process, for benchmark tables and bug reports: the
+// register tiles' ISA, "avx512", "avx2" (AVX2 + FMA) or "baseline" (no tiles: the composites),
+// followed by "+<isa>-clones" when the loader's clones of the other loops run another ISA (e.g.
+// "avx2+avx512-clones" under KVPRESS_DISABLE_AVX512=1 on an AVX-512 CPU).
+// kernels/cpu/cpu_features.cpp.
 std::string cpu_kernel_isa();
 
 }  // namespace kvpress::ops

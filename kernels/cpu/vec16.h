@@ -2,6 +2,10 @@
 // one source serves every clone of KVPRESS_VECTOR_CLONES (vector_clones.h): one register under
 // AVX-512, two under AVX2, four in the baseline. Include it only in kernel .cpp files, inside
 // their anonymous namespace's reach; the helpers are always inlined into the clone that uses them.
+// The element-wise helpers (load, store, broadcast, the exponential, the lane reductions) also
+// take an 8-float vector, Vec8 (their template argument V, 16 floats by default): code compiled
+// for AVX2 alone (the register-tile kernels) uses it, since gcc keeps 64-byte vectors that are not
+// a machine register in memory and compares them lane by lane.
 #pragma once
 
 #include <cstdint>
@@ -25,13 +29,21 @@ constexpr int64_t kLanes = 16;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float Half __attribute__((vector_size(kLanes / 2 * sizeof(float))));
 typedef float Quarter __attribute__((vector_size(kLanes / 4 * sizeof(float))));
+typedef float Vec8 __attribute__((vector_size(8 * sizeof(float))));  // one ymm register under AVX2
 
-KVPRESS_VEC_INLINE Vec load(const float* p) {  // unaligned
-  Vec v;
+template <class V>
+constexpr int64_t lanes = sizeof(V) / sizeof(float);
+
+template <class V = Vec>
+KVPRESS_VEC_INLINE V load(const float* p) {  // unaligned
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-KVPRESS_VEC_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+template <class V>
+KVPRESS_VEC_INLINE void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 // Sixteen bfloat16 values (their bits, unaligned) as float32, exactly: a bfloat16 is the upper half
 // of the float32 with the same value.
@@ -48,15 +60,22 @@ KVPRESS_VEC_INLINE Vec load_bfloat16(const uint16_t* p) {
 // Lane 0 shuffled into every lane: one broadcast instruction in every clone (folded into the FMA
 // that uses it under AVX-512). `Vec{} + x` keeps a scalar add (0 + -0 is +0) in every inner loop,
 // and `x - Vec{}` becomes sixteen masked inserts in the AVX-512 clone.
-KVPRESS_VEC_INLINE Vec broadcast(float x) {
-  const Vec first = {x};
-  return __builtin_shufflevector(first, first, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+template <class V = Vec>
+KVPRESS_VEC_INLINE V broadcast(float x) {
+  const V first = {x};
+  if constexpr (lanes<V> == 16) {
+    return __builtin_shufflevector(first, first, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  } else {
+    static_assert(lanes<V> == 8);
+    return __builtin_shufflevector(first, first, 0, 0, 0, 0, 0, 0, 0, 0);
+  }
 }
 
-// Largest of the 16 lanes.
-KVPRESS_VEC_INLINE float lane_max(Vec v) {
+// Largest of the lanes.
+template <class V>
+KVPRESS_VEC_INLINE float lane_max(V v) {
   float m = v[0];
-  for (int64_t i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  for (int64_t i = 1; i < lanes<V>; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
 
@@ -64,16 +83,17 @@ KVPRESS_VEC_INLINE float lane_max(Vec v) {
 // |r| <= ln2 / 2 (ln2 split in two parts so n ln2 is exact), a degree-6 polynomial for e^r, then
 // 2^n built in the exponent bits. Within 2 ulp of std::exp; results below the smallest normal
 // float (x < -87.3, including -inf) are 0.
-KVPRESS_VEC_INLINE Vec exp_nonpositive(Vec x) {
-  typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  const Ints underflow = x < broadcast(-87.33654f);
-  x = underflow ? broadcast(0.0f) : x;  // any finite value: masked below
-  const Vec t = x * 1.44269504088896341f + 0.5f;
-  Ints n = __builtin_convertvector(t, Ints);   // truncation toward 0 ...
-  n += (__builtin_convertvector(n, Vec) > t);  // ... corrected to floor (true is -1)
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  Vec p = broadcast(1.9875691500e-4f);
+template <class V>
+KVPRESS_VEC_INLINE V exp_nonpositive(V x) {
+  typedef int32_t Ints __attribute__((vector_size(sizeof(V))));
+  const Ints underflow = x < broadcast<V>(-87.33654f);
+  x = underflow ? broadcast<V>(0.0f) : x;  // any finite value: masked below
+  const V t = x * 1.44269504088896341f + 0.5f;
+  Ints n = __builtin_convertvector(t, Ints);  // truncation toward 0 ...
+  n += (__builtin_convertvector(n, V) > t);   // ... corrected to floor (true is -1)
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  V p = broadcast<V>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -81,39 +101,49 @@ KVPRESS_VEC_INLINE Vec exp_nonpositive(Vec x) {
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
   const Ints scale_bits = (n + 127) << 23;
-  Vec scale;
+  V scale;
   std::memcpy(&scale, &scale_bits, sizeof scale);
-  return underflow ? broadcast(0.0f) : p * scale;
+  return underflow ? broadcast<V>(0.0f) : p * scale;
 }
 
-// Lane-wise maximum of `start` and the n floats at x (n a multiple of 16), for a softmax's shift.
-KVPRESS_VEC_INLINE Vec lanes_max(const float* x, int64_t n, Vec start) {
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const Vec v = load(x + j);
+// Lane-wise maximum of `start` and the n floats at x (n a multiple of the lanes), for a softmax's
+// shift.
+template <class V>
+KVPRESS_VEC_INLINE V lanes_max(const float* x, int64_t n, V start) {
+  for (int64_t j = 0; j < n; j += lanes<V>) {
+    const V v = load<V>(x + j);
     start = v > start ? v : start;
   }
   return start;
 }
 
-// x[j] <- e^(x[j] - shift) for the n floats at x (n a multiple of 16, shift >= every x[j]): a
-// softmax's exponentials in place. Returns their lane-wise sums.
-KVPRESS_VEC_INLINE Vec exp_shifted_in_place(float* x, int64_t n, float shift) {
-  const Vec s = broadcast(shift);
-  Vec sum{};
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const Vec e = exp_nonpositive(load(x + j) - s);
+// x[j] <- e^(x[j] - shift) for the n floats at x (n a multiple of the lanes, shift >= every x[j]):
+// a softmax's exponentials in place. Returns their lane-wise sums.
+template <class V = Vec>
+KVPRESS_VEC_INLINE V exp_shifted_in_place(float* x, int64_t n, float shift) {
+  const V s = broadcast<V>(shift);
+  V sum{};
+  for (int64_t j = 0; j < n; j += lanes<V>) {
+    const V e = exp_nonpositive(load<V>(x + j) - s);
     store(x + j, e);
     sum += e;
   }
   return sum;
 }
 
-// Sum of the 16 lanes by halving (a fixed order, so the result does not depend on the clone).
-KVPRESS_VEC_INLINE float lane_sum(Vec v) {
-  const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+// Sum of the lanes by halving (a fixed order, so the result does not depend on the clone).
+template <class V>
+KVPRESS_VEC_INLINE float lane_sum(V v) {
+  if constexpr (lanes<V> == 16) {
+    const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+  } else {
+    static_assert(lanes<V> == 8);
+    const Quarter q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+  }
 }
 
 // a . b over n floats: two vector accumulators (so consecutive FMAs do not wait on each other),
@@ -171,4 +201,28 @@ KVPRESS_VEC_INLINE void transpose(Vec (&t)[kLanes]) {
   transpose_stage<1>(t);
 }
 
+// t[i][j] <- t[j][i] for an 8 x 8 block in registers (three stages of two-vector shuffles, as
+// above for 16 x 16).
+KVPRESS_VEC_INLINE void transpose(Vec8 (&t)[8]) {
+  for (int i = 0; i < 8; ++i) {
+    if ((i & 4) != 0) continue;
+    const Vec8 lo = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    const Vec8 hi = __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    t[i] = lo;
+    t[i + 4] = hi;
+  }
+  for (int i = 0; i < 8; ++i) {
+    if ((i & 2) != 0) continue;
+    const Vec8 lo = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    const Vec8 hi = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    t[i] = lo;
+    t[i + 2] = hi;
+  }
+  for (int i = 0; i < 8; i += 2) {
+    const Vec8 lo = __builtin_shufflevector(t[i], t[i + 1], 0, 8, 2, 10, 4, 12, 6, 14);
+    const Vec8 hi = __builtin_shufflevector(t[i], t[i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    t[i] = lo;
+    t[i + 1] = hi;
+  }
+}
 }  // namespace kvpress::kernels::vec16

@@ -9,29 +9,38 @@
 #pragma once
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
+#define KVPRESS_HAVE_VECTOR_CLONES 1
 #define KVPRESS_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
+#define KVPRESS_HAVE_VECTOR_CLONES 0
 #define KVPRESS_VECTOR_CLONES
 #endif
 
-// KVPRESS_AVX512_KERNEL: a loop written for AVX-512's 32 vector registers (a register tile that
-// would spill under AVX2), compiled for AVX-512 alone and called only where cpu_has_avx512() holds;
-// elsewhere its caller takes the ATen composite. Plain function attribute, no ifunc, so it is fine
-// under every sanitizer. gcc only: clang (the fuzz build) refuses the always-inlined vec16 helpers,
-// compiled for the baseline, inside an AVX-512 function (a 64-byte vector's ABI differs), and
+// KVPRESS_AVX512_KERNEL and KVPRESS_AVX2_KERNEL: the register-tile loops (cpu/register_tile.h),
+// each compiled twice from one template: for AVX-512 (32 zmm registers) and for AVX2 + FMA (16 ymm
+// registers, smaller tiles), and called only for the ISA cpu_tile_isa() names; where it names none
+// the caller takes the ATen composite. Plain function attributes, no ifunc, so they are fine under
+// every sanitizer. gcc only: clang (the fuzz build) refuses the always-inlined vec16 helpers,
+// compiled for the baseline, inside a target function (a 64-byte vector's ABI differs), and
 // nothing fuzzed runs these loops.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KVPRESS_HAVE_AVX512_KERNELS 1
+#define KVPRESS_HAVE_TILE_KERNELS 1
 #define KVPRESS_AVX512_KERNEL __attribute__((target("avx512f")))
+#define KVPRESS_AVX2_KERNEL __attribute__((target("avx2,fma")))
 #else
-#define KVPRESS_HAVE_AVX512_KERNELS 0
+#define KVPRESS_HAVE_TILE_KERNELS 0
 #define KVPRESS_AVX512_KERNEL
+#define KVPRESS_AVX2_KERNEL
 #endif
 
 namespace kvpress::kernels {
-// Whether the KVPRESS_AVX512_KERNEL loops run in this process: compiled in, the CPU has AVX-512F,
-// and the environment does not turn them off (KVPRESS_DISABLE_AVX512=1: the path an AVX2-only CPU
-// takes, for tests and benchmarks on an AVX-512 machine; kernels/cpu/cpu_features.cpp). The
-// KVPRESS_VECTOR_CLONES loops are chosen by the loader from the CPU alone and ignore it.
-bool cpu_has_avx512();
+// Which register-tile loops run in this process, decided once (kernels/cpu/cpu_features.cpp):
+// kAvx512 where they are compiled in and the CPU has AVX-512F, kAvx2 where it has AVX2 and FMA,
+// kNone elsewhere (the composites). The environment caps it for tests and benchmarks:
+// KVPRESS_DISABLE_AVX512=1 gives the path an AVX2-only CPU takes, KVPRESS_DISABLE_AVX2=1 (which
+// implies the other) the path of a CPU with neither. The KVPRESS_VECTOR_CLONES loops are chosen by
+// the loader from the CPU alone and ignore both.
+enum class TileIsa { kNone, kAvx2, kAvx512 };
+TileIsa cpu_tile_isa();
+const char* tile_isa_name(TileIsa isa);  // "baseline", "avx2", "avx512"
 }  // namespace kvpress::kernels

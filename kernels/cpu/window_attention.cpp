@@ -2,10 +2,10 @@
 // attention of the last w positions over the keys, averaged over the w window queries, without
 // materialising [B, Hq, w, S] or repeated keys. KV heads go through in slabs whose float32 logits
 // take at most 32 MiB (the buffer is reused); per slab:
-//   logits = (q / sqrt(D)) k^T   each KV head's query heads stacked as rows: on AVX-512 the
-//                                register tile (cpu/register_tile.h) over blocks of 64 keys
-//                                transposed in L1, one work item per (head, block); else one
-//                                batched GEMM. Up to kFewRows rows per head, either way: vector
+//   logits = (q / sqrt(D)) k^T   each KV head's query heads stacked as rows: on AVX-512 or
+//                                AVX2 + FMA the register tile (cpu/register_tile.h) over blocks
+//                                of 64 keys transposed in L1, one work item per (head, block);
+//                                else one batched GEMM. Up to kFewRows rows per head, either way: vector
 //                                dot products instead.
 //   per query head (a work item): each window row's softmax over the keys it sees (the causal
 //   mask is the row's length, never written), accumulated into the head's output row while both
@@ -134,69 +134,84 @@ void few_rows_slab(const at::Tensor& q, const at::Tensor& k_in, int64_t rows, fl
       at::kFloat, at::kHalf, at::kBFloat16);
 }
 
-// Keys per block of the tiled logits (four vectors: a tile is kTileRows x 64 logits) and the
-// largest head_dim of the block's transposed keys (64 KiB).
+// Keys per block of the tiled logits (four vectors: a block is rows x 64 logits) and the largest
+// head_dim of the block's transposed keys (64 KiB).
 constexpr int64_t kKeyBlock = 4 * vec16::kLanes;
 constexpr int64_t kTileMaxDim = 256;
-constexpr int kTileRows = 6;
 
-#if KVPRESS_HAVE_AVX512_KERNELS
+#if KVPRESS_HAVE_TILE_KERNELS
 // Logits of rows r0 .. r0 + R against the block's n <= 64 keys: q [rows, dim], kt the keys
-// transposed [dim, 64], out column 0 of row r0, rows `seq` apart.
-template <int R>
+// transposed [dim, 64], out column 0 of row r0, rows `seq` apart. In passes of P vectors.
+template <class Tiles, int R>
 KVPRESS_VEC_INLINE void logits_tile(const float* q, const float* kt, int64_t dim, int64_t n, int64_t seq, float* out) {
-  vec16::Vec acc[R][4] = {};
-  multiply_tile<R, 4>(q, dim, 1, kt, kKeyBlock, dim, acc);
-  for (int r = 0; r < R; ++r) {
-    if (n == kKeyBlock) {
-      for (int v = 0; v < 4; ++v) vec16::store(out + r * seq + v * vec16::kLanes, acc[r][v]);
-    } else {
-      alignas(64) float row[kKeyBlock];
-      for (int v = 0; v < 4; ++v) vec16::store(row + v * vec16::kLanes, acc[r][v]);
-      std::copy(row, row + n, out + r * seq);
-    }
+  using V = typename Tiles::Vec;
+  constexpr int L = Tiles::kLanes, kBlockVectors = kKeyBlock / L, P = kPassVectors<Tiles, kBlockVectors>;
+  alignas(64) float partial[R][kKeyBlock];  // a block's rows when it has fewer than 64 keys
+  for (int v0 = 0; v0 < kBlockVectors; v0 += P) {
+    V acc[R][P] = {};
+    multiply_tile<R, P>(q, dim, 1, kt + v0 * L, kKeyBlock, dim, acc);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < P; ++v) vec16::store((n == kKeyBlock ? out + r * seq : partial[r]) + (v0 + v) * L, acc[r][v]);
   }
+  if (n != kKeyBlock)
+    for (int r = 0; r < R; ++r) std::copy(partial[r], partial[r] + n, out + r * seq);
 }
 
 // logits[r][j0 + j] = q[r] . k[j] for all `rows` rows and the n <= 64 keys of one block: the keys
 // (rows k_stride floats apart) are transposed into L1 in 16 x 16 register blocks, then every
-// tile of kTileRows query rows runs the register tile over them. dim a multiple of 16.
-KVPRESS_AVX512_KERNEL
-void tiled_logits_block(const float* q, int64_t rows, const float* k, int64_t k_stride, int64_t n, int64_t dim,
-                        int64_t seq, float* logits) {
+// tile of R query rows runs the register tile over them. dim a multiple of 16.
+template <class Tiles>
+KVPRESS_VEC_INLINE void tiled_logits_block(const float* q, int64_t rows, const float* k, int64_t k_stride, int64_t n,
+                                           int64_t dim, int64_t seq, float* logits) {
+  constexpr int R = Tiles::template kRowsFor<kPassVectors<Tiles, kKeyBlock / Tiles::kLanes>>;
+  static_assert(R == 6, "the remainder rows below are 1 to 5");
   alignas(64) float kt[kTileMaxDim * kKeyBlock];
-  transpose_keys(k, k_stride, n, kKeyBlock, dim, kt);
+  transpose_keys<Tiles>(k, k_stride, n, kKeyBlock, dim, kt);
   int64_t r = 0;
-  for (; r + kTileRows <= rows; r += kTileRows) logits_tile<kTileRows>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+  for (; r + R <= rows; r += R) logits_tile<Tiles, R>(q + r * dim, kt, dim, n, seq, logits + r * seq);
   switch (rows - r) {
-    case 5: return logits_tile<5>(q + r * dim, kt, dim, n, seq, logits + r * seq);
-    case 4: return logits_tile<4>(q + r * dim, kt, dim, n, seq, logits + r * seq);
-    case 3: return logits_tile<3>(q + r * dim, kt, dim, n, seq, logits + r * seq);
-    case 2: return logits_tile<2>(q + r * dim, kt, dim, n, seq, logits + r * seq);
-    case 1: return logits_tile<1>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 5: return logits_tile<Tiles, 5>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 4: return logits_tile<Tiles, 4>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 3: return logits_tile<Tiles, 3>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 2: return logits_tile<Tiles, 2>(q + r * dim, kt, dim, n, seq, logits + r * seq);
+    case 1: return logits_tile<Tiles, 1>(q + r * dim, kt, dim, n, seq, logits + r * seq);
     default: return;
   }
+}
+
+KVPRESS_AVX512_KERNEL
+void tiled_logits_block_avx512(const float* q, int64_t rows, const float* k, int64_t k_stride, int64_t n, int64_t dim,
+                               int64_t seq, float* logits) {
+  tiled_logits_block<Avx512Tiles>(q, rows, k, k_stride, n, dim, seq, logits);
+}
+
+KVPRESS_AVX2_KERNEL
+void tiled_logits_block_avx2(const float* q, int64_t rows, const float* k, int64_t k_stride, int64_t n, int64_t dim,
+                             int64_t seq, float* logits) {
+  tiled_logits_block<Avx2Tiles>(q, rows, k, k_stride, n, dim, seq, logits);
 }
 #endif
 
 // logits [nh, rows, S] = q [nh, rows, D] float32 contiguous x k [nh, S, D]ᵀ (float32, unit stride
-// along D). With AVX-512 and D a multiple of 16 up to kTileMaxDim: the register tile, one work
-// item per (head, block of 64 keys); elsewhere one batched GEMM.
+// along D). With register tiles (AVX-512 or AVX2) and D a multiple of 16 up to kTileMaxDim: the
+// tile, one work item per (head, block of 64 keys); elsewhere one batched GEMM.
 void slab_logits(const at::Tensor& q, const at::Tensor& k, at::Tensor& logits) {
   const int64_t nh = k.size(0), seq = k.size(1), dim = k.size(2), rows = q.size(1);
-  if (!cpu_has_avx512() || dim % vec16::kLanes != 0 || dim > kTileMaxDim || k.stride(2) != 1) {
+  const TileIsa isa = cpu_tile_isa();
+  if (isa == TileIsa::kNone || dim % vec16::kLanes != 0 || dim > kTileMaxDim || k.stride(2) != 1) {
     at::bmm_out(logits, q, k.transpose(1, 2));
     return;
   }
-#if KVPRESS_HAVE_AVX512_KERNELS
+#if KVPRESS_HAVE_TILE_KERNELS
+  const auto block_logits = isa == TileIsa::kAvx512 ? &tiled_logits_block_avx512 : &tiled_logits_block_avx2;
   const int64_t blocks = (seq + kKeyBlock - 1) / kKeyBlock;
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   float* lp = logits.data_ptr<float>();
   at::parallel_for(0, nh * blocks, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / blocks, j0 = item % blocks * kKeyBlock;
-      tiled_logits_block(qp + h * rows * dim, rows, kp + h * k.stride(0) + j0 * k.stride(1), k.stride(1),
-                         std::min(kKeyBlock, seq - j0), dim, seq, lp + h * rows * seq + j0);
+      block_logits(qp + h * rows * dim, rows, kp + h * k.stride(0) + j0 * k.stride(1), k.stride(1),
+                   std::min(kKeyBlock, seq - j0), dim, seq, lp + h * rows * seq + j0);
     }
   });
 #endif

@@ -270,8 +270,9 @@ def press_scores(name: str, compression_ratio: float, params: Params, keys: Tens
 
 
 def cpu_kernel_isa() -> str:
-    """What the CPU kernels' hot loops run in this process: "avx512" (register tiles and AVX-512
-    loops), "avx512-clones" (KVPRESS_DISABLE_AVX512=1: the tiles off), "avx2" or "baseline"."""
+    """What the CPU kernels' hot loops run in this process: the register tiles' ISA ("avx512",
+    "avx2" or "baseline"), then "+<isa>-clones" when the other loops' clones run another one (e.g.
+    "avx2+avx512-clones" under KVPRESS_DISABLE_AVX512=1 on an AVX-512 CPU)."""
     return _ops.cpu_kernel_isa()
 
 
