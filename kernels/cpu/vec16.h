@@ -164,8 +164,9 @@ KVPRESS_VEC_INLINE float dot(const float* __restrict a, const float* __restrict 
   return total;
 }
 
-// One stage of a 16 x 16 transpose: with a and b kSpan rows apart, the lanes of a whose index has
-// bit kSpan set swap with the lanes of b whose index has it clear. Stages 8, 4, 2 and 1 transpose.
+// One stage of a transpose of 16 x 16 (Vec) or 8 x 8 (Vec8): with a and b kSpan rows apart, the
+// lanes of a whose index has bit kSpan set swap with the lanes of b whose index has it clear.
+// Stages 8 (16 lanes only), 4, 2 and 1 transpose.
 template <int kSpan>
 KVPRESS_VEC_INLINE void swap_blocks(Vec& a, Vec& b) {
   Vec lo, hi;
@@ -188,41 +189,36 @@ KVPRESS_VEC_INLINE void swap_blocks(Vec& a, Vec& b) {
 }
 
 template <int kSpan>
-KVPRESS_VEC_INLINE void transpose_stage(Vec (&t)[kLanes]) {
-  for (int i = 0; i < kLanes; ++i)
+KVPRESS_VEC_INLINE void swap_blocks(Vec8& a, Vec8& b) {
+  Vec8 lo, hi;
+  if constexpr (kSpan == 4) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+    hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  } else if constexpr (kSpan == 2) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+    hi = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  } else {
+    static_assert(kSpan == 1);
+    lo = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14);
+    hi = __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  a = lo;
+  b = hi;
+}
+
+template <int kSpan, class V>
+KVPRESS_VEC_INLINE void transpose_stage(V (&t)[lanes<V>]) {
+  for (int i = 0; i < lanes<V>; ++i)
     if ((i & kSpan) == 0) swap_blocks<kSpan>(t[i], t[i + kSpan]);
 }
 
-// t[i][j] <- t[j][i] in registers (64 two-vector shuffles).
-KVPRESS_VEC_INLINE void transpose(Vec (&t)[kLanes]) {
-  transpose_stage<8>(t);
+// t[i][j] <- t[j][i] in registers (64 two-vector shuffles for 16 x 16, 24 for 8 x 8).
+template <class V>
+KVPRESS_VEC_INLINE void transpose(V (&t)[lanes<V>]) {
+  if constexpr (lanes<V> == 16) transpose_stage<8>(t);
   transpose_stage<4>(t);
   transpose_stage<2>(t);
   transpose_stage<1>(t);
 }
 
-// t[i][j] <- t[j][i] for an 8 x 8 block in registers (three stages of two-vector shuffles, as
-// above for 16 x 16).
-KVPRESS_VEC_INLINE void transpose(Vec8 (&t)[8]) {
-  for (int i = 0; i < 8; ++i) {
-    if ((i & 4) != 0) continue;
-    const Vec8 lo = __builtin_shufflevector(t[i], t[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    const Vec8 hi = __builtin_shufflevector(t[i], t[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    t[i] = lo;
-    t[i + 4] = hi;
-  }
-  for (int i = 0; i < 8; ++i) {
-    if ((i & 2) != 0) continue;
-    const Vec8 lo = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-    const Vec8 hi = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-    t[i] = lo;
-    t[i + 2] = hi;
-  }
-  for (int i = 0; i < 8; i += 2) {
-    const Vec8 lo = __builtin_shufflevector(t[i], t[i + 1], 0, 8, 2, 10, 4, 12, 6, 14);
-    const Vec8 hi = __builtin_shufflevector(t[i], t[i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    t[i] = lo;
-    t[i + 1] = hi;
-  }
-}
 }  // namespace kvpress::kernels::vec16
