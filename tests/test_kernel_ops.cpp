@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "cpu/vec16.h"
 #include "kernel_ops.h"
 #include "kvpress/ops.h"
@@ -200,9 +201,9 @@ TEST(KernelOps, CpuKernelIsaNamesTheDispatch) {
 }
 
 TEST(KernelOps, CpuTileIsaHonoursTheEnvironmentCaps) {
+  // The library's own reading of the switches (0 or 1).
   const auto is_set = [](const char* name) {
-    const char* value = std::getenv(name);
-    return value != nullptr && std::string(value) == "1";
+    return kvpress::checks::env_flag(name, "CpuTileIsaHonoursTheEnvironmentCaps");
   };
   const kvpress::kernels::TileIsa isa = kvpress::kernels::cpu_tile_isa();
   if (is_set("KVPRESS_DISABLE_AVX2")) EXPECT_EQ(isa, kvpress::kernels::TileIsa::kNone);
