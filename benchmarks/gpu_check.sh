@@ -11,23 +11,26 @@
 #   benchmarks/gpu_check.sh --prepare DIR [--build TREE]   # here: copy TREE's binaries (built with
 #                                                          # CUDA kernels for sm_90) into DIR
 #   benchmarks/gpu_check.sh --carried DIR [--out OUT]      # there: run them (OUT defaults to $OUT)
-#   benchmarks/gpu_check.sh --emulated [--build TREE] [--out OUT]
+#   benchmarks/gpu_check.sh --emulated [--build TREE] [--out OUT] [--skip-model]
 #                                                          # anywhere: the same steps without a GPU
 #
 # --emulated rehearses every step but the GPU itself: the CUDA kernels through the CPU model of
 # CUDA's execution (kvpress_cuda_emulation_tests), the CUDA tests' CPU halves, and the benchmark's
-# whole loop on the CPU at S=2048. ctest runs it (gpu_check.emulated). TREE defaults to
-# $KVPRESS_BUILD_DIR, else build/ (scripts/test.sh's tree); OUT to $OUT, else TREE/gpu_check.
+# whole loop on the CPU at S=2048. ctest runs it (gpu_check.emulated) with --skip-model: the CUDA
+# model's tests are ctest entries of their own, which every test run runs (no second run of the
+# same tests, about 70 s on 2 cores). TREE defaults to $KVPRESS_BUILD_DIR, else build/
+# (scripts/test.sh's tree); OUT to $OUT, else TREE/gpu_check.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mode="" dir="" tree="${KVPRESS_BUILD_DIR:-$root/build}" out="${OUT:-}"
+mode="" dir="" tree="${KVPRESS_BUILD_DIR:-$root/build}" out="${OUT:-}" skip_model=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --prepare | --carried) mode="${1#--}" dir="${2:?$1 needs a folder}"; shift 2 ;;
     --emulated) mode=emulated; shift ;;
     --build) tree="${2:?--build needs a folder}"; shift 2 ;;
     --out) out="${2:?--out needs a folder}"; shift 2 ;;
-    *) echo "usage: gpu_check.sh --prepare DIR [--build TREE] | --carried DIR [--out OUT] | --emulated [--build TREE] [--out OUT]" >&2; exit 2 ;;
+    --skip-model) skip_model=1; shift ;;
+    *) echo "usage: gpu_check.sh --prepare DIR [--build TREE] | --carried DIR [--out OUT] | --emulated [--build TREE] [--out OUT] [--skip-model]" >&2; exit 2 ;;
   esac
 done
 [ -n "$mode" ] || { echo "gpu_check.sh: give --prepare DIR, --carried DIR or --emulated" >&2; exit 2; }
@@ -103,7 +106,11 @@ else
     grep -m1 'model name' /proc/cpuinfo
     echo "commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
   } >"$out/environment.log" 2>&1
-  step cuda_model 150 "$bin/tests/kvpress_cuda_emulation_tests"
+  if [ "$skip_model" = 1 ]; then
+    printf '%-16s %-34s %4ds\n' cuda_model "skipped (--skip-model)" 0 | tee -a "$summary"
+  else
+    step cuda_model 300 "$bin/tests/kvpress_cuda_emulation_tests"
+  fi
   # On a machine without a GPU the CUDA halves skip; their CPU halves must pass.
   step cuda_tests 150 "$bin/tests/kvpress_tests" --gtest_filter='*Cuda*'
   step bench_fp32 110 "$bin/benchmarks/kvpress_bench_gpu" --device cpu --seq 2048 --repeats 1 --dtype fp32

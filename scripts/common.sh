@@ -84,3 +84,75 @@ kvpress_fixtures() {
   "$python" "$root/tests/reference/make_gguf_fixtures.py" --out "$build/fixtures/gguf" \
     --smollm2 "$(bash "$root/scripts/setup.sh" --smollm2-path)"
 }
+
+# ---- Running the GoogleTest binaries ----------------------------------------------------------
+# Every test run (scripts/test.sh, test_sanitized.sh, test_avx2_path.sh) runs the GoogleTest
+# binaries whole, a few processes each, rather than as ctest's one-process-per-test entries: each
+# process starts libtorch (about 0.6 s, 1.3 s under AddressSanitizer), 330 times over for
+# kvpress_tests' unit tests. The ctest entries (label "gtest") stay for running one test by name.
+
+# kvpress_run_gtest LOG BINARY FILTER [VAR=VALUE...]: $build/tests/BINARY with --gtest_filter=FILTER
+# and the given environment (GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX for one shard), one intra-op
+# thread, under ctest's default per-test limit (1,500 s), its output in LOG. A failure prints the
+# failing tests and any sanitizer report and returns 1.
+kvpress_run_gtest() {
+  local log="$1" binary="$2" filter="$3"
+  shift 3
+  if ! (cd "$build/tests" && env OMP_NUM_THREADS=1 "$@" timeout 1500 "./$binary" --gtest_filter="$filter" >"$log" 2>&1); then
+    echo "$binary ($*): FAILED (whole log: $log):" >&2
+    grep -B2 -A20 -E 'Failure$|^\[  FAILED  \]|ERROR: (Address|Undefined|Leak|Thread)Sanitizer|runtime error:' "$log" |
+      head -n 300 >&2 || true
+    return 1
+  fi
+}
+
+# kvpress_gtest_totals LOG...: each log's totals, then the skipped tests with their reasons.
+kvpress_gtest_totals() {
+  local log
+  for log in "$@"; do
+    grep -h -E '^\[==========\] .* ran|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \] [0-9]+ test' "$log" |
+      sed "s|^|$(basename "$log" .log): |" || true
+  done
+  grep -h -B1 '^\[  SKIPPED \] .*(' "$@" | grep -v -E '^--$|^\[  SKIPPED' | sort -u || true
+}
+
+# kvpress_run_suite NAME CTEST_JOBS FIXTURES [ctest argument...]: every test of $build but the
+# large-indices one (scripts/test.sh runs it alone): kvpress_tests in $jobs shards, each followed by
+# one of the small GoogleTest binaries (concurrency, CUDA model), beside ctest running the entries
+# that are not GoogleTest's (CLI, Python, examples, headers, gpu_check) CTEST_JOBS at a time with
+# the given arguments. Parity fixtures from FIXTURES. Logs: $build/NAME-*.log. Returns 1 if any
+# test failed, after every process has ended and the totals are printed.
+kvpress_run_suite() {
+  local name="$1" ctest_jobs="$2" fixtures="$3"
+  shift 3
+  local others_log="$build/$name-ctest.log" pids=() shard i status=0
+  (cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$ctest_jobs" -LE '^gtest$' "$@" >"$others_log" 2>&1) &
+  pids+=($!)
+  local small=(kvpress_concurrency_tests)
+  [ -x "$build/tests/kvpress_cuda_emulation_tests" ] && small+=(kvpress_cuda_emulation_tests)
+  for ((shard = 0; shard < jobs; shard++)); do
+    (
+      failed=0
+      kvpress_run_gtest "$build/$name-kvpress_tests-$shard.log" kvpress_tests '-LargeIndices.*' \
+        KVPRESS_FIXTURES="$fixtures" GTEST_TOTAL_SHARDS="$jobs" GTEST_SHARD_INDEX="$shard" || failed=1
+      for ((i = shard; i < ${#small[@]}; i += jobs)); do
+        kvpress_run_gtest "$build/$name-${small[$i]}.log" "${small[$i]}" '-CudaEmulationRaceDemo.*' || failed=1
+      done
+      exit $failed
+    ) &
+    pids+=($!)
+  done
+  if ! wait "${pids[0]}"; then
+    status=1
+    echo "$name: ctest (CLI, Python, examples, headers, gpu_check) FAILED:" >&2
+  fi
+  for i in "${pids[@]:1}"; do
+    wait "$i" || status=1
+  done
+  local logs=()
+  for ((shard = 0; shard < jobs; shard++)); do logs+=("$build/$name-kvpress_tests-$shard.log"); done
+  for i in "${small[@]}"; do logs+=("$build/$name-$i.log"); done
+  kvpress_gtest_totals "${logs[@]}"
+  tail -n 40 "$others_log"
+  return $status
+}

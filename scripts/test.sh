@@ -25,8 +25,10 @@ if ! wait "$fixtures_pid"; then
 fi
 trap - EXIT
 cat "$fixtures_log"
-# One intra-op thread per test process: ctest already runs $jobs of them side by side.
-(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs")
+# One intra-op thread per test process: $jobs GoogleTest shards run beside ctest's $jobs entries
+# (common.sh, kvpress_run_suite). Then the large-indices test, alone: its 16 GiB of tensors.
+kvpress_run_suite suite "$jobs" "$build/fixtures"
+(cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -R '^large\.indices_beyond_2_31$')
 # The same C++ suite on the path of an AVX2-only CPU, where this one has AVX-512 (about a minute).
 "$root/scripts/test_avx2_path.sh"
 

@@ -23,22 +23,15 @@ env "${caps[@]}" "$python" "$root/tests/reference/make_fixtures.py" --out "$fixt
 # scripts, made without the caps; tests/CMakeLists.txt lists them) and the 16 GiB large-indices test
 # (scripts/test.sh runs it).
 filter="-$(cat "$build/tests/model_level_parity.filter"):LargeIndices.*"
-status=0
 pids=()
 for shard in 0 1; do
-  env "${caps[@]}" KVPRESS_FIXTURES="$fixtures" OMP_NUM_THREADS=1 GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard \
-    "$build/tests/kvpress_tests" --gtest_filter="$filter" >"$build/avx2-shard$shard.log" 2>&1 &
+  kvpress_run_gtest "$build/avx2-shard$shard.log" kvpress_tests "$filter" "${caps[@]}" KVPRESS_FIXTURES="$fixtures" \
+    GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard &
   pids+=($!)
 done
-for i in 0 1; do
-  if ! wait "${pids[$i]}"; then
-    status=1
-    echo "avx2 path: shard $i FAILED; its failures (whole log: $build/avx2-shard$i.log):" >&2
-    grep -B2 -A12 -E 'Failure$|^\[  FAILED  \]' "$build/avx2-shard$i.log" | head -n 300 >&2
-  fi
+status=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=1
 done
-# Each shard's totals, and the skipped tests with their reasons.
-grep -h -E '^\[==========\] .* ran|^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \] [0-9]+ test' \
-  "$build"/avx2-shard*.log
-grep -h -B1 '^\[  SKIPPED \] .*(' "$build"/avx2-shard*.log | grep -v -E '^--$|^\[  SKIPPED' | sort -u
+kvpress_gtest_totals "$build"/avx2-shard*.log
 exit $status
