@@ -52,7 +52,7 @@ install_debian_packages cmake g++ make ninja-build ccache pkg-config libfmt-dev 
 
 stamp="$venv/.kvpress-requirements"
 if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then
-  echo "setup: creating Python environment in $venv (about 4 GB of wheels: torch and its CUDA libraries)" >  echo "setup: creating Python environment in $venv (torch wheel is large; first run takes minutes)" >&22
+  echo "setup: creating Python environment in $venv (about 4 GB of wheels: torch and its CUDA libraries)" >&2
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
   # uv installs the ~5 GB of wheels (torch and its CUDA libraries) with parallel downloads and no
