@@ -14,8 +14,8 @@
 
 #include "checks.h"
 #include "cpu/float_rows.h"
+#include "cpu/per_isa.h"
 #include "cpu/vec16.h"
-#include "cpu/vector_clones.h"
 
 namespace kvpress::kernels {
 namespace {
@@ -33,33 +33,39 @@ struct KeyDiffScratch {
   }
 };
 
-// The float32 passes, with vector dot products (compiled per ISA). Pass 1 over n rows: each row's
-// norm, and the unit rows added to the anchor's running sum.
-KVPRESS_VECTOR_CLONES
-void add_unit_rows(const float* rows, int64_t n, int64_t dim, float* norms, double* anchor_sum) {
-  for (int64_t s = 0; s < n; ++s) {
-    const float* k = rows + s * dim;
-    const float norm = std::sqrt(vec16::dot(k, k, dim));
-    norms[s] = norm;
-    const float inv = 1.f / std::max(norm, 1e-12f);
-    for (int64_t d = 0; d < dim; ++d) anchor_sum[d] += static_cast<double>(k[d] * inv);
+// The float32 passes, with vector dot products, each compiled per ISA (per_isa.h). Pass 1 over n
+// rows: each row's norm, and the unit rows added to the anchor's running sum.
+struct AddUnitRows {
+  template <class V>
+  static KVPRESS_VEC_INLINE void run(const float* rows, int64_t n, int64_t dim, float* norms, double* anchor_sum) {
+    for (int64_t s = 0; s < n; ++s) {
+      const float* k = rows + s * dim;
+      const float norm = std::sqrt(vec16::dot<V>(k, k, dim));
+      norms[s] = norm;
+      const float inv = 1.f / std::max(norm, 1e-12f);
+      for (int64_t d = 0; d < dim; ++d) anchor_sum[d] += static_cast<double>(k[d] * inv);
+    }
   }
-}
+};
 
 // The anchor (mean unit row) from its sum over `seq` rows; returns its norm (eps 1e-8).
-KVPRESS_VECTOR_CLONES
-float finish_anchor(const double* anchor_sum, int64_t seq, int64_t dim, float* anchor) {
-  for (int64_t d = 0; d < dim; ++d) anchor[d] = static_cast<float>(anchor_sum[d] / static_cast<double>(seq));
-  return std::max(std::sqrt(vec16::dot(anchor, anchor, dim)), 1e-8f);
-}
+struct FinishAnchor {
+  template <class V>
+  static KVPRESS_VEC_INLINE float run(const double* anchor_sum, int64_t seq, int64_t dim, float* anchor) {
+    for (int64_t d = 0; d < dim; ++d) anchor[d] = static_cast<float>(anchor_sum[d] / static_cast<double>(seq));
+    return std::max(std::sqrt(vec16::dot<V>(anchor, anchor, dim)), 1e-8f);
+  }
+};
 
 // Pass 2 over n rows: minus the cosine of each row to the anchor.
-KVPRESS_VECTOR_CLONES
-void negative_cosines(const float* rows, int64_t n, int64_t dim, const float* anchor, float anchor_norm,
-                      const float* norms, float* out) {
-  for (int64_t s = 0; s < n; ++s)
-    out[s] = -vec16::dot(rows + s * dim, anchor, dim) / (std::max(norms[s], 1e-8f) * anchor_norm);
-}
+struct NegativeCosines {
+  template <class V>
+  static KVPRESS_VEC_INLINE void run(const float* rows, int64_t n, int64_t dim, const float* anchor, float anchor_norm,
+                                     const float* norms, float* out) {
+    for (int64_t s = 0; s < n; ++s)
+      out[s] = -vec16::dot<V>(rows + s * dim, anchor, dim) / (std::max(norms[s], 1e-8f) * anchor_norm);
+  }
+};
 
 // One head, float32 arithmetic: float32 keys are read in place, float16/bfloat16 keys converted a
 // block of rows at a time.
@@ -71,12 +77,13 @@ void keydiff_head(const scalar_t* keys, int64_t seq, int64_t dim, float* out, Ke
   std::fill(scratch.anchor_sum.begin(), scratch.anchor_sum.end(), 0.0);
   for (int64_t s0 = 0; s0 < seq; s0 += kConvertBlockRows) {
     const int64_t n = std::min(kConvertBlockRows, seq - s0);
-    add_unit_rows(rows(s0, n), n, dim, scratch.norms.data() + s0, scratch.anchor_sum.data());
+    run_per_isa<AddUnitRows>(rows(s0, n), n, dim, scratch.norms.data() + s0, scratch.anchor_sum.data());
   }
-  const float anchor_norm = finish_anchor(scratch.anchor_sum.data(), seq, dim, scratch.anchor.data());
+  const float anchor_norm = run_per_isa<FinishAnchor>(scratch.anchor_sum.data(), seq, dim, scratch.anchor.data());
   for (int64_t s0 = 0; s0 < seq; s0 += kConvertBlockRows) {
     const int64_t n = std::min(kConvertBlockRows, seq - s0);
-    negative_cosines(rows(s0, n), n, dim, scratch.anchor.data(), anchor_norm, scratch.norms.data() + s0, out + s0);
+    run_per_isa<NegativeCosines>(rows(s0, n), n, dim, scratch.anchor.data(), anchor_norm, scratch.norms.data() + s0,
+                                 out + s0);
   }
 }
 

@@ -148,16 +148,18 @@ KVPRESS_VEC_INLINE float lane_sum(V v) {
 
 // a . b over n floats: two vector accumulators (so consecutive FMAs do not wait on each other),
 // then a scalar tail.
+template <class V = Vec>
 KVPRESS_VEC_INLINE float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  Vec s0{}, s1{};
+  constexpr int64_t w = lanes<V>;
+  V s0{}, s1{};
   int64_t d = 0;
-  for (; d + 2 * kLanes <= n; d += 2 * kLanes) {
-    s0 += load(a + d) * load(b + d);
-    s1 += load(a + d + kLanes) * load(b + d + kLanes);
+  for (; d + 2 * w <= n; d += 2 * w) {
+    s0 += load<V>(a + d) * load<V>(b + d);
+    s1 += load<V>(a + d + w) * load<V>(b + d + w);
   }
-  if (d + kLanes <= n) {
-    s0 += load(a + d) * load(b + d);
-    d += kLanes;
+  if (d + w <= n) {
+    s0 += load<V>(a + d) * load<V>(b + d);
+    d += w;
   }
   float total = lane_sum(s0 + s1);
   for (; d < n; ++d) total += a[d] * b[d];

@@ -9,7 +9,7 @@
 //                                dot products instead.
 //   per query head (a work item): each window row's softmax over the keys it sees (the causal
 //   mask is the row's length, never written), accumulated into the head's output row while both
-//   rows are in the core's cache, then scaled by 1 / w (window_softmax_mean).
+//   rows are in the core's cache, then scaled by 1 / w (WindowSoftmaxMean).
 // The BLAS fallback is one multi-threaded ATen call: BLAS must not run inside an at::parallel_for region
 // here, since torch turns MKL's dynamic threading off and nested GEMMs then oversubscribe the
 // cores (measured 10x slower on 2 busy cores).
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu/float_rows.h"
+#include "cpu/per_isa.h"
 #include "cpu/register_tile.h"
 #include "cpu/vec16.h"
 #include "cpu/vector_clones.h"
@@ -41,73 +42,78 @@ constexpr int64_t kSlabBytes = int64_t{32} << 20;
 // time packing the keys, while the dot products read each key row once, at memory speed.
 constexpr int64_t kFewRows = 8;
 
-// few_rows_logits for R rows and dim a multiple of 16: each key row is loaded once per 16 floats and
-// multiplied into R independent accumulators (one per query row), then each is summed across lanes.
-template <int R>
+// few_rows_logits for R rows and dim a multiple of the lanes: each key row is loaded once per vector
+// and multiplied into R independent accumulators (one per query row), then each is summed across
+// lanes.
+template <int R, class V>
 KVPRESS_VEC_INLINE void few_rows_logits_tiled(const float* q, const float* k, int64_t n, int64_t dim, int64_t seq,
                                               float* logits) {
   for (int64_t j = 0; j < n; ++j) {
-    vec16::Vec acc[R] = {};
-    for (int64_t d = 0; d < dim; d += vec16::kLanes) {
-      const vec16::Vec kv = vec16::load(k + j * dim + d);
+    V acc[R] = {};
+    for (int64_t d = 0; d < dim; d += vec16::lanes<V>) {
+      const V kv = vec16::load<V>(k + j * dim + d);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] += vec16::load(q + r * dim + d) * kv;
+      for (int r = 0; r < R; ++r) acc[r] += vec16::load<V>(q + r * dim + d) * kv;
     }
     for (int r = 0; r < R; ++r) logits[r * seq + j] = vec16::lane_sum(acc[r]);
   }
 }
 
 // logits[r * seq + j] = q[r] . k[j] for the rows of one KV head and n consecutive keys; q [rows,
-// dim] and k [n, dim] contiguous, logits rows `seq` apart.
-KVPRESS_VECTOR_CLONES
-void few_rows_logits(const float* q, int64_t rows, const float* k, int64_t n, int64_t dim, int64_t seq, float* logits) {
-  if (dim % vec16::kLanes == 0) {
-    switch (rows) {
-      case 1: return few_rows_logits_tiled<1>(q, k, n, dim, seq, logits);
-      case 2: return few_rows_logits_tiled<2>(q, k, n, dim, seq, logits);
-      case 3: return few_rows_logits_tiled<3>(q, k, n, dim, seq, logits);
-      case 4: return few_rows_logits_tiled<4>(q, k, n, dim, seq, logits);
-      case 5: return few_rows_logits_tiled<5>(q, k, n, dim, seq, logits);
-      case 6: return few_rows_logits_tiled<6>(q, k, n, dim, seq, logits);
-      case 7: return few_rows_logits_tiled<7>(q, k, n, dim, seq, logits);
-      case 8: return few_rows_logits_tiled<8>(q, k, n, dim, seq, logits);
-      default: break;
+// dim] and k [n, dim] contiguous, logits rows `seq` apart. Per ISA (per_isa.h).
+struct FewRowsLogits {
+  template <class V>
+  static KVPRESS_VEC_INLINE void run(const float* q, int64_t rows, const float* k, int64_t n, int64_t dim, int64_t seq,
+                                     float* logits) {
+    if (dim % vec16::lanes<V> == 0) {
+      switch (rows) {
+        case 1: return few_rows_logits_tiled<1, V>(q, k, n, dim, seq, logits);
+        case 2: return few_rows_logits_tiled<2, V>(q, k, n, dim, seq, logits);
+        case 3: return few_rows_logits_tiled<3, V>(q, k, n, dim, seq, logits);
+        case 4: return few_rows_logits_tiled<4, V>(q, k, n, dim, seq, logits);
+        case 5: return few_rows_logits_tiled<5, V>(q, k, n, dim, seq, logits);
+        case 6: return few_rows_logits_tiled<6, V>(q, k, n, dim, seq, logits);
+        case 7: return few_rows_logits_tiled<7, V>(q, k, n, dim, seq, logits);
+        case 8: return few_rows_logits_tiled<8, V>(q, k, n, dim, seq, logits);
+        default: break;
+      }
     }
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t r = 0; r < rows; ++r) logits[r * seq + j] = vec16::dot<V>(q + r * dim, k + j * dim, dim);
   }
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t r = 0; r < rows; ++r) logits[r * seq + j] = vec16::dot(q + r * dim, k + j * dim, dim);
-}
+};
 
 // The mean over a query head's `window` rows of their causal softmax, in one pass per row while
 // the row (S floats) and the output row stay in the core's cache: row i sees keys 0 .. S - w + i;
 // out[j] = (1 / w) sum_i e^(l_ij - max_i) / sum_i for j < S - w. `logits` (w rows `seq` apart) is
 // overwritten with the exponentials. Replaces masking the logits, torch's softmax in place and a
-// mean over the window: three passes over every slab of logits.
-KVPRESS_VECTOR_CLONES
-void window_softmax_mean(float* logits, int64_t window, int64_t seq, float* __restrict out) {
-  using vec16::kLanes;
-  using vec16::Vec;
-  const int64_t n_out = seq - window;
-  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n_out; ++j) out[j] = 0.0f;
-  for (int64_t i = 0; i < window; ++i) {
-    float* row = logits + i * seq;
-    const int64_t visible = seq - window + i + 1;
-    const int64_t body = visible / kLanes * kLanes;
-    // The tail of the visible columns, padded with -inf (e^-inf = 0 adds nothing).
-    float tail_in[kLanes];
-    for (int64_t j = 0; j < kLanes; ++j) tail_in[j] = body + j < visible ? row[body + j] : neg_inf;
-    const float row_max = vec16::lane_max(vec16::lanes_max(row, body, vec16::load(tail_in)));
-    Vec sum_v = vec16::exp_shifted_in_place(row, body, row_max);
-    const Vec tail_e = vec16::exp_nonpositive(vec16::load(tail_in) - vec16::broadcast(row_max));
-    sum_v += tail_e;
-    for (int64_t j = body; j < visible; ++j) row[j] = tail_e[j - body];
-    const float inv = 1.0f / vec16::lane_sum(sum_v);
-    for (int64_t j = 0; j < n_out; ++j) out[j] += row[j] * inv;
+// mean over the window: three passes over every slab of logits. Per ISA (per_isa.h).
+struct WindowSoftmaxMean {
+  template <class V>
+  static KVPRESS_VEC_INLINE void run(float* logits, int64_t window, int64_t seq, float* __restrict out) {
+    constexpr int64_t kLanes = vec16::lanes<V>;
+    const int64_t n_out = seq - window;
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n_out; ++j) out[j] = 0.0f;
+    for (int64_t i = 0; i < window; ++i) {
+      float* row = logits + i * seq;
+      const int64_t visible = seq - window + i + 1;
+      const int64_t body = visible / kLanes * kLanes;
+      // The tail of the visible columns, padded with -inf (e^-inf = 0 adds nothing).
+      float tail_in[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) tail_in[j] = body + j < visible ? row[body + j] : neg_inf;
+      const float row_max = vec16::lane_max(vec16::lanes_max(row, body, vec16::load<V>(tail_in)));
+      V sum_v = vec16::exp_shifted_in_place<V>(row, body, row_max);
+      const V tail_e = vec16::exp_nonpositive(vec16::load<V>(tail_in) - vec16::broadcast<V>(row_max));
+      sum_v += tail_e;
+      for (int64_t j = body; j < visible; ++j) row[j] = tail_e[j - body];
+      const float inv = 1.0f / vec16::lane_sum(sum_v);
+      for (int64_t j = 0; j < n_out; ++j) out[j] += row[j] * inv;
+    }
+    const float inv_window = 1.0f / static_cast<float>(window);
+    for (int64_t j = 0; j < n_out; ++j) out[j] *= inv_window;
   }
-  const float inv_window = 1.0f / static_cast<float>(window);
-  for (int64_t j = 0; j < n_out; ++j) out[j] *= inv_window;
-}
+};
 
 // The few-rows logits of a slab: q [nh, rows, D] float32 contiguous, k [nh, S, D] in the cache
 // dtype, logits [nh, rows, S]. float16/bfloat16 keys are converted a block of rows at a time
@@ -126,7 +132,8 @@ void few_rows_slab(const at::Tensor& q, const at::Tensor& k_in, int64_t rows, fl
             const int64_t j1 = std::min({seq, j0 + (end - i), j0 + kConvertBlockRows});
             // keys j0 .. j1 as float32, [j1 - j0, dim]
             const float* rows_f32 = as_float32(kp + (h * seq + j0) * dim, (j1 - j0) * dim, block);
-            few_rows_logits(qp + h * rows * dim, rows, rows_f32, j1 - j0, dim, seq, logits + h * rows * seq + j0);
+            run_per_isa<FewRowsLogits>(qp + h * rows * dim, rows, rows_f32, j1 - j0, dim, seq,
+                                       logits + h * rows * seq + j0);
             i += j1 - j0;
           }
         });
@@ -248,7 +255,7 @@ at::Tensor window_attention_mean_cpu(const at::Tensor& queries_in, const at::Ten
       float* dst = out.select(0, b).data_ptr<float>() + h0 * group * (seq - window);
       at::parallel_for(0, nh * group, /*grain_size=*/1, [&](int64_t begin, int64_t end) {
         for (int64_t head = begin; head < end; ++head)
-          window_softmax_mean(lp + head * window * seq, window, seq, dst + head * (seq - window));
+          run_per_isa<WindowSoftmaxMean>(lp + head * window * seq, window, seq, dst + head * (seq - window));
       });
     }
   }
