@@ -70,6 +70,10 @@ summary="$out/summary.txt"
 : >"$summary"
 start=$SECONDS
 failed=0
+# record NAME WHAT SECONDS: one line of the summary.
+record() {
+  printf '%-16s %-34s %4ds\n' "$1" "$2" "$3" | tee -a "$summary"
+}
 # step NAME TIMEOUT CMD...: runs CMD under TIMEOUT seconds into $out/NAME.log, records the result.
 step() {
   local name="$1" limit="$2"
@@ -81,7 +85,7 @@ step() {
   tail -n 40 "$out/$name.log"
   local what=ok
   [ "$rc" = 0 ] || { what="FAILED (exit $rc$([ "$rc" = 124 ] && echo ', timed out'))"; failed=1; }
-  printf '%-16s %-34s %4ds\n' "$name" "$what" $((SECONDS - t0)) | tee -a "$summary"
+  record "$name" "$what" $((SECONDS - t0))
 }
 
 if [ "$mode" = carried ]; then
@@ -107,7 +111,7 @@ else
     echo "commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)"
   } >"$out/environment.log" 2>&1
   if [ "$skip_model" = 1 ]; then
-    printf '%-16s %-34s %4ds\n' cuda_model "skipped (--skip-model)" 0 | tee -a "$summary"
+    record cuda_model "skipped (--skip-model)" 0
   else
     step cuda_model 300 "$bin/tests/kvpress_cuda_emulation_tests"
   fi
@@ -116,6 +120,5 @@ else
   step bench_fp32 110 "$bin/benchmarks/kvpress_bench_gpu" --device cpu --seq 2048 --repeats 1 --dtype fp32
   step bench_bf16 110 "$bin/benchmarks/kvpress_bench_gpu" --device cpu --seq 2048 --repeats 1 --dtype bf16
 fi
-printf '%-16s %-34s %4ds\n' total "$([ "$failed" = 0 ] && echo ok || echo FAILED)" $((SECONDS - start)) |
-  tee -a "$summary"
+record total "$([ "$failed" = 0 ] && echo ok || echo FAILED)" $((SECONDS - start))
 exit "$failed"

@@ -55,9 +55,9 @@ if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then
   echo "setup: creating Python environment in $venv (about 4 GB of wheels: torch and its CUDA libraries)" >&2
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-  # uv installs the ~5 GB of wheels (torch and its CUDA libraries) with parallel downloads and no
-  # bytecode compilation: about 20 s where pip took about 7 minutes on a fresh 2-core machine
-  # (docs/RELIABILITY.md, "Cost in CI"). The venv keeps pip for the user's own installs.
+  # uv installs the wheels with parallel downloads and no bytecode compilation: about 30 s where pip
+  # took about 7 minutes on a fresh 2-core machine (docs/RELIABILITY.md, "Cost in CI"). The venv
+  # keeps pip for the user's own installs.
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "uv==$uv_version"
   # uv does not read pip's settings: pip's CA bundle (PIP_CERT), if one is set, passed on.
   uv_env=()
