@@ -5,7 +5,7 @@
 # clang's -fsanitize=thread into their own build folder, and runs them, halting on the first report
 # (docs/RELIABILITY.md). No CUDA kernels are compiled (KVPRESS_WITH_CUDA=OFF), but they run: the
 # CUDA kernels' emulated tests (tests/test_cuda_emulation.cpp) execute every block's threads as
-# real threads, so a race between them is reported here (and a kernel with its barrier removed
+# fibers that ThreadSanitizer sees as threads, so a race between them is reported here (and a kernel with its barrier removed
 # must be: docs/RELIABILITY.md, "CUDA kernels without a GPU"). Folder: $KVPRESS_TSAN_BUILD_DIR,
 # default build-tsan/.
 #
@@ -27,23 +27,11 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/
 (cd "$build" && OMP_NUM_THREADS=1 ctest --output-on-failure -j "$jobs" -R '^(Concurrency|CudaEmulation)\.')
 
 # The CUDA execution model must make a missing __syncthreads() a race that ThreadSanitizer sees
-# (tests/test_cuda_emulation.cpp, CudaEmulationRaceDemo): a run must fail with a report. Not every
-# run does: on an idle 2-core machine 7 runs in 8 report it, and with three other processes busy on
-# its cores none of 8 did (2026-12-04; hiding the thread pool's own locks from ThreadSanitizer did
-# not change that, so the ordering that hides the race is not yet found). So up to 5 runs, each
-# log kept; the check fails only if none reports the race.
-demo="$build/cuda_emulation_race_demo"
-reported=0
-for attempt in 1 2 3 4 5; do
-  if ! OMP_NUM_THREADS=1 "$build/tests/kvpress_cuda_emulation_tests" --gtest_filter='CudaEmulationRaceDemo.*' \
-      >"$demo.$attempt.log" 2>&1 && grep -q 'WARNING: ThreadSanitizer: data race' "$demo.$attempt.log"; then
-    reported=$attempt
-    break
-  fi
-done
-if [ "$reported" = 0 ]; then
-  echo "test_tsan.sh: ThreadSanitizer did not report the emulated kernel's missing barrier in 5 runs (logs: $demo.*.log)" >&2
+# (tests/test_cuda_emulation.cpp, CudaEmulationRaceDemo): the run must fail with that report.
+demo="$build/cuda_emulation_race_demo.log"
+if OMP_NUM_THREADS=1 "$build/tests/kvpress_cuda_emulation_tests" --gtest_filter='CudaEmulationRaceDemo.*' \
+    >"$demo" 2>&1 || ! grep -q 'WARNING: ThreadSanitizer: data race' "$demo"; then
+  echo "test_tsan.sh: ThreadSanitizer did not report the emulated kernel's missing barrier (log: $demo)" >&2
   exit 1
 fi
-echo "test_tsan.sh: the emulated kernel without its barrier was reported as a data race, as it must be (run $reported of at most 5)"
-
+echo "test_tsan.sh: the emulated kernel without its barrier was reported as a data race, as it must be"

@@ -1,5 +1,5 @@
 // Every CUDA kernel of kernels/cuda, run on the CPU through the execution model of
-// tests/cuda_emulation (real threads per block, barriers, warp collectives, launch limits), against
+// tests/cuda_emulation (a block's threads as fibers, barriers, warp collectives, launch limits), against
 // the op's CPU kernel, on shapes that reach every tail. The launchers are the ones nvcc compiles
 // (same grid, block, shared memory and splits), so this runs the launch the GPU would get.
 // Its own binary: scripts/test_tsan.sh and scripts/test_sanitized.sh run it instrumented.

@@ -1,53 +1,75 @@
 // The runtime of the CUDA execution model (cuda_emulation.h): launches, block barriers, warp
-// collectives and launch limits. One mutex per block guards every collective's state; a waiting
-// thread sleeps on a condition variable (blocks have up to 1024 threads and machines 2 cores).
+// collectives and launch limits.
 //
-// Under ThreadSanitizer the model's own locks would order the kernel's threads where CUDA does not
-// (every collective of a block shares one mutex, so a shuffle would hide a missing barrier). So the
-// model's bookkeeping is hidden from it (ModelInternals) and only what CUDA orders is annotated:
-// the launch before the block's threads, each block's threads before the next block (blocks run one
-// at a time here), and __syncthreads among the block's threads. Shuffles and votes order nothing.
+// A block's threads are fibers: user-space contexts (ucontext), each on a stack of its own, run one
+// at a time on the launching thread. A fiber runs until it must wait for other threads (a barrier,
+// a warp collective), then the next ready one runs; a collective that completes makes its waiters
+// ready again. A block of 1024 threads thus costs no kernel thread, lock or futex wake-up: with real
+// threads the model spent more time in the kernel's scheduler than in the kernels (on a 2-core
+// machine, 2026-12-05: 41 s of system time for 10 s of user time).
+//
+// Under ThreadSanitizer every fiber is a thread of its own to it (__tsan_create_fiber), and a switch
+// orders nothing (__tsan_switch_to_fiber_no_sync): a missing __syncthreads() is a race it reports,
+// whichever order the fibers ran in. The model's bookkeeping, which the fibers share with no CUDA
+// ordering, is hidden from it (ModelInternals), and only what CUDA orders is annotated: the launch
+// before the block's threads, each block's threads before the next block (blocks run one at a time)
+// and __syncthreads among the block's threads. Shuffles and votes order nothing. Under
+// AddressSanitizer every switch is announced (__sanitizer_start/finish_switch_fiber), so that it
+// knows which stack each fiber runs on.
 #include "cuda_emulation.h"
 
+#include <sys/mman.h>
+#include <ucontext.h>
+
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
+// gcc names the sanitizers with macros, clang (14) only through __has_feature.
 #if defined(__SANITIZE_THREAD__)
+#define KVPRESS_EMULATION_TSAN 1
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define KVPRESS_EMULATION_ASAN 1
+#endif
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVPRESS_EMULATION_TSAN 1
+#endif
+#if __has_feature(address_sanitizer)
+#define KVPRESS_EMULATION_ASAN 1
+#endif
+#endif
+
+#if defined(KVPRESS_EMULATION_TSAN)
 #include <sanitizer/tsan_interface.h>
 extern "C" {
-void AnnotateIgnoreSyncBegin(const char* file, int line);
-void AnnotateIgnoreSyncEnd(const char* file, int line);
-void AnnotateIgnoreReadsBegin(const char* file, int line);
-void AnnotateIgnoreReadsEnd(const char* file, int line);
-void AnnotateIgnoreWritesBegin(const char* file, int line);
-void AnnotateIgnoreWritesEnd(const char* file, int line);
+// ThreadSanitizer's runtime: ignore this thread's (fiber's) memory accesses until the matching end.
+// Unlike AnnotateIgnoreReadsBegin it records no stack (most of the model's time went there).
+void __tsan_ignore_thread_begin();
+void __tsan_ignore_thread_end();
 }
+#endif
+#if defined(KVPRESS_EMULATION_ASAN)
+#include <sanitizer/common_interface_defs.h>
 #endif
 
 namespace kvpress::cuda_emulation {
 namespace {
 
-// While alive: this thread's synchronisation and memory accesses are invisible to ThreadSanitizer.
+// While alive: this fiber's memory accesses are invisible to ThreadSanitizer. (The model takes no
+// lock and no atomic inside a block, so there is no synchronisation to hide.)
 class ModelInternals {
  public:
-#if defined(__SANITIZE_THREAD__)
-  ModelInternals() {
-    AnnotateIgnoreSyncBegin(__FILE__, __LINE__);
-    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
-    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
-  }
-  ~ModelInternals() {
-    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
-    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
-    AnnotateIgnoreSyncEnd(__FILE__, __LINE__);
-  }
+#if defined(KVPRESS_EMULATION_TSAN)
+  ModelInternals() { __tsan_ignore_thread_begin(); }
+  ~ModelInternals() { __tsan_ignore_thread_end(); }
 #else
   ModelInternals() = default;
 #endif
@@ -57,14 +79,14 @@ class ModelInternals {
 // An ordering CUDA guarantees: everything before happens_before(token) in one thread happens before
 // everything after happens_after(token) in another.
 void happens_before(void* token) {
-#if defined(__SANITIZE_THREAD__)
+#if defined(KVPRESS_EMULATION_TSAN)
   __tsan_release(token);
 #else
   (void)token;
 #endif
 }
 void happens_after(void* token) {
-#if defined(__SANITIZE_THREAD__)
+#if defined(KVPRESS_EMULATION_TSAN)
   __tsan_acquire(token);
 #else
   (void)token;
@@ -73,6 +95,11 @@ void happens_after(void* token) {
 
 constexpr size_t kDefaultSharedLimit = 48 * 1024;
 constexpr size_t kOptInSharedLimit = 227 * 1024;  // sm_90 (H100 / H200)
+// Each emulated thread's stack, below an inaccessible guard page (an overflow faults at once).
+// Kernels keep small frames; 1 MiB leaves room for the sanitizers' larger ones. Reserved, not
+// committed: only the pages a fiber touches take memory.
+constexpr size_t kStackBytes = size_t{1} << 20;
+constexpr size_t kGuardBytes = 64 * 1024;
 
 // Thrown inside a block's thread to leave the kernel once the launch has failed.
 struct Abort {};
@@ -85,15 +112,13 @@ struct Warp {
   int sources[32] = {};         // lane whose value each lane reads; -1: a vote
   uint64_t delivered[32] = {};  // each lane's result of its last collective
   bool pending[32] = {};
-  std::condition_variable cv;
+  std::vector<int> waiters;  // threads (linear index) parked in this warp's collective
   // warp_all_gather's contributions, by the parity of the gather (a lane can be at most one gather
   // ahead of the slowest lane still reading the previous one).
   std::vector<unsigned char> gathered[2];
 };
 
 struct Block {
-  std::mutex mutex;
-  std::condition_variable barrier_cv;
   int threads = 0;
   int exited = 0;
   int waiting = 0;  // threads in a collective that has not completed yet
@@ -103,13 +128,13 @@ struct Block {
   int results[2] = {};
   std::vector<bool> left;  // per thread: has returned from the kernel
   std::vector<Warp> warps;
+  std::vector<int> barrier_waiters;  // threads parked at __syncthreads
   // Dynamic shared memory, 128-byte aligned as on the GPU (wmma needs 32-byte aligned tiles).
   struct alignas(128) SharedLine {
     unsigned char bytes[128];
   };
   std::vector<SharedLine> dynamic_shared;
-  char barrier_tokens[2] = {};     // __syncthreads of even / odd generations
-  std::atomic<uint64_t> epoch{0};  // bumped whenever waiters are released (wait_for)
+  char barrier_tokens[2] = {};  // __syncthreads of even / odd generations
   std::string error;
   uint3 index{0, 0, 0};
 
@@ -117,9 +142,11 @@ struct Block {
     exited = waiting = at_barrier = 0;
     accumulator = 0;
     left.assign(static_cast<size_t>(threads), false);
+    barrier_waiters.clear();
     for (Warp& w : warps) {
       w.arrived = w.mask = 0;
       w.what = nullptr;
+      w.waiters.clear();
       std::fill(std::begin(w.pending), std::end(w.pending), false);
     }
     dynamic_shared.resize((shared_bytes + sizeof(SharedLine) - 1) / sizeof(SharedLine));
@@ -129,14 +156,70 @@ struct Block {
   }
 };
 
-thread_local ThreadIndex tls_index;
-thread_local Block* tls_block = nullptr;
-thread_local int tls_linear = 0;
-thread_local uint64_t tls_gathers = 0;  // warp_all_gather calls of this thread in the current block
+// One emulated thread: its context, stack and what it sees of CUDA.
+struct Fiber {
+  ucontext_t context{};
+  void* mapping = nullptr;  // the guard page, then the stack
+  char* stack = nullptr;
+  int linear = 0;  // threadIdx, linearised
+  ThreadIndex index;
+  uint64_t gathers = 0;        // warp_all_gather calls in the current block
+  bool finished = true;        // has left the kernel (its context is dead until the next block)
+  void* fake_stack = nullptr;  // AddressSanitizer's fake stack of the suspended fiber
+  void* tsan_fiber = nullptr;  // ThreadSanitizer's context of the fiber
+
+  explicit Fiber(int linear_index) : linear(linear_index) {
+    mapping = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+    if (mapping == MAP_FAILED || mprotect(mapping, kGuardBytes, PROT_NONE) != 0) {
+      std::fprintf(stderr, "cuda_emulation: cannot map a %zu-byte stack for emulated thread %d\n", kStackBytes,
+                   linear_index);
+      std::abort();
+    }
+    stack = static_cast<char*>(mapping) + kGuardBytes;
+#if defined(KVPRESS_EMULATION_TSAN)
+    tsan_fiber = __tsan_create_fiber(0);
+    char name[48];
+    std::snprintf(name, sizeof(name), "emulated CUDA thread %d", linear_index);
+    __tsan_set_fiber_name(tsan_fiber, name);
+#endif
+  }
+  ~Fiber() {
+#if defined(KVPRESS_EMULATION_TSAN)
+    __tsan_destroy_fiber(tsan_fiber);
+#endif
+    munmap(mapping, kGuardBytes + kStackBytes);
+  }
+  Fiber(const Fiber&) = delete;
+  Fiber& operator=(const Fiber&) = delete;
+};
+
+// The launch in progress (one at a time: launch_mutex) and its scheduler, which runs on the
+// launching thread and resumes ready fibers until none is left.
+struct Launch {
+  Block* block = nullptr;
+  const std::function<void()>* body = nullptr;
+  std::deque<int> ready;  // threads to resume, in order
+  ucontext_t scheduler{};
+  void* scheduler_fake_stack = nullptr;
+  const void* scheduler_stack_bottom = nullptr;  // AddressSanitizer: the launching thread's stack
+  size_t scheduler_stack_size = 0;
+  void* scheduler_tsan_fiber = nullptr;
+};
 
 std::mutex launch_mutex;  // one launch at a time: blocks never overlap, so __shared__ is one copy
-// ThreadSanitizer tokens: the coordinator starts a block after the launch and the previous block.
+Launch* active_launch = nullptr;
+thread_local Fiber* current_fiber = nullptr;  // the emulated thread running here, if any
+thread_local ThreadIndex outside_index;       // what current() gives outside a kernel
+// ThreadSanitizer tokens: the launching thread starts a block after the launch and the previous block.
 char block_start_token, block_done_token;
+
+// Every fiber ever started, kept for the process: they are reused by every launch.
+std::vector<std::unique_ptr<Fiber>>& fiber_pool() {
+  static std::vector<std::unique_ptr<Fiber>> pool;
+  return pool;
+}
+
 std::mutex error_mutex;
 cudaError_t last_error = cudaSuccess;
 std::string last_message;
@@ -149,122 +232,173 @@ void record_error(cudaError_t err, std::string message) {
 }
 
 std::string where() {
-  const ThreadIndex& t = tls_index;
+  const ThreadIndex& t = current();
   char buf[160];
   std::snprintf(buf, sizeof(buf), "block (%u, %u, %u), thread (%u, %u, %u)", t.block.x, t.block.y, t.block.z,
                 t.thread.x, t.thread.y, t.thread.z);
   return buf;
 }
 
-// Marks the launch failed (first message wins) and wakes every sleeper. Caller holds b.mutex.
-void fail_locked(Block& b, const std::string& message) {
-  if (b.error.empty()) b.error = message + " (" + where() + ")";
-  b.epoch.fetch_add(1, std::memory_order_release);
-  b.barrier_cv.notify_all();
-  for (Warp& w : b.warps) w.cv.notify_all();
+// ---- Switching: the scheduler into a fiber and back ----------------------------------------
+
+// Scheduler: runs fiber `f` until it parks or leaves the kernel.
+void resume(Launch& launch, Fiber& f) {
+  current_fiber = &f;
+#if defined(KVPRESS_EMULATION_TSAN)
+  __tsan_switch_to_fiber(f.tsan_fiber, __tsan_switch_to_fiber_no_sync);
+#endif
+#if defined(KVPRESS_EMULATION_ASAN)
+  __sanitizer_start_switch_fiber(&launch.scheduler_fake_stack, f.stack, kStackBytes);
+#endif
+  swapcontext(&launch.scheduler, &f.context);
+#if defined(KVPRESS_EMULATION_ASAN)
+  __sanitizer_finish_switch_fiber(launch.scheduler_fake_stack, nullptr, nullptr);
+#endif
+  current_fiber = nullptr;
 }
 
-[[noreturn]] void abort_locked(Block& b, const std::string& message) {
-  fail_locked(b, message);
+// The current fiber, just after a switch into it: AddressSanitizer learns where the scheduler's
+// stack is (the switch back needs it).
+void arrived_in_fiber(Fiber& f) {
+#if defined(KVPRESS_EMULATION_ASAN)
+  Launch& launch = *active_launch;
+  __sanitizer_finish_switch_fiber(f.fake_stack, &launch.scheduler_stack_bottom, &launch.scheduler_stack_size);
+#else
+  (void)f;
+#endif
+}
+
+// The current fiber: back to the scheduler, until it resumes this fiber (never, once finished).
+// What it reads of the model is hidden from ThreadSanitizer, but not the switch itself: a finished
+// fiber never comes back to end a hidden region, and its next run must be seen whole.
+void switch_to_scheduler() {
+  Fiber* f;
+  ucontext_t* scheduler;
+  void* scheduler_tsan_fiber;
+  void** fake_stack_save;
+  const void* scheduler_stack_bottom;
+  size_t scheduler_stack_size;
+  {
+    ModelInternals hidden;
+    f = current_fiber;
+    scheduler = &active_launch->scheduler;
+    scheduler_tsan_fiber = active_launch->scheduler_tsan_fiber;
+    // A finished fiber's frames are dead: AddressSanitizer drops its fake stack with them.
+    fake_stack_save = f->finished ? nullptr : &f->fake_stack;
+    scheduler_stack_bottom = active_launch->scheduler_stack_bottom;
+    scheduler_stack_size = active_launch->scheduler_stack_size;
+  }
+#if defined(KVPRESS_EMULATION_TSAN)
+  __tsan_switch_to_fiber(scheduler_tsan_fiber, __tsan_switch_to_fiber_no_sync);
+#else
+  (void)scheduler_tsan_fiber;
+#endif
+#if defined(KVPRESS_EMULATION_ASAN)
+  __sanitizer_start_switch_fiber(fake_stack_save, scheduler_stack_bottom, scheduler_stack_size);
+#else
+  (void)fake_stack_save, (void)scheduler_stack_bottom, (void)scheduler_stack_size;
+#endif
+  swapcontext(&f->context, scheduler);
+  arrived_in_fiber(*f);
+}
+
+// Makes the threads parked in `queue` ready to run.
+void wake(std::vector<int>& queue) {
+  std::deque<int>& ready = active_launch->ready;
+  ready.insert(ready.end(), queue.begin(), queue.end());
+  queue.clear();
+}
+
+// The current thread waits in `queue` until done().
+template <typename Done>
+void wait_until(std::vector<int>& queue, Done done) {
+  while (!done()) {
+    queue.push_back(current_fiber->linear);
+    switch_to_scheduler();
+  }
+}
+
+// Marks the launch failed (first message wins) and wakes every waiting thread.
+void fail(Block& b, const std::string& message) {
+  if (b.error.empty()) b.error = message + " (" + where() + ")";
+  wake(b.barrier_waiters);
+  for (Warp& w : b.warps) wake(w.waiters);
+}
+
+[[noreturn]] void abort_thread(Block& b, const std::string& message) {
+  fail(b, message);
   throw Abort{};
 }
 
-// Before sleeping: if every thread still in the kernel is asleep, none will wake the others.
-void check_deadlock_locked(Block& b) {
+// Before waiting: if every thread still in the kernel waits, none will release the others.
+void check_deadlock(Block& b) {
   if (b.waiting + b.exited == b.threads)
-    abort_locked(b, "deadlock: every thread of the block waits in a collective that others never reach");
-}
-
-// Waits until done(): first by yielding the CPU (the threads that can release this one are usually
-// runnable, and a yield costs far less than a futex sleep and wake-up), looking at the lock only
-// when `epoch` moved (every release of waiters bumps it), then asleep.
-template <typename Done>
-void wait_for(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, const std::atomic<uint64_t>& epoch,
-              Done done) {
-  constexpr int kYields = 1024;
-  int yields = 0;
-  while (yields < kYields && !done()) {
-    const uint64_t seen = epoch.load(std::memory_order_acquire);
-    lock.unlock();
-    while (yields < kYields && epoch.load(std::memory_order_acquire) == seen) {
-      std::this_thread::yield();
-      ++yields;
-    }
-    lock.lock();
-  }
-  cv.wait(lock, done);
+    abort_thread(b, "deadlock: every thread of the block waits in a collective that others never reach");
 }
 
 Block& block_of_thread(const char* what) {
-  if (tls_block == nullptr) {
+  if (current_fiber == nullptr) {
     std::fprintf(stderr, "cuda_emulation: %s called outside an emulated kernel\n", what);
     std::abort();
   }
-  return *tls_block;
+  return *active_launch->block;
 }
 
-// The threads that play a block's threads, kept for the whole process: starting 256 threads takes
-// tens of milliseconds (libtorch's thread-local storage), far more than running a small launch.
-class ThreadPool {
- public:
-  // Runs job(i) on threads i = 0 .. n - 1 and returns when all have returned.
-  void run(int n, const std::function<void(int)>& job) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (static_cast<int>(workers_.size()) < n) {
-      const int index = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, index] { loop(index); });
-    }
-    job_ = &job;
-    job_threads_ = n;
-    finished_ = 0;
-    ++generation_;
-    start_.notify_all();
-    done_.wait(lock, [&] { return finished_ == job_threads_; });
-    job_ = nullptr;
-  }
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      shutdown_ = true;
-    }
-    start_.notify_all();
-    for (std::thread& t : workers_) t.join();
-  }
+void thread_exit(Block& b);
 
- private:
-  void loop(int index) {
-    uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      start_.wait(lock, [&] { return generation_ != seen || shutdown_; });
-      if (shutdown_) return;
-      seen = generation_;
-      if (index >= job_threads_) continue;
-      const std::function<void(int)>* job = job_;
-      lock.unlock();
-      (*job)(index);
-      lock.lock();
-      if (++finished_ == job_threads_) done_.notify_one();
-    }
+// A fiber's first frame: runs the kernel as this thread of the current block, then parks for good.
+void fiber_main() {
+  Fiber& f = *current_fiber;
+  arrived_in_fiber(f);
+  happens_after(&block_start_token);  // the launch and the block's set-up come before
+  Block& b = *active_launch->block;
+  const dim3 block_dim = f.index.block_dim;
+  const unsigned linear = static_cast<unsigned>(f.linear);
+  f.index.thread =
+      uint3{linear % block_dim.x, linear / block_dim.x % block_dim.y, linear / (block_dim.x * block_dim.y)};
+  f.index.block = b.index;
+  f.gathers = 0;
+  try {
+    (*active_launch->body)();
+  } catch (const Abort&) {
+  } catch (const std::exception& e) {
+    ModelInternals hidden;
+    fail(b, std::string("the kernel threw: ") + e.what());
   }
+  thread_exit(b);
+  {
+    ModelInternals hidden;
+    f.finished = true;
+  }
+  happens_before(&block_done_token);
+  switch_to_scheduler();
+  std::fprintf(stderr, "cuda_emulation: a finished emulated thread was resumed\n");
+  std::abort();
+}
 
-  std::mutex mutex_;
-  std::condition_variable start_, done_;
-  std::vector<std::thread> workers_;
-  const std::function<void(int)>* job_ = nullptr;
-  int job_threads_ = 0, finished_ = 0;
-  uint64_t generation_ = 0;
-  bool shutdown_ = false;
-};
-
-ThreadPool& pool() {
-  static ThreadPool instance;
-  return instance;
+// Scheduler: prepares fiber `f` to run the kernel from its start.
+void start_fiber(Fiber& f, dim3 grid, dim3 block) {
+  if (getcontext(&f.context) != 0) {
+    std::fprintf(stderr, "cuda_emulation: getcontext failed\n");
+    std::abort();
+  }
+  f.context.uc_stack.ss_sp = f.stack;
+  f.context.uc_stack.ss_size = kStackBytes;
+  f.context.uc_link = nullptr;  // fiber_main never returns
+  makecontext(&f.context, fiber_main, 0);
+  // The stack is set up. AddressSanitizer's swapcontext would clear the shadow of the whole stack
+  // named here on every switch into the fiber (1 MiB, each time: most of the run's time); the
+  // switches tell it the stack instead (resume, switch_to_scheduler).
+  f.context.uc_stack.ss_size = 0;
+  f.finished = false;
+  f.fake_stack = nullptr;
+  f.index.block_dim = block;
+  f.index.grid_dim = grid;
 }
 
 }  // namespace
 
-ThreadIndex& current() { return tls_index; }
+ThreadIndex& current() { return current_fiber != nullptr ? current_fiber->index : outside_index; }
 
 void* dynamic_shared_memory() {
   Block& b = block_of_thread("dynamic shared memory");
@@ -279,9 +413,8 @@ int block_barrier(int predicate, int mode) {
   Block& b = block_of_thread("__syncthreads");
   char* token;
   {
-    // The generation is read under the lock; its token is released outside the hidden region.
+    // The generation is read hidden; its token is released outside the hidden region.
     ModelInternals hidden;
-    std::lock_guard<std::mutex> lock(b.mutex);
     token = &b.barrier_tokens[b.barrier_generation & 1];
   }
   happens_before(token);
@@ -294,9 +427,8 @@ namespace {
 
 int block_barrier_wait(Block& b, int predicate, int mode) {
   ModelInternals hidden;
-  std::unique_lock<std::mutex> lock(b.mutex);
   if (!b.error.empty()) throw Abort{};
-  if (b.exited > 0) abort_locked(b, "__syncthreads reached after some threads of the block returned");
+  if (b.exited > 0) abort_thread(b, "__syncthreads reached after some threads of the block returned");
   const uint64_t generation = b.barrier_generation;
   if (b.at_barrier == 0) b.accumulator = mode == 2 ? 1 : 0;
   const int p = predicate != 0;
@@ -306,15 +438,14 @@ int block_barrier_wait(Block& b, int predicate, int mode) {
   if (++b.at_barrier == b.threads) {
     b.results[generation & 1] = b.accumulator;
     b.at_barrier = 0;
-    b.waiting -= b.threads - 1;  // the sleepers are released now, before they wake
+    b.waiting -= b.threads - 1;  // the waiters are released now, before they run
     ++b.barrier_generation;
-    b.epoch.fetch_add(1, std::memory_order_release);
-    b.barrier_cv.notify_all();
+    wake(b.barrier_waiters);
     return b.results[generation & 1];
   }
   ++b.waiting;
-  check_deadlock_locked(b);
-  wait_for(lock, b.barrier_cv, b.epoch, [&] { return b.barrier_generation != generation || !b.error.empty(); });
+  check_deadlock(b);
+  wait_until(b.barrier_waiters, [&] { return b.barrier_generation != generation || !b.error.empty(); });
   if (!b.error.empty()) throw Abort{};
   return b.results[generation & 1];
 }
@@ -323,27 +454,27 @@ int block_barrier_wait(Block& b, int predicate, int mode) {
 uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* what) {
   Block& b = block_of_thread(what);
   ModelInternals hidden;
-  std::unique_lock<std::mutex> lock(b.mutex);
   if (!b.error.empty()) throw Abort{};
-  const int warp = tls_linear / 32, lane = tls_linear % 32;
+  const int linear = current_fiber->linear;
+  const int warp = linear / 32, lane = linear % 32;
   const int lanes = std::min(32, b.threads - warp * 32);
   const unsigned present = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
   char buf[200];
   if (((mask >> lane) & 1u) == 0) {
     std::snprintf(buf, sizeof(buf), "%s: lane %d calls it with mask 0x%08x, which leaves the lane out", what, lane,
                   mask);
-    abort_locked(b, buf);
+    abort_thread(b, buf);
   }
   if ((mask & ~present) != 0) {
     std::snprintf(buf, sizeof(buf), "%s: mask 0x%08x names lanes that warp %d lacks (it has %d)", what, mask, warp,
                   lanes);
-    abort_locked(b, buf);
+    abort_thread(b, buf);
   }
   for (int l = 0; l < lanes; ++l) {
     if (((mask >> l) & 1u) && b.left[static_cast<size_t>(warp * 32 + l)]) {
       std::snprintf(buf, sizeof(buf), "%s: mask 0x%08x names lane %d, which has returned from the kernel", what, mask,
                     l);
-      abort_locked(b, buf);
+      abort_thread(b, buf);
     }
   }
   Warp& w = b.warps[static_cast<size_t>(warp)];
@@ -354,11 +485,11 @@ uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* 
     std::snprintf(buf, sizeof(buf),
                   "lanes of warp %d meet in different collectives: %s with mask 0x%08x and %s with 0x%08x", warp,
                   w.what, w.mask, what, mask);
-    abort_locked(b, buf);
+    abort_thread(b, buf);
   }
   if (source >= 0 && ((mask >> source) & 1u) == 0) {
     std::snprintf(buf, sizeof(buf), "%s: lane %d reads lane %d, outside the mask 0x%08x", what, lane, source, mask);
-    abort_locked(b, buf);
+    abort_thread(b, buf);
   }
   w.values[lane] = value;
   w.sources[lane] = source;
@@ -374,14 +505,13 @@ uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* 
       w.pending[l] = false;
     }
     w.arrived = 0;
-    b.waiting -= __builtin_popcount(mask) - 1;  // the sleepers are released now, before they wake
-    b.epoch.fetch_add(1, std::memory_order_release);
-    w.cv.notify_all();
+    b.waiting -= __builtin_popcount(mask) - 1;  // the waiters are released now, before they run
+    wake(w.waiters);
     return w.delivered[lane];
   }
   ++b.waiting;
-  check_deadlock_locked(b);
-  wait_for(lock, w.cv, b.epoch, [&] { return !w.pending[lane] || !b.error.empty(); });
+  check_deadlock(b);
+  wait_until(w.waiters, [&] { return !w.pending[lane] || !b.error.empty(); });
   if (!b.error.empty()) throw Abort{};
   return w.delivered[lane];
 }
@@ -389,22 +519,22 @@ uint64_t warp_collective(unsigned mask, uint64_t value, int source, const char* 
 // The thread has returned from the kernel (or left it on an error).
 void thread_exit(Block& b) {
   ModelInternals hidden;
-  std::lock_guard<std::mutex> lock(b.mutex);
-  b.left[static_cast<size_t>(tls_linear)] = true;
+  const int linear = current_fiber->linear;
+  b.left[static_cast<size_t>(linear)] = true;
   ++b.exited;
   if (!b.error.empty()) return;
   if (b.at_barrier > 0) {
-    fail_locked(b, "a thread returned from the kernel while others wait at __syncthreads");
+    fail(b, "a thread returned from the kernel while others wait at __syncthreads");
     return;
   }
-  const int warp = tls_linear / 32, lane = tls_linear % 32;
+  const int warp = linear / 32, lane = linear % 32;
   const Warp& w = b.warps[static_cast<size_t>(warp)];
   if (w.arrived != 0 && ((w.mask >> lane) & 1u)) {
-    fail_locked(b, std::string(w.what) + ": a lane in the mask returned from the kernel while the others wait");
+    fail(b, std::string(w.what) + ": a lane in the mask returned from the kernel while the others wait");
     return;
   }
   if (b.waiting > 0 && b.waiting + b.exited == b.threads)
-    fail_locked(b, "deadlock: every thread left waits in a collective that others never reach");
+    fail(b, "deadlock: every thread left waits in a collective that others never reach");
 }
 
 }  // namespace
@@ -419,12 +549,12 @@ unsigned warp_ballot(unsigned mask, int predicate, const char* what) {
 
 void warp_all_gather(const void* own, size_t bytes, void* all, const char* what) {
   Block& b = block_of_thread(what);
-  const int warp = tls_linear / 32, lane = tls_linear % 32;
+  const int linear = current_fiber->linear;
+  const int warp = linear / 32, lane = linear % 32;
   Warp& w = b.warps[static_cast<size_t>(warp)];
-  std::vector<unsigned char>& buffer = w.gathered[tls_gathers++ & 1];
+  std::vector<unsigned char>& buffer = w.gathered[current_fiber->gathers++ & 1];
   {
     ModelInternals hidden;
-    std::lock_guard<std::mutex> lock(b.mutex);
     if (!b.error.empty()) throw Abort{};
     if (buffer.size() < 32 * bytes) buffer.resize(32 * bytes);
     std::memcpy(buffer.data() + static_cast<size_t>(lane) * bytes, own, bytes);
@@ -432,16 +562,14 @@ void warp_all_gather(const void* own, size_t bytes, void* all, const char* what)
   // The whole warp meets here (an error if a lane is missing, has left, or is elsewhere).
   warp_collective(0xffffffffu, 0, -1, what);
   ModelInternals hidden;
-  std::lock_guard<std::mutex> lock(b.mutex);
   std::memcpy(all, buffer.data(), 32 * bytes);
 }
 
 void kernel_error(const std::string& message) {
   Block& b = block_of_thread("kernel_error");
   ModelInternals hidden;
-  std::lock_guard<std::mutex> lock(b.mutex);
   if (!b.error.empty()) throw Abort{};
-  abort_locked(b, message);
+  abort_thread(b, message);
 }
 
 cudaError_t set_max_dynamic_shared(const void* function, int bytes) {
@@ -486,93 +614,57 @@ cudaError_t run_grid(dim3 grid, dim3 block, size_t dynamic_shared_bytes, const v
     record_error(cudaErrorInvalidValue, buf);
     return cudaErrorInvalidValue;
   }
+  if (current_fiber != nullptr) {
+    std::fprintf(stderr, "cuda_emulation: a kernel launched from inside an emulated kernel\n");
+    std::abort();
+  }
 
   std::lock_guard<std::mutex> launch_lock(launch_mutex);
   Block b;
   b.threads = static_cast<int>(threads);
   b.warps = std::vector<Warp>(static_cast<size_t>((b.threads + 31) / 32));
   const uint64_t blocks = static_cast<uint64_t>(grid.x) * grid.y * grid.z;
+  std::vector<std::unique_ptr<Fiber>>& fibers = fiber_pool();
+  while (static_cast<int>(fibers.size()) < b.threads)
+    fibers.push_back(std::make_unique<Fiber>(static_cast<int>(fibers.size())));
 
-  // The block's threads live for the whole launch; the coordinator (this thread) starts each block
-  // once the previous one has finished in every thread.
-  std::mutex start_mutex;
-  std::condition_variable start_cv, done_cv;
-  uint64_t started = 0;  // blocks started so far
-  std::atomic<uint64_t> start_epoch{0};
-  int done = 0;  // threads finished with the current block
-  bool stop = false;
-
-  const std::function<void(int)> worker = [&](int linear) {
-    tls_linear = linear;
-    tls_block = &b;
-    for (uint64_t next = 1;; ++next) {
-      {
-        ModelInternals hidden;
-        std::unique_lock<std::mutex> lock(start_mutex);
-        wait_for(lock, start_cv, start_epoch, [&] { return started >= next || stop; });
-        if (stop) break;
-      }
-      happens_after(&block_start_token);
-      tls_index.block_dim = block;
-      tls_index.grid_dim = grid;
-      tls_index.thread =
-          uint3{static_cast<unsigned>(linear) % block.x, static_cast<unsigned>(linear) / block.x % block.y,
-                static_cast<unsigned>(linear) / (block.x * block.y)};
-      tls_index.block = b.index;
-      tls_gathers = 0;
-      try {
-        body();
-      } catch (const Abort&) {
-      } catch (const std::exception& e) {
-        ModelInternals hidden;
-        std::lock_guard<std::mutex> lock(b.mutex);
-        fail_locked(b, std::string("the kernel threw: ") + e.what());
-      }
-      thread_exit(b);
-      happens_before(&block_done_token);
-      {
-        ModelInternals hidden;
-        std::lock_guard<std::mutex> lock(start_mutex);
-        ++done;
-        done_cv.notify_one();
-      }
-    }
-    tls_block = nullptr;
-  };
+  Launch launch;
+  launch.block = &b;
+  launch.body = &body;
+#if defined(KVPRESS_EMULATION_TSAN)
+  launch.scheduler_tsan_fiber = __tsan_get_current_fiber();
+#endif
+  active_launch = &launch;
 
   std::string error;
-  std::thread coordinator([&] {
-    for (uint64_t n = 0; n < blocks && error.empty(); ++n) {
-      const uint3 index{static_cast<unsigned>(n % grid.x), static_cast<unsigned>(n / grid.x % grid.y),
-                        static_cast<unsigned>(n / (static_cast<uint64_t>(grid.x) * grid.y))};
-      {
-        std::lock_guard<std::mutex> lock(b.mutex);
-        b.reset(index, dynamic_shared_bytes);
-      }
-      happens_before(&block_start_token);
-      {
-        ModelInternals hidden;
-        std::unique_lock<std::mutex> lock(start_mutex);
-        done = 0;
-        ++started;
-        start_epoch.fetch_add(1, std::memory_order_release);
-        start_cv.notify_all();
-        done_cv.wait(lock, [&] { return done == b.threads; });
-      }
-      happens_after(&block_done_token);
-      std::lock_guard<std::mutex> lock(b.mutex);
-      error = b.error;
-    }
+  for (uint64_t n = 0; n < blocks && error.empty(); ++n) {
+    const uint3 index{static_cast<unsigned>(n % grid.x), static_cast<unsigned>(n / grid.x % grid.y),
+                      static_cast<unsigned>(n / (static_cast<uint64_t>(grid.x) * grid.y))};
+    b.reset(index, dynamic_shared_bytes);
+    happens_before(&block_start_token);
     {
       ModelInternals hidden;
-      std::lock_guard<std::mutex> lock(start_mutex);
-      stop = true;
-      start_epoch.fetch_add(1, std::memory_order_release);
-      start_cv.notify_all();
+      for (int t = 0; t < b.threads; ++t) {
+        start_fiber(*fibers[static_cast<size_t>(t)], grid, block);
+        launch.ready.push_back(t);
+      }
+      while (!launch.ready.empty()) {
+        const int t = launch.ready.front();
+        launch.ready.pop_front();
+        resume(launch, *fibers[static_cast<size_t>(t)]);
+      }
+      // Every wait is checked for a deadlock before it parks, so no thread can be left waiting.
+      for (int t = 0; t < b.threads; ++t) {
+        if (!fibers[static_cast<size_t>(t)]->finished) {
+          std::fprintf(stderr, "cuda_emulation: thread %d of a block was left waiting with no thread ready\n", t);
+          std::abort();
+        }
+      }
     }
-  });
-  pool().run(b.threads, worker);
-  coordinator.join();
+    happens_after(&block_done_token);
+    error = b.error;
+  }
+  active_launch = nullptr;
   if (!error.empty()) {
     record_error(cudaErrorLaunchFailure, error);
     return cudaErrorLaunchFailure;

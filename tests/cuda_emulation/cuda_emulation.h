@@ -3,9 +3,11 @@
 // machine executes them and compares them with the CPU kernels (tests/test_cuda_emulation.cpp).
 //
 // What is modelled:
-//   * A launch runs its grid one block at a time, in blockIdx order; the block's threads are real
-//     concurrent threads (std::thread), so a missing __syncthreads() or a shared-memory race is a
-//     real data race, which ThreadSanitizer reports.
+//   * A launch runs its grid one block at a time, in blockIdx order. The block's threads are fibers
+//     (a context and a stack each) run one at a time on the launching thread, each until it waits
+//     in a barrier or a warp collective; ThreadSanitizer sees each as a thread of its own, ordered
+//     only by what CUDA orders, so a missing __syncthreads() or a shared-memory race is a data race
+//     it reports.
 //   * __syncthreads() (and its _or/_and/_count forms) is a barrier of the whole block. A thread
 //     that has left the kernel while others wait at a barrier is an error (CUDA: undefined, hangs
 //     or corrupts).
