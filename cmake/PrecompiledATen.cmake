@@ -1,7 +1,8 @@
 # Precompiled headers. <ATen/ATen.h> (every operator's declaration) is about 8 of the ~10 s that gcc
 # spends on one of our translation units; a target that precompiles it once (~25 s) then compiles
-# each file in ~2.5 s. Worth it for the targets of many files: the library, the runner, kvpress-cli
-# and the test binary (scripts/test.sh builds them in up to four trees). Targets add the other
+# each file in ~2.5 s. Worth it for the targets of many files that include ATen's headers: the
+# library, the runner and the test binary (scripts/test.sh builds them in several trees); not
+# for kvpress-cli (tools/CMakeLists.txt: measured slower with one). Targets add the other
 # heavy headers most of their files include (GoogleTest, nlohmann/json, fmt). The headers are
 # force-included in C++ files only: the .cu files include no ATen (kernels/cuda/<op>_bridge.cpp
 # holds each CUDA op's ATen side).

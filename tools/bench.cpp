@@ -7,6 +7,7 @@
 #include "bench.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <fmt/core.h>
 #include <fmt/ranges.h>
