@@ -28,7 +28,8 @@ export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:check_initialization_order=1
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp"
 # The GoogleTest binaries whole, kvpress_tests in $jobs shards, beside ctest running the other
-# entries (CLI, Python, examples, headers) one at a time (common.sh, kvpress_run_suite). Every test
+# entries (CLI, Python, examples, headers) $jobs at a time (common.sh, kvpress_run_suite): the
+# shards end long before ctest's entries, which would otherwise leave a core idle. Every test
 # but four:
 # large.indices_beyond_2_31 allocates 16 GiB of tensors (plus ASan's shadow and quarantine) and runs
 # alone for about 170 s instrumented. Its purpose, offsets past 2^31, is checked by its results in
@@ -37,4 +38,4 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsa
 # Also left out: the Python tests that load no kvpress code (python.plot, python.lukv_curve,
 # python.restorekv_recipe: scripts/plot.py and scripts/make_artifact.py on torch alone), whose
 # checks scripts/test.sh has made, with nothing instrumented to run here.
-kvpress_run_suite sanitized 1 "$fixtures" -E '^(python\.plot|python\.lukv_curve|python\.restorekv_recipe)$'
+kvpress_run_suite sanitized "$jobs" "$fixtures" -E '^(python\.plot|python\.lukv_curve|python\.restorekv_recipe)$'
