@@ -9,22 +9,32 @@
 # reliability runs build two more instrumented trees: docs/RELIABILITY.md, "Cost in CI").
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 "$root/scripts/check_format.sh"
+# start_beside LOG COMMAND...: COMMAND in the background, its output in LOG, while this script goes
+# on; finish_beside WHAT then waits for it and prints LOG, or LOG's end and exits 1 naming WHAT.
+start_beside() {
+  beside_log="$1"
+  shift
+  "$@" >"$beside_log" 2>&1 &
+  beside_pid=$!
+  trap 'kill "$beside_pid" 2>/dev/null || true' EXIT
+}
+finish_beside() {
+  if ! wait "$beside_pid"; then
+    echo "test.sh: $1 FAILED; the end of $beside_log:" >&2
+    tail -n 80 "$beside_log" >&2
+    exit 1
+  fi
+  trap - EXIT
+  cat "$beside_log"
+}
+
 # The parity fixtures come from the pinned kvpress alone (not from this build), so they are made
 # beside the main build: the build cannot keep both cores busy all the time (its links, nvcc's
 # single-threaded passes), and the fixtures' scripts fill those gaps.
 mkdir -p "$build"
-fixtures_log="$build/fixtures.log"
-kvpress_fixtures >"$fixtures_log" 2>&1 &
-fixtures_pid=$!
-trap 'kill "$fixtures_pid" 2>/dev/null || true' EXIT
+start_beside "$build/fixtures.log" kvpress_fixtures
 kvpress_build
-if ! wait "$fixtures_pid"; then
-  echo "test.sh: making the parity fixtures FAILED; the end of $fixtures_log:" >&2
-  tail -n 60 "$fixtures_log" >&2
-  exit 1
-fi
-trap - EXIT
-cat "$fixtures_log"
+finish_beside "making the parity fixtures"
 # One intra-op thread per test process: $jobs GoogleTest shards run beside ctest's $jobs entries
 # (common.sh, kvpress_run_suite). Then the large-indices test, alone (its 16 GiB of tensors) and so
 # with $jobs intra-op threads, which its kernels split rows past 2^31 among.
@@ -62,10 +72,7 @@ fi
 # The reliability runs' instrumented tree (clang, ASan + UBSan, shared by scripts/fuzz.sh and
 # scripts/test_sanitized.sh) is built while the package checks run: they are one Python process at
 # a time most of their two minutes, and would leave a core idle.
-package_log="$build/package-checks.log"
-package_checks >"$package_log" 2>&1 &
-package_pid=$!
-trap 'kill "$package_pid" 2>/dev/null || true' EXIT
+start_beside "$build/package-checks.log" package_checks
 main_fixtures="$build/fixtures"
 (
   export KVPRESS_BUILD_DIR="${KVPRESS_ASAN_BUILD_DIR:-$root/build-asan}"
@@ -73,13 +80,7 @@ main_fixtures="$build/fixtures"
   kvpress_configure_asan_tree -DKVPRESS_FIXTURES_DIR="$main_fixtures"
   cmake --build "$build" -j "$jobs"
 )
-if ! wait "$package_pid"; then
-  echo "test.sh: the package checks FAILED; the end of $package_log:" >&2
-  tail -n 80 "$package_log" >&2
-  exit 1
-fi
-trap - EXIT
-cat "$package_log"
+finish_beside "the package checks"
 
 "$root/scripts/fuzz.sh" 30
 # The sanitized suite reuses the parity fixtures made above.
