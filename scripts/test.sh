@@ -9,32 +9,22 @@
 # reliability runs build two more instrumented trees: docs/RELIABILITY.md, "Cost in CI").
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 "$root/scripts/check_format.sh"
-# start_beside LOG COMMAND...: COMMAND in the background, its output in LOG, while this script goes
-# on; finish_beside WHAT then waits for it and prints LOG, or LOG's end and exits 1 naming WHAT.
-start_beside() {
-  beside_log="$1"
-  shift
-  "$@" >"$beside_log" 2>&1 &
-  beside_pid=$!
-  trap 'kill "$beside_pid" 2>/dev/null || true' EXIT
-}
-finish_beside() {
-  if ! wait "$beside_pid"; then
-    echo "test.sh: $1 FAILED; the end of $beside_log:" >&2
-    tail -n 80 "$beside_log" >&2
-    exit 1
-  fi
-  trap - EXIT
-  cat "$beside_log"
-}
-
 # The parity fixtures come from the pinned kvpress alone (not from this build), so they are made
 # beside the main build: the build cannot keep both cores busy all the time (its links, nvcc's
 # single-threaded passes), and the fixtures' scripts fill those gaps.
 mkdir -p "$build"
-start_beside "$build/fixtures.log" kvpress_fixtures
+fixtures_log="$build/fixtures.log"
+kvpress_fixtures >"$fixtures_log" 2>&1 &
+fixtures_pid=$!
+trap 'kill "$fixtures_pid" 2>/dev/null || true' EXIT
 kvpress_build
-finish_beside "making the parity fixtures"
+if ! wait "$fixtures_pid"; then
+  echo "test.sh: making the parity fixtures FAILED; the end of $fixtures_log:" >&2
+  tail -n 60 "$fixtures_log" >&2
+  exit 1
+fi
+trap - EXIT
+cat "$fixtures_log"
 # One intra-op thread per test process: $jobs GoogleTest shards run beside ctest's $jobs entries
 # (common.sh, kvpress_run_suite). Then the large-indices test, alone (its 16 GiB of tensors) and so
 # with $jobs intra-op threads, which its kernels split rows past 2^31 among.
@@ -43,46 +33,26 @@ kvpress_run_suite suite "$jobs" "$build/fixtures"
 # The same C++ suite on the path of an AVX2-only CPU, where this one has AVX-512 (about a minute).
 "$root/scripts/test_avx2_path.sh"
 
-# The package checks: the installed package through find_package(kvpress), the Python package,
-# its wheel and kvpress's own suite.
-package_checks() {
-  # The installed package must be usable through find_package(kvpress).
-  cmake --install "$build" --prefix "$build/install" >/dev/null
-  cmake -S "$root/tests/consumer" -B "$build/consumer" \
-    -DCMAKE_PREFIX_PATH="$build/install;$torch_prefix" >/dev/null
-  cmake --build "$build/consumer" -j "$jobs"
-  "$build/consumer/kvpress_consumer"
+# The installed package must be usable through find_package(kvpress).
+cmake --install "$build" --prefix "$build/install" >/dev/null
+cmake -S "$root/tests/consumer" -B "$build/consumer" \
+  -DCMAKE_PREFIX_PATH="$build/install;$torch_prefix" >/dev/null
+cmake --build "$build/consumer" -j "$jobs"
+"$build/consumer/kvpress_consumer"
 
-  # The Python package as a user installs it (README), then its wheel (docs/PYTHON.md), both packaging
-  # the libkvpress.so built above (python/CMakeLists.txt: KVPRESS_PREBUILT_LIBRARY) instead of
-  # compiling the library again.
-  export KVPRESS_PREBUILT_LIBRARY="$build/libkvpress.so"
-  "$python" -m pip install --quiet --disable-pip-version-check \
-    -C cmake.define.KVPRESS_PREBUILT_LIBRARY="$KVPRESS_PREBUILT_LIBRARY" "$root/python"
-  wheel="$("$root/scripts/build_wheel.sh" "$build/dist")"
-  (cd "$root/tests/python" && "$python" test_package.py "$wheel")
-  # kvpress 0.5.5's own test suite with acceleration on, offline on the bundled model (docs/PYTHON.md).
-  "$python" "$root/tests/kvpress_suite/run.py" --models "${KVPRESS_MODELS:-$root/../shared/models}" --work "$build/kvpress_suite"
-}
+# The Python package as a user installs it (README), then its wheel (docs/PYTHON.md), both packaging
+# the libkvpress.so built above (python/CMakeLists.txt: KVPRESS_PREBUILT_LIBRARY) instead of
+# compiling the library again.
+export KVPRESS_PREBUILT_LIBRARY="$build/libkvpress.so"
+"$python" -m pip install --quiet --disable-pip-version-check \
+  -C cmake.define.KVPRESS_PREBUILT_LIBRARY="$KVPRESS_PREBUILT_LIBRARY" "$root/python"
+wheel="$("$root/scripts/build_wheel.sh" "$build/dist")"
+(cd "$root/tests/python" && "$python" test_package.py "$wheel")
+# kvpress 0.5.5's own test suite with acceleration on, offline on the bundled model (docs/PYTHON.md).
+"$python" "$root/tests/kvpress_suite/run.py" --models "${KVPRESS_MODELS:-$root/../shared/models}" --work "$build/kvpress_suite"
 
-if [ "${KVPRESS_TEST_QUICK:-0}" = 1 ]; then
-  package_checks
-  exit 0
-fi
-# The reliability runs' instrumented tree (clang, ASan + UBSan, shared by scripts/fuzz.sh and
-# scripts/test_sanitized.sh) is built while the package checks run: they are one Python process at
-# a time most of their two minutes, and would leave a core idle.
-start_beside "$build/package-checks.log" package_checks
-main_fixtures="$build/fixtures"
-(
-  export KVPRESS_BUILD_DIR="${KVPRESS_ASAN_BUILD_DIR:-$root/build-asan}"
-  source "$root/scripts/common.sh"
-  kvpress_configure_asan_tree -DKVPRESS_FIXTURES_DIR="$main_fixtures"
-  cmake --build "$build" -j "$jobs"
-)
-finish_beside "the package checks"
-
+[ "${KVPRESS_TEST_QUICK:-0}" = 1 ] && exit 0
 "$root/scripts/fuzz.sh" 30
 # The sanitized suite reuses the parity fixtures made above.
-KVPRESS_REUSE_FIXTURES="$main_fixtures" "$root/scripts/test_sanitized.sh"
+KVPRESS_REUSE_FIXTURES="$build/fixtures" "$root/scripts/test_sanitized.sh"
 "$root/scripts/test_tsan.sh"
