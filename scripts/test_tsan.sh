@@ -5,9 +5,9 @@
 # clang's -fsanitize=thread into their own build folder, and runs them, halting on the first report
 # (docs/RELIABILITY.md). No CUDA kernels are compiled (KVPRESS_WITH_CUDA=OFF), but they run: the
 # CUDA kernels' emulated tests (tests/test_cuda_emulation.cpp) execute every block's threads as
-# fibers that ThreadSanitizer sees as threads, so a race between them is reported here (and a kernel with its barrier removed
-# must be: docs/RELIABILITY.md, "CUDA kernels without a GPU"). Folder: $KVPRESS_TSAN_BUILD_DIR,
-# default build-tsan/.
+# fibers that ThreadSanitizer sees as threads, so a race between them is reported here (and a
+# kernel with its barrier removed must be: docs/RELIABILITY.md, "CUDA kernels without a GPU").
+# Folder: $KVPRESS_TSAN_BUILD_DIR, default build-tsan/.
 #
 # Only these tests: they are the only ones that start threads. libtorch's intra-op parallelism is
 # OpenMP (libgomp), whose barriers ThreadSanitizer cannot see (it reports races between libgomp's

@@ -159,9 +159,8 @@ struct Block {
 // One emulated thread: its context, stack and what it sees of CUDA.
 struct Fiber {
   ucontext_t context{};
-  void* mapping = nullptr;  // the guard page, then the stack
-  char* stack = nullptr;
-  int linear = 0;  // threadIdx, linearised
+  char* stack = nullptr;  // kStackBytes, above a guard of kGuardBytes
+  int linear = 0;         // threadIdx, linearised
   ThreadIndex index;
   uint64_t gathers = 0;        // warp_all_gather calls in the current block
   bool finished = true;        // has left the kernel (its context is dead until the next block)
@@ -169,8 +168,8 @@ struct Fiber {
   void* tsan_fiber = nullptr;  // ThreadSanitizer's context of the fiber
 
   explicit Fiber(int linear_index) : linear(linear_index) {
-    mapping = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+    void* mapping = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
     if (mapping == MAP_FAILED || mprotect(mapping, kGuardBytes, PROT_NONE) != 0) {
       std::fprintf(stderr, "cuda_emulation: cannot map a %zu-byte stack for emulated thread %d\n", kStackBytes,
                    linear_index);
@@ -188,7 +187,7 @@ struct Fiber {
 #if defined(KVPRESS_EMULATION_TSAN)
     __tsan_destroy_fiber(tsan_fiber);
 #endif
-    munmap(mapping, kGuardBytes + kStackBytes);
+    munmap(stack - kGuardBytes, kGuardBytes + kStackBytes);
   }
   Fiber(const Fiber&) = delete;
   Fiber& operator=(const Fiber&) = delete;
@@ -274,10 +273,10 @@ void arrived_in_fiber(Fiber& f) {
 void switch_to_scheduler() {
   Fiber* f;
   ucontext_t* scheduler;
-  void* scheduler_tsan_fiber;
-  void** fake_stack_save;
-  const void* scheduler_stack_bottom;
-  size_t scheduler_stack_size;
+  [[maybe_unused]] void* scheduler_tsan_fiber;
+  [[maybe_unused]] void** fake_stack_save;
+  [[maybe_unused]] const void* scheduler_stack_bottom;
+  [[maybe_unused]] size_t scheduler_stack_size;
   {
     ModelInternals hidden;
     f = current_fiber;
@@ -290,13 +289,9 @@ void switch_to_scheduler() {
   }
 #if defined(KVPRESS_EMULATION_TSAN)
   __tsan_switch_to_fiber(scheduler_tsan_fiber, __tsan_switch_to_fiber_no_sync);
-#else
-  (void)scheduler_tsan_fiber;
 #endif
 #if defined(KVPRESS_EMULATION_ASAN)
   __sanitizer_start_switch_fiber(fake_stack_save, scheduler_stack_bottom, scheduler_stack_size);
-#else
-  (void)fake_stack_save, (void)scheduler_stack_bottom, (void)scheduler_stack_size;
 #endif
   swapcontext(&f->context, scheduler);
   arrived_in_fiber(*f);
