@@ -66,30 +66,18 @@ kvpress_configure_asan_tree() {  # [cmake argument...]
   kvpress_configure_sanitized_tree "address;undefined;float-cast-overflow" -DKVPRESS_FUZZ=ON "$@"
 }
 
-# Regenerates the parity fixtures from the pinned kvpress package.
+# Regenerates the parity fixtures from the pinned kvpress package: every script of tests/reference,
+# each forked from one process that has imported torch, transformers and kvpress (make_all_fixtures.py).
 kvpress_fixtures() {
-  "$python" "$root/tests/reference/make_fixtures.py" --out "$build/fixtures" "$@"
-  "$python" "$root/tests/reference/make_model_fixtures.py" --out "$build/fixtures/llama"
-  "$python" "$root/tests/reference/make_decoding_fixtures.py" --out "$build/fixtures/decoding"
-  "$python" "$root/tests/reference/make_ragged_fixtures.py" --out "$build/fixtures/ragged"
-  "$python" "$root/tests/reference/make_kvcompose_fixtures.py" --out "$build/fixtures/kvcompose"
-  "$python" "$root/tests/reference/make_kvzip_fixtures.py" --out "$build/fixtures/kvzip"
-  "$python" "$root/tests/reference/make_dms_fixtures.py" --out "$build/fixtures/dms"
-  "$python" "$root/tests/reference/make_cam_fixtures.py" --out "$build/fixtures/cam"
-  "$python" "$root/tests/reference/make_pipeline_fixtures.py" --out "$build/fixtures/pipeline"
-  "$python" "$root/tests/reference/make_tokenizer_fixtures.py" --out "$build/fixtures/tokenizers"
-  "$python" "$root/tests/reference/make_chat_fixtures.py" --out "$build/fixtures/chat"  # after tokenizers: uses them
-  "$python" "$root/tests/reference/make_architecture_fixtures.py" --out "$build/fixtures/architectures"
-  "$python" "$root/tests/reference/make_family_fixtures.py" --out "$build/fixtures/families"
-  "$python" "$root/tests/reference/make_gguf_fixtures.py" --out "$build/fixtures/gguf" \
+  "$python" "$root/tests/reference/make_all_fixtures.py" --out "$build/fixtures" \
     --smollm2 "$(bash "$root/scripts/setup.sh" --smollm2-path)"
 }
 
 # ---- Running the GoogleTest binaries ----------------------------------------------------------
 # Every test run (scripts/test.sh, test_sanitized.sh, test_avx2_path.sh) runs the GoogleTest
 # binaries whole, a few processes each, rather than as ctest's one-process-per-test entries: each
-# process starts libtorch (about 0.6 s, 1.3 s under AddressSanitizer), 330 times over for
-# kvpress_tests' unit tests. The ctest entries (label "gtest") stay for running one test by name.
+# process starts libtorch (about 0.6 s; 0.8 s under AddressSanitizer, whose trees link its CPU half
+# alone), 330 times over for kvpress_tests' unit tests. The ctest entries (label "gtest") stay for running one test by name.
 
 # kvpress_run_gtest LOG BINARY FILTER [VAR=VALUE...]: $build/tests/BINARY with --gtest_filter=FILTER
 # and the given environment (GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX for one shard), one intra-op
