@@ -320,6 +320,89 @@ kvpress::LoraAdapter random_adapter(const LlamaModel& model, uint64_t seed) {
   return adapter;
 }
 
+// One scoring pass serves every ratio (kvpress-cli bench): kvzip_scores are kvzip_prefill's scores,
+// and kvzip_compress_captured cuts a captured plain prefill to the same cache kvzip_prefill leaves,
+// bit for bit, at ratios the scores were not computed at.
+TEST(KVzip, OneScoringPassServesEveryRatio) {
+  const LlamaModel& model = tiny_model();
+  const auto& c = model.config();
+  const at::Tensor ids = story_ids(30);
+  const kvpress::llama::CapturedPrefill captured = model.capture_prefill(ids);
+  const at::Tensor scores =
+      kvpress::llama::kvzip_scores(model, ids, KVzipPress(0.5, false, 4, false, 12), tiny_tokenizer());
+  ASSERT_EQ(scores.sizes(), at::IntArrayRef({c.num_layers, c.num_kv_heads, 30}));
+  const at::Tensor next = story_ids(32).narrow(1, 30, 2);
+  for (double ratio : {0.0, 0.25, 0.6, 0.9}) {
+    SCOPED_TRACE(ratio);
+    const KVzipPress press(ratio, false, 4, false, 12);
+    KVCache own = model.new_cache();
+    const auto r = kvpress::llama::kvzip_prefill(model, ids, own, press, tiny_tokenizer());
+    if (ratio > 0) EXPECT_TRUE(at::equal(r.scores, scores));
+    KVCache cut = kvpress::llama::kvzip_compress_captured(model, captured, press, scores);
+    EXPECT_EQ(cut.position(), own.position());
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      ASSERT_EQ(cut.is_ragged(l), own.is_ragged(l)) << "layer " << l;
+      if (own.is_ragged(l)) {
+        EXPECT_TRUE(at::equal(cut.ragged(l).packed_keys(), own.ragged(l).packed_keys())) << "layer " << l;
+        EXPECT_TRUE(at::equal(cut.ragged(l).packed_values(), own.ragged(l).packed_values())) << "layer " << l;
+        EXPECT_TRUE(at::equal(cut.ragged(l).packed_positions(), own.ragged(l).packed_positions())) << "layer " << l;
+      } else {
+        EXPECT_TRUE(at::equal(cut.keys(l), own.keys(l))) << "layer " << l;
+        EXPECT_TRUE(at::equal(cut.values(l), own.values(l))) << "layer " << l;
+      }
+    }
+    EXPECT_TRUE(at::equal(model.forward(next, cut).logits, model.forward(next, own).logits));
+  }
+  // Only a plain KVzipPress, and scores of the captured context's shape.
+  expect_error([&] { kvpress::llama::kvzip_scores(model, ids, RestoreKVPress(0.5), tiny_tokenizer()); },
+               {"kvzip_scores: RestoreKVPress adds to KVzip's passes"});
+  expect_error([&] { kvpress::llama::kvzip_scores(model, ids, kvpress::KVgradPress(0.5), tiny_tokenizer()); },
+               {"kvzip_scores: KVgradPress adds to KVzip's passes"});
+  expect_error(
+      [&] { kvpress::llama::kvzip_compress_captured(model, captured, KVzipPress(0.5), scores.narrow(2, 0, 29)); },
+      {"kvzip_compress_captured: scores must be [2, 4, 30]", "got [2, 4, 29]"});
+}
+
+// The pipeline over a captured prefill with KVzip's scores answers as KVzipPress's own prefill does.
+TEST(KVzip, PipelineAnswersFromTheScoredCapture) {
+  const LlamaModel& model = tiny_model();
+  const kvpress::llama::Tokenizer& tok = tiny_tokenizer();
+  const std::string context =
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her red "
+      "ball. One day, she saw a big dog. The dog was sad because it lost its bone.";
+  kvpress::llama::PipelineOptions plain;
+  plain.max_new_tokens = 8;
+  const std::vector<int64_t> ids = kvpress::llama::context_prefill_ids(model, tok, context, plain);
+  const at::Tensor batch = at::tensor(ids).unsqueeze(0);
+  kvpress::llama::ForwardOptions last;
+  last.last_logits_only = true;
+  const kvpress::llama::CapturedPrefill captured = model.capture_prefill(batch, last);
+  const at::Tensor scores = kvpress::llama::kvzip_scores(model, batch, KVzipPress(0.5), tok);
+  for (double ratio : {0.25, 0.75}) {
+    SCOPED_TRACE(ratio);
+    const KVzipPress press(ratio);
+    kvpress::llama::PipelineOptions opt = plain;
+    opt.press = &press;
+    const auto own = kvpress::llama::answer_questions(model, tok, context, {"Who is sad?"}, opt).at(0);
+    opt.captured = &captured;
+    opt.kvzip_scores = &scores;
+    const auto shared = kvpress::llama::answer_questions(model, tok, context, {"Who is sad?"}, opt).at(0);
+    EXPECT_EQ(shared.tokens, own.tokens);
+    EXPECT_EQ(shared.cache_lengths, own.cache_lengths);
+    EXPECT_EQ(shared.kept_fraction, own.kept_fraction);
+    EXPECT_LT(own.kept_fraction, 1.0);
+  }
+  const auto knorm = kvpress::make_press("KnormPress", 0.5);
+  kvpress::llama::PipelineOptions opt = plain;
+  opt.press = knorm.get();
+  opt.kvzip_scores = &scores;
+  expect_error([&] { kvpress::llama::answer_questions(model, tok, context, {"Q?"}, opt); },
+               {"answer_questions: options.kvzip_scores compress options.captured, which is not given"});
+  opt.captured = &captured;
+  expect_error([&] { kvpress::llama::answer_questions(model, tok, context, {"Q?"}, opt); },
+               {"answer_questions: options.kvzip_scores are for a KVzipPress, got KnormPress"});
+}
+
 TEST(Lora, LinearAddsTheScaledLowRankUpdate) {
   const at::Tensor x = at::randn({2, 5, 6}), w = at::randn({4, 6});
   const kvpress::LoraLinear u{at::randn({3, 6}), at::randn({4, 3}), 0.25};

@@ -2,7 +2,8 @@
 // context is prefilled ONCE (LlamaModel::capture_prefill) and every press that compresses after the
 // prefill's attention compresses that capture (the same cache its own prefill gives:
 // tests/test_llama.cpp); presses that change the forward (a second pass, a query-aware prefill)
-// run their own. Each answer is scored as RULER scores it and appended to the results file at
+// run their own; KVzipPress scores each example once (its scores do not depend on the ratio) and
+// compresses the capture at every ratio. Each answer is scored as RULER scores it and appended to the results file at
 // once, so an interrupted run continues where it stopped. See docs/QUALITY.md.
 #include "bench.h"
 
@@ -30,6 +31,7 @@
 #include "cli_args.h"
 #include "kvpress/calibration.h"
 #include "kvpress/io/atomic_file.h"
+#include "kvpress/llama/kvzip.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/registry.h"
 #include "plot_runner.h"
@@ -432,7 +434,8 @@ int run_bench(const std::vector<std::string>& argv) {
     base.max_new_tokens = e.max_new_tokens;
     const std::vector<int64_t> ids =
         llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, base);
-    std::optional<llama::CapturedPrefill> captured;  // made when the first press can use it
+    std::optional<llama::CapturedPrefill> captured;        // made when the first press can use it
+    std::map<const BenchPress*, at::Tensor> kvzip_scores;  // per KVzipPress configuration, every ratio's
     for (const Planned& run : todo) {
       const BenchPress& p = *run.press;
       progress.step(finished, e.id + " " + label_of(p));
@@ -466,8 +469,17 @@ int run_bench(const std::vector<std::string>& argv) {
       llama::PipelineOptions opt = base;
       opt.press = press.get();
       opt.query_aware = p.query_aware;
-      const bool shared =
-          !p.query_aware && llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
+      bool shared = !p.query_aware && llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
+      if (const kvpress::KVzipPress* kvzip = p.query_aware ? nullptr : llama::plain_kvzip(press.get())) {
+        // Its scores do not depend on the ratio: one scoring pass per example, then the capture is
+        // cut to each ratio's selection (llama::kvzip_compress_captured).
+        at::Tensor& scores = kvzip_scores[&p];
+        if (!scores.defined())
+          scores = llama::kvzip_scores(checkpoint.model, at::tensor(ids).unsqueeze(0), *kvzip, checkpoint.tokenizer,
+                                       base.chat_template);
+        opt.kvzip_scores = &scores;
+        shared = true;
+      }
       if (shared) opt.captured = &capture();
       at::manual_seed(0);
       const llama::Answer a =

@@ -280,6 +280,58 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
   return result;
 }
 
+const KVzipPress* plain_kvzip(const BasePress* press) {
+  if (dynamic_cast<const RestoreKVPress*>(press) != nullptr || dynamic_cast<const KVgradPress*>(press) != nullptr)
+    return nullptr;  // they add to KVzip's passes (restore tokens, gradients)
+  return dynamic_cast<const KVzipPress*>(press);
+}
+
+namespace {
+
+void require_plain_kvzip(const char* op, const KVzipPress& press) {
+  TORCH_CHECK(plain_kvzip(&press) != nullptr, op, ": ", press.name(),
+              " adds to KVzip's passes (restore tokens, gradients); run kvzip_prefill");
+}
+
+}  // namespace
+
+at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
+                        const Tokenizer& tokenizer, const ChatTemplate* chat_template, const KVzipRunOptions& run) {
+  constexpr const char* op = "kvzip_scores";
+  require_plain_kvzip(op, press);
+  KVzipMemory memory;
+  check_prefill_args(op, model, context_ids, model.new_cache());
+  TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
+  const int64_t n = context_ids.size(1);
+  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
+  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
+  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, chat_template);
+  return scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, memory);
+}
+
+KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& captured, const KVzipPress& press,
+                                const at::Tensor& scores, const PrefillOptions& options) {
+  constexpr const char* op = "kvzip_compress_captured";
+  require_plain_kvzip(op, press);
+  const LlamaConfig& c = model.config();
+  TORCH_CHECK(!captured.layers.empty() && captured.layers.front().keys.defined(), op,
+              ": the capture is empty (LlamaModel::capture_prefill)");
+  const int64_t n = captured.layers.front().keys.size(2);
+  TORCH_CHECK(scores.defined() && scores.dim() == 3 && scores.size(0) == c.num_layers &&
+                  scores.size(1) == c.num_kv_heads && scores.size(2) == n,
+              op, ": scores must be [", c.num_layers, ", ", c.num_kv_heads, ", ", n,
+              "] (kvzip_scores of the captured context), got ",
+              scores.defined() ? c10::str(scores.sizes()) : std::string("undefined"));
+  PrefillOptions compressing = options;
+  if (press.compression_ratio() == 0.0) {  // kvzip_prefill's plain prefill
+    compressing.press = nullptr;
+    return model.compress_captured(captured, compressing);
+  }
+  const SelectedTokensPress selected(press, press.keep_masks(scores));
+  compressing.press = &selected;
+  return model.compress_captured(captured, compressing);
+}
+
 KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                            const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill,
                            const KVgradRunOptions& run) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "greedy.h"
+#include "kvpress/llama/kvzip.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/dms_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
@@ -58,7 +59,14 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
                 " tokens (capture context_prefill_ids())");
     TORCH_CHECK(captured->logits.dim() == 3 && captured->logits.size(1) >= 1, kOp,
                 ": options.captured has no logits (capture_prefill gives them)");
-    p.cache = model.compress_captured(*captured, prefill);
+    if (options.kvzip_scores != nullptr) {
+      const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press);
+      TORCH_CHECK(kvzip != nullptr, kOp, ": options.kvzip_scores are for a KVzipPress, got ",
+                  options.press ? options.press->name() : std::string("no press"));
+      p.cache = kvzip_compress_captured(model, *captured, *kvzip, *options.kvzip_scores, prefill);
+    } else {
+      p.cache = model.compress_captured(*captured, prefill);
+    }
     p.logits = captured->logits.narrow(1, captured->logits.size(1) - 1, 1);
     return p;
   }
@@ -130,6 +138,8 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
   TORCH_CHECK(options.captured == nullptr || !options.query_aware, kOp,
               ": options.captured is the context's prefill, and a query-aware prefill holds the question too");
+  TORCH_CHECK(options.kvzip_scores == nullptr || options.captured != nullptr, kOp,
+              ": options.kvzip_scores compress options.captured, which is not given");
   const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();
   const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
 

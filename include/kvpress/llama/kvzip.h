@@ -77,6 +77,25 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                           const KVzipRunOptions& run = {});
 
+// ---- one scoring pass, every ratio (kvpress-cli bench) ------------------------------------------
+// KVzip's token scores do not depend on the compression ratio, and its compressing prefill is the
+// plain prefill's forward cut to the selection. So kvzip_scores() runs kvzip_prefill's scoring pass
+// alone ([L, Hkv, N] float32: kvzip_prefill's result.scores at any ratio > 0), and
+// kvzip_compress_captured() gives, for the press at any ratio, the cache kvzip_prefill leaves: its
+// global selection of `scores` (KVzipPress::keep_masks) cut from a captured plain prefill of the same
+// context (LlamaModel::capture_prefill), as LlamaModel::compress_captured() does for other presses
+// (the same kept tokens, keys and values: tests/test_kvzip.cpp). Plain KVzipPress only:
+// RestoreKVPress adds its restore tokens and KVgradPress scores by gradients (both raise). `scores`
+// must come from a press with the same parameters but the ratio; options as compress_captured()'s.
+// `press` as a plain KVzipPress (what kvzip_scores takes), or nullptr (another press, RestoreKVPress,
+// KVgradPress).
+const KVzipPress* plain_kvzip(const BasePress* press);
+at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
+                        const Tokenizer& tokenizer, const ChatTemplate* chat_template = nullptr,
+                        const KVzipRunOptions& run = {});
+KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& captured, const KVzipPress& press,
+                                const at::Tensor& scores, const PrefillOptions& options = {});
+
 struct KVgradRunOptions {
   // false: the context's full cache is held while scoring (kvpress's way; one prefill, then per
   // replay chunk one forward and one backward through every layer). true: no more than one layer's

@@ -34,6 +34,10 @@ struct PipelineOptions {
   // the same cache and answers, for many presses at the cost of one prefill. Not with query_aware,
   // nor with a press LlamaModel::why_not_captured() names.
   const CapturedPrefill* captured = nullptr;
+  // With `captured` and a KVzipPress as `press`: its token scores of this context (kvzip_scores(),
+  // kvpress/llama/kvzip.h), so that the capture is compressed to its selection
+  // (kvzip_compress_captured) instead of replaying the context: one scoring pass for every ratio.
+  const at::Tensor* kvzip_scores = nullptr;
 };
 
 struct Answer {
