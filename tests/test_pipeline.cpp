@@ -122,9 +122,32 @@ TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
   opt.captured = &captured;
   expect_error([&] { answer_questions(model, tok, story() + " More.", questions, opt); },
                {"answer_questions: options.captured holds another prefill than this context's"});
+  // Query-aware: the capture must be the prefill of the context and the one question asked.
   opt.query_aware = true;
   expect_error([&] { answer_questions(model, tok, story(), questions, opt); },
-               {"answer_questions: options.captured is the context's prefill"});
+               {"answer_questions: a query-aware options.captured holds one question's prefill, got 2 questions"});
+  expect_error([&] { answer_questions(model, tok, story(), {questions[0]}, opt); },
+               {"answer_questions: options.captured holds another prefill than this context's"});
+  const auto snapkv = kvpress::make_press("SnapKVPress", 0.5);
+  PipelineOptions aware = plain;
+  aware.query_aware = true;
+  aware.press = snapkv.get();
+  const std::vector<int64_t> aware_ids =
+      kvpress::llama::context_prefill_ids(model, tok, story(), aware, " " + questions[0]);
+  const kvpress::llama::CapturedPrefill aware_capture = model.capture_prefill(at::tensor(aware_ids).unsqueeze(0), last);
+  const Answer own = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
+  aware.captured = &aware_capture;
+  const Answer shared = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
+  EXPECT_EQ(shared.tokens, own.tokens);
+  EXPECT_EQ(shared.cache_lengths, own.cache_lengths);
+  EXPECT_EQ(shared.prefill_length, static_cast<int64_t>(aware_ids.size()));
+  EXPECT_EQ(own.prefill_length, static_cast<int64_t>(aware_ids.size()));
+  const auto finch = kvpress::make_press("FinchPress", 0.5);
+  aware.press = finch.get();
+  expect_error([&] { kvpress::llama::context_prefill_ids(model, tok, story(), aware, questions[0]); },
+               {"context_prefill_ids: FinchPress observes the question: its query-aware prefill is not captured"});
+  expect_error([&] { kvpress::llama::context_prefill_ids(model, tok, story(), plain, questions[0]); },
+               {"context_prefill_ids: a question is part of the prefill only with query_aware"});
   opt.query_aware = false;
   const auto kvzip = kvpress::make_press("KVzipPress", 0.5);
   opt.press = kvzip.get();

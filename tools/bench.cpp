@@ -1,10 +1,12 @@
 // kvpress-cli bench: for each example of a task folder (benchmarks/quality/make_tasks.py), the
 // context is prefilled ONCE (LlamaModel::capture_prefill) and every press that compresses after the
 // prefill's attention compresses that capture (the same cache its own prefill gives:
-// tests/test_llama.cpp); presses that change the forward (a second pass, a query-aware prefill)
-// run their own; KVzipPress scores each example once (its scores do not depend on the ratio) and
-// compresses the capture at every ratio. Each answer is scored as RULER scores it and appended to the results file at
-// once, so an interrupted run continues where it stopped. See docs/QUALITY.md.
+// tests/test_llama.cpp). Query-aware presses that do not observe the question share a second
+// capture, of the context and the question; KVzipPress scores each example once (its scores do not
+// depend on the ratio) and cuts the capture at every ratio; presses that change the forward
+// otherwise (KVzip's relatives, FinchPress) run their own prefill. Each answer is scored as RULER
+// scores it and appended to the results file at once, so an interrupted run continues where it
+// stopped. See docs/QUALITY.md.
 #include "bench.h"
 
 #include <ATen/ATen.h>
@@ -357,6 +359,13 @@ std::string summary_csv(const Summary& s) {
 
 }  // namespace
 
+// The prefill of `ids` kept for many presses (the pipeline needs only its last logits).
+llama::CapturedPrefill capture_prefill_of(const llama::LlamaModel& model, const std::vector<int64_t>& ids) {
+  llama::ForwardOptions last;
+  last.last_logits_only = true;
+  return model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
+}
+
 int run_bench(const std::vector<std::string>& argv) {
   const BenchArgs args = parse_args(argv);
   std::optional<Plotter> plotter;
@@ -434,18 +443,16 @@ int run_bench(const std::vector<std::string>& argv) {
     base.max_new_tokens = e.max_new_tokens;
     const std::vector<int64_t> ids =
         llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, base);
-    std::optional<llama::CapturedPrefill> captured;        // made when the first press can use it
+    std::optional<llama::CapturedPrefill> captured;  // made when the first press can use it
+    // Query-aware presses that do not observe the question share the prefill of context + question.
+    std::optional<llama::CapturedPrefill> captured_with_question;
     std::map<const BenchPress*, at::Tensor> kvzip_scores;  // per KVzipPress configuration, every ratio's
     for (const Planned& run : todo) {
       const BenchPress& p = *run.press;
       progress.step(finished, e.id + " " + label_of(p));
       const auto t0 = Clock::now();
       const auto capture = [&]() -> const llama::CapturedPrefill& {
-        if (!captured) {
-          llama::ForwardOptions last;
-          last.last_logits_only = true;
-          captured = checkpoint.model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
-        }
+        if (!captured) captured = capture_prefill_of(checkpoint.model, ids);
         return *captured;
       };
       double ratio = std::max(run.ratio, 0.0);
@@ -469,7 +476,7 @@ int run_bench(const std::vector<std::string>& argv) {
       llama::PipelineOptions opt = base;
       opt.press = press.get();
       opt.query_aware = p.query_aware;
-      bool shared = !p.query_aware && llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
+      bool shared = llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
       if (const kvpress::KVzipPress* kvzip = p.query_aware ? nullptr : llama::plain_kvzip(press.get())) {
         // Its scores do not depend on the ratio: one scoring pass per example, then the capture is
         // cut to each ratio's selection (llama::kvzip_compress_captured).
@@ -480,7 +487,15 @@ int run_bench(const std::vector<std::string>& argv) {
         opt.kvzip_scores = &scores;
         shared = true;
       }
-      if (shared) opt.captured = &capture();
+      if (shared && p.query_aware) {
+        if (!captured_with_question)
+          captured_with_question = capture_prefill_of(
+              checkpoint.model,
+              llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, opt, e.question));
+        opt.captured = &*captured_with_question;
+      } else if (shared) {
+        opt.captured = &capture();
+      }
       at::manual_seed(0);
       const llama::Answer a =
           llama::answer_questions(checkpoint.model, checkpoint.tokenizer, e.context, {e.question}, opt).at(0);

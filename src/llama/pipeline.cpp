@@ -100,15 +100,22 @@ double kept_fraction(const KVCache& cache, int64_t length) {
 }  // namespace
 
 std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
-                                         const std::string& context, const PipelineOptions& options) {
+                                         const std::string& context, const PipelineOptions& options,
+                                         const std::string& question) {
+  constexpr const char* op = "context_prefill_ids";
+  TORCH_CHECK(!options.query_aware || options.press == nullptr || !options.press->observes_question(), op, ": ",
+              options.press ? options.press->name() : std::string(),
+              " observes the question: its query-aware prefill is not captured");
+  TORCH_CHECK(options.query_aware || question.empty(), op,
+              ": a question is part of the prefill only with query_aware (kvpress's query-aware evaluation)");
   const ChatTemplate* chat = options.chat_template;
   const int64_t bos = model.config().bos_token_id;
-  TORCH_CHECK(chat != nullptr || bos >= 0,
-              "context_prefill_ids: the model's config has no bos_token_id; the prefill "
-              "starts with it");
-  std::vector<int64_t> ids =
-      tokenizer.encode(frame(context, chat == nullptr ? tokenizer.id_to_token(bos) : std::string(), chat).prefill,
-                       /*add_special_tokens=*/false);
+  TORCH_CHECK(chat != nullptr || bos >= 0, op, ": the model's config has no bos_token_id; the prefill starts with it");
+  // Query-aware: context + question as one text, as answer_questions() frames it.
+  std::vector<int64_t> ids = tokenizer.encode(frame(options.query_aware ? context + question : context,
+                                                    chat == nullptr ? tokenizer.id_to_token(bos) : std::string(), chat)
+                                                  .prefill,
+                                              /*add_special_tokens=*/false);
   if (options.max_context_length > 0 && static_cast<int64_t>(ids.size()) > options.max_context_length)
     ids.resize(static_cast<size_t>(options.max_context_length));
   return ids;
@@ -136,8 +143,8 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   const ChatTemplate* chat = options.chat_template;
   const int64_t bos = model.config().bos_token_id;
   TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
-  TORCH_CHECK(options.captured == nullptr || !options.query_aware, kOp,
-              ": options.captured is the context's prefill, and a query-aware prefill holds the question too");
+  TORCH_CHECK(options.captured == nullptr || !options.query_aware || questions.size() == 1, kOp,
+              ": a query-aware options.captured holds one question's prefill, got ", questions.size(), " questions");
   TORCH_CHECK(options.kvzip_scores == nullptr || options.captured != nullptr, kOp,
               ": options.kvzip_scores compress options.captured, which is not given");
   const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();

@@ -11,7 +11,7 @@ and SnapKVPress at ratio 0.5 (4 runs) and must:
   (an interrupted write), a third run drops that partial row and runs exactly that one again;
 * write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart;
 * with --calibrate, run each score-based press again at the ratio its search finds per example;
-* run KVzipPress at two ratios from one captured prefill and one scoring pass;
+* run KVzipPress and query-aware SnapKVPress at two ratios, each from one prefill;
 * refuse a results file of another model, a --task the folder does not hold, and a press that
   observes the question given without --query-aware (before running anything), with clear errors.
 """
@@ -97,14 +97,18 @@ with tempfile.TemporaryDirectory() as tmp:
     cell = next(t for t in table if t["press"] == "SnapKVPress [calibrated]")
     assert abs(float(cell["kept_fraction"]) - sum(r["kept_fraction"] for r in cal) / 2) < 1e-3, cell
 
-    # KVzipPress at two ratios on one example: one scoring pass, then the captured prefill cut to
-    # each ratio's selection (llama::kvzip_compress_captured; tests/test_kvzip.cpp checks the caches).
-    kvzip_out = tmp / "kvzip.jsonl"
-    run([cli, "bench", "--tasks", tasks, "--out", kvzip_out, "--press", "KVzipPress", "--ratios", "0.5,0.75",
-         "--examples", "1", "--threads", "2", "--no-progress"])
-    zipped = rows(kvzip_out)
-    assert [r["ratio"] for r in zipped] == [0.5, 0.75], zipped
-    for r in zipped:
+    # KVzipPress and query-aware SnapKVPress at two ratios on one example, each from one prefill: KVzip's
+    # scoring pass then the captured prefill cut to each ratio's selection (llama::kvzip_compress_captured;
+    # tests/test_kvzip.cpp checks the caches), SnapKV's from a capture of context + question
+    # (tests/test_pipeline.cpp checks the answers).
+    shared_out = tmp / "shared.jsonl"
+    run([cli, "bench", "--tasks", tasks, "--out", shared_out, "--press", "KVzipPress", "--query-aware", "SnapKVPress",
+         "--ratios", "0.5,0.75", "--examples", "1", "--threads", "2", "--no-progress"])
+    both = rows(shared_out)
+    assert sorted((r["press"], r["ratio"]) for r in both) == [
+        ("KVzipPress", 0.5), ("KVzipPress", 0.75), ("SnapKVPress [query-aware]", 0.5),
+        ("SnapKVPress [query-aware]", 0.75)], both
+    for r in both:
         assert r["shared_prefill"] is True and abs(r["kept_fraction"] - (1 - r["ratio"])) < 0.02, r
         assert r["score"] == ruler_all(r["answer"], r["expected"]), r
 
