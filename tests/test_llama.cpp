@@ -441,6 +441,7 @@ TEST(Llama, CapturedPrefillCompressesAsPrefillDoes) {
       PrefillOptions opt;
       opt.press = press.get();
       opt.ragged_layout = layout;
+      if (press->observes_question()) opt.question_length = 4;  // the prompt's last 4 tokens are its question
       const std::string why = LlamaModel::why_not_captured(press.get(), opt.press_attentions);
       if (!why.empty()) {
         ++refused;
@@ -476,7 +477,14 @@ TEST(Llama, CapturedPrefillCompressesAsPrefillDoes) {
   // The capture itself is untouched: every layer still holds the whole prompt.
   for (int64_t l = 0; l < c.num_layers; ++l) EXPECT_EQ(captured.cache.length(l), s);
   EXPECT_GT(served, 40);
-  EXPECT_GT(refused, 3);  // KVzip's family and KVCompose (second pass), DMSPress, FinchPress, ObservedAttentionPress
+  EXPECT_GT(refused, 3);  // KVzip's family and KVCompose (second pass), DMSPress, ObservedAttentionPress
+  // A press that observes the question compresses the capture with its question_length; out of range refused.
+  const auto finch = kvpress::make_press("FinchPress", 0.5);
+  PrefillOptions opt;
+  opt.press = finch.get();
+  opt.question_length = s + 1;
+  expect_error([&] { model.compress_captured(captured, opt); },
+               {"LlamaModel::compress_captured: question_length must be in [0, ", "got "});
 }
 
 // kvpress-cli eval's protocol (include/kvpress/llama/eval.h); its parity with kvpress is

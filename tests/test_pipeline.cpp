@@ -142,10 +142,22 @@ TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
   EXPECT_EQ(shared.cache_lengths, own.cache_lengths);
   EXPECT_EQ(shared.prefill_length, static_cast<int64_t>(aware_ids.size()));
   EXPECT_EQ(own.prefill_length, static_cast<int64_t>(aware_ids.size()));
+  // FinchPress observes the question: its prefill is the framed context's tokens then the question's,
+  // and it reads the question's length, which the captured path passes on as its own prefill does.
   const auto finch = kvpress::make_press("FinchPress", 0.5);
   aware.press = finch.get();
-  expect_error([&] { kvpress::llama::context_prefill_ids(model, tok, story(), aware, questions[0]); },
-               {"context_prefill_ids: FinchPress observes the question: its query-aware prefill is not captured"});
+  aware.captured = nullptr;
+  const std::vector<int64_t> finch_ids =
+      kvpress::llama::context_prefill_ids(model, tok, story(), aware, " " + questions[0]);
+  EXPECT_NE(finch_ids, aware_ids);
+  const kvpress::llama::CapturedPrefill finch_capture = model.capture_prefill(at::tensor(finch_ids).unsqueeze(0), last);
+  const Answer finch_own = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
+  aware.captured = &finch_capture;
+  const Answer finch_shared = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
+  EXPECT_EQ(finch_shared.tokens, finch_own.tokens);
+  EXPECT_EQ(finch_shared.cache_lengths, finch_own.cache_lengths);
+  EXPECT_EQ(finch_shared.kept_fraction, finch_own.kept_fraction);
+  EXPECT_EQ(finch_own.prefill_length, static_cast<int64_t>(finch_ids.size()));
   expect_error([&] { kvpress::llama::context_prefill_ids(model, tok, story(), plain, questions[0]); },
                {"context_prefill_ids: a question is part of the prefill only with query_aware"});
   opt.query_aware = false;

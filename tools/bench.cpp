@@ -1,10 +1,10 @@
 // kvpress-cli bench: for each example of a task folder (benchmarks/quality/make_tasks.py), the
 // context is prefilled ONCE (LlamaModel::capture_prefill) and every press that compresses after the
 // prefill's attention compresses that capture (the same cache its own prefill gives:
-// tests/test_llama.cpp). Query-aware presses that do not observe the question share a second
-// capture, of the context and the question; KVzipPress scores each example once (its scores do not
-// depend on the ratio) and cuts the capture at every ratio; presses that change the forward
-// otherwise (KVzip's relatives, FinchPress) run their own prefill. Each answer is scored as RULER
+// tests/test_llama.cpp). Query-aware presses share a capture of their query-aware prefill (context
+// and question) at every ratio; KVzipPress scores each example once (its scores do not depend on
+// the ratio) and cuts the capture at every ratio; presses that change the forward otherwise
+// (KVzip's relatives, KVCompose, DMS) run their own prefill. Each answer is scored as RULER
 // scores it and appended to the results file at once, so an interrupted run continues where it
 // stopped. See docs/QUALITY.md.
 #include "bench.h"
@@ -444,8 +444,9 @@ int run_bench(const std::vector<std::string>& argv) {
     const std::vector<int64_t> ids =
         llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, base);
     std::optional<llama::CapturedPrefill> captured;  // made when the first press can use it
-    // Query-aware presses that do not observe the question share the prefill of context + question.
-    std::optional<llama::CapturedPrefill> captured_with_question;
+    // Query-aware prefills, by their tokens: context + question as one text (SnapKV's query-aware
+    // mode), or the framed context then the question (FinchPress, which observes it).
+    std::map<std::vector<int64_t>, llama::CapturedPrefill> captured_with_question;
     std::map<const BenchPress*, at::Tensor> kvzip_scores;  // per KVzipPress configuration, every ratio's
     for (const Planned& run : todo) {
       const BenchPress& p = *run.press;
@@ -488,11 +489,12 @@ int run_bench(const std::vector<std::string>& argv) {
         shared = true;
       }
       if (shared && p.query_aware) {
-        if (!captured_with_question)
-          captured_with_question = capture_prefill_of(
-              checkpoint.model,
-              llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, opt, e.question));
-        opt.captured = &*captured_with_question;
+        std::vector<int64_t> aware =
+            llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, opt, e.question);
+        auto found = captured_with_question.find(aware);
+        if (found == captured_with_question.end())
+          found = captured_with_question.emplace(aware, capture_prefill_of(checkpoint.model, aware)).first;
+        opt.captured = &found->second;
       } else if (shared) {
         opt.captured = &capture();
       }

@@ -488,7 +488,6 @@ std::string LlamaModel::why_not_captured(const BasePress* press, PressAttentions
   if (p == nullptr) return "";
   if (p->needs_second_pass()) return p->name() + " runs a second pass over the context";
   if (dynamic_cast<const DMSPress*>(p) != nullptr) return p->name() + " fills its decoding window at prefill";
-  if (p->observes_question()) return p->name() + " observes the question (a query-aware prefill of its own)";
   if (wants_attentions(press_attentions, ForwardOptions{}, p->name()))
     return p->name() + " reads attention weights, which a captured prefill does not keep";
   return "";
@@ -502,13 +501,19 @@ KVCache LlamaModel::compress_captured(const CapturedPrefill& captured, const Pre
                   captured.cache.num_layers() == config_.num_layers,
               "LlamaModel::compress_captured: the capture has ", captured.layers.size(), " layers, the model ",
               config_.num_layers, " (use this model's capture_prefill())");
+  const int64_t seq = captured.layers.front().keys.size(2);
+  TORCH_CHECK(options.question_length >= 0 && options.question_length <= seq,
+              "LlamaModel::compress_captured: question_length must be in [0, ", seq, "] (the capture's tokens), got ",
+              options.question_length);
   KVCache cache = captured.cache;  // shares the capture's tensors; compressing replaces them
   const BasePress* press = prefill_press_of(options.press);
   if (press == nullptr) return cache;
   ForwardOutput local;
-  for (int64_t li = 0; li < config_.num_layers; ++li)
-    compress_at_prefill(*press, options, li, captured.layers[static_cast<size_t>(li)], /*in_place=*/false, cache,
-                        out ? *out : local);
+  for (int64_t li = 0; li < config_.num_layers; ++li) {
+    LayerInputs in = captured.layers[static_cast<size_t>(li)];
+    in.question_length = options.question_length;  // as prefill() gives it
+    compress_at_prefill(*press, options, li, std::move(in), /*in_place=*/false, cache, out ? *out : local);
+  }
   cache.set_position(press->position_after(cache.position(), cache.length(0)));
   return cache;
 }

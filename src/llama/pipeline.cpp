@@ -51,6 +51,7 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   PrefillOptions prefill;
   prefill.press = prefill_press_of(options.press);  // a DecodingPress leaves the prefill alone
   prefill.press_attentions = options.press_attentions;
+  prefill.question_length = question_length;
   if (const CapturedPrefill* captured = options.captured) {
     const at::Tensor batch = detail::as_batch(ids);
     TORCH_CHECK(!captured->layers.empty() && captured->layers.front().input_ids.sizes() == batch.sizes() &&
@@ -72,7 +73,6 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   }
   p.cache = model.new_cache();
   prefill.last_logits_only = true;
-  prefill.question_length = question_length;
   prefill.tokenizer = &tokenizer;                 // KVzipPress's repeat prompt
   prefill.chat_template = options.chat_template;  // and the user turn it replays the context in
   prefill.dms_window = &p.dms_window;
@@ -97,25 +97,50 @@ double kept_fraction(const KVCache& cache, int64_t length) {
   return sum / static_cast<double>(cache.num_layers());
 }
 
+// A query-aware prefill for question `q`: its tokens, how many of its last tokens are the question
+// (a press that observes the question reads them), and the framing (what follows the question).
+struct QueryAwarePrefill {
+  std::vector<int64_t> ids;
+  int64_t question_length = 0;
+  Framed framed;
+};
+QueryAwarePrefill query_aware_prefill(const Tokenizer& tokenizer, const std::string& context, const std::string& q,
+                                      const std::string& bos_text, const ChatTemplate* chat, bool observes_question) {
+  const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
+  QueryAwarePrefill out;
+  if (observes_question) {
+    // kvpress's text is context + delimiter token + question, framed as one user message; the
+    // delimiter splits the tokenization, and the press drops it. So: the framed context's tokens,
+    // then the question's, then after the prefill what follows the message.
+    out.framed = frame(context, bos_text, chat);
+    out.ids = encode(out.framed.prefill);
+    const std::vector<int64_t> question_ids = encode(q);
+    out.ids.insert(out.ids.end(), question_ids.begin(), question_ids.end());
+    out.question_length = static_cast<int64_t>(question_ids.size());
+  } else {
+    out.framed = frame(context + q, bos_text, chat);  // kvpress's evaluation: one text, an empty question
+    out.ids = encode(out.framed.prefill);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
                                          const std::string& context, const PipelineOptions& options,
                                          const std::string& question) {
   constexpr const char* op = "context_prefill_ids";
-  TORCH_CHECK(!options.query_aware || options.press == nullptr || !options.press->observes_question(), op, ": ",
-              options.press ? options.press->name() : std::string(),
-              " observes the question: its query-aware prefill is not captured");
   TORCH_CHECK(options.query_aware || question.empty(), op,
               ": a question is part of the prefill only with query_aware (kvpress's query-aware evaluation)");
   const ChatTemplate* chat = options.chat_template;
   const int64_t bos = model.config().bos_token_id;
   TORCH_CHECK(chat != nullptr || bos >= 0, op, ": the model's config has no bos_token_id; the prefill starts with it");
-  // Query-aware: context + question as one text, as answer_questions() frames it.
-  std::vector<int64_t> ids = tokenizer.encode(frame(options.query_aware ? context + question : context,
-                                                    chat == nullptr ? tokenizer.id_to_token(bos) : std::string(), chat)
-                                                  .prefill,
-                                              /*add_special_tokens=*/false);
+  const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();
+  std::vector<int64_t> ids =
+      options.query_aware ? query_aware_prefill(tokenizer, context, question, bos_text, chat,
+                                                options.press != nullptr && options.press->observes_question())
+                                .ids
+                          : tokenizer.encode(frame(context, bos_text, chat).prefill, /*add_special_tokens=*/false);
   if (options.max_context_length > 0 && static_cast<int64_t>(ids.size()) > options.max_context_length)
     ids.resize(static_cast<size_t>(options.max_context_length));
   return ids;
@@ -183,24 +208,9 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
     return answers;
   }
   for (const std::string& q : questions) {
-    std::vector<int64_t> ids;
-    int64_t question_length = 0;
-    Framed framed;
-    if (observes_question) {
-      // kvpress's text is context + delimiter token + question, framed as one user message; the
-      // delimiter splits the tokenization, and the press drops it. So: the framed context's tokens,
-      // then the question's, then after the prefill what follows the message.
-      framed = frame(context, bos_text, chat);
-      ids = encode(framed.prefill);
-      const std::vector<int64_t> question_ids = encode(q);
-      ids.insert(ids.end(), question_ids.begin(), question_ids.end());
-      question_length = static_cast<int64_t>(question_ids.size());
-    } else {
-      framed = frame(context + q, bos_text, chat);  // kvpress's evaluation: one text, an empty question
-      ids = encode(framed.prefill);
-    }
-    Prefilled p = prefill(model, tokenizer, std::move(ids), question_length, options);
-    answers.push_back(answer(p, encode(framed.question_suffix + options.answer_prefix)));
+    QueryAwarePrefill aware = query_aware_prefill(tokenizer, context, q, bos_text, chat, observes_question);
+    Prefilled p = prefill(model, tokenizer, std::move(aware.ids), aware.question_length, options);
+    answers.push_back(answer(p, encode(aware.framed.question_suffix + options.answer_prefix)));
   }
   return answers;
 }

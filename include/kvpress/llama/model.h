@@ -291,13 +291,15 @@ class LlamaModel {
   CapturedPrefill capture_prefill(const at::Tensor& input_ids, const ForwardOptions& options = {}) const;
   // Why `press` cannot compress a captured prefill, or "" when it can (no press, or a DecodingPress,
   // leaves it as it is): it runs a second pass over the context (KVzip, KVCompose), fills a DMS
-  // window, observes the question, or reads attention weights (the capture keeps none, and computing
-  // them changes the forward's rounding).
+  // window, or reads attention weights (the capture keeps none, and computing them changes the
+  // forward's rounding). A press that observes the question (FinchPress) can: capture the prefill
+  // that ends with the question and give its length in options.question_length.
   static std::string why_not_captured(const BasePress* press, PressAttentions press_attentions);
   // The cache prefill() with options.press leaves (its prefilling press: prefill_press_of), from
   // `captured`, which stays as it was: a compressed layer is a copy of its kept tokens (as with
   // PrefillOptions::compress_in_place = false). Honours ragged_layout, on_compress and
-  // on_compress_ragged; question_length and tokenizer do not apply. `out` (optional) receives the
+  // on_compress_ragged and question_length (the capture's last question_length tokens are the
+  // question, as for prefill()); tokenizer does not apply. `out` (optional) receives the
   // kept_indices / keep_masks prefill() returns. Raises c10::Error with why_not_captured()'s reason.
   KVCache compress_captured(const CapturedPrefill& captured, const PrefillOptions& options,
                             ForwardOutput* out = nullptr) const;

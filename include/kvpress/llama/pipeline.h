@@ -32,8 +32,8 @@ struct PipelineOptions {
   // The context's prefill, captured once (LlamaModel::capture_prefill of context_prefill_ids(), with
   // last_logits_only) and compressed here by `press` (compress_captured) instead of prefilled again:
   // the same cache and answers, for many presses at the cost of one prefill. With query_aware, the
-  // prefill of the context and the one question asked (context_prefill_ids with that question). Not
-  // with a press LlamaModel::why_not_captured() names (FinchPress observes the question).
+  // prefill of the context and the one question asked (context_prefill_ids with that question and
+  // this press). Not with a press LlamaModel::why_not_captured() names.
   const CapturedPrefill* captured = nullptr;
   // With `captured` and a KVzipPress as `press`: its token scores of this context (kvzip_scores(),
   // kvpress/llama/kvzip.h), so that the capture is compressed to its selection
@@ -64,8 +64,8 @@ struct Answer {
 // user turn (PrefillOptions::chat_template). Raises c10::Error on an empty question list, a model config without
 // bos_token_id (without a chat template), or options out of range. The tokens answer_questions() prefills for `context`
 // (the framing above), to capture once for PipelineOptions::captured: without query_aware the
-// context's; with it, the context's and `question`'s as one text (a press that observes the question
-// prefills on its own: raises for options.press FinchPress).
+// context's; with it, the context's and `question`'s, framed for options.press (one text, or for a
+// press that observes the question, FinchPress, the framed context's tokens then the question's).
 std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenizer& tokenizer,
                                          const std::string& context, const PipelineOptions& options = {},
                                          const std::string& question = "");
