@@ -128,36 +128,29 @@ TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
                {"answer_questions: a query-aware options.captured holds one question's prefill, got 2 questions"});
   expect_error([&] { answer_questions(model, tok, story(), {questions[0]}, opt); },
                {"answer_questions: options.captured holds another prefill than this context's"});
-  const auto snapkv = kvpress::make_press("SnapKVPress", 0.5);
-  PipelineOptions aware = plain;
-  aware.query_aware = true;
-  aware.press = snapkv.get();
-  const std::vector<int64_t> aware_ids =
-      kvpress::llama::context_prefill_ids(model, tok, story(), aware, " " + questions[0]);
-  const kvpress::llama::CapturedPrefill aware_capture = model.capture_prefill(at::tensor(aware_ids).unsqueeze(0), last);
-  const Answer own = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
-  aware.captured = &aware_capture;
-  const Answer shared = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
-  EXPECT_EQ(shared.tokens, own.tokens);
-  EXPECT_EQ(shared.cache_lengths, own.cache_lengths);
-  EXPECT_EQ(shared.prefill_length, static_cast<int64_t>(aware_ids.size()));
-  EXPECT_EQ(own.prefill_length, static_cast<int64_t>(aware_ids.size()));
-  // FinchPress observes the question: its prefill is the framed context's tokens then the question's,
-  // and it reads the question's length, which the captured path passes on as its own prefill does.
-  const auto finch = kvpress::make_press("FinchPress", 0.5);
-  aware.press = finch.get();
-  aware.captured = nullptr;
-  const std::vector<int64_t> finch_ids =
-      kvpress::llama::context_prefill_ids(model, tok, story(), aware, " " + questions[0]);
-  EXPECT_NE(finch_ids, aware_ids);
-  const kvpress::llama::CapturedPrefill finch_capture = model.capture_prefill(at::tensor(finch_ids).unsqueeze(0), last);
-  const Answer finch_own = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
-  aware.captured = &finch_capture;
-  const Answer finch_shared = answer_questions(model, tok, story(), {" " + questions[0]}, aware).at(0);
-  EXPECT_EQ(finch_shared.tokens, finch_own.tokens);
-  EXPECT_EQ(finch_shared.cache_lengths, finch_own.cache_lengths);
-  EXPECT_EQ(finch_shared.kept_fraction, finch_own.kept_fraction);
-  EXPECT_EQ(finch_own.prefill_length, static_cast<int64_t>(finch_ids.size()));
+  // A query-aware press answers from a capture of its query-aware prefill as from its own: SnapKV's
+  // (context and question as one text) and FinchPress's, which observes the question (the framed
+  // context's tokens then the question's; the captured path passes its length on as prefill() does).
+  const std::string asked = " " + questions[0];
+  std::vector<std::vector<int64_t>> prefills;
+  for (const char* name : {"SnapKVPress", "FinchPress"}) {
+    SCOPED_TRACE(name);
+    const auto press = kvpress::make_press(name, 0.5);
+    PipelineOptions aware = plain;
+    aware.query_aware = true;
+    aware.press = press.get();
+    prefills.push_back(kvpress::llama::context_prefill_ids(model, tok, story(), aware, asked));
+    const kvpress::llama::CapturedPrefill capture =
+        model.capture_prefill(at::tensor(prefills.back()).unsqueeze(0), last);
+    const Answer own = answer_questions(model, tok, story(), {asked}, aware).at(0);
+    aware.captured = &capture;
+    const Answer shared = answer_questions(model, tok, story(), {asked}, aware).at(0);
+    EXPECT_EQ(shared.tokens, own.tokens);
+    EXPECT_EQ(shared.cache_lengths, own.cache_lengths);
+    EXPECT_EQ(shared.kept_fraction, own.kept_fraction);
+    EXPECT_EQ(own.prefill_length, static_cast<int64_t>(prefills.back().size()));
+  }
+  EXPECT_NE(prefills[0], prefills[1]);
   expect_error([&] { kvpress::llama::context_prefill_ids(model, tok, story(), plain, questions[0]); },
                {"context_prefill_ids: a question is part of the prefill only with query_aware"});
   opt.query_aware = false;
