@@ -331,6 +331,15 @@ TEST(KVzip, OneScoringPassServesEveryRatio) {
   const at::Tensor scores =
       kvpress::llama::kvzip_scores(model, ids, KVzipPress(0.5, false, 4, false, 12), tiny_tokenizer());
   ASSERT_EQ(scores.sizes(), at::IntArrayRef({c.num_layers, c.num_kv_heads, 30}));
+  // From the capture's keys/values instead of the context's own path through the layers: the same.
+  const at::Tensor from_capture = kvpress::llama::kvzip_scores(model, ids, KVzipPress(0.5, false, 4, false, 12),
+                                                               tiny_tokenizer(), nullptr, {}, &captured);
+  EXPECT_TRUE(at::equal(from_capture, scores)) << (from_capture - scores).abs().max().item<double>();
+  expect_error(
+      [&] {
+        kvpress::llama::kvzip_scores(model, story_ids(29), KVzipPress(0.5), tiny_tokenizer(), nullptr, {}, &captured);
+      },
+      {"kvzip_scores: captured holds another prefill than context_ids"});
   const at::Tensor next = story_ids(32).narrow(1, 30, 2);
   for (double ratio : {0.0, 0.25, 0.6, 0.9}) {
     SCOPED_TRACE(ratio);

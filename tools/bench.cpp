@@ -484,7 +484,7 @@ int run_bench(const std::vector<std::string>& argv) {
         at::Tensor& scores = kvzip_scores[&p];
         if (!scores.defined())
           scores = llama::kvzip_scores(checkpoint.model, at::tensor(ids).unsqueeze(0), *kvzip, checkpoint.tokenizer,
-                                       base.chat_template);
+                                       base.chat_template, {}, &capture());
         opt.kvzip_scores = &scores;
         shared = true;
       }

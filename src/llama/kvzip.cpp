@@ -68,7 +68,8 @@ using ContextScorer = std::function<at::Tensor(int64_t layer, const LlamaModel::
 // a running maximum). With `restore`, its tokens run through each layer right after the context.
 at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress* press,
                         const std::vector<KVzipReplayChunk>& chunks, const ContextScorer& context_scorer,
-                        int64_t query_chunk, KVzipMemory& memory, RestoreStream* restore = nullptr) {
+                        int64_t query_chunk, KVzipMemory& memory, RestoreStream* restore = nullptr,
+                        const CapturedPrefill* captured = nullptr) {
   const LlamaConfig& c = model.config();
   const int64_t n = context_ids.size(1), hkv = c.num_kv_heads, d = c.head_dim;
   const auto options = model.embed(context_ids.narrow(1, 0, 1)).options();
@@ -98,7 +99,10 @@ at::Tensor scoring_pass(const LlamaModel& model, const at::Tensor& context_ids, 
     // This layer's keys/values: the context's at [0, N), then one replay chunk's at [N, N + P).
     at::Tensor layer_keys = at::empty({1, hkv, n + longest, d}, options);
     at::Tensor layer_values = at::empty({1, hkv, n + longest, d}, options);
-    {
+    if (captured != nullptr) {  // the context's keys/values as its plain prefill computed them
+      layer_keys.narrow(2, 0, n).copy_(captured->layers[static_cast<size_t>(li)].keys);
+      layer_values.narrow(2, 0, n).copy_(captured->layers[static_cast<size_t>(li)].values);
+    } else {
       LlamaModel::LayerQKV qkv = model.layer_qkv(li, x, context_rope);
       if (context_scorer) scores[li].copy_(context_scorer(li, qkv)[0]);
       layer_keys.narrow(2, 0, n).copy_(qkv.k);
@@ -296,17 +300,22 @@ void require_plain_kvzip(const char* op, const KVzipPress& press) {
 }  // namespace
 
 at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
-                        const Tokenizer& tokenizer, const ChatTemplate* chat_template, const KVzipRunOptions& run) {
+                        const Tokenizer& tokenizer, const ChatTemplate* chat_template, const KVzipRunOptions& run,
+                        const CapturedPrefill* captured) {
   constexpr const char* op = "kvzip_scores";
   require_plain_kvzip(op, press);
   KVzipMemory memory;
   check_prefill_args(op, model, context_ids, model.new_cache());
   TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
+  TORCH_CHECK(captured == nullptr || (static_cast<int64_t>(captured->layers.size()) == model.config().num_layers &&
+                                      captured->layers.front().input_ids.sizes() == context_ids.sizes() &&
+                                      at::equal(captured->layers.front().input_ids, context_ids)),
+              op, ": captured holds another prefill than context_ids (capture_prefill of them)");
   const int64_t n = context_ids.size(1);
   const at::Tensor ids_cpu = context_ids.cpu().contiguous();
   const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
   const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, chat_template);
-  return scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, memory);
+  return scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, memory, nullptr, captured);
 }
 
 KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& captured, const KVzipPress& press,

@@ -90,9 +90,11 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
 // `press` as a plain KVzipPress (what kvzip_scores takes), or nullptr (another press, RestoreKVPress,
 // KVgradPress).
 const KVzipPress* plain_kvzip(const BasePress* press);
+// `captured` (optional): the plain prefill of context_ids, whose keys/values the scoring pass then
+// reads instead of computing the context's path through every layer again (one prefill less).
 at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
                         const Tokenizer& tokenizer, const ChatTemplate* chat_template = nullptr,
-                        const KVzipRunOptions& run = {});
+                        const KVzipRunOptions& run = {}, const CapturedPrefill* captured = nullptr);
 KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& captured, const KVzipPress& press,
                                 const at::Tensor& scores, const PrefillOptions& options = {});
 
