@@ -77,7 +77,8 @@ kvpress_fixtures() {
 # Every test run (scripts/test.sh, test_sanitized.sh, test_avx2_path.sh) runs the GoogleTest
 # binaries whole, a few processes each, rather than as ctest's one-process-per-test entries: each
 # process starts libtorch (about 0.6 s; 0.8 s under AddressSanitizer, whose trees link its CPU half
-# alone), 330 times over for kvpress_tests' unit tests. The ctest entries (label "gtest") stay for running one test by name.
+# alone), 330 times over for kvpress_tests' unit tests. The ctest entries (label "gtest") stay for
+# running one test by name.
 
 # kvpress_run_gtest LOG BINARY FILTER [VAR=VALUE...]: $build/tests/BINARY with --gtest_filter=FILTER
 # and the given environment (GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX for one shard), one intra-op

@@ -357,14 +357,14 @@ std::string summary_csv(const Summary& s) {
   return out;
 }
 
-}  // namespace
-
 // The prefill of `ids` kept for many presses (the pipeline needs only its last logits).
 llama::CapturedPrefill capture_prefill_of(const llama::LlamaModel& model, const std::vector<int64_t>& ids) {
   llama::ForwardOptions last;
   last.last_logits_only = true;
   return model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
 }
+
+}  // namespace
 
 int run_bench(const std::vector<std::string>& argv) {
   const BenchArgs args = parse_args(argv);

@@ -179,8 +179,10 @@ namespace {
 // skips its token count) and the text after the message (end of turn, the assistant's header, as
 // rendered without thinking) comes between each prompt and its chunk.
 std::vector<KVzipReplayChunk> framed_replay_chunks(const char* op, const KVzipPress& press,
-                                                   const std::vector<int64_t>& ids, const Tokenizer& tokenizer,
-                                                   const ChatTemplate* chat) {
+                                                   const at::Tensor& context_ids,  // [1, N] int64
+                                                   const Tokenizer& tokenizer, const ChatTemplate* chat) {
+  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
+  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + ids_cpu.numel());
   const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
   std::string prefix_text, suffix_text = KVzipPress::kRepeatSuffix;
   if (chat != nullptr) {
@@ -262,9 +264,8 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
     restore->x = artifacts.embeddings.to(context_ids.device(), model.dtype()).unsqueeze(0);
     restore->adapter = &artifacts.adapter;
   }
-  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
-  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
-  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, prefill.chat_template);
+  const std::vector<KVzipReplayChunk> chunks =
+      framed_replay_chunks(op, press, context_ids, tokenizer, prefill.chat_template);
   result.scores = scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, result.memory,
                                restore ? &*restore : nullptr);
   result.prefill = prefill_selected(model, context_ids, cache, press, press.keep_masks(result.scores), plain);
@@ -311,10 +312,7 @@ at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, 
                                       captured->layers.front().input_ids.sizes() == context_ids.sizes() &&
                                       at::equal(captured->layers.front().input_ids, context_ids)),
               op, ": captured holds another prefill than context_ids (capture_prefill of them)");
-  const int64_t n = context_ids.size(1);
-  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
-  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
-  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, chat_template);
+  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, context_ids, tokenizer, chat_template);
   return scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, memory, nullptr, captured);
 }
 
@@ -360,9 +358,8 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
   c10::InferenceMode no_inference(false);
   at::AutoGradMode grad(true);
 
-  const at::Tensor ids_cpu = context_ids.cpu().contiguous();
-  const std::vector<int64_t> ids(ids_cpu.data_ptr<int64_t>(), ids_cpu.data_ptr<int64_t>() + n);
-  const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, ids, tokenizer, prefill.chat_template);
+  const std::vector<KVzipReplayChunk> chunks =
+      framed_replay_chunks(op, press, context_ids, tokenizer, prefill.chat_template);
   at::Tensor scores = at::zeros({c.num_layers, c.num_kv_heads, n}, at::kFloat);
   // A chunk's scores in one layer: KVzip's chunk scores of the repeat's queries over the layer's
   // keys ([1, Hkv, N + P, D]: the context's, then the repeat's), the rows scaled by ||dPhi/da_p||

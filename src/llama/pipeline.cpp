@@ -97,6 +97,14 @@ double kept_fraction(const KVCache& cache, int64_t length) {
   return sum / static_cast<double>(cache.num_layers());
 }
 
+// The text the plain prompt starts with (the model's BOS token), or "" with a chat template.
+std::string bos_text_of(const LlamaModel& model, const Tokenizer& tokenizer, const ChatTemplate* chat, const char* op) {
+  if (chat != nullptr) return std::string();
+  const int64_t bos = model.config().bos_token_id;
+  TORCH_CHECK(bos >= 0, op, ": the model's config has no bos_token_id; the prefill starts with it");
+  return tokenizer.id_to_token(bos);
+}
+
 // A query-aware prefill for question `q`: its tokens, how many of its last tokens are the question
 // (a press that observes the question reads them), and the framing (what follows the question).
 struct QueryAwarePrefill {
@@ -133,9 +141,7 @@ std::vector<int64_t> context_prefill_ids(const LlamaModel& model, const Tokenize
   TORCH_CHECK(options.query_aware || question.empty(), op,
               ": a question is part of the prefill only with query_aware (kvpress's query-aware evaluation)");
   const ChatTemplate* chat = options.chat_template;
-  const int64_t bos = model.config().bos_token_id;
-  TORCH_CHECK(chat != nullptr || bos >= 0, op, ": the model's config has no bos_token_id; the prefill starts with it");
-  const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();
+  const std::string bos_text = bos_text_of(model, tokenizer, chat, op);
   std::vector<int64_t> ids =
       options.query_aware ? query_aware_prefill(tokenizer, context, question, bos_text, chat,
                                                 options.press != nullptr && options.press->observes_question())
@@ -166,13 +172,11 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
               " observes the question: set query_aware (kvpress: the question after its delimiter token in the "
               "context)");
   const ChatTemplate* chat = options.chat_template;
-  const int64_t bos = model.config().bos_token_id;
-  TORCH_CHECK(chat != nullptr || bos >= 0, kOp, ": the model's config has no bos_token_id; the prefill starts with it");
   TORCH_CHECK(options.captured == nullptr || !options.query_aware || questions.size() == 1, kOp,
               ": a query-aware options.captured holds one question's prefill, got ", questions.size(), " questions");
   TORCH_CHECK(options.kvzip_scores == nullptr || options.captured != nullptr, kOp,
               ": options.kvzip_scores compress options.captured, which is not given");
-  const std::string bos_text = chat == nullptr ? tokenizer.id_to_token(bos) : std::string();
+  const std::string bos_text = bos_text_of(model, tokenizer, chat, kOp);
   const auto encode = [&](const std::string& text) { return tokenizer.encode(text, /*add_special_tokens=*/false); };
 
   // Each question's answer over `p`'s cache, which is cut back to the prefill afterwards.
