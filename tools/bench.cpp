@@ -63,6 +63,9 @@ struct BenchArgs {
   int64_t examples = 0;                 // per task and length; 0: all
   std::vector<BenchPress> presses;      // empty: the default list
   std::vector<double> ratios = {0.25, 0.5, 0.75};
+  // --press-ratios LABEL=LIST: a press's own ratios instead of --ratios, by its rows' label (e.g.
+  // 0.9 for the best presses alone, in the same run so that they share its prefills).
+  std::map<std::string, std::vector<double>> press_ratios;
   // --calibrate: per example, the largest ratio whose attention output stays within each tolerance
   // (kvpress::calibration::search_max_ratio on the captured prefill), for every score-based press.
   std::vector<double> tolerances;
@@ -154,8 +157,19 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       if (out.presses.empty() || out.presses.back().name.empty() || !out.presses.back().label.empty())
         usage_error("bench: --param {} must follow the --press it applies to", v);
       add_param(out.presses.back().params, v);
+    } else if (take_value(args, i, "--label", "", v)) {
+      // A short name for rows and tables, e.g. instead of an artifact's path among the parameters.
+      if (out.presses.empty() || !out.presses.back().label.empty() || v.empty())
+        usage_error("bench: --label {} must follow the --press (and its --param) it names", v);
+      out.presses.back().label = v;
     } else if (take_value(args, i, "--ratios", "", v)) {
       out.ratios = parse_ratios(v);
+    } else if (take_value(args, i, "--press-ratios", "", v)) {
+      // The label may hold '=' (its parameters), the list does not: split at the last one.
+      const size_t eq = v.rfind('=');
+      if (eq == std::string::npos || eq == 0)
+        usage_error("bench: --press-ratios must be LABEL=LIST (e.g. KVzipPress=0.25,0.5,0.75,0.9), got '{}'", v);
+      out.press_ratios[v.substr(0, eq)] = parse_ratios(v.substr(eq + 1), "--press-ratios");
     } else if (take_value(args, i, "--calibrate", "", v)) {
       const std::optional<std::vector<double>> list = kvpress::parse_double_list(v);
       if (!list || list->empty() ||
@@ -177,6 +191,17 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
   if (out.out.empty()) usage_error("bench: --out RESULTS.jsonl is required (rows are appended; a rerun resumes)");
   if (!out.png.empty() && out.csv.empty()) usage_error("bench: --png draws the --csv summary: give --csv too");
   if (out.presses.empty()) out.presses = default_presses();
+  std::set<std::string> labels;  // a run's rows are keyed by label: two presses cannot share one
+  for (const BenchPress& p : out.presses)
+    if (!labels.insert(label_of(p)).second) usage_error("bench: two presses are labelled {}", label_of(p));
+  for (const auto& [label, list] : out.press_ratios) {
+    const auto named =
+        std::find_if(out.presses.begin(), out.presses.end(), [&](const BenchPress& p) { return label_of(p) == label; });
+    if (named == out.presses.end())
+      usage_error("bench: --press-ratios {}: no press of this run is labelled so (labels as the rows name them)",
+                  label);
+    if (!takes_ratio(*named)) usage_error("bench: --press-ratios {}: this press takes no compression ratio", label);
+  }
   return out;
 }
 
@@ -419,8 +444,11 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const Example& e : examples) {
     std::vector<Planned> todo;
     for (const BenchPress& p : presses) {
-      const std::vector<double> ratios =
-          p.calibrated ? args.tolerances : (takes_ratio(p) ? args.ratios : std::vector<double>{-1.0});
+      const auto own = args.press_ratios.find(label_of(p));
+      const std::vector<double> ratios = p.calibrated                     ? args.tolerances
+                                         : !takes_ratio(p)                ? std::vector<double>{-1.0}
+                                         : own != args.press_ratios.end() ? own->second
+                                                                          : args.ratios;
       for (double r : ratios)
         if (!done.count({e.id, label_of(p), r})) todo.push_back({&p, r});
     }

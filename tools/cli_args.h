@@ -69,11 +69,11 @@ inline double parse_ratio(const std::string& text) {
   return *r;
 }
 
-// --ratios: comma-separated ratios in [0, 1), sorted, each once.
-inline std::vector<double> parse_ratios(const std::string& text) {
+// --ratios (or `option`): comma-separated ratios in [0, 1), sorted, each once.
+inline std::vector<double> parse_ratios(const std::string& text, std::string_view option = "--ratios") {
   std::optional<std::vector<double>> list = kvpress::parse_double_list(text);
   const bool ok = list && std::all_of(list->begin(), list->end(), [](double r) { return r >= 0.0 && r < 1.0; });
-  TORCH_CHECK(ok, "--ratios must be a comma-separated list of numbers in [0, 1), got '", text, "'");
+  TORCH_CHECK(ok, option, " must be a comma-separated list of numbers in [0, 1), got '", text, "'");
   std::vector<double> out = *list;
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());

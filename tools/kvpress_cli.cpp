@@ -86,8 +86,9 @@ Usage:
                    [--answer-prefix TEXT] [--max-context-length N] [--model DIR] [--threads N]
                    [--json OUT] [--quiet]
   kvpress-cli bench --tasks DIR --out RESULTS.jsonl [--model NAME|DIR] [--task LIST]
-                   [--lengths LIST] [--examples N] [--press NAME [--param KEY=VALUE ...]]...
-                   [--query-aware NAME]... [--ratios LIST] [--calibrate LIST] [--csv OUT [--png OUT]] [--threads N]
+                   [--lengths LIST] [--examples N] [--press NAME [--param KEY=VALUE ...] [--label TEXT]]...
+                   [--query-aware NAME]... [--ratios LIST] [--press-ratios LABEL=LIST]...
+                   [--calibrate LIST] [--csv OUT [--png OUT]] [--threads N]
                    [--no-progress]
   kvpress-cli list [--names | --json]
   kvpress-cli --help
@@ -194,8 +195,13 @@ bench options (RULER-style accuracy of every press on a real model; docs/QUALITY
                            Compactor, PyramidKV, KVzip, AdaKV(ExpectedAttention),
                            CriticalKV(ExpectedAttention) and query-aware SnapKV
   --param KEY=VALUE        a parameter of the --press (or --query-aware) it follows
+  --label TEXT             what the rows and tables call the --press it follows (after its
+                           --param), e.g. a name without an artifact's path
   --query-aware NAME       a press whose prefill holds the question (repeatable)
   --ratios LIST            comma-separated compression ratios (default 0.25,0.5,0.75)
+  --press-ratios LABEL=LIST
+                           the ratios of one press, by its rows' label, instead of --ratios
+                           (e.g. KVzipPress=0.25,0.5,0.75,0.9; repeatable)
   --calibrate LIST         tolerances in (0, 1): each score-based press also runs "[calibrated]",
                            its ratio per example the largest whose attention output (last 16
                            queries) stays within the tolerance; its rows' ratio is the tolerance

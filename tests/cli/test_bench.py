@@ -11,9 +11,11 @@ and SnapKVPress at ratio 0.5 (4 runs) and must:
   (an interrupted write), a third run drops that partial row and runs exactly that one again;
 * write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart;
 * with --calibrate, run each score-based press again at the ratio its search finds per example;
-* run KVzipPress and query-aware SnapKVPress at two ratios, each from one prefill;
+* run KVzipPress (under a --label) and query-aware SnapKVPress at two ratios given by --press-ratios,
+  each from one prefill;
 * refuse a results file of another model, a --task the folder does not hold, and a press that
-  observes the question given without --query-aware (before running anything), with clear errors.
+  observes the question given without --query-aware (before running anything), two presses of one
+  label, and --press-ratios naming no press or a press without a ratio, with clear errors.
 """
 import csv
 import json
@@ -101,12 +103,14 @@ with tempfile.TemporaryDirectory() as tmp:
     # scoring pass then the captured prefill cut to each ratio's selection (llama::kvzip_compress_captured;
     # tests/test_kvzip.cpp checks the caches), SnapKV's from a capture of context + question
     # (tests/test_pipeline.cpp checks the answers).
+    # Their two ratios come from --press-ratios (by label, --label's for KVzip), over --ratios 0.5.
     shared_out = tmp / "shared.jsonl"
-    run([cli, "bench", "--tasks", tasks, "--out", shared_out, "--press", "KVzipPress", "--query-aware", "SnapKVPress",
-         "--ratios", "0.5,0.75", "--examples", "1", "--threads", "2", "--no-progress"])
+    run([cli, "bench", "--tasks", tasks, "--out", shared_out, "--press", "KVzipPress", "--label", "KVzip",
+         "--query-aware", "SnapKVPress", "--ratios", "0.5", "--press-ratios", "KVzip=0.75,0.5",
+         "--press-ratios", "SnapKVPress [query-aware]=0.5,0.75", "--examples", "1", "--threads", "2", "--no-progress"])
     both = rows(shared_out)
     assert sorted((r["press"], r["ratio"]) for r in both) == [
-        ("KVzipPress", 0.5), ("KVzipPress", 0.75), ("SnapKVPress [query-aware]", 0.5),
+        ("KVzip", 0.5), ("KVzip", 0.75), ("SnapKVPress [query-aware]", 0.5),
         ("SnapKVPress [query-aware]", 0.75)], both
     for r in both:
         assert r["shared_prefill"] is True and abs(r["kept_fraction"] - (1 - r["ratio"])) < 0.02, r
@@ -123,6 +127,12 @@ with tempfile.TemporaryDirectory() as tmp:
     assert proc.returncode != 0 and "FinchPress observes the question: give it with --query-aware" in proc.stderr, \
         proc.stderr
     assert not (tmp / "y.jsonl").exists() or not (tmp / "y.jsonl").read_text(), "a refused run wrote rows"
+    for args, message in [(["--press", "SnapKVPress", "--press", "SnapKVPress"], "two presses are labelled SnapKVPress"),
+                          (["--press-ratios", "KVzip=0.5"], "--press-ratios KVzip: no press of this run is labelled so"),
+                          (["--press", "none", "--press-ratios", "none=0.5"], "this press takes no compression ratio"),
+                          (["--press", "KnormPress", "--press-ratios", "KnormPress=0.5,1"], "--press-ratios must be")]:
+        proc = run([cli, "bench", "--tasks", tasks, "--out", tmp / "z.jsonl", *args], expect_ok=False)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
 
 print(f"test_bench: 4 runs scored as RULER does, resumed after an interrupted row; answers: "
       f"{[(r['press'], r['answer'].strip()[:20], r['score']) for r in got]}")
