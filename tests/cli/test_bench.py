@@ -9,7 +9,8 @@ and SnapKVPress at ratio 0.5 (4 runs) and must:
   expected strings in the answer, case-insensitive), the uncompressed rows keeping every token;
 * resume: a second run with the same --out runs nothing; after the file loses half of its last row
   (an interrupted write), a third run drops that partial row and runs exactly that one again;
-* write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart;
+* write the summary CSV (accuracy per press, ratio, task and length, from every row) and the chart,
+  and benchmarks/quality/leaderboard.py turn that CSV into the leaderboard's tables;
 * with --calibrate, run each score-based press again at the ratio its search finds per example;
 * run KVzipPress (under a --label) and query-aware SnapKVPress at two ratios given by --press-ratios,
   each from one prefill;
@@ -66,6 +67,13 @@ with tempfile.TemporaryDirectory() as tmp:
     for t in table:
         mine = [r["score"] for r in got if r["press"] == t["press"]]
         assert abs(float(t["accuracy"]) - 100 * sum(mine) / len(mine)) < 1e-3, (t, mine)
+
+    # The leaderboard's Markdown (benchmarks/quality/leaderboard.py, docs/QUALITY.md's tables): the
+    # uncompressed table and SnapKVPress's mean over the one task and length at 0.5.
+    board = run([sys.executable, Path(make_tasks).with_name("leaderboard.py"), summary]).stdout
+    snap = next(t for t in table if t["press"] == "SnapKVPress")
+    assert "### The model uncompressed" in board and f"| {TASK} |" in board, board
+    assert f"| SnapKVPress | {float(snap['accuracy']):.1f} | {float(snap['accuracy']):.1f} |" in board, board
 
     second = run(bench)
     assert "0 runs to do (4 already in" in second.stdout, second.stdout
