@@ -194,7 +194,8 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
   std::set<std::string> labels;  // a run's rows are keyed by label: two presses cannot share one
   for (const BenchPress& p : out.presses)
     if (!labels.insert(label_of(p)).second) usage_error("bench: two presses are labelled {}", label_of(p));
-  for (const auto& [label, list] : out.press_ratios) {
+  for (const auto& entry : out.press_ratios) {
+    const std::string& label = entry.first;  // a named variable: lambdas cannot capture bindings (C++17)
     const auto named =
         std::find_if(out.presses.begin(), out.presses.end(), [&](const BenchPress& p) { return label_of(p) == label; });
     if (named == out.presses.end())
