@@ -50,9 +50,10 @@ using Clock = std::chrono::steady_clock;
 struct BenchPress {
   std::string name;  // "" : no compression
   std::map<std::string, std::string> params;
-  bool query_aware = false;  // its prefill holds the question (kvpress's query-aware evaluation)
-  std::string label;         // what the rows and tables call it
-  bool calibrated = false;   // its ratio searched per example (--calibrate); the runs' "ratio" is the tolerance
+  bool query_aware = false;    // its prefill holds the question (kvpress's query-aware evaluation)
+  std::string label;           // what the rows and tables call it
+  bool calibrated = false;     // its ratio searched per example (--calibrate); the runs' "ratio" is the tolerance
+  std::vector<double> ratios;  // --press-ratios: its own ratios; empty: --ratios
 };
 
 struct BenchArgs {
@@ -63,9 +64,6 @@ struct BenchArgs {
   int64_t examples = 0;                 // per task and length; 0: all
   std::vector<BenchPress> presses;      // empty: the default list
   std::vector<double> ratios = {0.25, 0.5, 0.75};
-  // --press-ratios LABEL=LIST: a press's own ratios instead of --ratios, by its rows' label (e.g.
-  // 0.9 for the best presses alone, in the same run so that they share its prefills).
-  std::map<std::string, std::vector<double>> press_ratios;
   // --calibrate: per example, the largest ratio whose attention output stays within each tolerance
   // (kvpress::calibration::search_max_ratio on the captured prefill), for every score-based press.
   std::vector<double> tolerances;
@@ -130,6 +128,10 @@ std::vector<std::string> split_list(const std::string& text) {
 
 BenchArgs parse_args(const std::vector<std::string>& args) {
   BenchArgs out;
+  // --press-ratios LABEL=LIST: a press's own ratios instead of --ratios, by its rows' label (e.g.
+  // 0.9 for the best presses alone, in the same run so that they share its prefills); set on the
+  // press (BenchPress::ratios) once every press is known.
+  std::map<std::string, std::vector<double>> press_ratios;
   for (size_t i = 0; i < args.size(); ++i) {
     std::string v;
     if (take_value(args, i, "--model", "", out.model)) {
@@ -169,7 +171,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       const size_t eq = v.rfind('=');
       if (eq == std::string::npos || eq == 0)
         usage_error("bench: --press-ratios must be LABEL=LIST (e.g. KVzipPress=0.25,0.5,0.75,0.9), got '{}'", v);
-      out.press_ratios[v.substr(0, eq)] = parse_ratios(v.substr(eq + 1), "--press-ratios");
+      press_ratios[v.substr(0, eq)] = parse_ratios(v.substr(eq + 1), "--press-ratios");
     } else if (take_value(args, i, "--calibrate", "", v)) {
       const std::optional<std::vector<double>> list = kvpress::parse_double_list(v);
       if (!list || list->empty() ||
@@ -194,7 +196,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
   std::set<std::string> labels;  // a run's rows are keyed by label: two presses cannot share one
   for (const BenchPress& p : out.presses)
     if (!labels.insert(label_of(p)).second) usage_error("bench: two presses are labelled {}", label_of(p));
-  for (const auto& entry : out.press_ratios) {
+  for (const auto& entry : press_ratios) {
     const std::string& label = entry.first;  // a named variable: lambdas cannot capture bindings (C++17)
     const auto named =
         std::find_if(out.presses.begin(), out.presses.end(), [&](const BenchPress& p) { return label_of(p) == label; });
@@ -202,6 +204,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       usage_error("bench: --press-ratios {}: no press of this run is labelled so (labels as the rows name them)",
                   label);
     if (!takes_ratio(*named)) usage_error("bench: --press-ratios {}: this press takes no compression ratio", label);
+    named->ratios = entry.second;
   }
   return out;
 }
@@ -445,11 +448,10 @@ int run_bench(const std::vector<std::string>& argv) {
   for (const Example& e : examples) {
     std::vector<Planned> todo;
     for (const BenchPress& p : presses) {
-      const auto own = args.press_ratios.find(label_of(p));
-      const std::vector<double> ratios = p.calibrated                     ? args.tolerances
-                                         : !takes_ratio(p)                ? std::vector<double>{-1.0}
-                                         : own != args.press_ratios.end() ? own->second
-                                                                          : args.ratios;
+      const std::vector<double> ratios = p.calibrated        ? args.tolerances
+                                         : !takes_ratio(p)   ? std::vector<double>{-1.0}
+                                         : !p.ratios.empty() ? p.ratios
+                                                             : args.ratios;
       for (double r : ratios)
         if (!done.count({e.id, label_of(p), r})) todo.push_back({&p, r});
     }

@@ -309,8 +309,7 @@ at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, 
   check_prefill_args(op, model, context_ids, model.new_cache());
   TORCH_CHECK(run.query_chunk > 0, op, ": query_chunk must be > 0, got ", run.query_chunk);
   TORCH_CHECK(captured == nullptr || (static_cast<int64_t>(captured->layers.size()) == model.config().num_layers &&
-                                      captured->layers.front().input_ids.sizes() == context_ids.sizes() &&
-                                      at::equal(captured->layers.front().input_ids, context_ids)),
+                                      captured->is_prefill_of(context_ids)),
               op, ": captured holds another prefill than context_ids (capture_prefill of them)");
   const std::vector<KVzipReplayChunk> chunks = framed_replay_chunks(op, press, context_ids, tokenizer, chat_template);
   return scoring_pass(model, context_ids, &press, chunks, {}, run.query_chunk, memory, nullptr, captured);

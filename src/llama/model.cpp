@@ -468,6 +468,11 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   return run(input_ids, cache, options, &options);
 }
 
+bool CapturedPrefill::is_prefill_of(const at::Tensor& input_ids) const {
+  return !layers.empty() && layers.front().input_ids.sizes() == input_ids.sizes() &&
+         at::equal(layers.front().input_ids, input_ids);
+}
+
 CapturedPrefill LlamaModel::capture_prefill(const at::Tensor& input_ids, const ForwardOptions& options) const {
   ForwardOptions plain = options;  // no decoding press: a prefill has none
   plain.decoding_press = nullptr;

@@ -54,10 +54,8 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   prefill.question_length = question_length;
   if (const CapturedPrefill* captured = options.captured) {
     const at::Tensor batch = detail::as_batch(ids);
-    TORCH_CHECK(!captured->layers.empty() && captured->layers.front().input_ids.sizes() == batch.sizes() &&
-                    at::equal(captured->layers.front().input_ids, batch),
-                kOp, ": options.captured holds another prefill than this context's ", ids.size(),
-                " tokens (capture context_prefill_ids())");
+    TORCH_CHECK(captured->is_prefill_of(batch), kOp, ": options.captured holds another prefill than this context's ",
+                ids.size(), " tokens (capture context_prefill_ids())");
     TORCH_CHECK(captured->logits.dim() == 3 && captured->logits.size(1) >= 1, kOp,
                 ": options.captured has no logits (capture_prefill gives them)");
     if (options.kvzip_scores != nullptr) {

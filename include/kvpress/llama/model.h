@@ -250,6 +250,9 @@ struct CapturedPrefill {
   KVCache cache;                    // the uncompressed cache
   std::vector<LayerInputs> layers;  // per layer, what a press at prefill sees (queries included, no attentions)
   at::Tensor logits;                // the forward's logits (as ForwardOptions::last_logits_only asked)
+
+  // True when this is the prefill of `input_ids` [B, S] (the ids its layers saw).
+  bool is_prefill_of(const at::Tensor& input_ids) const;
 };
 
 // RoPE tables in the model dtype: cos/sin [n, head_dim], each half repeating the frequencies.
