@@ -9,6 +9,7 @@
 #include "kvpress/lora.h"
 #include "kvpress/ops.h"
 #include "kvpress/paged.h"
+#include "kvpress/press_params.h"
 #include "kvpress/presses/adakv_press.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/presses/block_press.h"

@@ -7,6 +7,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -27,5 +28,24 @@ at::Tensor AdaKVPress::keep_mask(const LayerInputs& in) const {
   // kvpress masks the Hkv·(S - n_kept) lowest scores of each batch row; we keep the rest.
   return ops::topk_mask_across_heads(scores, kv_heads * n_kept);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"AdaKVPress",
+                    PressKind::kWrapper,
+                    "inner scores, safeguarded, kept across heads (head budgets vary; head-ragged)",
+                    {},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      return std::make_unique<AdaKVPress>(inner,
+                                                          p.get("alpha_safeguard", AdaKVPress::kDefaultAlphaSafeguard,
+                                                                "fraction of n_kept every head keeps at least"));
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -8,6 +8,7 @@
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "layer_slices.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -36,5 +37,23 @@ at::Tensor BlockPress::kept_positions(const LayerInputs& in) const {
   }
   return std::get<0>(kept.sort(-1)).contiguous();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"BlockPress",
+                    PressKind::kWrapper,
+                    "block-iterative selection with the inner scorer",
+                    {{}, {}, {}, "the inner press sees keys and values only"},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      return std::make_unique<BlockPress>(
+                          inner, p.get("block_size", BlockPress::kDefaultBlockSize, "tokens per block"));
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -165,5 +166,28 @@ std::optional<KV> CAMPress::step(const LayerInputs& forward, int64_t tokens_seen
   }
   return out;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "CAMPress",
+      PressKind::kDecoding,
+      "compresses during decoding like DecodingPress, first merging evicted values into their kept successors "
+      "(Bernoulli by running attention)",
+      {{}, {}, {}, "the inner press gets keys/values and queries of the buffered hidden states"},
+      [](double, ParamReader& p) {
+        ScorerFactory inner = scorer_factory(p, kDecodingInnerPressHelp);
+        CAMPress::Params d;
+        p.read_all(d);
+        return std::make_unique<CAMPress>(inner, d.compression_interval, d.target_size, d.hidden_states_buffer_size,
+                                          d.merge_budget);
+      },
+      "the budget is target_size"};
+});
+
+}  // namespace
 
 }  // namespace kvpress

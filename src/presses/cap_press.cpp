@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -79,5 +80,26 @@ at::Tensor CapPress::score(const LayerInputs& in) const {
   const double pad = scores.max().item<double>() + 1.0;
   return at::cat({at::full({batch, kv_heads, n_sink_}, pad, scores.options()), scores}, 2).contiguous();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "CapPress", PressKind::kScorer,
+      "CAPKV: capacity leverage of the values under query relevance (averaged-RoPE query anchor)",
+      pre_rope_query_inputs(), [](double r, ParamReader& p) {
+        const double tau = p.get("tau", CapPress::kDefaultTau, "temperature of the query-key alignment weights");
+        const int64_t n_future = p.get("n_future_positions", CapPress::kDefaultNFuturePositions,
+                                       "future positions the RoPE is averaged over");
+        const int64_t n_sink =
+            p.get("n_sink", CapPress::kDefaultNSink, "first tokens always kept and left out of the query anchor");
+        const double eps = p.get("epsilon", CapPress::kDefaultEpsilon, "added to the weights in the capacity matrix");
+        return std::make_unique<CapPress>(r, tau, n_future, n_sink, eps);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "layer_slices.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -35,5 +36,23 @@ at::Tensor ChunkPress::kept_positions(const LayerInputs& in) const {
   }
   return at::cat(kept, -1).contiguous();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"ChunkPress",
+                    PressKind::kWrapper,
+                    "inner press applied to each chunk independently",
+                    {{}, {}, {}, "no attentions (kvpress refuses them)"},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      return std::make_unique<ChunkPress>(
+                          inner, p.get("chunk_length", ChunkPress::kDefaultChunkLength, "tokens per chunk"));
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

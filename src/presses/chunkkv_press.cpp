@@ -7,6 +7,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -32,5 +33,23 @@ at::Tensor ChunkKVPress::kept_positions(const LayerInputs& in) const {
   const at::Tensor kept = pos.masked_select(keep);
   return kept.view({1, 1, -1}).expand({batch, kv_heads, kept.size(0)}).contiguous();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"ChunkKVPress",
+                    PressKind::kWrapper,
+                    "inner scores averaged per chunk, best chunks kept whole",
+                    {{}, {}, {}, "no attentions (kvpress refuses them)"},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      return std::make_unique<ChunkKVPress>(
+                          inner, p.get("chunk_length", ChunkKVPress::kDefaultChunkLength, "tokens per chunk"));
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -41,5 +42,37 @@ CompactorPress::CompactorPress(double compression_ratio, int64_t sink_size_start
       seed_(seed) {}
 
 std::vector<double> CompactorPress::weights() const { return {blending_.value_or(compression_ratio()), 1.0}; }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "CompactorPress",
+      PressKind::kScorer,
+      "blending * z(leverage) + z(non-causal attention), sinks kept",
+      {{{{"queries", "cos", "sin"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}},
+      [](double r, ParamReader& p) {
+        const int64_t start =
+            p.get("sink_size_start", CompactorPress::kDefaultSinkSizeStart, "first tokens always kept");
+        const int64_t end = p.get("sink_size_end", CompactorPress::kDefaultSinkSizeEnd, "last tokens always kept");
+        const int64_t chunk =
+            p.get("chunk_size", CompactorPress::kDefaultChunkSize, "positions per non-causal attention chunk");
+        const int64_t sketch =
+            p.get("sketch_dimension", CompactorPress::kDefaultSketchDimension, "columns of the leverage sketch");
+        const auto blending =
+            p.get_optional_double("blending", "weight of the leverage scores; None = compression_ratio (paper: 0.3)");
+        const auto seed = p.get_optional_int("seed", "seed of the leverage sketch's CPU generator");
+        const std::string selection = p.get_choice(
+            "selection", {"per_head", "across_heads"},
+            "per_head (kvpress) or across_heads (the paper's global top-k; head budgets vary, head-ragged)");
+        return std::make_unique<CompactorPress>(
+            r, start, end, chunk, sketch, blending, seed,
+            selection == "per_head" ? TokenSelection::kPerHead : TokenSelection::kAcrossHeads);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -4,6 +4,7 @@
 
 #include "checks.h"
 #include "layer_slices.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -29,5 +30,37 @@ KV ComposedPress::compress(const LayerInputs& in) const {
   }
   return kv;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+// ComposedPress's presses: `presses` = "A,B,..."; press i is configured as `presses.<i>`.
+std::vector<std::shared_ptr<const BasePress>> composed_presses(ParamReader& p, double ratio) {
+  const std::string list = p.get_text(
+      "presses", "KnormPress", "comma-separated press names; presses.<i>.<param> (and presses.<i>.compression_ratio)");
+  std::vector<std::shared_ptr<const BasePress>> out;
+  size_t begin = 0;
+  for (int i = 0;; ++i) {
+    const size_t comma = list.find(',', begin);
+    const std::string name = list.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin);
+    TORCH_CHECK(!name.empty() && !is_none(name), "ComposedPress: presses must be comma-separated press names, got '",
+                list, "'");
+    out.push_back(named_press(p, "presses." + std::to_string(i), name, ratio));
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return out;
+}
+
+const Registration kRegistration([] {
+  return PressEntry{"ComposedPress",
+                    PressKind::kWrapper,
+                    "presses applied in order",
+                    {{}, {}, {}, "later presses see keys and values only"},
+                    [](double r, ParamReader& p) { return std::make_unique<ComposedPress>(composed_presses(p, r)); }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

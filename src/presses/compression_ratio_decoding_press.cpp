@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -23,5 +24,26 @@ int64_t CompressionRatioDecodingPress::target_size(int64_t tokens_seen) const {
   return std::max<int64_t>(1,
                            static_cast<int64_t>(static_cast<double>(tokens_seen) * (1.0 - target_compression_ratio_)));
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "CompressionRatioDecodingPress",
+      PressKind::kDecoding,
+      "compresses during decoding: every compression_interval steps, to (1 - ratio) of the tokens seen",
+      {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
+      [](double r, ParamReader& p) {
+        ScorerFactory inner = scorer_factory(p, kDecodingInnerPressHelp);
+        CompressionRatioDecodingPress::Params d;
+        p.read_all(d);
+        return std::make_unique<CompressionRatioDecodingPress>(inner, r, d.compression_interval,
+                                                               d.hidden_states_buffer_size);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

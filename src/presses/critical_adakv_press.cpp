@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/criticalkv_press.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -47,5 +48,28 @@ at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
   const at::Tensor norms = CriticalKVPress::output_projected_value_norms(in, op);
   return budget::keep_top_per_row((scores + epsilon_) * norms, budgets);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"CriticalAdaKVPress",
+                    PressKind::kWrapper,
+                    "AdaKV head budgets with CriticalKV's two stages per head (head-ragged)",
+                    {{}, {"o_proj"}},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      const double alpha = p.get("alpha_safeguard", CriticalAdaKVPress::kDefaultAlphaSafeguard,
+                                                 "fraction of n_kept every head keeps at least");
+                      const double eps = p.get("epsilon", CriticalAdaKVPress::kDefaultEpsilon,
+                                               "added to the inner scores before the rescaling");
+                      const double first = p.get("first_stage_ratio", CriticalAdaKVPress::kDefaultFirstStageRatio,
+                                                 "fraction of each head's budget chosen by the inner scores alone");
+                      return std::make_unique<CriticalAdaKVPress>(inner, alpha, eps, first);
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -9,6 +9,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -85,5 +86,26 @@ at::Tensor CriticalKVPress::score(const LayerInputs& in) const {
       budget::keep_top_per_row(scores, at::full({batch, kv_heads}, first, scores.options().dtype(at::kLong)));
   return rescaled.masked_fill(stage1, std::numeric_limits<float>::max());
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"CriticalKVPress",
+                    PressKind::kWrapper,
+                    "inner scores x ||v W_o||_1, the first stage's winners kept",
+                    {{}, {"o_proj"}},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      const double eps = p.get("epsilon", CriticalKVPress::kDefaultEpsilon,
+                                               "added to the inner scores before the rescaling");
+                      const double first = p.get("first_stage_ratio", CriticalKVPress::kDefaultFirstStageRatio,
+                                                 "fraction of the budget chosen by the inner scores alone");
+                      return std::make_unique<CriticalKVPress>(inner, eps, first);
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

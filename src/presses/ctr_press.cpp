@@ -11,6 +11,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -144,5 +145,28 @@ KV CTRPress::compress(const LayerInputs& inputs) const {
       merge_into_nearest_kept(kv.values, inputs.values, kv.kept_indices, weights, 2.0 * options().merge_alpha, 0.75);
   return kv;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"CTRPress",
+                    PressKind::kScorer,
+                    "CTR-Press: QSMPress with an entropy-adaptive budget and rescue merge of evicted tokens",
+                    {{{{"queries"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}},
+                     {},
+                     {"input_ids"},
+                     "input_ids and a token-text callback on the press enable its semantic weights"},
+                    [](double r, ParamReader& p) {
+                      QSMOptions qsm;
+                      p.read_all(qsm);
+                      CTROptions ctr;
+                      p.read_all(ctr);
+                      return std::make_unique<CTRPress>(r, std::move(qsm), std::move(ctr));
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -29,49 +30,56 @@ at::Tensor normalise_windows(const at::Tensor& s, int64_t w) {  // [B, H, S]
 
 }  // namespace
 
-CURPress::CURPress(double compression_ratio, int64_t num_sinks, LeverageType leverage_type, bool use_random_leverage,
-                   bool use_local_approximation, int64_t local_window_size, std::optional<int64_t> seed)
-    : ScorerPress(compression_ratio),
-      num_sinks_(num_sinks),
-      leverage_type_(leverage_type),
-      use_random_leverage_(use_random_leverage),
-      use_local_approximation_(use_local_approximation),
-      local_window_size_(local_window_size),
-      seed_(seed) {
-  checks::check_non_negative("CURPress", "num_sinks", num_sinks);
-  checks::check_positive("CURPress", "local_window_size", local_window_size);
+CURPress::CURPress(double compression_ratio, const Params& params) : ScorerPress(compression_ratio), params_(params) {
+  check_params("CURPress", params_);
 }
 
 at::Tensor CURPress::score(const LayerInputs& in) const {
   constexpr const char* op = "CURPress";
   checks::check_kv(op, in.keys, in.values);
   at::Tensor keys = in.keys, values = in.values;
-  if (use_random_leverage_) {
+  if (params_.use_random_leverage) {
     // G = randn(D, 20) / sqrt(20) in the cache dtype, drawn on the CPU as kvpress does for a CPU
     // cache; both K and V are projected by the same G.
     const auto options = at::TensorOptions().dtype(keys.scalar_type());
-    at::Tensor g = seed_ ? at::randn({keys.size(3), kRandomDimension},
-                                     at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*seed_)), options)
-                         : at::randn({keys.size(3), kRandomDimension}, options);
+    at::Tensor g =
+        params_.seed
+            ? at::randn({keys.size(3), kRandomDimension},
+                        at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(*params_.seed)), options)
+            : at::randn({keys.size(3), kRandomDimension}, options);
     g = (g / std::sqrt(static_cast<double>(kRandomDimension))).to(keys.device());
     keys = at::matmul(keys, g);
     values = at::matmul(values, g);
   }
   at::Tensor k2 = squared_norms(keys), v2 = squared_norms(values);
-  if (use_local_approximation_) {
-    k2 = normalise_windows(k2, local_window_size_);
-    v2 = normalise_windows(v2, local_window_size_);
+  if (params_.use_local_approximation) {
+    k2 = normalise_windows(k2, params_.local_window_size);
+    v2 = normalise_windows(v2, params_.local_window_size);
   }
   at::Tensor scores;
-  switch (leverage_type_) {
+  switch (params_.leverage_type) {
     case LeverageType::kKey: scores = k2; break;
     case LeverageType::kValue: scores = v2; break;
     case LeverageType::kKvAvg: scores = (k2 + v2) / 2; break;
     case LeverageType::kKvProduct: scores = k2 * v2; break;
   }
   scores = scores / scores.sum(-1, /*keepdim=*/true);
-  scores.narrow(2, 0, std::min(num_sinks_, scores.size(2))).fill_(1.0);
+  scores.narrow(2, 0, std::min(params_.num_sinks, scores.size(2))).fill_(1.0);
   return scores.to(at::kFloat).contiguous();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"CURPress",
+                    PressKind::kScorer,
+                    "CurDKV: key and value leverage (squared norms), window-normalised, combined",
+                    {},
+                    from_params<CURPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -10,6 +10,7 @@
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "layer_slices.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -165,5 +166,27 @@ std::optional<KV> DecodingPress::step(const LayerInputs& forward, int64_t tokens
   }
   return out;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "DecodingPress",
+      PressKind::kDecoding,
+      "compresses during decoding: every compression_interval steps, to target_size tokens",
+      {{}, {}, {}, "the inner press gets keys/values, queries of the buffered hidden states and attentions"},
+      [](double, ParamReader& p) {
+        ScorerFactory inner = scorer_factory(p, kDecodingInnerPressHelp);
+        DecodingPress::Params d;
+        p.read_all(d);
+        return std::make_unique<DecodingPress>(inner, d.compression_interval, d.target_size,
+                                               d.hidden_states_buffer_size);
+      },
+      "the budget is target_size; CompressionRatioDecodingPress keeps a fraction"};
+});
+
+}  // namespace
 
 }  // namespace kvpress

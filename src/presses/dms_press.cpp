@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -94,5 +95,30 @@ const DMSPress* dms_decoding_press_of(const BasePress* press) {
   const auto* dms = dynamic_cast<const DMSPress*>(press);
   return dms && dms->decoding() ? dms : nullptr;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "DMSPress",
+      PressKind::kWrapper,
+      "tokens leaving a sliding window evicted per head where the inner score is below a threshold (prefill, and "
+      "with decoding=true while generating; head-ragged)",
+      {{}, {}, {}, "the inner press gets no attention weights (kvpress passes none)"},
+      [](double r, ParamReader& p) {
+        auto inner = inner_scorer(p, 0.0);
+        const std::optional<double> threshold =
+            p.get_optional_double("threshold", "evict a token whose inner score is below it (must be set)");
+        const int64_t window =
+            p.get("sliding_window_size", DMSPress::kDefaultSlidingWindowSize, "most recent tokens never evicted");
+        const bool decoding = p.get("decoding", DMSPress::kDefaultDecoding, "also evict while generating");
+        return std::make_unique<DMSPress>(inner, threshold, window, decoding);
+      },
+      "the threshold and the content set how much is evicted"};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -13,6 +13,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "io/json_text.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -49,10 +50,25 @@ at::Tensor read_head_scores(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+DuoAttentionPattern pattern_of(const DuoAttentionPress::Params& params) {
+  TORCH_CHECK(!params.on_the_fly_scoring,
+              "DuoAttentionPress: on_the_fly_scoring needs the model and a dataset at run time; "
+              "compute the pattern offline (scripts/make_artifact.py duo-attention, kvpress's on-the-fly "
+              "recipe) and give attention_pattern=FOLDER");
+  if (params.attention_pattern.empty()) return {};
+  return DuoAttentionPress::load_pattern(params.attention_pattern);
+}
+
+}  // namespace
+
+DuoAttentionPress::DuoAttentionPress(const Params& params)
+    : DuoAttentionPress(params.head_compression_ratio, pattern_of(params)) {}
+
 DuoAttentionPress::DuoAttentionPress(double head_compression_ratio, Pattern pattern)
     : head_compression_ratio_(head_compression_ratio), pattern_(std::move(pattern)) {
-  TORCH_CHECK(std::isfinite(head_compression_ratio) && head_compression_ratio >= 0 && head_compression_ratio <= 1,
-              "DuoAttentionPress: head_compression_ratio must be in [0, 1], got ", head_compression_ratio);
+  check_params("DuoAttentionPress", Params{head_compression_ratio});
   if (!pattern_.head_scores.defined()) return;
   checks::check_non_negative("DuoAttentionPress", "sink_size", pattern_.sink_size);
   checks::check_non_negative("DuoAttentionPress", "recent_size", pattern_.recent_size);
@@ -109,5 +125,21 @@ at::Tensor DuoAttentionPress::keep_mask(const LayerInputs& in) const {
   }
   return keep;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "DuoAttentionPress",
+      PressKind::kLayer,
+      "DuoAttention: streaming KV heads (lowest pattern scores) keep only sink and recent tokens; head-ragged",
+      {{}, {}, {"layer_idx"}, "the pattern comes from the folder named by attention_pattern; layer_idx picks its row"},
+      from_params<DuoAttentionPress>,
+      "each KV head keeps its whole cache or only sink and recent tokens, by the pattern and head_compression_ratio"};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -11,6 +11,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -104,5 +105,26 @@ at::Tensor EntropyGatedChunkKVPress::kept_positions(const LayerInputs& in) const
   const at::Tensor positions = at::tensor(kept, at::kLong).to(in.keys.device());
   return positions.view({1, 1, -1}).expand({batch, kv_heads, positions.size(0)}).contiguous();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"EntropyGatedChunkKVPress",
+                    PressKind::kWrapper,
+                    "ChunkKV whose important low-entropy chunks keep only their best tokens",
+                    {{}, {}, {}, "no attentions (kvpress refuses them)"},
+                    [](double r, ParamReader& p) {
+                      using P = EntropyGatedChunkKVPress;
+                      auto inner = inner_scorer(p, r);
+                      const int64_t length = p.get("chunk_length", P::kDefaultChunkLength, "tokens per chunk");
+                      const int64_t low = p.get("low_entropy_chunk_length", P::kDefaultLowEntropyChunkLength,
+                                                "tokens kept from an important chunk whose scores are spiky");
+                      return std::make_unique<P>(inner, length, low);
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -7,6 +7,7 @@
 
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -79,5 +80,35 @@ at::Tensor ExpectedAttentionStatsPress::score(const LayerInputs& in) const {
       use_covariance() ? statistics_.query_cov[in.layer_idx].to(device).expand({batch, heads, d, d}) : at::Tensor();
   return score_from_statistics(in, mu, cov);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "ExpectedAttentionStatsPress",
+      PressKind::kScorer,
+      "expected attention from query statistics computed once for the model (read from stats_folder)",
+      {{{{"inv_freq"}}, {{"cos", "sin"}}}, {}, {"layer_idx"}},
+      [](double r, ParamReader& p) {
+        using P = ExpectedAttentionStatsPress;
+        ExpectedAttentionPress::Params e;
+        p.read_all(e);
+        const int64_t seq_len = p.get("sample_seq_len", P::kDefaultSampleSeqLen,
+                                      "characters of each calibration sample (names kvpress's hub statistics)");
+        const int64_t samples =
+            p.get("num_samples", P::kDefaultNumSamples, "calibration samples (names kvpress's hub statistics)");
+        const std::string dataset =
+            p.get_text("dataset_name", P::kDefaultDatasetName, "calibration dataset (names kvpress's hub statistics)");
+        const std::string folder =
+            p.get_path("stats_folder", "kvpress's statistics folder: model.safetensors with query_mean and query_cov");
+        return std::make_unique<P>(r, folder.empty() ? P::Statistics{} : P::load_statistics(folder),
+                                   e.n_future_positions, e.n_sink, e.use_covariance, e.use_vnorm, e.epsilon, seq_len,
+                                   samples, dataset);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

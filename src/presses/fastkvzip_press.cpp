@@ -12,6 +12,7 @@
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/presses/kvzip_press.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -52,6 +53,10 @@ at::Tensor gate_norm(const at::Tensor& x, const at::Tensor& weight) {
 
 }  // namespace
 
+FastKVzipPress::FastKVzipPress(double compression_ratio, const Params& params)
+    : FastKVzipPress(compression_ratio, params.layerwise, params.n_sink, params.window_size, params.window_ratio,
+                     params.gates.empty() ? Gates{} : load_gates(params.gates)) {}
+
 FastKVzipPress::FastKVzipPress(double compression_ratio, bool layerwise, int64_t n_sink, int64_t window_size,
                                double window_ratio, Gates gates)
     : compression_ratio_(compression_ratio),
@@ -60,9 +65,7 @@ FastKVzipPress::FastKVzipPress(double compression_ratio, bool layerwise, int64_t
       window_size_(window_size),
       window_ratio_(window_ratio) {
   check_ratio(kName, compression_ratio);
-  check_non_negative(kName, "n_sink", n_sink);
-  check_positive(kName, "window_size", window_size);
-  check_fraction(kName, "window_ratio", window_ratio);
+  check_params(kName, Params{layerwise, n_sink, window_size, window_ratio, {}});
   if (!gates.defined()) return;
   check_gates(kName, gates);
   auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
@@ -169,5 +172,25 @@ KV FastKVzipPress::compress(const LayerInputs&) const {
   if (!layerwise_) refuse_global_selection("FastKVzipPress.compress");
   refuse_uniform_compress();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "FastKVzipPress",
+      PressKind::kSecondPass,
+      "KVzip's importance predicted by a trained gate per layer from the attention input; evicted globally over "
+      "layers and heads (layerwise: per layer)",
+      {{{{"hidden_states"}}},
+       {},
+       {"layer_idx"},
+       "every layer's gate scores before the global selection (kvpress::llama::fast_kvzip_prefill); layerwise=true "
+       "compresses one layer alone"},
+      from_params<FastKVzipPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

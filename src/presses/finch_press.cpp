@@ -9,17 +9,14 @@
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/key_rerotation_press.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
-FinchPress::FinchPress(double compression_ratio, std::optional<int64_t> chunk_length, bool normalize_scores,
-                       bool rerotate_keys)
-    : compression_ratio_(compression_ratio),
-      chunk_length_(chunk_length),
-      normalize_scores_(normalize_scores),
-      rerotate_keys_(rerotate_keys) {
+FinchPress::FinchPress(double compression_ratio, const Params& params)
+    : compression_ratio_(compression_ratio), params_(params) {
   checks::check_ratio("FinchPress", compression_ratio);
-  if (chunk_length) checks::check_positive("FinchPress", "chunk_length", *chunk_length);
+  check_params("FinchPress", params_);
 }
 
 at::Tensor FinchPress::score(const LayerInputs& in) const {
@@ -32,7 +29,7 @@ at::Tensor FinchPress::score(const LayerInputs& in) const {
               window);
   checks::check_window(op, "question_length", window, seq);
   at::Tensor attn = ops::window_attention(in, window, op);  // [B, Hq, w, S - w] float32
-  if (normalize_scores_) {
+  if (params_.normalize_scores) {
     // Row i sits at position S - w + i; weighting it by that position undoes the dilution of a
     // softmax over more keys (kvpress multiplies by arange(S - w, S)).
     attn = attn * at::arange(seq - window, seq, attn.options()).view({1, 1, window, 1});
@@ -47,8 +44,8 @@ at::Tensor FinchPress::score(const LayerInputs& in) const {
 at::Tensor FinchPress::select(const LayerInputs& in) const {
   const at::Tensor scores = score(in);
   const int64_t seq = in.keys.size(2);
-  if (!chunk_length_) return ops::topk_indices(scores, ops::n_kept(seq, compression_ratio_));
-  const int64_t chunk = *chunk_length_;
+  if (!params_.chunk_length) return ops::topk_indices(scores, ops::n_kept(seq, compression_ratio_));
+  const int64_t chunk = *params_.chunk_length;
   TORCH_CHECK(static_cast<double>(chunk) > static_cast<double>(in.question_length) / (1 - compression_ratio_),
               "FinchPress: chunk_length must be > question_length / (1 - compression_ratio) = ",
               static_cast<double>(in.question_length) / (1 - compression_ratio_), " so that every chunk keeps the ",
@@ -62,7 +59,7 @@ at::Tensor FinchPress::select(const LayerInputs& in) const {
 }
 
 at::Tensor FinchPress::kept_positions(const LayerInputs& in) const {
-  if (rerotate_keys_) return {};  // the kept keys change: compress() only
+  if (params_.rerotate_keys) return {};  // the kept keys change: compress() only
   checks::check_kv("FinchPress.kept_positions", in.keys, in.values);
   if (compression_ratio_ == 0.0) return budget::keep_all(in).kept_indices;
   return select(in);
@@ -72,11 +69,28 @@ KV FinchPress::compress(const LayerInputs& in) const {
   constexpr const char* op = "FinchPress.compress";
   checks::check_kv(op, in.keys, in.values);
   if (compression_ratio_ == 0.0) return budget::keep_all(in);  // kvpress returns the cache untouched
-  if (!rerotate_keys_) return gather_kept(in);
+  if (!params_.rerotate_keys) return gather_kept(in);
   const at::Tensor inv_freq = ops::rope_inv_freq(in, op);
   KV kv = ops::gather_kv(in.keys, in.values, select(in));
   KeyRerotationPress::rerotate_kept_keys(kv, inv_freq);
   return kv;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"FinchPress",
+                    PressKind::kQueryAware,
+                    "SnapKV-style attention of the question (the prefill's last question_length tokens), re-rotated",
+                    {window_attention_inputs().alternatives,
+                     {"question_length"},
+                     {"inv_freq"},
+                     "rerotate_keys needs inv_freq or cos/sin; kvpress marks the question with a delimiter token"},
+                    from_params<FinchPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

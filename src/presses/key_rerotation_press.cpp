@@ -5,6 +5,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -37,5 +38,19 @@ void KeyRerotationPress::rerotate_kept_keys(KV& kv, const at::Tensor& inv_freq) 
     }
   }
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"KeyRerotationPress",
+                    PressKind::kWrapper,
+                    "inner scorer's selection, kept keys re-rotated to positions 0..n_kept-1",
+                    {{{{"inv_freq"}}, {{"cos", "sin"}}}},
+                    [](double r, ParamReader& p) { return std::make_unique<KeyRerotationPress>(inner_scorer(p, r)); }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

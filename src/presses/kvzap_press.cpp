@@ -7,6 +7,7 @@
 
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -94,5 +95,28 @@ at::Tensor KVzapPress::score(const LayerInputs& in) const {
     x = at::linear(at::gelu(x), surrogate_.w2[l].to(device), surrogate_.b2[l].to(device));  // exact (erf) GELU
   return x.transpose(1, 2).contiguous();  // [B, S, Hkv] -> [B, Hkv, S]
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "KVzapPress",
+      PressKind::kScorer,
+      "KVzap: a per-layer surrogate model predicts each token's score from its hidden state (from a local folder)",
+      {{{{"hidden_states"}}}, {}, {"layer_idx"}},
+      [](double r, ParamReader& p) {
+        using P = KVzapPress;
+        const P::ModelType type = p.get_choice("model_type", {"mlp", "linear"}, "the surrogate: mlp or linear") == "mlp"
+                                      ? P::ModelType::kMlp
+                                      : P::ModelType::kLinear;
+        const std::string folder =
+            p.get_path("kvzap_model", "folder of a KVzap surrogate as kvpress's KVzapModel.save_pretrained writes it");
+        return std::make_unique<P>(r, type, folder.empty() ? P::Surrogate{} : P::load_surrogate(folder));
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -37,16 +38,14 @@ at::Tensor best_mask(const at::Tensor& flat, int64_t keep) {
 
 }  // namespace
 
-KVzipPress::KVzipPress(double compression_ratio, bool layerwise, int64_t n_sink, bool kvzip_plus_normalization,
-                       int64_t chunk_size)
+KVzipPress::KVzipPress(double compression_ratio, const Params& params)
     : compression_ratio_(compression_ratio),
-      layerwise_(layerwise),
-      n_sink_(n_sink),
-      kvzip_plus_normalization_(kvzip_plus_normalization),
-      chunk_size_(chunk_size) {
+      layerwise_(params.layerwise),
+      n_sink_(params.n_sink),
+      kvzip_plus_normalization_(params.kvzip_plus_normalization),
+      chunk_size_(params.chunk_size) {
   check_ratio(kPress, compression_ratio);
-  check_non_negative(kPress, "n_sink", n_sink);
-  check_positive(kPress, "chunk_size", chunk_size);
+  check_params(kPress, params);
 }
 
 KV KVzipPress::compress(const LayerInputs&) const { refuse_layer_compress("KVzipPress.compress"); }
@@ -190,5 +189,25 @@ std::vector<at::Tensor> KVzipPress::keep_masks(const at::Tensor& scores) const {
 }
 
 double KVzipPress::eviction_ratio(int64_t) const { return compression_ratio_; }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "KVzipPress",
+      PressKind::kSecondPass,
+      "tokens scored by how much the model attends to them while repeating the context; evicted globally over "
+      "layers and heads",
+      {{},
+       {},
+       {},
+       "the context replayed after a repeat prompt through the model (kvpress::llama::kvzip_prefill, or "
+       "KVzipPress::replay_chunks, chunk_scores and keep_masks)"},
+      from_params<KVzipPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -1,13 +1,24 @@
 #include "kvpress/presses/lagkv_press.h"
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
-LagKVPress::LagKVPress(double compression_ratio, int64_t n_sink, int64_t lag_size, bool cross_scoring)
-    : ScorerPress(compression_ratio), n_sink_(n_sink), lag_size_(lag_size), cross_scoring_(cross_scoring) {
-  checks::check_non_negative("LagKVPress", "n_sink", n_sink);
-  checks::check_positive("LagKVPress", "lag_size", lag_size);
+LagKVPress::LagKVPress(double compression_ratio, const Params& params)
+    : ScorerPress(compression_ratio), params_(params) {
+  check_params("LagKVPress", params_);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "LagKVPress", PressKind::kScorer, "lag-relative K/V statistics per partition", {}, from_params<LagKVPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

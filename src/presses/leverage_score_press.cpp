@@ -4,6 +4,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -18,5 +19,26 @@ at::Tensor LeverageScorePress::score(const LayerInputs& inputs) const {
   checks::check_kv(op, inputs.keys, inputs.values);
   return ops::zscore(ops::leverage_scores(inputs, sketch_dimension_, seed_.value_or(-1), op));
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "LeverageScorePress",
+      PressKind::kScorer,
+      "ridge leverage of the pre-RoPE keys (Gaussian sketch), z-scored",
+      {{{{"cos", "sin"}}, {{"hidden_states", "k_proj"}}}},
+      [](double r, ParamReader& p) {
+        const int64_t sketch = p.get("sketch_dimension", LeverageScorePress::kDefaultSketchDimension,
+                                     "columns of the right Gaussian sketch");
+        return std::make_unique<LeverageScorePress>(
+            r, sketch,
+            p.get_optional_int("seed", "seed of the sketch's CPU generator (kvpress: torch.manual_seed before score)"));
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

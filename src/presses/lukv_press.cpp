@@ -9,6 +9,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -90,5 +91,44 @@ at::Tensor LUKVPress::keep_mask(const LayerInputs& in) const {
   const at::Tensor keep_sorted = rank < budgets.view({1, kv_heads, 1});
   return at::zeros(scores.sizes(), keep_sorted.options()).scatter_(2, order, keep_sorted.expand_as(order));
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "LUKVPress",
+      PressKind::kWrapper,
+      "LU-KV: head budgets from a precomputed budget curve (read from budget_curves) around an inner scorer; "
+      "head-ragged",
+      {pre_rope_query_inputs().alternatives,
+       {},
+       {"layer_idx"},
+       "the inputs of its default inner press, ExpectedAttentionPress (another inner press reads its own); the curve "
+       "comes from the file named by budget_curves, its row from layer_idx; the ratio is LU-KV's own"},
+      [](double r, ParamReader& p) {
+        // kvpress's default inner press is ExpectedAttentionPress(epsilon=2e-2), scoring only (ratio 0).
+        const std::string inner = p.get_text("press", "ExpectedAttentionPress",
+                                             "inner ScorerPress (its parameters as press.<name>; an "
+                                             "ExpectedAttentionPress gets epsilon=0.02 unless press.epsilon is given)");
+        std::map<std::string, std::string> inner_params = p.take_prefixed("press.");
+        double inner_ratio = 0.0;
+        if (const auto it = inner_params.find("compression_ratio"); it != inner_params.end()) {
+          inner_ratio = p.ratio("press.compression_ratio", it->second);
+          inner_params.erase(it);
+        }
+        if (inner == "ExpectedAttentionPress" && !inner_params.count("epsilon")) inner_params["epsilon"] = "0.02";
+        auto scorer = as_scorer(make_press(inner, inner_ratio, inner_params), p.press_name(), inner);
+        const std::string path =
+            p.get_path("budget_curves", "safetensors file with budget_curves [99, num_layers, num_kv_heads]");
+        const int64_t sink = p.get("sink", LUKVPress::kDefaultSink, "first tokens always kept");
+        const int64_t window = p.get("window", LUKVPress::kDefaultWindow, "last tokens always kept");
+        return std::make_unique<LUKVPress>(
+            std::move(scorer), r, path.empty() ? at::Tensor() : LUKVPress::load_budget_curves(path), sink, window);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -11,6 +11,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -98,5 +99,26 @@ KV MergingPress::compress(const LayerInputs& in) const {
   at::where_out(kv.values, (weight_sum > 0).unsqueeze(-1), blended.to(kv.values.scalar_type()), kv.values);
   return kv;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"MergingPress",
+                    PressKind::kWrapper,
+                    "inner scorer's selection; each evicted value folded into its most key-similar kept token",
+                    {},
+                    [](double r, ParamReader& p) {
+                      auto inner = inner_scorer(p, r);
+                      const double threshold = p.get("similarity_threshold", MergingPress::kDefaultSimilarityThreshold,
+                                                     "least cosine similarity for a merge");
+                      const double fraction = p.get("merge_fraction", MergingPress::kDefaultMergeFraction,
+                                                    "fraction of the evicted tokens merged (the most similar)");
+                      return std::make_unique<MergingPress>(std::move(inner), threshold, fraction);
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -4,6 +4,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -18,5 +19,20 @@ at::Tensor NonCausalAttnPress::score(const LayerInputs& inputs) const {
   const at::Tensor sums = ops::noncausal_column_sums(inputs, chunk_size_, op);
   return ops::noncausal_attention_scores(sums, inputs.values);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "NonCausalAttnPress", PressKind::kScorer, "chunked non-causal attention received, x ||v||, pooled, z-scored",
+      all_query_inputs(), [](double r, ParamReader& p) {
+        return std::make_unique<NonCausalAttnPress>(
+            r, p.get("chunk_size", NonCausalAttnPress::kDefaultChunkSize, "positions per non-causal attention chunk"));
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -4,6 +4,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -18,5 +19,19 @@ at::Tensor ObservedAttentionPress::score(const LayerInputs& inputs) const {
               inputs.keys.size(2), "], got ", checks::shape_str(a));
   return ops::observed_attention_scores(a, inputs.keys.size(1));
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"ObservedAttentionPress",
+                    PressKind::kScorer,
+                    "mean attention received (H2O-like)",
+                    {{{{"attentions"}, true}}},
+                    without_params<ObservedAttentionPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

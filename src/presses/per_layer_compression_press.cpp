@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -47,5 +48,34 @@ KV PerLayerCompressionPress::compress(const LayerInputs& in) const {
   checks::check_kv("PerLayerCompressionPress.compress", in.keys, in.values);
   return press_for_layer(in.layer_idx, in.num_layers).compress(in);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+// PerLayerCompressionPress's `compression_ratios`: comma-separated numbers, one per layer; unset
+// (or None) is the ratio given to make_press for every layer.
+std::vector<double> ratio_list(ParamReader& p, double ratio) {
+  const std::string text = p.get_text("compression_ratios", "None",
+                                      "comma-separated ratios, one per layer; None = the given ratio in every layer");
+  if (is_none(text)) return {ratio};
+  std::optional<std::vector<double>> ratios = parse_double_list(text);
+  TORCH_CHECK(ratios, p.press_name(),
+              ": parameter compression_ratios must be comma-separated numbers (one per layer), got '", text, "'");
+  return *ratios;
+}
+
+const Registration kRegistration([] {
+  return PressEntry{"PerLayerCompressionPress",
+                    PressKind::kWrapper,
+                    "inner press with its own compression ratio in every layer",
+                    {{}, {}, {"layer_idx", "num_layers"}},
+                    [](double r, ParamReader& p) {
+                      ScorerFactory make = scorer_factory(p, kInnerPressHelp);
+                      return std::make_unique<PerLayerCompressionPress>(make, ratio_list(p, r));
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -40,5 +41,34 @@ const DecodingPress* decoding_press_of(const BasePress* press) {
   if (const auto* both = dynamic_cast<const PrefillDecodingPress*>(press)) return both->decoding_press().get();
   return nullptr;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "PrefillDecodingPress",
+      PressKind::kDecoding,
+      "a prefill press and a decoding press under one name",
+      {{}, {}, {}, "at prefill: the prefilling press's; while decoding: the decoding press's"},
+      [](double r, ParamReader& p) {
+        const std::string prefilling_name =
+            p.get_text("prefilling_press", "None", "press applied at prefill (parameters as prefilling_press.<name>)");
+        auto prefilling = named_press(p, "prefilling_press", prefilling_name, r);
+        const std::string decoding_name =
+            p.get_text("decoding_press", "None",
+                       "DecodingPress or CompressionRatioDecodingPress (parameters as decoding_press.<name>)");
+        auto decoding_part = named_press(p, "decoding_press", decoding_name, r);
+        auto decoding = std::dynamic_pointer_cast<const DecodingPress>(decoding_part);
+        TORCH_CHECK(!decoding_part || decoding,
+                    "PrefillDecodingPress: decoding_press must be DecodingPress or "
+                    "CompressionRatioDecodingPress, got ",
+                    decoding_part->name());
+        return std::make_unique<PrefillDecodingPress>(prefilling, decoding);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

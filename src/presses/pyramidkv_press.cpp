@@ -7,6 +7,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -54,5 +55,27 @@ at::Tensor PyramidKVPress::kept_positions(const LayerInputs& in) const {
   checks::check_finite_scores(op.c_str(), scores);
   return ops::topk_indices(scores, n);
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"PyramidKVPress",
+                    PressKind::kScorer,
+                    "SnapKV scores, budgets shrinking linearly from the first layer to the last",
+                    {window_attention_inputs().alternatives, {}, {"layer_idx", "num_layers"}},
+                    [](double r, ParamReader& p) {
+                      const int64_t window = p.get("window_size", PyramidKVPress::kDefaultWindowSize,
+                                                   "number of trailing queries observed (always kept)");
+                      const int64_t kernel =
+                          p.get("kernel_size", PyramidKVPress::kDefaultKernelSize, "odd width of the average pooling");
+                      const int64_t beta =
+                          p.get("beta", PyramidKVPress::kDefaultBeta, "steepness of the pyramid (>= 1)");
+                      return std::make_unique<PyramidKVPress>(r, window, kernel, beta);
+                    }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

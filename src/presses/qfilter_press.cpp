@@ -5,6 +5,7 @@
 
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -46,5 +47,24 @@ at::Tensor QFilterPress::score(const LayerInputs& in) const {
   const at::Tensor filters = q_filters_[in.layer_idx].to(in.keys.device()).unsqueeze(-1);
   return at::matmul(in.keys.to(at::kFloat), filters).squeeze(-1).neg_();
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "QFilterPress",
+      PressKind::kScorer,
+      "Q-Filters: -(filter · k), one filter per layer and KV head from a local file",
+      {{}, {}, {"layer_idx"}, "the filters come from the file named by q_filters"},
+      [](double r, ParamReader& p) {
+        const std::string path =
+            p.get_path("q_filters", "safetensors file with q_filters [num_layers, num_kv_heads, head_dim]");
+        return std::make_unique<QFilterPress>(r, path.empty() ? at::Tensor() : QFilterPress::load_filters(path));
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

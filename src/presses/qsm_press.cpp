@@ -13,6 +13,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 namespace {
@@ -358,5 +359,22 @@ at::Tensor merge_into_nearest_kept(const at::Tensor& kept_values, const at::Tens
   merged_rows.index_copy_(0, touched, blended.to(values.scalar_type()));
   return merged;
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{"QSMPress",
+                    PressKind::kScorer,
+                    "CTR-Press stage I: query-span attention x semantic factor, forced keeps, value merge",
+                    {{{{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}},
+                     {},
+                     {"input_ids"},
+                     "input_ids and a token-text callback on the press enable its semantic weights"},
+                    from_params<QSMPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -9,12 +9,17 @@
 
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
 namespace {
 constexpr const char* kPress = "RestoreKVPress";
 }  // namespace
+
+RestoreKVPress::RestoreKVPress(double compression_ratio, const Params& params)
+    : RestoreKVPress(compression_ratio, params.layerwise, params.n_sink, params.kvzip_plus_normalization,
+                     params.chunk_size, params.restore.empty() ? Restore{} : load_restore(params.restore)) {}
 
 RestoreKVPress::RestoreKVPress(double compression_ratio, bool layerwise, int64_t n_sink, bool kvzip_plus_normalization,
                                int64_t chunk_size, Restore restore)
@@ -54,5 +59,25 @@ double RestoreKVPress::eviction_ratio(int64_t context_length) const {
   // kvpress: compression_ratio = min(1.0, requested + n / context_length), in Python floats.
   return std::min(1.0, ratio + static_cast<double>(num_restore_tokens()) / static_cast<double>(context_length));
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "RestoreKVPress",
+      PressKind::kSecondPass,
+      "KVzip plus learned restore tokens: run once over the full cache with a LoRA adapter, they take the place of "
+      "as many evicted tokens per head",
+      {{},
+       {},
+       {},
+       "the context replayed after a repeat prompt, and the restore tokens' pass with the adapter "
+       "(kvpress::llama::kvzip_prefill)"},
+      from_params<RestoreKVPress>};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -6,6 +6,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -55,5 +56,33 @@ KV SimLayerKVPress::compress(const LayerInputs& in) const {
   if (!is_lazy(in)) return budget::keep_all(in);  // the cache untouched, as kvpress returns it
   return ops::gather_kv(in.keys, in.values, lazy_positions(in));
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "SimLayerKVPress",
+      PressKind::kLayer,
+      "SimLayerKV: a layer whose last queries attend mostly to its first and last tokens keeps only those",
+      {window_attention_inputs().alternatives,
+       {},
+       {},
+       "read only where a layer is judged (lazy_threshold < 1, S > n_initial + n_recent + n_last)"},
+      [](double, ParamReader& p) {
+        using P = SimLayerKVPress;
+        const double threshold =
+            p.get("lazy_threshold", P::kDefaultLazyThreshold, "a layer is lazy above this attention share (1: never)");
+        const int64_t last = p.get("n_last", P::kDefaultNLast, "last queries whose attention decides");
+        const int64_t recent =
+            p.get("n_recent", P::kDefaultNRecent, "recent tokens a lazy layer keeps (their last n_recent - n_last)");
+        const int64_t initial = p.get("n_initial", P::kDefaultNInitial, "initial (sink) tokens a lazy layer keeps");
+        return std::make_unique<P>(threshold, last, recent, initial);
+      },
+      "each layer keeps every token or only its initial and recent ones, by lazy_threshold"};
+});
+
+}  // namespace
 
 }  // namespace kvpress

@@ -9,6 +9,7 @@
 #include "budget.h"
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/registration.h"
 
 namespace kvpress {
 
@@ -51,5 +52,22 @@ KV ThinKPress::compress(const LayerInputs& in) const {
   const at::Tensor kept = at::arange(seq, pruned.options()).expand({batch, kv_heads, seq}).contiguous();
   return KV{keys, in.values, kept};
 }
+
+namespace {
+
+using namespace registration;  // NOLINT(google-build-using-namespace)
+
+const Registration kRegistration([] {
+  return PressEntry{
+      "ThinKPress", PressKind::kChannel,
+      "ThinK: zeroes the key channels the last queries use least (ratio = fraction of key channels; every token kept)",
+      window_query_inputs(), [](double r, ParamReader& p) {
+        const int64_t window = p.get("window_size", ThinKPress::kDefaultWindowSize,
+                                     "last queries whose channel magnitudes score the key channels");
+        return std::make_unique<ThinKPress>(r, window);
+      }};
+});
+
+}  // namespace
 
 }  // namespace kvpress

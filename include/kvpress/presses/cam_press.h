@@ -28,6 +28,16 @@ class CAMPress : public DecodingPress {
  public:
   static constexpr int64_t kDefaultMergeBudget = 32;
 
+  struct Params : DecodingPress::Params {
+    int64_t merge_budget = kDefaultMergeBudget;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      DecodingPress::Params::for_each_field(self, visit);
+      visit(ParamSpec{"merge_budget", "kept successors each merged value spreads over"}, self.merge_budget);
+    }
+  };
+
   // Raises as DecodingPress, and unless merge_budget > 0.
   CAMPress(ScorerFactory make_press, int64_t compression_interval = kDefaultCompressionInterval,
            int64_t target_size = kDefaultTargetSize, int64_t hidden_states_buffer_size = kDefaultHiddenStatesBufferSize,

@@ -16,6 +16,14 @@ class CompressionRatioDecodingPress : public DecodingPress {
   // Raises c10::Error unless 0 <= target_compression_ratio < 1 (and DecodingPress's conditions).
   static constexpr double kDefaultTargetCompressionRatio = 0.5;
 
+  // DecodingPress's schedule without target_size (the budget is the ratio).
+  struct Params : DecodingPress::Params {
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit_fields(self, visit, /*with_target=*/false);
+    }
+  };
+
   explicit CompressionRatioDecodingPress(ScorerFactory make_press,
                                          double target_compression_ratio = kDefaultTargetCompressionRatio,
                                          int64_t compression_interval = kDefaultCompressionInterval,

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string>
 
 #include "kvpress/presses/qsm_press.h"
 
@@ -25,10 +26,24 @@ enum class CTREntropy {
 };
 
 struct CTROptions {
-  double rescue_ratio = 0.1;  // rescue max(1, int(rescue_ratio * #evicted)) tokens per head; 0: none
+  double rescue_ratio = 0.1;                // rescue max(1, int(rescue_ratio * #evicted)) tokens per head; 0: none
+  std::string rescue_scoring = "key_miss";  // the reference's only rescue score
   bool use_layer_adaptive = true;
   double entropy_beta = 0.2;  // n' = round(n * (1 + beta * (1 - 2 * E_normalised)))
   CTREntropy entropy = CTREntropy::kNonForced;
+
+  // CTRPress's parameters after QSMOptions's (the reference's names).
+  template <typename Self, typename Visit>
+  static void for_each_field(Self& self, Visit&& visit) {
+    visit(ParamSpec{"rescue_ratio", "fraction of the evicted tokens rescued per head (0: none)"}, self.rescue_ratio);
+    visit(ParamSpec{"rescue_scoring", "rescue score (only key_miss)"}.one_of({"key_miss"}), self.rescue_scoring);
+    visit(ParamSpec{"use_layer_adaptive", "entropy-adaptive budget"}, self.use_layer_adaptive);
+    visit(ParamSpec{"entropy_beta", "beta: n' = round(n * (1 + beta * (1 - 2 E/E_max)))"}, self.entropy_beta);
+    visit(ParamSpec{"entropy",
+                    "non_forced (E over the non-forced tokens) or reference (the reference's overflowing arithmetic)"}
+              .one_of({"non_forced", "reference"}),
+          self.entropy);
+  }
 };
 
 class CTRPress : public QSMPress {

@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -25,28 +26,52 @@ class CURPress : public ScorerPress {
 
   // `seed` (C++ only; kvpress draws from torch's global generator): seeds the CPU generator of the
   // random projection, so that it equals kvpress's draw after torch.manual_seed(seed).
+  struct Params {
+    int64_t num_sinks = kDefaultNumSinks;
+    LeverageType leverage_type = kDefaultLeverageType;
+    bool use_random_leverage = kDefaultUseRandomLeverage;
+    bool use_local_approximation = kDefaultUseLocalApproximation;
+    int64_t local_window_size = kDefaultLocalWindowSize;
+    std::optional<int64_t> seed;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"num_sinks", "initial tokens always kept"}.non_negative(), self.num_sinks);
+      visit(ParamSpec{"leverage_type", "which leverage scores the ranking uses"}.one_of(
+                {"kv_product", "key", "value", "kv_avg"}),  // LeverageType's order
+            self.leverage_type);
+      visit(ParamSpec{"use_random_leverage", "project K and V onto 20 random Gaussian directions first"},
+            self.use_random_leverage);
+      visit(ParamSpec{"use_local_approximation", "normalise the scores within windows of local_window_size tokens"},
+            self.use_local_approximation);
+      visit(ParamSpec{"local_window_size", "window length"}.positive(), self.local_window_size);
+      visit(ParamSpec{"seed",
+                      "seed of the random projection's CPU generator (C++ only; unset: torch's global generator)"},
+            self.seed);
+    }
+  };
+
+  // Raises c10::Error for a parameter outside its declared range.
+  CURPress(double compression_ratio, const Params& params);
   explicit CURPress(double compression_ratio = 0.0, int64_t num_sinks = kDefaultNumSinks,
                     LeverageType leverage_type = kDefaultLeverageType,
                     bool use_random_leverage = kDefaultUseRandomLeverage,
                     bool use_local_approximation = kDefaultUseLocalApproximation,
-                    int64_t local_window_size = kDefaultLocalWindowSize, std::optional<int64_t> seed = std::nullopt);
+                    int64_t local_window_size = kDefaultLocalWindowSize, std::optional<int64_t> seed = std::nullopt)
+      : CURPress(compression_ratio, Params{num_sinks, leverage_type, use_random_leverage, use_local_approximation,
+                                           local_window_size, seed}) {}
 
   std::string name() const override { return "CURPress"; }
-  int64_t num_sinks() const { return num_sinks_; }
-  LeverageType leverage_type() const { return leverage_type_; }
-  bool use_random_leverage() const { return use_random_leverage_; }
-  bool use_local_approximation() const { return use_local_approximation_; }
-  int64_t local_window_size() const { return local_window_size_; }
+  int64_t num_sinks() const { return params_.num_sinks; }
+  LeverageType leverage_type() const { return params_.leverage_type; }
+  bool use_random_leverage() const { return params_.use_random_leverage; }
+  bool use_local_approximation() const { return params_.use_local_approximation; }
+  int64_t local_window_size() const { return params_.local_window_size; }
 
   at::Tensor score(const LayerInputs& inputs) const override;
 
  private:
-  int64_t num_sinks_;
-  LeverageType leverage_type_;
-  bool use_random_leverage_;
-  bool use_local_approximation_;
-  int64_t local_window_size_;
-  std::optional<int64_t> seed_;
+  Params params_;
 };
 
 }  // namespace kvpress

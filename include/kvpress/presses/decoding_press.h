@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -73,6 +74,26 @@ class DecodingPress : public BasePress {
   static constexpr int64_t kDefaultCompressionInterval = 512;
   static constexpr int64_t kDefaultTargetSize = 2048;
   static constexpr int64_t kDefaultHiddenStatesBufferSize = 256;
+
+  // The schedule's parameters (the inner press is a ScorerFactory, given apart).
+  struct Params {
+    int64_t compression_interval = kDefaultCompressionInterval;
+    int64_t target_size = kDefaultTargetSize;
+    int64_t hidden_states_buffer_size = kDefaultHiddenStatesBufferSize;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit_fields(self, visit, /*with_target=*/true);
+    }
+    // The fields, target_size only `with_target` (CompressionRatioDecodingPress's budget is a ratio).
+    template <typename Self, typename Visit>
+    static void visit_fields(Self& self, Visit&& visit, bool with_target) {
+      visit(ParamSpec{"compression_interval", "decoding steps between compressions"}, self.compression_interval);
+      if (with_target) visit(ParamSpec{"target_size", "tokens kept per layer after a compression"}, self.target_size);
+      visit(ParamSpec{"hidden_states_buffer_size", "decoding steps of hidden states kept for the inner press"},
+            self.hidden_states_buffer_size);
+    }
+  };
 
   explicit DecodingPress(ScorerFactory make_press, int64_t compression_interval = kDefaultCompressionInterval,
                          int64_t target_size = kDefaultTargetSize,

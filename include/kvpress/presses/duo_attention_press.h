@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -32,6 +33,27 @@ class DuoAttentionPress : public BasePress {
  public:
   using Pattern = DuoAttentionPattern;
 
+  struct Params {
+    double head_compression_ratio = 0.0;
+    bool on_the_fly_scoring = false;  // kvpress's run-time estimate; refused here
+    std::string attention_pattern;    // a folder for load_pattern; "" (none): every head keeps everything
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"head_compression_ratio", "fraction of the model's KV heads made streaming heads"}.fraction(),
+            self.head_compression_ratio);
+      visit(ParamSpec{"on_the_fly_scoring",
+                      "kvpress: estimate the pattern at run time (here: make it offline, see attention_pattern)"},
+            self.on_the_fly_scoring);
+      visit(ParamSpec{"attention_pattern", "DuoAttention pattern folder: config.json and full_attention_heads.tsv"}
+                .file(),
+            self.attention_pattern);
+    }
+  };
+
+  // Reads params.attention_pattern when set; raises for on_the_fly_scoring (it needs the model and
+  // a dataset at run time) and as the constructor below.
+  explicit DuoAttentionPress(const Params& params);
   // Raises unless 0 <= head_compression_ratio <= 1 and, with a pattern, sink_size, recent_size >= 0
   // and head_scores 2-d.
   explicit DuoAttentionPress(double head_compression_ratio = 0.0, Pattern pattern = {});

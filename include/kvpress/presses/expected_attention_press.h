@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -24,16 +25,40 @@ class ExpectedAttentionPress : public ScorerPress {
   static constexpr bool kDefaultUseVnorm = true;
   static constexpr double kDefaultEpsilon = 0.0;
 
+  struct Params {
+    int64_t n_future_positions = kDefaultNFuturePositions;
+    int64_t n_sink = kDefaultNSink;
+    bool use_covariance = kDefaultUseCovariance;
+    bool use_vnorm = kDefaultUseVnorm;
+    double epsilon = kDefaultEpsilon;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"n_future_positions", "future positions the RoPE is averaged over"}.positive(),
+            self.n_future_positions);
+      visit(ParamSpec{"n_sink", "first tokens always kept and left out of the query statistics"}.non_negative(),
+            self.n_sink);
+      visit(ParamSpec{"use_covariance", "add the query covariance term"}, self.use_covariance);
+      visit(ParamSpec{"use_vnorm", "rescale by ||v||"}, self.use_vnorm);
+      visit(ParamSpec{"epsilon", "added to the scores before the ||v|| rescaling"}.non_negative(), self.epsilon);
+    }
+  };
+
+  // Raises c10::Error for a parameter outside its declared range.
+  ExpectedAttentionPress(double compression_ratio, const Params& params);
   explicit ExpectedAttentionPress(double compression_ratio = 0.0, int64_t n_future_positions = kDefaultNFuturePositions,
                                   int64_t n_sink = kDefaultNSink, bool use_covariance = kDefaultUseCovariance,
-                                  bool use_vnorm = kDefaultUseVnorm, double epsilon = kDefaultEpsilon);
+                                  bool use_vnorm = kDefaultUseVnorm, double epsilon = kDefaultEpsilon)
+      : ExpectedAttentionPress(compression_ratio,
+                               Params{n_future_positions, n_sink, use_covariance, use_vnorm, epsilon}) {}
 
   std::string name() const override { return "ExpectedAttentionPress"; }
-  int64_t n_future_positions() const { return n_future_positions_; }
-  int64_t n_sink() const { return n_sink_; }
-  bool use_covariance() const { return use_covariance_; }
-  bool use_vnorm() const { return use_vnorm_; }
-  double epsilon() const { return epsilon_; }
+  const Params& params() const { return params_; }
+  int64_t n_future_positions() const { return params_.n_future_positions; }
+  int64_t n_sink() const { return params_.n_sink; }
+  bool use_covariance() const { return params_.use_covariance; }
+  bool use_vnorm() const { return params_.use_vnorm; }
+  double epsilon() const { return params_.epsilon; }
 
   at::Tensor score(const LayerInputs& inputs) const override;  // -> [B, Hkv, S] float32
 
@@ -45,11 +70,7 @@ class ExpectedAttentionPress : public ScorerPress {
                                    const at::Tensor& query_cov) const;  // -> [B, Hkv, S] float32
 
  private:
-  int64_t n_future_positions_;
-  int64_t n_sink_;
-  bool use_covariance_;
-  bool use_vnorm_;
-  double epsilon_;
+  Params params_;
 };
 
 }  // namespace kvpress

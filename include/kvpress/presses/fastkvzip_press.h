@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -56,8 +57,30 @@ class FastKVzipPress : public BasePress {
     bool defined() const { return q_proj_weight.defined(); }
   };
 
-  // Raises unless 0 <= ratio < 1, n_sink >= 0, window_size > 0, 0 <= window_ratio <= 1 and the gates
-  // (when given) have consistent shapes.
+  struct Params {
+    bool layerwise = kDefaultLayerwise;
+    int64_t n_sink = kDefaultNSink;
+    int64_t window_size = kDefaultWindowSize;
+    double window_ratio = kDefaultWindowRatio;
+    std::string gates;  // a safetensors file for load_gates; "" (none): the scores raise
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"layerwise", "per-layer budgets (else global)"}, self.layerwise);
+      visit(ParamSpec{"n_sink", "first tokens always kept"}.non_negative(), self.n_sink);
+      visit(ParamSpec{"window_size", "trailing tokens kept from 32000 tokens on"}.positive(), self.window_size);
+      visit(ParamSpec{"window_ratio", "fraction of a shorter context kept at its end"}.fraction(), self.window_ratio);
+      visit(
+          ParamSpec{"gates", "the model's gates, safetensors (scripts/make_artifact.py fastkvzip or fastkvzip-convert)"}
+              .file(),
+          self.gates);
+    }
+  };
+
+  // Reads params.gates when set; raises as the constructor below.
+  FastKVzipPress(double compression_ratio, const Params& params);
+  // Raises unless 0 <= ratio < 1, the parameters are in their declared ranges and the gates (when
+  // given) have consistent shapes.
   explicit FastKVzipPress(double compression_ratio = 0.0, bool layerwise = kDefaultLayerwise,
                           int64_t n_sink = kDefaultNSink, int64_t window_size = kDefaultWindowSize,
                           double window_ratio = kDefaultWindowRatio, Gates gates = {});

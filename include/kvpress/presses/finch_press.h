@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -25,16 +26,33 @@ class FinchPress : public BasePress {
   static constexpr bool kDefaultNormalizeScores = true;
   static constexpr bool kDefaultRerotateKeys = true;
 
-  // Raises unless 0 <= compression_ratio < 1 and chunk_length (when set) > 0.
+  struct Params {
+    std::optional<int64_t> chunk_length;
+    bool normalize_scores = kDefaultNormalizeScores;
+    bool rerotate_keys = kDefaultRerotateKeys;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"chunk_length", "select the best of every chunk_length positions; None = whole layer"}.positive(),
+            self.chunk_length);
+      visit(ParamSpec{"normalize_scores", "weigh each question row's attention by its position"},
+            self.normalize_scores);
+      visit(ParamSpec{"rerotate_keys", "re-rotate the kept keys to positions 0..n_kept-1"}, self.rerotate_keys);
+    }
+  };
+
+  // Raises unless 0 <= compression_ratio < 1 and the parameters are in their declared ranges.
+  FinchPress(double compression_ratio, const Params& params);
   explicit FinchPress(double compression_ratio = 0.0, std::optional<int64_t> chunk_length = std::nullopt,
-                      bool normalize_scores = kDefaultNormalizeScores, bool rerotate_keys = kDefaultRerotateKeys);
+                      bool normalize_scores = kDefaultNormalizeScores, bool rerotate_keys = kDefaultRerotateKeys)
+      : FinchPress(compression_ratio, Params{chunk_length, normalize_scores, rerotate_keys}) {}
 
   std::string name() const override { return "FinchPress"; }
   double compression_ratio() const override { return compression_ratio_; }
-  bool rerotates_keys() const override { return rerotate_keys_; }
+  bool rerotates_keys() const override { return params_.rerotate_keys; }
   bool observes_question() const override { return true; }
-  const std::optional<int64_t>& chunk_length() const { return chunk_length_; }
-  bool normalize_scores() const { return normalize_scores_; }
+  const std::optional<int64_t>& chunk_length() const { return params_.chunk_length; }
+  bool normalize_scores() const { return params_.normalize_scores; }
 
   // [B, Hkv, S] float32, higher = keep; the question's positions get max + 1.
   at::Tensor score(const LayerInputs& inputs) const;
@@ -45,9 +63,7 @@ class FinchPress : public BasePress {
 
  private:
   double compression_ratio_;
-  std::optional<int64_t> chunk_length_;
-  bool normalize_scores_;
-  bool rerotate_keys_;
+  Params params_;
 
   at::Tensor select(const LayerInputs& inputs) const;  // -> [B, Hkv, n_kept] int64 ascending
 };

@@ -22,7 +22,18 @@ class KVgradPress : public KVzipPress {
  public:
   static constexpr int64_t kDefaultChunkSize = 512;
 
+  // KVzipPress's parameters but kvzip_plus_normalization, with KVgrad's chunk_size.
+  struct Params : KVzipPress::Params {
+    Params() { chunk_size = kDefaultChunkSize; }
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit_fields(self, visit, /*with_plus=*/false);
+    }
+  };
+
   // Raises as KVzipPress.
+  KVgradPress(double compression_ratio, const Params& params) : KVzipPress(compression_ratio, params) {}
   explicit KVgradPress(double compression_ratio = 0.0, bool layerwise = kDefaultLayerwise,
                        int64_t n_sink = kDefaultNSink, int64_t chunk_size = kDefaultChunkSize)
       : KVzipPress(compression_ratio, layerwise, n_sink, /*kvzip_plus_normalization=*/false, chunk_size) {}

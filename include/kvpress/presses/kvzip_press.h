@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -65,10 +66,34 @@ class KVzipPress : public BasePress {
   // A later chunk's prompt ends with this many last tokens of the chunk before it.
   static constexpr int64_t kPreviousTailTokens = 8;
 
-  // Raises c10::Error unless 0 <= compression_ratio < 1, n_sink >= 0 and chunk_size > 0.
+  struct Params {
+    bool layerwise = kDefaultLayerwise;
+    int64_t n_sink = kDefaultNSink;
+    bool kvzip_plus_normalization = kDefaultKVzipPlusNormalization;
+    int64_t chunk_size = kDefaultChunkSize;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit_fields(self, visit, /*with_plus=*/true);
+    }
+    // The fields, kvzip_plus_normalization only `with_plus` (KVgradPress has no KVzip+).
+    template <typename Self, typename Visit>
+    static void visit_fields(Self& self, Visit&& visit, bool with_plus) {
+      visit(ParamSpec{"layerwise", "the same ratio in every layer (else global)"}, self.layerwise);
+      visit(ParamSpec{"n_sink", "first tokens always kept"}.non_negative(), self.n_sink);
+      if (with_plus)
+        visit(ParamSpec{"kvzip_plus_normalization", "KVzip+: weights divided by ||h|| and multiplied by ||W_o v||"},
+              self.kvzip_plus_normalization);
+      visit(ParamSpec{"chunk_size", "context tokens repeated per replay pass"}.positive(), self.chunk_size);
+    }
+  };
+
+  // Raises c10::Error unless 0 <= compression_ratio < 1 and the parameters are in their declared ranges.
+  KVzipPress(double compression_ratio, const Params& params);
   explicit KVzipPress(double compression_ratio = 0.0, bool layerwise = kDefaultLayerwise,
                       int64_t n_sink = kDefaultNSink, bool kvzip_plus_normalization = kDefaultKVzipPlusNormalization,
-                      int64_t chunk_size = kDefaultChunkSize);
+                      int64_t chunk_size = kDefaultChunkSize)
+      : KVzipPress(compression_ratio, Params{layerwise, n_sink, kvzip_plus_normalization, chunk_size}) {}
 
   std::string name() const override { return "KVzipPress"; }
   double compression_ratio() const override { return compression_ratio_; }

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kvpress/ops.h"
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -16,22 +17,36 @@ class LagKVPress : public ScorerPress {
   static constexpr int64_t kDefaultLagSize = 128;
   static constexpr bool kDefaultCrossScoring = false;
 
+  struct Params {
+    int64_t n_sink = kDefaultNSink;
+    int64_t lag_size = kDefaultLagSize;
+    bool cross_scoring = kDefaultCrossScoring;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"n_sink", "number of initial tokens always kept"}.non_negative(), self.n_sink);
+      visit(ParamSpec{"lag_size", "partition length"}.positive(), self.lag_size);
+      visit(ParamSpec{"cross_scoring", "compare raw scores across partitions instead of ranks"}, self.cross_scoring);
+    }
+  };
+
+  // Raises c10::Error for a parameter outside its declared range.
+  LagKVPress(double compression_ratio, const Params& params);
   explicit LagKVPress(double compression_ratio = 0.0, int64_t n_sink = kDefaultNSink,
-                      int64_t lag_size = kDefaultLagSize, bool cross_scoring = kDefaultCrossScoring);
+                      int64_t lag_size = kDefaultLagSize, bool cross_scoring = kDefaultCrossScoring)
+      : LagKVPress(compression_ratio, Params{n_sink, lag_size, cross_scoring}) {}
 
   std::string name() const override { return "LagKVPress"; }
-  int64_t n_sink() const { return n_sink_; }
-  int64_t lag_size() const { return lag_size_; }
-  bool cross_scoring() const { return cross_scoring_; }
+  int64_t n_sink() const { return params_.n_sink; }
+  int64_t lag_size() const { return params_.lag_size; }
+  bool cross_scoring() const { return params_.cross_scoring; }
 
   at::Tensor score(const LayerInputs& inputs) const override {
-    return ops::lagkv_scores(inputs.keys, inputs.values, n_sink_, lag_size_, cross_scoring_);
+    return ops::lagkv_scores(inputs.keys, inputs.values, params_.n_sink, params_.lag_size, params_.cross_scoring);
   }
 
  private:
-  int64_t n_sink_;
-  int64_t lag_size_;
-  bool cross_scoring_;
+  Params params_;
 };
 
 }  // namespace kvpress

@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -30,6 +31,20 @@ struct SemanticWeightOptions {
   double whitespace_weight = 0.3;   // - when the text is blank
   int64_t rare_min_chars = 8;
   std::optional<int64_t> rare_token_id_threshold;  // + rare_weight again for ids >= this
+
+  template <typename Self, typename Visit>
+  static void for_each_field(Self& self, Visit&& visit) {
+    visit(ParamSpec{"digit_weight", "w: token has a digit"}, self.digit_weight);
+    visit(ParamSpec{"capital_weight", "w: token has an uppercase letter"}, self.capital_weight);
+    visit(ParamSpec{"rare_weight", "w: token has >= rare_min_chars characters (or id >= rare_token_id_threshold)"},
+          self.rare_weight);
+    visit(ParamSpec{"punctuation_weight", "w: token has one of .!?;: or a newline"}, self.punctuation_weight);
+    visit(ParamSpec{"code_weight", "w: token has a code symbol"}, self.code_weight);
+    visit(ParamSpec{"stopword_weight", "w: minus, token is a stopword"}, self.stopword_weight);
+    visit(ParamSpec{"whitespace_weight", "w: minus, token is blank"}, self.whitespace_weight);
+    visit(ParamSpec{"rare_min_chars", "length of a rare token"}, self.rare_min_chars);
+    visit(ParamSpec{"rare_token_id_threshold", "ids from this one up count as rare"}, self.rare_token_id_threshold);
+  }
 };
 
 // The semantic weight w of one token. Characters are UTF-8 code points; digits, letters and
@@ -39,8 +54,8 @@ double semantic_weight(const std::string& text, int64_t token_id, const Semantic
 
 // How evicted tokens are weighted in the stage-I value merge.
 enum class MergeWeighting {
-  kUniform,  // every evicted token weighs 1
   kScore,    // (clip(s_r / tau, 0, 1), 0 below merge_min_score_ratio) ^ merge_score_power
+  kUniform,  // every evicted token weighs 1
 };
 
 struct QSMOptions {
@@ -63,11 +78,43 @@ struct QSMOptions {
   // Value merge (keys untouched): only with an explicit query or merge_in_pseudo_query.
   bool use_merge = true;
   bool merge_in_pseudo_query = false;
-  double merge_alpha = 0.2;  // gamma
+  double merge_alpha = 0.2;              // gamma
+  std::string merge_target = "nearest";  // the reference's only target
   MergeWeighting merge_weighting = MergeWeighting::kScore;
   double merge_score_power = 4.0;
   double merge_min_score_ratio = 0.5;
   double merge_count_power = 0.75;  // p: the merged mass m enters as m^(1 - p)
+
+  // The reference's parameter names (QSMPress's, and the first part of CTRPress's); the range
+  // checks are QSMPress's constructor's.
+  template <typename Self, typename Visit>
+  static void for_each_field(Self& self, Visit&& visit) {
+    visit(ParamSpec{"query_length", "explicit query: the last query_length tokens (0: the pseudo-query)"},
+          self.query_length);
+    visit(ParamSpec{"pseudo_query_len", "longest pseudo-query (the last prompt tokens)"}, self.pseudo_query_len);
+    visit(ParamSpec{"pseudo_query_max_fraction", "longest pseudo-query as a fraction of the prompt"},
+          self.pseudo_query_max_fraction);
+    visit(ParamSpec{"qa_alpha", "weight of the mean (1 - qa_alpha: of the max) attention over the query span"},
+          self.qa_alpha);
+    visit(ParamSpec{"sink_tokens", "first tokens always kept"}, self.sink_tokens);
+    visit(ParamSpec{"recent_tokens", "last context tokens always kept"}, self.recent_tokens);
+    visit(ParamSpec{"keep_pseudo_query", "always keep the pseudo-query span"}, self.keep_pseudo_query);
+    visit(ParamSpec{"use_query_aware", "query-aware attention scores (false: zeros)"}, self.use_query_aware);
+    visit(ParamSpec{"score_normalization", "min-max normalise the scores per head"}, self.score_normalization);
+    visit(ParamSpec{"use_semantic", "factor 1 + lambda_sem * tanh(w), w from token text (input_ids + callback)"},
+          self.use_semantic);
+    visit(ParamSpec{"lambda_sem", "strength of the semantic factor"}, self.lambda_sem);
+    SemanticWeightOptions::for_each_field(self.semantic, visit);
+    visit(ParamSpec{"use_merge", "merge evicted values into the nearest kept token (explicit query only)"},
+          self.use_merge);
+    visit(ParamSpec{"merge_in_pseudo_query", "merge with the pseudo-query too"}, self.merge_in_pseudo_query);
+    visit(ParamSpec{"merge_alpha", "gamma: strength of the value merge"}, self.merge_alpha);
+    visit(ParamSpec{"merge_target", "merge target (only nearest)"}.one_of({"nearest"}), self.merge_target);
+    visit(ParamSpec{"merge_weighting", "score or uniform"}.one_of({"score", "uniform"}), self.merge_weighting);
+    visit(ParamSpec{"merge_score_power", "exponent of the relative score weights"}, self.merge_score_power);
+    visit(ParamSpec{"merge_min_score_ratio", "relative scores below this do not merge"}, self.merge_min_score_ratio);
+    visit(ParamSpec{"merge_count_power", "p: merged mass m enters as m^(1 - p)"}, self.merge_count_power);
+  }
 };
 
 // Stage I scores of one layer.
@@ -79,6 +126,8 @@ struct QSMScores {
 
 class QSMPress : public ScorerPress {
  public:
+  using Params = QSMOptions;
+
   // Raises c10::Error naming the option when one is out of range.
   explicit QSMPress(double compression_ratio = 0.0, QSMOptions options = {}, TokenTextFn token_text = nullptr);
 

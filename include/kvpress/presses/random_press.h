@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "kvpress/ops.h"
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -12,18 +13,30 @@ namespace kvpress {
 // CPU cache; without one every call draws fresh scores from the default generator.
 class RandomPress : public ScorerPress {
  public:
+  struct Params {
+    std::optional<int64_t> seed;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"seed", "seed of the CPU generator; unset draws fresh scores each call"}, self.seed);
+    }
+  };
+
+  RandomPress(double compression_ratio, const Params& params) : ScorerPress(compression_ratio), params_(params) {
+    check_params("RandomPress", params_);
+  }
   explicit RandomPress(double compression_ratio = 0.0, std::optional<int64_t> seed = std::nullopt)
-      : ScorerPress(compression_ratio), seed_(seed) {}
+      : RandomPress(compression_ratio, Params{seed}) {}
 
   std::string name() const override { return "RandomPress"; }
-  std::optional<int64_t> seed() const { return seed_; }
+  std::optional<int64_t> seed() const { return params_.seed; }
 
   at::Tensor score(const LayerInputs& inputs) const override {
-    return ops::random_scores(inputs.keys, seed_.value_or(-1));
+    return ops::random_scores(inputs.keys, params_.seed.value_or(-1));
   }
 
  private:
-  std::optional<int64_t> seed_;
+  Params params_;
 };
 
 }  // namespace kvpress

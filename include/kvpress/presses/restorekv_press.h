@@ -45,6 +45,23 @@ class RestoreKVPress : public KVzipPress {
     bool defined() const { return embeddings.defined(); }
   };
 
+  // KVzipPress's parameters and the folder of the restore artifacts.
+  struct Params : KVzipPress::Params {
+    std::string restore;  // read by load_restore; "" (none): compress() raises
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      KVzipPress::Params::for_each_field(self, visit);
+      visit(ParamSpec{"restore",
+                      "folder with restore_embeddings.safetensors and a PEFT LoRA adapter (the authors' "
+                      "higokri/RestoreKV-<model>[_plus], or scripts/make_artifact.py restorekv)"}
+                .file(),
+            self.restore);
+    }
+  };
+
+  // Reads params.restore when set (load_restore); raises as the constructor below.
+  RestoreKVPress(double compression_ratio, const Params& params);
   // Raises as KVzipPress, and when the restore embeddings (if given) are not a non-empty [n, hidden].
   explicit RestoreKVPress(double compression_ratio = 0.0, bool layerwise = kDefaultLayerwise,
                           int64_t n_sink = kDefaultNSink,

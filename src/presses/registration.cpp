@@ -1,0 +1,232 @@
+#include "presses/registration.h"
+
+#include <c10/util/Exception.h>
+
+namespace kvpress::registration {
+
+bool is_none(const std::string& text) { return text == "None" || text == "none"; }
+
+// ---- ParamReader ----
+
+void ParamReader::read(const ParamSpec& spec, int64_t& member) { member = get(spec.name, member, spec.help); }
+
+void ParamReader::read(const ParamSpec& spec, double& member) { member = get(spec.name, member, spec.help); }
+
+void ParamReader::read(const ParamSpec& spec, bool& member) { member = get(spec.name, member, spec.help); }
+
+void ParamReader::read(const ParamSpec& spec, std::optional<int64_t>& member) {
+  declare(spec.name, "int?", member ? std::to_string(*member) : "None", spec.help);
+  const auto text = take(spec.name);
+  if (text) member = is_none(*text) ? std::nullopt : std::optional<int64_t>(to_int(spec.name, *text));
+}
+
+void ParamReader::read(const ParamSpec& spec, std::optional<double>& member) {
+  declare(spec.name, "float?", member ? format_double(*member) : "None", spec.help);
+  const auto text = take(spec.name);
+  if (text)
+    member = is_none(*text) ? std::nullopt : std::optional<double>(to_double(spec.name, *text, "a number or None"));
+}
+
+void ParamReader::read(const ParamSpec& spec, std::string& member) {
+  if (!spec.choices.empty()) {
+    size_t index = 0;
+    while (index < spec.choices.size() && member != spec.choices[index]) ++index;
+    TORCH_CHECK(index < spec.choices.size(), press_, ": the default of ", spec.name, " ('", member,
+                "') is not one of its choices");
+    member = spec.choices[read_choice(spec, index)];
+    return;
+  }
+  declare(spec.name, spec.path ? "path" : "str", member, spec.help);
+  if (const auto text = take(spec.name)) member = *text;
+}
+
+size_t ParamReader::read_choice(const ParamSpec& spec, size_t default_index) {
+  TORCH_CHECK(default_index < spec.choices.size(), press_, ": the default of ", spec.name,
+              " is not one of its choices");
+  declare(spec.name, "str", spec.choices[default_index], spec.help);
+  const auto text = take(spec.name);
+  if (!text) return default_index;
+  std::string allowed;
+  for (size_t i = 0; i < spec.choices.size(); ++i) {
+    if (*text == spec.choices[i]) return i;
+    allowed += (i == 0 ? "" : (i + 1 == spec.choices.size() ? " or " : ", ")) + std::string(spec.choices[i]);
+  }
+  TORCH_CHECK(false, press_, ": parameter ", spec.name, " must be ", allowed, ", got '", *text, "'");
+}
+
+int64_t ParamReader::get(const std::string& key, int64_t fallback, const char* help) {
+  declare(key, "int", std::to_string(fallback), help);
+  const auto text = take(key);
+  return text ? to_int(key, *text) : fallback;
+}
+
+double ParamReader::get(const std::string& key, double fallback, const char* help) {
+  declare(key, "float", format_double(fallback), help);
+  const auto text = take(key);
+  return text ? to_double(key, *text, "a number") : fallback;
+}
+
+bool ParamReader::get(const std::string& key, bool fallback, const char* help) {
+  declare(key, "bool", fallback ? "true" : "false", help);
+  const auto text = take(key);
+  return text ? to_bool(key, *text) : fallback;
+}
+
+std::optional<int64_t> ParamReader::get_optional_int(const std::string& key, const char* help) {
+  std::optional<int64_t> value;
+  read(ParamSpec{key.c_str(), help}, value);
+  return value;
+}
+
+std::optional<double> ParamReader::get_optional_double(const std::string& key, const char* help) {
+  std::optional<double> value;
+  read(ParamSpec{key.c_str(), help}, value);
+  return value;
+}
+
+std::string ParamReader::get_choice(const std::string& key, std::initializer_list<const char*> choices,
+                                    const char* help) {
+  const ParamSpec spec = ParamSpec{key.c_str(), help}.one_of(choices);
+  return spec.choices[read_choice(spec, 0)];
+}
+
+std::string ParamReader::get_text(const std::string& key, const std::string& fallback, const char* help) {
+  declare(key, "str", fallback, help);
+  return take(key).value_or(fallback);
+}
+
+std::string ParamReader::get_path(const std::string& key, const char* help) {
+  declare(key, "path", "", help);
+  return take(key).value_or("");
+}
+
+std::map<std::string, std::string> ParamReader::take_prefixed(const std::string& prefix) {
+  std::map<std::string, std::string> out;
+  for (const auto& [key, value] : values_) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    used_.insert(key);
+    out[key.substr(prefix.size())] = value;
+  }
+  return out;
+}
+
+double ParamReader::ratio(const std::string& key, const std::string& text) const {
+  return to_double(key, text, "a number");
+}
+
+void ParamReader::check_all_used() const {
+  for (const auto& [key, value] : values_) {
+    if (used_.count(key)) continue;
+    std::string names;
+    for (const auto& p : declared_) names += (names.empty() ? "" : ", ") + p.name;
+    TORCH_CHECK(false, press_, ": unknown parameter '", key, "' (known: ", names.empty() ? "none" : names, ")");
+  }
+}
+
+void ParamReader::declare(const std::string& key, const char* type, std::string fallback, const char* help) {
+  declared_.push_back({key, type, std::move(fallback), help});
+}
+
+std::optional<std::string> ParamReader::take(const std::string& key) {
+  used_.insert(key);
+  const auto it = values_.find(key);
+  if (it == values_.end()) return std::nullopt;
+  return it->second;
+}
+
+int64_t ParamReader::to_int(const std::string& key, const std::string& text) const {
+  const auto value = parse_int(text);
+  TORCH_CHECK(value, press_, ": parameter ", key, " must be an integer, got '", text, "'");
+  return *value;
+}
+
+double ParamReader::to_double(const std::string& key, const std::string& text, const char* expected) const {
+  const auto value = parse_double(text);
+  TORCH_CHECK(value, press_, ": parameter ", key, " must be ", expected, ", got '", text, "'");
+  return *value;
+}
+
+bool ParamReader::to_bool(const std::string& key, const std::string& text) const {
+  if (text == "true" || text == "True" || text == "1") return true;
+  if (text == "false" || text == "False" || text == "0") return false;
+  TORCH_CHECK(false, press_, ": parameter ", key, " must be true or false, got '", text, "'");
+}
+
+// ---- the registrations ----
+
+namespace {
+std::vector<PressEntry (*)()>& mutable_registrations() {
+  static std::vector<PressEntry (*)()> list;
+  return list;
+}
+}  // namespace
+
+Registration::Registration(PressEntry (*describe)()) { mutable_registrations().push_back(describe); }
+
+const std::vector<PressEntry (*)()>& registrations() { return mutable_registrations(); }
+
+// ---- inner presses of wrappers ----
+
+std::shared_ptr<const ScorerPress> as_scorer(std::unique_ptr<BasePress> built, const std::string& outer,
+                                             const std::string& inner) {
+  auto scorer = std::dynamic_pointer_cast<const ScorerPress>(std::shared_ptr<const BasePress>(std::move(built)));
+  TORCH_CHECK(scorer != nullptr, outer, ": press must be a ScorerPress, got ", inner);
+  return scorer;
+}
+
+std::shared_ptr<const ScorerPress> inner_scorer(ParamReader& p, double ratio, const char* help) {
+  const std::string inner = p.get_text("press", "KnormPress", help);
+  TORCH_CHECK(!inner.empty(), p.press_name(), ": parameter press (the inner press's name) must not be empty");
+  return as_scorer(make_press(inner, ratio, p.take_prefixed("press.")), p.press_name(), inner);
+}
+
+ScorerFactory scorer_factory(ParamReader& p, const char* help) {
+  const std::string inner = p.get_text("press", "KnormPress", help);
+  TORCH_CHECK(!inner.empty(), p.press_name(), ": parameter press (the inner press's name) must not be empty");
+  const std::map<std::string, std::string> params = p.take_prefixed("press.");
+  const std::string outer = p.press_name();
+  ScorerFactory make = [inner, params, outer](double ratio) {
+    return as_scorer(make_press(inner, ratio, params), outer, inner);
+  };
+  return make;
+}
+
+std::shared_ptr<const BasePress> named_press(ParamReader& p, const std::string& key, const std::string& name,
+                                             double ratio) {
+  std::map<std::string, std::string> params = p.take_prefixed(key + ".");
+  if (name.empty() || is_none(name)) {
+    TORCH_CHECK(params.empty(), p.press_name(), ": parameters ", key, ".* given without ", key);
+    return nullptr;
+  }
+  if (!takes_ratio(name)) ratio = 0.0;
+  if (const auto it = params.find("compression_ratio"); it != params.end()) {
+    ratio = p.ratio(key + ".compression_ratio", it->second);
+    params.erase(it);
+  }
+  return make_press(name, ratio, params);
+}
+
+// ---- inputs ----
+
+namespace {
+std::vector<InputSet> window_query_sources() { return {{{"queries"}}, {{"hidden_states", "q_proj", "cos", "sin"}}}; }
+}  // namespace
+
+PressInputs window_query_inputs() { return {window_query_sources()}; }
+
+PressInputs window_attention_inputs() {
+  std::vector<InputSet> sets{{{"attentions"}}};
+  const std::vector<InputSet> queries = window_query_sources();
+  sets.insert(sets.end(), queries.begin(), queries.end());
+  return {sets};
+}
+
+PressInputs pre_rope_query_inputs() {
+  return {{{{"hidden_states", "q_proj", "inv_freq"}},
+           {{"hidden_states", "q_proj", "cos", "sin"}},
+           {{"queries", "cos", "sin"}, true}}};
+}
+
+PressInputs all_query_inputs() { return {{{{"queries"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}}; }
+
+}  // namespace kvpress::registration
