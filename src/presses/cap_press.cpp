@@ -18,17 +18,16 @@ at::Tensor unit_rows(const at::Tensor& x) { return x / at::linalg_vector_norm(x,
 
 }  // namespace
 
+CapPress::CapPress(double compression_ratio, const Params& params)
+    : CapPress(compression_ratio, params.tau, params.n_future_positions, params.n_sink, params.epsilon) {}
+
 CapPress::CapPress(double compression_ratio, double tau, int64_t n_future_positions, int64_t n_sink, double epsilon)
     : ScorerPress(compression_ratio),
       tau_(tau),
       n_future_positions_(n_future_positions),
       n_sink_(n_sink),
       epsilon_(epsilon) {
-  constexpr const char* op = "CapPress";
-  TORCH_CHECK(std::isfinite(tau), op, ": tau must be finite, got ", tau);
-  checks::check_positive(op, "n_future_positions", n_future_positions);
-  checks::check_non_negative(op, "n_sink", n_sink);
-  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0, op, ": epsilon must be >= 0, got ", epsilon);
+  check_params("CapPress", Params{tau, n_future_positions, n_sink, epsilon});
 }
 
 at::Tensor CapPress::score(const LayerInputs& in) const {
@@ -86,18 +85,9 @@ namespace {
 using namespace registration;  // NOLINT(google-build-using-namespace)
 
 const Registration kRegistration([] {
-  return PressEntry{
-      "CapPress", PressKind::kScorer,
-      "CAPKV: capacity leverage of the values under query relevance (averaged-RoPE query anchor)",
-      pre_rope_query_inputs(), [](double r, ParamReader& p) {
-        const double tau = p.get("tau", CapPress::kDefaultTau, "temperature of the query-key alignment weights");
-        const int64_t n_future = p.get("n_future_positions", CapPress::kDefaultNFuturePositions,
-                                       "future positions the RoPE is averaged over");
-        const int64_t n_sink =
-            p.get("n_sink", CapPress::kDefaultNSink, "first tokens always kept and left out of the query anchor");
-        const double eps = p.get("epsilon", CapPress::kDefaultEpsilon, "added to the weights in the capacity matrix");
-        return std::make_unique<CapPress>(r, tau, n_future, n_sink, eps);
-      }};
+  return PressEntry{"CapPress", PressKind::kScorer,
+                    "CAPKV: capacity leverage of the values under query relevance (averaged-RoPE query anchor)",
+                    pre_rope_query_inputs(), from_params<CapPress>};
 });
 
 }  // namespace

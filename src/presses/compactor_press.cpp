@@ -28,6 +28,10 @@ std::vector<std::shared_ptr<const ScorerPress>> compactor_scorers(int64_t sink_s
 
 }  // namespace
 
+CompactorPress::CompactorPress(double compression_ratio, const Params& params)
+    : CompactorPress(compression_ratio, params.sink_size_start, params.sink_size_end, params.chunk_size,
+                     params.sketch_dimension, params.blending, params.seed, params.selection) {}
+
 CompactorPress::CompactorPress(double compression_ratio, int64_t sink_size_start, int64_t sink_size_end,
                                int64_t chunk_size, int64_t sketch_dimension, std::optional<double> blending,
                                std::optional<int64_t> seed, TokenSelection selection)
@@ -39,7 +43,10 @@ CompactorPress::CompactorPress(double compression_ratio, int64_t sink_size_start
       chunk_size_(chunk_size),
       sketch_dimension_(sketch_dimension),
       blending_(blending),
-      seed_(seed) {}
+      seed_(seed) {
+  check_params("CompactorPress",
+               Params{sink_size_start, sink_size_end, chunk_size, sketch_dimension, blending, seed, selection});
+}
 
 std::vector<double> CompactorPress::weights() const { return {blending_.value_or(compression_ratio()), 1.0}; }
 
@@ -48,29 +55,11 @@ namespace {
 using namespace registration;  // NOLINT(google-build-using-namespace)
 
 const Registration kRegistration([] {
-  return PressEntry{
-      "CompactorPress",
-      PressKind::kScorer,
-      "blending * z(leverage) + z(non-causal attention), sinks kept",
-      {{{{"queries", "cos", "sin"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}},
-      [](double r, ParamReader& p) {
-        const int64_t start =
-            p.get("sink_size_start", CompactorPress::kDefaultSinkSizeStart, "first tokens always kept");
-        const int64_t end = p.get("sink_size_end", CompactorPress::kDefaultSinkSizeEnd, "last tokens always kept");
-        const int64_t chunk =
-            p.get("chunk_size", CompactorPress::kDefaultChunkSize, "positions per non-causal attention chunk");
-        const int64_t sketch =
-            p.get("sketch_dimension", CompactorPress::kDefaultSketchDimension, "columns of the leverage sketch");
-        const auto blending =
-            p.get_optional_double("blending", "weight of the leverage scores; None = compression_ratio (paper: 0.3)");
-        const auto seed = p.get_optional_int("seed", "seed of the leverage sketch's CPU generator");
-        const std::string selection = p.get_choice(
-            "selection", {"per_head", "across_heads"},
-            "per_head (kvpress) or across_heads (the paper's global top-k; head budgets vary, head-ragged)");
-        return std::make_unique<CompactorPress>(
-            r, start, end, chunk, sketch, blending, seed,
-            selection == "per_head" ? TokenSelection::kPerHead : TokenSelection::kAcrossHeads);
-      }};
+  return PressEntry{"CompactorPress",
+                    PressKind::kScorer,
+                    "blending * z(leverage) + z(non-causal attention), sinks kept",
+                    {{{{"queries", "cos", "sin"}, true}, {{"hidden_states", "q_proj", "cos", "sin"}}}},
+                    from_params<CompactorPress>};
 });
 
 }  // namespace

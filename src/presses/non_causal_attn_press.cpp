@@ -8,9 +8,12 @@
 
 namespace kvpress {
 
+NonCausalAttnPress::NonCausalAttnPress(double compression_ratio, const Params& params)
+    : NonCausalAttnPress(compression_ratio, params.chunk_size) {}
+
 NonCausalAttnPress::NonCausalAttnPress(double compression_ratio, int64_t chunk_size)
     : ScorerPress(compression_ratio), chunk_size_(chunk_size) {
-  checks::check_positive("NonCausalAttnPress", "chunk_size", chunk_size);
+  check_params("NonCausalAttnPress", Params{chunk_size});
 }
 
 at::Tensor NonCausalAttnPress::score(const LayerInputs& inputs) const {
@@ -25,12 +28,9 @@ namespace {
 using namespace registration;  // NOLINT(google-build-using-namespace)
 
 const Registration kRegistration([] {
-  return PressEntry{
-      "NonCausalAttnPress", PressKind::kScorer, "chunked non-causal attention received, x ||v||, pooled, z-scored",
-      all_query_inputs(), [](double r, ParamReader& p) {
-        return std::make_unique<NonCausalAttnPress>(
-            r, p.get("chunk_size", NonCausalAttnPress::kDefaultChunkSize, "positions per non-causal attention chunk"));
-      }};
+  return PressEntry{"NonCausalAttnPress", PressKind::kScorer,
+                    "chunked non-causal attention received, x ||v||, pooled, z-scored", all_query_inputs(),
+                    from_params<NonCausalAttnPress>};
 });
 
 }  // namespace

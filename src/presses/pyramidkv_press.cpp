@@ -18,8 +18,12 @@ int64_t python_round(double x) { return static_cast<int64_t>(std::nearbyint(x));
 
 }  // namespace
 
+PyramidKVPress::PyramidKVPress(double compression_ratio, const Params& params)
+    : PyramidKVPress(compression_ratio, params.window_size, params.kernel_size, params.beta) {}
+
 PyramidKVPress::PyramidKVPress(double compression_ratio, int64_t window_size, int64_t kernel_size, int64_t beta)
     : SnapKVPress(compression_ratio, window_size, kernel_size), beta_(beta) {
+  check_params("PyramidKVPress", Params{{window_size, kernel_size}, beta});
   TORCH_CHECK(beta >= 1, "PyramidKVPress: beta must be >= 1, got ", beta);
 }
 
@@ -65,15 +69,7 @@ const Registration kRegistration([] {
                     PressKind::kScorer,
                     "SnapKV scores, budgets shrinking linearly from the first layer to the last",
                     {window_attention_inputs().alternatives, {}, {"layer_idx", "num_layers"}},
-                    [](double r, ParamReader& p) {
-                      const int64_t window = p.get("window_size", PyramidKVPress::kDefaultWindowSize,
-                                                   "number of trailing queries observed (always kept)");
-                      const int64_t kernel =
-                          p.get("kernel_size", PyramidKVPress::kDefaultKernelSize, "odd width of the average pooling");
-                      const int64_t beta =
-                          p.get("beta", PyramidKVPress::kDefaultBeta, "steepness of the pyramid (>= 1)");
-                      return std::make_unique<PyramidKVPress>(r, window, kernel, beta);
-                    }};
+                    from_params<PyramidKVPress>};
 });
 
 }  // namespace

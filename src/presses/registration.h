@@ -53,7 +53,8 @@ class ParamReader {
   // Every member of a Params struct, in its declared order.
   template <typename Params>
   void read_all(Params& params) {
-    Params::for_each_field(params, [this](const ParamSpec& spec, auto& member) { read(spec, member); });
+    Params::for_each_field(params,
+                           [reader = this](const ParamSpec& spec, auto& member) { reader->read(spec, member); });
   }
 
   // The same reads for factories that hold no Params struct (wrappers' own parameters).

@@ -10,14 +10,15 @@
 
 namespace kvpress {
 
+SimLayerKVPress::SimLayerKVPress(const Params& params)
+    : SimLayerKVPress(params.lazy_threshold, params.n_last, params.n_recent, params.n_initial) {}
+
 SimLayerKVPress::SimLayerKVPress(double lazy_threshold, int64_t n_last, int64_t n_recent, int64_t n_initial)
     : lazy_threshold_(lazy_threshold), n_last_(n_last), n_recent_(n_recent), n_initial_(n_initial) {
+  check_params("SimLayerKVPress", Params{lazy_threshold, n_last, n_recent, n_initial});
   constexpr const char* op = "SimLayerKVPress";
-  checks::check_fraction(op, "lazy_threshold", lazy_threshold);
-  checks::check_positive(op, "n_last", n_last);
   TORCH_CHECK(n_recent > n_last, op, ": n_recent must be > n_last = ", n_last,
               " (a lazy layer keeps its last n_recent - n_last tokens), got ", n_recent);
-  checks::check_non_negative(op, "n_initial", n_initial);
 }
 
 std::optional<double> SimLayerKVPress::lazy_score(const LayerInputs& in) const {
@@ -70,16 +71,7 @@ const Registration kRegistration([] {
        {},
        {},
        "read only where a layer is judged (lazy_threshold < 1, S > n_initial + n_recent + n_last)"},
-      [](double, ParamReader& p) {
-        using P = SimLayerKVPress;
-        const double threshold =
-            p.get("lazy_threshold", P::kDefaultLazyThreshold, "a layer is lazy above this attention share (1: never)");
-        const int64_t last = p.get("n_last", P::kDefaultNLast, "last queries whose attention decides");
-        const int64_t recent =
-            p.get("n_recent", P::kDefaultNRecent, "recent tokens a lazy layer keeps (their last n_recent - n_last)");
-        const int64_t initial = p.get("n_initial", P::kDefaultNInitial, "initial (sink) tokens a lazy layer keeps");
-        return std::make_unique<P>(threshold, last, recent, initial);
-      },
+      from_params<SimLayerKVPress>,
       "each layer keeps every token or only its initial and recent ones, by lazy_threshold"};
 });
 

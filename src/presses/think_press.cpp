@@ -13,11 +13,14 @@
 
 namespace kvpress {
 
+ThinKPress::ThinKPress(double compression_ratio, const Params& params)
+    : ThinKPress(compression_ratio, params.window_size) {}
+
 ThinKPress::ThinKPress(double key_channel_compression_ratio, int64_t window_size)
     : key_channel_compression_ratio_(key_channel_compression_ratio), window_size_(window_size) {
+  check_params("ThinKPress", Params{window_size});
   TORCH_CHECK(key_channel_compression_ratio >= 0.0 && key_channel_compression_ratio < 1.0,
               "ThinKPress: key_channel_compression_ratio must be in [0, 1), got ", key_channel_compression_ratio);
-  checks::check_positive("ThinKPress", "window_size", window_size);
 }
 
 at::Tensor ThinKPress::channel_scores(const LayerInputs& in) const {
@@ -61,11 +64,7 @@ const Registration kRegistration([] {
   return PressEntry{
       "ThinKPress", PressKind::kChannel,
       "ThinK: zeroes the key channels the last queries use least (ratio = fraction of key channels; every token kept)",
-      window_query_inputs(), [](double r, ParamReader& p) {
-        const int64_t window = p.get("window_size", ThinKPress::kDefaultWindowSize,
-                                     "last queries whose channel magnitudes score the key channels");
-        return std::make_unique<ThinKPress>(r, window);
-      }};
+      window_query_inputs(), from_params<ThinKPress>};
 });
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -18,6 +19,25 @@ class CapPress : public ScorerPress {
   static constexpr int64_t kDefaultNSink = 4;
   static constexpr double kDefaultEpsilon = 1e-6;
 
+  struct Params {
+    double tau = kDefaultTau;
+    int64_t n_future_positions = kDefaultNFuturePositions;
+    int64_t n_sink = kDefaultNSink;
+    double epsilon = kDefaultEpsilon;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"tau", "temperature of the query-key alignment weights"}, self.tau);
+      visit(ParamSpec{"n_future_positions", "future positions the RoPE is averaged over"}.positive(),
+            self.n_future_positions);
+      visit(ParamSpec{"n_sink", "first tokens always kept and left out of the query anchor"}.non_negative(),
+            self.n_sink);
+      visit(ParamSpec{"epsilon", "added to the weights in the capacity matrix"}.non_negative(), self.epsilon);
+    }
+  };
+
+  // Raises as the constructor below.
+  CapPress(double compression_ratio, const Params& params);
   explicit CapPress(double compression_ratio = 0.0, double tau = kDefaultTau,
                     int64_t n_future_positions = kDefaultNFuturePositions, int64_t n_sink = kDefaultNSink,
                     double epsilon = kDefaultEpsilon);

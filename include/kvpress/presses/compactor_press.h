@@ -25,6 +25,33 @@ class CompactorPress : public ScoreBlendPress {
   static constexpr int64_t kDefaultChunkSize = 256;
   static constexpr int64_t kDefaultSketchDimension = 48;
 
+  struct Params {
+    int64_t sink_size_start = kDefaultSinkSizeStart;
+    int64_t sink_size_end = kDefaultSinkSizeEnd;
+    int64_t chunk_size = kDefaultChunkSize;
+    int64_t sketch_dimension = kDefaultSketchDimension;
+    std::optional<double> blending;
+    std::optional<int64_t> seed;
+    TokenSelection selection = TokenSelection::kPerHead;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"sink_size_start", "first tokens always kept"}.non_negative(), self.sink_size_start);
+      visit(ParamSpec{"sink_size_end", "last tokens always kept"}.non_negative(), self.sink_size_end);
+      visit(ParamSpec{"chunk_size", "positions per non-causal attention chunk"}.positive(), self.chunk_size);
+      visit(ParamSpec{"sketch_dimension", "columns of the leverage sketch"}.positive(), self.sketch_dimension);
+      visit(ParamSpec{"blending", "weight of the leverage scores; None = compression_ratio (paper: 0.3)"},
+            self.blending);
+      visit(ParamSpec{"seed", "seed of the leverage sketch's CPU generator"}.non_negative(), self.seed);
+      visit(ParamSpec{"selection",
+                      "per_head (kvpress) or across_heads (the paper's global top-k; head budgets vary, head-ragged)"}
+                .one_of({"per_head", "across_heads"}),
+            self.selection);
+    }
+  };
+
+  // Raises as the constructor below.
+  CompactorPress(double compression_ratio, const Params& params);
   explicit CompactorPress(double compression_ratio = 0.0, int64_t sink_size_start = kDefaultSinkSizeStart,
                           int64_t sink_size_end = kDefaultSinkSizeEnd, int64_t chunk_size = kDefaultChunkSize,
                           int64_t sketch_dimension = kDefaultSketchDimension,

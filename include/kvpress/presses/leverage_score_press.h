@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -19,6 +20,21 @@ class LeverageScorePress : public ScorerPress {
  public:
   static constexpr int64_t kDefaultSketchDimension = 48;
 
+  struct Params {
+    int64_t sketch_dimension = kDefaultSketchDimension;
+    std::optional<int64_t> seed;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"sketch_dimension", "columns of the right Gaussian sketch"}.positive(), self.sketch_dimension);
+      visit(ParamSpec{"seed", "seed of the sketch's CPU generator (kvpress: torch.manual_seed before score)"}
+                .non_negative(),
+            self.seed);
+    }
+  };
+
+  // Raises as the constructor below.
+  LeverageScorePress(double compression_ratio, const Params& params);
   explicit LeverageScorePress(double compression_ratio = 0.0, int64_t sketch_dimension = kDefaultSketchDimension,
                               std::optional<int64_t> seed = std::nullopt);
 

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -16,6 +17,17 @@ class NonCausalAttnPress : public ScorerPress {
  public:
   static constexpr int64_t kDefaultChunkSize = 256;
 
+  struct Params {
+    int64_t chunk_size = kDefaultChunkSize;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"chunk_size", "positions per non-causal attention chunk"}.positive(), self.chunk_size);
+    }
+  };
+
+  // Raises as the constructor below.
+  NonCausalAttnPress(double compression_ratio, const Params& params);
   explicit NonCausalAttnPress(double compression_ratio = 0.0, int64_t chunk_size = kDefaultChunkSize);
 
   std::string name() const override { return "NonCausalAttnPress"; }

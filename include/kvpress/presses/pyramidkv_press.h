@@ -17,6 +17,18 @@ class PyramidKVPress : public SnapKVPress {
   // Raises unless 0 <= ratio < 1, window_size > 0, kernel_size odd and > 0, beta >= 1.
   static constexpr int64_t kDefaultBeta = 20;
 
+  struct Params : SnapKVPress::Params {
+    int64_t beta = kDefaultBeta;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      SnapKVPress::Params::for_each_field(self, visit);
+      visit(ParamSpec{"beta", "steepness of the pyramid (>= 1)"}, self.beta);
+    }
+  };
+
+  // Raises as the constructor below.
+  PyramidKVPress(double compression_ratio, const Params& params);
   explicit PyramidKVPress(double compression_ratio = 0.0, int64_t window_size = kDefaultWindowSize,
                           int64_t kernel_size = kDefaultKernelSize, int64_t beta = kDefaultBeta);
 

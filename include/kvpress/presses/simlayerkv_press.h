@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -26,6 +27,24 @@ class SimLayerKVPress : public BasePress {
   static constexpr int64_t kDefaultNRecent = 1024;
   static constexpr int64_t kDefaultNInitial = 4;
 
+  struct Params {
+    double lazy_threshold = kDefaultLazyThreshold;
+    int64_t n_last = kDefaultNLast;
+    int64_t n_recent = kDefaultNRecent;
+    int64_t n_initial = kDefaultNInitial;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"lazy_threshold", "a layer is lazy above this attention share (1: never)"}.fraction(),
+            self.lazy_threshold);
+      visit(ParamSpec{"n_last", "last queries whose attention decides"}.positive(), self.n_last);
+      visit(ParamSpec{"n_recent", "recent tokens a lazy layer keeps (their last n_recent - n_last)"}, self.n_recent);
+      visit(ParamSpec{"n_initial", "initial (sink) tokens a lazy layer keeps"}.non_negative(), self.n_initial);
+    }
+  };
+
+  // Raises as the constructor below.
+  explicit SimLayerKVPress(const Params& params);
   // Raises unless 0 <= lazy_threshold <= 1, n_last >= 1, n_recent > n_last and n_initial >= 0.
   explicit SimLayerKVPress(double lazy_threshold = kDefaultLazyThreshold, int64_t n_last = kDefaultNLast,
                            int64_t n_recent = kDefaultNRecent, int64_t n_initial = kDefaultNInitial);

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -16,6 +17,18 @@ class ThinKPress : public BasePress {
   static constexpr double kDefaultKeyChannelCompressionRatio = 0.0;
   static constexpr int64_t kDefaultWindowSize = 32;
 
+  struct Params {
+    int64_t window_size = kDefaultWindowSize;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"window_size", "last queries whose channel magnitudes score the key channels"}.positive(),
+            self.window_size);
+    }
+  };
+
+  // Raises as the constructor below.
+  ThinKPress(double compression_ratio, const Params& params);
   explicit ThinKPress(double key_channel_compression_ratio = kDefaultKeyChannelCompressionRatio,
                       int64_t window_size = kDefaultWindowSize);
 
