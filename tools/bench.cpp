@@ -77,25 +77,29 @@ struct BenchArgs {
 // ExpectedAttention without its ||v|| rescaling; SnapKV also query-aware (the question in the
 // prefill). DuoAttentionPress and QFilterPress need their artifacts (--press with --param).
 std::vector<BenchPress> default_presses() {
-  std::vector<BenchPress> out = {{"", {}, false, ""},
-                                 {"StreamingLLMPress", {}, false, ""},
-                                 {"KnormPress", {}, false, ""},
-                                 {"KeyDiffPress", {}, false, ""},
-                                 {"SnapKVPress", {}, false, ""},
-                                 {"TOVAPress", {}, false, ""},
-                                 {"ExpectedAttentionPress", {}, false, ""},
-                                 {"CompactorPress", {}, false, ""},
-                                 {"PyramidKVPress", {}, false, ""},
-                                 {"KVzipPress", {}, false, ""},
+  std::vector<BenchPress> out = {{"", {}, false, "", false, {}},
+                                 {"StreamingLLMPress", {}, false, "", false, {}},
+                                 {"KnormPress", {}, false, "", false, {}},
+                                 {"KeyDiffPress", {}, false, "", false, {}},
+                                 {"SnapKVPress", {}, false, "", false, {}},
+                                 {"TOVAPress", {}, false, "", false, {}},
+                                 {"ExpectedAttentionPress", {}, false, "", false, {}},
+                                 {"CompactorPress", {}, false, "", false, {}},
+                                 {"PyramidKVPress", {}, false, "", false, {}},
+                                 {"KVzipPress", {}, false, "", false, {}},
                                  {"AdaKVPress",
                                   {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}},
                                   false,
-                                  "AdaKVPress(ExpectedAttentionPress)"},
+                                  "AdaKVPress(ExpectedAttentionPress)",
+                                  false,
+                                  {}},
                                  {"CriticalKVPress",
                                   {{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}},
                                   false,
-                                  "CriticalKVPress(ExpectedAttentionPress)"},
-                                 {"SnapKVPress", {}, true, ""}};
+                                  "CriticalKVPress(ExpectedAttentionPress)",
+                                  false,
+                                  {}},
+                                 {"SnapKVPress", {}, true, "", false, {}}};
   return out;
 }
 
@@ -150,11 +154,11 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       }
       if (v != "none" && kvpress::find_press(v) == nullptr)
         usage_error("bench: --press {}: no such press (kvpress-cli list)", v);
-      out.presses.push_back({v == "none" ? "" : v, {}, false, ""});
+      out.presses.push_back({v == "none" ? "" : v, {}, false, "", false, {}});
     } else if (take_value(args, i, "--query-aware", "", v)) {
       if (kvpress::find_press(v) == nullptr)
         usage_error("bench: --query-aware {}: no such press (kvpress-cli list)", v);
-      out.presses.push_back({v, {}, true, ""});
+      out.presses.push_back({v, {}, true, "", false, {}});
     } else if (take_value(args, i, "--param", "", v)) {
       if (out.presses.empty() || out.presses.back().name.empty() || !out.presses.back().label.empty())
         usage_error("bench: --param {} must follow the --press it applies to", v);

@@ -75,17 +75,24 @@ namespace detail {
 template <typename T>
 void check_param_value(const char* press, const ParamSpec& spec, T value) {
   using Range = ParamSpec::Range;
+  // Every range also excludes NaN and infinities, with the range's own message.
   const bool finite = std::isfinite(static_cast<double>(value));
-  TORCH_CHECK(finite, press, ": ", spec.name, " must be finite, got ", value);
   switch (spec.range) {
-    case Range::kAny: return;
-    case Range::kPositive: TORCH_CHECK(value > 0, press, ": ", spec.name, " must be > 0, got ", value); return;
-    case Range::kNonNegative: TORCH_CHECK(value >= 0, press, ": ", spec.name, " must be >= 0, got ", value); return;
+    case Range::kAny:
+      TORCH_CHECK(finite, press, ": ", spec.name, " must be finite, got ", value);
+      return;
+    case Range::kPositive:
+      TORCH_CHECK(finite && value > 0, press, ": ", spec.name, " must be > 0, got ", value);
+      return;
+    case Range::kNonNegative:
+      TORCH_CHECK(finite && value >= 0, press, ": ", spec.name, " must be >= 0, got ", value);
+      return;
     case Range::kFraction:
-      TORCH_CHECK(value >= 0 && value <= 1, press, ": ", spec.name, " must be in [0, 1], got ", value);
+      TORCH_CHECK(finite && value >= 0 && value <= 1, press, ": ", spec.name, " must be in [0, 1], got ", value);
       return;
     case Range::kPositiveOdd:
-      TORCH_CHECK(value > 0 && static_cast<int64_t>(value) % 2 == 1 && static_cast<double>(value) == std::floor(value),
+      TORCH_CHECK(finite && value > 0 && static_cast<double>(value) == std::floor(static_cast<double>(value)) &&
+                      static_cast<int64_t>(value) % 2 == 1,
                   press, ": ", spec.name, " must be a positive odd number, got ", value);
       return;
   }

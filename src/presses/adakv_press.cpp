@@ -13,7 +13,7 @@ namespace kvpress {
 
 AdaKVPress::AdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard)
     : HeadRaggedWrapperPress(std::move(press), "AdaKVPress"), alpha_safeguard_(alpha_safeguard) {
-  checks::check_fraction("AdaKVPress", "alpha_safeguard", alpha_safeguard);
+  check_params("AdaKVPress", Params{alpha_safeguard});
 }
 
 at::Tensor AdaKVPress::keep_mask(const LayerInputs& in) const {
@@ -40,9 +40,9 @@ const Registration kRegistration([] {
                     {},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      return std::make_unique<AdaKVPress>(inner,
-                                                          p.get("alpha_safeguard", AdaKVPress::kDefaultAlphaSafeguard,
-                                                                "fraction of n_kept every head keeps at least"));
+                      AdaKVPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<AdaKVPress>(std::move(inner), params.alpha_safeguard);
                     }};
 });
 

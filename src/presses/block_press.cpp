@@ -14,7 +14,7 @@ namespace kvpress {
 
 BlockPress::BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_size)
     : ScorerWrapperPress(std::move(press), "BlockPress"), block_size_(block_size) {
-  checks::check_positive("BlockPress", "block_size", block_size);
+  check_params("BlockPress", Params{block_size});
 }
 
 at::Tensor BlockPress::kept_positions(const LayerInputs& in) const {
@@ -49,8 +49,9 @@ const Registration kRegistration([] {
                     {{}, {}, {}, "the inner press sees keys and values only"},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      return std::make_unique<BlockPress>(
-                          inner, p.get("block_size", BlockPress::kDefaultBlockSize, "tokens per block"));
+                      BlockPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<BlockPress>(std::move(inner), params.block_size);
                     }};
 });
 

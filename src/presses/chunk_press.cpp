@@ -48,8 +48,9 @@ const Registration kRegistration([] {
                     {{}, {}, {}, "no attentions (kvpress refuses them)"},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      return std::make_unique<ChunkPress>(
-                          inner, p.get("chunk_length", ChunkPress::kDefaultChunkLength, "tokens per chunk"));
+                      ChunkPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<ChunkPress>(std::move(inner), params.chunk_length);
                     }};
 });
 

@@ -45,8 +45,9 @@ const Registration kRegistration([] {
                     {{}, {}, {}, "no attentions (kvpress refuses them)"},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      return std::make_unique<ChunkKVPress>(
-                          inner, p.get("chunk_length", ChunkKVPress::kDefaultChunkLength, "tokens per chunk"));
+                      ChunkKVPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<ChunkKVPress>(std::move(inner), params.chunk_length);
                     }};
 });
 

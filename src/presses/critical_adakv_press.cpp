@@ -19,9 +19,7 @@ CriticalAdaKVPress::CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press,
       alpha_safeguard_(alpha_safeguard),
       epsilon_(epsilon),
       first_stage_ratio_(first_stage_ratio) {
-  checks::check_fraction("CriticalAdaKVPress", "alpha_safeguard", alpha_safeguard);
-  checks::check_finite("CriticalAdaKVPress", "epsilon", epsilon);
-  checks::check_fraction("CriticalAdaKVPress", "first_stage_ratio", first_stage_ratio);
+  check_params("CriticalAdaKVPress", Params{alpha_safeguard, epsilon, first_stage_ratio});
 }
 
 at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
@@ -60,13 +58,10 @@ const Registration kRegistration([] {
                     {{}, {"o_proj"}},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      const double alpha = p.get("alpha_safeguard", CriticalAdaKVPress::kDefaultAlphaSafeguard,
-                                                 "fraction of n_kept every head keeps at least");
-                      const double eps = p.get("epsilon", CriticalAdaKVPress::kDefaultEpsilon,
-                                               "added to the inner scores before the rescaling");
-                      const double first = p.get("first_stage_ratio", CriticalAdaKVPress::kDefaultFirstStageRatio,
-                                                 "fraction of each head's budget chosen by the inner scores alone");
-                      return std::make_unique<CriticalAdaKVPress>(inner, alpha, eps, first);
+                      CriticalAdaKVPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<CriticalAdaKVPress>(std::move(inner), params.alpha_safeguard,
+                                                                  params.epsilon, params.first_stage_ratio);
                     }};
 });
 

@@ -24,9 +24,8 @@ CriticalKVPress::CriticalKVPress(std::shared_ptr<const ScorerPress> press, doubl
       press_(std::move(press)),
       epsilon_(epsilon),
       first_stage_ratio_(first_stage_ratio) {
+  check_params("CriticalKVPress", Params{epsilon, first_stage_ratio});
   TORCH_CHECK(press_ != nullptr, "CriticalKVPress: press must be a ScorerPress, got nullptr");
-  checks::check_finite("CriticalKVPress", "epsilon", epsilon);
-  checks::check_fraction("CriticalKVPress", "first_stage_ratio", first_stage_ratio);
 }
 
 at::Tensor CriticalKVPress::output_projected_value_norms(const LayerInputs& in, const char* op) {
@@ -98,11 +97,10 @@ const Registration kRegistration([] {
                     {{}, {"o_proj"}},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      const double eps = p.get("epsilon", CriticalKVPress::kDefaultEpsilon,
-                                               "added to the inner scores before the rescaling");
-                      const double first = p.get("first_stage_ratio", CriticalKVPress::kDefaultFirstStageRatio,
-                                                 "fraction of the budget chosen by the inner scores alone");
-                      return std::make_unique<CriticalKVPress>(inner, eps, first);
+                      CriticalKVPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<CriticalKVPress>(std::move(inner), params.epsilon,
+                                                               params.first_stage_ratio);
                     }};
 });
 

@@ -24,8 +24,7 @@ DMSPress::DMSPress(std::shared_ptr<const ScorerPress> press, std::optional<doubl
       threshold_(threshold),
       window_(sliding_window_size),
       decoding_(decoding) {
-  checks::check_non_negative(kName, "sliding_window_size", sliding_window_size);
-  if (threshold) checks::check_finite(kName, "threshold", *threshold);
+  check_params("DMSPress", Params{threshold, sliding_window_size, decoding});
 }
 
 double DMSPress::threshold_or_raise(const char* op) const {
@@ -107,14 +106,12 @@ const Registration kRegistration([] {
       "tokens leaving a sliding window evicted per head where the inner score is below a threshold (prefill, and "
       "with decoding=true while generating; head-ragged)",
       {{}, {}, {}, "the inner press gets no attention weights (kvpress passes none)"},
-      [](double r, ParamReader& p) {
+      [](double, ParamReader& p) {
         auto inner = inner_scorer(p, 0.0);
-        const std::optional<double> threshold =
-            p.get_optional_double("threshold", "evict a token whose inner score is below it (must be set)");
-        const int64_t window =
-            p.get("sliding_window_size", DMSPress::kDefaultSlidingWindowSize, "most recent tokens never evicted");
-        const bool decoding = p.get("decoding", DMSPress::kDefaultDecoding, "also evict while generating");
-        return std::make_unique<DMSPress>(inner, threshold, window, decoding);
+        DMSPress::Params params;
+        p.read_all(params);
+        return std::make_unique<DMSPress>(std::move(inner), params.threshold, params.sliding_window_size,
+                                          params.decoding);
       },
       "the threshold and the content set how much is evicted"};
 });

@@ -68,7 +68,7 @@ DuoAttentionPress::DuoAttentionPress(const Params& params)
 
 DuoAttentionPress::DuoAttentionPress(double head_compression_ratio, Pattern pattern)
     : head_compression_ratio_(head_compression_ratio), pattern_(std::move(pattern)) {
-  check_params("DuoAttentionPress", Params{head_compression_ratio});
+  check_params("DuoAttentionPress", Params{head_compression_ratio, false, {}});
   if (!pattern_.head_scores.defined()) return;
   checks::check_non_negative("DuoAttentionPress", "sink_size", pattern_.sink_size);
   checks::check_non_negative("DuoAttentionPress", "recent_size", pattern_.recent_size);

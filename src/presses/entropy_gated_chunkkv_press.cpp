@@ -116,12 +116,11 @@ const Registration kRegistration([] {
                     "ChunkKV whose important low-entropy chunks keep only their best tokens",
                     {{}, {}, {}, "no attentions (kvpress refuses them)"},
                     [](double r, ParamReader& p) {
-                      using P = EntropyGatedChunkKVPress;
                       auto inner = inner_scorer(p, r);
-                      const int64_t length = p.get("chunk_length", P::kDefaultChunkLength, "tokens per chunk");
-                      const int64_t low = p.get("low_entropy_chunk_length", P::kDefaultLowEntropyChunkLength,
-                                                "tokens kept from an important chunk whose scores are spiky");
-                      return std::make_unique<P>(inner, length, low);
+                      EntropyGatedChunkKVPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<EntropyGatedChunkKVPress>(std::move(inner), params.chunk_length,
+                                                                        params.low_entropy_chunk_length);
                     }};
 });
 

@@ -29,6 +29,12 @@ void check_statistics(const std::string& where, const ExpectedAttentionStatsPres
 
 }  // namespace
 
+ExpectedAttentionStatsPress::ExpectedAttentionStatsPress(double compression_ratio, const Params& params)
+    : ExpectedAttentionStatsPress(compression_ratio,
+                                  params.stats_folder.empty() ? Statistics{} : load_statistics(params.stats_folder),
+                                  params.n_future_positions, params.n_sink, params.use_covariance, params.use_vnorm,
+                                  params.epsilon, params.sample_seq_len, params.num_samples, params.dataset_name) {}
+
 ExpectedAttentionStatsPress::ExpectedAttentionStatsPress(double compression_ratio, Statistics statistics,
                                                          int64_t n_future_positions, int64_t n_sink,
                                                          bool use_covariance, bool use_vnorm, double epsilon,
@@ -38,8 +44,11 @@ ExpectedAttentionStatsPress::ExpectedAttentionStatsPress(double compression_rati
       sample_seq_len_(sample_seq_len),
       num_samples_(num_samples),
       dataset_name_(std::move(dataset_name)) {
-  checks::check_positive(kName, "sample_seq_len", sample_seq_len);
-  checks::check_positive(kName, "num_samples", num_samples);
+  check_params(kName, Params{{n_future_positions, n_sink, use_covariance, use_vnorm, epsilon},
+                             sample_seq_len,
+                             num_samples,
+                             dataset_name_,
+                             {}});
   if (statistics.query_mean.defined() || statistics.query_cov.defined()) {
     check_statistics(kName, statistics);
     statistics_ = {statistics.query_mean.to(at::kFloat).contiguous(), statistics.query_cov.to(at::kFloat).contiguous()};
@@ -86,27 +95,11 @@ namespace {
 using namespace registration;  // NOLINT(google-build-using-namespace)
 
 const Registration kRegistration([] {
-  return PressEntry{
-      "ExpectedAttentionStatsPress",
-      PressKind::kScorer,
-      "expected attention from query statistics computed once for the model (read from stats_folder)",
-      {{{{"inv_freq"}}, {{"cos", "sin"}}}, {}, {"layer_idx"}},
-      [](double r, ParamReader& p) {
-        using P = ExpectedAttentionStatsPress;
-        ExpectedAttentionPress::Params e;
-        p.read_all(e);
-        const int64_t seq_len = p.get("sample_seq_len", P::kDefaultSampleSeqLen,
-                                      "characters of each calibration sample (names kvpress's hub statistics)");
-        const int64_t samples =
-            p.get("num_samples", P::kDefaultNumSamples, "calibration samples (names kvpress's hub statistics)");
-        const std::string dataset =
-            p.get_text("dataset_name", P::kDefaultDatasetName, "calibration dataset (names kvpress's hub statistics)");
-        const std::string folder =
-            p.get_path("stats_folder", "kvpress's statistics folder: model.safetensors with query_mean and query_cov");
-        return std::make_unique<P>(r, folder.empty() ? P::Statistics{} : P::load_statistics(folder),
-                                   e.n_future_positions, e.n_sink, e.use_covariance, e.use_vnorm, e.epsilon, seq_len,
-                                   samples, dataset);
-      }};
+  return PressEntry{"ExpectedAttentionStatsPress",
+                    PressKind::kScorer,
+                    "expected attention from query statistics computed once for the model (read from stats_folder)",
+                    {{{{"inv_freq"}}, {{"cos", "sin"}}}, {}, {"layer_idx"}},
+                    from_params<ExpectedAttentionStatsPress>};
 });
 
 }  // namespace

@@ -70,7 +70,7 @@ KVComposePress::KVComposePress(double compression_ratio, KVComposeOptions option
   parse_kvcompose_aggregation("KVComposePress: agg_task", options_.agg_task);
   parse_kvcompose_aggregation("KVComposePress: agg_group", options_.agg_group);
   parse_kvcompose_aggregation("KVComposePress: agg_head", options_.agg_head);
-  checks::check_non_negative(kPress, "keep_token_lower_bound", options_.keep_token_lower_bound);
+  check_params(kPress, options_);
 }
 
 KV KVComposePress::compress(const LayerInputs&) const {
@@ -316,29 +316,15 @@ namespace {
 using namespace registration;  // NOLINT(google-build-using-namespace)
 
 const Registration kRegistration([] {
-  return PressEntry{
-      "KVComposePress",
-      PressKind::kSecondPass,
-      "global per-layer (structured) or per-head (unstructured) budgets from a second pass's attention",
-      {{},
-       {},
-       {},
-       "a task prompt's attention to the context in every layer (kvpress::llama::kvcompose_prefill, "
-       "or KVComposePress::start_session)"},
-      [](double r, ParamReader& p) {
-        KVComposeOptions o;
-        o.structured = p.get("structured", o.structured,
-                             "each layer keeps k_l tokens per head; false: per-(layer, head) budgets, head-ragged");
-        o.agg_task = p.get_text("agg_task", o.agg_task, "over the prompt's queries: max or mean");
-        o.agg_group = p.get_text("agg_group", o.agg_group, "over a KV group's query heads: max or mean");
-        o.agg_head = p.get_text("agg_head", o.agg_head, "over KV heads, of the sorted curves: max or mean");
-        o.add_v_norm = p.get("add_v_norm", o.add_v_norm, "multiply scores by ||v||");
-        o.add_mean_across_heads = p.get("add_mean_across_heads", o.add_mean_across_heads,
-                                        "add the mean over KV heads to every head's scores");
-        o.keep_token_lower_bound =
-            p.get("keep_token_lower_bound", o.keep_token_lower_bound, "minimum tokens per layer");
-        return std::make_unique<KVComposePress>(r, std::move(o));
-      }};
+  return PressEntry{"KVComposePress",
+                    PressKind::kSecondPass,
+                    "global per-layer (structured) or per-head (unstructured) budgets from a second pass's attention",
+                    {{},
+                     {},
+                     {},
+                     "a task prompt's attention to the context in every layer (kvpress::llama::kvcompose_prefill, "
+                     "or KVComposePress::start_session)"},
+                    from_params<KVComposePress>};
 });
 
 }  // namespace

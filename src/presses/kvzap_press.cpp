@@ -33,6 +33,10 @@ void check_surrogate(const std::string& where, KVzapPress::ModelType type, const
 
 }  // namespace
 
+KVzapPress::KVzapPress(double compression_ratio, const Params& params)
+    : KVzapPress(compression_ratio, params.model_type,
+                 params.kvzap_model.empty() ? Surrogate{} : load_surrogate(params.kvzap_model)) {}
+
 KVzapPress::KVzapPress(double compression_ratio, ModelType model_type, Surrogate surrogate)
     : ScorerPress(compression_ratio), model_type_(model_type) {
   if (!surrogate.w1.defined()) return;
@@ -106,15 +110,7 @@ const Registration kRegistration([] {
       PressKind::kScorer,
       "KVzap: a per-layer surrogate model predicts each token's score from its hidden state (from a local folder)",
       {{{{"hidden_states"}}}, {}, {"layer_idx"}},
-      [](double r, ParamReader& p) {
-        using P = KVzapPress;
-        const P::ModelType type = p.get_choice("model_type", {"mlp", "linear"}, "the surrogate: mlp or linear") == "mlp"
-                                      ? P::ModelType::kMlp
-                                      : P::ModelType::kLinear;
-        const std::string folder =
-            p.get_path("kvzap_model", "folder of a KVzap surrogate as kvpress's KVzapModel.save_pretrained writes it");
-        return std::make_unique<P>(r, type, folder.empty() ? P::Surrogate{} : P::load_surrogate(folder));
-      }};
+      from_params<KVzapPress>};
 });
 
 }  // namespace

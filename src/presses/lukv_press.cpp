@@ -29,8 +29,7 @@ LUKVPress::LUKVPress(std::shared_ptr<const ScorerPress> press, double compressio
       sink_(sink),
       window_(window) {
   checks::check_ratio("LUKVPress", compression_ratio);
-  checks::check_non_negative("LUKVPress", "sink", sink);
-  checks::check_non_negative("LUKVPress", "window", window);
+  check_params("LUKVPress", Params{{}, sink, window});
   if (budget_curves.defined()) {
     check_curves("LUKVPress", budget_curves);
     budget_curves_ = budget_curves.to(at::kFloat).contiguous();
@@ -120,12 +119,12 @@ const Registration kRegistration([] {
         }
         if (inner == "ExpectedAttentionPress" && !inner_params.count("epsilon")) inner_params["epsilon"] = "0.02";
         auto scorer = as_scorer(make_press(inner, inner_ratio, inner_params), p.press_name(), inner);
-        const std::string path =
-            p.get_path("budget_curves", "safetensors file with budget_curves [99, num_layers, num_kv_heads]");
-        const int64_t sink = p.get("sink", LUKVPress::kDefaultSink, "first tokens always kept");
-        const int64_t window = p.get("window", LUKVPress::kDefaultWindow, "last tokens always kept");
-        return std::make_unique<LUKVPress>(
-            std::move(scorer), r, path.empty() ? at::Tensor() : LUKVPress::load_budget_curves(path), sink, window);
+        LUKVPress::Params params;
+        p.read_all(params);
+        const std::string& path = params.budget_curves;
+        return std::make_unique<LUKVPress>(std::move(scorer), r,
+                                           path.empty() ? at::Tensor() : LUKVPress::load_budget_curves(path),
+                                           params.sink, params.window);
       }};
 });
 

@@ -28,7 +28,7 @@ MergingPress::MergingPress(std::shared_ptr<const ScorerPress> press, double simi
     : ScorerWrapperPress(std::move(press), "MergingPress"),
       similarity_threshold_(similarity_threshold),
       merge_fraction_(merge_fraction) {
-  checks::check_fraction("MergingPress", "similarity_threshold", similarity_threshold);
+  check_params("MergingPress", Params{similarity_threshold, merge_fraction});
   TORCH_CHECK(std::isfinite(merge_fraction) && merge_fraction > 0 && merge_fraction <= 1,
               "MergingPress: merge_fraction must be in (0, 1], got ", merge_fraction);
 }
@@ -111,11 +111,10 @@ const Registration kRegistration([] {
                     {},
                     [](double r, ParamReader& p) {
                       auto inner = inner_scorer(p, r);
-                      const double threshold = p.get("similarity_threshold", MergingPress::kDefaultSimilarityThreshold,
-                                                     "least cosine similarity for a merge");
-                      const double fraction = p.get("merge_fraction", MergingPress::kDefaultMergeFraction,
-                                                    "fraction of the evicted tokens merged (the most similar)");
-                      return std::make_unique<MergingPress>(std::move(inner), threshold, fraction);
+                      MergingPress::Params params;
+                      p.read_all(params);
+                      return std::make_unique<MergingPress>(std::move(inner), params.similarity_threshold,
+                                                            params.merge_fraction);
                     }};
 });
 

@@ -17,6 +17,9 @@ void check_filters(const char* op, const at::Tensor& f) {
 
 }  // namespace
 
+QFilterPress::QFilterPress(double compression_ratio, const Params& params)
+    : QFilterPress(compression_ratio, params.q_filters.empty() ? at::Tensor() : load_filters(params.q_filters)) {}
+
 QFilterPress::QFilterPress(double compression_ratio, at::Tensor q_filters) : ScorerPress(compression_ratio) {
   if (q_filters.defined()) {
     check_filters("QFilterPress", q_filters);
@@ -53,16 +56,11 @@ namespace {
 using namespace registration;  // NOLINT(google-build-using-namespace)
 
 const Registration kRegistration([] {
-  return PressEntry{
-      "QFilterPress",
-      PressKind::kScorer,
-      "Q-Filters: -(filter · k), one filter per layer and KV head from a local file",
-      {{}, {}, {"layer_idx"}, "the filters come from the file named by q_filters"},
-      [](double r, ParamReader& p) {
-        const std::string path =
-            p.get_path("q_filters", "safetensors file with q_filters [num_layers, num_kv_heads, head_dim]");
-        return std::make_unique<QFilterPress>(r, path.empty() ? at::Tensor() : QFilterPress::load_filters(path));
-      }};
+  return PressEntry{"QFilterPress",
+                    PressKind::kScorer,
+                    "Q-Filters: -(filter · k), one filter per layer and KV head from a local file",
+                    {{}, {}, {"layer_idx"}, "the filters come from the file named by q_filters"},
+                    from_params<QFilterPress>};
 });
 
 }  // namespace

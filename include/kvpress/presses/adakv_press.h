@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -19,6 +20,17 @@ namespace kvpress {
 class AdaKVPress : public HeadRaggedWrapperPress {
  public:
   static constexpr double kDefaultAlphaSafeguard = 0.20;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    double alpha_safeguard = kDefaultAlphaSafeguard;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"alpha_safeguard", "fraction of n_kept every head keeps at least"}.fraction(),
+            self.alpha_safeguard);
+    }
+  };
 
   // Raises unless press is non-null and 0 <= alpha_safeguard <= 1 (kvpress's range).
   explicit AdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = kDefaultAlphaSafeguard);

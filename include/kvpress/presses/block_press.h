@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -16,6 +17,16 @@ namespace kvpress {
 class BlockPress : public ScorerWrapperPress {
  public:
   static constexpr int64_t kDefaultBlockSize = 128;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    int64_t block_size = kDefaultBlockSize;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"block_size", "tokens per block"}.positive(), self.block_size);
+    }
+  };
 
   // Raises unless press is non-null and block_size > 0.
   explicit BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_size = kDefaultBlockSize);

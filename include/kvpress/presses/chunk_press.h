@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -16,6 +17,16 @@ namespace kvpress {
 class ChunkPress : public ChunkedWrapperPress {
  public:
   static constexpr int64_t kDefaultChunkLength = 1024;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    int64_t chunk_length = kDefaultChunkLength;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"chunk_length", "tokens per chunk"}, self.chunk_length);
+    }
+  };
 
   explicit ChunkPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = kDefaultChunkLength)
       : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkPress") {}

@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -25,6 +26,23 @@ class CriticalAdaKVPress : public HeadRaggedWrapperPress {
   static constexpr double kDefaultAlphaSafeguard = 0.20;
   static constexpr double kDefaultEpsilon = 1e-4;
   static constexpr double kDefaultFirstStageRatio = 0.5;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    double alpha_safeguard = kDefaultAlphaSafeguard;
+    double epsilon = kDefaultEpsilon;
+    double first_stage_ratio = kDefaultFirstStageRatio;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"alpha_safeguard", "fraction of n_kept every head keeps at least"}.fraction(),
+            self.alpha_safeguard);
+      visit(ParamSpec{"epsilon", "added to the inner scores before the rescaling"}, self.epsilon);
+      visit(
+          ParamSpec{"first_stage_ratio", "fraction of each head's budget chosen by the inner scores alone"}.fraction(),
+          self.first_stage_ratio);
+    }
+  };
 
   explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = kDefaultAlphaSafeguard,
                               double epsilon = kDefaultEpsilon, double first_stage_ratio = kDefaultFirstStageRatio);

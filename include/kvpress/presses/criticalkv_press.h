@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -23,6 +24,19 @@ class CriticalKVPress : public ScorerPress {
   // Raises unless press is non-null, epsilon is finite and 0 <= first_stage_ratio <= 1.
   static constexpr double kDefaultEpsilon = 1e-4;
   static constexpr double kDefaultFirstStageRatio = 0.5;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    double epsilon = kDefaultEpsilon;
+    double first_stage_ratio = kDefaultFirstStageRatio;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"epsilon", "added to the inner scores before the rescaling"}, self.epsilon);
+      visit(ParamSpec{"first_stage_ratio", "fraction of the budget chosen by the inner scores alone"}.fraction(),
+            self.first_stage_ratio);
+    }
+  };
 
   explicit CriticalKVPress(std::shared_ptr<const ScorerPress> press, double epsilon = kDefaultEpsilon,
                            double first_stage_ratio = kDefaultFirstStageRatio);

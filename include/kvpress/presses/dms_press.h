@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -47,6 +48,21 @@ class DMSPress : public HeadRaggedWrapperPress {
  public:
   static constexpr int64_t kDefaultSlidingWindowSize = 128;
   static constexpr bool kDefaultDecoding = false;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    std::optional<double> threshold;
+    int64_t sliding_window_size = kDefaultSlidingWindowSize;
+    bool decoding = kDefaultDecoding;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"threshold", "evict a token whose inner score is below it (must be set)"}, self.threshold);
+      visit(ParamSpec{"sliding_window_size", "most recent tokens never evicted"}.non_negative(),
+            self.sliding_window_size);
+      visit(ParamSpec{"decoding", "also evict while generating"}, self.decoding);
+    }
+  };
 
   // Raises unless press is non-null, sliding_window_size >= 0 and threshold (when set) is finite.
   explicit DMSPress(std::shared_ptr<const ScorerPress> press, std::optional<double> threshold = std::nullopt,

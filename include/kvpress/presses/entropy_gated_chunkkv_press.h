@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -22,6 +23,19 @@ class EntropyGatedChunkKVPress : public ChunkedWrapperPress {
  public:
   static constexpr int64_t kDefaultChunkLength = 10;
   static constexpr int64_t kDefaultLowEntropyChunkLength = 4;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    int64_t chunk_length = kDefaultChunkLength;
+    int64_t low_entropy_chunk_length = kDefaultLowEntropyChunkLength;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"chunk_length", "tokens per chunk"}, self.chunk_length);
+      visit(ParamSpec{"low_entropy_chunk_length", "tokens kept from an important chunk whose scores are spiky"},
+            self.low_entropy_chunk_length);
+    }
+  };
 
   // Raises unless chunk_length > low_entropy_chunk_length >= 1.
   explicit EntropyGatedChunkKVPress(std::shared_ptr<const ScorerPress> press,

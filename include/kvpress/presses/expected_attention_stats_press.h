@@ -28,6 +28,30 @@ class ExpectedAttentionStatsPress : public ExpectedAttentionPress {
     at::Tensor query_cov;   // [num_layers, num_heads, head_dim, head_dim] float32
   };
 
+  // ExpectedAttentionPress's parameters, then the names of kvpress's hub statistics and the folder read here.
+  struct Params : ExpectedAttentionPress::Params {
+    int64_t sample_seq_len = kDefaultSampleSeqLen;
+    int64_t num_samples = kDefaultNumSamples;
+    std::string dataset_name = kDefaultDatasetName;
+    std::string stats_folder;  // a folder for load_statistics; "" (none): score() raises
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      ExpectedAttentionPress::Params::for_each_field(self, visit);
+      visit(ParamSpec{"sample_seq_len", "characters of each calibration sample (names kvpress's hub statistics)"}
+                .positive(),
+            self.sample_seq_len);
+      visit(ParamSpec{"num_samples", "calibration samples (names kvpress's hub statistics)"}.positive(),
+            self.num_samples);
+      visit(ParamSpec{"dataset_name", "calibration dataset (names kvpress's hub statistics)"}, self.dataset_name);
+      visit(ParamSpec{"stats_folder", "kvpress's statistics folder: model.safetensors with query_mean and query_cov"}
+                .file(),
+            self.stats_folder);
+    }
+  };
+
+  // Reads params.stats_folder when set; raises as the constructor below.
+  ExpectedAttentionStatsPress(double compression_ratio, const Params& params);
   // Raises as ExpectedAttentionPress, and unless the statistics (when given) have those shapes.
   ExpectedAttentionStatsPress(double compression_ratio, Statistics statistics,
                               int64_t n_future_positions = kDefaultNFuturePositions, int64_t n_sink = kDefaultNSink,

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -55,6 +56,21 @@ struct KVComposeOptions {
   bool add_v_norm = false;             // multiply scores by ||v_i||
   bool add_mean_across_heads = true;   // S[l, g] += mean over KV heads of S[l]
   int64_t keep_token_lower_bound = 0;  // minimum tokens per layer (and per head's first ranks)
+
+  // KVComposePress's parameters (the aggregations are checked by its constructor: max or mean).
+  template <typename Self, typename Visit>
+  static void for_each_field(Self& self, Visit&& visit) {
+    visit(
+        ParamSpec{"structured", "each layer keeps k_l tokens per head; false: per-(layer, head) budgets, head-ragged"},
+        self.structured);
+    visit(ParamSpec{"agg_task", "over the prompt's queries: max or mean"}, self.agg_task);
+    visit(ParamSpec{"agg_group", "over a KV group's query heads: max or mean"}, self.agg_group);
+    visit(ParamSpec{"agg_head", "over KV heads, of the sorted curves: max or mean"}, self.agg_head);
+    visit(ParamSpec{"add_v_norm", "multiply scores by ||v||"}, self.add_v_norm);
+    visit(ParamSpec{"add_mean_across_heads", "add the mean over KV heads to every head's scores"},
+          self.add_mean_across_heads);
+    visit(ParamSpec{"keep_token_lower_bound", "minimum tokens per layer"}.non_negative(), self.keep_token_lower_bound);
+  }
 };
 
 // The global budgets of one context.
@@ -67,6 +83,8 @@ class KVComposeSession;
 
 class KVComposePress : public BasePress {
  public:
+  using Params = KVComposeOptions;
+
   // Raises c10::Error unless 0 <= compression_ratio < 1, the aggregations are "max" or "mean" and
   // keep_token_lower_bound >= 0.
   explicit KVComposePress(double compression_ratio, KVComposeOptions options = {});

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -15,7 +16,7 @@ namespace kvpress {
 // MLP). Without a surrogate, score() raises. Scores are float32 (kvpress: the hidden states' dtype).
 class KVzapPress : public ScorerPress {
  public:
-  enum class ModelType { kLinear, kMlp };
+  enum class ModelType { kMlp, kLinear };
   static constexpr ModelType kDefaultModelType = ModelType::kMlp;
 
   // Weights stacked over layers; w2/b2 undefined for a linear surrogate.
@@ -26,6 +27,21 @@ class KVzapPress : public ScorerPress {
     at::Tensor b2;  // [num_layers, Hkv]
   };
 
+  struct Params {
+    ModelType model_type = kDefaultModelType;
+    std::string kvzap_model;  // a folder for load_surrogate; "" (none): score() raises
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"model_type", "the surrogate: mlp or linear"}.one_of({"mlp", "linear"}), self.model_type);
+      visit(ParamSpec{"kvzap_model", "folder of a KVzap surrogate as kvpress's KVzapModel.save_pretrained writes it"}
+                .file(),
+            self.kvzap_model);
+    }
+  };
+
+  // Reads params.kvzap_model when set; raises as the constructor below.
+  KVzapPress(double compression_ratio, const Params& params);
   // Raises unless a given surrogate is of `model_type` with consistent shapes.
   explicit KVzapPress(double compression_ratio = 0.0, ModelType model_type = kDefaultModelType,
                       Surrogate surrogate = {});

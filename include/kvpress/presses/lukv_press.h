@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -29,6 +30,21 @@ class LUKVPress : public HeadRaggedWrapperPress {
   static constexpr int64_t kDefaultSink = 4;
   static constexpr int64_t kDefaultWindow = 1;
   static constexpr int64_t kCurveRatios = 99;  // target ratios 0.01 .. 0.99
+
+  // Its parameters besides the inner press and the ratio.
+  struct Params {
+    std::string budget_curves;  // a safetensors file for load_budget_curves; "" (none): compress raises
+    int64_t sink = kDefaultSink;
+    int64_t window = kDefaultWindow;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"budget_curves", "safetensors file with budget_curves [99, num_layers, num_kv_heads]"}.file(),
+            self.budget_curves);
+      visit(ParamSpec{"sink", "first tokens always kept"}.non_negative(), self.sink);
+      visit(ParamSpec{"window", "last tokens always kept"}.non_negative(), self.window);
+    }
+  };
 
   // budget_curves [99, num_layers, Hkv] floating, or undefined (none yet: compress raises, as kvpress
   // before its curve is loaded). Raises unless press is non-null, 0 <= compression_ratio < 1 and

@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -25,6 +26,20 @@ class MergingPress : public ScorerWrapperPress {
   // this many float32 entries (16 MiB), not as one [B, Hkv, n_evicted, n_kept] matrix (2 GiB at
   // S = 16384, Hkv = 8, ratio 0.5).
   static constexpr int64_t kSimilarityBlockElements = int64_t{1} << 22;
+
+  // Its parameters besides the inner press.
+  struct Params {
+    double similarity_threshold = kDefaultSimilarityThreshold;
+    double merge_fraction = kDefaultMergeFraction;
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"similarity_threshold", "least cosine similarity for a merge"}.fraction(),
+            self.similarity_threshold);
+      visit(ParamSpec{"merge_fraction", "fraction of the evicted tokens merged (the most similar)"},
+            self.merge_fraction);
+    }
+  };
 
   // Raises unless press is non-null, 0 <= similarity_threshold <= 1 and 0 < merge_fraction <= 1.
   explicit MergingPress(std::shared_ptr<const ScorerPress> press,

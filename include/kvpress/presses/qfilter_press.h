@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
 namespace kvpress {
@@ -16,6 +17,18 @@ class QFilterPress : public ScorerPress {
  public:
   static constexpr const char* kTensorName = "q_filters";
 
+  struct Params {
+    std::string q_filters;  // a safetensors file for load_filters; "" (none): score() raises
+
+    template <typename Self, typename Visit>
+    static void for_each_field(Self& self, Visit&& visit) {
+      visit(ParamSpec{"q_filters", "safetensors file with q_filters [num_layers, num_kv_heads, head_dim]"}.file(),
+            self.q_filters);
+    }
+  };
+
+  // Reads params.q_filters when set.
+  QFilterPress(double compression_ratio, const Params& params);
   // q_filters [num_layers, num_kv_heads, head_dim] float, or undefined (none yet).
   explicit QFilterPress(double compression_ratio = 0.0, at::Tensor q_filters = {});
 
