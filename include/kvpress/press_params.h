@@ -78,9 +78,7 @@ void check_param_value(const char* press, const ParamSpec& spec, T value) {
   // Every range also excludes NaN and infinities, with the range's own message.
   const bool finite = std::isfinite(static_cast<double>(value));
   switch (spec.range) {
-    case Range::kAny:
-      TORCH_CHECK(finite, press, ": ", spec.name, " must be finite, got ", value);
-      return;
+    case Range::kAny: TORCH_CHECK(finite, press, ": ", spec.name, " must be finite, got ", value); return;
     case Range::kPositive:
       TORCH_CHECK(finite && value > 0, press, ": ", spec.name, " must be > 0, got ", value);
       return;
