@@ -8,11 +8,20 @@ bool is_none(const std::string& text) { return text == "None" || text == "none";
 
 // ---- ParamReader ----
 
-void ParamReader::read(const ParamSpec& spec, int64_t& member) { member = get(spec.name, member, spec.help); }
+void ParamReader::read(const ParamSpec& spec, int64_t& member) {
+  declare(spec.name, "int", std::to_string(member), spec.help);
+  if (const auto text = take(spec.name)) member = to_int(spec.name, *text);
+}
 
-void ParamReader::read(const ParamSpec& spec, double& member) { member = get(spec.name, member, spec.help); }
+void ParamReader::read(const ParamSpec& spec, double& member) {
+  declare(spec.name, "float", format_double(member), spec.help);
+  if (const auto text = take(spec.name)) member = to_double(spec.name, *text, "a number");
+}
 
-void ParamReader::read(const ParamSpec& spec, bool& member) { member = get(spec.name, member, spec.help); }
+void ParamReader::read(const ParamSpec& spec, bool& member) {
+  declare(spec.name, "bool", member ? "true" : "false", spec.help);
+  if (const auto text = take(spec.name)) member = to_bool(spec.name, *text);
+}
 
 void ParamReader::read(const ParamSpec& spec, std::optional<int64_t>& member) {
   declare(spec.name, "int?", member ? std::to_string(*member) : "None", spec.help);
@@ -31,8 +40,6 @@ void ParamReader::read(const ParamSpec& spec, std::string& member) {
   if (!spec.choices.empty()) {
     size_t index = 0;
     while (index < spec.choices.size() && member != spec.choices[index]) ++index;
-    TORCH_CHECK(index < spec.choices.size(), press_, ": the default of ", spec.name, " ('", member,
-                "') is not one of its choices");
     member = spec.choices[read_choice(spec, index)];
     return;
   }
@@ -54,50 +61,9 @@ size_t ParamReader::read_choice(const ParamSpec& spec, size_t default_index) {
   TORCH_CHECK(false, press_, ": parameter ", spec.name, " must be ", allowed, ", got '", *text, "'");
 }
 
-int64_t ParamReader::get(const std::string& key, int64_t fallback, const char* help) {
-  declare(key, "int", std::to_string(fallback), help);
-  const auto text = take(key);
-  return text ? to_int(key, *text) : fallback;
-}
-
-double ParamReader::get(const std::string& key, double fallback, const char* help) {
-  declare(key, "float", format_double(fallback), help);
-  const auto text = take(key);
-  return text ? to_double(key, *text, "a number") : fallback;
-}
-
-bool ParamReader::get(const std::string& key, bool fallback, const char* help) {
-  declare(key, "bool", fallback ? "true" : "false", help);
-  const auto text = take(key);
-  return text ? to_bool(key, *text) : fallback;
-}
-
-std::optional<int64_t> ParamReader::get_optional_int(const std::string& key, const char* help) {
-  std::optional<int64_t> value;
-  read(ParamSpec{key.c_str(), help}, value);
-  return value;
-}
-
-std::optional<double> ParamReader::get_optional_double(const std::string& key, const char* help) {
-  std::optional<double> value;
-  read(ParamSpec{key.c_str(), help}, value);
-  return value;
-}
-
-std::string ParamReader::get_choice(const std::string& key, std::initializer_list<const char*> choices,
-                                    const char* help) {
-  const ParamSpec spec = ParamSpec{key.c_str(), help}.one_of(choices);
-  return spec.choices[read_choice(spec, 0)];
-}
-
 std::string ParamReader::get_text(const std::string& key, const std::string& fallback, const char* help) {
   declare(key, "str", fallback, help);
   return take(key).value_or(fallback);
-}
-
-std::string ParamReader::get_path(const std::string& key, const char* help) {
-  declare(key, "path", "", help);
-  return take(key).value_or("");
 }
 
 std::map<std::string, std::string> ParamReader::take_prefixed(const std::string& prefix) {

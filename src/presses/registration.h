@@ -57,16 +57,8 @@ class ParamReader {
                            [reader = this](const ParamSpec& spec, auto& member) { reader->read(spec, member); });
   }
 
-  // The same reads for factories that hold no Params struct (wrappers' own parameters).
-  int64_t get(const std::string& key, int64_t fallback, const char* help);
-  double get(const std::string& key, double fallback, const char* help);
-  bool get(const std::string& key, bool fallback, const char* help);
-  std::optional<int64_t> get_optional_int(const std::string& key, const char* help);    // unset or "None": nullopt
-  std::optional<double> get_optional_double(const std::string& key, const char* help);  // unset or "None": nullopt
-  std::string get_choice(const std::string& key, std::initializer_list<const char*> choices,
-                         const char* help);  // the first choice is the default
+  // Free text, for factories whose parameter is more than a field (an inner press's name, a list).
   std::string get_text(const std::string& key, const std::string& fallback, const char* help);
-  std::string get_path(const std::string& key, const char* help);  // a file the press reads; "" when not given
 
   // Every parameter "<prefix><rest>" as rest -> value (the inner press's parameters of a wrapper).
   std::map<std::string, std::string> take_prefixed(const std::string& prefix);
