@@ -873,8 +873,8 @@ def check_positive(args, *names: str):
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
-def main():
-    transformers.utils.logging.disable_progress_bar()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per artifact."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="artifact", required=True)
     q = model_parser(sub, "qfilters", "QFilterPress's filters")
@@ -932,15 +932,11 @@ def main():
     c = sub.add_parser("lukv-curve", help="LUKVPress's budget curve, converted from LU-KV's .npy")
     c.add_argument("--npy", type=Path, required=True, help="LU-KV curve [99, num_layers, num_kv_heads] (.npy)")
     c.add_argument("--out", type=Path, required=True, help="output .safetensors file")
-    args = parser.parse_args()
+    return parser
 
-    if args.artifact == "lukv-curve":
-        convert_lukv_curve(args.npy, args.out)
-        return
-    if args.artifact == "fastkvzip-convert":
-        convert_fastkvzip_gates(args.pt, args.out)
-        return
 
+def load_inputs(args):
+    """The model, its tokenizer, the stories and their file (checked)."""
     if args.model.suffix == ".gguf":
         if not args.model.is_file():
             fail(f"--model: {args.model} does not exist")
@@ -954,119 +950,127 @@ def main():
     stories = [s.strip() for s in stories_file.read_text(encoding="utf-8").split(STORY_SEPARATOR) if s.strip()]
     if not stories:
         fail(f"--stories: no story in {stories_file}")
-    model = load_llama(args.model)
-    tok = load_tokenizer(args.model)
+    return load_llama(args.model), load_tokenizer(args.model), stories, stories_file
 
-    if args.artifact == "qfilters":
-        if args.max_stories < 0:
-            fail(f"--max-stories must be >= 0, got {args.max_stories}")
-        stories = stories[:args.max_stories] if args.max_stories else stories
-        filters, tokens = qfilters(model, tok, stories)
-        metadata = {"artifact": "qfilters", "model": str(args.model), "stories_file": str(stories_file),
-                    "stories": str(len(stories)), "tokens": str(tokens)}
-        write_atomically(args.out, lambda tmp: save_file({"q_filters": filters}, tmp, metadata=metadata))
-        print(f"make_artifact.py: q_filters {list(filters.shape)} from {len(stories)} stories ({tokens} tokens) "
-              f"-> {args.out}")
-        return
 
-    if args.artifact == "kvzap":
-        check_train_test(args, len(stories))
-        if args.hidden_dim < 1 or args.epochs < 1 or not args.alpha >= 0:
-            fail(f"--hidden-dim and --epochs must be >= 1 and --alpha >= 0, got {args.hidden_dim}, {args.epochs}, "
-                 f"{args.alpha}")
-        eager = load_llama(args.model, "eager")
-        surrogate, fit = train_kvzap(eager, tok, stories, args.num_train, args.num_test, args.model_type,
-                                     args.hidden_dim, args.alpha, args.epochs, args.seed)
-        save_kvzap_folder(args.out, surrogate, {**fit, "model": str(args.model), "stories_file": str(stories_file)})
-        r2 = fit["test_r2_per_layer"]
-        print(f"make_artifact.py: KVzap {args.model_type} surrogate from {args.num_train} stories "
-              f"({fit['train_tokens']} tokens); test R^2 per layer {[round(v, 3) for v in r2]} -> {args.out}")
-        return
+def make_qfilters(args, model, tok, stories, stories_file):
+    """QFilterPress's filters."""
+    if args.max_stories < 0:
+        fail(f"--max-stories must be >= 0, got {args.max_stories}")
+    stories = stories[:args.max_stories] if args.max_stories else stories
+    filters, tokens = qfilters(model, tok, stories)
+    metadata = {"artifact": "qfilters", "model": str(args.model), "stories_file": str(stories_file),
+                "stories": str(len(stories)), "tokens": str(tokens)}
+    write_atomically(args.out, lambda tmp: save_file({"q_filters": filters}, tmp, metadata=metadata))
+    print(f"make_artifact.py: q_filters {list(filters.shape)} from {len(stories)} stories ({tokens} tokens) "
+          f"-> {args.out}")
 
-    if args.artifact == "fastkvzip":
-        check_train_test(args, len(stories))
-        if args.steps < 1:
-            fail(f"--steps must be >= 1, got {args.steps}")
-        sdpa = load_llama(args.model, "sdpa")
-        gates, fit = train_fastkvzip(sdpa, tok, stories, args.num_train, args.num_test, args.steps, args.seed)
-        save_fastkvzip_gates(args.out, [gate.state_dict() for gate in gates],
-                             {**fit, "model": str(args.model), "stories_file": str(stories_file)})
-        print(f"make_artifact.py: {len(gates)} FastKVzip gates from {args.num_train} stories ({fit['train_tokens']} "
-              f"tokens, {args.steps} steps); test BCE per layer {[round(v, 3) for v in fit['test_bce_per_layer']]} "
-              f"(a constant: {[round(v, 3) for v in fit['constant_bce_per_layer']]}) -> {args.out}")
-        return
 
-    if args.artifact == "restorekv":
-        check_positive(args, "num_tokens", "rank", "steps", "context_len", "continuation_len", "num_train", "num_test")
-        if not 0 < args.ratio < 1 or not args.lr > 0:
-            fail(f"--ratio must be in (0, 1) and --lr > 0, got {args.ratio} and {args.lr}")
-        sdpa = load_llama(args.model, "sdpa")
-        peft_model, embeddings, summary = train_restorekv(
-            sdpa, tok, stories, args.num_train, args.num_test, args.ratio, args.num_tokens, args.rank, args.steps,
-            args.context_len, args.continuation_len, args.lr, args.seed)
-        save_restore_folder(args.out, peft_model, embeddings,
-                            {**summary, "model": str(args.model), "stories_file": str(stories_file)})
-        print(f"make_artifact.py: RestoreKV {args.num_tokens} restore tokens + rank-{args.rank} LoRA, {args.steps} "
-              f"steps on {args.num_train} contexts; test KL to the full cache at ratio {args.ratio}: KVzip "
-              f"{summary['test_kl_kvzip']:.4f}, with the restore tokens untrained {summary['test_kl_restore_untrained']:.4f}, "
-              f"trained {summary['test_kl_restore']:.4f} -> {args.out}")
-        return
+def make_kvzap(args, model, tok, stories, stories_file):
+    """KVzapPress's surrogate, fitted to KVzip+ scores."""
+    check_train_test(args, len(stories))
+    if args.hidden_dim < 1 or args.epochs < 1 or not args.alpha >= 0:
+        fail(f"--hidden-dim and --epochs must be >= 1 and --alpha >= 0, got {args.hidden_dim}, {args.epochs}, "
+             f"{args.alpha}")
+    eager = load_llama(args.model, "eager")
+    surrogate, fit = train_kvzap(eager, tok, stories, args.num_train, args.num_test, args.model_type,
+                                 args.hidden_dim, args.alpha, args.epochs, args.seed)
+    save_kvzap_folder(args.out, surrogate, {**fit, "model": str(args.model), "stories_file": str(stories_file)})
+    r2 = fit["test_r2_per_layer"]
+    print(f"make_artifact.py: KVzap {args.model_type} surrogate from {args.num_train} stories "
+          f"({fit['train_tokens']} tokens); test R^2 per layer {[round(v, 3) for v in r2]} -> {args.out}")
 
-    if args.artifact == "lukv":
-        params = {}
-        for item in args.press_param:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                fail(f"--press-param: expected KEY=VALUE, got '{item}'")
-            try:
-                params[key] = json.loads(value)
-            except json.JSONDecodeError:
-                params[key] = value
-        if args.press == "ExpectedAttentionPress" and not args.press_param:
-            params = {"epsilon": 0.02}
-        check_positive(args, "num_samples", "context_len", "future_len")
-        if args.sink < 0 or args.window < 0:
-            fail(f"--sink and --window must be >= 0, got {args.sink} and {args.window}")
+
+def make_fastkvzip(args, model, tok, stories, stories_file):
+    """FastKVzipPress's gates, trained on KVzip scores."""
+    check_train_test(args, len(stories))
+    if args.steps < 1:
+        fail(f"--steps must be >= 1, got {args.steps}")
+    sdpa = load_llama(args.model, "sdpa")
+    gates, fit = train_fastkvzip(sdpa, tok, stories, args.num_train, args.num_test, args.steps, args.seed)
+    save_fastkvzip_gates(args.out, [gate.state_dict() for gate in gates],
+                         {**fit, "model": str(args.model), "stories_file": str(stories_file)})
+    print(f"make_artifact.py: {len(gates)} FastKVzip gates from {args.num_train} stories ({fit['train_tokens']} "
+          f"tokens, {args.steps} steps); test BCE per layer {[round(v, 3) for v in fit['test_bce_per_layer']]} "
+          f"(a constant: {[round(v, 3) for v in fit['constant_bce_per_layer']]}) -> {args.out}")
+
+
+def make_restorekv(args, model, tok, stories, stories_file):
+    """RestoreKVPress's restore embeddings and LoRA adapter."""
+    check_positive(args, "num_tokens", "rank", "steps", "context_len", "continuation_len", "num_train", "num_test")
+    if not 0 < args.ratio < 1 or not args.lr > 0:
+        fail(f"--ratio must be in (0, 1) and --lr > 0, got {args.ratio} and {args.lr}")
+    sdpa = load_llama(args.model, "sdpa")
+    peft_model, embeddings, summary = train_restorekv(
+        sdpa, tok, stories, args.num_train, args.num_test, args.ratio, args.num_tokens, args.rank, args.steps,
+        args.context_len, args.continuation_len, args.lr, args.seed)
+    save_restore_folder(args.out, peft_model, embeddings,
+                        {**summary, "model": str(args.model), "stories_file": str(stories_file)})
+    print(f"make_artifact.py: RestoreKV {args.num_tokens} restore tokens + rank-{args.rank} LoRA, {args.steps} "
+          f"steps on {args.num_train} contexts; test KL to the full cache at ratio {args.ratio}: KVzip "
+          f"{summary['test_kl_kvzip']:.4f}, with the restore tokens untrained {summary['test_kl_restore_untrained']:.4f}, "
+          f"trained {summary['test_kl_restore']:.4f} -> {args.out}")
+
+
+def make_lukv(args, model, tok, stories, stories_file):
+    """LUKVPress's budget curve, profiled on the stories."""
+    params = {}
+    for item in args.press_param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--press-param: expected KEY=VALUE, got '{item}'")
         try:
-            import kvpress
-            from kvpress.presses.scorer_press import ScorerPress
-        except ImportError as error:
-            fail(f"lukv needs the kvpress package (the scorers): {error}")
-        if not isinstance(getattr(kvpress, args.press, None), type) or not issubclass(getattr(kvpress, args.press),
-                                                                                      ScorerPress):
-            fail(f"--press: {args.press} is not a kvpress ScorerPress")
-        try:
-            getattr(kvpress, args.press)(**params)
-        except (TypeError, ValueError, AssertionError) as error:
-            fail(f"--press-param: {args.press}({params}): {error}")
-        eager = load_llama(args.model, "eager")
-        curve, used = profile_lukv(eager, tok, stories, args.press, params, args.num_samples, args.context_len,
-                                   args.future_len, args.sink, args.window)
-        save_lukv_curve(args.out, curve, {"artifact": "lukv", "recipe": "LU-KV offline profiling",
-                                          "model": args.model, "stories_file": stories_file, "press": args.press,
-                                          "press_params": json.dumps(params), "sink": args.sink,
-                                          "window": args.window, "samples": used, "context_len": args.context_len,
-                                          "future_len": args.future_len})
-        spread = (curve[49] - 0.5).abs().max().item()
-        print(f"make_artifact.py: LU-KV curve {list(curve.shape)} for {args.press} {params} from {used} contexts of "
-              f"{args.context_len} tokens ({args.future_len} decoding steps each); at ratio 0.5 the heads prune "
-              f"{curve[49].min().item():.3f}..{curve[49].max().item():.3f} (max |r - 0.5| {spread:.3f}) -> {args.out}")
-        return
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    if args.press == "ExpectedAttentionPress" and not args.press_param:
+        params = {"epsilon": 0.02}
+    check_positive(args, "num_samples", "context_len", "future_len")
+    if args.sink < 0 or args.window < 0:
+        fail(f"--sink and --window must be >= 0, got {args.sink} and {args.window}")
+    try:
+        import kvpress
+        from kvpress.presses.scorer_press import ScorerPress
+    except ImportError as error:
+        fail(f"lukv needs the kvpress package (the scorers): {error}")
+    if not isinstance(getattr(kvpress, args.press, None), type) or not issubclass(getattr(kvpress, args.press),
+                                                                                  ScorerPress):
+        fail(f"--press: {args.press} is not a kvpress ScorerPress")
+    try:
+        getattr(kvpress, args.press)(**params)
+    except (TypeError, ValueError, AssertionError) as error:
+        fail(f"--press-param: {args.press}({params}): {error}")
+    eager = load_llama(args.model, "eager")
+    curve, used = profile_lukv(eager, tok, stories, args.press, params, args.num_samples, args.context_len,
+                               args.future_len, args.sink, args.window)
+    save_lukv_curve(args.out, curve, {"artifact": "lukv", "recipe": "LU-KV offline profiling",
+                                      "model": args.model, "stories_file": stories_file, "press": args.press,
+                                      "press_params": json.dumps(params), "sink": args.sink,
+                                      "window": args.window, "samples": used, "context_len": args.context_len,
+                                      "future_len": args.future_len})
+    spread = (curve[49] - 0.5).abs().max().item()
+    print(f"make_artifact.py: LU-KV curve {list(curve.shape)} for {args.press} {params} from {used} contexts of "
+          f"{args.context_len} tokens ({args.future_len} decoding steps each); at ratio 0.5 the heads prune "
+          f"{curve[49].min().item():.3f}..{curve[49].max().item():.3f} (max |r - 0.5| {spread:.3f}) -> {args.out}")
 
-    if args.artifact == "duo-attention":
-        if not 1 <= args.num_samples <= len(stories):
-            fail(f"--num-samples must be in [1, {len(stories)}] (the stories), got {args.num_samples}")
-        if args.q_len < 1:
-            fail(f"--q-len must be >= 1, got {args.q_len}")
-        scores = duo_attention_scores(model, tok, stories, args.num_samples, args.q_len)
-        save_duo_attention_pattern(args.out, scores, DUO_SINK_SIZE, DUO_RECENT_SIZE,
-                                   {"recipe": "kvpress duo_attention_on_the_fly", "model": str(args.model),
-                                    "stories_file": str(stories_file), "num_samples": args.num_samples,
-                                    "q_len": args.q_len})
-        print(f"make_artifact.py: DuoAttention scores {list(scores.shape)} from {args.num_samples} stories -> "
-              f"{args.out}")
-        return
 
+def make_duo_attention(args, model, tok, stories, stories_file):
+    """DuoAttentionPress's attention pattern."""
+    if not 1 <= args.num_samples <= len(stories):
+        fail(f"--num-samples must be in [1, {len(stories)}] (the stories), got {args.num_samples}")
+    if args.q_len < 1:
+        fail(f"--q-len must be >= 1, got {args.q_len}")
+    scores = duo_attention_scores(model, tok, stories, args.num_samples, args.q_len)
+    save_duo_attention_pattern(args.out, scores, DUO_SINK_SIZE, DUO_RECENT_SIZE,
+                               {"recipe": "kvpress duo_attention_on_the_fly", "model": str(args.model),
+                                "stories_file": str(stories_file), "num_samples": args.num_samples,
+                                "q_len": args.q_len})
+    print(f"make_artifact.py: DuoAttention scores {list(scores.shape)} from {args.num_samples} stories -> "
+          f"{args.out}")
+
+
+def make_expected_attention_stats(args, model, tok, stories, stories_file):
+    """ExpectedAttentionStatsPress's query statistics."""
     check_positive(args, "num_samples", "sample_seq_len")
     if args.n_sink < 0:
         fail(f"--n-sink must be >= 0, got {args.n_sink}")
@@ -1077,6 +1081,20 @@ def main():
                                             "n_sink": args.n_sink})
     print(f"make_artifact.py: query_mean {list(mean.shape)}, query_cov {list(cov.shape)} from {len(stories)} "
           f"stories ({count} queries per head) -> {args.out}")
+
+
+def main():
+    transformers.utils.logging.disable_progress_bar()
+    args = build_parser().parse_args()
+    if args.artifact == "lukv-curve":
+        convert_lukv_curve(args.npy, args.out)
+    elif args.artifact == "fastkvzip-convert":
+        convert_fastkvzip_gates(args.pt, args.out)
+    else:
+        make = {"qfilters": make_qfilters, "kvzap": make_kvzap, "fastkvzip": make_fastkvzip,
+                "restorekv": make_restorekv, "lukv": make_lukv, "duo-attention": make_duo_attention,
+                "expected-attention-stats": make_expected_attention_stats}[args.artifact]
+        make(args, *load_inputs(args))
 
 
 if __name__ == "__main__":

@@ -44,19 +44,8 @@ class QueryHeads {
   std::string source_;
 };
 
-}  // namespace
-
-void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
-  const char* op = op_name.c_str();
-  TORCH_CHECK(in.keys.defined(), op, ": keys [batch, kv_heads, seq_len, head_dim] are required but were not given");
-  TORCH_CHECK(in.values.defined(), op, ": values [batch, kv_heads, seq_len, head_dim] are required but were not given");
-  TORCH_CHECK(in.keys.dim() == 4 && in.keys.size(2) > 0 && in.keys.size(3) > 0, op,
-              ": keys must be [batch, kv_heads, seq_len, head_dim] with seq_len, head_dim > 0, got ",
-              checks::shape_str(in.keys));
-  checks::check_kv(op, in.keys, in.values);
-  const int64_t B = in.keys.size(0), Hkv = in.keys.size(1), S = in.keys.size(2), D = in.keys.size(3);
-
-  // Dtype and device of every other tensor.
+// Dtype and device of every tensor besides keys and values.
+void check_field_types(const LayerInputs& in, const char* op) {
   for_each_field(in, [&](const LayerInputField& field, const auto& member) {
     if constexpr (std::is_same_v<std::decay_t<decltype(member)>, at::Tensor>) {
       if (!member.defined() || field.required) return;
@@ -70,10 +59,11 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
       checks::check_same_device(op, field.name, member, "keys", in.keys);
     }
   });
+}
 
-  QueryHeads hq(op_name);
-  TORCH_CHECK(in.num_heads >= 0, op, ": num_heads must be >= 0 (0: inferred), got ", in.num_heads);
-  if (in.num_heads > 0) hq.add(in.num_heads, "num_heads");
+// queries and attentions: [B, Hq, Sq, D] and [B, Hq, Sq, S], 1 <= Sq <= S.
+void check_query_rows(const LayerInputs& in, const char* op, QueryHeads& hq) {
+  const int64_t B = in.keys.size(0), S = in.keys.size(2), D = in.keys.size(3);
   if (in.queries.defined()) {
     const at::Tensor& q = in.queries;
     TORCH_CHECK(q.dim() == 4 && q.size(0) == B && q.size(2) >= 1 && q.size(2) <= S && q.size(3) == D, op,
@@ -88,6 +78,11 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
                 checks::shape_str(a));
     hq.add(a.size(1), "attentions " + checks::shape_str(a));
   }
+}
+
+// cos/sin [S, D] together, inv_freq [D / 2], input_ids [B, S].
+void check_positions(const LayerInputs& in, const char* op) {
+  const int64_t B = in.keys.size(0), S = in.keys.size(2), D = in.keys.size(3);
   TORCH_CHECK(in.cos.defined() == in.sin.defined(), op, ": cos and sin come together; only ",
               in.cos.defined() ? "cos" : "sin", " was given");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &in.cos}, {"sin", &in.sin}}) {
@@ -99,6 +94,11 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
   TORCH_CHECK(
       !in.input_ids.defined() || (in.input_ids.dim() == 2 && in.input_ids.size(0) == B && in.input_ids.size(1) == S),
       op, ": input_ids must be [", B, ", ", S, "] (batch, seq_len), got ", checks::shape_str(in.input_ids));
+}
+
+// hidden_states and the projections agree on the hidden size; q_proj and o_proj imply Hq.
+void check_projections(const LayerInputs& in, const char* op, QueryHeads& hq) {
+  const int64_t B = in.keys.size(0), Hkv = in.keys.size(1), S = in.keys.size(2), D = in.keys.size(3);
   int64_t hidden = -1;
   if (in.hidden_states.defined()) {
     const at::Tensor& h = in.hidden_states;
@@ -142,6 +142,27 @@ void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
     TORCH_CHECK(!t->defined() || (t->dim() == 1 && t->size(0) == D), op, ": ", name, " must be [", D,
                 "] (head_dim), got ", checks::shape_str(*t));
   }
+}
+
+}  // namespace
+
+void validate_layer_inputs(const LayerInputs& in, const std::string& op_name) {
+  const char* op = op_name.c_str();
+  TORCH_CHECK(in.keys.defined(), op, ": keys [batch, kv_heads, seq_len, head_dim] are required but were not given");
+  TORCH_CHECK(in.values.defined(), op, ": values [batch, kv_heads, seq_len, head_dim] are required but were not given");
+  TORCH_CHECK(in.keys.dim() == 4 && in.keys.size(2) > 0 && in.keys.size(3) > 0, op,
+              ": keys must be [batch, kv_heads, seq_len, head_dim] with seq_len, head_dim > 0, got ",
+              checks::shape_str(in.keys));
+  checks::check_kv(op, in.keys, in.values);
+  check_field_types(in, op);
+
+  QueryHeads hq(op_name);
+  TORCH_CHECK(in.num_heads >= 0, op, ": num_heads must be >= 0 (0: inferred), got ", in.num_heads);
+  if (in.num_heads > 0) hq.add(in.num_heads, "num_heads");
+  check_query_rows(in, op, hq);
+  check_positions(in, op);
+  check_projections(in, op, hq);
+  const int64_t Hkv = in.keys.size(1), S = in.keys.size(2);
   TORCH_CHECK(hq.heads() == 0 || hq.heads() % Hkv == 0, op, ": ", hq.source(), " gives ", hq.heads(),
               " query heads, not a multiple of the ", Hkv, " KV heads of keys");
   TORCH_CHECK(in.num_layers >= 1, op, ": num_layers must be >= 1, got ", in.num_layers);

@@ -397,26 +397,12 @@ llama::CapturedPrefill capture_prefill_of(const llama::LlamaModel& model, const 
   return model.capture_prefill(at::tensor(ids).unsqueeze(0), last);
 }
 
-}  // namespace
-
-int run_bench(const std::vector<std::string>& argv) {
-  const BenchArgs args = parse_args(argv);
-  std::optional<Plotter> plotter;
-  if (!args.png.empty()) plotter = find_plotter("--png");  // before the long work
-  at::set_num_threads(
-      static_cast<int>(args.threads > 0 ? args.threads : std::max(1u, std::thread::hardware_concurrency())));
-  // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global generator.
-  at::manual_seed(0);
-
-  const std::vector<Example> examples = read_examples(args);
-  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
-  std::optional<llama::ChatTemplate> chat;
-  if (!checkpoint.chat_template.empty()) chat = llama::chat_template_of(checkpoint);
-  const std::string model_name = checkpoint.path.substr(checkpoint.path.find_last_of('/') + 1);
+// The presses to run: each built once before the long run, so that a bad parameter or a press the
+// pipeline refuses stops it now rather than hours in; with --calibrate, each press that can
+// compress a captured prefill also as its calibrated variant.
+std::vector<BenchPress> checked_presses(const BenchArgs& args) {
   std::vector<BenchPress> presses;
   for (const BenchPress& p : args.presses) {
-    // Built once before the long run, so that a bad parameter or a press the pipeline refuses here
-    // stops it now rather than hours in.
     if (!p.name.empty()) {
       const auto built = kvpress::make_press(p.name, takes_ratio(p) ? args.ratios.front() : 0.0, p.params);
       TORCH_CHECK(!built->observes_question() || p.query_aware, "bench: ", label_of(p),
@@ -436,19 +422,20 @@ int run_bench(const std::vector<std::string>& argv) {
     }
     presses.push_back(p);
   }
+  return presses;
+}
 
-  std::vector<json> rows = read_results(args.out, model_name);
-  std::set<RunKey> done;
-  for (const json& r : rows)
-    done.insert({r.at("id"), r.at("press"), r.at("ratio").is_null() ? -1.0 : r.at("ratio").get<double>()});
+// One (press, ratio) still to run for an example.
+struct Planned {
+  const BenchPress* press;
+  double ratio;  // -1: the press takes none; a calibrated press: the tolerance
+};
+using Plan = std::vector<std::pair<const Example*, std::vector<Planned>>>;
 
-  // Every (example, press, ratio) still to run.
-  struct Planned {
-    const BenchPress* press;
-    double ratio;  // -1: the press takes none
-  };
-  std::vector<std::pair<const Example*, std::vector<Planned>>> plan;
-  int64_t total = 0;
+// Every (example, press, ratio) not yet in `done`.
+Plan plan_runs(const std::vector<Example>& examples, const std::vector<BenchPress>& presses, const BenchArgs& args,
+               const std::set<RunKey>& done) {
+  Plan plan;
   for (const Example& e : examples) {
     std::vector<Planned> todo;
     for (const BenchPress& p : presses) {
@@ -459,9 +446,141 @@ int run_bench(const std::vector<std::string>& argv) {
       for (double r : ratios)
         if (!done.count({e.id, label_of(p), r})) todo.push_back({&p, r});
     }
-    total += static_cast<int64_t>(todo.size());
     if (!todo.empty()) plan.emplace_back(&e, std::move(todo));
   }
+  return plan;
+}
+
+// The runs of one example, sharing its prefills: the captured context (made when the first press
+// can use it), the query-aware prefills by their tokens (context + question as one text, SnapKV's
+// query-aware mode; or the framed context then the question, FinchPress), and each KVzipPress
+// configuration's scores, which do not depend on the ratio.
+class ExampleRuns {
+ public:
+  ExampleRuns(const llama::Checkpoint& checkpoint, const llama::ChatTemplate* chat, const Example& e)
+      : checkpoint_(checkpoint), e_(e) {
+    base_.chat_template = chat;
+    base_.answer_prefix = e.answer_prefix;
+    base_.max_new_tokens = e.max_new_tokens;
+    ids_ = llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, base_);
+  }
+
+  // The result row of one run.
+  json run(const Planned& planned, const std::string& model_name) {
+    const BenchPress& p = *planned.press;
+    const auto t0 = Clock::now();
+    double ratio = std::max(planned.ratio, 0.0);
+    json calibration = nullptr;
+    if (p.calibrated) std::tie(ratio, calibration) = calibrate(p, planned.ratio);
+    std::unique_ptr<kvpress::BasePress> press;
+    if (!p.name.empty()) press = kvpress::make_press(p.name, ratio, p.params);
+    llama::PipelineOptions opt = base_;
+    opt.press = press.get();
+    opt.query_aware = p.query_aware;
+    const bool shared = share_prefill(p, opt);
+    at::manual_seed(0);
+    const llama::Answer a =
+        llama::answer_questions(checkpoint_.model, checkpoint_.tokenizer, e_.context, {e_.question}, opt).at(0);
+    return {{"model", model_name},
+            {"id", e_.id},
+            {"task", e_.task},
+            {"length", e_.length},
+            {"press", label_of(p)},
+            {"press_name", p.name},  // with params and query_aware: the press rebuilt elsewhere
+            {"params", p.params},
+            {"query_aware", p.query_aware},
+            {"ratio", planned.ratio < 0 ? json(nullptr) : json(planned.ratio)},
+            {"prefill_tokens", a.prefill_length},
+            {"kept_fraction", a.kept_fraction},
+            {"answer", a.text},
+            {"answer_tokens", a.tokens},
+            {"expected", e_.answers},
+            {"score", score(e_.metric, a.text, e_.answers)},
+            {"shared_prefill", shared},
+            {"calibration", calibration},  // --calibrate: the tolerance and the ratio found
+            {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
+  }
+
+ private:
+  const llama::CapturedPrefill& captured() {
+    if (!captured_) captured_ = capture_prefill_of(checkpoint_.model, ids_);
+    return *captured_;
+  }
+
+  // The largest ratio whose attention output stays within `tolerance`, and its record.
+  std::pair<double, json> calibrate(const BenchPress& p, double tolerance) {
+    std::vector<kvpress::calibration::ObservedLayer> observed;
+    for (const kvpress::LayerInputs& in : captured().layers) observed.push_back(kvpress::calibration::observe_last(in));
+    const auto make = [&](double r) { return kvpress::make_press(p.name, r, p.params); };
+    const kvpress::calibration::SearchResult found = kvpress::calibration::search_max_ratio(observed, make, tolerance);
+    return {found.ratio,
+            {{"tolerance", tolerance},
+             {"ratio", found.ratio},
+             {"quality", found.quality},
+             {"evaluations", found.evaluations.size()},
+             {"observed_queries", kvpress::calibration::kDefaultObservedQueries}}};
+  }
+
+  // Points `opt` at a shared prefill when the press can compress one; true when it does.
+  bool share_prefill(const BenchPress& p, llama::PipelineOptions& opt) {
+    bool shared = llama::LlamaModel::why_not_captured(opt.press, opt.press_attentions).empty();
+    if (const kvpress::KVzipPress* kvzip = p.query_aware ? nullptr : llama::plain_kvzip(opt.press)) {
+      // One scoring pass per configuration; the capture is cut to each ratio's selection
+      // (llama::kvzip_compress_captured).
+      at::Tensor& scores = kvzip_scores_[&p];
+      if (!scores.defined())
+        scores = llama::kvzip_scores(checkpoint_.model, at::tensor(ids_).unsqueeze(0), *kvzip, checkpoint_.tokenizer,
+                                     base_.chat_template, {}, &captured());
+      opt.kvzip_scores = &scores;
+      shared = true;
+    }
+    if (shared && p.query_aware) {
+      std::vector<int64_t> aware =
+          llama::context_prefill_ids(checkpoint_.model, checkpoint_.tokenizer, e_.context, opt, e_.question);
+      auto found = captured_with_question_.find(aware);
+      if (found == captured_with_question_.end())
+        found = captured_with_question_.emplace(aware, capture_prefill_of(checkpoint_.model, aware)).first;
+      opt.captured = &found->second;
+    } else if (shared) {
+      opt.captured = &captured();
+    }
+    return shared;
+  }
+
+  const llama::Checkpoint& checkpoint_;
+  const Example& e_;
+  llama::PipelineOptions base_;
+  std::vector<int64_t> ids_;
+  std::optional<llama::CapturedPrefill> captured_;
+  std::map<std::vector<int64_t>, llama::CapturedPrefill> captured_with_question_;
+  std::map<const BenchPress*, at::Tensor> kvzip_scores_;
+};
+
+}  // namespace
+
+int run_bench(const std::vector<std::string>& argv) {
+  const BenchArgs args = parse_args(argv);
+  std::optional<Plotter> plotter;
+  if (!args.png.empty()) plotter = find_plotter("--png");  // before the long work
+  at::set_num_threads(
+      static_cast<int>(args.threads > 0 ? args.threads : std::max(1u, std::thread::hardware_concurrency())));
+  // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global generator.
+  at::manual_seed(0);
+
+  const std::vector<Example> examples = read_examples(args);
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  std::optional<llama::ChatTemplate> chat;
+  if (!checkpoint.chat_template.empty()) chat = llama::chat_template_of(checkpoint);
+  const std::string model_name = checkpoint.path.substr(checkpoint.path.find_last_of('/') + 1);
+  const std::vector<BenchPress> presses = checked_presses(args);
+
+  std::vector<json> rows = read_results(args.out, model_name);
+  std::set<RunKey> done;
+  for (const json& r : rows)
+    done.insert({r.at("id"), r.at("press"), r.at("ratio").is_null() ? -1.0 : r.at("ratio").get<double>()});
+  const Plan plan = plan_runs(examples, presses, args, done);
+  int64_t total = 0;
+  for (const auto& [example, todo] : plan) total += static_cast<int64_t>(todo.size());
   fmt::print("bench: {} examples, {} presses, ratios {}: {} runs to do ({} already in {})\n", examples.size(),
              presses.size(), fmt::join(args.ratios, ","), total, rows.size(), args.out);
 
@@ -471,89 +590,10 @@ int run_bench(const std::vector<std::string>& argv) {
   int64_t finished = 0;
   const auto start = Clock::now();
   for (const auto& [example, todo] : plan) {
-    const Example& e = *example;
-    llama::PipelineOptions base;
-    base.chat_template = chat ? &*chat : nullptr;
-    base.answer_prefix = e.answer_prefix;
-    base.max_new_tokens = e.max_new_tokens;
-    const std::vector<int64_t> ids =
-        llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, base);
-    std::optional<llama::CapturedPrefill> captured;  // made when the first press can use it
-    // Query-aware prefills, by their tokens: context + question as one text (SnapKV's query-aware
-    // mode), or the framed context then the question (FinchPress, which observes it).
-    std::map<std::vector<int64_t>, llama::CapturedPrefill> captured_with_question;
-    std::map<const BenchPress*, at::Tensor> kvzip_scores;  // per KVzipPress configuration, every ratio's
-    for (const Planned& run : todo) {
-      const BenchPress& p = *run.press;
-      progress.step(finished, e.id + " " + label_of(p));
-      const auto t0 = Clock::now();
-      const auto capture = [&]() -> const llama::CapturedPrefill& {
-        if (!captured) captured = capture_prefill_of(checkpoint.model, ids);
-        return *captured;
-      };
-      double ratio = std::max(run.ratio, 0.0);
-      json calibration = nullptr;
-      if (p.calibrated) {  // run.ratio is the tolerance
-        std::vector<kvpress::calibration::ObservedLayer> observed;
-        for (const kvpress::LayerInputs& in : capture().layers)
-          observed.push_back(kvpress::calibration::observe_last(in));
-        const auto make = [&](double r) { return kvpress::make_press(p.name, r, p.params); };
-        const kvpress::calibration::SearchResult found =
-            kvpress::calibration::search_max_ratio(observed, make, run.ratio);
-        ratio = found.ratio;
-        calibration = {{"tolerance", run.ratio},
-                       {"ratio", found.ratio},
-                       {"quality", found.quality},
-                       {"evaluations", found.evaluations.size()},
-                       {"observed_queries", kvpress::calibration::kDefaultObservedQueries}};
-      }
-      std::unique_ptr<kvpress::BasePress> press;
-      if (!p.name.empty()) press = kvpress::make_press(p.name, ratio, p.params);
-      llama::PipelineOptions opt = base;
-      opt.press = press.get();
-      opt.query_aware = p.query_aware;
-      bool shared = llama::LlamaModel::why_not_captured(press.get(), opt.press_attentions).empty();
-      if (const kvpress::KVzipPress* kvzip = p.query_aware ? nullptr : llama::plain_kvzip(press.get())) {
-        // Its scores do not depend on the ratio: one scoring pass per example, then the capture is
-        // cut to each ratio's selection (llama::kvzip_compress_captured).
-        at::Tensor& scores = kvzip_scores[&p];
-        if (!scores.defined())
-          scores = llama::kvzip_scores(checkpoint.model, at::tensor(ids).unsqueeze(0), *kvzip, checkpoint.tokenizer,
-                                       base.chat_template, {}, &capture());
-        opt.kvzip_scores = &scores;
-        shared = true;
-      }
-      if (shared && p.query_aware) {
-        std::vector<int64_t> aware =
-            llama::context_prefill_ids(checkpoint.model, checkpoint.tokenizer, e.context, opt, e.question);
-        auto found = captured_with_question.find(aware);
-        if (found == captured_with_question.end())
-          found = captured_with_question.emplace(aware, capture_prefill_of(checkpoint.model, aware)).first;
-        opt.captured = &found->second;
-      } else if (shared) {
-        opt.captured = &capture();
-      }
-      at::manual_seed(0);
-      const llama::Answer a =
-          llama::answer_questions(checkpoint.model, checkpoint.tokenizer, e.context, {e.question}, opt).at(0);
-      json row = {{"model", model_name},
-                  {"id", e.id},
-                  {"task", e.task},
-                  {"length", e.length},
-                  {"press", label_of(p)},
-                  {"press_name", p.name},  // with params and query_aware: the press rebuilt elsewhere
-                  {"params", p.params},
-                  {"query_aware", p.query_aware},
-                  {"ratio", run.ratio < 0 ? json(nullptr) : json(run.ratio)},
-                  {"prefill_tokens", a.prefill_length},
-                  {"kept_fraction", a.kept_fraction},
-                  {"answer", a.text},
-                  {"answer_tokens", a.tokens},
-                  {"expected", e.answers},
-                  {"score", score(e.metric, a.text, e.answers)},
-                  {"shared_prefill", shared},
-                  {"calibration", calibration},  // --calibrate: the tolerance and the ratio found
-                  {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
+    ExampleRuns runs(checkpoint, chat ? &*chat : nullptr, *example);
+    for (const Planned& planned : todo) {
+      progress.step(finished, example->id + " " + label_of(*planned.press));
+      json row = runs.run(planned, model_name);
       results << row.dump() << '\n' << std::flush;
       TORCH_CHECK(results.good(), "bench: --out ", args.out, ": write failed");
       rows.push_back(std::move(row));

@@ -160,8 +160,13 @@ std::string offsets_str(const TensorEntry& t) {
   return "[" + std::to_string(t.begin) + ", " + std::to_string(t.begin + t.nbytes) + "]";
 }
 
-// The one safetensors parser, for files and bytes alike.
-SafetensorsFile parse(ByteSource& source, const Where& where) {
+// The JSON header and where the data buffer lies: [body_start, body_start + body_size).
+struct Header {
+  json doc;
+  uint64_t body_start, body_size;
+};
+
+Header read_header(ByteSource& source, const Where& where) {
   const uint64_t file_size = source.size();
   ST_LOAD_CHECK(file_size >= 8, "truncated file: ", file_size, " bytes, too short for the 8-byte header length");
   uint8_t len_bytes[8];
@@ -174,73 +179,63 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
                 " bytes follow");
   ST_LOAD_CHECK(header_len >= 2, "header length ", header_len, " is too short for a JSON object");
 
-  std::string header(static_cast<size_t>(header_len), '\0');
-  source.read(8, header.data(), header_len, "the header");
-  const uint64_t body_size = file_size - 8 - header_len;
-  const uint64_t body_start = 8 + header_len;
+  std::string text(static_cast<size_t>(header_len), '\0');
+  source.read(8, text.data(), header_len, "the header");
+  Header out{parse_json(text, std::string(where.function) + ": " + where.origin, "header"), 8 + header_len,
+             file_size - 8 - header_len};
+  ST_LOAD_CHECK(out.doc.is_object(), "header must be a JSON object, got ", out.doc.type_name());
+  return out;
+}
 
-  const json doc = parse_json(header, std::string(where.function) + ": " + where.origin, "header");
-  ST_LOAD_CHECK(doc.is_object(), "header must be a JSON object, got ", doc.type_name());
+// One tensor's header entry, checked against itself and the data buffer's size.
+TensorEntry parse_entry(const std::string& name, const json& entry, uint64_t body_size, const Where& where) {
+  const std::string what = "tensor '" + name + "'";
+  ST_LOAD_CHECK(entry.is_object(), what, " must be an object with dtype, shape and data_offsets");
+  ST_LOAD_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), what, " needs a string 'dtype'");
+  ST_LOAD_CHECK(entry.contains("shape") && entry["shape"].is_array(), what, " needs an array 'shape'");
+  ST_LOAD_CHECK(entry.contains("data_offsets") && entry["data_offsets"].is_array() && entry["data_offsets"].size() == 2,
+                what, " needs 'data_offsets' [begin, end]");
 
-  SafetensorsFile out;
-  std::vector<TensorEntry> tensors;  // validated entries, read once the layout is known to be sound
-  for (const auto& [name, entry] : doc.items()) {
-    if (name == "__metadata__") {
-      ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ", entry.type_name());
-      for (const auto& [key, value] : entry.items()) {
-        ST_LOAD_CHECK(value.is_string(), "__metadata__ value of '", key, "' must be a string, got ", value.dump());
-        out.metadata.emplace(key, value.get<std::string>());
-      }
-      continue;
-    }
-    const std::string what = "tensor '" + name + "'";
-    ST_LOAD_CHECK(entry.is_object(), what, " must be an object with dtype, shape and data_offsets");
-    ST_LOAD_CHECK(entry.contains("dtype") && entry["dtype"].is_string(), what, " needs a string 'dtype'");
-    ST_LOAD_CHECK(entry.contains("shape") && entry["shape"].is_array(), what, " needs an array 'shape'");
-    ST_LOAD_CHECK(
-        entry.contains("data_offsets") && entry["data_offsets"].is_array() && entry["data_offsets"].size() == 2, what,
-        " needs 'data_offsets' [begin, end]");
-
-    const std::string dtype_name = entry["dtype"].get<std::string>();
-    const DtypeInfo* dtype = nullptr;
-    for (const auto& d : kDtypes) {
-      if (dtype_name == d.name) dtype = &d;
-    }
-    ST_LOAD_CHECK(dtype != nullptr, what, " has unsupported dtype '", dtype_name, "' (supported: ", supported_dtypes(),
-                  ")");
-
-    std::vector<int64_t> shape;
-    uint64_t numel = 1;
-    bool overflow = false;
-    for (const auto& dim : entry["shape"]) {
-      const int64_t d = json_int(dim, where, what + " shape entry");
-      ST_LOAD_CHECK(d >= 0, what, " has a negative dimension in shape ", entry["shape"].dump());
-      shape.push_back(d);
-      if (d != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
-        overflow = true;
-      }
-      numel *= static_cast<uint64_t>(d);
-    }
-    const uint64_t itemsize = c10::elementSize(dtype->type);
-    overflow = overflow || (numel != 0 && numel > std::numeric_limits<uint64_t>::max() / itemsize);
-    ST_LOAD_CHECK(!overflow, what, " shape ", shape_str(shape), " is too large");
-    const uint64_t nbytes = numel * itemsize;
-
-    const int64_t begin = json_int(entry["data_offsets"][0], where, what + " data_offsets begin");
-    const int64_t end_off = json_int(entry["data_offsets"][1], where, what + " data_offsets end");
-    const std::string offsets = "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
-    ST_LOAD_CHECK(begin >= 0 && begin <= end_off, what, " data_offsets ", offsets,
-                  " are not an ordered pair of non-negative offsets");
-    ST_LOAD_CHECK(static_cast<uint64_t>(end_off) <= body_size, what, " data_offsets ", offsets, " lie outside the ",
-                  body_size, "-byte data buffer (truncated file?)");
-    ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ", offsets,
-                  " do not match shape ", shape_str(shape), " of ", dtype->name, " (", nbytes, " bytes)");
-
-    tensors.push_back({name, dtype, std::move(shape), static_cast<uint64_t>(begin), nbytes});
+  const std::string dtype_name = entry["dtype"].get<std::string>();
+  const DtypeInfo* dtype = nullptr;
+  for (const auto& d : kDtypes) {
+    if (dtype_name == d.name) dtype = &d;
   }
+  ST_LOAD_CHECK(dtype != nullptr, what, " has unsupported dtype '", dtype_name, "' (supported: ", supported_dtypes(),
+                ")");
 
-  // The format's rule, checked before anything is allocated: the tensors tile the data buffer, no
-  // overlaps (tensors sharing bytes would let a small file claim many times its size) and no holes.
+  std::vector<int64_t> shape;
+  uint64_t numel = 1;
+  bool overflow = false;
+  for (const auto& dim : entry["shape"]) {
+    const int64_t d = json_int(dim, where, what + " shape entry");
+    ST_LOAD_CHECK(d >= 0, what, " has a negative dimension in shape ", entry["shape"].dump());
+    shape.push_back(d);
+    if (d != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) {
+      overflow = true;
+    }
+    numel *= static_cast<uint64_t>(d);
+  }
+  const uint64_t itemsize = c10::elementSize(dtype->type);
+  overflow = overflow || (numel != 0 && numel > std::numeric_limits<uint64_t>::max() / itemsize);
+  ST_LOAD_CHECK(!overflow, what, " shape ", shape_str(shape), " is too large");
+  const uint64_t nbytes = numel * itemsize;
+
+  const int64_t begin = json_int(entry["data_offsets"][0], where, what + " data_offsets begin");
+  const int64_t end_off = json_int(entry["data_offsets"][1], where, what + " data_offsets end");
+  const std::string offsets = "[" + std::to_string(begin) + ", " + std::to_string(end_off) + "]";
+  ST_LOAD_CHECK(begin >= 0 && begin <= end_off, what, " data_offsets ", offsets,
+                " are not an ordered pair of non-negative offsets");
+  ST_LOAD_CHECK(static_cast<uint64_t>(end_off) <= body_size, what, " data_offsets ", offsets, " lie outside the ",
+                body_size, "-byte data buffer (truncated file?)");
+  ST_LOAD_CHECK(static_cast<uint64_t>(end_off - begin) == nbytes, what, " data_offsets ", offsets,
+                " do not match shape ", shape_str(shape), " of ", dtype->name, " (", nbytes, " bytes)");
+  return {name, dtype, std::move(shape), static_cast<uint64_t>(begin), nbytes};
+}
+
+// The format's rule, checked before anything is allocated: the tensors tile the data buffer, no
+// overlaps (tensors sharing bytes would let a small file claim many times its size) and no holes.
+void check_tiling(const std::vector<TensorEntry>& tensors, uint64_t body_size, const Where& where) {
   std::vector<const TensorEntry*> by_offset;
   for (const TensorEntry& t : tensors) by_offset.push_back(&t);
   std::sort(by_offset.begin(), by_offset.end(), [](const TensorEntry* a, const TensorEntry* b) {
@@ -259,11 +254,30 @@ SafetensorsFile parse(ByteSource& source, const Where& where) {
   }
   ST_LOAD_CHECK(covered == body_size, "data buffer bytes [", covered, ", ", body_size,
                 ") belong to no tensor (the format allows no holes)");
+}
+
+// The one safetensors parser, for files and bytes alike.
+SafetensorsFile parse(ByteSource& source, const Where& where) {
+  const Header header = read_header(source, where);
+  SafetensorsFile out;
+  std::vector<TensorEntry> tensors;  // validated entries, read once the layout is known to be sound
+  for (const auto& [name, entry] : header.doc.items()) {
+    if (name == "__metadata__") {
+      ST_LOAD_CHECK(entry.is_object(), "__metadata__ must be an object of strings, got ", entry.type_name());
+      for (const auto& [key, value] : entry.items()) {
+        ST_LOAD_CHECK(value.is_string(), "__metadata__ value of '", key, "' must be a string, got ", value.dump());
+        out.metadata.emplace(key, value.get<std::string>());
+      }
+      continue;
+    }
+    tensors.push_back(parse_entry(name, entry, header.body_size, where));
+  }
+  check_tiling(tensors, header.body_size, where);
 
   for (const TensorEntry& entry : tensors) {
     const std::string what = "tensor '" + entry.name + "'";
     at::Tensor t = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype->type));
-    if (entry.nbytes > 0) source.read(body_start + entry.begin, t.data_ptr(), entry.nbytes, what);
+    if (entry.nbytes > 0) source.read(header.body_start + entry.begin, t.data_ptr(), entry.nbytes, what);
     if (entry.dtype->type == at::kBool) {
       const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
       for (uint64_t i = 0; i < entry.nbytes; ++i) {
