@@ -12,9 +12,13 @@
 #include <utility>
 #include <vector>
 
+#include <c10/util/StringUtil.h>
+
 #include "kernel_ops.h"
 #include "kvpress/cache.h"
 #include "kvpress/ops.h"
+#include "kvpress/presses/leverage_score_press.h"
+#include "kvpress/presses/non_causal_attn_press.h"
 #include "kvpress/registry.h"
 #include "kvpress/types.h"
 
@@ -140,7 +144,8 @@ TORCH_LIBRARY(kvpress, m) {
   m.def("key_norm_scores(Tensor keys) -> Tensor");                        // kernels
   m.def("keydiff_scores(Tensor keys) -> Tensor");                         // kernels
   m.def("streaming_llm_scores(Tensor keys, int n_sink, float compression_ratio) -> Tensor", &ops::streaming_llm_scores);
-  m.def("random_scores(Tensor keys, int seed=-1) -> Tensor", &random_scores_op);
+  // Defaults are the C++ constants (python/.../ops.py reads them back from these schemas).
+  m.def(c10::str("random_scores(Tensor keys, int seed=", ops::kUnseeded, ") -> Tensor").c_str(), &random_scores_op);
   m.def("lagkv_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor",
         &ops::lagkv_scores);
   // lagkv_scores' partition statistics for seq_len >= n_sink + 2 * lag_size (kernels).
@@ -153,17 +158,23 @@ TORCH_LIBRARY(kvpress, m) {
   // Compactor (src/ops/compactor.cpp).
   m.def("zscore(Tensor scores) -> Tensor", &ops::zscore);
   m.def("blend_scores(Tensor[] scores, float[] weights, bool normalize=True) -> Tensor", &ops::blend_scores);
-  m.def(
-      "gaussian_sketch(int batch, int heads, int head_dim, int sketch_dimension, ScalarType dtype, Device device, "
-      "int seed=-1) -> Tensor",
-      &ops::gaussian_sketch);
+  m.def(c10::str("gaussian_sketch(int batch, int heads, int head_dim, int sketch_dimension, ScalarType dtype, ",
+                 "Device device, int seed=", ops::kUnseeded, ") -> Tensor")
+            .c_str(),
+        &ops::gaussian_sketch);
   m.def("sketch_keys(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketch_keys);
   m.def("sketch_prerope_keys(Tensor keys, Tensor cos, Tensor sin, Tensor sketch) -> (Tensor, Tensor)");  // kernels
   m.def("cholesky_leverage(Tensor sketched, Tensor factor) -> Tensor");                                  // kernels
   m.def("ridge_leverage(Tensor sketched) -> Tensor", &ops::ridge_leverage);
   m.def("sketched_leverage(Tensor prerope_keys, Tensor sketch) -> Tensor", &ops::sketched_leverage);
-  m.def("leverage_scores(Tensor prerope_keys, int sketch_dimension=48, int seed=-1) -> Tensor", &leverage_scores_op);
-  m.def("noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=256) -> Tensor");  // kernels
+  m.def(c10::str("leverage_scores(Tensor prerope_keys, int sketch_dimension=",
+                 LeverageScorePress::kDefaultSketchDimension, ", int seed=", ops::kUnseeded, ") -> Tensor")
+            .c_str(),
+        &leverage_scores_op);
+  m.def(c10::str(
+            "noncausal_column_sums(Tensor queries, Tensor keys, int chunk_size=", NonCausalAttnPress::kDefaultChunkSize,
+            ") -> Tensor")
+            .c_str());  // kernels
   m.def("noncausal_attention_scores(Tensor column_sums, Tensor values) -> Tensor", &ops::noncausal_attention_scores);
   m.def("topk_mask_across_heads(Tensor scores, int n_total) -> Tensor", &ops::topk_mask_across_heads);
   // Head-ragged attention (kernels).

@@ -19,6 +19,9 @@
 
 namespace kvpress::ops {
 
+// A seed argument's "none given": draw from the default CPU generator (torch's global seed).
+inline constexpr int64_t kUnseeded = -1;
+
 // ---- selection ---------------------------------------------------------------------------
 
 // kvpress's compute_n_kept: max(1, int(seq_len * (1 - compression_ratio))) in double math.
@@ -225,7 +228,7 @@ at::Tensor sketched_leverage(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
 // dtype (kvpress draws it in the dtype of its pre-RoPE keys, the model dtype).
 at::Tensor leverage_scores(const at::Tensor& prerope_keys,  // [B, Hkv, S, D]
                            int64_t sketch_dimension,
-                           int64_t seed = -1);  // -> [B, Hkv, S] float32
+                           int64_t seed = kUnseeded);  // -> [B, Hkv, S] float32
 
 // The same from a layer's inputs, with the pre-RoPE keys of prerope_keys() rounded to the cache
 // dtype. With cos/sin, RoPE is inverted one KV head at a time, so the extra memory stays below the

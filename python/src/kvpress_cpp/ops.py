@@ -15,6 +15,18 @@ from torch import Tensor
 
 _ops = torch.ops.kvpress
 
+
+def _schema_default(op: str, argument: str):
+    """The default an op's schema declares: src/ops.cpp writes it from the C++ constant, so it is
+    stated once (e.g. LeverageScorePress::kDefaultSketchDimension)."""
+    for a in getattr(_ops, op).default._schema.arguments:
+        if a.name == argument and a.default_value is not None:
+            return a.default_value
+    raise RuntimeError(f"kvpress_cpp: torch.ops.kvpress.{op} declares no default for {argument}")
+
+
+_UNSEEDED = _schema_default("random_scores", "seed")  # ops::kUnseeded: the default CPU generator
+
 # ---- selection -------------------------------------------------------------------------------
 
 
@@ -98,7 +110,7 @@ def streaming_llm_scores(keys: Tensor, n_sink: int, compression_ratio: float) ->
     return _ops.streaming_llm_scores(keys, n_sink, compression_ratio)
 
 
-def random_scores(keys: Tensor, seed: int = -1) -> Tensor:
+def random_scores(keys: Tensor, seed: int = _UNSEEDED) -> Tensor:
     """RandomPress: uniform [0, 1) scores, equal to torch.rand(..., generator=manual_seed(seed),
     dtype=keys.dtype) for seed >= 0 -> [B, Hkv, S]."""
     return _ops.random_scores(keys, seed)
@@ -151,7 +163,7 @@ def blend_scores(scores: Sequence[Tensor], weights: Sequence[float], normalize: 
 
 
 def gaussian_sketch(batch: int, heads: int, head_dim: int, sketch_dimension: int, dtype: torch.dtype,
-                    device: Union[torch.device, str], seed: int = -1) -> Tensor:
+                    device: Union[torch.device, str], seed: int = _UNSEEDED) -> Tensor:
     """LeverageScorePress's sketch randn(B, H, D, k) / sqrt(k), drawn in dtype on a CPU generator
     (seed >= 0: a fresh one), returned as float32 on device."""
     return _ops.gaussian_sketch(batch, heads, head_dim, sketch_dimension, dtype, torch.device(device), seed)
@@ -185,12 +197,15 @@ def sketched_leverage(prerope_keys: Tensor, sketch: Tensor) -> Tensor:
     return _ops.sketched_leverage(prerope_keys, sketch)
 
 
-def leverage_scores(prerope_keys: Tensor, sketch_dimension: int = 48, seed: int = -1) -> Tensor:
+def leverage_scores(prerope_keys: Tensor,
+                    sketch_dimension: int = _schema_default("leverage_scores", "sketch_dimension"),
+                    seed: int = _UNSEEDED) -> Tensor:
     """LeverageScorePress's raw scores (sketch drawn in the keys' dtype), not z-scored -> [B, Hkv, S]."""
     return _ops.leverage_scores(prerope_keys, sketch_dimension, seed)
 
 
-def noncausal_column_sums(queries: Tensor, keys: Tensor, chunk_size: int = 256) -> Tensor:
+def noncausal_column_sums(queries: Tensor, keys: Tensor,
+                          chunk_size: int = _schema_default("noncausal_column_sums", "chunk_size")) -> Tensor:
     """Non-causal attention within chunks of chunk_size positions, summed over each chunk's queries
     (no 1/sqrt(D), kvpress's padding). queries [B, Hq, S, D], keys [B, Hkv, S, D] -> [B, Hq, S]."""
     return _ops.noncausal_column_sums(queries, keys, chunk_size)
