@@ -28,7 +28,8 @@ std::string registry_json() {
       alternatives.push_back({{"fields", set.fields}, {"all_positions", set.all_positions}});
     nlohmann::json params = nlohmann::json::array();
     for (const auto& q : p.params)
-      params.push_back({{"name", q.name}, {"type", q.type}, {"default", q.default_value}, {"help", q.help}});
+      params.push_back(
+          {{"name", q.name}, {"type", q.type}, {"default", q.default_value}, {"help", q.help}, {"accepts", q.accepts}});
     presses.push_back({{"name", p.name},
                        {"kind", press_kind_name(p.kind)},
                        {"summary", p.summary},

@@ -122,6 +122,28 @@ TEST(PressParams, RegistryReadsEnumsOptionalsAndChoicesFromTheDeclaration) {
   EXPECT_EQ(info->params[5].default_value, "None");
 }
 
+// PressParam::accepts, from the declared range or choices (the CLI listing, the generated
+// docs/PRESS_PARAMETERS.md and the Python docstrings print it), in the words the checks use.
+TEST(PressParams, RegistryListsWhatEachParameterAccepts) {
+  const kvpress::PressInfo* snapkv = kvpress::find_press("SnapKVPress");
+  ASSERT_NE(snapkv, nullptr);
+  EXPECT_EQ(snapkv->params[0].accepts, "> 0");
+  EXPECT_EQ(snapkv->params[1].accepts, "a positive odd number");
+  const kvpress::PressInfo* cur = kvpress::find_press("CURPress");
+  ASSERT_NE(cur, nullptr);
+  EXPECT_EQ(cur->params[1].accepts, "kv_product, key, value or kv_avg");
+  EXPECT_EQ(cur->params[5].accepts, "any or None");  // an unrestricted optional integer
+  const kvpress::PressInfo* dropkv = kvpress::find_press("DropKVPress");
+  ASSERT_NE(dropkv, nullptr);
+  EXPECT_EQ(dropkv->params[2].name, "epsilon");
+  EXPECT_EQ(dropkv->params[2].accepts, "> 0");
+  expect_error(
+      [] {
+        kvpress::make_press("DropKVPress", 0.5, {{"epsilon", "0"}});
+      },
+      {"DropKVPress: epsilon must be > 0, got 0"});
+}
+
 TEST(PressParams, DerivedParamsListTheBaseFieldsFirst) {
   const kvpress::PressInfo* info = kvpress::find_press("PyramidKVPress");
   ASSERT_NE(info, nullptr);

@@ -3,7 +3,7 @@
 //
 //   kvpress-cli compress --press NAME --ratio R [--param KEY=VALUE ...] --input IN --output OUT
 //   kvpress-cli ask --context FILE --question Q [--question Q ...] [--press NAME --ratio R ...]
-//   kvpress-cli list [--names | --json]
+//   kvpress-cli list [--names | --json | --markdown]
 //   kvpress-cli --help | --version
 //
 // Exit codes: 0 success; 2 bad usage or bad input (one line on stderr starting with
@@ -90,7 +90,7 @@ Usage:
                    [--query-aware NAME]... [--ratios LIST] [--press-ratios LABEL=LIST]...
                    [--calibrate LIST] [--csv OUT [--png OUT]] [--threads N]
                    [--no-progress]
-  kvpress-cli list [--names | --json]
+  kvpress-cli list [--names | --json | --markdown]
   kvpress-cli --help
   kvpress-cli --version
 
@@ -213,6 +213,7 @@ bench options (RULER-style accuracy of every press on a real model; docs/QUALITY
 list options:
   --names                  print only the press names, one per line
   --json                   every press (kind, inputs, parameters) and every input field as JSON
+  --markdown               every press's parameters as docs/PRESS_PARAMETERS.md holds them
 
 Errors print one line "kvpress-cli: error: ..." on stderr and exit with code 2.
 Full reference: docs/CLI.md.
@@ -518,29 +519,52 @@ int run_calibrate(const std::vector<std::string>& argv) {
 
 // ---- list -------------------------------------------------------------------------------
 
-int run_list(const std::vector<std::string>& args) {
-  bool names_only = false, json = false;
-  for (const auto& a : args) {
-    if (a == "--names") {
-      names_only = true;
-    } else if (a == "--json") {
-      json = true;
-    } else {
-      usage_error("list: unknown argument '{}' (see kvpress-cli --help)", a);
+// A markdown table cell: pipes escaped, "" as a dash.
+std::string markdown_cell(const std::string& text) {
+  if (text.empty()) return "—";
+  std::string out;
+  for (char c : text) out += c == '|' ? std::string("\\|") : std::string(1, c);
+  return out;
+}
+
+// docs/PRESS_PARAMETERS.md: every press's declared parameters (tests/cli/check_generated_doc.sh
+// keeps the committed file equal to this).
+std::string presses_markdown() {
+  std::string out =
+      "# Press parameters\n\n"
+      "Generated from each press's declaration (its `Params` struct, kvpress/press_params.h) by\n"
+      "`kvpress-cli list --markdown > docs/PRESS_PARAMETERS.md`; do not edit (the test\n"
+      "`docs.press_parameters_current` fails when it differs). Names and defaults follow kvpress 0.5.5\n"
+      "wherever kvpress has the parameter (`tests/python/test_package.py` compares them); the others\n"
+      "(seeds of our CPU generators, files kvpress would download) and the presses kvpress lacks are\n"
+      "ours. Every press also takes `compression_ratio` unless it says otherwise. What each press\n"
+      "computes, and where it differs from kvpress: [PRESS_NOTES.md](PRESS_NOTES.md).\n";
+  for (const auto& p : kvpress::list_presses()) {
+    std::string summary = p.summary;
+    if (!summary.empty()) summary[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(summary[0])));
+    out += fmt::format("\n## {}\n\n{}. Kind: {}. Reads: {}.\n", p.name, summary, kvpress::press_kind_name(p.kind),
+                       markdown_cell(kvpress::describe_inputs(p)));
+    if (!p.no_ratio.empty()) out += fmt::format("No compression ratio: {}.\n", p.no_ratio);
+    if (p.params.empty()) {
+      out += "\nNo parameters.\n";
+      continue;
+    }
+    out += "\n| parameter | type | default | accepts | meaning |\n|---|---|---|---|---|\n";
+    for (const auto& q : p.params) {
+      out += fmt::format("| `{}` | {} | {} | {} | {} |\n", q.name, q.type,
+                         q.default_value.empty() ? "—" : "`" + q.default_value + "`", markdown_cell(q.accepts),
+                         markdown_cell(q.help));
     }
   }
-  if (json) {
-    fmt::print("{}\n", kvpress::registry_json());
-    return 0;
-  }
+  return out;
+}
+
+// The plain listing: name, summary, kind, inputs and aligned parameter lines.
+std::string presses_text() {
   const auto& presses = kvpress::list_presses();
   std::string out;
   for (size_t i = 0; i < presses.size(); ++i) {
     const auto& p = presses[i];
-    if (names_only) {
-      out += p.name + "\n";
-      continue;
-    }
     if (i) out += "\n";
     out += fmt::format("{}\n  {}\n  kind: {}\n  needs: {}\n", p.name, p.summary, kvpress::press_kind_name(p.kind),
                        kvpress::describe_inputs(p));
@@ -557,11 +581,35 @@ int run_list(const std::vector<std::string>& args) {
       wd = std::max(wd, q.default_value.size());
     }
     for (const auto& q : p.params) {
-      out +=
-          fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}\n", q.name, wn, q.type, wt, q.default_value, wd, q.help);
+      const std::string accepts = q.accepts.empty() ? "" : fmt::format(" ({})", q.accepts);
+      out += fmt::format("    {:<{}}  {:<{}}  default {:<{}}  {}{}\n", q.name, wn, q.type, wt, q.default_value, wd,
+                         q.help, accepts);
     }
   }
-  fmt::print("{}", out);
+  return out;
+}
+
+int run_list(const std::vector<std::string>& args) {
+  enum class Format { kText, kNames, kJson, kMarkdown } format = Format::kText;
+  for (const auto& a : args) {
+    if (a == "--names") {
+      format = Format::kNames;
+    } else if (a == "--json") {
+      format = Format::kJson;
+    } else if (a == "--markdown") {
+      format = Format::kMarkdown;
+    } else {
+      usage_error("list: unknown argument '{}' (see kvpress-cli --help)", a);
+    }
+  }
+  switch (format) {
+    case Format::kJson: fmt::print("{}\n", kvpress::registry_json()); break;
+    case Format::kMarkdown: fmt::print("{}", presses_markdown()); break;
+    case Format::kText: fmt::print("{}", presses_text()); break;
+    case Format::kNames:
+      for (const auto& p : kvpress::list_presses()) fmt::print("{}\n", p.name);
+      break;
+  }
   return 0;
 }
 

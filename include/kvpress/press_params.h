@@ -69,31 +69,42 @@ struct ParamSpec {
   }
 };
 
+// What a range accepts, as the checks' messages and the docs say it: "must be <range_text>".
+inline const char* range_text(ParamSpec::Range range) {
+  switch (range) {
+    case ParamSpec::Range::kAny: return "finite";
+    case ParamSpec::Range::kPositive: return "> 0";
+    case ParamSpec::Range::kNonNegative: return ">= 0";
+    case ParamSpec::Range::kFraction: return "in [0, 1]";
+    case ParamSpec::Range::kPositiveOdd: return "a positive odd number";
+  }
+  return "";
+}
+
 namespace detail {
 
-// "<press>: <name> must be <expected>, got <value>", the library's message for a bad argument.
+template <typename T>
+bool in_range(ParamSpec::Range range, T value) {
+  using Range = ParamSpec::Range;
+  // Every range also excludes NaN and infinities.
+  if (!std::isfinite(static_cast<double>(value))) return false;
+  switch (range) {
+    case Range::kAny: return true;
+    case Range::kPositive: return value > 0;
+    case Range::kNonNegative: return value >= 0;
+    case Range::kFraction: return value >= 0 && value <= 1;
+    case Range::kPositiveOdd:
+      return value > 0 && static_cast<double>(value) == std::floor(static_cast<double>(value)) &&
+             static_cast<int64_t>(value) % 2 == 1;
+  }
+  return false;
+}
+
+// "<press>: <name> must be <range_text>, got <value>", the library's message for a bad argument.
 template <typename T>
 void check_param_value(const char* press, const ParamSpec& spec, T value) {
-  using Range = ParamSpec::Range;
-  // Every range also excludes NaN and infinities, with the range's own message.
-  const bool finite = std::isfinite(static_cast<double>(value));
-  switch (spec.range) {
-    case Range::kAny: TORCH_CHECK(finite, press, ": ", spec.name, " must be finite, got ", value); return;
-    case Range::kPositive:
-      TORCH_CHECK(finite && value > 0, press, ": ", spec.name, " must be > 0, got ", value);
-      return;
-    case Range::kNonNegative:
-      TORCH_CHECK(finite && value >= 0, press, ": ", spec.name, " must be >= 0, got ", value);
-      return;
-    case Range::kFraction:
-      TORCH_CHECK(finite && value >= 0 && value <= 1, press, ": ", spec.name, " must be in [0, 1], got ", value);
-      return;
-    case Range::kPositiveOdd:
-      TORCH_CHECK(finite && value > 0 && static_cast<double>(value) == std::floor(static_cast<double>(value)) &&
-                      static_cast<int64_t>(value) % 2 == 1,
-                  press, ": ", spec.name, " must be a positive odd number, got ", value);
-      return;
-  }
+  TORCH_CHECK(in_range(spec.range, value), press, ": ", spec.name, " must be ", range_text(spec.range), ", got ",
+              value);
 }
 
 template <typename T>

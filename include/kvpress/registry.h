@@ -25,6 +25,8 @@ struct PressParam {
                               // not given), "int?" or "float?" (optional: "None" unsets)
   std::string default_value;  // as text, "None" for an unset optional
   std::string help;
+  std::string accepts = {};  // the values the press accepts beyond the type ("> 0", "in [0, 1]",
+                             // "max, mean or sum"; kvpress/press_params.h); "" when the type says it all
 };
 
 enum class PressKind {

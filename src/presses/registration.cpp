@@ -8,13 +8,20 @@ bool is_none(const std::string& text) { return text == "None" || text == "none";
 
 // ---- ParamReader ----
 
+namespace {
+// PressParam::accepts of a number: its declared range ("any" for an unrestricted integer).
+std::string accepted_number(const ParamSpec& spec, bool integer) {
+  return integer && spec.range == ParamSpec::Range::kAny ? "any" : range_text(spec.range);
+}
+}  // namespace
+
 void ParamReader::read(const ParamSpec& spec, int64_t& member) {
-  declare(spec.name, "int", std::to_string(member), spec.help);
+  declare(spec.name, "int", std::to_string(member), spec.help, accepted_number(spec, true));
   if (const auto text = take(spec.name)) member = to_int(spec.name, *text);
 }
 
 void ParamReader::read(const ParamSpec& spec, double& member) {
-  declare(spec.name, "float", format_double(member), spec.help);
+  declare(spec.name, "float", format_double(member), spec.help, accepted_number(spec, false));
   if (const auto text = take(spec.name)) member = to_double(spec.name, *text, "a number");
 }
 
@@ -24,13 +31,15 @@ void ParamReader::read(const ParamSpec& spec, bool& member) {
 }
 
 void ParamReader::read(const ParamSpec& spec, std::optional<int64_t>& member) {
-  declare(spec.name, "int?", member ? std::to_string(*member) : "None", spec.help);
+  declare(spec.name, "int?", member ? std::to_string(*member) : "None", spec.help,
+          accepted_number(spec, true) + " or None");
   const auto text = take(spec.name);
   if (text) member = is_none(*text) ? std::nullopt : std::optional<int64_t>(to_int(spec.name, *text));
 }
 
 void ParamReader::read(const ParamSpec& spec, std::optional<double>& member) {
-  declare(spec.name, "float?", member ? format_double(*member) : "None", spec.help);
+  declare(spec.name, "float?", member ? format_double(*member) : "None", spec.help,
+          accepted_number(spec, false) + " or None");
   const auto text = take(spec.name);
   if (text)
     member = is_none(*text) ? std::nullopt : std::optional<double>(to_double(spec.name, *text, "a number or None"));
@@ -50,14 +59,14 @@ void ParamReader::read(const ParamSpec& spec, std::string& member) {
 size_t ParamReader::read_choice(const ParamSpec& spec, size_t default_index) {
   TORCH_CHECK(default_index < spec.choices.size(), press_, ": the default of ", spec.name,
               " is not one of its choices");
-  declare(spec.name, "str", spec.choices[default_index], spec.help);
+  std::string allowed;
+  for (size_t i = 0; i < spec.choices.size(); ++i)
+    allowed += (i == 0 ? "" : (i + 1 == spec.choices.size() ? " or " : ", ")) + std::string(spec.choices[i]);
+  declare(spec.name, "str", spec.choices[default_index], spec.help, allowed);
   const auto text = take(spec.name);
   if (!text) return default_index;
-  std::string allowed;
-  for (size_t i = 0; i < spec.choices.size(); ++i) {
+  for (size_t i = 0; i < spec.choices.size(); ++i)
     if (*text == spec.choices[i]) return i;
-    allowed += (i == 0 ? "" : (i + 1 == spec.choices.size() ? " or " : ", ")) + std::string(spec.choices[i]);
-  }
   TORCH_CHECK(false, press_, ": parameter ", spec.name, " must be ", allowed, ", got '", *text, "'");
 }
 
@@ -89,8 +98,9 @@ void ParamReader::check_all_used() const {
   }
 }
 
-void ParamReader::declare(const std::string& key, const char* type, std::string fallback, const char* help) {
-  declared_.push_back({key, type, std::move(fallback), help});
+void ParamReader::declare(const std::string& key, const char* type, std::string fallback, const char* help,
+                          std::string accepts) {
+  declared_.push_back({key, type, std::move(fallback), help, std::move(accepts)});
 }
 
 std::optional<std::string> ParamReader::take(const std::string& key) {

@@ -74,7 +74,8 @@ class ParamReader {
 
  private:
   size_t read_choice(const ParamSpec& spec, size_t default_index);
-  void declare(const std::string& key, const char* type, std::string fallback, const char* help);
+  void declare(const std::string& key, const char* type, std::string fallback, const char* help,
+               std::string accepts = {});
   std::optional<std::string> take(const std::string& key);
   int64_t to_int(const std::string& key, const std::string& text) const;
   double to_double(const std::string& key, const std::string& text, const char* expected) const;
@@ -130,10 +131,10 @@ std::unique_ptr<BasePress> without_params(double compression_ratio, ParamReader&
 
 // ---- inner presses of wrappers ----
 
-inline constexpr const char* kInnerPressHelp = "inner ScorerPress (its parameters as press.<name>)";
+inline constexpr const char* kInnerPressHelp = "inner ScorerPress (kvpress requires one; its parameters as press.<name>)";
 // The decoding presses' inner press, built at each compression's ratio.
 inline constexpr const char* kDecodingInnerPressHelp =
-    "inner ScorerPress (its parameters as press.<name>; its ratio is overridden)";
+    "inner ScorerPress (kvpress requires one; its parameters as press.<name>; its ratio is overridden)";
 
 // `built` as a ScorerPress, or a c10::Error naming `outer` and `inner`.
 std::shared_ptr<const ScorerPress> as_scorer(std::unique_ptr<BasePress> built, const std::string& outer,

