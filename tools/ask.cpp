@@ -27,15 +27,11 @@ namespace {
 namespace llama = kvpress::llama;
 
 struct AskArgs {
-  std::string model = "tinystories-656k";
+  ModelRunArgs run;  // --model, --threads, --json, --chat, --quiet
   std::string context_file;
   std::vector<std::string> questions;
   PressArgs press;
   llama::PipelineOptions pipeline;  // press set once built
-  int64_t threads = 1;
-  std::string json;
-  bool quiet = false;
-  bool chat = false;  // prompt through the model's chat template, as kvpress's pipeline does
 };
 
 AskArgs parse_ask_args(const std::vector<std::string>& args) {
@@ -43,8 +39,7 @@ AskArgs parse_ask_args(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     std::string value;
     const std::string& a = args[i];
-    if (take_value(args, i, "--model", "", value)) {
-      out.model = value;
+    if (out.run.take(args, i)) {
     } else if (take_value(args, i, "--context", "", value)) {
       if (!out.context_file.empty()) usage_error("option --context given more than once");
       out.context_file = value;
@@ -57,16 +52,8 @@ AskArgs parse_ask_args(const std::vector<std::string>& args) {
       out.pipeline.max_context_length = parse_int_option("--max-context-length", value, 1, int64_t{1} << 40);
     } else if (take_value(args, i, "--answer-prefix", "", value)) {
       out.pipeline.answer_prefix = value;
-    } else if (take_value(args, i, "--threads", "", value)) {
-      out.threads = parse_int_option("--threads", value, 1, 1024);
-    } else if (take_value(args, i, "--json", "", value)) {
-      out.json = value;
     } else if (a == "--query-aware") {
       out.pipeline.query_aware = true;
-    } else if (a == "--chat") {
-      out.chat = true;
-    } else if (a == "--quiet" || a == "-q") {
-      out.quiet = true;
     } else {
       reject_argument("ask", a);
     }
@@ -107,17 +94,17 @@ int run_ask(const std::vector<std::string>& argv) {
   const std::unique_ptr<kvpress::BasePress> press = args.press.build("ask");
   args.pipeline.press = press.get();
   const std::string context = read_context(args.context_file);
-  at::set_num_threads(static_cast<int>(args.threads));
-  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  at::set_num_threads(static_cast<int>(args.run.threads));
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.run.model);
   const std::string& dir = checkpoint.path;
-  const std::optional<llama::ChatTemplate> chat = chat_template(checkpoint, args.chat);
+  const std::optional<llama::ChatTemplate> chat = chat_template(checkpoint, args.run.chat);
   args.pipeline.chat_template = chat ? &*chat : nullptr;
   const llama::LlamaModel& model = checkpoint.model;
   const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
   const std::vector<llama::Answer> answers =
       llama::answer_questions(model, tokenizer, context, args.questions, args.pipeline);
 
-  if (!args.quiet) {
+  if (!args.run.quiet) {
     fmt::print("model: {}; press: {}{}{}\n", dir,
                press ? fmt::format("{} (compression_ratio {})", press->name(), args.press.ratio.value_or(0.0)) : "none",
                args.pipeline.query_aware ? "; query-aware" : "", chat ? "; chat template " + chat->name() : "");
@@ -127,7 +114,7 @@ int run_ask(const std::vector<std::string>& argv) {
                  args.questions[i], a.text, a.prefill_length, fmt::join(a.cache_lengths, ", "));
     }
   }
-  if (!args.json.empty()) {
+  if (!args.run.json.empty()) {
     nlohmann::json j;
     j["model"] = dir;
     j["press"] = press ? nlohmann::json(press->name()) : nlohmann::json(nullptr);
@@ -145,7 +132,7 @@ int run_ask(const std::vector<std::string>& argv) {
                        {"cache_lengths", answers[i].cache_lengths}});
     }
     j["answers"] = items;
-    kvpress::io::write_text_atomically("ask: --json", args.json, j.dump(1) + "\n");
+    kvpress::io::write_text_atomically("ask: --json", args.run.json, j.dump(1) + "\n");
   }
   return 0;
 }

@@ -87,6 +87,34 @@ inline int64_t parse_int_option(std::string_view option, const std::string& text
   return *n;
 }
 
+// The options the model commands share (generate, ask): --model, --threads, --json, --chat, --quiet.
+struct ModelRunArgs {
+  std::string model = "tinystories-656k";
+  int64_t threads = 1;
+  std::string json;    // where the results go as JSON; empty: nowhere
+  bool chat = false;   // prompt through the model's chat template, as kvpress's pipeline does
+  bool quiet = false;  // no text on stdout
+
+  // Takes args[i] (and its value) when it is one of these options; advances i past them.
+  bool take(const std::vector<std::string>& args, size_t& i) {
+    std::string value;
+    if (take_value(args, i, "--model", "", value)) {
+      model = value;
+    } else if (take_value(args, i, "--threads", "", value)) {
+      threads = parse_int_option("--threads", value, 1, 1024);
+    } else if (take_value(args, i, "--json", "", value)) {
+      json = value;
+    } else if (args[i] == "--chat") {
+      chat = true;
+    } else if (args[i] == "--quiet" || args[i] == "-q") {
+      quiet = true;
+    } else {
+      return false;
+    }
+    return true;
+  }
+};
+
 // A command's --press NAME, --ratio R and --param KEY=VALUE (generate, ask).
 struct PressArgs {
   std::string name;  // empty: no press

@@ -27,7 +27,7 @@ namespace {
 namespace llama = kvpress::llama;
 
 struct GenerateArgs {
-  std::string model = "tinystories-656k";
+  ModelRunArgs run;                  // --model, --threads, --json, --chat, --quiet
   std::vector<std::string> prompts;  // --prompt texts, then the --prompts file's lines
   std::string prompts_file;
   PressArgs press;
@@ -37,10 +37,6 @@ struct GenerateArgs {
   int64_t pages_per_layer = 0;  // 0: generate_paged sizes the pool for max_batch
   int64_t max_batch = 8;
   bool stop_at_eos = true;
-  int64_t threads = 1;
-  std::string json;
-  bool quiet = false;
-  bool chat = false;  // each prompt as a user message through the model's chat template
 };
 
 GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
@@ -49,8 +45,7 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     std::string value;
     const std::string& a = args[i];
-    if (take_value(args, i, "--model", "", value)) {
-      out.model = value;
+    if (out.run.take(args, i)) {
     } else if (take_value(args, i, "--prompt", "", value)) {
       out.prompts.push_back(value);
     } else if (take_value(args, i, "--prompts", "", value)) {
@@ -65,18 +60,10 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
       out.pages_per_layer = parse_int_option("--pages-per-layer", value, 1, kMax);
     } else if (take_value(args, i, "--max-batch", "", value)) {
       out.max_batch = parse_int_option("--max-batch", value, 1, 1 << 16);
-    } else if (take_value(args, i, "--threads", "", value)) {
-      out.threads = parse_int_option("--threads", value, 1, 1024);
-    } else if (take_value(args, i, "--json", "", value)) {
-      out.json = value;
     } else if (a == "--paged") {
       out.paged = true;
     } else if (a == "--no-stop-at-eos") {
       out.stop_at_eos = false;
-    } else if (a == "--chat") {
-      out.chat = true;
-    } else if (a == "--quiet" || a == "-q") {
-      out.quiet = true;
     } else {
       kvpress_cli::reject_argument("generate", a);
     }
@@ -147,13 +134,13 @@ int run_generate(const std::vector<std::string>& argv) {
   if (!args.prompts_file.empty()) {
     for (std::string& p : read_prompt_lines(args.prompts_file)) args.prompts.push_back(std::move(p));
   }
-  at::set_num_threads(static_cast<int>(args.threads));
-  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.model);
+  at::set_num_threads(static_cast<int>(args.run.threads));
+  const llama::Checkpoint checkpoint = llama::load_checkpoint(args.run.model);
   const std::string& dir = checkpoint.path;
   const llama::LlamaModel& model = checkpoint.model;
   const llama::Tokenizer& tokenizer = checkpoint.tokenizer;
   std::vector<std::vector<int64_t>> prompts;
-  if (args.chat) {
+  if (args.run.chat) {
     // As apply_chat_template(..., add_generation_prompt=True): the template's text, no BOS added.
     const llama::ChatTemplate chat = llama::chat_template_of(checkpoint);
     for (const std::string& text : args.prompts)
@@ -184,7 +171,7 @@ int run_generate(const std::vector<std::string>& argv) {
     for (const auto& p : prompts) generations.push_back(llama::generate_greedy(model, p, {}, opt));
   }
 
-  if (!args.quiet) {
+  if (!args.run.quiet) {
     fmt::print("model: {}; press: {}; {} mode\n", dir,
                press ? fmt::format("{} (compression_ratio {})", press->name(), args.press.ratio.value_or(0.0)) : "none",
                args.paged ? "paged" : "dense");
@@ -194,7 +181,7 @@ int run_generate(const std::vector<std::string>& argv) {
     }
     if (stats) print_pool(*stats, prompts.size());
   }
-  if (!args.json.empty()) {
+  if (!args.run.json.empty()) {
     nlohmann::json j;
     j["model"] = dir;
     j["press"] = press ? nlohmann::json(press->name()) : nlohmann::json(nullptr);
@@ -212,7 +199,7 @@ int run_generate(const std::vector<std::string>& argv) {
     }
     j["generations"] = items;
     j["pool"] = stats ? stats_json(*stats) : nlohmann::json(nullptr);
-    kvpress::io::write_text_atomically("generate: --json", args.json, j.dump(1) + "\n");
+    kvpress::io::write_text_atomically("generate: --json", args.run.json, j.dump(1) + "\n");
   }
   return 0;
 }

@@ -38,12 +38,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "inner scores, safeguarded, kept across heads (head budgets vary; head-ragged)",
                     {},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      AdaKVPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<AdaKVPress>(std::move(inner), params.alpha_safeguard);
-                    }};
+                    wrapper_from_params<AdaKVPress>};
 });
 
 }  // namespace

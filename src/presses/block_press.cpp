@@ -47,12 +47,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "block-iterative selection with the inner scorer",
                     {{}, {}, {}, "the inner press sees keys and values only"},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      BlockPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<BlockPress>(std::move(inner), params.block_size);
-                    }};
+                    wrapper_from_params<BlockPress>};
 });
 
 }  // namespace

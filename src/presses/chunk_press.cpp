@@ -46,12 +46,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "inner press applied to each chunk independently",
                     {{}, {}, {}, "no attentions (kvpress refuses them)"},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      ChunkPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<ChunkPress>(std::move(inner), params.chunk_length);
-                    }};
+                    wrapper_from_params<ChunkPress>};
 });
 
 }  // namespace

@@ -43,12 +43,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "inner scores averaged per chunk, best chunks kept whole",
                     {{}, {}, {}, "no attentions (kvpress refuses them)"},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      ChunkKVPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<ChunkKVPress>(std::move(inner), params.chunk_length);
-                    }};
+                    wrapper_from_params<ChunkKVPress>};
 });
 
 }  // namespace

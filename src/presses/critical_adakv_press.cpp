@@ -56,13 +56,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "AdaKV head budgets with CriticalKV's two stages per head (head-ragged)",
                     {{}, {"o_proj"}},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      CriticalAdaKVPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<CriticalAdaKVPress>(std::move(inner), params.alpha_safeguard,
-                                                                  params.epsilon, params.first_stage_ratio);
-                    }};
+                    wrapper_from_params<CriticalAdaKVPress>};
 });
 
 }  // namespace

@@ -95,13 +95,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "inner scores x ||v W_o||_1, the first stage's winners kept",
                     {{}, {"o_proj"}},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      CriticalKVPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<CriticalKVPress>(std::move(inner), params.epsilon,
-                                                               params.first_stage_ratio);
-                    }};
+                    wrapper_from_params<CriticalKVPress>};
 });
 
 }  // namespace

@@ -115,13 +115,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "ChunkKV whose important low-entropy chunks keep only their best tokens",
                     {{}, {}, {}, "no attentions (kvpress refuses them)"},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      EntropyGatedChunkKVPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<EntropyGatedChunkKVPress>(std::move(inner), params.chunk_length,
-                                                                        params.low_entropy_chunk_length);
-                    }};
+                    wrapper_from_params<EntropyGatedChunkKVPress>};
 });
 
 }  // namespace

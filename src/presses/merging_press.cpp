@@ -109,13 +109,7 @@ const Registration kRegistration([] {
                     PressKind::kWrapper,
                     "inner scorer's selection; each evicted value folded into its most key-similar kept token",
                     {},
-                    [](double r, ParamReader& p) {
-                      auto inner = inner_scorer(p, r);
-                      MergingPress::Params params;
-                      p.read_all(params);
-                      return std::make_unique<MergingPress>(std::move(inner), params.similarity_threshold,
-                                                            params.merge_fraction);
-                    }};
+                    wrapper_from_params<MergingPress>};
 });
 
 }  // namespace

@@ -131,7 +131,8 @@ std::unique_ptr<BasePress> without_params(double compression_ratio, ParamReader&
 
 // ---- inner presses of wrappers ----
 
-inline constexpr const char* kInnerPressHelp = "inner ScorerPress (kvpress requires one; its parameters as press.<name>)";
+inline constexpr const char* kInnerPressHelp =
+    "inner ScorerPress (kvpress requires one; its parameters as press.<name>)";
 // The decoding presses' inner press, built at each compression's ratio.
 inline constexpr const char* kDecodingInnerPressHelp =
     "inner ScorerPress (kvpress requires one; its parameters as press.<name>; its ratio is overridden)";
@@ -144,6 +145,15 @@ std::shared_ptr<const ScorerPress> as_scorer(std::unique_ptr<BasePress> built, c
 // parameters, and it gets the wrapper's compression ratio. kvpress requires the inner press; the
 // registry defaults it to KnormPress so that every registered press builds from its name alone.
 std::shared_ptr<const ScorerPress> inner_scorer(ParamReader& p, double ratio, const char* help = kInnerPressHelp);
+
+// A wrapper of one inner ScorerPress built from its Params: T(inner_scorer(...), params).
+template <typename T>
+std::unique_ptr<BasePress> wrapper_from_params(double compression_ratio, ParamReader& reader) {
+  auto inner = inner_scorer(reader, compression_ratio);
+  typename T::Params params;
+  reader.read_all(params);
+  return std::make_unique<T>(std::move(inner), params);
+}
 
 // A factory of the inner ScorerPress (`press`, `press.<param>`) for wrappers that need it at
 // several ratios (PerLayerCompressionPress, the decoding presses; their constructors build it, so

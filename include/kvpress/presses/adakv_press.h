@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -34,6 +35,9 @@ class AdaKVPress : public HeadRaggedWrapperPress {
 
   // Raises unless press is non-null and 0 <= alpha_safeguard <= 1 (kvpress's range).
   explicit AdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = kDefaultAlphaSafeguard);
+  // The registry's form: its Params (kvpress/press_params.h).
+  AdaKVPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : AdaKVPress(std::move(press), params.alpha_safeguard) {}
 
   std::string name() const override { return "AdaKVPress"; }
 

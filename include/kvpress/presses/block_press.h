@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -30,6 +31,9 @@ class BlockPress : public ScorerWrapperPress {
 
   // Raises unless press is non-null and block_size > 0.
   explicit BlockPress(std::shared_ptr<const ScorerPress> press, int64_t block_size = kDefaultBlockSize);
+  // The registry's form: its Params (kvpress/press_params.h).
+  BlockPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : BlockPress(std::move(press), params.block_size) {}
 
   std::string name() const override { return "BlockPress"; }
   KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }

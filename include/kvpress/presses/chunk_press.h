@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -30,6 +31,9 @@ class ChunkPress : public ChunkedWrapperPress {
 
   explicit ChunkPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = kDefaultChunkLength)
       : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkPress") {}
+  // The registry's form: its Params (kvpress/press_params.h).
+  ChunkPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : ChunkPress(std::move(press), params.chunk_length) {}
 
   std::string name() const override { return "ChunkPress"; }
   KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -30,6 +31,9 @@ class ChunkKVPress : public ChunkedWrapperPress {
 
   explicit ChunkKVPress(std::shared_ptr<const ScorerPress> press, int64_t chunk_length = kDefaultChunkLength)
       : ChunkedWrapperPress(std::move(press), chunk_length, "ChunkKVPress") {}
+  // The registry's form: its Params (kvpress/press_params.h).
+  ChunkKVPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : ChunkKVPress(std::move(press), params.chunk_length) {}
 
   std::string name() const override { return "ChunkKVPress"; }
   KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }

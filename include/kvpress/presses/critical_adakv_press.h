@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -46,6 +47,9 @@ class CriticalAdaKVPress : public HeadRaggedWrapperPress {
 
   explicit CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, double alpha_safeguard = kDefaultAlphaSafeguard,
                               double epsilon = kDefaultEpsilon, double first_stage_ratio = kDefaultFirstStageRatio);
+  // The registry's form: its Params (kvpress/press_params.h).
+  CriticalAdaKVPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : CriticalAdaKVPress(std::move(press), params.alpha_safeguard, params.epsilon, params.first_stage_ratio) {}
 
   std::string name() const override { return "CriticalAdaKVPress"; }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -40,6 +41,9 @@ class CriticalKVPress : public ScorerPress {
 
   explicit CriticalKVPress(std::shared_ptr<const ScorerPress> press, double epsilon = kDefaultEpsilon,
                            double first_stage_ratio = kDefaultFirstStageRatio);
+  // The registry's form: its Params (kvpress/press_params.h).
+  CriticalKVPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : CriticalKVPress(std::move(press), params.epsilon, params.first_stage_ratio) {}
 
   std::string name() const override { return "CriticalKVPress"; }
   at::Tensor score(const LayerInputs& inputs) const override;

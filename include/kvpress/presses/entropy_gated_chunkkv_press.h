@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -41,6 +42,9 @@ class EntropyGatedChunkKVPress : public ChunkedWrapperPress {
   explicit EntropyGatedChunkKVPress(std::shared_ptr<const ScorerPress> press,
                                     int64_t chunk_length = kDefaultChunkLength,
                                     int64_t low_entropy_chunk_length = kDefaultLowEntropyChunkLength);
+  // The registry's form: its Params (kvpress/press_params.h).
+  EntropyGatedChunkKVPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : EntropyGatedChunkKVPress(std::move(press), params.chunk_length, params.low_entropy_chunk_length) {}
 
   std::string name() const override { return "EntropyGatedChunkKVPress"; }
   int64_t low_entropy_chunk_length() const { return low_entropy_chunk_length_; }

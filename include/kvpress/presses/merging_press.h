@@ -1,6 +1,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
@@ -45,6 +46,9 @@ class MergingPress : public ScorerWrapperPress {
   explicit MergingPress(std::shared_ptr<const ScorerPress> press,
                         double similarity_threshold = kDefaultSimilarityThreshold,
                         double merge_fraction = kDefaultMergeFraction);
+  // The registry's form: its Params (kvpress/press_params.h).
+  MergingPress(std::shared_ptr<const ScorerPress> press, const Params& params)
+      : MergingPress(std::move(press), params.similarity_threshold, params.merge_fraction) {}
 
   std::string name() const override { return "MergingPress"; }
   KV compress(const LayerInputs& inputs) const override;
