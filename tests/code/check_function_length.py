@@ -1,0 +1,66 @@
+"""No function of the library, its tools, scripts or Python package is longer than 100 lines
+(docs/ARCHITECTURE.md, "Conventions"; tests, examples and benchmarks aside). Lengths are lizard's:
+from the signature's first line to the closing brace, comments and blank lines included.
+
+The runner's press drivers below are still longer; issue 34's press lifecycle rewrites them. Each
+is listed with its length today, and the check fails when one grows or shrinks (then lower or drop
+its entry), so the list can only get shorter.
+
+usage: check_function_length.py REPO
+"""
+import sys
+from pathlib import Path
+
+import lizard
+
+LIMIT = 100
+FOLDERS = ("src", "kernels", "include", "tools", "python/src", "scripts")
+SUFFIXES = {".cpp", ".h", ".cu", ".cuh", ".py"}
+# file: function -> its length today (lines).
+LONGER_UNTIL_THE_PRESS_LIFECYCLE = {
+    ("src/llama/model.cpp", "kvpress::llama::LlamaModel::run"): 116,
+    ("src/llama/paged_generation.cpp", "kvpress::llama::generate_paged"): 130,
+    ("src/llama/kvzip.cpp", "kvpress::llama::kvgrad_prefill"): 134,
+    ("src/llama/kvzip.cpp", "kvpress::llama::scoring_pass"): 102,
+}
+
+
+def functions(repo: Path):
+    for folder in FOLDERS:
+        for path in sorted((repo / folder).rglob("*")):
+            if path.suffix not in SUFFIXES or "build" in path.relative_to(repo).parts[:2]:
+                continue
+            code = path.read_text(encoding="utf-8")
+            # lizard reads CUDA as C++ (it does not know the .cu/.cuh endings).
+            name = path.with_suffix(".cpp").name if path.suffix in (".cu", ".cuh") else path.name
+            for f in lizard.analyze_file.analyze_source_code(name, code).function_list:
+                yield str(path.relative_to(repo)), f
+
+
+def main() -> int:
+    repo = Path(sys.argv[1]).resolve()
+    failures, seen, count = [], set(), 0
+    for file, f in functions(repo):
+        count += 1
+        known = LONGER_UNTIL_THE_PRESS_LIFECYCLE.get((file, f.name))
+        if known is not None:
+            seen.add((file, f.name))
+            if f.length != known:
+                failures.append(f"{file}:{f.start_line} {f.name} is {f.length} lines, listed as {known}: "
+                                f"update or drop its entry in {Path(__file__).name}")
+        elif f.length > LIMIT:
+            failures.append(f"{file}:{f.start_line} {f.name} is {f.length} lines (at most {LIMIT}): split it")
+    for file, name in sorted(set(LONGER_UNTIL_THE_PRESS_LIFECYCLE) - seen):
+        failures.append(f"{file}: {name} is listed but no longer exists: drop its entry")
+    print(f"check_function_length: {count} functions in {', '.join(FOLDERS)}; "
+          f"{len(LONGER_UNTIL_THE_PRESS_LIFECYCLE)} listed runner functions over {LIMIT} lines")
+    for failure in failures:
+        print("FAIL:", failure)
+    if count < 1000:
+        print(f"FAIL: only {count} functions found: is {repo} the repository?")
+        return 1
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
