@@ -94,7 +94,7 @@ int run_ask(const std::vector<std::string>& argv) {
   const std::unique_ptr<kvpress::BasePress> press = args.press.build("ask");
   args.pipeline.press = press.get();
   const std::string context = read_context(args.context_file);
-  at::set_num_threads(static_cast<int>(args.run.threads));
+  use_threads(args.run.threads);
   const llama::Checkpoint checkpoint = llama::load_checkpoint(args.run.model);
   const std::string& dir = checkpoint.path;
   const std::optional<llama::ChatTemplate> chat = chat_template(checkpoint, args.run.chat);

@@ -26,7 +26,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -68,7 +67,7 @@ struct BenchArgs {
   // (kvpress::calibration::search_max_ratio on the captured prefill), for every score-based press.
   std::vector<double> tolerances;
   std::string out, csv, png;
-  int64_t threads = 0;  // 0: every core
+  int64_t threads = 0;  // 0: torch's default (use_threads)
   bool progress = true;
 };
 
@@ -562,8 +561,7 @@ int run_bench(const std::vector<std::string>& argv) {
   const BenchArgs args = parse_args(argv);
   std::optional<Plotter> plotter;
   if (!args.png.empty()) plotter = find_plotter("--png");  // before the long work
-  at::set_num_threads(
-      static_cast<int>(args.threads > 0 ? args.threads : std::max(1u, std::thread::hardware_concurrency())));
+  use_threads(args.threads);
   // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global generator.
   at::manual_seed(0);
 

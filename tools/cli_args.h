@@ -2,6 +2,7 @@
 // "--name VALUE" / "--name=VALUE", a press's --param KEY=VALUE list and --ratio.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <fmt/core.h>
 
@@ -87,13 +88,19 @@ inline int64_t parse_int_option(std::string_view option, const std::string& text
   return *n;
 }
 
+// --threads N: N intra-op threads. 0, every command's default, keeps torch's own (the machine's
+// cores, or OMP_NUM_THREADS when set), as transformers and kvpress run.
+inline void use_threads(int64_t threads) {
+  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+}
+
 // The options the model commands share (generate, ask): --model, --threads, --json, --chat, --quiet.
 struct ModelRunArgs {
   std::string model = "tinystories-656k";
-  int64_t threads = 1;
-  std::string json;    // where the results go as JSON; empty: nowhere
-  bool chat = false;   // prompt through the model's chat template, as kvpress's pipeline does
-  bool quiet = false;  // no text on stdout
+  int64_t threads = 0;  // 0: torch's default (use_threads)
+  std::string json;     // where the results go as JSON; empty: nowhere
+  bool chat = false;    // prompt through the model's chat template, as kvpress's pipeline does
+  bool quiet = false;   // no text on stdout
 
   // Takes args[i] (and its value) when it is one of these options; advances i past them.
   bool take(const std::vector<std::string>& args, size_t& i) {

@@ -56,7 +56,7 @@ struct EvalArgs {
   int64_t min_prefix = 65;  // SnapKVPress's default window_size + 1: it observes the last 64 queries
   int64_t max_stories = 0;  // 0: all
   std::string json, csv, png;
-  int64_t threads = 1;  // intra-op threads: the tiny model's ops are too small to split
+  int64_t threads = 0;  // intra-op threads; 0: torch's default (use_threads)
   bool progress = true;
   bool quiet = false;
 };
@@ -281,7 +281,7 @@ std::vector<Story> select_stories(const EvalArgs& args, const std::vector<std::s
 
 // Every press at every ratio on every story, after the full-cache run of each story.
 Evaluation evaluate(const EvalArgs& args) {
-  at::set_num_threads(static_cast<int>(args.threads));
+  use_threads(args.threads);
   // Presses without a seed (RandomPress, LeverageScorePress's sketch) draw from the global
   // generator: seed it so that a run is reproducible.
   at::manual_seed(0);

@@ -134,7 +134,7 @@ int run_generate(const std::vector<std::string>& argv) {
   if (!args.prompts_file.empty()) {
     for (std::string& p : read_prompt_lines(args.prompts_file)) args.prompts.push_back(std::move(p));
   }
-  at::set_num_threads(static_cast<int>(args.run.threads));
+  use_threads(args.run.threads);
   const llama::Checkpoint checkpoint = llama::load_checkpoint(args.run.model);
   const std::string& dir = checkpoint.path;
   const llama::LlamaModel& model = checkpoint.model;

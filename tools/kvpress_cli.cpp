@@ -133,7 +133,7 @@ eval options (perplexity under compression with the kvpress::llama runner):
   --min-prefix N           skip stories whose prefix is shorter (default 65: SnapKVPress
                            observes the last 64 prefix tokens)
   --max-stories N          only the first N stories long enough for the prefix
-  --threads N              intra-op threads (default 1: faster on small models)
+  --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)
   --json OUT               per-story and mean figures
   --csv OUT                the table (mean figures)
   --png OUT                chart of mean NLL against ratio, one curve per press, drawn by
@@ -157,7 +157,7 @@ generate options (greedy continuations with the kvpress::llama runner):
   --no-stop-at-eos         generate N tokens even after the end-of-story token
   --chat                   each prompt as a user message through the model's chat template
                            (the generation prompt after it; no BOS added)
-  --threads N              intra-op threads (default 1)
+  --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)
   --json OUT               prompts, tokens, texts, cache lengths and the pool's figures
   --quiet, -q              print nothing (with --json)
 
@@ -177,7 +177,7 @@ ask options (kvpress's KVPressTextGenerationPipeline: compress once, answer each
   --max-context-length N   cut the prefill to its first N tokens
   --model NAME|DIR         checkpoint folder, .gguf file or model name (default tinystories-656k;
                            smollm2-135m-instruct: SmolLM2, installed by scripts/setup.sh)
-  --threads N              intra-op threads (default 1)
+  --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)
   --json OUT               questions, answers, tokens and cache lengths
   --quiet, -q              print nothing (with --json)
 
@@ -207,7 +207,7 @@ bench options (RULER-style accuracy of every press on a real model; docs/QUALITY
                            queries) stays within the tolerance; its rows' ratio is the tolerance
   --csv OUT                accuracy and mean kept fraction per press, ratio, task and length
   --png OUT                accuracy against ratio, one line per press (scripts/plot.py)
-  --threads N              intra-op threads (default: every core)
+  --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)
   --no-progress            no progress bar (shown only on a terminal)
 
 list options:
