@@ -129,6 +129,12 @@ at::Tensor window_attention_mean(const LayerInputs& inputs, int64_t window,
 at::Tensor window_attention(const LayerInputs& inputs, int64_t window,
                             const char* op);  // -> [B, Hq, window, S - window] float32
 
+// The attention probabilities of the last `window` queries over EVERY key, their own columns
+// included (DropKVPress reads the outputs they make): the given attentions' last rows, else the
+// causal softmax of window_queries(inputs, window). 1 <= window <= S.
+at::Tensor window_probabilities(const LayerInputs& inputs, int64_t window,
+                                const char* op);  // -> [B, Hq, window, S] float32
+
 // ---- scores -----------------------------------------------------------------------------
 
 // -||k_i||_2.

@@ -225,9 +225,9 @@ at::Tensor average_rope_rotation(const at::Tensor& inv_freq, int64_t start, int6
 
 namespace {
 
-// The last `window` rows of the given attentions over the first S - window keys, checked against
-// the keys: [B, Hq, window, S - window] in the attentions' dtype.
-at::Tensor given_window_rows(const LayerInputs& in, int64_t window, const char* op) {
+// The last `window` rows of the given attentions over every key, checked against the keys:
+// [B, Hq, window, S] in the attentions' dtype.
+at::Tensor given_rows(const LayerInputs& in, int64_t window, const char* op) {
   const at::Tensor& a = in.attentions;
   const int64_t seq = in.keys.size(2);
   checks::check_rank(op, "attentions", a, 4, "[batch, num_heads, q_len, seq_len]");
@@ -236,7 +236,29 @@ at::Tensor given_window_rows(const LayerInputs& in, int64_t window, const char* 
               ", num_heads, q_len, ", seq, "] to match keys, got ", checks::shape_str(a));
   TORCH_CHECK(a.size(2) >= window, op, ": attentions must hold at least the last ", window, " query rows, got q_len ",
               a.size(2));
-  return a.narrow(2, a.size(2) - window, window).narrow(3, 0, seq - window);
+  return a.narrow(2, a.size(2) - window, window);
+}
+
+// The same over the first S - window keys: [B, Hq, window, S - window].
+at::Tensor given_window_rows(const LayerInputs& in, int64_t window, const char* op) {
+  return given_rows(in, window, op).narrow(3, 0, in.keys.size(2) - window);
+}
+
+// Causal softmax of the last w positions' queries over all S keys, float32, GQA folded into rows
+// (no repeat_kv); unchecked: the callers check. -> [B, Hq, w, S]
+at::Tensor causal_window_softmax(const at::Tensor& queries, const at::Tensor& keys) {
+  const int64_t batch = keys.size(0), kv_heads = keys.size(1), seq = keys.size(2), head_dim = keys.size(3);
+  const int64_t heads = queries.size(1), window = queries.size(2);
+  const int64_t group = heads / kv_heads;
+  // Fold the query heads of a group into the row dimension: one matmul per KV head, no repeat_kv.
+  const at::Tensor q = queries.to(at::kFloat).reshape({batch, kv_heads, group * window, head_dim});
+  at::Tensor logits = at::matmul(q, keys.to(at::kFloat).transpose(2, 3))
+                          .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)))
+                          .view({batch, heads, window, seq});
+  // Query i sits at position seq - window + i and sees keys 0..seq - window + i.
+  const at::Tensor future = at::ones({window, seq}, keys.options().dtype(at::kBool)).triu(seq - window + 1);
+  logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
+  return at::softmax(logits, -1);
 }
 
 }  // namespace
@@ -257,18 +279,18 @@ at::Tensor window_attention(const LayerInputs& in, int64_t window, const char* o
 
 at::Tensor window_attention(const at::Tensor& queries, const at::Tensor& keys) {
   checks::check_window_attention("window_attention", queries, keys);
-  const int64_t batch = keys.size(0), kv_heads = keys.size(1), seq = keys.size(2), head_dim = keys.size(3);
-  const int64_t heads = queries.size(1), window = queries.size(2);
-  const int64_t group = heads / kv_heads;
-  // Fold the query heads of a group into the row dimension: one matmul per KV head, no repeat_kv.
-  const at::Tensor q = queries.to(at::kFloat).reshape({batch, kv_heads, group * window, head_dim});
-  at::Tensor logits = at::matmul(q, keys.to(at::kFloat).transpose(2, 3))
-                          .mul_(1.0 / std::sqrt(static_cast<double>(head_dim)))
-                          .view({batch, heads, window, seq});
-  // Query i sits at position seq - window + i and sees keys 0..seq - window + i.
-  const at::Tensor future = at::ones({window, seq}, keys.options().dtype(at::kBool)).triu(seq - window + 1);
-  logits.masked_fill_(future, -std::numeric_limits<float>::infinity());
-  return at::softmax(logits, -1).narrow(-1, 0, seq - window).contiguous();
+  return causal_window_softmax(queries, keys).narrow(-1, 0, keys.size(2) - queries.size(2)).contiguous();
+}
+
+at::Tensor window_probabilities(const LayerInputs& in, int64_t window, const char* op) {
+  checks::check_kv(op, in.keys, in.values);
+  TORCH_CHECK(window >= 1 && window <= in.keys.size(2), op, ": window must be in [1, ", in.keys.size(2),
+              "] (seq_len), got ", window);
+  if (in.attentions.defined()) {
+    checks::check_gqa(op, in.attentions.size(1), in.keys.size(1));
+    return given_rows(in, window, op).to(at::kFloat);
+  }
+  return causal_window_softmax(window_queries(in, window, op), in.keys);
 }
 
 at::Tensor composite::window_attention_mean(const at::Tensor& queries, const at::Tensor& keys) {
