@@ -1,7 +1,8 @@
 // A serving engine's loop over kvpress::PagedKVCache (docs/INTEGRATION.md), as a complete program:
 // requests of different lengths arrive, are prefilled together and compressed while their K/V is
-// stored, decode one token per step, are compacted in place by a decoding-time press, finish and
-// hand their pages to the next request.
+// stored, decode one token per step, are compacted in place by a decoding-time press (driven by the
+// press lifecycle of kvpress/presses/base_press.h: one state per request, one update per layer and
+// step), finish and hand their pages to the next request.
 //
 //   kvpress_engine_loop        # prints what happens and checks it; exits 1 if a check fails
 //
@@ -17,6 +18,8 @@
 #include <cstdio>
 #include <deque>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvpress/kvpress.h"
@@ -32,6 +35,7 @@ struct Request {
   int64_t id = 0, prompt_length = 0;
   kvpress::SequenceId seq = 0;
   int64_t generated = 0;
+  std::shared_ptr<kvpress::PressSequenceState> press_state;  // the decoding press's, for this request
 };
 
 // The stand-in model: a layer's K, V [n, Hkv, D] and Q [n, Hq, D] for tokens [first, first + n) of
@@ -86,6 +90,16 @@ int main() {
   // 2. The prefill press, built once and shared (presses are immutable): SnapKV compresses each
   //    prompt while it is stored; any registry press fits, head-ragged ones (AdaKVPress, ...) too.
   const auto prefill_press = kvpress::make_press("SnapKVPress", 0.5, {{"window_size", "16"}});
+  //    The decoding press: kvpress's DecodingPress over KnormPress, every kCompactEvery steps a
+  //    request longer than the budget keeps its best kCompactTo tokens per head.
+  const auto decoding_press = kvpress::make_press("DecodingPress", 0.0,
+                                                  {{"press", "KnormPress"},
+                                                   {"compression_interval", std::to_string(kCompactEvery)},
+                                                   {"target_size", std::to_string(kCompactTo)},
+                                                   {"hidden_states_buffer_size", "0"}});
+  // The stand-in's query projection is the identity and its positions rotate by nothing.
+  const at::Tensor identity = at::eye(kQueryHeads * kHeadDim);
+  const at::Tensor no_rotation_cos = at::ones({1, kHeadDim}), no_rotation_sin = at::zeros({1, kHeadDim});
 
   std::deque<Request> waiting;
   for (int64_t id = 0; id < 4; ++id) waiting.push_back({id, std::vector<int64_t>{300, 120, 57, 210}[id]});
@@ -131,7 +145,8 @@ int main() {
         };
         cache.store(layer, seqs, at::cat(k), at::cat(v), at::tensor(cu), prefill_press.get(), inputs);
       }
-      for (const Request& r : admitted) {
+      for (Request& r : admitted) {
+        r.press_state = decoding_press->new_sequence_state();  // fresh per request
         std::printf("request %lld: %lld-token prompt stored in %zu pages per head (uncompressed: %lld)\n",
                     static_cast<long long>(r.id), static_cast<long long>(r.prompt_length),
                     cache.pages(r.seq, 0, 0).size(),
@@ -161,34 +176,40 @@ int main() {
         ok &= check(at::allclose(out[0].squeeze(1), expected, 1e-5, 1e-5),
                     "paged attention equals dense attention over the kept tokens");
       }
-      // (The engine's MLP and the next layer run here; the last layer's output gives the token.)
-    }
-    for (Request& r : running) ++r.generated;
-
-    // 6. Decode-time compression: every kCompactEvery tokens, a request longer than the budget keeps
-    //    its best kCompactTo tokens per head; compact() moves them to the front of the head's own
-    //    pages and returns the emptied pages to the pool.
-    for (const Request& r : running) {
-      if (r.generated % kCompactEvery != 0) continue;
-      for (int64_t layer = 0; layer < kLayers; ++layer) {
-        const int64_t length = cache.length(r.seq, layer, 0);
-        if (length <= kCompactTo) continue;
-        const auto [keys, values] = cache.dense(r.seq, layer);  // [1, Hkv, L, D]
+      // 6. The decoding press's hook, right after the layer's attention: it reads the request's
+      //    whole layer only on the steps it compresses (a dense copy then); a replacement is applied
+      //    with compact(), which moves the kept tokens to the front of the head's own pages and
+      //    returns the emptied pages to the pool.
+      for (size_t i = 0; i < running.size(); ++i) {
+        const Request& r = running[i];
         kvpress::LayerInputs in;
-        in.keys = keys;
-        in.values = values;
-        const double ratio = 1.0 - static_cast<double>(kCompactTo) / static_cast<double>(length);
-        const auto knorm = kvpress::make_press("KnormPress", ratio);  // keeps the smallest-norm keys
-        const int64_t before = cache.free_pages(layer);
-        cache.compact(layer, r.seq, knorm->keep_mask(in)[0]);  // keep mask [Hkv, L]
-        if (layer == 0) {
+        in.hidden_states = q[i].permute({1, 0, 2}).reshape({1, 1, kQueryHeads * kHeadDim});
+        in.q_proj = identity;
+        in.cos = no_rotation_cos;
+        in.sin = no_rotation_sin;
+        in.num_heads = kQueryHeads;
+        in.layer_idx = layer;
+        in.num_layers = kLayers;
+        in.keys = k[i].unsqueeze(0);  // this step's token [1, Hkv, 1, D]
+        in.values = v[i].unsqueeze(0);
+        const int64_t tokens_seen = r.prompt_length + r.generated + 1;
+        if (decoding_press->decoding_reads_cache(layer, 1, tokens_seen, *r.press_state))
+          std::tie(in.keys, in.values) = cache.dense(r.seq, layer);  // [1, Hkv, L, D]
+        const kvpress::DecodingUpdate update = decoding_press->decoding_update(in, tokens_seen, *r.press_state);
+        if (update.kind != kvpress::DecodingUpdate::Kind::kReplace) continue;
+        const int64_t length = in.keys.size(2), before = cache.free_pages(layer);
+        at::Tensor keep = at::zeros({kKvHeads, length}, at::kBool);
+        cache.compact(layer, r.seq, keep.scatter_(1, update.replacement.kept_indices[0], true));  // [Hkv, L]
+        if (layer == 0 && cache.length(r.seq, 0, 0) < length) {
           std::printf("request %lld: compacted %lld -> %lld tokens per head, %lld pages freed\n",
                       static_cast<long long>(r.id), static_cast<long long>(length),
                       static_cast<long long>(cache.length(r.seq, 0, 0)),
                       static_cast<long long>(cache.free_pages(0) - before));
         }
       }
+      // (The engine's MLP and the next layer run here; the last layer's output gives the token.)
     }
+    for (Request& r : running) ++r.generated;
 
     // 7. Finished requests free their pages; the next loop admits waiting ones into them.
     for (const Request& r : running) {

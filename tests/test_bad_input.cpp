@@ -637,9 +637,10 @@ TEST(BadInput, RunnerRefusesAndLeavesTheCacheAsItWas) {
   const auto after_prefill = contents(cache);
   const auto decoding = make_press("DecodingPress", 0.0, {{"compression_interval", "1"}, {"target_size", "8"}});
   llama::ForwardOptions step;
-  step.decoding_press = decoding_press_of(decoding.get());
+  step.press = decoding.get();
   expect_error([&] { m.forward(ids({5}), cache, step); },
-               {"LlamaModel: DecodingPress needs a decoding_state (one per generation), got nullptr"});
+               {"LlamaModel: DecodingPress needs a press_state (press->new_sequence_state(), one per sequence), "
+                "got nullptr"});
   expect_same(after_prefill, contents(cache));
   expect_error([&] { m.prefill(ids({1}), cache); }, {"LlamaModel::prefill: the cache already holds 81 tokens"});
   // KVComposePress's prefill (its own second pass) failing in its last step.

@@ -81,8 +81,8 @@ TEST(CAM, AFailedForwardLeavesTheCacheAndTheStateAsTheyWere) {
   model.prefill(at::arange(3, 23, at::kLong).unsqueeze(0), cache);
   kvpress::DecodingState state;
   ForwardOptions step;
-  step.decoding_press = dynamic_cast<const kvpress::DecodingPress*>(built.get());
-  step.decoding_state = &state;
+  step.press = built.get();
+  step.press_state = &state;
   model.forward(at::tensor({5}, at::kLong).unsqueeze(0), cache, step);
   // Layer 1's running attention claims more tokens than its cache holds: its step raises after
   // layer 0's has summed and counted.
@@ -119,8 +119,8 @@ TEST(CAMParity, MatchesKvpressInTheModelLoop) {
     kvpress::DecodingState state;
     ForwardOptions step;
     step.last_logits_only = true;
-    step.decoding_press = &press;
-    step.decoding_state = &state;
+    step.press = &press;
+    step.press_state = &state;
     step.decoding_attentions = eager;  // kvpress on an eager model reads the model's weights
     at::manual_seed(fx.manifest.at("seed").get<int64_t>());
     const at::Tensor tokens = fixture(file, "tokens"), ref_logits = fixture(file, "logits");

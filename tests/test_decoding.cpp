@@ -209,18 +209,24 @@ TEST(Decoding, RegistryBuildsTheDecodingPresses) {
   EXPECT_EQ(pd.prefilling_press()->compression_ratio(), 0.5);
   EXPECT_EQ(pd.decoding_press()->compression_ratio(), 0.25);
   EXPECT_EQ(pd.compression_ratio(), 0.5);
+  // The lifecycle: which press runs at prefill, which one's updates while decoding.
   EXPECT_EQ(kvpress::prefill_press_of(both.get()), pd.prefilling_press().get());
-  EXPECT_EQ(kvpress::decoding_press_of(both.get()), pd.decoding_press().get());
+  EXPECT_TRUE(both->decoding_role().compresses);
+  EXPECT_EQ(both->decoding_role().scorer, pd.decoding_press()->press().get());
+  EXPECT_NE(dynamic_cast<kvpress::DecodingState*>(both->new_sequence_state().get()), nullptr);
   EXPECT_EQ(kvpress::prefill_press_of(d.get()), nullptr);
-  EXPECT_EQ(kvpress::decoding_press_of(d.get()), &dp);
+  EXPECT_TRUE(d->decoding_role().compresses);
+  EXPECT_EQ(d->decoding_role().scorer, dp.press().get());
   const auto knorm = kvpress::make_press("KnormPress", 0.5);
   EXPECT_EQ(kvpress::prefill_press_of(knorm.get()), knorm.get());
-  EXPECT_EQ(kvpress::decoding_press_of(knorm.get()), nullptr);
+  EXPECT_FALSE(knorm->decoding_role().compresses);
+  EXPECT_EQ(knorm->new_sequence_state(), nullptr);
   // kvpress's defaults: no parts; the cache is kept whole at prefill.
   const auto none = kvpress::make_press("PrefillDecodingPress", 0.5);
   const LayerInputs in = forward_inputs(30, 30, 6);
   EXPECT_EQ(none->compress(in).keys.size(2), 30);
-  EXPECT_EQ(kvpress::decoding_press_of(none.get()), nullptr);
+  EXPECT_FALSE(none->decoding_role().compresses);
+  EXPECT_EQ(none->new_sequence_state(), nullptr);
   // Which registry presses are kDecoding: Registry.KindsMatchTheBuiltPresses (tests/test_presses.cpp).
 }
 
@@ -293,12 +299,12 @@ TEST(Decoding, BadInputIsRefusedWithAClearMessage) {
   KVCache cache = model.new_cache();
   model.prefill(at::arange(1, 20).unsqueeze(0), cache);
   ForwardOptions opt;
-  opt.decoding_press = &snap;
+  opt.press = &snap;
   expect_error(
       [&] {
         model.forward(at::ones({1, 1}, at::kLong), cache, opt);
       },
-      {"LlamaModel", "DecodingPress", "decoding_state"});
+      {"LlamaModel", "DecodingPress", "press_state"});
 }
 
 // ---- in the Llama runner -------------------------------------------------------------------------
@@ -365,8 +371,8 @@ TEST(Decoding, PrefillAndDecodingHooksFillTheSameFields) {
       kvpress::make_press("DecodingPress", 0.0, {{"compression_interval", "1"}, {"target_size", "8"}});
   kvpress::DecodingState state;
   kvpress::llama::ForwardOptions step;
-  step.decoding_press = kvpress::decoding_press_of(decoding.get());
-  step.decoding_state = &state;
+  step.press = decoding.get();
+  step.press_state = &state;
   step.on_decoding_compress = [&](const LayerInputs& in, const kvpress::KV&) { while_decoding = defined_fields(in); };
   model.forward(at::tensor({400L}, at::kLong).unsqueeze(0), cache, step);
   const std::vector<std::string> expected{"keys",   "values", "hidden_states", "q_proj",   "k_proj",
@@ -473,8 +479,8 @@ TEST(DecodingParity, DecodingPressesMatchKvpressPipeline) {
     DecodingState state;
     ForwardOptions step;
     step.last_logits_only = true;
-    step.decoding_press = kvpress::decoding_press_of(press.get());
-    step.decoding_state = &state;
+    step.press = press.get();
+    step.press_state = &state;
     step.decoding_attentions = eager;
     step.on_decoding_compress = [&](const LayerInputs& in, const KV& kv) {
       // Tokens cached since the layer's last compression: consecutive positions ending with this

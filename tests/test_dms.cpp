@@ -117,7 +117,12 @@ TEST(DMS, Errors) {
   // The registry: DMSPress takes no ratio; its threshold is optional there, refused at compression.
   const auto built = kvpress::make_press("DMSPress", 0.0, {{"threshold", "-3"}, {"decoding", "true"}});
   EXPECT_TRUE(dynamic_cast<const DMSPress&>(*built).decoding());
-  EXPECT_EQ(kvpress::dms_decoding_press_of(built.get()), built.get());
+  EXPECT_TRUE(built->decoding_role().compresses);
+  EXPECT_TRUE(built->decoding_role().evicts_per_head);
+  EXPECT_NE(dynamic_cast<DMSWindow*>(built->new_sequence_state().get()), nullptr);
+  const auto prefill_only = kvpress::make_press("DMSPress", 0.0, {{"threshold", "-3"}});
+  EXPECT_FALSE(prefill_only->decoding_role().compresses);
+  EXPECT_EQ(prefill_only->new_sequence_state(), nullptr);
   expect_error([] { kvpress::make_press("DMSPress", 0.5); }, {"DMSPress"});
 }
 
@@ -166,11 +171,11 @@ TEST(DMS, RunnerLoops) {
   DMSWindow window;
   PrefillOptions opt;
   opt.press = &press;
-  opt.dms_window = &window;
+  opt.press_state = &window;
   at::Tensor logits = model.prefill(at::tensor(context, at::kLong).unsqueeze(0), cache, opt).logits;
   ForwardOptions step;
-  step.dms_press = &press;
-  step.dms_window = &window;
+  step.press = &press;
+  step.press_state = &window;
   std::vector<int64_t> tokens;
   for (int i = 0; i < 12; ++i) {
     tokens.push_back(logits[0][logits.size(1) - 1].argmax().item<int64_t>());
@@ -180,9 +185,9 @@ TEST(DMS, RunnerLoops) {
   // Evictions happened while decoding: some head holds fewer tokens than it did after the prefill.
   EXPECT_LT(cache.ragged(0).total_tokens() + cache.ragged(1).total_tokens(),
             2 * model.config().num_kv_heads * static_cast<int64_t>(context.size() + 11));
-  step.dms_window = nullptr;
+  step.press_state = nullptr;
   expect_error([&] { model.forward(at::tensor({tokens.back()}, at::kLong).unsqueeze(0), cache, step); },
-               {"LlamaModel: DMSPress needs a dms_window"});
+               {"LlamaModel: DMSPress needs a press_state"});
   // A single question through the pipeline; paged generation refuses decoding evictions.
   kvpress::llama::PipelineOptions p;
   p.press = &press;
@@ -195,7 +200,7 @@ TEST(DMS, RunnerLoops) {
   kvpress::llama::PagedGenerationOptions paged;
   paged.press = &press;
   expect_error([&] { kvpress::llama::generate_paged(model, {context}, paged); },
-               {"DMSPress with decoding=true evicts per head while generating on the dense runner only"});
+               {"DMSPress evicts per head while generating on the dense runner only"});
 }
 
 TEST(DMS, AFailedForwardLeavesTheCacheAndTheWindowAsTheyWere) {
@@ -205,11 +210,11 @@ TEST(DMS, AFailedForwardLeavesTheCacheAndTheWindowAsTheyWere) {
   DMSWindow window;
   PrefillOptions opt;
   opt.press = &press;
-  opt.dms_window = &window;
+  opt.press_state = &window;
   model.prefill(at::arange(3, 23, at::kLong).unsqueeze(0), cache, opt);
   ForwardOptions step;
-  step.dms_press = &press;
-  step.dms_window = &window;
+  step.press = &press;
+  step.press_state = &window;
   model.forward(at::tensor({5}, at::kLong).unsqueeze(0), cache, step);
   // Layer 1's queue claims more tokens than were ever seen: its decoding step raises after layer 0's
   // has queued and judged.
@@ -217,7 +222,7 @@ TEST(DMS, AFailedForwardLeavesTheCacheAndTheWindowAsTheyWere) {
   broken.scores[1] = at::zeros({1, model.config().num_kv_heads, 40});
   const DMSWindow snapshot = broken;
   const KVCache cache_before = cache;
-  step.dms_window = &broken;
+  step.press_state = &broken;
   expect_error([&] { model.forward(at::tensor({6}, at::kLong).unsqueeze(0), cache, step); },
                {"DMSPress.decoding_step: tokens_seen (22) must be at least the 41 tokens the window holds"});
   for (size_t l = 0; l < snapshot.scores.size(); ++l)
@@ -264,15 +269,15 @@ TEST(DMSParity, MatchesKvpressInTheModelLoop) {
       DMSWindow window;
       PrefillOptions opt;
       opt.press = &press;
-      opt.dms_window = &window;
+      opt.press_state = &window;
       opt.ragged_layout = layout;
       const auto out = model.prefill(context, cache, opt);
       for (int64_t l = 0; l < num_layers; ++l)
         EXPECT_TRUE(at::equal(out.keep_masks[l][0], ref_prefill[l])) << "prefill, layer " << l;
       ForwardOptions step;
       step.last_logits_only = true;
-      step.dms_press = kvpress::dms_decoding_press_of(&press);
-      step.dms_window = &window;
+      step.press = &press;
+      step.press_state = &window;
       double max_diff = (model.forward(question, cache, step).logits[0][0] - ref_logits[0]).abs().max().item<double>();
       for (int64_t i = 0; i < tokens.size(0); ++i) {
         const at::Tensor logits = model.forward(tokens.narrow(0, i, 1).view({1, 1}), cache, step).logits[0][0];

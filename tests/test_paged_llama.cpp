@@ -47,15 +47,15 @@ std::vector<at::Tensor> dense_logits(const std::vector<int64_t>& prompt, const s
   const LlamaModel& m = model();
   llama::KVCache cache = m.new_cache();
   llama::PrefillOptions pre;
-  pre.press = prefill_press_of(press);
+  pre.press = press;
   pre.last_logits_only = true;
   std::vector<at::Tensor> out;
   out.push_back(m.prefill(at::tensor(at::ArrayRef<int64_t>(prompt), at::kLong).unsqueeze(0), cache, pre).logits[0][0]);
-  DecodingState state;
+  const std::unique_ptr<PressSequenceState> state = press ? press->new_sequence_state() : nullptr;
   llama::ForwardOptions step;
   step.last_logits_only = true;
-  step.decoding_press = decoding_press_of(press);
-  step.decoding_state = &state;
+  step.press = press;
+  step.press_state = state.get();
   for (size_t k = 0; k + 1 < generated.size(); ++k)
     out.push_back(m.forward(at::tensor({generated[k]}, at::kLong).unsqueeze(0), cache, step).logits[0][0]);
   return out;

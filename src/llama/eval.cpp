@@ -9,9 +9,6 @@
 #include <vector>
 
 #include "greedy.h"
-#include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/dms_press.h"
-#include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
 
@@ -27,23 +24,19 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
   prefill.press = press;            // a DecodingPress does nothing at prefill; a PrefillDecodingPress its prefill part
   prefill.last_logits_only = true;  // token `prefix` is not scored
   prefill.tokenizer = tokenizer;
-  DMSWindow dms_window;  // a DMSPress's window, from the prefill through the continuation
-  prefill.dms_window = &dms_window;
+  // The press's state for this sequence, from the prefill through the continuation.
+  const std::unique_ptr<PressSequenceState> state = press ? press->new_sequence_state() : nullptr;
+  prefill.press_state = state.get();
   model.prefill(all.narrow(1, 0, prefix), cache, prefill);
   // Feed tokens prefix .. n-2 at positions cache.position() on (prefix .. n-2, or from n_kept after
   // KeyRerotationPress); they predict tokens prefix+1 .. n-1.
   at::Tensor logits;
-  const DecodingPress* decoding = decoding_press_of(press);
-  const DMSPress* dms_decoding = dms_decoding_press_of(press);
-  if (decoding || dms_decoding) {
+  if (press && press->decoding_role().compresses) {
     // A decoding press compresses while tokens are generated: feed them one per forward, as
     // generation would, so that it compresses at its interval and later tokens read the result.
-    DecodingState state;
     ForwardOptions step;
-    step.decoding_press = decoding;
-    step.decoding_state = &state;
-    step.dms_press = dms_decoding;
-    step.dms_window = &dms_window;
+    step.press = press;
+    step.press_state = state.get();
     std::vector<at::Tensor> rows;
     for (int64_t p = prefix; p < n - 1; ++p)
       rows.push_back(model.forward(all.narrow(1, p, 1), cache, step).logits[0][0]);

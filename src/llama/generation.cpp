@@ -5,9 +5,6 @@
 #include <c10/util/Exception.h>
 
 #include "greedy.h"
-#include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/dms_press.h"
-#include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
 
@@ -21,24 +18,23 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   if (options.max_new_tokens == 0) return g;
 
   KVCache cache = model.new_cache();
+  // This generation's press state, from the prefill through the decoding (kvpress resets its press
+  // per pipeline call).
+  const std::unique_ptr<PressSequenceState> state = options.press ? options.press->new_sequence_state() : nullptr;
   PrefillOptions prefill;
-  prefill.press = prefill_press_of(options.press);  // kvpress's pipeline: a DecodingPress skips the prefill
+  prefill.press = options.press;  // kvpress's pipeline: a DecodingPress skips the prefill
+  prefill.press_state = state.get();
   prefill.press_attentions = options.press_attentions;
   prefill.last_logits_only = true;
   prefill.tokenizer = options.tokenizer;
-  DMSWindow dms_window;  // a DMSPress's window, from the prefill through the decoding
-  prefill.dms_window = &dms_window;
   const at::Tensor logits = model.prefill(detail::as_batch(context), cache, prefill).logits;
   g.cache_lengths = cache.lengths();
 
-  DecodingState decoding_state;  // this generation's buffers (kvpress resets its press per pipeline call)
   ForwardOptions step;
   step.last_logits_only = true;
-  step.decoding_press = decoding_press_of(options.press);
-  step.decoding_state = &decoding_state;
+  step.press = options.press;
+  step.press_state = state.get();
   step.decoding_attentions = options.decoding_attentions;
-  step.dms_press = dms_decoding_press_of(options.press);
-  step.dms_window = &dms_window;
   g.tokens = detail::greedy_continue(model, cache, logits, question, step, options.max_new_tokens, options.stop_at_eos);
   g.final_cache_lengths = cache.lengths();
   return g;

@@ -128,6 +128,8 @@ KVComposeResult kvcompose_prefill(const LlamaModel& model, const at::Tensor& con
     // 1. The context's prefill, uncompressed (kvpress's hook skips the square attention).
     PrefillOptions plain;
     static_cast<ForwardOptions&>(plain) = static_cast<const ForwardOptions&>(prefill);
+    plain.press = nullptr;  // the forward's settings, not its press
+    plain.press_state = nullptr;
     KVComposeResult result;
     result.prefill = model.prefill(context_ids, cache, plain);
     result.prefill.kept_indices.clear();

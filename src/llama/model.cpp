@@ -28,9 +28,6 @@
 #include "kvpress/llama/kvcompose.h"
 #include "kvpress/llama/kvzip.h"
 #include "kvpress/ops.h"
-#include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/dms_press.h"
-#include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
 
 namespace kvpress::llama {
@@ -455,15 +452,16 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
               "] (the prefill's tokens), got ", options.question_length);
   // KVCompose, KVzip and FastKVzip (global) cannot compress layer by layer: they run the model
   // again over the context (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
-  if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(options.press))
+  const BasePress* press = prefill_press_of(options.press);
+  if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(press))
     return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
-  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press)) {  // KVgrad and RestoreKV too
+  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(press)) {  // KVgrad and RestoreKV too
     TORCH_CHECK(options.tokenizer != nullptr, "LlamaModel::prefill: ", kvzip->name(),
                 " replays the context after a text prompt, so it needs the model's tokenizer: set "
                 "PrefillOptions::tokenizer");
     return kvzip_prefill(*this, input_ids, cache, *kvzip, *options.tokenizer, options).prefill;
   }
-  if (const auto* fast = dynamic_cast<const FastKVzipPress*>(options.press); fast && fast->needs_second_pass())
+  if (const auto* fast = dynamic_cast<const FastKVzipPress*>(press); fast && fast->needs_second_pass())
     return fast_kvzip_prefill(*this, input_ids, cache, *fast, options).prefill;
   return run(input_ids, cache, options, &options);
 }
@@ -474,11 +472,9 @@ bool CapturedPrefill::is_prefill_of(const at::Tensor& input_ids) const {
 }
 
 CapturedPrefill LlamaModel::capture_prefill(const at::Tensor& input_ids, const ForwardOptions& options) const {
-  ForwardOptions plain = options;  // no decoding press: a prefill has none
-  plain.decoding_press = nullptr;
-  plain.decoding_state = nullptr;
-  plain.dms_press = nullptr;
-  plain.dms_window = nullptr;
+  ForwardOptions plain = options;  // no press: the capture is the uncompressed prefill
+  plain.press = nullptr;
+  plain.press_state = nullptr;
   PrefillOptions no_press;
   static_cast<ForwardOptions&>(no_press) = plain;
   CapturedPrefill captured;
@@ -492,7 +488,7 @@ std::string LlamaModel::why_not_captured(const BasePress* press, PressAttentions
   const BasePress* p = prefill_press_of(press);
   if (p == nullptr) return "";
   if (p->needs_second_pass()) return p->name() + " runs a second pass over the context";
-  if (dynamic_cast<const DMSPress*>(p) != nullptr) return p->name() + " fills its decoding window at prefill";
+  if (p->new_sequence_state() != nullptr) return p->name() + " starts its per-sequence state at prefill";
   if (wants_attentions(press_attentions, ForwardOptions{}, p->name()))
     return p->name() + " reads attention weights, which a captured prefill does not keep";
   return "";
@@ -527,36 +523,40 @@ ForwardOutput LlamaModel::forward(const at::Tensor& input_ids, KVCache& cache, c
   return run(input_ids, cache, options, nullptr);
 }
 
-ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options,
-                              const PrefillOptions* prefill, std::vector<LayerInputs>* capture) const {
+void LlamaModel::check_forward_inputs(const at::Tensor& input_ids, const KVCache& cache) const {
   const LlamaConfig& c = config_;
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.size(1) > 0 && input_ids.scalar_type() == at::kLong,
               "LlamaModel: input_ids must be a non-empty int64 [batch, n] tensor, got ", shape_str(input_ids), " ",
               input_ids.scalar_type());
   TORCH_CHECK(cache.num_layers() == c.num_layers, "LlamaModel: the cache has ", cache.num_layers(),
               " layers, the model ", c.num_layers, " (use new_cache())");
-  const int64_t n = input_ids.size(1);
-  const int64_t start = cache.position();
   const int64_t lowest = input_ids.min().item<int64_t>(), highest = input_ids.max().item<int64_t>();
   TORCH_CHECK(lowest >= 0 && highest < c.vocab_size, "LlamaModel: input_ids must be in [0, vocab_size (", c.vocab_size,
               ")), got values in [", lowest, ", ", highest, "]");
+}
+
+ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options,
+                              const PrefillOptions* prefill, std::vector<LayerInputs>* capture) const {
+  const LlamaConfig& c = config_;
+  check_forward_inputs(input_ids, cache);
+  const int64_t n = input_ids.size(1);
+  const int64_t start = cache.position();
 
   // A DecodingPress does nothing at prefill (kvpress's hook skips it); a PrefillDecodingPress
   // applies its prefilling press.
-  const BasePress* press = prefill ? prefill_press_of(prefill->press) : nullptr;
+  const BasePress* press = prefill ? prefill_press_of(options.press) : nullptr;
   const bool press_attentions = press && wants_attentions(prefill->press_attentions, options, press->name());
   // kvpress's is_prefilling: a forward starting at position 0 is a prefill, so decoding presses skip it.
-  const DecodingPress* decoding = start > 0 ? options.decoding_press : nullptr;
-  TORCH_CHECK(decoding == nullptr || options.decoding_state != nullptr, "LlamaModel: ", decoding->name(),
-              " needs a decoding_state (one per generation), got nullptr");
+  const BasePress* decoding =
+      start > 0 && options.press && options.press->decoding_role().compresses ? options.press : nullptr;
+  PressSequenceState* state = options.press_state;
+  TORCH_CHECK(decoding == nullptr || state != nullptr, "LlamaModel: ", decoding->name(),
+              " needs a press_state (press->new_sequence_state(), one per sequence), got nullptr");
+  const DecodingRole role = decoding ? decoding->decoding_role() : DecodingRole{};
   const bool decoding_attentions =
-      decoding && (options.decoding_attentions || needs_attentions(decoding->press()->name()));
-  // DMSPress: its prefill fills the window it judges while decoding (ForwardOptions::dms_window).
-  const auto* dms_prefill = dynamic_cast<const DMSPress*>(press);
-  DMSWindow* dms_window = options.dms_window;
-  const DMSPress* dms_decoding = start > 0 ? options.dms_press : nullptr;
-  TORCH_CHECK(dms_decoding == nullptr || dms_window != nullptr, "LlamaModel: ", dms_decoding->name(),
-              " needs a dms_window (the window's scores since the prefill), got nullptr");
+      role.scorer && (options.decoding_attentions || needs_attentions(role.scorer->name()));
+  // A press whose state starts at prefill (DMSPress's window) records it there.
+  const bool records_prefill = press && state && !decoding;
 
   ForwardOutput out;
   const RopeTables rope_tables = rope(start, n);
@@ -565,12 +565,9 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
   // A copy is a snapshot: the layers' tensors are shared, and a forward only writes past their
   // current lengths or replaces tensors (it never truncates), so the copy's contents stay intact.
   KVCache before = cache;
-  // The per-sequence press state the forward advances goes back with it: the presses replace these
-  // tensors and never write into them, so a copy is a snapshot too.
-  std::optional<DecodingState> decoding_before;
-  if (decoding) decoding_before = *options.decoding_state;
-  std::optional<DMSWindow> window_before;
-  if (dms_window && (dms_prefill || dms_decoding)) window_before = *dms_window;
+  // The press state the forward advances goes back with it (PressSequenceState::snapshot).
+  const std::unique_ptr<PressSequenceState> state_before =
+      state && (records_prefill || decoding) ? state->snapshot() : nullptr;
   try {
     for (int64_t li = 0; li < c.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
@@ -581,8 +578,9 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
       if (cache.is_ragged(li)) {
         TORCH_CHECK(!options.return_attentions, "LlamaModel: return_attentions is not available for layer ", li,
                     ", stored head-ragged (prefill with ragged_layout = kMasked to get dense weights)");
-        TORCH_CHECK(decoding == nullptr, "LlamaModel: ", decoding ? decoding->name() : std::string(),
-                    " cannot compress layer ", li, ", stored head-ragged");
+        TORCH_CHECK(decoding == nullptr || role.evicts_per_head,
+                    "LlamaModel: ", decoding ? decoding->name() : std::string(), " cannot compress layer ", li,
+                    ", stored head-ragged");
         attn_out = ragged_attention(qkv.q, cache.ragged(li));
       } else {
         // Weights only where someone reads them; fused attention otherwise (no n x L matrix).
@@ -599,31 +597,25 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
             hook_inputs(li, input_ids, h, rope_tables, cache.keys(li).contiguous(), cache.values(li).contiguous());
         in.queries = qkv.q;
         capture->push_back(std::move(in));
-      } else if (press || decoding) {
+      } else if (press) {
         LayerInputs in =
             hook_inputs(li, input_ids, h, rope_tables, cache.keys(li).contiguous(), cache.values(li).contiguous());
-        if (press) {
-          // The queries this prefill computed anyway (all positions, from 0): a press reads them
-          // instead of projecting the hidden states again.
-          in.queries = qkv.q;
-          if (press_attentions) in.attentions = attn_weights;
-          in.question_length = prefill->question_length;
-          // In place only in a layer this prefill filled: `before` shares no stored token of it.
-          const bool in_place = prefill->compress_in_place && before.length(li) == 0;
-          const at::Tensor mask =
-              dms_prefill && dms_window ? dms_prefill->prefill_window(in, *dms_window) : at::Tensor();
-          compress_at_prefill(*press, *prefill, li, std::move(in), in_place, cache, out, mask);
-        } else {
-          if (decoding_attentions) in.attentions = attn_weights;
-          compress_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
-        }
-      }
-
-      // DMSPress while decoding: the forward's tokens join its window; those leaving it may go.
-      if (dms_decoding) {
-        const LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, qkv.k, qkv.v);
-        const DMSEviction e = dms_decoding->decoding_step(in, start + n, *dms_window);
-        if (e.evict.numel() > 0 && e.evict.any().item<bool>()) cache.evict(li, e.first, e.evict);
+        // The queries this prefill computed anyway (all positions, from 0): a press reads them
+        // instead of projecting the hidden states again.
+        in.queries = qkv.q;
+        if (press_attentions) in.attentions = attn_weights;
+        in.question_length = prefill->question_length;
+        // In place only in a layer this prefill filled: `before` shares no stored token of it.
+        const bool in_place = prefill->compress_in_place && before.length(li) == 0;
+        const at::Tensor mask = records_prefill ? options.press->record_prefill(in, *state) : at::Tensor();
+        compress_at_prefill(*press, *prefill, li, std::move(in), in_place, cache, out, mask);
+      } else if (decoding) {
+        // The whole layer only when the press reads it; else this forward's new keys/values.
+        const bool whole = decoding->decoding_reads_cache(li, n, start + n, *state);
+        LayerInputs in = hook_inputs(li, input_ids, h, rope_tables, whole ? cache.keys(li).contiguous() : qkv.k,
+                                     whole ? cache.values(li).contiguous() : qkv.v);
+        if (decoding_attentions) in.attentions = attn_weights;
+        update_while_decoding(*decoding, options, li, std::move(in), start + n, cache);
       }
 
       x = mlp_residual(li, x + project_output(li, attn_out), nullptr);
@@ -633,8 +625,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
     cache.set_position(press ? press->position_after(start + n, cache.length(0)) : start + n);
   } catch (...) {
     cache = std::move(before);
-    if (decoding_before) *options.decoding_state = std::move(*decoding_before);
-    if (window_before) *dms_window = std::move(*window_before);
+    if (state_before) state->restore(*state_before);
     throw;
   }
 
@@ -797,16 +788,21 @@ void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOption
   if (options.on_compress) options.on_compress(in, kv);
 }
 
-void LlamaModel::compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer,
-                                         LayerInputs in, int64_t tokens_seen, KVCache& cache) const {
-  const std::optional<KV> kv = press.step(in, tokens_seen, *options.decoding_state);
-  if (!kv) return;
-  TORCH_CHECK(kv->keys.dim() == 4 && kv->keys.size(0) == in.keys.size(0) && kv->keys.size(1) == in.keys.size(1) &&
-                  kv->keys.size(3) == in.keys.size(3) && kv->values.sizes() == kv->keys.sizes(),
-              "LlamaModel: ", press.name(), " returned keys ", shape_str(kv->keys), " and values ",
-              shape_str(kv->values), " for a cache of ", shape_str(in.keys));
-  cache.replace(layer, kv->keys, kv->values);
-  if (options.on_decoding_compress) options.on_decoding_compress(in, *kv);
+void LlamaModel::update_while_decoding(const BasePress& press, const ForwardOptions& options, int64_t layer,
+                                       LayerInputs in, int64_t tokens_seen, KVCache& cache) const {
+  const DecodingUpdate update = press.decoding_update(in, tokens_seen, *options.press_state);
+  if (update.kind == DecodingUpdate::Kind::kEvict) {
+    cache.evict(layer, update.evict_first, update.evict);
+    return;
+  }
+  if (update.kind != DecodingUpdate::Kind::kReplace) return;
+  const KV& kv = update.replacement;
+  TORCH_CHECK(kv.keys.dim() == 4 && kv.keys.size(0) == in.keys.size(0) && kv.keys.size(1) == in.keys.size(1) &&
+                  kv.keys.size(3) == in.keys.size(3) && kv.values.sizes() == kv.keys.sizes(),
+              "LlamaModel: ", press.name(), " returned keys ", shape_str(kv.keys), " and values ", shape_str(kv.values),
+              " for a cache of ", shape_str(in.keys));
+  cache.replace(layer, kv.keys, kv.values);
+  if (options.on_decoding_compress) options.on_decoding_compress(in, kv);
 }
 
 }  // namespace kvpress::llama

@@ -8,9 +8,6 @@
 #include <vector>
 
 #include "kvpress/llama/generation.h"
-#include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/dms_press.h"
-#include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
 namespace {
@@ -19,8 +16,8 @@ namespace {
 struct Running {
   int64_t prompt = 0;
   SequenceId seq = 0;
-  DecodingState state;  // its DecodingPress buffers (kvpress resets them per generation)
-  int64_t steps = 0;    // decoding steps run so far
+  std::unique_ptr<PressSequenceState> state;  // its press's, fresh per generation (nullptr: none)
+  int64_t steps = 0;                          // decoding steps run so far
   bool done = false;
 };
 
@@ -41,9 +38,8 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
   constexpr const char* op = "generate_paged";
   TORCH_CHECK(options.max_new_tokens >= 0, op, ": max_new_tokens must be >= 0, got ", options.max_new_tokens);
   TORCH_CHECK(options.max_batch > 0, op, ": max_batch must be > 0, got ", options.max_batch);
-  TORCH_CHECK(dms_decoding_press_of(options.press) == nullptr, op,
-              ": DMSPress with decoding=true evicts per head while generating on the dense runner only "
-              "(generate_greedy); decoding=false compresses the paged prefill");
+  const std::string why_not = LlamaModel::why_not_paged_decoding(options.press);
+  TORCH_CHECK(why_not.empty(), op, ": ", why_not);
   TORCH_CHECK(options.page_size > 0, op, ": page_size must be > 0, got ", options.page_size);
   TORCH_CHECK(options.pages_per_layer >= 0, op, ": pages_per_layer must be >= 0 (0: sized for max_batch), got ",
               options.pages_per_layer);
@@ -77,7 +73,6 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
   PagedPrefillOptions prefill;
   prefill.press = options.press;  // prefill_paged applies a PrefillDecodingPress's prefilling part
   prefill.press_attentions = options.press_attentions;
-  const DecodingPress* decoding = decoding_press_of(options.press);
   const int64_t eos = config.eos_token_id;
 
   std::deque<int64_t> waiting;
@@ -130,6 +125,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
         auto r = std::make_unique<Running>();
         r->prompt = admitted[k];
         r->seq = seqs[k];
+        if (options.press) r->state = options.press->new_sequence_state();
         Generation& g = out.generations[static_cast<size_t>(r->prompt)];
         g.cache_lengths = longest_heads(cache, r->seq);
         for (int64_t l = 0; l < config.num_layers; ++l) {
@@ -149,11 +145,11 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
     std::vector<SequenceId> step_seqs;
     std::vector<int64_t> tokens;
     PagedDecodeOptions step;
-    step.decoding_press = decoding;
+    step.press = options.press;
     for (const auto& r : running) {
       step_seqs.push_back(r->seq);
       tokens.push_back(out.generations[static_cast<size_t>(r->prompt)].tokens.back());
-      if (decoding) step.decoding_states.push_back(&r->state);
+      if (r->state) step.press_states.push_back(r->state.get());
     }
     const at::Tensor logits = model.decode_paged(step_seqs, tokens, cache, step);
     ++stats.decode_steps;

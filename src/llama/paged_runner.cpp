@@ -10,8 +10,6 @@
 
 #include "greedy.h"
 #include "kvpress/llama/model.h"
-#include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/registry.h"
 
 namespace kvpress::llama {
@@ -110,6 +108,22 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
   return at::linear(rms_norm(x.index_select(1, last), norm_), lm_head_)[0];  // [B, vocab]
 }
 
+std::string LlamaModel::why_not_paged_decoding(const BasePress* press) {
+  if (press == nullptr) return "";
+  const DecodingRole role = press->decoding_role();
+  if (!role.compresses) return "";
+  if (role.evicts_per_head)
+    return press->name() + " evicts per head while generating on the dense runner only (generate_greedy)";
+  if (role.scorer && needs_attentions(role.scorer->name()))
+    return press->name() + "'s scorer " + role.scorer->name() +
+           " needs attention weights, which paged attention does not compute";
+  if (role.reads_cache_every_step)
+    return press->name() +
+           " reads the layer's whole cache on every step, which the paged decode gives only when it "
+           "compresses";
+  return "";
+}
+
 at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const std::vector<int64_t>& tokens,
                                     PagedKVCache& cache, const PagedDecodeOptions& options) const {
   constexpr const char* op = "LlamaModel::decode_paged";
@@ -118,16 +132,14 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
               tokens.size(), " tokens");
   check_paged_cache(cache, op);
   check_token_ids(tokens, op);
-  const DecodingPress* decoding = options.decoding_press;
+  const BasePress* decoding = options.press && options.press->decoding_role().compresses ? options.press : nullptr;
   if (decoding) {
-    TORCH_CHECK(options.decoding_states.size() == seqs.size(), op, ": ", decoding->name(),
-                " needs one decoding state per sequence (", seqs.size(), "), got ", options.decoding_states.size());
-    for (const DecodingState* state : options.decoding_states)
-      TORCH_CHECK(state != nullptr, op, ": decoding_states must not hold nullptr");
-    TORCH_CHECK(!needs_attentions(decoding->press()->name()), op, ": ", decoding->name(), "'s inner press ",
-                decoding->press()->name(), " needs attention weights, which paged attention does not compute");
-    TORCH_CHECK(!decoding->reads_cache_every_step(), op, ": ", decoding->name(),
-                " reads the layer's whole cache on every step, which the paged decode gives only when it compresses");
+    const std::string why = why_not_paged_decoding(decoding);
+    TORCH_CHECK(why.empty(), op, ": ", why);
+    TORCH_CHECK(options.press_states.size() == seqs.size(), op, ": ", decoding->name(),
+                " needs one press state per sequence (", seqs.size(), "), got ", options.press_states.size());
+    for (const PressSequenceState* state : options.press_states)
+      TORCH_CHECK(state != nullptr, op, ": press_states must not hold nullptr");
   }
   const auto batch = static_cast<int64_t>(seqs.size());
   // Every page the step takes, in every layer, before anything is written.
@@ -138,8 +150,9 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
   }
   std::vector<int64_t> positions;
   for (SequenceId s : seqs) positions.push_back(cache.next_position(s, 0));
-  std::vector<DecodingState> saved_states;
-  for (const DecodingState* state : options.decoding_states) saved_states.push_back(*state);
+  std::vector<std::unique_ptr<PressSequenceState>> saved_states;
+  if (decoding)
+    for (const PressSequenceState* state : options.press_states) saved_states.push_back(state->snapshot());
 
   const double scaling = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
   const at::Tensor input_ids = at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong).unsqueeze(0);  // [1, B]
@@ -161,16 +174,17 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
         for (int64_t i = 0; i < batch; ++i) {
           const auto b = static_cast<size_t>(i);
           const RopeTables rows{rope_tables.cos.narrow(0, i, 1), rope_tables.sin.narrow(0, i, 1)};
-          LayerInputs in =
-              hook_inputs(li, input_ids.narrow(1, i, 1), h.narrow(1, i, 1), rows, at::Tensor(), at::Tensor());
+          LayerInputs in = hook_inputs(li, input_ids.narrow(1, i, 1), h.narrow(1, i, 1), rows, qkv.k.narrow(2, i, 1),
+                                       qkv.v.narrow(2, i, 1));
           const int64_t tokens_seen = positions[b] + 1;
-          // The dense copy a compression scores is made only on the steps that compress.
-          if (decoding->due(li, 1, tokens_seen, *options.decoding_states[b]))
+          PressSequenceState& state = *options.press_states[b];
+          // The dense copy a compression scores is made only on the steps that read it.
+          if (decoding->decoding_reads_cache(li, 1, tokens_seen, state))
             std::tie(in.keys, in.values) = cache.dense(seqs[b], li);
-          const std::optional<KV> kv = decoding->step(in, tokens_seen, *options.decoding_states[b]);
-          if (!kv) continue;
+          const DecodingUpdate update = decoding->decoding_update(in, tokens_seen, state);
+          if (update.kind != DecodingUpdate::Kind::kReplace) continue;  // why_not_paged_decoding refuses kEvict
           at::Tensor keep = at::zeros({config_.num_kv_heads, in.keys.size(2)}, at::kBool);
-          keep.scatter_(1, kv->kept_indices[0].to(at::kCPU), true);
+          keep.scatter_(1, update.replacement.kept_indices[0].to(at::kCPU), true);
           compactions.emplace_back(li, seqs[b], keep);
         }
       }
@@ -180,7 +194,7 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
     }
   } catch (...) {
     for (int64_t li = 0; li < appended_layers; ++li) cache.remove_last(li, seqs, 1);
-    for (size_t i = 0; i < saved_states.size(); ++i) *options.decoding_states[i] = saved_states[i];
+    for (size_t i = 0; i < saved_states.size(); ++i) options.press_states[i]->restore(*saved_states[i]);
     throw;
   }
   for (const auto& [layer, seq, keep] : compactions) cache.compact(layer, seq, keep);

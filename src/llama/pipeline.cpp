@@ -8,9 +8,6 @@
 
 #include "greedy.h"
 #include "kvpress/llama/kvzip.h"
-#include "kvpress/presses/decoding_press.h"
-#include "kvpress/presses/dms_press.h"
-#include "kvpress/presses/prefill_decoding_press.h"
 
 namespace kvpress::llama {
 namespace {
@@ -35,7 +32,9 @@ struct Prefilled {
   KVCache cache;
   at::Tensor logits;  // [1, 1, V]: the last position's
   int64_t length = 0;
-  DMSWindow dms_window;  // a DMSPress's window after the prefill, for its decoding
+  // The press's state for this context's sequence, from the prefill through the decoding (a
+  // decoding press takes a single question, so one is enough).
+  std::unique_ptr<PressSequenceState> press_state;
 };
 
 Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<int64_t> ids,
@@ -49,7 +48,9 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   Prefilled p;
   p.length = static_cast<int64_t>(ids.size());
   PrefillOptions prefill;
-  prefill.press = prefill_press_of(options.press);  // a DecodingPress leaves the prefill alone
+  prefill.press = options.press;  // a DecodingPress leaves the prefill alone
+  p.press_state = options.press ? options.press->new_sequence_state() : nullptr;
+  prefill.press_state = p.press_state.get();
   prefill.press_attentions = options.press_attentions;
   prefill.question_length = question_length;
   if (const CapturedPrefill* captured = options.captured) {
@@ -73,7 +74,6 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   prefill.last_logits_only = true;
   prefill.tokenizer = &tokenizer;                 // KVzipPress's repeat prompt
   prefill.chat_template = options.chat_template;  // and the user turn it replays the context in
-  prefill.dms_window = &p.dms_window;
   p.logits = model.prefill(detail::as_batch(ids), p.cache, prefill).logits;
   return p;
 }
@@ -157,10 +157,8 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   TORCH_CHECK(options.max_context_length >= 0, kOp, ": max_context_length must be >= 0 (0: no limit), got ",
               options.max_context_length);
   const BasePress* press = options.press;
-  const DecodingPress* decoding = decoding_press_of(press);
-  const DMSPress* dms_decoding = dms_decoding_press_of(press);
   // A press evicting while decoding changes the context's cache, which the next question would reuse.
-  const bool evicts_while_decoding = decoding != nullptr || dms_decoding != nullptr;
+  const bool evicts_while_decoding = press != nullptr && press->decoding_role().compresses;
   TORCH_CHECK(!evicts_while_decoding || questions.size() == 1, kOp, ": ", press ? press->name() : std::string(),
               " compresses while decoding and takes a single question (as kvpress's pipeline for decoding "
               "presses), got ",
@@ -181,13 +179,10 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   const auto answer = [&](Prefilled& p, const std::vector<int64_t>& question_ids) {
     const std::vector<int64_t> lengths = p.cache.lengths();
     const int64_t position = p.cache.position();
-    DecodingState decoding_state;  // fresh per answer, as kvpress's press per pipeline call
     ForwardOptions step;
     step.last_logits_only = true;
-    step.decoding_press = decoding;
-    step.decoding_state = &decoding_state;
-    step.dms_press = dms_decoding;
-    step.dms_window = &p.dms_window;
+    step.press = press;
+    step.press_state = p.press_state.get();
     Answer a;
     a.prefill_length = p.length;
     a.cache_lengths = lengths;

@@ -60,6 +60,15 @@ KV BasePress::compress_in_place(const LayerInputs& inputs) const {
   return out;
 }
 
+at::Tensor BasePress::record_prefill(const LayerInputs&, PressSequenceState&) const { return at::Tensor(); }
+
+bool BasePress::decoding_reads_cache(int64_t, int64_t, int64_t, const PressSequenceState&) const { return false; }
+
+DecodingUpdate BasePress::decoding_update(const LayerInputs&, int64_t, PressSequenceState&) const {
+  TORCH_CHECK(false, name(), ".decoding_update: ", name(),
+              " does not compress while decoding (decoding_role().compresses is false)");
+}
+
 void BasePress::refuse_uniform_compress() const {
   TORCH_CHECK(false, name(), ".compress: ", name(),
               " keeps a different number of tokens per KV head, which a [B, Hkv, n_kept, D] cache cannot hold; "

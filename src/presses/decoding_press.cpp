@@ -132,6 +132,33 @@ bool DecodingPress::due(int64_t layer_idx, int64_t n, int64_t tokens_seen, const
   return steps + 1 >= compression_interval_ || n >= target_size(tokens_seen);
 }
 
+std::unique_ptr<PressSequenceState> DecodingPress::new_sequence_state() const {
+  return std::make_unique<DecodingState>();
+}
+
+DecodingRole DecodingPress::decoding_role() const {
+  DecodingRole role;
+  role.compresses = true;
+  role.scorer = press_.get();
+  role.reads_cache_every_step = reads_cache_every_step();
+  return role;
+}
+
+bool DecodingPress::decoding_reads_cache(int64_t layer, int64_t n, int64_t tokens_seen,
+                                         const PressSequenceState& state) const {
+  return reads_cache_every_step() || due(layer, n, tokens_seen, own_sequence_state<const DecodingState>(state, *this));
+}
+
+DecodingUpdate DecodingPress::decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                              PressSequenceState& state) const {
+  DecodingUpdate update;
+  if (std::optional<KV> kv = step(forward, tokens_seen, own_sequence_state<DecodingState>(state, *this))) {
+    update.kind = DecodingUpdate::Kind::kReplace;
+    update.replacement = std::move(*kv);
+  }
+  return update;
+}
+
 std::optional<KV> DecodingPress::step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const {
   const std::string op_name = name() + ".step";
   const char* op = op_name.c_str();

@@ -90,9 +90,31 @@ DMSEviction DMSPress::decoding_step(const LayerInputs& forward, int64_t tokens_s
   return out;
 }
 
-const DMSPress* dms_decoding_press_of(const BasePress* press) {
-  const auto* dms = dynamic_cast<const DMSPress*>(press);
-  return dms && dms->decoding() ? dms : nullptr;
+std::unique_ptr<PressSequenceState> DMSPress::new_sequence_state() const {
+  return decoding_ ? std::make_unique<DMSWindow>() : nullptr;
+}
+
+at::Tensor DMSPress::record_prefill(const LayerInputs& inputs, PressSequenceState& state) const {
+  return prefill_window(inputs, own_sequence_state<DMSWindow>(state, *this));
+}
+
+DecodingRole DMSPress::decoding_role() const {
+  DecodingRole role;
+  role.compresses = decoding_;
+  role.evicts_per_head = true;  // the inner scorer gets no attention weights (scorer stays nullptr)
+  return role;
+}
+
+DecodingUpdate DMSPress::decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                         PressSequenceState& state) const {
+  DMSEviction e = decoding_step(forward, tokens_seen, own_sequence_state<DMSWindow>(state, *this));
+  DecodingUpdate update;
+  if (e.evict.numel() > 0 && e.evict.any().item<bool>()) {
+    update.kind = DecodingUpdate::Kind::kEvict;
+    update.evict_first = e.first;
+    update.evict = std::move(e.evict);
+  }
+  return update;
 }
 
 namespace {

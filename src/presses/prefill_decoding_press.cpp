@@ -30,16 +30,23 @@ RaggedKV PrefillDecodingPress::compress_ragged(const LayerInputs& inputs) const 
   return BasePress::compress_ragged(inputs);
 }
 
-const BasePress* prefill_press_of(const BasePress* press) {
-  if (press == nullptr || dynamic_cast<const DecodingPress*>(press)) return nullptr;
-  if (const auto* both = dynamic_cast<const PrefillDecodingPress*>(press)) return both->prefilling_press().get();
-  return press;
+std::unique_ptr<PressSequenceState> PrefillDecodingPress::new_sequence_state() const {
+  return decoding_ ? decoding_->new_sequence_state() : nullptr;
 }
 
-const DecodingPress* decoding_press_of(const BasePress* press) {
-  if (const auto* decoding = dynamic_cast<const DecodingPress*>(press)) return decoding;
-  if (const auto* both = dynamic_cast<const PrefillDecodingPress*>(press)) return both->decoding_press().get();
-  return nullptr;
+DecodingRole PrefillDecodingPress::decoding_role() const {
+  return decoding_ ? decoding_->decoding_role() : DecodingRole{};
+}
+
+bool PrefillDecodingPress::decoding_reads_cache(int64_t layer, int64_t n, int64_t tokens_seen,
+                                                const PressSequenceState& state) const {
+  return decoding_ && decoding_->decoding_reads_cache(layer, n, tokens_seen, state);
+}
+
+DecodingUpdate PrefillDecodingPress::decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                                     PressSequenceState& state) const {
+  if (!decoding_) return BasePress::decoding_update(forward, tokens_seen, state);  // raises
+  return decoding_->decoding_update(forward, tokens_seen, state);
 }
 
 namespace {

@@ -38,7 +38,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     press->head_ragged();
     press->rerotates_keys();
     kvpress::prefill_press_of(press.get());
-    kvpress::decoding_press_of(press.get());
+    press->decoding_role();
+    press->new_sequence_state();
   });
   return 0;
 }

@@ -15,8 +15,8 @@
 // (tied to the embedding when the checkpoint says so). See docs/LLAMA_RUNNER.md.
 //
 // Thread safety: a LlamaModel is read-only after loading (prefill and forward are const and write
-// only the KVCache, DecodingState and outputs they are given), so one model may serve several
-// threads at once, each with its own KVCache and DecodingState: those belong to one sequence, and
+// only the KVCache, press state and outputs they are given), so one model may serve several
+// threads at once, each with its own KVCache and PressSequenceState: those belong to one sequence, and
 // one thread at a time. Presses may be shared (kvpress/presses/base_press.h); tested by
 // tests/test_concurrency.cpp.
 #pragma once
@@ -35,13 +35,6 @@
 #include "kvpress/paged.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
-
-namespace kvpress {
-class DecodingPress;  // kvpress/presses/decoding_press.h
-struct DecodingState;
-class DMSPress;  // kvpress/presses/dms_press.h
-struct DMSWindow;
-}  // namespace kvpress
 
 namespace kvpress::llama {
 
@@ -155,29 +148,22 @@ struct ForwardOptions {
   // two agree to float rounding (~1e-6), the eager path bit for bit with transformers' eager.
   bool eager_attention = false;
 
-  // kvpress's DecodingPress (a PrefillDecodingPress's decoding part: kvpress::decoding_press_of).
-  // In a forward that does not start at position 0, right after each layer's attention,
-  // decoding_press->step() records the layer's attention input and may replace the layer's cache
-  // by its compression (which the NEXT forward reads). decoding_state is required with it: the
-  // per-generation buffers, one per sequence (and one thread at a time), fresh for each generation.
-  // Ignored by prefill().
-  const DecodingPress* decoding_press = nullptr;
-  DecodingState* decoding_state = nullptr;
-  // Give the decoding press this forward's eager attention weights [B, Hq, n, length] (kvpress on an
-  // eager model does). Otherwise only when its inner press cannot work without them
-  // (kvpress::needs_attentions); kvpress's default (sdpa) model gives none.
+  // The sequence's press (the lifecycle of kvpress/presses/base_press.h, docs/INTEGRATION.md). At
+  // prefill (prefill()) it compresses each layer; in a forward that does not start at position 0,
+  // right after each layer's attention, a press whose decoding_role().compresses calls
+  // decoding_update(), which may replace the layer's cache or evict tokens from it (the NEXT forward
+  // reads the result); any other press does nothing there. nullptr: no press.
+  const BasePress* press = nullptr;
+  // The sequence's state (press->new_sequence_state(), one per sequence and one thread at a time,
+  // fresh for each generation): required while decoding with a press that keeps one; at prefill it
+  // records what decoding will need (DMSPress's window). nullptr when the press keeps none.
+  PressSequenceState* press_state = nullptr;
+  // Give the press's decoding update this forward's eager attention weights [B, Hq, n, length]
+  // (kvpress on an eager model does). Otherwise only when its scorer cannot work without them
+  // (DecodingRole::scorer, kvpress::needs_attentions); kvpress's default (sdpa) model gives none.
   bool decoding_attentions = false;
-  // Called after each decoding compression with what the press saw and returned.
+  // Called after each decoding update that replaced a layer, with what the press saw and returned.
   std::function<void(const LayerInputs&, const KV&)> on_decoding_compress;
-
-  // kvpress's DMSPress with decoding=true (the same press also compresses the prefill): in a forward
-  // that does not start at position 0, after each layer's attention, dms_press->decoding_step()
-  // scores the forward's tokens and each head drops the tokens leaving the press's sliding window
-  // with a score below its threshold (KVCache::evict: the NEXT forward reads the result). dms_window
-  // is required with it: the window's scores, which prefill() fills when its press is a DMSPress and
-  // dms_window is given. One per sequence, from its prefill through its decoding.
-  const DMSPress* dms_press = nullptr;
-  DMSWindow* dms_window = nullptr;
 };
 
 // Whether a press gets the layer's eager attention weights in LayerInputs::attentions.
@@ -189,10 +175,9 @@ enum class PressAttentions {
 };
 
 struct PrefillOptions : ForwardOptions {
-  // Compresses each layer's cache right after that layer's attention (which used the full cache),
-  // exactly where kvpress's forward hook does. nullptr: no compression. A DecodingPress does nothing
-  // here and a PrefillDecodingPress applies its prefilling press (kvpress::prefill_press_of).
-  const BasePress* press = nullptr;
+  // `press` compresses each layer's cache right after that layer's attention (which used the full
+  // cache), exactly where kvpress's forward hook does: its prefill_press() (a DecodingPress: none; a
+  // PrefillDecodingPress: its prefilling press).
   PressAttentions press_attentions = PressAttentions::kAuto;
   // How the layers of a head-ragged press (press->head_ragged()) are stored.
   enum class RaggedLayout {
@@ -230,11 +215,12 @@ struct PagedPrefillOptions {
   PressAttentions press_attentions = PressAttentions::kAuto;
 };
 struct PagedDecodeOptions {
-  // kvpress's DecodingPress in the loop, one DecodingState per sequence (same order as seqs). Its
-  // compressions are applied with PagedKVCache::compact() once every layer has run. Inner presses
-  // that need attention weights are refused (the paged kernel computes none).
-  const DecodingPress* decoding_press = nullptr;
-  std::vector<DecodingState*> decoding_states;
+  // The sequences' press in the loop (ForwardOptions::press), with one state per sequence (same order
+  // as seqs) when it keeps one. Its replacements are applied with PagedKVCache::compact() once every
+  // layer has run. Refused: presses whose scorer needs attention weights (the paged kernel computes
+  // none), that read the whole cache every step, or that evict per head while decoding.
+  const BasePress* press = nullptr;
+  std::vector<PressSequenceState*> press_states;
 };
 
 struct ForwardOutput {
@@ -290,13 +276,13 @@ class LlamaModel {
   // the same whatever the press: only the tokens kept differ. capture_prefill() runs it once, without
   // a press, and keeps what each layer's press would see; compress_captured() then gives, for one
   // press, the cache prefill() with that press leaves (the same tensors: tests/test_llama.cpp).
-  // input_ids [B, S] as prefill()'s; the decoding fields of `options` are ignored.
+  // input_ids [B, S] as prefill()'s; the press fields of `options` are ignored.
   CapturedPrefill capture_prefill(const at::Tensor& input_ids, const ForwardOptions& options = {}) const;
   // Why `press` cannot compress a captured prefill, or "" when it can (no press, or a DecodingPress,
-  // leaves it as it is): it runs a second pass over the context (KVzip, KVCompose), fills a DMS
-  // window, or reads attention weights (the capture keeps none, and computing them changes the
-  // forward's rounding). A press that observes the question (FinchPress) can: capture the prefill
-  // that ends with the question and give its length in options.question_length.
+  // leaves it as it is): it runs a second pass over the context (KVzip, KVCompose), starts its
+  // per-sequence state at prefill (DMSPress with decoding), or reads attention weights (the capture keeps none, and
+  // computing them changes the forward's rounding). A press that observes the question (FinchPress) can: capture the
+  // prefill that ends with the question and give its length in options.question_length.
   static std::string why_not_captured(const BasePress* press, PressAttentions press_attentions);
   // The cache prefill() with options.press leaves (its prefilling press: prefill_press_of), from
   // `captured`, which stays as it was: a compressed layer is a copy of its kept tokens (as with
@@ -309,8 +295,7 @@ class LlamaModel {
 
   // Any later forward: input_ids [B, n] at positions cache.position() .. + n - 1, each attending
   // over the whole (possibly compressed) cache and the new tokens up to itself. A failure part-way
-  // (a press raising in some layer) leaves the cache, the DecodingState and the DMSWindow as they
-  // were (prefill too).
+  // (a press raising in some layer) leaves the cache and the press state as they were (prefill too).
   ForwardOutput forward(const at::Tensor& input_ids, KVCache& cache, const ForwardOptions& options = {}) const;
 
   // cos/sin of positions [start, start + n), computed as transformers' LlamaRotaryEmbedding does
@@ -332,9 +317,13 @@ class LlamaModel {
   // One decoding step: tokens[i] is appended to seqs[i] at its next position and attends over each
   // head's pages (PagedKVCache::attention). Returns logits [B, vocab]. The pages the step needs in
   // every layer are checked first; a failure part-way undoes the appends and restores the
-  // decoding states, so the cache is as it was.
+  // press states, so the cache is as it was.
   at::Tensor decode_paged(const std::vector<SequenceId>& seqs, const std::vector<int64_t>& tokens, PagedKVCache& cache,
                           const PagedDecodeOptions& options = {}) const;
+  // Why decode_paged() refuses `press` while decoding, or "" when it takes it (no press, or one that
+  // does nothing while decoding, included): its scorer needs attention weights, it reads the whole
+  // cache every step, or it evicts per head (DecodingRole).
+  static std::string why_not_paged_decoding(const BasePress* press);
 
   // ---- one decoder layer at a time, for engines that run a pass layer by layer (the second pass of
   // kvcompose_prefill, kvpress/llama/kvcompose.h; KVzip's replay, kvpress/llama/kvzip.h); the same
@@ -411,9 +400,11 @@ class LlamaModel {
   void compress_at_prefill(const BasePress& press, const PrefillOptions& options, int64_t layer, LayerInputs in,
                            bool in_place, KVCache& cache, ForwardOutput& out,
                            const at::Tensor& keep_mask = at::Tensor()) const;
-  // kvpress's DecodingPress hook in a decoding forward.
-  void compress_while_decoding(const DecodingPress& press, const ForwardOptions& options, int64_t layer, LayerInputs in,
-                               int64_t tokens_seen, KVCache& cache) const;
+  // forward()'s checks: input_ids a non-empty int64 [B, n] in the vocabulary; the cache this model's.
+  void check_forward_inputs(const at::Tensor& input_ids, const KVCache& cache) const;
+  // The press's hook in a decoding forward (BasePress::decoding_update), applied to the layer.
+  void update_while_decoding(const BasePress& press, const ForwardOptions& options, int64_t layer, LayerInputs in,
+                             int64_t tokens_seen, KVCache& cache) const;
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight) const;
 
   LlamaConfig config_;

@@ -24,6 +24,65 @@
 
 namespace kvpress {
 
+class BasePress;
+
+// What a press keeps about one sequence between the forwards of its generation (DecodingPress's
+// hidden-state buffer, DMSPress's window of scores). Presses are const and stateless, so the
+// engine owns one state per sequence (from BasePress::new_sequence_state(), used by one thread at
+// a time), hands it to every forward of that sequence and drops it when the sequence ends. The
+// engine never looks inside.
+class PressSequenceState {
+ public:
+  virtual ~PressSequenceState() = default;
+  // A copy to go back to when a forward fails part-way. Presses replace a state's tensors and never
+  // write into them, so a copy that shares the tensors is a snapshot.
+  virtual std::unique_ptr<PressSequenceState> snapshot() const = 0;
+  // Becomes `snapshot` (from this state's snapshot()).
+  virtual void restore(const PressSequenceState& snapshot) = 0;
+};
+
+// snapshot() and restore() of a copyable state type.
+template <typename Derived>
+class CopyableSequenceState : public PressSequenceState {
+ public:
+  std::unique_ptr<PressSequenceState> snapshot() const override {
+    return std::make_unique<Derived>(static_cast<const Derived&>(*this));
+  }
+  void restore(const PressSequenceState& snapshot) override {
+    static_cast<Derived&>(*this) = static_cast<const Derived&>(snapshot);
+  }
+};
+
+// How a press takes part in decoding (BasePress::decoding_role()): what an engine must give its
+// decoding_update() and what it may get back.
+struct DecodingRole {
+  // decoding_update() may change a layer's cache; false: the engine never calls it. A press that
+  // compresses keeps a state (new_sequence_state() is not nullptr).
+  bool compresses = false;
+  // The press whose needs decide whether decoding_update() gets the forward's attention weights:
+  // always when kvpress::needs_attentions(scorer->name()), else when the engine computes them anyway.
+  // nullptr: never (the press reads none).
+  const BasePress* scorer = nullptr;
+  // Its updates evict positions per KV head (DecodingUpdate::kEvict), which a head-ragged layer
+  // takes; otherwise they replace the layer (kReplace), which must be dense.
+  bool evicts_per_head = false;
+  // decoding_update() reads the layer's whole cache on every forward, not only when it compresses.
+  bool reads_cache_every_step = false;
+};
+
+// What one decoding forward's press hook does to a layer's cache.
+struct DecodingUpdate {
+  enum class Kind {
+    kNone,     // nothing
+    kReplace,  // the layer becomes `replacement` (kept_indices index the cache the press saw)
+    kEvict,    // each head drops the positions [evict_first, evict_first + m) where `evict` is true
+  };
+  Kind kind = Kind::kNone;
+  KV replacement;
+  int64_t evict_first = 0;
+  at::Tensor evict;  // [B, Hkv, m] bool
+};
+
 class BasePress {
  public:
   virtual ~BasePress() = default;
@@ -84,6 +143,36 @@ class BasePress {
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;
 
+  // ---- The lifecycle an engine drives (docs/INTEGRATION.md) ----
+  // One press per sequence, from its prefill through its decoding:
+  //   state = press.new_sequence_state()              (nullptr: the press keeps none)
+  //   prefill, per layer: press.prefill_press()'s compression; with a state, record_prefill() first
+  //   each decoding forward, per layer, when decoding_role().compresses: decoding_update()
+
+  // The press applied at prefill: itself (the default); nullptr for a press that only compresses
+  // while decoding (DecodingPress); a PrefillDecodingPress's prefilling press.
+  virtual const BasePress* prefill_press() const { return this; }
+  // A fresh state for one sequence, or nullptr when the press keeps none between forwards.
+  virtual std::unique_ptr<PressSequenceState> new_sequence_state() const { return nullptr; }
+  // The prefill of a press whose state starts there (DMSPress's window): records in `state` what
+  // decoding will need and returns keep_mask(inputs). Undefined (the default): the state takes
+  // nothing from the prefill, and the engine compresses as usual.
+  virtual at::Tensor record_prefill(const LayerInputs& inputs, PressSequenceState& state) const;
+  virtual DecodingRole decoding_role() const { return {}; }
+  // Whether decoding_update() of a forward of n tokens at `layer` reads the layer's whole cache,
+  // given `state` as it stands before the call (an engine whose cache is not dense makes the copy
+  // only then). False (the default): it reads this forward's new keys/values only.
+  virtual bool decoding_reads_cache(int64_t layer, int64_t n, int64_t tokens_seen,
+                                    const PressSequenceState& state) const;
+  // One decoding forward of one layer, right after its attention (kvpress's forward hook while
+  // decoding). `forward`: this forward's attention input (hidden_states [B, n, hidden]), RoPE rows
+  // (cos/sin [n, D]), projections, layer_idx / num_layers, attention weights [B, Hq, n, L] as
+  // decoding_role() asks, and keys/values [B, Hkv, L, D]: the layer's cache after this forward's
+  // tokens were appended when decoding_reads_cache(), else those n tokens' alone. tokens_seen: the
+  // largest position id so far + 1. Raises for a press that does not compress while decoding.
+  virtual DecodingUpdate decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                         PressSequenceState& state) const;
+
  protected:
   // What compress() of a head-ragged press does: raises, pointing to compress_ragged().
   [[noreturn]] void refuse_uniform_compress() const;
@@ -91,6 +180,19 @@ class BasePress {
   // untouched), else the rows kept_positions() names, gathered.
   KV gather_kept(const LayerInputs& inputs) const;
 };
+
+// The press applied at prefill: press->prefill_press(), nullptr for no press.
+inline const BasePress* prefill_press_of(const BasePress* press) { return press ? press->prefill_press() : nullptr; }
+
+// `state` as `press`'s own state type (a const State for a const state). An engine hands a press the
+// state its new_sequence_state() made; another press's raises.
+template <typename State, typename Given>
+State& own_sequence_state(Given& state, const BasePress& press) {
+  auto* own = dynamic_cast<State*>(&state);
+  TORCH_CHECK(own != nullptr, press.name(),
+              ": the sequence state must come from this press's new_sequence_state(), got another press's");
+  return *own;
+}
 
 // A press that scores every cached token and keeps the int(S * (1 - ratio)) best per KV head
 // (at least one). Selection: ties go to the lower position; kept positions are ascending.

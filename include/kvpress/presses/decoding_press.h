@@ -17,11 +17,10 @@ namespace kvpress {
 using ScorerFactory = std::function<std::shared_ptr<const ScorerPress>(double compression_ratio)>;
 
 // What kvpress's DecodingPress keeps between forwards of one generation (its per-layer
-// hidden-state buffer and step counter). Presses are const and stateless, so the engine owns one
-// DecodingState per sequence being generated (used by one thread at a time) and hands it to every
-// decoding forward; a fresh generation starts from a fresh (or reset()) state, as kvpress resets
-// its press on leaving `with press(model)`. Layers are sized on first use.
-struct DecodingState {
+// hidden-state buffer and step counter): its PressSequenceState. A fresh generation starts from a
+// fresh (or reset()) state, as kvpress resets its press on leaving `with press(model)`. Layers are
+// sized on first use.
+struct DecodingState : CopyableSequenceState<DecodingState> {
   // Per layer: the attention inputs [B, n_i, hidden] of the forwards since the last compression,
   // oldest first (at most hidden_states_buffer_size of them; one forward may hold several tokens).
   std::vector<std::vector<at::Tensor>> hidden_states;
@@ -120,6 +119,15 @@ class DecodingPress : public BasePress {
   // Whether step() reads the layer's keys/values on every forward, not only when it compresses
   // (CAMPress accumulates attention): an engine must then always give them.
   virtual bool reads_cache_every_step() const { return false; }
+
+  // The lifecycle (BasePress): nothing at prefill; a DecodingState per sequence; step() while decoding.
+  const BasePress* prefill_press() const override { return nullptr; }
+  std::unique_ptr<PressSequenceState> new_sequence_state() const override;
+  DecodingRole decoding_role() const override;
+  bool decoding_reads_cache(int64_t layer, int64_t n, int64_t tokens_seen,
+                            const PressSequenceState& state) const override;
+  DecodingUpdate decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                 PressSequenceState& state) const override;
 
   // Whether step() compresses on a forward of n tokens at layer_idx, given state as it stands
   // before that step: compression_interval forwards since the last compression, or n >= the target.

@@ -34,7 +34,7 @@ namespace kvpress {
 // The scores of each layer's tokens still inside the sliding window, oldest first: per layer
 // [B, Hkv, w] float32 (w <= sliding_window_size; undefined before the layer's first step). One per
 // sequence, from its prefill through its decoding (the engine owns it, as DecodingState).
-struct DMSWindow {
+struct DMSWindow : CopyableSequenceState<DMSWindow> {
   std::vector<at::Tensor> scores;
 };
 
@@ -88,6 +88,15 @@ class DMSPress : public HeadRaggedWrapperPress {
   // those inputs and queued; the ones pushed out of the window are judged.
   DMSEviction decoding_step(const LayerInputs& forward, int64_t tokens_seen, DMSWindow& window) const;
 
+  // The lifecycle (BasePress), with decoding: a DMSWindow per sequence, filled by the prefill
+  // (record_prefill: prefill_window) and judged while decoding (decoding_update: decoding_step,
+  // an eviction per head). Without decoding: no state, nothing while decoding.
+  std::unique_ptr<PressSequenceState> new_sequence_state() const override;
+  at::Tensor record_prefill(const LayerInputs& inputs, PressSequenceState& state) const override;
+  DecodingRole decoding_role() const override;
+  DecodingUpdate decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                 PressSequenceState& state) const override;
+
  private:
   // The inner scores of the inputs' tokens (no attention weights), [B, Hkv, n] float32.
   at::Tensor scores_of(const LayerInputs& inputs, const char* op) const;
@@ -99,8 +108,5 @@ class DMSPress : public HeadRaggedWrapperPress {
   int64_t window_;
   bool decoding_;
 };
-
-// `press` as a DMSPress that also evicts while decoding (decoding() true), else nullptr.
-const DMSPress* dms_decoding_press_of(const BasePress* press);
 
 }  // namespace kvpress

@@ -24,17 +24,19 @@ class PrefillDecodingPress : public BasePress {
   const std::shared_ptr<const BasePress>& prefilling_press() const { return prefilling_; }
   const std::shared_ptr<const DecodingPress>& decoding_press() const { return decoding_; }
 
+  // The lifecycle (BasePress): the prefilling press at prefill, the decoding press's state and
+  // updates while decoding.
+  const BasePress* prefill_press() const override { return prefilling_ ? prefilling_->prefill_press() : nullptr; }
+  std::unique_ptr<PressSequenceState> new_sequence_state() const override;
+  DecodingRole decoding_role() const override;
+  bool decoding_reads_cache(int64_t layer, int64_t n, int64_t tokens_seen,
+                            const PressSequenceState& state) const override;
+  DecodingUpdate decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                 PressSequenceState& state) const override;
+
  private:
   std::shared_ptr<const BasePress> prefilling_;
   std::shared_ptr<const DecodingPress> decoding_;
 };
-
-// What kvpress's pipeline does with a press, for engines (kvpress::llama::generate_greedy, eval):
-// the press applied at prefill (a DecodingPress: none; a PrefillDecodingPress: its prefilling
-// press, possibly none; any other press: itself) ...
-const BasePress* prefill_press_of(const BasePress* press);
-// ... and the DecodingPress run while decoding (a DecodingPress itself, a PrefillDecodingPress's
-// decoding press, else none).
-const DecodingPress* decoding_press_of(const BasePress* press);
 
 }  // namespace kvpress
