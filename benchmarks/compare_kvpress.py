@@ -4,7 +4,7 @@
 Both sides run in this Python process on the same tensors, with the same dtype and the same
 intra-op thread pool (torch.set_num_threads; libkvpress.so runs through the same libtorch), and
 alternate per repetition (which side goes first alternates too). Our presses are called through
-torch.ops.kvpress.press_compress (src/ops.cpp), which builds the press with kvpress::make_press and
+torch.ops.kvpress.press_compress (src/bindings/press_ops.cpp), which builds the press with kvpress::make_press and
 runs BasePress::compress; kvpress's side calls press.compress(module, hidden_states, keys, values,
 attentions, kwargs) as its forward hook does. Both time score + top-k + gather of K and V.
 

@@ -4,7 +4,7 @@
 # library, the runner and the test binary (scripts/test.sh builds them in several trees); not
 # for kvpress-cli (tools/CMakeLists.txt: measured slower with one). Targets add the other
 # heavy headers most of their files include (GoogleTest, nlohmann/json, fmt). The headers are
-# force-included in C++ files only: the .cu files include no ATen (kernels/cuda/<op>_bridge.cpp
+# force-included in C++ files only: the .cu files include no ATen (src/ops/<family>/cuda/<op>_bridge.cpp
 # holds each CUDA op's ATen side).
 # KVPRESS_PCH=OFF compiles every file on its own includes, as a user's build of one file would.
 option(KVPRESS_PCH "Precompile the ATen headers of the library, runner, CLI and test targets" ON)

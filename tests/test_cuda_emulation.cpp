@@ -1,4 +1,4 @@
-// Every CUDA kernel of kernels/cuda, run on the CPU through the execution model of
+// Every CUDA kernel of src/ops/<family>/cuda, run on the CPU through the execution model of
 // tests/cuda_emulation (a block's threads as fibers, barriers, warp collectives, launch limits), against
 // the op's CPU kernel, on shapes that reach every tail. The launchers are the ones nvcc compiles
 // (same grid, block, shared memory and splits), so this runs the launch the GPU would get.
@@ -11,8 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "kernel_ops.h"
+#include "compactor/compactor.h"
 #include "kvpress/ops.h"
+#include "paged/paged.h"
+#include "ragged_attention/ragged_attention.h"
+#include "rope_heads/rope_heads.h"
+#include "scores/scores.h"
+#include "selection/selection.h"
 #include "test_util.h"
 
 // After every other header: the model redefines CUDA's names for what follows.
@@ -20,19 +25,19 @@
 // Hidden: the test binary's instances of the launchers must not stand in for libkvpress.so's own
 // (the target is also compiled with -fvisibility=hidden, tests/CMakeLists.txt).
 #pragma GCC visibility push(hidden)
-#include "cuda/invert_rope.cuh"
-#include "cuda/key_norm.cuh"
-#include "cuda/keydiff.cuh"
-#include "cuda/lagkv.cuh"
-#include "cuda/leverage.cuh"
-#include "cuda/noncausal.cuh"
-#include "cuda/paged.cuh"
-#include "cuda/prerope.cuh"
-#include "cuda/ragged_attention.cuh"
-#include "cuda/selection.cuh"
+#include "compactor/cuda/leverage.cuh"
+#include "compactor/cuda/noncausal.cuh"
+#include "compactor/cuda/prerope.cuh"
 #include "cuda/shapes.h"
-#include "cuda/window_attention.cuh"
-#include "cuda/window_attention_heads.h"
+#include "paged/cuda/paged.cuh"
+#include "ragged_attention/cuda/ragged_attention.cuh"
+#include "rope_heads/cuda/invert_rope.cuh"
+#include "rope_heads/cuda/window_attention.cuh"
+#include "rope_heads/cuda/window_attention_heads.h"
+#include "scores/cuda/key_norm.cuh"
+#include "scores/cuda/keydiff.cuh"
+#include "scores/cuda/lagkv.cuh"
+#include "selection/cuda/selection.cuh"
 #pragma GCC visibility pop
 
 namespace {
@@ -40,7 +45,7 @@ namespace {
 namespace emu = kvpress::cuda_emulation;
 namespace cu = kvpress::cuda;
 
-// Calls f(CudaType{}) for a tensor dtype, as kernels/cuda/dispatch.h does.
+// Calls f(CudaType{}) for a tensor dtype, as src/ops/cuda/dispatch.h does.
 template <typename F>
 void with_cuda_type(at::ScalarType type, F&& f) {
   switch (type) {
@@ -667,7 +672,7 @@ TEST(CudaEmulation, CholeskyLeverageMatchesTheCpuOp) {
 
 // ---- window_attention_mean -------------------------------------------------------------------
 
-// The bridge's composition (kernels/cuda/window_attention_heads.h) on CPU tensors: the CPU's GEMM in
+// The bridge's composition (src/ops/rope_heads/cuda/window_attention_heads.h) on CPU tensors: the CPU's GEMM in
 // place of cuBLAS, then the two kernels through the model.
 TEST(CudaEmulation, WindowAttentionMeanMatchesTheCpuKernel) {
   struct WindowCase {

@@ -1,4 +1,4 @@
-// CPU vs CUDA parity of every op with a CUDA kernel (kernels/cuda/*.cu), called through the
+// CPU vs CUDA parity of every op with a CUDA kernel (src/ops/<family>/cuda/*.cu), called through the
 // dispatcher as users call them. The CPU half runs everywhere; the CUDA half is skipped where no GPU
 // is present or the library was built without CUDA kernels (CUDA tensors then take the ATen
 // composites). tests/test_cuda_emulation.cpp runs the same kernels on every machine.
@@ -11,9 +11,14 @@
 #include <string>
 #include <vector>
 
-#include "kernel_ops.h"
+#include "compactor/compactor.h"
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
+#include "paged/paged.h"
+#include "ragged_attention/ragged_attention.h"
+#include "rope_heads/rope_heads.h"
+#include "scores/scores.h"
+#include "selection/selection.h"
 #include "test_util.h"
 
 namespace kvpress {

@@ -1,5 +1,5 @@
-// The CPU kernels of the ops that have them (kernels/cpu) against their ATen composites
-// (src/kernel_ops.h), which follow kvpress's formulas op by op, and the dispatch rule: an op on a
+// The CPU kernels of the ops that have them (src/ops/<family>/cpu) against their ATen composites
+// (src/ops/<family>/<family>.h), which follow kvpress's formulas op by op, and the dispatch rule: an op on a
 // device without a kernel takes its composite.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,11 +15,16 @@
 #include <vector>
 
 #include "checks.h"
+#include "compactor/compactor.h"
 #include "cpu/vec16.h"
-#include "kernel_ops.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/lagkv_press.h"
 #include "kvpress/presses/snapkv_press.h"
+#include "paged/paged.h"
+#include "ragged_attention/ragged_attention.h"
+#include "rope_heads/rope_heads.h"
+#include "scores/scores.h"
+#include "selection/selection.h"
 #include "test_util.h"
 #include "tile_kernels_skip.h"
 
@@ -148,7 +153,7 @@ TEST(KernelOps, InvertRopeKernelIsTheCompositeBitForBit) {
                         ops::composite::invert_rope(half, cos.to(at::kBFloat16), sin.to(at::kBFloat16))));
 }
 
-// The leverage kernels (register tiles, kernels/cpu/leverage.cpp) against the per-head
+// The leverage kernels (register tiles, src/ops/compactor/cpu/leverage.cpp) against the per-head
 // composite: every tile width k = 16..64, head_dim 32..256, sequences that end inside a tile and a
 // chunk, shared and per-head sketches, strided keys. Shapes the tiles do not serve (bfloat16 keys,
 // head_dim 48, k = 8 or 80) take the composite exactly.
@@ -245,7 +250,7 @@ TEST(KernelOps, CholeskyLeverageMatchesTheComposite) {
   }
 }
 
-// The fused chunk kernel (kernels/cpu/noncausal.cpp) against the composite, which builds kvpress's
+// The fused chunk kernel (src/ops/compactor/cpu/noncausal.cpp) against the composite, which builds kvpress's
 // padded last chunk literally: chunks that divide S, a last partial chunk, a chunk longer than S,
 // chunk sizes that are not multiples of 16 (or 1), GQA groups 1-4, strided queries. Shapes the kernel
 // does not serve (bfloat16, head_dim 40) take the composite exactly.

@@ -20,12 +20,17 @@
 #include <c10/util/Exception.h>
 #endif
 
-#include "kernel_ops.h"
+#include "compactor/compactor.h"
 #include "kvpress/kvpress.h"
 #include "kvpress/paged.h"
 #include "paged/fault_injection.h"
+#include "paged/paged.h"
+#include "ragged_attention/ragged_attention.h"
 #include "random_inputs.h"
+#include "rope_heads/rope_heads.h"
 #include "runnable_press.h"
+#include "scores/scores.h"
+#include "selection/selection.h"
 #include "test_util.h"
 
 namespace kvpress {

@@ -5,7 +5,7 @@
 
 #include "cpu/vector_clones.h"
 
-// A test whose subject is a register-tile kernel (kernels/cpu/register_tile.h, compiled for AVX-512
+// A test whose subject is a register-tile kernel (src/ops/cpu/register_tile.h, compiled for AVX-512
 // and for AVX2 + FMA) compares it with the ATen composite; where no tile runs, the op IS the
 // composite, so the test skips with the reason instead of passing on the composite against itself.
 // Where one runs, the test checks the tiles of that ISA (the AVX2 ones on an AVX-512 machine in

@@ -1,7 +1,7 @@
 // Public ops: the building blocks every press is made of. Declarations only; each op on tensors is
-// also registered as torch.ops.kvpress.<name> (src/ops.cpp) so Python can call it after
-// torch.ops.load_library("libkvpress.so"); the helpers that read a LayerInputs are C++ only. Ops
-// with CPU/CUDA kernels go through the dispatcher (docs/ARCHITECTURE.md, "The dispatch rule").
+// also registered as torch.ops.kvpress.<name> (by its family, src/ops/<family>/<family>.cpp) so
+// Python can call it after torch.ops.load_library("libkvpress.so"); the helpers that read a LayerInputs are C++ only.
+// Ops with CPU/CUDA kernels go through the dispatcher (docs/ARCHITECTURE.md, "The dispatch rule").
 //
 // All ops accept float32, float16 and bfloat16 K/V and accumulate in float32. Scores are
 // float32 [B, Hkv, S], higher = keep. Bad input raises c10::Error with a message of the form
@@ -21,6 +21,10 @@ namespace kvpress::ops {
 
 // A seed argument's "none given": draw from the default CPU generator (torch's global seed).
 inline constexpr int64_t kUnseeded = -1;
+// The defaults of leverage_scores' sketch_dimension and noncausal_column_sums' chunk_size: kvpress's
+// LeverageScorePress and NonCausalAttnPress defaults, which those presses take from here.
+inline constexpr int64_t kDefaultSketchDimension = 48;
+inline constexpr int64_t kDefaultNoncausalChunkSize = 256;
 
 // ---- selection ---------------------------------------------------------------------------
 
@@ -115,7 +119,7 @@ at::Tensor window_attention(const at::Tensor& queries,  // [B, Hq, w, D] post-Ro
                             const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, w, S - w] float32
 
 // window_attention(queries, keys).mean(2), fused: float32 blocks of a few MiB, never the
-// [B, Hq, w, S] tensor (kernels/cpu/window_attention.cpp, kernels/cuda/window_attention.cu).
+// [B, Hq, w, S] tensor (src/ops/rope_heads/cpu/window_attention.cpp, src/ops/rope_heads/cuda/window_attention.cu).
 at::Tensor window_attention_mean(const at::Tensor& queries,  // [B, Hq, w, D] post-RoPE
                                  const at::Tensor& keys);    // [B, Hkv, S, D] -> [B, Hq, S - w] float32
 
@@ -334,7 +338,7 @@ void check_device_errors(const c10::Device& device);
 // register tiles' ISA, "avx512", "avx2" (AVX2 + FMA) or "baseline" (no tiles: the composites),
 // followed by "+<isa>-clones" when the loader's clones of the other loops run another ISA (e.g.
 // "avx2+avx512-clones" under KVPRESS_DISABLE_AVX512=1 on an AVX-512 CPU).
-// kernels/cpu/cpu_features.cpp.
+// src/ops/cpu/cpu_features.cpp.
 std::string cpu_kernel_isa();
 
 }  // namespace kvpress::ops

@@ -31,11 +31,16 @@ std::vector<int64_t> longest_heads(const PagedKVCache& cache, SequenceId seq) {
   return out;
 }
 
-}  // namespace
+// Pages of `tokens` tokens in every KV head of one layer.
+struct PageCount {
+  int64_t kv_heads, page_size;
+  int64_t operator()(int64_t tokens) const { return kv_heads * ((tokens + page_size - 1) / page_size); }
+};
 
-PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::vector<int64_t>>& prompts,
-                                const PagedGenerationOptions& options) {
-  constexpr const char* op = "generate_paged";
+// generate_paged's checks of its arguments; returns the pool's pages per layer (options', or sized for
+// max_batch of the longest prompt), which every prompt's worst case fits.
+int64_t checked_pool_pages(const std::vector<std::vector<int64_t>>& prompts, const PagedGenerationOptions& options,
+                           const PageCount& pages, const char* op) {
   TORCH_CHECK(options.max_new_tokens >= 0, op, ": max_new_tokens must be >= 0, got ", options.max_new_tokens);
   TORCH_CHECK(options.max_batch > 0, op, ": max_batch must be > 0, got ", options.max_batch);
   const std::string why_not = LlamaModel::why_not_paged_decoding(options.press);
@@ -43,16 +48,10 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
   TORCH_CHECK(options.page_size > 0, op, ": page_size must be > 0, got ", options.page_size);
   TORCH_CHECK(options.pages_per_layer >= 0, op, ": pages_per_layer must be >= 0 (0: sized for max_batch), got ",
               options.pages_per_layer);
-  const LlamaConfig& config = model.config();
-  const int64_t max_new = options.max_new_tokens, page_size = options.page_size;
-  // Pages of `tokens` tokens in every KV head of one layer.
-  const auto pages = [&](int64_t tokens) { return config.num_kv_heads * ((tokens + page_size - 1) / page_size); };
-  PagedGenerations out;
-  out.generations.resize(prompts.size());
+  const int64_t max_new = options.max_new_tokens;
   int64_t longest = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     TORCH_CHECK(!prompts[i].empty(), op, ": prompt ", i, " is empty");
-    out.generations[i].context_length = static_cast<int64_t>(prompts[i].size());
     longest = std::max(longest, static_cast<int64_t>(prompts[i].size()));
   }
   const int64_t pages_per_layer =
@@ -62,6 +61,65 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
     TORCH_CHECK(worst <= pages_per_layer, op, ": prompt ", i, " (", prompts[i].size(), " tokens) can need ", worst,
                 " pages per layer with max_new_tokens ", max_new, ", more than the pool's ", pages_per_layer);
   }
+  return pages_per_layer;
+}
+
+// The waiting prompts admitted now, in order (taken from `waiting`): at most `slots`, while the `free`
+// pages per layer hold each one's worst case (its prompt stored whole and max_new tokens).
+std::vector<int64_t> admit(std::deque<int64_t>& waiting, const std::vector<std::vector<int64_t>>& prompts, int64_t free,
+                           int64_t slots, int64_t max_new, const PageCount& pages) {
+  std::vector<int64_t> admitted;
+  while (!waiting.empty() && static_cast<int64_t>(admitted.size()) < slots) {
+    const int64_t need =
+        pages(static_cast<int64_t>(prompts[static_cast<size_t>(waiting.front())].size())) + pages(max_new);
+    if (need > free) break;
+    free -= need;
+    admitted.push_back(waiting.front());
+    waiting.pop_front();
+  }
+  return admitted;
+}
+
+// Adds a just-prefilled sequence's pages to the statistics: those stored, and `uncompressed` (the
+// prompt's pages per layer without a press) in every layer.
+void count_prompt_pages(const PagedKVCache& cache, SequenceId seq, int64_t uncompressed, PagedGenerationStats& stats) {
+  const PagedCacheOptions& o = cache.options();
+  for (int64_t l = 0; l < o.num_layers; ++l) {
+    stats.prompt_pages_uncompressed += uncompressed;
+    for (int64_t h = 0; h < o.kv_heads; ++h)
+      stats.prompt_pages_stored += static_cast<int64_t>(cache.pages(seq, l, h).size());
+  }
+}
+
+// One token for every running sequence (its last one in `generations`) -> logits [B, vocab].
+at::Tensor decode_running(const LlamaModel& model, PagedKVCache& cache,
+                          const std::vector<std::unique_ptr<Running>>& running,
+                          const std::vector<Generation>& generations, const BasePress* press) {
+  std::vector<SequenceId> seqs;
+  std::vector<int64_t> tokens;
+  PagedDecodeOptions step;
+  step.press = press;
+  for (const auto& r : running) {
+    seqs.push_back(r->seq);
+    tokens.push_back(generations[static_cast<size_t>(r->prompt)].tokens.back());
+    if (r->state) step.press_states.push_back(r->state.get());
+  }
+  return model.decode_paged(seqs, tokens, cache, step);
+}
+
+}  // namespace
+
+PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::vector<int64_t>>& prompts,
+                                const PagedGenerationOptions& options) {
+  constexpr const char* op = "generate_paged";
+  const LlamaConfig& config = model.config();
+  const int64_t max_new = options.max_new_tokens, page_size = options.page_size;
+  const PageCount pages{config.num_kv_heads, page_size};
+  const int64_t pages_per_layer = checked_pool_pages(prompts, options, pages, op);
+  PagedGenerations out;
+  out.generations.resize(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i)
+    out.generations[i].context_length = static_cast<int64_t>(prompts[i].size());
   PagedKVCache cache = model.new_paged_cache(pages_per_layer, page_size);
   PagedGenerationStats& stats = out.stats;
   stats.num_layers = config.num_layers;
@@ -99,20 +157,15 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
     for (int64_t l = 0; l < config.num_layers; ++l) free = std::min(free, cache.free_pages(l));
     for (const auto& r : running)
       free -= pages(max_new - static_cast<int64_t>(out.generations[static_cast<size_t>(r->prompt)].tokens.size()));
-    std::vector<std::vector<int64_t>> batch;
-    std::vector<SequenceId> seqs;
-    std::vector<int64_t> admitted;
-    while (!waiting.empty() && static_cast<int64_t>(running.size() + admitted.size()) < options.max_batch) {
-      const std::vector<int64_t>& prompt = prompts[static_cast<size_t>(waiting.front())];
-      const int64_t need = pages(static_cast<int64_t>(prompt.size())) + pages(max_new);
-      if (need > free) break;
-      free -= need;
-      batch.push_back(prompt);
-      admitted.push_back(waiting.front());
-      waiting.pop_front();
-    }
+    const std::vector<int64_t> admitted =
+        admit(waiting, prompts, free, options.max_batch - static_cast<int64_t>(running.size()), max_new, pages);
     if (!admitted.empty()) {
-      for (size_t k = 0; k < admitted.size(); ++k) seqs.push_back(cache.add_sequence());
+      std::vector<std::vector<int64_t>> batch;
+      std::vector<SequenceId> seqs;
+      for (int64_t i : admitted) {
+        batch.push_back(prompts[static_cast<size_t>(i)]);
+        seqs.push_back(cache.add_sequence());
+      }
       at::Tensor logits;
       try {
         logits = model.prefill_paged(batch, seqs, cache, prefill);
@@ -128,11 +181,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
         if (options.press) r->state = options.press->new_sequence_state();
         Generation& g = out.generations[static_cast<size_t>(r->prompt)];
         g.cache_lengths = longest_heads(cache, r->seq);
-        for (int64_t l = 0; l < config.num_layers; ++l) {
-          stats.prompt_pages_uncompressed += pages(g.context_length);
-          for (int64_t h = 0; h < config.num_kv_heads; ++h)
-            stats.prompt_pages_stored += static_cast<int64_t>(cache.pages(r->seq, l, h).size());
-        }
+        count_prompt_pages(cache, r->seq, pages(g.context_length), stats);
         emit(*r, logits[static_cast<int64_t>(k)]);
         running.push_back(std::move(r));
       }
@@ -141,17 +190,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
     retire_finished();
     if (running.empty()) continue;
 
-    // One token for every running sequence.
-    std::vector<SequenceId> step_seqs;
-    std::vector<int64_t> tokens;
-    PagedDecodeOptions step;
-    step.press = options.press;
-    for (const auto& r : running) {
-      step_seqs.push_back(r->seq);
-      tokens.push_back(out.generations[static_cast<size_t>(r->prompt)].tokens.back());
-      if (r->state) step.press_states.push_back(r->state.get());
-    }
-    const at::Tensor logits = model.decode_paged(step_seqs, tokens, cache, step);
+    const at::Tensor logits = decode_running(model, cache, running, out.generations, options.press);
     ++stats.decode_steps;
     for (size_t k = 0; k < running.size(); ++k) {
       ++running[k]->steps;

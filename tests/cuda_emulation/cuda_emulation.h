@@ -1,4 +1,4 @@
-// A model of CUDA's execution on the CPU, for tests: the torch-free kernels of kernels/cuda/*.cuh
+// A model of CUDA's execution on the CPU, for tests: the torch-free kernels of src/ops/<family>/cuda/*.cuh
 // compile with the host compiler against this header and run on host memory, so that every
 // machine executes them and compares them with the CPU kernels (tests/test_cuda_emulation.cpp).
 //

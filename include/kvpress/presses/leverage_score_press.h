@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "kvpress/ops.h"
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
@@ -18,7 +19,7 @@ namespace kvpress {
 // cache), or from the default CPU generator when no seed is set.
 class LeverageScorePress : public ScorerPress {
  public:
-  static constexpr int64_t kDefaultSketchDimension = 48;
+  static constexpr int64_t kDefaultSketchDimension = ops::kDefaultSketchDimension;
 
   struct Params {
     int64_t sketch_dimension = kDefaultSketchDimension;

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "kvpress/ops.h"
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
 
@@ -15,7 +16,7 @@ namespace kvpress {
 // one chunk at a time). Peak extra memory is one chunk's logits, O(Hq * chunk_size^2).
 class NonCausalAttnPress : public ScorerPress {
  public:
-  static constexpr int64_t kDefaultChunkSize = 256;
+  static constexpr int64_t kDefaultChunkSize = ops::kDefaultNoncausalChunkSize;
 
   struct Params {
     int64_t chunk_size = kDefaultChunkSize;

@@ -17,8 +17,9 @@ _ops = torch.ops.kvpress
 
 
 def _schema_default(op: str, argument: str):
-    """The default an op's schema declares: src/ops.cpp writes it from the C++ constant, so it is
-    stated once (e.g. LeverageScorePress::kDefaultSketchDimension)."""
+    """The default an op's schema declares: its family (src/ops/<family>/<family>.cpp) writes it
+    from the C++ constant, so it is stated once (e.g. ops::kDefaultSketchDimension in
+    kvpress/ops.h)."""
     for a in getattr(_ops, op).default._schema.arguments:
         if a.name == argument and a.default_value is not None:
             return a.default_value
