@@ -131,7 +131,7 @@ int run(int argc, char** argv) {
     }
     const std::optional<kvpress_bench::PressWork> work = kvpress_bench::press_work(info.name, shape, o.seq / 2);
     // Without a model: read K and V once, write the kept half.
-    const double floor_bytes = work ? work->bytes : 3.0 * static_cast<double>(in.keys.nbytes());
+    const double floor_bytes = work ? work->bytes() : 3.0 * static_cast<double>(in.keys.nbytes());
     const double floor_ms = floor_bytes / bytes_per_ms;
     try {
       // DMSPress has no default threshold; -sqrt(D) is about the median of KnormPress's scores (minus

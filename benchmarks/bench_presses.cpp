@@ -156,19 +156,11 @@ void finish(benchmark::State& state, int64_t S, int64_t bytes_per_iter) {
   state.SetItemsProcessed(state.iterations() * kBatch * S);
 }
 
-// This machine's copy bandwidth and GEMM rate (press_work.h), measured once per dtype at the first
-// press that needs them, with the benchmarks' thread count.
-struct Rates {
-  double bandwidth, flop_rate;
-};
-const Rates& machine_rates(at::ScalarType dtype) {
-  static std::map<at::ScalarType, Rates> rates;
-  auto it = rates.find(dtype);
-  if (it == rates.end()) {
-    const int64_t kv_bytes = kBatch * kKVHeads * kSeqLens[0] * kHeadDim * at::elementSize(dtype);
-    it = rates.emplace(dtype, Rates{kvpress_bench::copy_bandwidth(kv_bytes), kvpress_bench::gemm_rate(dtype)}).first;
-  }
-  return it->second;
+// This machine's true limits (machine_peaks.h), measured once, at the first press that needs them,
+// with the benchmarks' thread count and in the kernels' instruction set.
+const kvpress_bench::MachinePeaks& machine_peaks() {
+  static const kvpress_bench::MachinePeaks peaks = kvpress_bench::measure_machine_peaks(kvpress::ops::cpu_kernel_isa());
+  return peaks;
 }
 
 // With a floor model (press_work.h, CPU): bytes/s counts the bytes that must move and
@@ -181,9 +173,8 @@ void finish_press(benchmark::State& state, const std::string& name, int64_t S, a
   const auto work =
       g_device.is_cpu() ? kvpress_bench::press_work(name, shape, kvpress::ops::n_kept(S, kRatio)) : std::nullopt;
   if (!work) return finish(state, S, input_bytes);
-  finish(state, S, static_cast<int64_t>(work->bytes));
-  const Rates& rates = machine_rates(dtype);
-  const double floor = kvpress_bench::floor_seconds(*work, rates.bandwidth, rates.flop_rate);
+  finish(state, S, static_cast<int64_t>(work->bytes()));
+  const double floor = kvpress_bench::floor_seconds(*work, machine_peaks());
   const double per_call = seconds / static_cast<double>(std::max<benchmark::IterationCount>(state.iterations(), 1));
   state.counters["floor_fraction"] = floor / per_call;
   state.counters["x_floor"] = per_call / floor;

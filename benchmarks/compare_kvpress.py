@@ -199,10 +199,12 @@ def agreement(press, layer, name, full, ours_kept, ratio):
 
 
 def floor_model(layer, n_kept, lib):
-    """(copy bandwidth B/s, GEMM rate FLOP/s, {press: (bytes that must move, FLOPs)}) from
-    kvpress_press_work, built next to the library: benchmarks/press_work.h is the one definition of
-    each press's work (kvpress_bench reports the same floors); the rates are measured by it now, at
-    this process's thread count. docs/PERFORMANCE.md explains each press's line."""
+    """(peaks, {press: (bytes read, bytes written, FLOPs)}) from kvpress_press_work, built next to
+    the library: benchmarks/press_work.h is the one definition of each press's work (kvpress_bench
+    reports the same floors) and benchmarks/machine_peaks.h of the machine's true limits, measured by
+    it now, at this process's thread count, in the kernels' instruction set: the float32 FMA peak
+    with register-resident accumulators, the read bandwidth and the streaming-store write
+    bandwidth. docs/PERFORMANCE.md explains each press's line."""
     tool = os.path.join(os.path.dirname(os.path.abspath(lib)), "benchmarks", "kvpress_press_work")
     if not os.path.exists(tool):
         sys.exit(f"compare_kvpress: {tool} not found (build the project's benchmarks)")
@@ -210,16 +212,24 @@ def floor_model(layer, n_kept, lib):
     cmd = [tool, "--batch", layer.B, "--q-heads", layer.Hq, "--kv-heads", layer.Hkv, "--head-dim", layer.D,
            "--seq", layer.S, "--dtype", dtype, "--n-kept", n_kept, "--threads", torch.get_num_threads()]
     out = json.loads(subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout)
-    work = {name: (w["bytes"], w["flops"]) for name, w in out["presses"].items()}
-    return out["copy_bandwidth"], out["gemm_rate"], work
+    work = {name: (w["bytes_read"], w["bytes_written"], w["flops"]) for name, w in out["presses"].items()}
+    return out, work
+
+
+def press_floor(work, peaks):
+    """(seconds, the largest term's name): FLOPs over the FMA peak + bytes read over the read
+    bandwidth + bytes written over the write bandwidth."""
+    read, written, flops = work
+    terms = {"compute": flops / peaks["fma_peak"], "read": read / peaks["read_bandwidth"],
+             "write": written / peaks["write_bandwidth"]}
+    return sum(terms.values()), max(terms, key=terms.get)
 
 
 def run_table(title, presses, layer, args, full, kvpress_mod):
     rows = []
     n_kept = torch.ops.kvpress.n_kept(layer.S, args.ratio)
-    bw, rate, work = floor_model(layer, n_kept, args.lib)
-    print(f"  copy bandwidth {bw / 1e9:.1f} GB/s, GEMM rate {rate / 1e9:.1f} GFLOP/s ({layer.dtype}, "
-          f"{torch.get_num_threads()} threads)", flush=True)
+    peaks, work = floor_model(layer, n_kept, args.lib)
+    print(f"  {peaks_line(peaks)}", flush=True)
     for name in presses:
         press = getattr(kvpress_mod, name)(compression_ratio=args.ratio)
         kv_args = layer.kvpress_args(name, full)
@@ -239,9 +249,8 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
             continue
         agree = None if args.no_check else agreement(press, layer, name, full, our_fn()[2], args.ratio)
         floor = bound = None
-        if not full:  # table (b) adds the projections, whose floor is not modelled
-            moved, flops = work[name]
-            floor, bound = max(moved / bw, flops / rate), "memory" if moved / bw >= flops / rate else "compute"
+        if not full and name in work:  # table (b) adds the projections, whose floor is not modelled
+            floor, bound = press_floor(work[name], peaks)
         rows.append(dict(press=name, kv=t_kv, ours=t_ours, speedup=t_kv / t_ours, agree=agree, floor=floor,
                          bound=bound))
         print(f"  {name:24s} kvpress {t_kv * 1e3:10.2f} ms   ours {t_ours * 1e3:9.2f} ms   "
@@ -251,13 +260,21 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
         del kv_args, our_kw
         gc.collect()
     print()
-    print(markdown_table(title, rows))
-    return rows
+    print(markdown_table(title, rows, peaks))
+    return rows, peaks
 
 
-def markdown_table(title, rows):
+def peaks_line(peaks):
+    """The true limits a table's floors come from, as every table prints them."""
+    return (f"floors from this run's peaks ({torch.get_num_threads()} threads, {peaks['fma_isa']}): FMA "
+            f"{peaks['fma_peak'] / 1e9:.1f} GFLOP/s float32, read {peaks['read_bandwidth'] / 1e9:.1f} GB/s, "
+            f"write {peaks['write_bandwidth'] / 1e9:.1f} GB/s (streaming stores); floor = FLOPs / FMA + read / "
+            f"read + written / write")
+
+
+def markdown_table(title, rows, peaks):
     """One table as printed and as --markdown writes it."""
-    lines = [title, "", "| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | floor (ms) | "
+    lines = [title, "", peaks_line(peaks), "", "| press | kvpress 0.5.5 (ms) | kvpress-cpp (ms) | speedup | kept positions agree | floor (ms) | "
              "ours / floor |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         agree = "-" if r["agree"] is None else f"{r['agree'] * 100:.2f}%"
@@ -418,13 +435,13 @@ def main():
             print("(b) full path from hidden states and projection weights", flush=True)
             title = (f"Table (b): each side's full path from hidden states [B,S,{args.q_heads * args.head_dim}] "
                      f"and projection weights ({shape})")
-            rows_b = run_table(title, full_presses, layer, args, True, kvpress_mod)
-            markdown.append(markdown_table(title, rows_b))
+            rows_b, peaks = run_table(title, full_presses, layer, args, True, kvpress_mod)
+            markdown.append(markdown_table(title, rows_b, peaks))
         if a_presses:
             print("(a) projections excluded", flush=True)
             title = f"Table (a): same inputs, projections excluded ({shape})"
-            rows_a = run_table(title, a_presses, layer, args, False, kvpress_mod)
-            markdown.append(markdown_table(title, rows_a))
+            rows_a, peaks = run_table(title, a_presses, layer, args, False, kvpress_mod)
+            markdown.append(markdown_table(title, rows_a, peaks))
 
     rows = file_rows(rows_a, rows_b, run)
     if not rows:
@@ -437,6 +454,13 @@ def main():
     if not rows_a:
         print("note: table (a) was not run; the summary below is for table (b)")
     print(f"min speedup {min(speedups):.2f}, median speedup {statistics.median(speedups):.2f} over {len(speedups)} presses")
+    # A press faster than its floor means the floor model is wrong: the benchmark fails.
+    below = [r for r in rows_a + rows_b if r["floor"] is not None and r["ours"] < r["floor"]]
+    for r in below:
+        print(f"FLOOR MODEL WRONG: {r['press']} ran in {r['ours'] * 1e3:.3f} ms, under its floor of "
+              f"{r['floor'] * 1e3:.3f} ms (benchmarks/press_work.h)")
+    if below:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 //
 //   kvpress_press_work --batch 1 --q-heads 32 --kv-heads 8 --head-dim 128 --seq 16384 --dtype float32
 //                      --n-kept 8192 [--threads 2]
-//   {"copy_bandwidth": B/s, "gemm_rate": FLOP/s, "presses": {"KnormPress": {"bytes": ..., "flops": ...}, ...}}
+//   {"kernel_isa": "avx512", "fma_peak": FLOP/s, "read_bandwidth": B/s, "write_bandwidth": B/s,
+//    "presses": {"KnormPress": {"bytes_read": ..., "bytes_written": ..., "flops": ...}, ...}}
 //
-// The rates are measured here, at --threads intra-op threads, right when the script asks.
+// The peaks (machine_peaks.h) are measured here, at --threads intra-op threads, right when the
+// script asks, in the instruction set the library's kernels use.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -45,10 +47,15 @@ int run(int argc, char** argv) {
   nlohmann::json presses = nlohmann::json::object();
   for (const kvpress::PressInfo& info : kvpress::list_presses())
     if (const auto work = kvpress_bench::press_work(info.name, shape, n_kept))
-      presses[info.name] = {{"bytes", work->bytes}, {"flops", work->flops}};
-  const int64_t kv_bytes = shape.batch * shape.kv_heads * shape.seq * shape.head_dim * shape.element_size;
-  const nlohmann::json out{{"copy_bandwidth", kvpress_bench::copy_bandwidth(kv_bytes)},
-                           {"gemm_rate", kvpress_bench::gemm_rate(dtype)},
+      presses[info.name] = {
+          {"bytes_read", work->bytes_read}, {"bytes_written", work->bytes_written}, {"flops", work->flops}};
+  const std::string isa = kvpress::ops::cpu_kernel_isa();
+  const kvpress_bench::MachinePeaks peaks = kvpress_bench::measure_machine_peaks(isa);
+  const nlohmann::json out{{"kernel_isa", isa},
+                           {"fma_isa", peaks.isa},
+                           {"fma_peak", peaks.fma_flops},
+                           {"read_bandwidth", peaks.read_bytes},
+                           {"write_bandwidth", peaks.write_bytes},
                            {"presses", presses}};
   std::cout << out.dump() << std::endl;
   return 0;
