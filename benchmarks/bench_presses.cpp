@@ -156,11 +156,15 @@ void finish(benchmark::State& state, int64_t S, int64_t bytes_per_iter) {
   state.SetItemsProcessed(state.iterations() * kBatch * S);
 }
 
-// This machine's true limits (machine_peaks.h), measured once, at the first press that needs them,
-// with the benchmarks' thread count and in the kernels' instruction set.
-const kvpress_bench::MachinePeaks& machine_peaks() {
-  static const kvpress_bench::MachinePeaks peaks = kvpress_bench::measure_machine_peaks(kvpress::ops::cpu_kernel_isa());
-  return peaks;
+// This machine's true limits (machine_peaks.h) over a layer's K and V of `kv_bytes`, measured once per
+// size, at the first press that needs them, with the benchmarks' thread count and in the kernels'
+// instruction set.
+const kvpress_bench::MachinePeaks& machine_peaks(int64_t kv_bytes) {
+  static std::map<int64_t, kvpress_bench::MachinePeaks> peaks;
+  auto it = peaks.find(kv_bytes);
+  if (it == peaks.end())
+    it = peaks.emplace(kv_bytes, kvpress_bench::measure_machine_peaks(kvpress::ops::cpu_kernel_isa(), kv_bytes)).first;
+  return it->second;
 }
 
 // With a floor model (press_work.h, CPU): bytes/s counts the bytes that must move and
@@ -174,7 +178,8 @@ void finish_press(benchmark::State& state, const std::string& name, int64_t S, a
       g_device.is_cpu() ? kvpress_bench::press_work(name, shape, kvpress::ops::n_kept(S, kRatio)) : std::nullopt;
   if (!work) return finish(state, S, input_bytes);
   finish(state, S, static_cast<int64_t>(work->bytes()));
-  const double floor = kvpress_bench::floor_seconds(*work, machine_peaks());
+  const int64_t kv_bytes = 2 * kBatch * kKVHeads * S * kHeadDim * static_cast<int64_t>(at::elementSize(dtype));
+  const double floor = kvpress_bench::floor_seconds(*work, machine_peaks(kv_bytes));
   const double per_call = seconds / static_cast<double>(std::max<benchmark::IterationCount>(state.iterations(), 1));
   state.counters["floor_fraction"] = floor / per_call;
   state.counters["x_floor"] = per_call / floor;

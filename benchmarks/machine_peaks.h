@@ -4,11 +4,19 @@
 //                register-resident accumulators (24 zmm for AVX-512, 12 ymm for AVX2 + FMA; no
 //                memory traffic), in the instruction set the library's CPU kernels use
 //                (ops::cpu_kernel_isa); "baseline" machines get SSE multiply-adds (two FLOPs each);
-//   read_bytes   the read bandwidth: each thread sums its part of a 1 GiB buffer with vector loads;
-//   write_bytes  the write bandwidth: each thread fills its part with non-temporal (streaming)
-//                stores, which skip the read-for-ownership a cached store pays.
-// Best of several runs each. A press's floor (press_work.h) is its FLOPs over fma_flops plus its
-// bytes read over read_bytes plus its bytes written over write_bytes.
+//   read_bytes   the read bandwidth: each thread sums its part of a buffer with vector loads;
+//   write_bytes  the write bandwidth: each thread fills its part, the faster of plain stores and
+//                non-temporal (streaming) ones, which skip the read-for-ownership a cached store
+//                pays but also the cache;
+//   copy_bytes   the traffic of reading and writing at once (bytes read + bytes written per
+//                second): each thread copies the first half of its part into the second, vector
+//                loads and the faster of plain and streaming stores.
+// The buffer is the size of the data the measured work reads (the layer's K and V, given by the
+// caller) and as warm as the benchmarks' inputs, which every timed call reads again: where it fits
+// in the last-level cache (300 MiB on some Xeons of our kind, a 64 MiB K at S = 16384) the
+// bandwidths are the cache's, elsewhere the memory's. Best of several runs each. A press's floor
+// (press_work.h) is the largest of its FLOPs over fma_flops, its bytes read over read_bytes, its
+// bytes written over write_bytes and both over copy_bytes (a roofline: the units work at once).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -33,6 +42,7 @@ struct MachinePeaks {
   double fma_flops = 0;    // FLOP/s
   double read_bytes = 0;   // B/s
   double write_bytes = 0;  // B/s
+  double copy_bytes = 0;   // B/s, read + written
   std::string isa;         // the FMA loop's instruction set: avx512, avx2 or baseline
 };
 
@@ -50,12 +60,15 @@ double fastest(Fn&& fn, int repeats) {
   return best;
 }
 
-// Runs body(part) for parts 0..threads-1, one per intra-op thread.
+// Runs body(part) for parts 0..threads-1 at once, one std::thread each: at::parallel_for is a header
+// template whose OpenMP path exists only in code compiled with -fopenmp (the library's kernels), so
+// here it would run the parts one after another.
 template <typename Body>
 void on_every_thread(int64_t threads, Body&& body) {
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t part = begin; part < end; ++part) body(part);
-  });
+  std::vector<std::thread> pool;
+  for (int64_t part = 1; part < threads; ++part) pool.emplace_back([&body, part] { body(part); });
+  body(0);
+  for (std::thread& t : pool) t.join();
 }
 
 #ifdef KVPRESS_BENCH_X86
@@ -145,7 +158,51 @@ inline float read_sse(const float* p, int64_t n) {
   return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
-// Fills n floats (n a multiple of 64, p 64-byte aligned) with non-temporal stores.
+// Fills n floats (n a multiple of 64, p 64-byte aligned) with plain stores ...
+__attribute__((target("avx512f"))) inline void store_avx512(float* p, int64_t n, float value) {
+  const __m512 v = _mm512_set1_ps(value);
+  for (int64_t i = 0; i < n; i += 16) _mm512_store_ps(p + i, v);
+}
+
+__attribute__((target("avx"))) inline void store_avx2(float* p, int64_t n, float value) {
+  const __m256 v = _mm256_set1_ps(value);
+  for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(p + i, v);
+}
+
+inline void store_sse(float* p, int64_t n, float value) {
+  const __m128 v = _mm_set1_ps(value);
+  for (int64_t i = 0; i < n; i += 4) _mm_store_ps(p + i, v);
+}
+
+// Copies n floats from src to dst (n a multiple of 64, both 64-byte aligned), plain or streaming stores.
+__attribute__((target("avx512f"))) inline void copy_avx512(const float* src, float* dst, int64_t n, bool streaming) {
+  if (streaming) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_load_ps(src + i));
+    _mm_sfence();
+  } else {
+    for (int64_t i = 0; i < n; i += 16) _mm512_store_ps(dst + i, _mm512_load_ps(src + i));
+  }
+}
+
+__attribute__((target("avx"))) inline void copy_avx2(const float* src, float* dst, int64_t n, bool streaming) {
+  if (streaming) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_load_ps(src + i));
+    _mm_sfence();
+  } else {
+    for (int64_t i = 0; i < n; i += 8) _mm256_store_ps(dst + i, _mm256_load_ps(src + i));
+  }
+}
+
+inline void copy_sse(const float* src, float* dst, int64_t n, bool streaming) {
+  if (streaming) {
+    for (int64_t i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_load_ps(src + i));
+    _mm_sfence();
+  } else {
+    for (int64_t i = 0; i < n; i += 4) _mm_store_ps(dst + i, _mm_load_ps(src + i));
+  }
+}
+
+// ... or with non-temporal stores.
 __attribute__((target("avx512f"))) inline void stream_avx512(float* p, int64_t n, float value) {
   const __m512 v = _mm512_set1_ps(value);
   for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(p + i, v);
@@ -168,8 +225,9 @@ inline void stream_sse(float* p, int64_t n, float value) {
 }  // namespace peaks_detail
 
 // The peaks for the kernels' instruction set `isa` ("avx512", "avx2" or anything else: baseline;
-// ops::cpu_kernel_isa() gives it, a "+...-clones" suffix ignored).
-inline MachinePeaks measure_machine_peaks(const std::string& kernel_isa) {
+// ops::cpu_kernel_isa() gives it, a "+...-clones" suffix ignored), the bandwidths over a buffer of
+// `working_set_bytes` (at least 1 MiB).
+inline MachinePeaks measure_machine_peaks(const std::string& kernel_isa, int64_t working_set_bytes) {
   using namespace peaks_detail;  // NOLINT(google-build-using-namespace)
 #ifndef KVPRESS_BENCH_X86
   TORCH_CHECK(false, "measure_machine_peaks: only x86-64 with gcc or clang is measured, not this machine");
@@ -197,31 +255,56 @@ inline MachinePeaks measure_machine_peaks(const std::string& kernel_isa) {
       5);
   out.fma_flops = flops_per_thread * static_cast<double>(threads) / fma_seconds;
 
-  // 1 GiB, far past any cache, in equal parts of a multiple of 64 floats.
-  const int64_t part = ((int64_t{1} << 28) / threads) / 64 * 64;
+  // The working set in equal parts of a multiple of 64 floats; each timed run passes over it until
+  // about 1 GiB has moved, so that small buffers time well too.
+  const int64_t floats = std::max<int64_t>(working_set_bytes, int64_t{1} << 20) / static_cast<int64_t>(sizeof(float));
+  const int64_t part = std::max<int64_t>(floats / threads / 64 * 64, 64);
+  const int64_t passes = std::max<int64_t>(1, (int64_t{1} << 28) / (part * threads));
   at::Tensor buffer = at::empty({part * threads}, at::kFloat);  // 64-byte aligned (c10's CPU allocator)
   float* data = buffer.data_ptr<float>();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(data) % 64 == 0, "measure_machine_peaks: the buffer is not 64-byte aligned");
-  const double bytes = static_cast<double>(part * threads) * sizeof(float);
-  const auto write = [&] {
-    on_every_thread(threads, [&](int64_t t) {
-      float* p = data + t * part;
-      if (out.isa == "avx512") stream_avx512(p, part, 1.0f);
-      if (out.isa == "avx2") stream_avx2(p, part, 1.0f);
-      if (out.isa == "baseline") stream_sse(p, part, 1.0f);
-    });
+  const double bytes = static_cast<double>(part * threads) * sizeof(float) * static_cast<double>(passes);
+  const auto write = [&](bool streaming) {
+    return [&, streaming] {
+      on_every_thread(threads, [&](int64_t t) {
+        float* p = data + t * part;
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          const auto value = static_cast<float>(pass);
+          if (out.isa == "avx512") streaming ? stream_avx512(p, part, value) : store_avx512(p, part, value);
+          if (out.isa == "avx2") streaming ? stream_avx2(p, part, value) : store_avx2(p, part, value);
+          if (out.isa == "baseline") streaming ? stream_sse(p, part, value) : store_sse(p, part, value);
+        }
+      });
+    };
   };
-  out.write_bytes = bytes / fastest(write, 5);
+  out.write_bytes = bytes / std::min(fastest(write(true), 5), fastest(write(false), 5));
   const auto read = [&] {
     on_every_thread(threads, [&](int64_t t) {
       const float* p = data + t * part;
       const auto k = static_cast<size_t>(t);
-      if (out.isa == "avx512") sink[k] += read_avx512(p, part);
-      if (out.isa == "avx2") sink[k] += read_avx2(p, part);
-      if (out.isa == "baseline") sink[k] += read_sse(p, part);
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        if (out.isa == "avx512") sink[k] += read_avx512(p, part);
+        if (out.isa == "avx2") sink[k] += read_avx2(p, part);
+        if (out.isa == "baseline") sink[k] += read_sse(p, part);
+      }
     });
   };
   out.read_bytes = bytes / fastest(read, 5);
+  const int64_t half = part / 2 / 64 * 64;
+  const auto copy = [&](bool streaming) {
+    return [&, streaming] {
+      on_every_thread(threads, [&](int64_t t) {
+        float* p = data + t * part;
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          if (out.isa == "avx512") copy_avx512(p, p + half, half, streaming);
+          if (out.isa == "avx2") copy_avx2(p, p + half, half, streaming);
+          if (out.isa == "baseline") copy_sse(p, p + half, half, streaming);
+        }
+      });
+    };
+  };
+  const double copied = 2.0 * static_cast<double>(half * threads) * sizeof(float) * static_cast<double>(passes);
+  out.copy_bytes = copied / std::min(fastest(copy(true), 5), fastest(copy(false), 5));
   volatile float keep = 0;
   for (float s : sink) keep = keep + s;
   return out;

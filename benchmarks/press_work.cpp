@@ -4,6 +4,7 @@
 //   kvpress_press_work --batch 1 --q-heads 32 --kv-heads 8 --head-dim 128 --seq 16384 --dtype float32
 //                      --n-kept 8192 [--threads 2]
 //   {"kernel_isa": "avx512", "fma_peak": FLOP/s, "read_bandwidth": B/s, "write_bandwidth": B/s,
+//    "copy_bandwidth": B/s (read + written),
 //    "presses": {"KnormPress": {"bytes_read": ..., "bytes_written": ..., "flops": ...}, ...}}
 //
 // The peaks (machine_peaks.h) are measured here, at --threads intra-op threads, right when the
@@ -50,12 +51,15 @@ int run(int argc, char** argv) {
       presses[info.name] = {
           {"bytes_read", work->bytes_read}, {"bytes_written", work->bytes_written}, {"flops", work->flops}};
   const std::string isa = kvpress::ops::cpu_kernel_isa();
-  const kvpress_bench::MachinePeaks peaks = kvpress_bench::measure_machine_peaks(isa);
+  // The bandwidths over the layer's K and V, the data every press reads (as warm as the benchmark's).
+  const int64_t kv_bytes = 2 * shape.batch * shape.kv_heads * shape.seq * shape.head_dim * shape.element_size;
+  const kvpress_bench::MachinePeaks peaks = kvpress_bench::measure_machine_peaks(isa, kv_bytes);
   const nlohmann::json out{{"kernel_isa", isa},
                            {"fma_isa", peaks.isa},
                            {"fma_peak", peaks.fma_flops},
                            {"read_bandwidth", peaks.read_bytes},
                            {"write_bandwidth", peaks.write_bytes},
+                           {"copy_bandwidth", peaks.copy_bytes},
                            {"presses", presses}};
   std::cout << out.dump() << std::endl;
   return 0;
