@@ -132,6 +132,78 @@ TEST(PagedLlama, ContinuousBatchingGivesEachPromptItsDenseGeneration) {
   }
 }
 
+// A decoding press written outside the library, as an engine's own: every `interval` decoding forwards
+// of a layer it keeps the layer's last `window` tokens. It counts the forwards in its own state type
+// and implements only the lifecycle members, and both runners drive it without knowing its type.
+class KeepRecentWhileDecoding : public BasePress {
+ public:
+  KeepRecentWhileDecoding(int64_t window, int64_t interval) : window_(window), interval_(interval) {}
+  std::string name() const override { return "KeepRecentWhileDecoding"; }
+  KV compress(const LayerInputs& inputs) const override { return KV{inputs.keys, inputs.values, at::Tensor()}; }
+  double compression_ratio() const override { return 0.0; }
+
+  struct Forwards : CopyableSequenceState<Forwards> {
+    std::map<int64_t, int64_t> per_layer;  // decoding forwards since the layer's last compression
+  };
+  const BasePress* prefill_press() const override { return nullptr; }
+  std::unique_ptr<PressSequenceState> new_sequence_state() const override { return std::make_unique<Forwards>(); }
+  DecodingRole decoding_role() const override {
+    DecodingRole role;
+    role.compresses = true;
+    return role;
+  }
+  bool decoding_reads_cache(int64_t layer, int64_t, int64_t, const PressSequenceState& state) const override {
+    const auto& seen = own_sequence_state<const Forwards>(state, *this).per_layer;
+    const auto it = seen.find(layer);
+    return (it == seen.end() ? 0 : it->second) + 1 >= interval_;
+  }
+  DecodingUpdate decoding_update(const LayerInputs& forward, int64_t tokens_seen,
+                                 PressSequenceState& state) const override {
+    const bool due = decoding_reads_cache(forward.layer_idx, 0, tokens_seen, state);
+    int64_t& seen = own_sequence_state<Forwards>(state, *this).per_layer[forward.layer_idx];
+    ++seen;
+    DecodingUpdate update;
+    if (!due || forward.keys.size(2) <= window_) return update;
+    seen = 0;
+    const int64_t length = forward.keys.size(2);
+    const at::Tensor kept = at::arange(length - window_, length, at::kLong)
+                                .view({1, 1, window_})
+                                .expand({forward.keys.size(0), forward.keys.size(1), window_})
+                                .contiguous();
+    update.kind = DecodingUpdate::Kind::kReplace;
+    update.replacement = KV{forward.keys.narrow(2, length - window_, window_).contiguous(),
+                            forward.values.narrow(2, length - window_, window_).contiguous(), kept};
+    return update;
+  }
+
+ private:
+  int64_t window_, interval_;
+};
+
+TEST(PagedLlama, AnEnginesOwnDecodingPressRunsThroughTheLifecycle) {
+  const std::vector<std::vector<int64_t>> ps = prompts({40, 75, 52}, 7);
+  const KeepRecentWhileDecoding press(/*window=*/24, /*interval=*/5);
+  llama::PagedGenerationOptions opt;
+  opt.press = &press;
+  opt.max_new_tokens = 12;
+  opt.stop_at_eos = false;
+  opt.max_batch = 2;
+  const llama::PagedGenerations run = llama::generate_paged(model(), ps, opt);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    llama::GenerationOptions dense;
+    dense.press = &press;
+    dense.max_new_tokens = 12;
+    dense.stop_at_eos = false;
+    const llama::Generation expected = llama::generate_greedy(model(), ps[i], {}, dense);
+    EXPECT_EQ(run.generations[i].tokens, expected.tokens) << "prompt " << i;
+    // The prefill is kept whole; the last compression (the 10th forward: 9 tokens fed, the window
+    // kept, the 10th and 11th appended after it) leaves 24 + 1 in every layer.
+    EXPECT_EQ(expected.cache_lengths, std::vector<int64_t>(2, static_cast<int64_t>(ps[i].size())));
+    EXPECT_EQ(expected.final_cache_lengths, std::vector<int64_t>(2, 24 + 1)) << "prompt " << i;
+    EXPECT_EQ(run.generations[i].final_cache_lengths, expected.final_cache_lengths) << "prompt " << i;
+  }
+}
+
 TEST(PagedLlama, PrefillAndDecodeRefuseBadInputAndLeaveTheCacheAsItWas) {
   const LlamaModel& m = model();
   PagedKVCache cache = m.new_paged_cache(40, 16);
