@@ -179,7 +179,7 @@ void finish_press(benchmark::State& state, const std::string& name, int64_t S, a
   if (!work) return finish(state, S, input_bytes);
   finish(state, S, static_cast<int64_t>(work->bytes()));
   const int64_t kv_bytes = 2 * kBatch * kKVHeads * S * kHeadDim * static_cast<int64_t>(at::elementSize(dtype));
-  const double floor = kvpress_bench::floor_seconds(*work, machine_peaks(kv_bytes));
+  const double floor = kvpress_bench::press_floor(*work, machine_peaks(kv_bytes)).seconds;
   const double per_call = seconds / static_cast<double>(std::max<benchmark::IterationCount>(state.iterations(), 1));
   state.counters["floor_fraction"] = floor / per_call;
   state.counters["x_floor"] = per_call / floor;

@@ -199,7 +199,7 @@ def agreement(press, layer, name, full, ours_kept, ratio):
 
 
 def floor_model(layer, n_kept, lib):
-    """(peaks, {press: (bytes read, bytes written, FLOPs)}) from kvpress_press_work, built next to
+    """(peaks, {press: (floor seconds, its largest term)}) from kvpress_press_work, built next to
     the library: benchmarks/press_work.h is the one definition of each press's work (kvpress_bench
     reports the same floors) and benchmarks/machine_peaks.h of the machine's true limits, measured by
     it now, at this process's thread count, in the kernels' instruction set: the float32 FMA peak
@@ -212,25 +212,14 @@ def floor_model(layer, n_kept, lib):
     cmd = [tool, "--batch", layer.B, "--q-heads", layer.Hq, "--kv-heads", layer.Hkv, "--head-dim", layer.D,
            "--seq", layer.S, "--dtype", dtype, "--n-kept", n_kept, "--threads", torch.get_num_threads()]
     out = json.loads(subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout)
-    work = {name: (w["bytes_read"], w["bytes_written"], w["flops"]) for name, w in out["presses"].items()}
-    return out, work
-
-
-def press_floor(work, peaks):
-    """(seconds, the largest term's name): the largest of FLOPs over the FMA peak, bytes read over
-    the read bandwidth, bytes written over the write bandwidth and both over the copy rate
-    (benchmarks/press_work.h's floor_seconds: compute, loads and stores proceed at once)."""
-    read, written, flops = work
-    terms = {"compute": flops / peaks["fma_peak"], "read": read / peaks["read_bandwidth"],
-             "write": written / peaks["write_bandwidth"], "copy": (read + written) / peaks["copy_bandwidth"]}
-    bound = max(terms, key=terms.get)
-    return terms[bound], bound
+    floors = {name: (w["floor_seconds"], w["bound"]) for name, w in out["presses"].items()}
+    return out, floors
 
 
 def run_table(title, presses, layer, args, full, kvpress_mod):
     rows = []
     n_kept = torch.ops.kvpress.n_kept(layer.S, args.ratio)
-    peaks, work = floor_model(layer, n_kept, args.lib)
+    peaks, floors = floor_model(layer, n_kept, args.lib)
     print(f"  {peaks_line(peaks)}", flush=True)
     for name in presses:
         press = getattr(kvpress_mod, name)(compression_ratio=args.ratio)
@@ -251,8 +240,8 @@ def run_table(title, presses, layer, args, full, kvpress_mod):
             continue
         agree = None if args.no_check else agreement(press, layer, name, full, our_fn()[2], args.ratio)
         floor = bound = None
-        if not full and name in work:  # table (b) adds the projections, whose floor is not modelled
-            floor, bound = press_floor(work[name], peaks)
+        if not full and name in floors:  # table (b) adds the projections, whose floor is not modelled
+            floor, bound = floors[name]
         rows.append(dict(press=name, kv=t_kv, ours=t_ours, speedup=t_kv / t_ours, agree=agree, floor=floor,
                          bound=bound))
         print(f"  {name:24s} kvpress {t_kv * 1e3:10.2f} ms   ours {t_ours * 1e3:9.2f} ms   "

@@ -5,7 +5,8 @@
 //                      --n-kept 8192 [--threads 2]
 //   {"kernel_isa": "avx512", "fma_peak": FLOP/s, "read_bandwidth": B/s, "write_bandwidth": B/s,
 //    "copy_bandwidth": B/s (read + written),
-//    "presses": {"KnormPress": {"bytes_read": ..., "bytes_written": ..., "flops": ...}, ...}}
+//    "presses": {"KnormPress": {"bytes_read": ..., "bytes_written": ..., "flops": ...,
+//                               "floor_seconds": ..., "bound": "copy"}, ...}}
 //
 // The peaks (machine_peaks.h) are measured here, at --threads intra-op threads, right when the
 // script asks, in the instruction set the library's kernels use.
@@ -45,15 +46,21 @@ int run(int argc, char** argv) {
   kvpress_bench::LayerShape shape{integer("--batch"),    integer("--q-heads"), integer("--kv-heads"),
                                   integer("--head-dim"), integer("--seq"),     dtype == at::kFloat ? 4 : 2};
   const int64_t n_kept = integer("--n-kept") >= 0 ? integer("--n-kept") : kvpress::ops::n_kept(shape.seq, 0.5);
-  nlohmann::json presses = nlohmann::json::object();
-  for (const kvpress::PressInfo& info : kvpress::list_presses())
-    if (const auto work = kvpress_bench::press_work(info.name, shape, n_kept))
-      presses[info.name] = {
-          {"bytes_read", work->bytes_read}, {"bytes_written", work->bytes_written}, {"flops", work->flops}};
   const std::string isa = kvpress::ops::cpu_kernel_isa();
   // The bandwidths over the layer's K and V, the data every press reads (as warm as the benchmark's).
   const int64_t kv_bytes = 2 * shape.batch * shape.kv_heads * shape.seq * shape.head_dim * shape.element_size;
   const kvpress_bench::MachinePeaks peaks = kvpress_bench::measure_machine_peaks(isa, kv_bytes);
+  nlohmann::json presses = nlohmann::json::object();
+  for (const kvpress::PressInfo& info : kvpress::list_presses()) {
+    if (const auto work = kvpress_bench::press_work(info.name, shape, n_kept)) {
+      const kvpress_bench::Floor floor = kvpress_bench::press_floor(*work, peaks);
+      presses[info.name] = {{"bytes_read", work->bytes_read},
+                            {"bytes_written", work->bytes_written},
+                            {"flops", work->flops},
+                            {"floor_seconds", floor.seconds},
+                            {"bound", floor.bound}};
+    }
+  }
   const nlohmann::json out{{"kernel_isa", isa},
                            {"fma_isa", peaks.isa},
                            {"fma_peak", peaks.fma_flops},

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <string>
@@ -73,9 +74,17 @@ inline std::optional<PressWork> press_work(const std::string& name, const LayerS
 // bytes read at the read bandwidth, the bytes written at the write bandwidth and both at the copy
 // rate (compute, loads and stores proceed at once: a sum of the terms is not a floor, measured on a
 // Xeon with a 300 MiB L3, where StreamingLLMPress's gather and LeverageScorePress ran under it).
-inline double floor_seconds(const PressWork& work, const MachinePeaks& peaks) {
-  return std::max({work.flops / peaks.fma_flops, work.bytes_read / peaks.read_bytes,
-                   work.bytes_written / peaks.write_bytes, work.bytes() / peaks.copy_bytes});
+struct Floor {
+  double seconds;
+  const char* bound;  // the largest term: "compute", "read", "write" or "copy"
+};
+inline Floor press_floor(const PressWork& work, const MachinePeaks& peaks) {
+  const Floor terms[] = {{work.flops / peaks.fma_flops, "compute"},
+                         {work.bytes_read / peaks.read_bytes, "read"},
+                         {work.bytes_written / peaks.write_bytes, "write"},
+                         {work.bytes() / peaks.copy_bytes, "copy"}};
+  return *std::max_element(std::begin(terms), std::end(terms),
+                           [](const Floor& a, const Floor& b) { return a.seconds < b.seconds; });
 }
 
 }  // namespace kvpress_bench

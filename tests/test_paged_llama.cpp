@@ -51,7 +51,7 @@ std::vector<at::Tensor> dense_logits(const std::vector<int64_t>& prompt, const s
   pre.last_logits_only = true;
   std::vector<at::Tensor> out;
   out.push_back(m.prefill(at::tensor(at::ArrayRef<int64_t>(prompt), at::kLong).unsqueeze(0), cache, pre).logits[0][0]);
-  const std::unique_ptr<PressSequenceState> state = press ? press->new_sequence_state() : nullptr;
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(press);
   llama::ForwardOptions step;
   step.last_logits_only = true;
   step.press = press;

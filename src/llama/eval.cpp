@@ -25,7 +25,7 @@ ContinuationScore score_continuation(const LlamaModel& model, const std::vector<
   prefill.last_logits_only = true;  // token `prefix` is not scored
   prefill.tokenizer = tokenizer;
   // The press's state for this sequence, from the prefill through the continuation.
-  const std::unique_ptr<PressSequenceState> state = press ? press->new_sequence_state() : nullptr;
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(press);
   prefill.press_state = state.get();
   model.prefill(all.narrow(1, 0, prefix), cache, prefill);
   // Feed tokens prefix .. n-2 at positions cache.position() on (prefix .. n-2, or from n_kept after

@@ -20,7 +20,7 @@ Generation generate_greedy(const LlamaModel& model, const std::vector<int64_t>& 
   KVCache cache = model.new_cache();
   // This generation's press state, from the prefill through the decoding (kvpress resets its press
   // per pipeline call).
-  const std::unique_ptr<PressSequenceState> state = options.press ? options.press->new_sequence_state() : nullptr;
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(options.press);
   PrefillOptions prefill;
   prefill.press = options.press;  // kvpress's pipeline: a DecodingPress skips the prefill
   prefill.press_state = state.get();

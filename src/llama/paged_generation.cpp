@@ -178,7 +178,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
         auto r = std::make_unique<Running>();
         r->prompt = admitted[k];
         r->seq = seqs[k];
-        if (options.press) r->state = options.press->new_sequence_state();
+        r->state = new_sequence_state_of(options.press);
         Generation& g = out.generations[static_cast<size_t>(r->prompt)];
         g.cache_lengths = longest_heads(cache, r->seq);
         count_prompt_pages(cache, r->seq, pages(g.context_length), stats);

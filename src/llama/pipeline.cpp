@@ -49,7 +49,7 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
   p.length = static_cast<int64_t>(ids.size());
   PrefillOptions prefill;
   prefill.press = options.press;  // a DecodingPress leaves the prefill alone
-  p.press_state = options.press ? options.press->new_sequence_state() : nullptr;
+  p.press_state = new_sequence_state_of(options.press);
   prefill.press_state = p.press_state.get();
   prefill.press_attentions = options.press_attentions;
   prefill.question_length = question_length;

@@ -183,6 +183,10 @@ class BasePress {
 
 // The press applied at prefill: press->prefill_press(), nullptr for no press.
 inline const BasePress* prefill_press_of(const BasePress* press) { return press ? press->prefill_press() : nullptr; }
+// A fresh state for one sequence of `press` (press->new_sequence_state()), nullptr for no press.
+inline std::unique_ptr<PressSequenceState> new_sequence_state_of(const BasePress* press) {
+  return press ? press->new_sequence_state() : nullptr;
+}
 
 // `state` as `press`'s own state type (a const State for a const state). An engine hands a press the
 // state its new_sequence_state() made; another press's raises.
