@@ -212,9 +212,8 @@ TEST(KVzip, Errors) {
   KVCache cache = model.new_cache();
   PrefillOptions opt;
   opt.press = &press;
-  expect_error(
-      [&] { model.prefill(story_ids(16), cache, opt); },
-      {"LlamaModel::prefill: KVzipPress replays the context after a text prompt", "PrefillOptions::tokenizer"});
+  expect_error([&] { model.prefill(story_ids(16), cache, opt); },
+               {"LlamaModel::prefill: KVzipPress prompts the model with text of its own", "PrefillOptions::tokenizer"});
   EXPECT_EQ(cache.position(), 0);
   expect_error(
       [&] {

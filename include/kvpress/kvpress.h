@@ -7,6 +7,7 @@
 #include "kvpress/io/gguf.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/lora.h"
+#include "kvpress/model_view.h"
 #include "kvpress/ops.h"
 #include "kvpress/paged.h"
 #include "kvpress/press_params.h"

@@ -226,4 +226,14 @@ std::string ChatTemplate::apply(const std::vector<ChatMessage>& messages, bool a
   return out;
 }
 
+std::pair<std::string, std::string> ChatTemplate::split_user_turn(const std::string& message,
+                                                                  const std::string& separator,
+                                                                  const ChatOptions& options, const char* op) const {
+  const std::string rendered = apply({{"user", message + separator}}, /*add_generation_prompt=*/true, options);
+  const size_t at = rendered.find(separator);
+  TORCH_CHECK(at != std::string::npos && rendered.find(separator, at + 1) == std::string::npos, op,
+              ": the chat template ", name_, " must render the user message once");
+  return {rendered.substr(0, at), rendered.substr(at + separator.size())};
+}
+
 }  // namespace kvpress::llama

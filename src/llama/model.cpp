@@ -25,10 +25,9 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/io/safetensors.h"
-#include "kvpress/llama/kvcompose.h"
-#include "kvpress/llama/kvzip.h"
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
+#include "second_pass_run.h"
 
 namespace kvpress::llama {
 namespace {
@@ -358,6 +357,18 @@ RopeTables LlamaModel::rope_at(const std::vector<int64_t>& position_ids) const {
 
 at::Tensor LlamaModel::embed(const at::Tensor& input_ids) const { return at::embedding(embed_tokens_, input_ids); }
 
+ModelShape LlamaModel::shape() const {
+  ModelShape s;
+  s.num_layers = config_.num_layers;
+  s.num_heads = config_.num_heads;
+  s.num_kv_heads = config_.num_kv_heads;
+  s.head_dim = config_.head_dim;
+  s.hidden_size = config_.hidden_size;
+  s.intermediate_size = config_.intermediate_size;
+  s.dtype = dtype_;
+  return s;
+}
+
 LlamaModel::LayerQKV LlamaModel::layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables,
                                            const LoraAdapter* lora) const {
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::layer_qkv: layer must be in [0, ",
@@ -450,19 +461,13 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   TORCH_CHECK(options.question_length >= 0 && (input_ids.dim() != 2 || options.question_length <= input_ids.size(1)),
               "LlamaModel::prefill: question_length must be in [0, ", input_ids.dim() == 2 ? input_ids.size(1) : 0,
               "] (the prefill's tokens), got ", options.question_length);
-  // KVCompose, KVzip and FastKVzip (global) cannot compress layer by layer: they run the model
-  // again over the context (kvpress/llama/kvcompose.h, kvpress/llama/kvzip.h).
+  // A press that cannot compress layer by layer runs the model again over the context first: it
+  // takes the prefill over (kvpress/model_view.h).
   const BasePress* press = prefill_press_of(options.press);
-  if (const auto* kvcompose = dynamic_cast<const KVComposePress*>(press))
-    return kvcompose_prefill(*this, input_ids, cache, *kvcompose, {}, options).prefill;
-  if (const auto* kvzip = dynamic_cast<const KVzipPress*>(press)) {  // KVgrad and RestoreKV too
-    TORCH_CHECK(options.tokenizer != nullptr, "LlamaModel::prefill: ", kvzip->name(),
-                " replays the context after a text prompt, so it needs the model's tokenizer: set "
-                "PrefillOptions::tokenizer");
-    return kvzip_prefill(*this, input_ids, cache, *kvzip, *options.tokenizer, options).prefill;
+  if (press != nullptr && press->needs_second_pass()) {
+    detail::LlamaSecondPassRun run("LlamaModel::prefill", *this, input_ids, cache, options, press->name());
+    return run.take_output([&] { press->second_pass(run); });
   }
-  if (const auto* fast = dynamic_cast<const FastKVzipPress*>(press); fast && fast->needs_second_pass())
-    return fast_kvzip_prefill(*this, input_ids, cache, *fast, options).prefill;
   return run(input_ids, cache, options, &options);
 }
 

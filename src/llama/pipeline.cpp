@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "greedy.h"
 #include "kvpress/llama/kvzip.h"
@@ -20,12 +21,8 @@ struct Framed {
 Framed frame(const std::string& text, const std::string& bos_text, const ChatTemplate* chat) {
   if (chat == nullptr) return {bos_text + text, "\n"};  // the tokenizer has no chat template
   // A user message of the text and a separator no text contains, rendered, split at the separator.
-  const std::string separator(text.size() + 10, '#');
-  const std::string rendered = chat->apply({{"user", text + separator}}, /*add_generation_prompt=*/true);
-  const size_t at = rendered.find(separator);
-  TORCH_CHECK(at != std::string::npos && rendered.find(separator, at + 1) == std::string::npos, kOp,
-              ": the chat template ", chat->name(), " must render the user message once");
-  return {rendered.substr(0, at), rendered.substr(at + separator.size())};
+  auto [prefill, question_suffix] = chat->split_user_turn(text, std::string(text.size() + 10, '#'), {}, kOp);
+  return {std::move(prefill), std::move(question_suffix)};
 }
 
 struct Prefilled {
@@ -60,7 +57,7 @@ Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vect
     TORCH_CHECK(captured->logits.dim() == 3 && captured->logits.size(1) >= 1, kOp,
                 ": options.captured has no logits (capture_prefill gives them)");
     if (options.kvzip_scores != nullptr) {
-      const auto* kvzip = dynamic_cast<const KVzipPress*>(options.press);
+      const KVzipPress* kvzip = KVzipPress::of(options.press);
       TORCH_CHECK(kvzip != nullptr, kOp, ": options.kvzip_scores are for a KVzipPress, got ",
                   options.press ? options.press->name() : std::string("no press"));
       p.cache = kvzip_compress_captured(model, *captured, *kvzip, *options.kvzip_scores, prefill);

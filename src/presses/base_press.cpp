@@ -75,6 +75,12 @@ void BasePress::refuse_uniform_compress() const {
               "use compress_ragged() (head_ragged() is true)");
 }
 
+void BasePress::second_pass(SecondPassRun&) const {
+  TORCH_CHECK(false, name(), ".second_pass: ", name(),
+              " compresses layer by layer in the ordinary prefill and has no second pass (needs_second_pass() is "
+              "false)");
+}
+
 // ---- ScorerPress ----------------------------------------------------------------------------
 
 ScorerPress::ScorerPress(double compression_ratio) : compression_ratio_(compression_ratio) {

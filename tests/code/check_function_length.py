@@ -2,10 +2,6 @@
 (docs/ARCHITECTURE.md, "Conventions"; tests, examples and benchmarks aside). Lengths are lizard's:
 from the signature's first line to the closing brace, comments and blank lines included.
 
-The runner's press drivers below are still longer; issue 34's press lifecycle rewrites them. Each
-is listed with its length today, and the check fails when one grows or shrinks (then lower or drop
-its entry), so the list can only get shorter.
-
 usage: check_function_length.py REPO
 """
 import sys
@@ -16,11 +12,6 @@ import lizard
 LIMIT = 100
 FOLDERS = ("src", "include", "tools", "python/src", "scripts")
 SUFFIXES = {".cpp", ".h", ".cu", ".cuh", ".py"}
-# file: function -> its length today (lines).
-LONGER_UNTIL_THE_PRESS_LIFECYCLE = {
-    ("src/llama/kvzip.cpp", "kvpress::llama::kvgrad_prefill"): 134,
-    ("src/llama/kvzip.cpp", "kvpress::llama::scoring_pass"): 102,
-}
 
 
 def functions(repo: Path):
@@ -37,21 +28,13 @@ def functions(repo: Path):
 
 def main() -> int:
     repo = Path(sys.argv[1]).resolve()
-    failures, seen, count = [], set(), 0
+    failures, count = [], 0
     for file, f in functions(repo):
         count += 1
-        known = LONGER_UNTIL_THE_PRESS_LIFECYCLE.get((file, f.name))
-        if known is not None:
-            seen.add((file, f.name))
-            if f.length != known:
-                failures.append(f"{file}:{f.start_line} {f.name} is {f.length} lines, listed as {known}: "
-                                f"update or drop its entry in {Path(__file__).name}")
-        elif f.length > LIMIT:
+        if f.length > LIMIT:
             failures.append(f"{file}:{f.start_line} {f.name} is {f.length} lines (at most {LIMIT}): split it")
-    for file, name in sorted(set(LONGER_UNTIL_THE_PRESS_LIFECYCLE) - seen):
-        failures.append(f"{file}: {name} is listed but no longer exists: drop its entry")
-    print(f"check_function_length: {count} functions in {', '.join(FOLDERS)}; "
-          f"{len(LONGER_UNTIL_THE_PRESS_LIFECYCLE)} listed runner functions over {LIMIT} lines")
+    print(f"check_function_length: {count} functions in {', '.join(FOLDERS)}, none over {LIMIT} lines"
+          if not failures else f"check_function_length: {count} functions in {', '.join(FOLDERS)}")
     for failure in failures:
         print("FAIL:", failure)
     if count < 1000:

@@ -57,6 +57,13 @@ class ChatTemplate {
   // empty conversation or a role other than system, user and assistant.
   std::string apply(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
                     const ChatOptions& options = {}) const;
+  // The conversation of one user message, `message` + `separator`, rendered with the generation
+  // prompt and cut around the separator: {the text before it, the text after it} (kvpress's probes
+  // of a template: the pipeline's framing of a context, KVzip's replay frame). Raises c10::Error
+  // "<op>: the chat template <name> must render the user message once" unless the separator appears
+  // exactly once.
+  std::pair<std::string, std::string> split_user_turn(const std::string& message, const std::string& separator,
+                                                      const ChatOptions& options, const char* op) const;
 
  private:
   friend struct ChatTemplateTable;  // src/llama/chat.cpp: the known texts

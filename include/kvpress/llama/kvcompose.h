@@ -1,5 +1,7 @@
 // KVCompose on the Llama runner: the context's prefill, the second pass, global budgets and the
-// compression of every layer (docs/LLAMA_RUNNER.md, "KVComposePress").
+// compression of every layer (docs/LLAMA_RUNNER.md, "KVComposePress"). The pass is the press's own
+// (KVComposePress::run_second_pass, kvpress/model_view.h); this call runs it on a LlamaModel and
+// reports what it measured.
 //
 //   kvpress::KVComposePress press(0.5);                        // or make_press("KVComposePress", 0.5)
 //   kvpress::llama::KVCache cache = model.new_cache();
@@ -7,13 +9,13 @@
 //   // cache: structured -> layer l holds k_l tokens per head; unstructured -> head-ragged layers
 //   // r.memory.peak_bytes: the extra memory the second pass held at its peak
 //
-// LlamaModel::prefill calls this when its press is a KVComposePress, so generation, eval and the
-// demo run KVCompose like any press.
+// LlamaModel::prefill runs the same pass for a KVComposePress, so generation, eval and the demo run
+// KVCompose like any press.
 //
 // The second pass (kvpress: the task prompt, by default the context again, forwarded over the
-// cache in eager mode, growing it to ~2N tokens in every layer) runs here LAYER BY LAYER and in
-// QUERY CHUNKS: for each layer, the prompt's own keys/values exist for that layer only, each chunk
-// of `query_chunk` prompt queries attends to the context plus the prompt keys up to itself, the
+// cache in eager mode, growing it to ~2N tokens in every layer) runs LAYER BY LAYER and in QUERY
+// CHUNKS: for each layer, the prompt's own keys/values exist for that layer only, each chunk of
+// `query_chunk` prompt queries attends to the context plus the prompt keys up to itself, the
 // chunk's attention to the N context tokens goes to the KVComposeSession (incremental max/mean),
 // and the chunk's output feeds the next layer. Nothing of the prompt is written to the cache.
 #pragma once
@@ -28,28 +30,8 @@
 
 namespace kvpress::llama {
 
-struct KVComposeRunOptions {
-  // Task prompts, each [B, P] int64 (B = the context's). Empty: the context itself (kvpress's
-  // default). Each prompt runs over the context alone at positions N .. N + P - 1.
-  std::vector<at::Tensor> task_prompts;
-  // Prompt queries per attention block; bounds the attention scores held at once to
-  // [B, Hq, query_chunk, N + P] float32.
-  int64_t query_chunk = 128;
-};
-
-// Bytes of the tensors the second pass holds beyond the model weights and the context's cache,
-// at the moment they peaked (breakdown of that moment).
-struct KVComposeMemory {
-  int64_t peak_bytes = 0;
-  int64_t hidden_bytes = 0;      // the prompt's residual stream [B, P, hidden] (updated in place)
-  int64_t prompt_kv_bytes = 0;   // the prompt's keys/values of ONE layer (+ the chunk's q/k/v)
-  int64_t attention_bytes = 0;   // one chunk's scores/probabilities (or its output and MLP activations)
-  int64_t statistics_bytes = 0;  // the session's accumulators ([L, Hq, N] float32)
-  // What kvpress holds for the same pass (a lower bound): every layer's prompt keys/values
-  // (the ~2N cache) + one layer's eager scores and probabilities [B, Hq, P, N + P] in the model
-  // dtype + the same statistics.
-  int64_t kvpress_bytes = 0;
-};
+using KVComposeRunOptions = kvpress::KVComposeRunOptions;  // kvpress/presses/kvcompose_press.h
+using KVComposeMemory = kvpress::KVComposeMemory;
 
 struct KVComposeResult {
   // The context's (uncompressed) prefill: logits, attentions when asked; then kept_indices

@@ -1,14 +1,16 @@
 // KVzip (and FastKVzip) on the Llama runner: score every context token by replaying the context
 // (FastKVzip: by its gates), then prefill with each layer compressed to the global selection
-// (docs/LLAMA_RUNNER.md, "KVzipPress").
+// (docs/LLAMA_RUNNER.md, "KVzipPress"). The passes are the presses' own (KVzipPress::run_second_pass,
+// kvpress/model_view.h); these calls run them on a LlamaModel and report what they measured.
 //
 //   kvpress::KVzipPress press(0.5);                            // or make_press("KVzipPress", 0.5)
 //   kvpress::llama::KVCache cache = model.new_cache();
 //   auto r = kvpress::llama::kvzip_prefill(model, context_ids, cache, press, tokenizer);
 //   // cache: head-ragged layers (or dense with keep masks); r.scores [L, Hkv, N]
 //
-// LlamaModel::prefill calls this when its press is a KVzipPress and PrefillOptions::tokenizer is
-// set, so generation, the pipeline, eval and the CLI run KVzip like any press.
+// LlamaModel::prefill runs the same pass for any press that needs_second_pass() (with
+// PrefillOptions::tokenizer set for KVzip's prompts), so generation, the pipeline, eval and the CLI
+// run KVzip like any press.
 //
 // Memory. kvpress prefills the whole cache, then forwards each repeat chunk over it (the cache
 // grows by the chunk in every layer until its hook cuts it back). Here the scoring pass runs LAYER
@@ -34,23 +36,9 @@
 
 namespace kvpress::llama {
 
-struct KVzipRunOptions {
-  // Replay queries per attention block: bounds the scores held at once to
-  // [Hq, query_chunk, n_sink + chunk_size + repeat length] float32.
-  int64_t query_chunk = 128;
-};
-
-// Bytes the scoring pass held beyond the model weights at its peak, and what that moment held.
-struct KVzipMemory {
-  int64_t peak_bytes = 0;
-  int64_t layer_kv_bytes = 0;    // one layer's keys/values: the context's and the replay's
-  int64_t activation_bytes = 0;  // residual streams of the context and of every replay chunk
-  int64_t attention_bytes = 0;   // one block's scores and weights, or its output
-  int64_t scores_bytes = 0;      // the token scores [L, Hkv, N] float32
-  // The full cache of the context in every layer (what kvpress holds before compressing, plus
-  // a replay chunk's keys/values in every layer).
-  int64_t full_cache_bytes = 0;
-};
+using KVzipRunOptions = kvpress::KVzipRunOptions;  // kvpress/presses/kvzip_press.h
+using KVzipMemory = kvpress::KVzipMemory;
+using KVgradRunOptions = kvpress::KVgradRunOptions;  // kvpress/presses/kvgrad_press.h
 
 struct KVzipResult {
   ForwardOutput prefill;  // the second (compressing) prefill's output: logits, keep_masks per layer
@@ -72,7 +60,7 @@ struct KVzipResult {
 // positions N .. N + n - 1. The selection evicts at RestoreKVPress::eviction_ratio(N), then every
 // layer gets the restore tokens' keys/values after its kept tokens and the cache's position becomes
 // N + n. The scoring pass then holds the restore tokens' keys/values too (n per layer).
-// A KVgradPress is handed to kvgrad_prefill.
+// A KVgradPress runs its own pass (kvgrad_prefill with the default KVgradRunOptions).
 KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                           const KVzipPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                           const KVzipRunOptions& run = {});
@@ -88,8 +76,8 @@ KVzipResult kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids
 // RestoreKVPress adds its restore tokens and KVgradPress scores by gradients (both raise). `scores`
 // must come from a press with the same parameters but the ratio; options as compress_captured()'s.
 // `press` as a plain KVzipPress (what kvzip_scores takes), or nullptr (another press, RestoreKVPress,
-// KVgradPress).
-const KVzipPress* plain_kvzip(const BasePress* press);
+// KVgradPress): KVzipPress::plain.
+inline const KVzipPress* plain_kvzip(const BasePress* press) { return KVzipPress::plain(press); }
 // `captured` (optional): the plain prefill of context_ids, whose keys/values the scoring pass then
 // reads instead of computing the context's path through every layer again (one prefill less).
 at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, const KVzipPress& press,
@@ -98,24 +86,9 @@ at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, 
 KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& captured, const KVzipPress& press,
                                 const at::Tensor& scores, const PrefillOptions& options = {});
 
-struct KVgradRunOptions {
-  // false: the context's full cache is held while scoring (kvpress's way; one prefill, then per
-  // replay chunk one forward and one backward through every layer). true: no more than one layer's
-  // context keys/values at a time, the bound kvzip_prefill keeps: per chunk a forward layer by layer
-  // (the context alongside) that keeps only the chunk's input to each layer, then a backward layer by
-  // layer, from the last, that recomputes that layer's context keys/values from the embeddings. The
-  // price is compute: about L^2 / 2 extra context layer passes per chunk. The scores are the same.
-  bool recompute_context = false;
-};
-
-// KVgrad: the context's plain prefill (the full cache, which every replay chunk's backward pass
-// reads in every layer, as in kvpress), then per replay chunk one forward of the repeat with
-// autograd through every layer and one backward of Phi = sum ||h^L||^2; KVzip's chunk scores with
-// row_scale = ||dPhi/da_p|| and column_scale = ||v W_O||; KVzip's selection; then the cache is
-// rebuilt by the compressing prefill. Runs outside inference mode (it needs gradients). Peak: the
-// full cache plus one chunk's activations in every layer, or with run.recompute_context one
-// layer's context keys/values plus the context's residual stream and one chunk's input to every
-// layer (result.memory reports it). result.scores as kvzip_prefill's.
+// KVgrad (KVgradPress::run_kvgrad_pass): KVzip's replay scored through the gradient of the last
+// layer's outputs, then KVzip's selection and the compressing prefill. Runs outside inference mode.
+// result.memory reports the recompute_context path's peak; result.scores as kvzip_prefill's.
 KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                            const KVgradPress& press, const Tokenizer& tokenizer, const PrefillOptions& prefill = {},
                            const KVgradRunOptions& run = {});
@@ -123,7 +96,7 @@ KVzipResult kvgrad_prefill(const LlamaModel& model, const at::Tensor& context_id
 // FastKVzip with its global selection (layerwise = false): the same scoring pass without a replay
 // (each layer's gate reads its attention input; the context's keys/values of one layer at a time),
 // FastKVzipPress::keep_masks, then the compressing prefill. result.scores are the gates' scores
-// (sinks and window at 1). LlamaModel::prefill calls it for a FastKVzipPress that needs it; a
+// (sinks and window at 1). LlamaModel::prefill runs the same pass for a FastKVzipPress that needs it; a
 // layerwise one compresses layer by layer in the ordinary prefill.
 KVzipResult fast_kvzip_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                                const FastKVzipPress& press, const PrefillOptions& prefill = {});

@@ -32,6 +32,7 @@
 #include "kvpress/cache.h"
 #include "kvpress/llama/config.h"
 #include "kvpress/lora.h"
+#include "kvpress/model_view.h"
 #include "kvpress/paged.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
@@ -241,12 +242,10 @@ struct CapturedPrefill {
   bool is_prefill_of(const at::Tensor& input_ids) const;
 };
 
-// RoPE tables in the model dtype: cos/sin [n, head_dim], each half repeating the frequencies.
-struct RopeTables {
-  at::Tensor cos, sin;
-};
+using RopeTables = kvpress::RopeTables;  // kvpress/model_view.h
 
-class LlamaModel {
+// The model is its own ModelView (kvpress/model_view.h): a press's second pass reads it layer by layer.
+class LlamaModel : public ModelView {
  public:
   // Loads <dir>/config.json and <dir>/model.safetensors, casting weights to `dtype`
   // (float32, float16 or bfloat16).
@@ -267,8 +266,10 @@ class LlamaModel {
   // attention, where `inputs` holds the layer's keys/values, the attention input (hidden_states,
   // post input-layernorm), q_proj/k_proj weights, cos/sin of positions 0..S-1, the attention
   // weights (per press_attentions), num_heads, layer_idx and num_layers. The returned logits are
-  // the uncompressed forward's (the press acts after each layer's attention). A KVComposePress runs
-  // kvcompose_prefill instead (kvpress/llama/kvcompose.h: its second pass, then every layer).
+  // the uncompressed forward's (the press acts after each layer's attention). A press that
+  // needs_second_pass() (KVzip, KVgrad, RestoreKV, FastKVzip global, KVCompose) takes the prefill
+  // over: BasePress::second_pass() over this model (kvpress/model_view.h); a failure leaves the cache
+  // as it was.
   ForwardOutput prefill(const at::Tensor& input_ids, KVCache& cache, const PrefillOptions& options = {}) const;
 
   // ---- one prefill, several presses (benchmarks: kvpress-cli bench) ----------------------------
@@ -300,7 +301,7 @@ class LlamaModel {
 
   // cos/sin of positions [start, start + n), computed as transformers' LlamaRotaryEmbedding does
   // (float32 inverse frequencies and angles, then cast to the model dtype).
-  RopeTables rope(int64_t start, int64_t n) const;
+  RopeTables rope(int64_t start, int64_t n) const override;
   // The same for any positions (one row each).
   RopeTables rope_at(const std::vector<int64_t>& positions) const;
 
@@ -325,38 +326,34 @@ class LlamaModel {
   // cache every step, or it evicts per head (DecodingRole).
   static std::string why_not_paged_decoding(const BasePress* press);
 
-  // ---- one decoder layer at a time, for engines that run a pass layer by layer (the second pass of
-  // kvcompose_prefill, kvpress/llama/kvcompose.h; KVzip's replay, kvpress/llama/kvzip.h); the same
-  // operations as forward() -------------------------------------------------------------------------
-  struct LayerQKV {
-    at::Tensor q;     // [B, Hq, n, D] post-RoPE
-    at::Tensor k, v;  // [B, Hkv, n, D], k post-RoPE
-    at::Tensor h;     // [B, n, hidden]: the attention input (after the input RMSNorm)
-  };
-  at::Tensor embed(const at::Tensor& input_ids) const;  // [B, n] int64 -> [B, n, hidden]
+  // ---- the ModelView: one decoder layer at a time, for the presses' second passes (kvpress/model_view.h)
+  // and engines that run a pass layer by layer; the same operations as forward() -------------------
+  using LayerQKV = kvpress::LayerQKV;
+  ModelShape shape() const override;
+  at::Tensor embed(const at::Tensor& input_ids) const override;  // [B, n] int64 -> [B, n, hidden]
   // Input RMSNorm, q/k/v projections and RoPE of the residual stream x [B, n, hidden] entering
   // `layer`, at the positions of `rope_tables` ([n, D] each). `lora` (optional; check_adapter()
   // first) adds its updates to the layer's projections, here and in layer_output / layer_mlp.
   LayerQKV layer_qkv(int64_t layer, const at::Tensor& x, const RopeTables& rope_tables,
-                     const LoraAdapter* lora = nullptr) const;
+                     const LoraAdapter* lora = nullptr) const override;
   // Causal attention of the last n of L positions, as forward() computes it where nobody reads
   // the weights (fused): q [B, Hq, n, D] are the queries of positions L - n .. L - 1, which see
   // every earlier key and themselves. keys/values [B, Hkv, L, D] -> [B, n, Hq * D].
-  at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) const;
+  at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values) const override;
   // The layer's output projection weight [hidden, Hq * D].
-  const at::Tensor& o_proj(int64_t layer) const;
+  const at::Tensor& o_proj(int64_t layer) const override;
   // The layer's output projection of attn [B, n, Hq * D] (heads concatenated), with its bias where
   // the model has one -> [B, n, hidden].
-  at::Tensor project_output(int64_t layer, const at::Tensor& attn, const LoraAdapter* lora = nullptr) const;
+  at::Tensor project_output(int64_t layer, const at::Tensor& attn, const LoraAdapter* lora = nullptr) const override;
   // The MLP half of a layer: y + MLP(RMSNorm(y)), y [B, n, hidden] the residual after attention.
-  at::Tensor layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora = nullptr) const;
+  at::Tensor layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora = nullptr) const override;
   // The rest of the layer: x + o_proj(attn), then the MLP with its residual. attn [B, n, Hq * D]
   // (heads concatenated) -> [B, n, hidden].
   at::Tensor layer_output(int64_t layer, const at::Tensor& x, const at::Tensor& attn,
-                          const LoraAdapter* lora = nullptr) const;
+                          const LoraAdapter* lora = nullptr) const override;
   // Raises c10::Error "<op>: <what>" unless every module of `adapter` is in one of this model's
   // layers and its A/B shapes fit that projection's weight ([r, in] and [out, r]).
-  void check_adapter(const LoraAdapter& adapter, const char* op) const;
+  void check_adapter(const LoraAdapter& adapter, const char* op) const override;
 
  private:
   // inv_freq [D/2] float32 scaled as config.rope_type says (the constructor's RoPE frequencies).

@@ -25,6 +25,7 @@
 namespace kvpress {
 
 class BasePress;
+class SecondPassRun;  // kvpress/model_view.h
 
 // What a press keeps about one sequence between the forwards of its generation (DecodingPress's
 // hidden-state buffer, DMSPress's window of scores). Presses are const and stateless, so the
@@ -137,8 +138,11 @@ class BasePress {
 
   // True when one layer's inputs are not enough: the press runs the model again over the context
   // before it can compress (KVComposePress's task prompt, KVzipPress's replay). compress() raises;
-  // kvpress::llama's prefill runs the pass, a paged prefill refuses the press.
+  // the runner hands the whole prefill to second_pass(); a paged prefill refuses the press.
   virtual bool needs_second_pass() const { return false; }
+  // The prefill of a press that needs_second_pass(): its passes over run.model(), then the cache
+  // filled through `run` (kvpress/model_view.h). Raises for any other press.
+  virtual void second_pass(SecondPassRun& run) const;
 
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;

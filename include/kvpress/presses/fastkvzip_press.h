@@ -32,6 +32,7 @@
 
 #include "kvpress/press_params.h"
 #include "kvpress/presses/base_press.h"
+#include "kvpress/presses/kvzip_press.h"
 
 namespace kvpress {
 
@@ -104,6 +105,13 @@ class FastKVzipPress : public BasePress {
   // of the layer evicted across its heads.
   at::Tensor keep_mask(const LayerInputs& inputs) const override;
   KV compress(const LayerInputs& inputs) const override;
+
+  // The global selection's prefill (src/presses/kvzip_pass.cpp): KVzip's scoring pass without a
+  // replay (each layer's gate reads its attention input; one layer's keys/values at a time),
+  // keep_masks(), then the compressing prefill. The result's scores are the gates' (sinks and window
+  // at 1). A layerwise press needs no second pass: it compresses layer by layer in the prefill.
+  KVzipPassResult run_second_pass(SecondPassRun& run) const;
+  void second_pass(SecondPassRun& run) const override;
 
  private:
   double compression_ratio_;

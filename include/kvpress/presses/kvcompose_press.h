@@ -81,6 +81,36 @@ struct KVComposeBudgets {
 
 class KVComposeSession;
 
+struct KVComposeRunOptions {
+  // Task prompts, each [B, P] int64 (B = the context's). Empty: the context itself (kvpress's
+  // default). Each prompt runs over the context alone at positions N .. N + P - 1.
+  std::vector<at::Tensor> task_prompts;
+  // Prompt queries per attention block; bounds the attention scores held at once to
+  // [B, Hq, query_chunk, N + P] float32.
+  int64_t query_chunk = 128;
+};
+
+// Bytes of the tensors the second pass holds beyond the model weights and the context's cache,
+// at the moment they peaked (breakdown of that moment).
+struct KVComposeMemory {
+  int64_t peak_bytes = 0;
+  int64_t hidden_bytes = 0;      // the prompt's residual stream [B, P, hidden] (updated in place)
+  int64_t prompt_kv_bytes = 0;   // the prompt's keys/values of ONE layer (+ the chunk's q/k/v)
+  int64_t attention_bytes = 0;   // one chunk's scores/probabilities (or its output and MLP activations)
+  int64_t statistics_bytes = 0;  // the session's accumulators ([L, Hq, N] float32)
+  // What kvpress holds for the same pass (a lower bound): every layer's prompt keys/values
+  // (the ~2N cache) + one layer's eager scores and probabilities [B, Hq, P, N + P] in the model
+  // dtype + the same statistics.
+  int64_t kvpress_bytes = 0;
+};
+
+// What KVCompose's second pass reports beside the cache it compressed.
+struct KVComposePassResult {
+  KVComposeBudgets budgets;
+  at::Tensor scores;  // [L, Hkv, N] float32: the session's token scores (KVComposeSession::scores)
+  KVComposeMemory memory;
+};
+
 class KVComposePress : public BasePress {
  public:
   using Params = KVComposeOptions;
@@ -103,6 +133,16 @@ class KVComposePress : public BasePress {
   // A session for one context of `context_len` tokens; accumulators live on `device`.
   KVComposeSession start_session(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t context_len,
                                  at::Device device = at::kCPU) const;
+
+  // ---- the second pass (kvpress/model_view.h; src/presses/kvcompose_pass.cpp) ----
+  // The context's prefill, uncompressed; then each task prompt (by default the context again)
+  // through every layer, LAYER BY LAYER and in QUERY CHUNKS: a layer's prompt keys/values exist for
+  // that layer only, each chunk of options.query_chunk queries attends to the context plus the
+  // prompt up to itself, its attention to the N context tokens feeds the session, its output the
+  // next layer; nothing of the prompt is written to the cache. Then budgets, and every layer of the
+  // cache compressed (structured: k_l tokens per head; else per head, through run.store_ragged()).
+  KVComposePassResult run_second_pass(SecondPassRun& run, const KVComposeRunOptions& options) const;
+  void second_pass(SecondPassRun& run) const override;  // with the default KVComposeRunOptions
 
  private:
   double compression_ratio_;

@@ -18,6 +18,17 @@
 
 namespace kvpress {
 
+struct KVgradRunOptions {
+  // false: the context's full cache is held while scoring (kvpress's way; one prefill, then per
+  // replay chunk one forward and one backward through every layer). true: no more than one layer's
+  // context keys/values at a time, the bound KVzipPress's pass keeps: per chunk a forward layer by
+  // layer (the context alongside) that keeps only the chunk's input to each layer, then a backward
+  // layer by layer, from the last, that recomputes that layer's context keys/values from the
+  // embeddings. The price is compute: about L^2 / 2 extra context layer passes per chunk. The scores
+  // are the same.
+  bool recompute_context = false;
+};
+
 class KVgradPress : public KVzipPress {
  public:
   static constexpr int64_t kDefaultChunkSize = 512;
@@ -39,6 +50,17 @@ class KVgradPress : public KVzipPress {
       : KVzipPress(compression_ratio, layerwise, n_sink, /*kvzip_plus_normalization=*/false, chunk_size) {}
 
   std::string name() const override { return "KVgradPress"; }
+
+  // KVgrad's prefill (src/presses/kvgrad_pass.cpp): the context's plain prefill, then per replay
+  // chunk one forward of the repeat with autograd through every layer and one backward of
+  // Phi = sum ||h^L||^2; KVzip's chunk scores with row_scale = ||dPhi/da_p|| and column_scale =
+  // ||v W_O||; KVzip's selection; then the cache is rebuilt by the compressing prefill. Runs outside
+  // inference mode (it needs gradients). Peak: the full cache plus one chunk's activations in every
+  // layer, or with options.recompute_context one layer's context keys/values plus the context's
+  // residual stream and one chunk's input to every layer (the result's memory reports it).
+  KVzipPassResult run_kvgrad_pass(SecondPassRun& run, const KVgradRunOptions& options) const;
+  // run_kvgrad_pass() with the default KVgradRunOptions (the replay's query_chunk does not apply).
+  KVzipPassResult run_second_pass(SecondPassRun& run, const KVzipRunOptions& options) const override;
 };
 
 }  // namespace kvpress

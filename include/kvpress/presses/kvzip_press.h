@@ -53,6 +53,32 @@ struct KVzipReplayChunk {
   std::vector<int64_t> repeat_ids;  // prompt (+ the previous chunk's last tokens) + suffix + context[start, end)
 };
 
+struct KVzipRunOptions {
+  // Replay queries per attention block: bounds the scores held at once to
+  // [Hq, query_chunk, n_sink + chunk_size + repeat length] float32.
+  int64_t query_chunk = 128;
+};
+
+// Bytes the scoring pass held beyond the model weights at its peak, and what that moment held.
+struct KVzipMemory {
+  int64_t peak_bytes = 0;
+  int64_t layer_kv_bytes = 0;    // one layer's keys/values: the context's and the replay's
+  int64_t activation_bytes = 0;  // residual streams of the context and of every replay chunk
+  int64_t attention_bytes = 0;   // one block's scores and weights, or its output
+  int64_t scores_bytes = 0;      // the token scores [L, Hkv, N] float32
+  // The full cache of the context in every layer (what kvpress holds before compressing, plus
+  // a replay chunk's keys/values in every layer).
+  int64_t full_cache_bytes = 0;
+};
+
+// What a KVzip-family second pass reports beside the cache it filled.
+struct KVzipPassResult {
+  at::Tensor scores;  // [L, Hkv, N] float32: the token scores (before the sinks' + 1)
+  KVzipMemory memory;
+  // RestoreKVPress: what its restore tokens left in every layer, [L, Hkv, n, D] each (keys post-RoPE).
+  at::Tensor restore_keys, restore_values;
+};
+
 class KVzipPress : public BasePress {
  public:
   static constexpr bool kDefaultLayerwise = false;
@@ -149,6 +175,25 @@ class KVzipPress : public BasePress {
   // The ratio keep_masks() evicts for a context of context_length tokens: compression_ratio()
   // (RestoreKVPress adds its restore tokens' share).
   virtual double eviction_ratio(int64_t context_length) const;
+
+  // ---- the second pass (kvpress/model_view.h; src/presses/kvzip_pass.cpp) ----
+  // run_second_pass() with the default KVzipRunOptions.
+  void second_pass(SecondPassRun& run) const override;
+  // KVzip's prefill of run.context_ids() [1, N]: the scoring pass (the context and every replay
+  // chunk through the model together, layer by layer: one layer's keys/values at a time; the replay's
+  // queries in blocks of options.query_chunk rows), the global selection (keep_masks), then the
+  // ordinary prefill with each layer compressed to its selection. At ratio 0 the plain prefill
+  // (kvpress skips the replay). RestoreKVPress also runs its restore tokens through the scoring pass
+  // and appends them after the kept tokens; KVgradPress scores by gradients (its own pass).
+  virtual KVzipPassResult run_second_pass(SecondPassRun& run, const KVzipRunOptions& options) const;
+  // The scoring pass alone: [L, Hkv, N] float32, run_second_pass()'s scores at any ratio > 0. Reads
+  // the context's keys/values from run.captured_layer() when given. Plain KVzipPress only (plain()).
+  at::Tensor replay_scores(const SecondPassRun& run, const KVzipRunOptions& options) const;
+  // `press` as one of the KVzip family (KVzipPress, RestoreKVPress, KVgradPress), or nullptr.
+  static const KVzipPress* of(const BasePress* press);
+  // `press` as a KVzipPress whose scores come from the replay alone, or nullptr (another press, or
+  // RestoreKVPress and KVgradPress, which add restore tokens and gradients to it).
+  static const KVzipPress* plain(const BasePress* press);
 
  private:
   double compression_ratio_;

@@ -81,6 +81,8 @@ class RestoreKVPress : public KVzipPress {
 
   // Budget matching: min(1, compression_ratio + n / context_length) (compression_ratio at ratio 0).
   double eviction_ratio(int64_t context_length) const override;
+  // KVzip's pass with the restore tokens riding the scoring pass (kvpress/presses/kvzip_press.h).
+  KVzipPassResult run_second_pass(SecondPassRun& run, const KVzipRunOptions& options) const override;
 
  private:
   Restore restore_;

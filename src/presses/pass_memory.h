@@ -1,4 +1,5 @@
-// Byte counts for the memory reports of the runner's second passes (kvcompose.cpp, kvzip.cpp).
+// Byte counts for the memory reports of the presses' second passes (kvzip_pass.cpp, kvgrad_pass.cpp,
+// kvcompose_pass.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,7 +8,7 @@
 #include <initializer_list>
 #include <vector>
 
-namespace kvpress::llama::detail {
+namespace kvpress::detail {
 
 // Bytes of the defined tensors among `tensors`.
 inline int64_t bytes_of(std::initializer_list<const at::Tensor*> tensors) {
@@ -24,4 +25,4 @@ inline int64_t bytes_of(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
-}  // namespace kvpress::llama::detail
+}  // namespace kvpress::detail

@@ -1,0 +1,31 @@
+// The KVzip family's second pass, shared by kvzip_pass.cpp (KVzipPress, RestoreKVPress,
+// FastKVzipPress) and kvgrad_pass.cpp (KVgradPress).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kvpress/model_view.h"
+#include "kvpress/presses/kvzip_press.h"
+
+namespace kvpress::detail {
+
+// Keeps the largest footprint seen, with the breakdown of that moment.
+void record_peak(KVzipMemory& m, int64_t layer_kv, int64_t activations, int64_t attention, int64_t scores);
+
+// The checks every KVzip-family pass makes of run.context_ids() (a non-empty int64 [1, N]: batch 1,
+// as kvpress); returns the full cache's bytes (KVzipMemory::full_cache_bytes).
+int64_t check_kvzip_context(const SecondPassRun& run);
+
+// The context's replay chunks as kvpress frames them. Without a chat template the context is plain
+// text: every token is replayed, each chunk after "\n". With one (run.user_turn_frame()), the text
+// before the user's message is not replayed (kvpress skips its token count) and the text after it
+// (end of turn, the assistant's header) comes between each prompt and its chunk.
+std::vector<KVzipReplayChunk> framed_replay_chunks(const KVzipPress& press, const SecondPassRun& run);
+
+// The ordinary prefill with each layer compressed to masks[l] [1, Hkv, N] right after its attention.
+void prefill_selected(SecondPassRun& run, const BasePress& press, std::vector<at::Tensor> masks);
+
+}  // namespace kvpress::detail
