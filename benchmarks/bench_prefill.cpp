@@ -44,37 +44,7 @@ namespace {
 namespace llama = kvpress::llama;
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-// Forwards every call to the wrapped press and adds up the time spent in its compression.
-class TimedPress final : public kvpress::BasePress {
- public:
-  explicit TimedPress(const kvpress::BasePress& inner) : inner_(inner) {}
-  std::string name() const override { return inner_.name(); }
-  kvpress::KV compress(const kvpress::LayerInputs& inputs) const override {
-    return timed([&] { return inner_.compress(inputs); });
-  }
-  bool head_ragged() const override { return inner_.head_ragged(); }
-  at::Tensor keep_mask(const kvpress::LayerInputs& inputs) const override { return inner_.keep_mask(inputs); }
-  kvpress::RaggedKV compress_ragged(const kvpress::LayerInputs& inputs) const override {
-    return timed([&] { return inner_.compress_ragged(inputs); });
-  }
-  bool rerotates_keys() const override { return inner_.rerotates_keys(); }
-  double compression_ratio() const override { return inner_.compression_ratio(); }
-  double seconds() const { return seconds_; }
-
- private:
-  template <typename Fn>
-  auto timed(Fn&& fn) const -> decltype(fn()) {
-    const auto start = Clock::now();
-    auto result = fn();
-    seconds_ += seconds_since(start);
-    return result;
-  }
-
-  const kvpress::BasePress& inner_;
-  mutable double seconds_ = 0.0;  // one thread at a time, as every press
-};
+using kvpress_bench::seconds_since;
 
 std::vector<std::string> split(const std::string& text, char separator) {
   std::vector<std::string> out;
@@ -141,7 +111,8 @@ int run(int argc, char** argv) {
     const bool wrappable = press && !press->needs_second_pass();
     double best = std::numeric_limits<double>::infinity(), best_compress = 0.0;
     for (int r = 0; r < repeats; ++r) {
-      std::unique_ptr<TimedPress> timed = wrappable ? std::make_unique<TimedPress>(*press) : nullptr;
+      std::unique_ptr<kvpress_bench::TimedPress> timed =
+          wrappable ? std::make_unique<kvpress_bench::TimedPress>(*press) : nullptr;
       llama::PrefillOptions options;
       options.last_logits_only = true;
       options.press = timed ? timed.get() : press.get();

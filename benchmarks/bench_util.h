@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/presses/base_press.h"
 #include "kvpress/registry.h"
 
 namespace kvpress_bench {
@@ -58,6 +59,43 @@ inline at::Tensor aten_decode_attention(const at::Tensor& queries,  // [B, Hq, 1
   const at::Tensor weights = at::softmax(scores, -1, at::kFloat);
   return at::matmul(weights, values).view({batch, q_heads, 1, dim});
 }
+
+// Seconds since `start` on the steady clock.
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Forwards every call to the wrapped press and adds up the time spent in its compression (the
+// press's own cost inside a prefill: kvpress_bench_prefill, kvpress_bench_generate). Not for a press
+// that needs_second_pass(): its time is the prefill's difference to none.
+class TimedPress final : public kvpress::BasePress {
+ public:
+  explicit TimedPress(const kvpress::BasePress& inner) : inner_(inner) {}
+  std::string name() const override { return inner_.name(); }
+  kvpress::KV compress(const kvpress::LayerInputs& inputs) const override {
+    return timed([&] { return inner_.compress(inputs); });
+  }
+  bool head_ragged() const override { return inner_.head_ragged(); }
+  at::Tensor keep_mask(const kvpress::LayerInputs& inputs) const override { return inner_.keep_mask(inputs); }
+  kvpress::RaggedKV compress_ragged(const kvpress::LayerInputs& inputs) const override {
+    return timed([&] { return inner_.compress_ragged(inputs); });
+  }
+  bool rerotates_keys() const override { return inner_.rerotates_keys(); }
+  double compression_ratio() const override { return inner_.compression_ratio(); }
+  double seconds() const { return seconds_; }
+
+ private:
+  template <typename Fn>
+  auto timed(Fn&& fn) const -> decltype(fn()) {
+    const auto start = std::chrono::steady_clock::now();
+    auto result = fn();
+    seconds_ += seconds_since(start);
+    return result;
+  }
+
+  const kvpress::BasePress& inner_;
+  mutable double seconds_ = 0.0;  // one thread at a time, as every press
+};
 
 // main() of a stand-alone benchmark program: run(argc, argv); an error is one line on stderr (a
 // c10::Error without its backtrace) and exit code 2.

@@ -66,6 +66,22 @@ def random_model(path: Path, seed: int) -> LlamaConfig:
     return config
 
 
+def time_compress(press) -> list:
+    """Wraps press.compress (kvpress's forward hook calls self.compress(...)) so that the returned
+    one-element list adds up the seconds spent in it."""
+    spent = [0.0]
+    inner = press.compress
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = inner(*args, **kwargs)
+        spent[0] += time.perf_counter() - start
+        return result
+
+    press.compress = timed
+    return spent
+
+
 def time_kvpress(path: Path, ids, spec, ratio, repeats):
     """(fastest prefill s, the press's compress time inside it) on transformers + kvpress."""
     name, params = parse_press(spec)
@@ -74,17 +90,7 @@ def time_kvpress(path: Path, ids, spec, ratio, repeats):
     best = (float("inf"), 0.0)
     for _ in range(repeats):
         press = None if name == "none" else build_press(name, params, ratio)
-        spent = [0.0]
-        if press is not None:
-            inner = press.compress
-
-            def timed(*args, _inner=inner, **kwargs):
-                start = time.perf_counter()
-                result = _inner(*args, **kwargs)
-                spent[0] += time.perf_counter() - start
-                return result
-
-            press.compress = timed  # kvpress's forward hook calls self.compress(...)
+        spent = time_compress(press) if press is not None else [0.0]
         with torch.inference_mode():
             start = time.perf_counter()
             if press is None:
