@@ -723,4 +723,38 @@ TEST(CTRLlama, PrefillDecodeWithQsmAndCtr) {
   }
 }
 
+// The runner gives a press the tokens' text from PrefillOptions::tokenizer (LayerInputs::token_text):
+// a QSMPress without its own text function keeps what one given the same text keeps, and the
+// semantic weights change what it keeps (without any text, they are all 1).
+TEST(CTRLlama, TheRunnersTokenizerGivesThePressItsText) {
+  const auto model = kvpress::llama::LlamaModel::load(model_dir());
+  const at::Tensor ids = reference().get("tiny.input_ids");
+  const auto kept_with = [&](const kvpress::BasePress& press, const kvpress::llama::Tokenizer* tok) {
+    kvpress::llama::PrefillOptions opt;
+    opt.press = &press;
+    opt.tokenizer = tok;
+    std::vector<at::Tensor> kept;
+    std::vector<bool> had_text;
+    opt.on_compress = [&](const LayerInputs& in, const kvpress::KV& kv) {
+      kept.push_back(kv.kept_indices);
+      had_text.push_back(static_cast<bool>(in.token_text));
+    };
+    auto cache = model.new_cache();
+    model.prefill(ids, cache, opt);
+    EXPECT_EQ(had_text, std::vector<bool>(2, tok != nullptr));
+    return kept;
+  };
+  QSMPress from_runner(0.5);
+  QSMPress own(0.5, {}, token_text());
+  const auto by_runner = kept_with(from_runner, &tokenizer());
+  const auto by_press = kept_with(own, nullptr);
+  const auto without = kept_with(from_runner, nullptr);
+  bool differs = false;
+  for (size_t l = 0; l < by_runner.size(); ++l) {
+    EXPECT_TRUE(at::equal(by_runner[l], by_press[l])) << "layer " << l;
+    differs = differs || !at::equal(by_runner[l], without[l]);
+  }
+  EXPECT_TRUE(differs) << "the semantic weights changed nothing: the test cannot tell text from none";
+}
+
 }  // namespace

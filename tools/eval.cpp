@@ -27,7 +27,6 @@
 #include "cli_args.h"
 #include "kvpress/io/atomic_file.h"
 #include "kvpress/llama/llama.h"
-#include "kvpress/presses/qsm_press.h"
 #include "kvpress/registry.h"
 #include "plot_runner.h"
 #include "progress.h"
@@ -319,9 +318,6 @@ Evaluation evaluate(const EvalArgs& args) {
       std::map<std::string, std::string> params = p.params;
       if (p.per_layer_ramp) params["compression_ratios"] = per_layer_ramp(ratio, model.config().num_layers);
       const auto press = kvpress::make_press(p.name, ratio, params);
-      // QSMPress/CTRPress weigh tokens by their text: give them the tokenizer's (one id decoded alone).
-      if (auto* qsm = dynamic_cast<kvpress::QSMPress*>(press.get()))
-        qsm->set_token_text([&tokenizer](int64_t id) { return tokenizer.decode({id}, /*skip_special_tokens=*/false); });
       for (const auto& s : e.stories) {
         llama::ContinuationScore c;
         try {

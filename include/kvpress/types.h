@@ -5,11 +5,16 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 namespace kvpress {
+
+// Token id -> the token's text (a tokenizer decoding that one id, special tokens included, as
+// the reference's tokenizer.decode([id]) does). QSMPress derives its semantic weights from it.
+using TokenTextFn = std::function<std::string(int64_t token_id)>;
 
 // One attention layer's state right after prefill. Optional tensors are left undefined
 // (`!t.defined()`); a press that needs one it was not given raises a c10::Error naming it.
@@ -46,8 +51,12 @@ struct LayerInputs {
   at::Tensor inv_freq;  // optional [D / 2]
 
   // Token ids of the S cached positions, for presses that read token text (QSMPress/CTRPress's
-  // semantic weights, through a callback on the press).
+  // semantic weights).
   at::Tensor input_ids;  // optional [B, S] int64
+  // The text of one token id (the engine's tokenizer, each id decoded alone), for those presses:
+  // kvpress::llama's prefill gives its PrefillOptions::tokenizer here. A function, not a tensor, so
+  // not among for_each_field's fields (the CLI's input files and the torch ops cannot carry it).
+  TokenTextFn token_text;  // optional
 
   // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.
   int64_t num_heads = 0;

@@ -25,6 +25,7 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/io/safetensors.h"
+#include "kvpress/llama/tokenizer.h"
 #include "kvpress/ops.h"
 #include "kvpress/registry.h"
 #include "second_pass_run.h"
@@ -751,6 +752,10 @@ void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOption
                                      LayerInputs in, bool in_place, KVCache& cache, ForwardOutput& out,
                                      const at::Tensor& keep_mask_given) const {
   const int64_t batch = in.keys.size(0), hkv = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
+  if (options.tokenizer != nullptr && !in.token_text) {  // QSMPress/CTRPress read the tokens' text
+    const Tokenizer* tokenizer = options.tokenizer;
+    in.token_text = [tokenizer](int64_t id) { return tokenizer->decode({id}, /*skip_special_tokens=*/false); };
+  }
   if (press.head_ragged()) {
     // Heads keep different numbers of tokens: store each head's kept tokens only (kPacked) or
     // mask the evicted ones in the dense layer (kMasked).

@@ -167,7 +167,8 @@ at::Tensor QSMPress::semantic_weights(const LayerInputs& in) const {
                   checks::shape_str(in.input_ids));
     }
   }
-  if (!options_.use_semantic || !token_text_ || !in.input_ids.defined()) return {};
+  const TokenTextFn& token_text = token_text_ ? token_text_ : in.token_text;
+  if (!options_.use_semantic || !token_text || !in.input_ids.defined()) return {};
   const at::Tensor ids = in.input_ids.to(at::kCPU, at::kLong).contiguous();
   at::Tensor out = at::empty(ids.sizes(), at::kFloat);
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -176,7 +177,7 @@ at::Tensor QSMPress::semantic_weights(const LayerInputs& in) const {
   for (int64_t i = 0; i < ids.numel(); ++i) {
     auto it = memo.find(id[i]);
     if (it == memo.end())
-      it = memo.emplace(id[i], static_cast<float>(semantic_weight(token_text_(id[i]), id[i], options_.semantic))).first;
+      it = memo.emplace(id[i], static_cast<float>(semantic_weight(token_text(id[i]), id[i], options_.semantic))).first;
     w[i] = it->second;
   }
   return in.keys.defined() ? out.to(in.keys.device()) : out;

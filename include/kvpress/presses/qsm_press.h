@@ -16,10 +16,6 @@
 
 namespace kvpress {
 
-// Token id -> the token's text (a tokenizer decoding that one id, special tokens included, as
-// the reference's tokenizer.decode([id]) does). QSMPress derives its semantic weights from it.
-using TokenTextFn = std::function<std::string(int64_t token_id)>;
-
 // CTR-Press's text heuristic (the reference's SemanticScoreConfig, same names and defaults).
 struct SemanticWeightOptions {
   double digit_weight = 1.0;        // + when the text has a digit
@@ -134,8 +130,9 @@ class QSMPress : public ScorerPress {
   std::string name() const override { return "QSMPress"; }
   const QSMOptions& options() const { return options_; }
 
-  // The token text source of the semantic weights (the Llama runner's tokenizer, for example).
-  // Without it, or without LayerInputs::input_ids, w = 0 (the semantic factor is 1). Not
+  // The token text source of the semantic weights; unset, the press reads LayerInputs::token_text
+  // (what an engine's prefill gives, as kvpress::llama's does from PrefillOptions::tokenizer).
+  // Without either, or without LayerInputs::input_ids, w = 0 (the semantic factor is 1). Not
   // synchronised: set it before sharing the press; a shared press calls it from every thread that
   // compresses with it (kvpress/presses/base_press.h, thread safety).
   void set_token_text(TokenTextFn token_text) { token_text_ = std::move(token_text); }
@@ -148,8 +145,8 @@ class QSMPress : public ScorerPress {
   // Tokens kept per head: min(max(n_kept(S, ratio), #forced), S).
   int64_t kept_count(int64_t seq_len) const;
 
-  // w per token from inputs.input_ids and the TokenTextFn; undefined when either is missing or
-  // use_semantic is off.
+  // w per token from inputs.input_ids and the TokenTextFn (the press's, else inputs.token_text);
+  // undefined when either is missing or use_semantic is off.
   at::Tensor semantic_weights(const LayerInputs& inputs) const;  // -> [B, S] float32 (keys' device)
 
   QSMScores stage_one_scores(const LayerInputs& inputs) const;
