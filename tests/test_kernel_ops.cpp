@@ -288,7 +288,7 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
        {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope", "kvpress::key_norm_scores",
         "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
         "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write", "kvpress::sketch_prerope_keys",
-        "kvpress::cholesky_leverage", "kvpress::noncausal_column_sums"}) {
+        "kvpress::cholesky_leverage", "kvpress::noncausal_column_sums", "kvpress::rescue_column_max"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;
@@ -425,6 +425,33 @@ void expect_lag_kernel_matches_composite(const at::Tensor& k, const at::Tensor& 
                         ranks.narrow(2, scored_end, k.size(2) - scored_end)))
       << what;
   testing::expect_lag_ranks_consistent(fused, averages, n_sink, lag, layout.n_parts - 1, k.scalar_type(), rtol, what);
+}
+
+// CTRPress's rescue, fused per row, against its ATen composite: row lengths below, at and past the
+// vector width (AVX-512 16, AVX2 8 lanes: the AVX2 rerun covers that path), one row to several
+// blocks of rows. The kernel's exponentials are within 2 ulp of std::exp, the composite's are ATen's:
+// each log-sum-exp agrees to a few float ulps of its magnitude (about 1e-6 here).
+TEST(RescueColumnMax, MatchesTheComposite) {
+  for (int64_t rows : {1, 7, 300}) {
+    for (int64_t keys : {1, 5, 16, 37, 1000}) {
+      const at::Tensor logits = randn({rows, keys}, 40 + rows + keys) * 8.0;
+      const at::Tensor fused = ops::rescue_column_max(logits, std::sqrt(64.0));
+      const at::Tensor reference = ops::composite::rescue_column_max(logits, std::sqrt(64.0));
+      ASSERT_EQ(fused.sizes(), (at::IntArrayRef{keys}));
+      EXPECT_TRUE(at::allclose(fused, reference, 1e-5, 1e-5))
+          << rows << " x " << keys << ": max |d| " << (fused - reference).abs().max().item<float>();
+    }
+  }
+  // Every value a log-probability: at most 0, and one key per row reaches its row's largest.
+  const at::Tensor one_row = ops::rescue_column_max(randn({1, 50}, 3), 1.0);
+  EXPECT_LE(one_row.max().item<float>(), 0.f);
+  EXPECT_NEAR(one_row.exp().sum().item<float>(), 1.f, 1e-5);
+  expect_error(
+      [] {
+        ops::rescue_column_max(at::zeros({2, 3}, at::kDouble), 1.0);
+      },
+      {"rescue_column_max: logits must be a non-empty float32 [rows, keys] matrix"});
+  expect_error([] { ops::rescue_column_max(at::zeros({2, 3}), 0.0); }, {"rescue_column_max: scale must be > 0, got 0"});
 }
 
 TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {

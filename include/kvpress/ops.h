@@ -143,6 +143,10 @@ at::Tensor window_probabilities(const LayerInputs& inputs, int64_t window,
 
 // -||k_i||_2.
 at::Tensor key_norm_scores(const at::Tensor& keys);  // [B, Hkv, S, D] -> [B, Hkv, S]
+// CTRPress's rescue (ctr_rescue_scores): for logits [n, R] float32 of n query rows over R keys, each
+// key's largest log-softmax weight over the rows of logits / scale: max_r (l_rj / scale - lse_r),
+// lse_r the log-sum-exp of row r / scale. -> [R] float32. One fused pass per row on CPU.
+at::Tensor rescue_column_max(const at::Tensor& logits, double scale);
 
 // -cos(k_i, anchor), anchor = sequence mean of the L2-normalised keys of the head.
 at::Tensor keydiff_scores(const at::Tensor& keys);  // [B, Hkv, S, D] -> [B, Hkv, S]

@@ -72,7 +72,8 @@ at::Tensor ctr_rescue_scores(const at::Tensor& queries, const at::Tensor& keys, 
   // Per KV head, only the evicted keys enter the matmul (the kept ones would be masked to -inf),
   // and the group's query rows go through in chunks of about 4 MiB of logits: softmax_ri =
   // exp(l_ri - lse_r), so the largest weight over the rows is exp of the column maximum of
-  // l - lse, kept as a running maximum. Scratch is one chunk, never [rows, S].
+  // l - lse (ops::rescue_column_max, fused per row), kept as a running maximum. Scratch is one
+  // chunk, never [rows, S].
   const int64_t group = queries.size(1) / kv_heads, rows = group * queries.size(2);
   const double scale = std::sqrt(static_cast<double>(dim));
   for (int64_t b = 0; b < batch; ++b) {
@@ -88,9 +89,8 @@ at::Tensor ctr_rescue_scores(const at::Tensor& queries, const at::Tensor& keys, 
       for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
         const int64_t len = std::min(chunk, rows - r0);
         at::Tensor l = logits.narrow(0, 0, len);
-        at::mm_out(l, q.narrow(0, r0, len), evicted_keys_t).div_(scale);
-        l.sub_(at::logsumexp(l, 1, /*keepdim=*/true));
-        at::maximum_out(column_max, column_max, at::amax(l, 0));
+        at::mm_out(l, q.narrow(0, r0, len), evicted_keys_t);
+        at::maximum_out(column_max, column_max, ops::rescue_column_max(l, scale));
       }
       rho[b][h].index_put_({evicted}, column_max.exp_());
     }

@@ -106,6 +106,11 @@ def keydiff_scores(keys: Tensor) -> Tensor:
     return _ops.keydiff_scores(keys)
 
 
+def rescue_column_max(logits: Tensor, scale: float) -> Tensor:
+    """CTRPress's rescue: max over rows of logits / scale minus each row's log-sum-exp. [n, R] -> [R]."""
+    return _ops.rescue_column_max(logits, scale)
+
+
 def streaming_llm_scores(keys: Tensor, n_sink: int, compression_ratio: float) -> Tensor:
     """StreamingLLMPress: 1 everywhere but 0 on [n_sink, n_sink + n_pruned) -> [B, Hkv, S]."""
     return _ops.streaming_llm_scores(keys, n_sink, compression_ratio)

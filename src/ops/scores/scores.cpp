@@ -95,6 +95,18 @@ at::Tensor composite::keydiff_scores(const at::Tensor& keys) {
   return -at::cosine_similarity(k, anchor, -1, 1e-8);
 }
 
+at::Tensor rescue_column_max(const at::Tensor& logits, double scale) {
+  static const auto op = dispatcher_op<at::Tensor(const at::Tensor&, double)>("kvpress::rescue_column_max");
+  checks::check_defined("rescue_column_max", "logits", logits);
+  return op.call(logits, scale);
+}
+
+at::Tensor composite::rescue_column_max(const at::Tensor& logits, double scale) {
+  checks::check_rescue_logits("rescue_column_max", logits, scale);
+  const at::Tensor l = logits / scale;
+  return (l - at::logsumexp(l, 1, /*keepdim=*/true)).amax(0);
+}
+
 at::Tensor streaming_llm_scores(const at::Tensor& keys, int64_t n_sink, double compression_ratio) {
   constexpr const char* op = "streaming_llm_scores";
   checks::check_keys(op, keys);
@@ -216,6 +228,8 @@ TORCH_LIBRARY_FRAGMENT(kvpress, m) {
         &ops::lagkv_scores);
   // lagkv_scores' partition statistics for seq_len >= n_sink + 2 * lag_size (kernels).
   m.def("lagkv_partition_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor");
+  // CTRPress's rescue: each key's largest softmax log-weight over rows of logits / scale (kernels).
+  m.def("rescue_column_max(Tensor logits, float scale) -> Tensor");
   m.def("snapkv_scores(Tensor window_attn, int num_kv_heads, int kernel_size) -> Tensor", &ops::snapkv_scores);
   m.def("snapkv_scores_from_mean(Tensor mean_attn, int num_kv_heads, int kernel_size, int window_size) -> Tensor",
         &ops::snapkv_scores_from_mean);
@@ -227,6 +241,7 @@ TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("key_norm_scores", &ops::composite::key_norm_scores);
   m.impl("keydiff_scores", &ops::composite::keydiff_scores);
   m.impl("lagkv_partition_scores", &ops::composite::lagkv_partition_scores);
+  m.impl("rescue_column_max", &ops::composite::rescue_column_max);
 }
 
 }  // namespace kvpress

@@ -1,4 +1,5 @@
-// The scores family's kernel ops (key_norm_scores, keydiff_scores, lagkv_partition_scores), private: their argument
+// The scores family's kernel ops (key_norm_scores, keydiff_scores, lagkv_partition_scores,
+// rescue_column_max), private: their argument
 // checks, shared by every backend so all raise the same messages, and their ATen composites (the
 // CompositeExplicitAutograd fallback and the tests' reference). The dispatch rule: kernel_ops.h.
 #pragma once
@@ -30,6 +31,15 @@ inline LagLayout lag_layout(int64_t seq, int64_t n_sink, int64_t lag_size) {
   return {n_parts, end, lag_size + seq - end};
 }
 
+// rescue_column_max: logits a non-empty float32 [n, R] matrix, scale > 0.
+inline void check_rescue_logits(const char* op, const at::Tensor& logits, double scale) {
+  check_defined(op, "logits", logits);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) > 0 && logits.size(1) > 0 && logits.scalar_type() == at::kFloat, op,
+              ": logits must be a non-empty float32 [rows, keys] matrix, got ", logits.scalar_type(), " ",
+              shape_str(logits));
+  TORCH_CHECK(scale > 0.0, op, ": scale must be > 0, got ", scale);
+}
+
 }  // namespace checks
 
 namespace ops::composite {
@@ -39,6 +49,9 @@ at::Tensor keydiff_scores(const at::Tensor& keys);           // [B, Hkv, S, D] -
 at::Tensor lagkv_partition_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
                                   const at::Tensor& values,  // [B, Hkv, S, D]
                                   int64_t n_sink, int64_t lag_size, bool cross_scoring);  // -> [B, Hkv, S] float32
+
+at::Tensor rescue_column_max(const at::Tensor& logits,  // [n, R] float32
+                             double scale);             // -> [R] float32
 
 }  // namespace ops::composite
 }  // namespace kvpress
