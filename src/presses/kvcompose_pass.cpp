@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "kvpress/model_view.h"
 #include "kvpress/presses/kvcompose_press.h"
 #include "presses/pass_memory.h"
@@ -28,12 +28,6 @@ void record_peak(KVComposeMemory& m, int64_t hidden, int64_t prompt_kv, int64_t 
   m.prompt_kv_bytes = prompt_kv;
   m.attention_bytes = attention;
   m.statistics_bytes = statistics;
-}
-
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
 }
 
 // One task prompt [B, P] through every layer, feeding the session; the cache is only read.
@@ -103,7 +97,7 @@ void prompt_pass(const SecondPassRun& run, const at::Tensor& prompt, int64_t que
 void check_run(const SecondPassRun& run, const KVComposeRunOptions& options, bool structured) {
   const at::Tensor& ids = run.context_ids();
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) > 0 && ids.size(1) > 0 && ids.scalar_type() == at::kLong, run.op(),
-              ": context_ids must be a non-empty int64 [batch, n] tensor, got ", shape_str(ids), " ",
+              ": context_ids must be a non-empty int64 [batch, n] tensor, got ", checks::shape_str(ids), " ",
               ids.scalar_type());
   TORCH_CHECK(options.query_chunk > 0, run.op(), ": query_chunk must be > 0, got ", options.query_chunk);
   for (size_t i = 0; i < options.task_prompts.size(); ++i) {
@@ -111,7 +105,7 @@ void check_run(const SecondPassRun& run, const KVComposeRunOptions& options, boo
     TORCH_CHECK(
         t.defined() && t.dim() == 2 && t.size(0) == ids.size(0) && t.size(1) > 0 && t.scalar_type() == at::kLong,
         run.op(), ": task_prompts[", i, "] must be a non-empty int64 [", ids.size(0), ", P] tensor, got ",
-        t.defined() ? shape_str(t) : std::string("undefined"));
+        t.defined() ? checks::shape_str(t) : std::string("undefined"));
   }
   TORCH_CHECK(structured || ids.size(0) == 1 || run.packs_ragged_layers(), run.op(),
               ": batch must be 1 for the unstructured variant with the masked layout, got ", ids.size(0));

@@ -9,10 +9,10 @@
 #include <algorithm>
 #include <functional>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <utility>
 
+#include "checks.h"
 #include "kvpress/presses/fastkvzip_press.h"
 #include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/presses/restorekv_press.h"
@@ -33,11 +33,9 @@ void record_peak(KVzipMemory& m, int64_t layer_kv, int64_t activations, int64_t 
 
 int64_t check_kvzip_context(const SecondPassRun& run) {
   const at::Tensor& ids = run.context_ids();
-  std::ostringstream shape;
-  shape << ids.sizes();
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == 1 && ids.size(1) > 0 && ids.scalar_type() == at::kLong, run.op(),
-              ": context_ids must be a non-empty int64 [1, n] tensor (batch 1, as kvpress), got ", shape.str(), " ",
-              ids.scalar_type());
+              ": context_ids must be a non-empty int64 [1, n] tensor (batch 1, as kvpress), got ",
+              checks::shape_str(ids), " ", ids.scalar_type());
   const ModelShape m = run.model().shape();
   const int64_t elt = static_cast<int64_t>(c10::elementSize(m.dtype));
   return m.num_layers * 2 * m.num_kv_heads * ids.size(1) * m.head_dim * elt;
@@ -86,10 +84,10 @@ using ContextScorer = std::function<at::Tensor(int64_t layer, const LayerQKV& co
 struct ReplayLayer {
   const KVzipPress& press;
   const ModelView& model;
-  int64_t layer, n;         // n: context tokens
-  at::Tensor keys, values;  // [1, Hkv, N + longest, D]: the context's at [0, N), the chunk's after
-  at::Tensor scores;        // [Hkv, N] float32 view of the layer's scores
-  bool last;                // its outputs feed nothing KVzip reads
+  int64_t layer, n, num_heads;  // n: context tokens; num_heads: Hq
+  at::Tensor keys, values;      // [1, Hkv, N + longest, D]: the context's at [0, N), the chunk's after
+  at::Tensor scores;            // [Hkv, N] float32 view of the layer's scores
+  bool last;                    // its outputs feed nothing KVzip reads
 
   // stream [1, P, hidden]: the chunk's residual stream entering the layer, overwritten by its output.
   // record(layer_kv_bytes, attention_bytes) at each block.
@@ -117,7 +115,7 @@ struct ReplayLayer {
                              keys.narrow(2, n, seen), r0, row_scale, column_scale);
       chunk_max.copy_(at::maximum(chunk_max, block[0]));
       // What chunk_scores held: float32 logits and weights over sink + chunk + seen keys.
-      const int64_t block_bytes = 2 * 4 * model.shape().num_heads * rows * (sink + len + seen);
+      const int64_t block_bytes = 2 * 4 * num_heads * rows * (sink + len + seen);
       record(bytes_of({&keys, &values, &qkv.q, &column_scale}), block_bytes);
       if (last) continue;
       const at::Tensor attn = model.layer_attention(qkv.q, keys.narrow(2, 0, n + seen), values.narrow(2, 0, n + seen));
@@ -199,7 +197,7 @@ at::Tensor scoring_pass(const SecondPassRun& run, const KVzipPress* press, const
     }
     for (size_t ci = 0; ci < chunks.size(); ++ci) {
       TORCH_CHECK(press != nullptr, "scoring_pass: replay chunks need the KVzipPress that scores them");
-      ReplayLayer replay{*press, model, li, n, layer_keys, layer_values, scores[li], last};
+      ReplayLayer replay{*press, model, li, n, c.num_heads, layer_keys, layer_values, scores[li], last};
       replay.score_chunk(chunks[ci], streams[ci], query_chunk, [&](int64_t layer_kv, int64_t attention) {
         record_peak(memory, layer_kv, activation_bytes(), attention, bytes_of({&scores}));
       });
