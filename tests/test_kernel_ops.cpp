@@ -288,7 +288,8 @@ TEST(KernelOps, DevicesWithoutAKernelTakeTheComposite) {
        {"kvpress::topk_indices", "kvpress::gather_kv", "kvpress::invert_rope", "kvpress::key_norm_scores",
         "kvpress::keydiff_scores", "kvpress::window_attention_mean", "kvpress::lagkv_partition_scores",
         "kvpress::ragged_attention", "kvpress::paged_attention", "kvpress::paged_write", "kvpress::sketch_prerope_keys",
-        "kvpress::cholesky_leverage", "kvpress::noncausal_column_sums", "kvpress::rescue_column_max"}) {
+        "kvpress::cholesky_leverage", "kvpress::noncausal_column_sums", "kvpress::rescue_column_max",
+        "kvpress::output_projected_l1_norms", "kvpress::max_similarity"}) {
     const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, "");
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
     EXPECT_TRUE(handle.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd)) << op;
@@ -452,6 +453,87 @@ TEST(RescueColumnMax, MatchesTheComposite) {
       },
       {"rescue_column_max: logits must be a non-empty float32 [rows, keys] matrix"});
   expect_error([] { ops::rescue_column_max(at::zeros({2, 3}), 0.0); }, {"rescue_column_max: scale must be > 0, got 0"});
+}
+
+// CriticalKVPress's value norms, register-tiled with the L1 sum in registers, against the composite's
+// GEMM and norm: heads of 1, 2 and 4 query heads per KV head, row counts below, at and past the
+// tile's rows and the 240-row blocks, hidden sizes of one and several panels (64 columns under
+// AVX-512, 16 under AVX2), and one hidden size no panel divides (the composite, on every path). Each
+// product entry is a D = 32-term dot product summed in another order: its error is at most
+// D·eps·sum|v_t w_t|, about 4e-6 of it, and the L1 sum of such entries is within that relatively.
+TEST(OutputProjectedL1Norms, MatchesTheComposite) {
+  KVPRESS_SKIP_UNLESS_TILE_KERNELS();
+  struct Shape {
+    int64_t batch, kv_heads, heads, seq, hidden;
+  };
+  for (const Shape& s :
+       {Shape{1, 1, 1, 5, 64}, Shape{2, 2, 4, 37, 128}, Shape{1, 2, 8, 251, 192}, Shape{1, 1, 2, 6, 72}}) {
+    const int64_t d = 32;
+    const at::Tensor values = randn({s.batch, s.kv_heads, s.seq, d}, 7 + s.seq);
+    const at::Tensor o_proj = randn({s.hidden, s.heads * d}, 11 + s.hidden) * 0.1;
+    const at::Tensor fused = ops::output_projected_l1_norms(values, o_proj, s.heads);
+    const at::Tensor reference = ops::composite::output_projected_l1_norms(values, o_proj, s.heads);
+    ASSERT_EQ(fused.sizes(), (at::IntArrayRef{s.batch, s.kv_heads, s.seq}));
+    EXPECT_TRUE(at::allclose(fused, reference, 2e-5, 0))
+        << s.seq << " rows, hidden " << s.hidden << ": max relative |d| "
+        << ((fused - reference).abs() / reference).max().item<float>();
+  }
+  // bfloat16 values are read exactly as float32.
+  const at::Tensor v16 = randn({1, 2, 20, 32}, 5).to(at::kBFloat16);
+  const at::Tensor w = randn({64, 4 * 32}, 6);
+  EXPECT_TRUE(at::allclose(ops::output_projected_l1_norms(v16, w, 4),
+                           ops::composite::output_projected_l1_norms(v16, w, 4), 2e-5, 0));
+}
+
+TEST(OutputProjectedL1Norms, RefusesMismatchedHeads) {
+  const at::Tensor v16 = randn({1, 2, 20, 32}, 5).to(at::kBFloat16);
+  const at::Tensor w = randn({64, 4 * 32}, 6);
+  expect_error([&] { ops::output_projected_l1_norms(v16, w, 3); },
+               {"output_projected_l1_norms: num_heads must be a positive multiple of num_kv_heads (2), got 3"});
+  expect_error([&] { ops::output_projected_l1_norms(v16, w, 2); },
+               {"output_projected_l1_norms: o_proj must be [hidden, 64] (num_heads * head_dim), got [64, 128]"});
+}
+
+// MergingPress's nearest kept key, register-tiled with the maximum taken in registers, against the
+// composite's GEMM and max: candidate counts below, at and past a panel (64 columns under AVX-512,
+// 16 under AVX2) and row counts past a tile and a 240-row block. Products of unit rows (|x| <= 1)
+// summed in another order differ by at most D·eps = 8e-6 (D = 64); an index may differ only where
+// two candidates are that close, and then the kernel's pick is within that of the maximum.
+TEST(MaxSimilarity, MatchesTheComposite) {
+  KVPRESS_SKIP_UNLESS_TILE_KERNELS();
+  const auto unit = [](const at::Tensor& x) { return x / x.norm(2, -1, true); };
+  for (int64_t m : {1, 15, 64, 65, 300}) {
+    for (int64_t n : {1, 7, 250}) {
+      const at::Tensor rows = unit(randn({2, 3, n, 64}, 100 + n));
+      const at::Tensor candidates = unit(randn({2, 3, m, 64}, 200 + m));
+      const auto [value, index] = ops::max_similarity(rows, candidates);
+      const auto [want_value, want_index] = ops::composite::max_similarity(rows, candidates);
+      ASSERT_EQ(index.scalar_type(), at::kLong);
+      EXPECT_TRUE(at::allclose(value, want_value, 0, 1e-5)) << n << " x " << m;
+      // The kernel's index reaches its value: the similarity of that candidate, recomputed.
+      const at::Tensor picked = candidates.gather(2, index.unsqueeze(-1).expand({2, 3, n, 64}));
+      EXPECT_TRUE(at::allclose((rows * picked).sum(-1), want_value, 0, 1e-5)) << n << " x " << m;
+      EXPECT_GE(at::eq(index, want_index).to(at::kFloat).mean().item<float>(), 0.99f) << n << " x " << m;
+    }
+  }
+  // Equal candidates: the first one, as ATen's max.
+  const at::Tensor row = unit(randn({1, 1, 3, 64}, 1));
+  const at::Tensor twice = at::cat({unit(randn({1, 1, 20, 64}, 2)), row.narrow(2, 0, 1), row.narrow(2, 0, 1)}, 2);
+  EXPECT_EQ(std::get<1>(ops::max_similarity(row.narrow(2, 0, 1), twice)).item<int64_t>(), 20);
+}
+
+TEST(MaxSimilarity, RefusesMismatchedCandidates) {
+  expect_error(
+      [] {
+        ops::max_similarity(at::zeros({1, 2, 3, 8}), at::zeros({1, 2, 0, 8}));
+      },
+      {"max_similarity: candidates must be [1, 2, m >= 1, 8] (the rows' batch, heads and head_dim), got "
+       "[1, 2, 0, 8]"});
+  expect_error(
+      [] {
+        ops::max_similarity(at::zeros({1, 2, 3, 8}, at::kDouble), at::zeros({1, 2, 3, 8}));
+      },
+      {"max_similarity: rows and candidates must be float32, got Double and Float"});
 }
 
 TEST(LagKVKernel, MatchesAtenStatisticsAndRanks) {

@@ -260,9 +260,9 @@ TEST(MergingPress, FoldsTheEvictedValueIntoTheMostSimilarKeptKey) {
 }
 
 TEST(MergingPress, SimilarityBlocksGiveTheFullMatrixResult) {
-  // 2 heads x 4096 tokens at 0.5: 2048 evicted rows against 2048 kept keys come in 2 blocks.
-  const int64_t s = 4096, hkv = 2, d = 16;
-  ASSERT_GT(hkv * (s / 2) * (s / 2), MergingPress::kSimilarityBlockElements);
+  // 2 heads x 6144 tokens of 256 at 0.5: 3072 evicted values per head come in 2 blocks.
+  const int64_t s = 6144, hkv = 2, d = 256;
+  ASSERT_GT(hkv * (s / 2) * d, MergingPress::kEvictedBlockElements);
   at::manual_seed(3);
   LayerInputs in;
   in.keys = at::randn({1, hkv, s, d});

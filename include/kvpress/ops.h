@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "kvpress/types.h"
 
@@ -147,6 +148,19 @@ at::Tensor key_norm_scores(const at::Tensor& keys);  // [B, Hkv, S, D] -> [B, Hk
 // key's largest log-softmax weight over the rows of logits / scale: max_r (l_rj / scale - lse_r),
 // lse_r the log-sum-exp of row r / scale. -> [R] float32. One fused pass per row on CPU.
 at::Tensor rescue_column_max(const at::Tensor& logits, double scale);
+// MergingPress's nearest kept key: for each row, its largest dot product with any candidate of the
+// same head and the first candidate reaching it (ATen's max over the last dim of rows · candidatesᵀ).
+// -> (values [B, H, n] float32, indices [B, H, n] int64). On CPU register tiles whose products are
+// compared in registers; the [n, m] similarities are never stored.
+std::tuple<at::Tensor, at::Tensor> max_similarity(const at::Tensor& rows,         // [B, H, n, D] float32
+                                                  const at::Tensor& candidates);  // [B, H, m, D] float32, m >= 1
+// CriticalKVPress's value norms (kvpress's vwl1norm): for each token and KV head, the L1 norm of
+// v W_o^h over the hidden size, averaged over the head's group of query heads h (W_o^h: the columns
+// h·D .. h·D + D - 1 of o_proj). -> [B, Hkv, S] float32. On CPU one register-tiled product whose
+// [rows, hidden] results are summed in registers, never stored.
+at::Tensor output_projected_l1_norms(const at::Tensor& values,  // [B, Hkv, S, D]
+                                     const at::Tensor& o_proj,  // [hidden, num_heads * D]
+                                     int64_t num_heads);
 
 // -cos(k_i, anchor), anchor = sequence mean of the L2-normalised keys of the head.
 at::Tensor keydiff_scores(const at::Tensor& keys);  // [B, Hkv, S, D] -> [B, Hkv, S]

@@ -131,6 +131,35 @@ inline void check_queries(const char* op, const at::Tensor& queries, const at::T
   check_gqa(op, queries.size(1), keys.size(1));
 }
 
+// max_similarity: rows [B, H, n, D] and candidates [B, H, m >= 1, D], float32, on one device.
+inline void check_similarity_rows(const char* op, const at::Tensor& rows, const at::Tensor& candidates) {
+  check_rank(op, "rows", rows, 4, "[batch, heads, rows, head_dim]");
+  check_rank(op, "candidates", candidates, 4, "[batch, heads, candidates, head_dim]");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && candidates.scalar_type() == at::kFloat, op,
+              ": rows and candidates must be float32, got ", rows.scalar_type(), " and ", candidates.scalar_type());
+  TORCH_CHECK(candidates.size(0) == rows.size(0) && candidates.size(1) == rows.size(1) &&
+                  candidates.size(3) == rows.size(3) && candidates.size(2) > 0,
+              op, ": candidates must be [", rows.size(0), ", ", rows.size(1), ", m >= 1, ", rows.size(3),
+              "] (the rows' batch, heads and head_dim), got ", shape_str(candidates));
+  check_same_device(op, "candidates", candidates, "rows", rows);
+}
+
+// output_projected_l1_norms and CriticalKVPress: values a floating [B, Hkv, S, D] tensor, o_proj a floating
+// [hidden, num_heads * D] matrix on the same device, num_heads a positive multiple of Hkv.
+inline void check_output_projection(const char* op, const at::Tensor& values, const at::Tensor& o_proj,
+                                    int64_t num_heads) {
+  check_defined(op, "values", values);
+  check_defined(op, "o_proj", o_proj);
+  check_rank(op, "values", values, 4, "[batch, kv_heads, seq, head_dim]");
+  check_float(op, "values", values);
+  check_rank(op, "o_proj", o_proj, 2, "[hidden, num_heads * head_dim]");
+  check_float(op, "o_proj", o_proj);
+  check_same_device(op, "o_proj", o_proj, "values", values);
+  check_gqa(op, num_heads, values.size(1));
+  TORCH_CHECK(o_proj.size(0) > 0 && o_proj.size(1) == num_heads * values.size(3), op, ": o_proj must be [hidden, ",
+              num_heads * values.size(3), "] (num_heads * head_dim), got ", shape_str(o_proj));
+}
+
 // NaN or Inf scores would make top-k selection meaningless; refuse them.
 void check_finite_scores(const char* op, const at::Tensor& scores);
 

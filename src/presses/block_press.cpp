@@ -21,7 +21,7 @@ at::Tensor BlockPress::kept_positions(const LayerInputs& in) const {
   constexpr const char* op = "BlockPress.compress";
   checks::check_kv(op, in.keys, in.values);
   if (compression_ratio() == 0.0) return budget::keep_all(in).kept_indices;
-  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2), d = in.keys.size(3);
+  const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
   const int64_t block = std::min(block_size_, seq);
   const int64_t n_kept = ops::n_kept(seq, compression_ratio());
   const auto long_opts = in.keys.options().dtype(at::kLong);
@@ -30,8 +30,8 @@ at::Tensor BlockPress::kept_positions(const LayerInputs& in) const {
     const int64_t end = std::min(start + block, seq);
     const at::Tensor cand =
         at::cat({kept, at::arange(start, end, long_opts).expand({batch, kv_heads, end - start})}, -1).contiguous();
-    const at::Tensor idx = cand.unsqueeze(-1).expand({-1, -1, -1, d});
-    const LayerInputs sub = kv_only(in, in.keys.gather(2, idx), in.values.gather(2, idx));
+    const KV rows = ops::gather_kv(in.keys, in.values, cand);  // the candidates' keys and values
+    const LayerInputs sub = kv_only(in, rows.keys, rows.values);
     const at::Tensor scores = inner_scores(sub, op);
     kept = cand.gather(-1, ops::topk_indices(scores, n_kept));
   }

@@ -53,24 +53,22 @@ KV MergingPress::compress(const LayerInputs& in) const {
     const at::Tensor index = evicted.narrow(2, r0, len).unsqueeze(-1).expand({kept.size(0), kept.size(1), len, dim});
     return x.gather(2, index).to(at::kFloat);
   };
-  // Blocks of evicted rows whose similarity rows take kSimilarityBlockElements; the evicted keys and
-  // values are only ever gathered a block at a time (peak memory: the output, the unit kept keys and
-  // one block, or the output and the float32 value sums).
-  const int64_t block = std::max<int64_t>(1, kSimilarityBlockElements / (kept.size(0) * kept.size(1) * n_kept));
+  // Blocks of evicted values of kEvictedBlockElements floats, gathered a block at a time (peak
+  // memory: the output and the float32 value sums).
+  const int64_t block = std::max<int64_t>(1, kEvictedBlockElements / (kept.size(0) * kept.size(1) * dim));
 
-  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted].
-  at::Tensor max_sim, target;
-  {
-    const at::Tensor kept_unit_t = unit_rows(kv.keys.to(at::kFloat)).transpose(-1, -2);  // [B, Hkv, D, n_kept]
-    std::vector<at::Tensor> block_max, block_target;
-    for (int64_t r0 = 0; r0 < n_evicted; r0 += block) {
-      const int64_t len = std::min(block, n_evicted - r0);
-      auto [m, t] = at::matmul(unit_rows(evicted_rows(in.keys, r0, len)), kept_unit_t).max(-1);
-      block_max.push_back(m);
-      block_target.push_back(t);
+  // Each evicted token's most similar kept key (cosine, float32): [B, Hkv, n_evicted], one head at
+  // a time (its unit evicted and kept keys; max_similarity never holds their similarities).
+  at::Tensor max_sim = at::empty(evicted.sizes(), kv.keys.options().dtype(at::kFloat));
+  at::Tensor target = at::empty(evicted.sizes(), kept.options());
+  for (int64_t b = 0; b < kept.size(0); ++b) {
+    for (int64_t h = 0; h < kept.size(1); ++h) {
+      const at::Tensor rows = unit_rows(in.keys[b][h].index_select(0, evicted[b][h]).to(at::kFloat));
+      const at::Tensor kept_unit = unit_rows(kv.keys[b][h].to(at::kFloat));
+      const auto [m, t] = ops::max_similarity(rows.view({1, 1, n_evicted, dim}), kept_unit.view({1, 1, n_kept, dim}));
+      max_sim[b][h].copy_(m.view({n_evicted}));
+      target[b][h].copy_(t.view({n_evicted}));
     }
-    max_sim = at::cat(block_max, 2);
-    target = at::cat(block_target, 2);
   }
   at::Tensor merge = max_sim >= similarity_threshold_;
   if (merge_fraction_ < 1.0 && merge.any().item<bool>()) {

@@ -23,10 +23,10 @@ class MergingPress : public ScorerWrapperPress {
  public:
   static constexpr double kDefaultSimilarityThreshold = 0.0;
   static constexpr double kDefaultMergeFraction = 1.0;
-  // The evicted x kept cosine similarities are computed in blocks of evicted rows holding at most
-  // this many float32 entries (16 MiB), not as one [B, Hkv, n_evicted, n_kept] matrix (2 GiB at
-  // S = 16384, Hkv = 8, ratio 0.5).
-  static constexpr int64_t kSimilarityBlockElements = int64_t{1} << 22;
+  // The evicted values are gathered in blocks of evicted rows of at most this many float32 entries
+  // (4 MiB). The nearest kept keys come one head at a time from ops::max_similarity, which never
+  // holds the [B, Hkv, n_evicted, n_kept] similarities (2 GiB at S = 16384, Hkv = 8, ratio 0.5).
+  static constexpr int64_t kEvictedBlockElements = int64_t{1} << 20;
 
   // Its parameters besides the inner press.
   struct Params {

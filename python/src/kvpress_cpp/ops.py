@@ -111,6 +111,11 @@ def rescue_column_max(logits: Tensor, scale: float) -> Tensor:
     return _ops.rescue_column_max(logits, scale)
 
 
+def output_projected_l1_norms(values: Tensor, o_proj: Tensor, num_heads: int) -> Tensor:
+    """CriticalKVPress's ||v W_o^h||_1 per token, averaged over each KV head's query heads -> [B, Hkv, S]."""
+    return _ops.output_projected_l1_norms(values, o_proj, num_heads)
+
+
 def streaming_llm_scores(keys: Tensor, n_sink: int, compression_ratio: float) -> Tensor:
     """StreamingLLMPress: 1 everywhere but 0 on [n_sink, n_sink + n_pruned) -> [B, Hkv, S]."""
     return _ops.streaming_llm_scores(keys, n_sink, compression_ratio)

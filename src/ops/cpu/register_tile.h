@@ -61,6 +61,36 @@ KVPRESS_VEC_INLINE void multiply_tile(const float* a, int64_t row_stride, int64_
   }
 }
 
+// Columns per panel of multiply_panels: one pass of the widest tile.
+template <class Tiles>
+constexpr int64_t kPanelWidth = Tiles::kMaxVectors* Tiles::kLanes;
+
+// The products of the rows of a [n, d] (row major) with panels of columns [n_panels, d, W]
+// (W = kPanelWidth<Tiles>, each panel contiguous), handed to sink.take(p, i, acc) for every panel p
+// and row i, acc the row's W products as kMaxVectors vectors; nothing is stored. Panel-major, so
+// each panel stays in L1 while the rows (a block sized for L2) pass R at a time.
+template <class Tiles, class Sink>
+KVPRESS_VEC_INLINE void multiply_panels(const float* a, int64_t n, int64_t d, const float* panels, int64_t n_panels,
+                                        Sink& sink) {
+  using V = typename Tiles::Vec;
+  constexpr int P = Tiles::kMaxVectors, R = Tiles::template kRowsFor<P>;
+  constexpr int64_t W = kPanelWidth<Tiles>;
+  for (int64_t p = 0; p < n_panels; ++p) {
+    const float* b = panels + p * d * W;
+    int64_t i = 0;
+    for (; i + R <= n; i += R) {
+      V acc[R][P] = {};
+      multiply_tile<R, P>(a + i * d, d, 1, b, W, d, acc);
+      for (int r = 0; r < R; ++r) sink.take(p, i + r, acc[r]);
+    }
+    for (; i < n; ++i) {
+      V acc[1][P] = {};
+      multiply_tile<1, P>(a + i * d, d, 1, b, W, d, acc);
+      sink.take(p, i, acc[0]);
+    }
+  }
+}
+
 // The b operand of a logits tile: kt[d][j] = k[j][d] for keys j < width (a multiple of 16), rows
 // of k `k_stride` floats apart, dim a multiple of 16; keys from n on are zero. Blocks of L x L (the
 // lanes of Tiles::Vec) are transposed in registers.

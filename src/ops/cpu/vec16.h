@@ -131,6 +131,17 @@ KVPRESS_VEC_INLINE V exp_shifted_in_place(float* x, int64_t n, float shift) {
   return sum;
 }
 
+// |x| lane by lane: the sign bit cleared (one AND in every ISA).
+template <class V>
+KVPRESS_VEC_INLINE V abs(V x) {
+  typedef int32_t Ints __attribute__((vector_size(sizeof(V))));
+  Ints bits;
+  std::memcpy(&bits, &x, sizeof x);
+  bits &= 0x7fffffff;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 // Sum of the lanes by halving (a fixed order, so the result does not depend on the clone).
 template <class V>
 KVPRESS_VEC_INLINE float lane_sum(V v) {

@@ -4,6 +4,10 @@
 #include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
 #include "checks.h"
 #include "kvpress/ops.h"
 #include "scores/scores.h"
@@ -105,6 +109,69 @@ at::Tensor composite::rescue_column_max(const at::Tensor& logits, double scale) 
   checks::check_rescue_logits("rescue_column_max", logits, scale);
   const at::Tensor l = logits / scale;
   return (l - at::logsumexp(l, 1, /*keepdim=*/true)).amax(0);
+}
+
+std::tuple<at::Tensor, at::Tensor> max_similarity(const at::Tensor& rows, const at::Tensor& candidates) {
+  static const auto op = dispatcher_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&)>(
+      "kvpress::max_similarity");
+  checks::check_defined("max_similarity", "rows", rows);
+  checks::check_defined("max_similarity", "candidates", candidates);
+  return op.call(rows, candidates);
+}
+
+std::tuple<at::Tensor, at::Tensor> composite::max_similarity(const at::Tensor& rows, const at::Tensor& candidates) {
+  checks::check_similarity_rows("max_similarity", rows, candidates);
+  // Rows a block at a time, so that the [rows, m] similarities stay under 4M floats (16 MiB).
+  constexpr int64_t kMaxSimilarityElements = int64_t{1} << 22;
+  const int64_t n = rows.size(2), per_row = rows.size(0) * rows.size(1) * candidates.size(2);
+  const int64_t block = std::max<int64_t>(1, kMaxSimilarityElements / std::max<int64_t>(1, per_row));
+  const at::Tensor candidates_t = candidates.transpose(-1, -2);
+  std::vector<at::Tensor> values, indices;
+  for (int64_t r0 = 0; r0 < n; r0 += block) {
+    auto [v, i] = at::matmul(rows.narrow(2, r0, std::min(block, n - r0)), candidates_t).max(-1);
+    values.push_back(v);
+    indices.push_back(i);
+  }
+  if (n == 0)
+    return {at::empty({rows.size(0), rows.size(1), 0}, rows.options()),
+            at::empty({rows.size(0), rows.size(1), 0}, rows.options().dtype(at::kLong))};
+  return {at::cat(values, 2), at::cat(indices, 2)};
+}
+
+at::Tensor output_projected_l1_norms(const at::Tensor& values, const at::Tensor& o_proj, int64_t num_heads) {
+  static const auto op =
+      dispatcher_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("kvpress::output_projected_l1_norms");
+  checks::check_defined("output_projected_l1_norms", "values", values);
+  return op.call(values, o_proj, num_heads);
+}
+
+at::Tensor composite::output_projected_l1_norms(const at::Tensor& values, const at::Tensor& o_proj, int64_t num_heads) {
+  checks::check_output_projection("output_projected_l1_norms", values, o_proj, num_heads);
+  const int64_t batch = values.size(0), kv_heads = values.size(1), seq = values.size(2), d = values.size(3);
+  const int64_t hidden = o_proj.size(0), groups = num_heads / kv_heads;
+  // Rows of v W_o evaluated at once: the [rows, G·hidden] product stays under 4M floats (16 MiB).
+  constexpr int64_t kMaxProductElements = int64_t{1} << 22;
+  const int64_t block = std::max<int64_t>(1, kMaxProductElements / (groups * hidden * std::max<int64_t>(batch, 1)));
+  std::vector<at::Tensor> per_head;
+  per_head.reserve(static_cast<size_t>(kv_heads));
+  for (int64_t j = 0; j < kv_heads; ++j) {
+    // Query heads j·G .. j·G+G-1 read KV head j (repeat_kv); their W_o^h side by side: [D, G·hidden].
+    const at::Tensor w = o_proj.narrow(1, j * groups * d, groups * d)
+                             .to(at::kFloat)
+                             .view({hidden, groups, d})
+                             .permute({2, 1, 0})
+                             .reshape({d, groups * hidden});
+    const at::Tensor v = values.select(1, j).to(at::kFloat);  // [B, S, D]
+    std::vector<at::Tensor> blocks;
+    for (int64_t start = 0; start < seq; start += block) {
+      const int64_t n = std::min(block, seq - start);
+      const at::Tensor prod = at::matmul(v.narrow(1, start, n), w).view({batch, n, groups, hidden});
+      // L1 over hidden in one reduction (no |prod| temporary), mean over the group: [B, n].
+      blocks.push_back(at::linalg_vector_norm(prod, 1, {-1}).mean(-1));
+    }
+    per_head.push_back(seq > 0 ? at::cat(blocks, 1) : at::zeros({batch, 0}, values.options().dtype(at::kFloat)));
+  }
+  return at::stack(per_head, 1);  // [B, Hkv, S]
 }
 
 at::Tensor streaming_llm_scores(const at::Tensor& keys, int64_t n_sink, double compression_ratio) {
@@ -230,6 +297,10 @@ TORCH_LIBRARY_FRAGMENT(kvpress, m) {
   m.def("lagkv_partition_scores(Tensor keys, Tensor values, int n_sink, int lag_size, bool cross_scoring) -> Tensor");
   // CTRPress's rescue: each key's largest softmax log-weight over rows of logits / scale (kernels).
   m.def("rescue_column_max(Tensor logits, float scale) -> Tensor");
+  // CriticalKVPress's ||v W_o^h||_1 per token, averaged over each KV head's query heads (kernels).
+  m.def("output_projected_l1_norms(Tensor values, Tensor o_proj, int num_heads) -> Tensor");
+  // MergingPress's nearest kept key: each row's largest dot product with a candidate and its index (kernels).
+  m.def("max_similarity(Tensor rows, Tensor candidates) -> (Tensor, Tensor)");
   m.def("snapkv_scores(Tensor window_attn, int num_kv_heads, int kernel_size) -> Tensor", &ops::snapkv_scores);
   m.def("snapkv_scores_from_mean(Tensor mean_attn, int num_kv_heads, int kernel_size, int window_size) -> Tensor",
         &ops::snapkv_scores_from_mean);
@@ -242,6 +313,8 @@ TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("keydiff_scores", &ops::composite::keydiff_scores);
   m.impl("lagkv_partition_scores", &ops::composite::lagkv_partition_scores);
   m.impl("rescue_column_max", &ops::composite::rescue_column_max);
+  m.impl("output_projected_l1_norms", &ops::composite::output_projected_l1_norms);
+  m.impl("max_similarity", &ops::composite::max_similarity);
 }
 
 }  // namespace kvpress

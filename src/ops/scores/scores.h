@@ -1,5 +1,5 @@
 // The scores family's kernel ops (key_norm_scores, keydiff_scores, lagkv_partition_scores,
-// rescue_column_max), private: their argument
+// rescue_column_max, output_projected_l1_norms, max_similarity), private: their argument
 // checks, shared by every backend so all raise the same messages, and their ATen composites (the
 // CompositeExplicitAutograd fallback and the tests' reference). The dispatch rule: kernel_ops.h.
 #pragma once
@@ -52,6 +52,13 @@ at::Tensor lagkv_partition_scores(const at::Tensor& keys,    // [B, Hkv, S, D]
 
 at::Tensor rescue_column_max(const at::Tensor& logits,  // [n, R] float32
                              double scale);             // -> [R] float32
+
+at::Tensor output_projected_l1_norms(const at::Tensor& values,  // [B, Hkv, S, D]
+                                     const at::Tensor& o_proj,  // [hidden, num_heads * D]
+                                     int64_t num_heads);        // -> [B, Hkv, S] float32
+
+std::tuple<at::Tensor, at::Tensor> max_similarity(const at::Tensor& rows,         // [B, H, n, D] float32
+                                                  const at::Tensor& candidates);  // [B, H, m, D] float32
 
 }  // namespace ops::composite
 }  // namespace kvpress
