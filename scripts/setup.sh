@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything kvpress-cpp needs to build and test; idempotent and fast when already done.
 #   - Debian packages (fmt, nlohmann-json, PCRE2 and utf8proc (the tokenizer's Unicode regexes and
-#     NFC), GoogleTest, Google Benchmark, cmake, pkg-config, clang-format)
+#     NFC), GoogleTest, Google Benchmark, cmake, pkg-config, clang-format, and gloo's headers: the
+#     declarations torch's c10d ProcessGroupGloo needs; the code is libtorch's own, kvpress::distributed)
 #   - a Python venv with the pinned torch wheel (provides libtorch + its CMake config) and the
 #     pinned reference stack used only by tests (kvpress 0.5.5 + transformers), and matplotlib
 #     for the charts (scripts/plot.py: kvpress-cli eval --png, benchmarks/compare_kvpress.py)
@@ -48,7 +49,7 @@ if [ "${1:-}" = --apt ]; then
 fi
 
 install_debian_packages cmake g++ make ninja-build ccache pkg-config libfmt-dev nlohmann-json3-dev libpcre2-dev \
-  libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format
+  libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format libgloo-dev
 
 stamp="$venv/.kvpress-requirements"
 if [ ! -x "$venv/bin/python" ] || ! cmp -s "$requirements" "$stamp"; then

@@ -1,0 +1,68 @@
+// kvpress::distributed: presses over tensor-parallel ranks that each hold a block of a layer's KV
+// heads (and their query heads), as engines shard attention, over torch.distributed's c10d process
+// groups (Gloo on CPU; an engine passes the group it already has). Issue 36, first step: the group,
+// the head shards, the configuration check every rank makes at setup, and the per-rank budget mode
+// (each rank keeps (1 - r) of its own tokens, compactor-vllm's). docs/DISTRIBUTED.md.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kvpress/presses/base_press.h"
+#include "kvpress/types.h"
+
+namespace kvpress::distributed {
+
+// How a layer's budget is set across ranks: per rank (each rank compresses its heads alone), or
+// global (budgets over every rank's heads, as one process would set them: not implemented yet;
+// refused with an error that says so).
+enum class BudgetMode { kPerRank, kGlobal };
+const char* budget_mode_name(BudgetMode mode);  // "per_rank", "global"
+
+// The KV heads of one rank: a contiguous block of kv_heads / world heads, rank r holding heads
+// r·count .. r·count + count - 1 (and query heads G times those), as vLLM and TensorRT-LLM shard.
+struct HeadShard {
+  int64_t rank = 0;
+  int64_t world = 1;
+  int64_t kv_heads = 1;  // of the whole layer
+  int64_t count() const { return kv_heads / world; }
+  int64_t first() const { return rank * count(); }
+};
+// Checks 0 <= rank < world and that world divides kv_heads.
+HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world);
+
+// A Gloo process group of `world` processes on this machine (or sharing a file system) meeting at
+// the file `store_path` (absent or empty before the first rank starts; one per group). Every
+// collective, the rendezvous included, fails with a c10::Error after `timeout` instead of waiting
+// for a rank that died or never came.
+c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
+                                                  std::chrono::milliseconds timeout);
+
+// A press compressing one rank's share of every layer.
+class ShardedPress {
+ public:
+  // Every rank of `group` constructs one with the same press (name and parameters), mode and
+  // kv_heads: one all-gather compares them, and each rank raises naming the ranks that differ.
+  ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t kv_heads,
+               BudgetMode mode);
+
+  const HeadShard& shard() const { return shard_; }
+  BudgetMode mode() const { return mode_; }
+
+  // `local` holds this rank's heads: keys/values [B, kv_heads / world, S, D], queries or
+  // attentions of its query heads, and for presses that read projections the rows or columns of
+  // its heads. Per rank: the press on these heads alone.
+  KV compress(const LayerInputs& local) const;
+
+ private:
+  std::shared_ptr<const BasePress> press_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  HeadShard shard_;
+  BudgetMode mode_;
+};
+
+}  // namespace kvpress::distributed

@@ -1,0 +1,101 @@
+// kvpress::distributed (kvpress/distributed.h): the Gloo group, head shards, the setup check and the
+// per-rank mode. Compiled with USE_C10D_GLOO, which ProcessGroupGloo.hpp needs; gloo's headers come
+// from Debian's libgloo-dev (scripts/setup.sh) and only declare what libtorch_cpu defines.
+#include "kvpress/distributed.h"
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+#include <vector>
+
+namespace kvpress::distributed {
+namespace {
+
+// What every rank must agree on, as numbers (one all-gather of a small float64 tensor): the
+// press's name (a hash), its compression ratio, the mode, the layer's KV heads and the world.
+at::Tensor configuration(const BasePress& press, BudgetMode mode, int64_t kv_heads, int64_t world) {
+  const auto name_hash = static_cast<double>(std::hash<std::string>{}(press.name()) % (uint64_t{1} << 52));
+  return at::tensor({name_hash, press.compression_ratio(), static_cast<double>(mode), static_cast<double>(kv_heads),
+                     static_cast<double>(world)},
+                    at::kDouble);
+}
+
+// The ranks whose configuration differs from this rank's, e.g. "1 (ratio 0.25 here 0.5), 3 (...)".
+std::string differing_ranks(const std::vector<at::Tensor>& all, const at::Tensor& mine) {
+  static const char* const kNames[] = {"press name", "compression ratio", "budget mode", "kv_heads", "world size"};
+  std::ostringstream out;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (at::equal(all[r], mine)) continue;
+    out << (out.tellp() > 0 ? "; " : "") << "rank " << r << ":";
+    for (int64_t f = 0; f < mine.numel(); ++f)
+      if (all[r][f].item<double>() != mine[f].item<double>())
+        out << " " << kNames[f] << " " << all[r][f].item<double>() << " (here " << mine[f].item<double>() << ")";
+  }
+  return out.str();
+}
+
+}  // namespace
+
+const char* budget_mode_name(BudgetMode mode) { return mode == BudgetMode::kPerRank ? "per_rank" : "global"; }
+
+HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world) {
+  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "head_shard: rank must be in [0, world), got rank ", rank,
+              " of world ", world);
+  TORCH_CHECK(kv_heads > 0 && kv_heads % world == 0, "head_shard: the world size (", world,
+              ") must divide kv_heads, got kv_heads ", kv_heads);
+  return HeadShard{rank, world, kv_heads};
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
+                                                  std::chrono::milliseconds timeout) {
+  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "gloo_group: rank must be in [0, world), got rank ", rank,
+              " of world ", world);
+  TORCH_CHECK(timeout.count() > 0, "gloo_group: timeout must be > 0 ms, got ", timeout.count());
+  auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
+  store->setTimeout(timeout);
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, options);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  return group;
+}
+
+ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                           int64_t kv_heads, BudgetMode mode)
+    : press_(std::move(press)), group_(std::move(group)), mode_(mode) {
+  TORCH_CHECK(press_ != nullptr, "ShardedPress: press must not be null");
+  TORCH_CHECK(group_, "ShardedPress: group must not be null");
+  shard_ = head_shard(kv_heads, group_->getRank(), group_->getSize());
+  const at::Tensor mine = configuration(*press_, mode_, kv_heads, shard_.world);
+  std::vector<std::vector<at::Tensor>> gathered(1);
+  for (int64_t r = 0; r < shard_.world; ++r) gathered[0].push_back(at::empty_like(mine));
+  std::vector<at::Tensor> input{mine.clone()};
+  try {
+    group_->allgather(gathered, input)->wait();
+  } catch (const std::exception& e) {
+    // Gloo reports a rank that left or timed out as its own exception types: one message here.
+    TORCH_CHECK(false, "ShardedPress: rank ", shard_.rank, " of ", shard_.world,
+                ": the setup's all-gather failed (a rank left, or did not reach it within the group's timeout): ",
+                c10::GetExceptionString(e));
+  }
+  const std::string differ = differing_ranks(gathered[0], mine);
+  TORCH_CHECK(differ.empty(), "ShardedPress: rank ", shard_.rank, " (", press_->name(), ", ratio ",
+              press_->compression_ratio(), ", ", budget_mode_name(mode_), ", kv_heads ", kv_heads,
+              ") differs from: ", differ);
+  TORCH_CHECK(mode_ == BudgetMode::kPerRank, "ShardedPress: global budgets across ranks are not implemented yet ",
+              "(issue 36); per_rank compresses each rank's heads alone");
+}
+
+KV ShardedPress::compress(const LayerInputs& local) const {
+  TORCH_CHECK(local.keys.defined() && local.keys.dim() == 4 && local.keys.size(1) == shard_.count(),
+              "ShardedPress.compress: keys must hold this rank's ", shard_.count(), " KV heads ([B, ", shard_.count(),
+              ", S, D]), got ", local.keys.defined() ? local.keys.sizes() : at::IntArrayRef{});
+  return press_->compress(local);
+}
+
+}  // namespace kvpress::distributed

@@ -1,0 +1,36 @@
+// The layer the distributed tests compress: the same on every rank and in the test process, and one
+// rank's share of it (kvpress::distributed::HeadShard).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "kvpress/distributed.h"
+#include "kvpress/types.h"
+
+namespace kvpress::testing {
+
+// B = 1, Hkv = 4 (so 2 and 4 ranks divide it), Hq = 8, S = 96, D = 16; keys, values and the
+// queries of every position, seeded.
+inline LayerInputs distributed_layer(uint64_t seed = 7) {
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  LayerInputs in;
+  in.keys = at::randn({1, 4, 96, 16}, generator);
+  in.values = at::randn({1, 4, 96, 16}, generator);
+  in.queries = at::randn({1, 8, 96, 16}, generator);
+  in.num_heads = 8;
+  return in;
+}
+
+// Rank shard.rank's KV heads of `in` and their query heads.
+inline LayerInputs rank_share(const LayerInputs& in, const distributed::HeadShard& shard) {
+  const int64_t groups = in.num_heads / in.keys.size(1);
+  LayerInputs local;
+  local.keys = in.keys.narrow(1, shard.first(), shard.count()).contiguous();
+  local.values = in.values.narrow(1, shard.first(), shard.count()).contiguous();
+  local.queries = in.queries.narrow(1, shard.first() * groups, shard.count() * groups).contiguous();
+  local.num_heads = shard.count() * groups;
+  return local;
+}
+
+}  // namespace kvpress::testing

@@ -1,0 +1,158 @@
+// kvpress::distributed over Gloo with 2 and 4 ranks as separate processes on loopback
+// (tests/distributed_worker.cpp): each rank's per-rank compression equals compressing its heads
+// alone in this process, a configuration that differs across ranks is refused on every rank, and a
+// rank that leaves makes the others fail with an error instead of waiting.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "distributed_layer.h"
+#include "kvpress/distributed.h"
+#include "kvpress/registry.h"
+#include "test_util.h"
+
+extern char** environ;
+
+namespace kvpress {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct RankRun {
+  std::vector<int> exit_codes;
+  std::vector<std::string> outputs;  // each rank's OUT file
+  std::vector<double> seconds;       // when each rank had finished, from the start
+};
+
+// Starts `world` workers for `scenario` and waits for them all (killing them after 60 s: a hang is
+// a failure, never a stuck suite).
+RankRun run_ranks(int world, const std::string& scenario, const std::string& press, double ratio) {
+  const fs::path dir = fs::temp_directory_path() / ("kvpress_dist_" + std::to_string(::getpid()) + "_" + scenario +
+                                                    "_" + std::to_string(world) + "_" + press);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string store = (dir / "store").string();
+  RankRun run;
+  std::vector<pid_t> pids;
+  const auto start = std::chrono::steady_clock::now();
+  for (int rank = 0; rank < world; ++rank) {
+    run.outputs.push_back((dir / ("rank" + std::to_string(rank))).string());
+    std::vector<std::string> args = {KVPRESS_DISTRIBUTED_WORKER,
+                                     store,
+                                     std::to_string(rank),
+                                     std::to_string(world),
+                                     scenario,
+                                     press,
+                                     std::to_string(ratio),
+                                     run.outputs.back()};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    EXPECT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0) << argv[0];
+    pids.push_back(pid);
+  }
+  run.exit_codes.assign(pids.size(), -1);
+  run.seconds.assign(pids.size(), 0.0);
+  for (size_t i = 0; i < pids.size(); ++i) {
+    int status = 0;
+    while (waitpid(pids[i], &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
+        for (pid_t p : pids) ::kill(p, SIGKILL);
+        waitpid(pids[i], &status, 0);
+        ADD_FAILURE() << "rank " << i << " of " << scenario << " did not finish in 60 s";
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    run.exit_codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    run.seconds[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  return run;
+}
+
+at::Tensor read_tensor(std::FILE* in, at::IntArrayRef sizes, at::ScalarType dtype) {
+  at::Tensor t = at::empty(sizes, dtype);
+  EXPECT_EQ(std::fread(t.data_ptr(), t.element_size(), static_cast<size_t>(t.numel()), in),
+            static_cast<size_t>(t.numel()));
+  return t;
+}
+
+TEST(Distributed, EachRankCompressesItsHeadsAloneInPerRankMode) {
+  for (int world : {2, 4}) {
+    for (const char* name : {"KnormPress", "SnapKVPress", "TOVAPress"}) {
+      const RankRun run = run_ranks(world, "per_rank", name, 0.5);
+      const LayerInputs layer = testing::distributed_layer();
+      for (int rank = 0; rank < world; ++rank) {
+        ASSERT_EQ(run.exit_codes[rank], 0) << name << ", rank " << rank << " of " << world;
+        // The same press on the same heads in this process.
+        const KV want =
+            make_press(name, 0.5)->compress(testing::rank_share(layer, distributed::head_shard(4, rank, world)));
+        std::FILE* in = std::fopen(run.outputs[rank].c_str(), "rb");
+        ASSERT_NE(in, nullptr);
+        const at::Tensor kept = read_tensor(in, want.kept_indices.sizes(), at::kLong);
+        const at::Tensor keys = read_tensor(in, want.keys.sizes(), at::kFloat);
+        const at::Tensor values = read_tensor(in, want.values.sizes(), at::kFloat);
+        EXPECT_EQ(std::fgetc(in), EOF) << "rank " << rank << " wrote more than its share";
+        std::fclose(in);
+        EXPECT_TRUE(at::equal(kept, want.kept_indices)) << name << ", rank " << rank << " of " << world;
+        EXPECT_TRUE(at::equal(keys, want.keys) && at::equal(values, want.values)) << name << ", rank " << rank;
+      }
+    }
+  }
+}
+
+TEST(Distributed, ADifferentConfigurationIsRefusedOnEveryRank) {
+  for (int world : {2, 4}) {
+    const RankRun run = run_ranks(world, "mismatch", "KnormPress", 0.5);
+    for (int rank = 0; rank < world; ++rank) EXPECT_EQ(run.exit_codes[rank], 3) << "rank " << rank << " of " << world;
+  }
+}
+
+TEST(Distributed, ARankThatLeavesMakesTheOthersFailNotWait) {
+  // Rank 1 exits after the group forms: rank 0's setup fails at once.
+  const RankRun gone = run_ranks(2, "die", "KnormPress", 0.5);
+  EXPECT_EQ(gone.exit_codes[0], 4);
+  EXPECT_LT(gone.seconds[0], 30.0);
+  // Rank 1 stalls 8 s before its setup: rank 0 fails after the group's 5 s timeout, rank 1 then too.
+  const RankRun stalled = run_ranks(2, "stall", "KnormPress", 0.5);
+  EXPECT_EQ(stalled.exit_codes[0], 4);
+  EXPECT_EQ(stalled.exit_codes[1], 4);
+  EXPECT_GE(stalled.seconds[0], 4.5);
+  EXPECT_LT(stalled.seconds[0], 30.0);
+}
+
+TEST(Distributed, HeadShardsAndModesAreChecked) {
+  const distributed::HeadShard shard = distributed::head_shard(8, 3, 4);
+  EXPECT_EQ(shard.count(), 2);
+  EXPECT_EQ(shard.first(), 6);
+  testing::expect_error([] { distributed::head_shard(6, 0, 4); },
+                        {"head_shard: the world size (4) must divide kv_heads, got kv_heads 6"});
+  testing::expect_error([] { distributed::head_shard(8, 4, 4); },
+                        {"head_shard: rank must be in [0, world), got rank 4 of world 4"});
+  const fs::path store = fs::temp_directory_path() / ("kvpress_dist_single_" + std::to_string(::getpid()));
+  fs::remove(store);
+  auto group = distributed::gloo_group(store.string(), 0, 1, std::chrono::milliseconds(5000));
+  testing::expect_error(
+      [&] { distributed::ShardedPress(make_press("KnormPress", 0.5), group, 4, distributed::BudgetMode::kGlobal); },
+      {"ShardedPress: global budgets across ranks are not implemented yet"});
+  const distributed::ShardedPress alone(make_press("KnormPress", 0.5), group, 4, distributed::BudgetMode::kPerRank);
+  testing::expect_error(
+      [&] {
+        alone.compress(testing::rank_share(testing::distributed_layer(), {0, 2, 4}));
+      },
+      {"ShardedPress.compress: keys must hold this rank's 4 KV heads ([B, 4, S, D]), got [1, 2, 96, 16]"});
+  fs::remove(store);
+}
+
+}  // namespace
+}  // namespace kvpress
