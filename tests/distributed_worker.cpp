@@ -3,7 +3,8 @@
 //   kvpress_distributed_worker STORE RANK WORLD SCENARIO PRESS RATIO OUT
 //
 // per_rank: compresses its share of testing::distributed_layer() with PRESS at RATIO and writes the
-//           kept indices (int64) then the kept keys and values (float32) to OUT; exit 0.
+//           kept indices (int64) then the kept keys and values (float32) to OUT, or for a
+//           head-ragged press its keep mask (bool); exit 0.
 // mismatch: rank 1 asks for ratio RATIO / 2: every rank's setup must raise; exit 3 when it did.
 // die:      rank 1 leaves right after the group forms; the others' setup must raise (not hang);
 //           exit 4 when it did.
@@ -44,12 +45,17 @@ int run(int argc, char** argv) {
   try {
     const distributed::ShardedPress sharded(press, group, 4, distributed::BudgetMode::kPerRank);
     if (scenario != "per_rank") return 1;
-    const KV kv = sharded.compress(testing::rank_share(testing::distributed_layer(), sharded.shard()));
+    const LayerInputs local = testing::rank_share(testing::distributed_layer(), sharded.shard());
     std::FILE* out = std::fopen(out_path.c_str(), "wb");
     TORCH_CHECK(out != nullptr, "cannot write ", out_path);
-    write_tensor(out, kv.kept_indices);
-    write_tensor(out, kv.keys);
-    write_tensor(out, kv.values);
+    if (press->head_ragged()) {
+      write_tensor(out, sharded.compress_ragged(local).keep_mask);
+    } else {
+      const KV kv = sharded.compress(local);
+      write_tensor(out, kv.kept_indices);
+      write_tensor(out, kv.keys);
+      write_tensor(out, kv.values);
+    }
     return std::fclose(out) == 0 ? 0 : 1;
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();

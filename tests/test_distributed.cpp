@@ -108,6 +108,24 @@ TEST(Distributed, EachRankCompressesItsHeadsAloneInPerRankMode) {
         EXPECT_TRUE(at::equal(keys, want.keys) && at::equal(values, want.values)) << name << ", rank " << rank;
       }
     }
+    // A head-ragged press: AdaKV's budgets across the rank's heads alone.
+    const RankRun ragged = run_ranks(world, "per_rank", "AdaKVPress", 0.5);
+    for (int rank = 0; rank < world; ++rank) {
+      ASSERT_EQ(ragged.exit_codes[rank], 0) << "AdaKVPress, rank " << rank << " of " << world;
+      const at::Tensor want = make_press("AdaKVPress", 0.5)
+                                  ->compress_ragged(testing::rank_share(testing::distributed_layer(),
+                                                                        distributed::head_shard(4, rank, world)))
+                                  .keep_mask;
+      std::FILE* in = std::fopen(ragged.outputs[rank].c_str(), "rb");
+      ASSERT_NE(in, nullptr);
+      const at::Tensor mask = read_tensor(in, want.sizes(), at::kBool);
+      EXPECT_EQ(std::fgetc(in), EOF);
+      std::fclose(in);
+      EXPECT_TRUE(at::equal(mask, want)) << "AdaKVPress, rank " << rank << " of " << world;
+      // Budgets differ across a rank's heads (else this would not test a ragged press).
+      if (world == 2)
+        EXPECT_FALSE(at::equal(mask.sum(-1), mask.sum(-1).select(1, 0).unsqueeze(1).expand_as(mask.sum(-1))));
+    }
   }
 }
 

@@ -57,8 +57,13 @@ class ShardedPress {
   // attentions of its query heads, and for presses that read projections the rows or columns of
   // its heads. Per rank: the press on these heads alone.
   KV compress(const LayerInputs& local) const;
+  // The same for every press, head-ragged ones (AdaKVPress, CriticalAdaKVPress, ...) included:
+  // per rank, their head budgets are set across the rank's heads alone.
+  RaggedKV compress_ragged(const LayerInputs& local) const;
 
  private:
+  void check_local(const LayerInputs& local, const char* op) const;
+
   std::shared_ptr<const BasePress> press_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   HeadShard shard_;

@@ -91,11 +91,20 @@ ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusiv
               "(issue 36); per_rank compresses each rank's heads alone");
 }
 
+void ShardedPress::check_local(const LayerInputs& local, const char* op) const {
+  TORCH_CHECK(local.keys.defined() && local.keys.dim() == 4 && local.keys.size(1) == shard_.count(), op,
+              ": keys must hold this rank's ", shard_.count(), " KV heads ([B, ", shard_.count(), ", S, D]), got ",
+              local.keys.defined() ? local.keys.sizes() : at::IntArrayRef{});
+}
+
 KV ShardedPress::compress(const LayerInputs& local) const {
-  TORCH_CHECK(local.keys.defined() && local.keys.dim() == 4 && local.keys.size(1) == shard_.count(),
-              "ShardedPress.compress: keys must hold this rank's ", shard_.count(), " KV heads ([B, ", shard_.count(),
-              ", S, D]), got ", local.keys.defined() ? local.keys.sizes() : at::IntArrayRef{});
+  check_local(local, "ShardedPress.compress");
   return press_->compress(local);
+}
+
+RaggedKV ShardedPress::compress_ragged(const LayerInputs& local) const {
+  check_local(local, "ShardedPress.compress_ragged");
+  return press_->compress_ragged(local);
 }
 
 }  // namespace kvpress::distributed
