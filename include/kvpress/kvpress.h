@@ -3,6 +3,7 @@
 
 #include "kvpress/cache.h"
 #include "kvpress/calibration.h"
+#include "kvpress/distributed.h"
 #include "kvpress/io/atomic_file.h"
 #include "kvpress/io/gguf.h"
 #include "kvpress/io/safetensors.h"
