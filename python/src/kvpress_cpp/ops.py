@@ -111,6 +111,13 @@ def rescue_column_max(logits: Tensor, scale: float) -> Tensor:
     return _ops.rescue_column_max(logits, scale)
 
 
+def max_similarity(rows: Tensor, candidates: Tensor) -> Tuple[Tensor, Tensor]:
+    """MergingPress's nearest kept key: each row's largest dot product with a candidate of its head
+    and the first candidate reaching it. rows [B, H, n, D], candidates [B, H, m, D] float32
+    -> (values [B, H, n] float32, indices [B, H, n] int64)."""
+    return _ops.max_similarity(rows, candidates)
+
+
 def output_projected_l1_norms(values: Tensor, o_proj: Tensor, num_heads: int) -> Tensor:
     """CriticalKVPress's ||v W_o^h||_1 per token, averaged over each KV head's query heads -> [B, Hkv, S]."""
     return _ops.output_projected_l1_norms(values, o_proj, num_heads)
