@@ -37,13 +37,17 @@ std::string differing_ranks(const std::vector<at::Tensor>& all, const at::Tensor
   return out.str();
 }
 
+void check_rank_in_world(const char* op, int64_t rank, int64_t world) {
+  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, op, ": rank must be in [0, world), got rank ", rank, " of world ",
+              world);
+}
+
 }  // namespace
 
 const char* budget_mode_name(BudgetMode mode) { return mode == BudgetMode::kPerRank ? "per_rank" : "global"; }
 
 HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world) {
-  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "head_shard: rank must be in [0, world), got rank ", rank,
-              " of world ", world);
+  check_rank_in_world("head_shard", rank, world);
   TORCH_CHECK(kv_heads > 0 && kv_heads % world == 0, "head_shard: the world size (", world,
               ") must divide kv_heads, got kv_heads ", kv_heads);
   return HeadShard{rank, world, kv_heads};
@@ -51,8 +55,7 @@ HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world) {
 
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
                                                   std::chrono::milliseconds timeout) {
-  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "gloo_group: rank must be in [0, world), got rank ", rank,
-              " of world ", world);
+  check_rank_in_world("gloo_group", rank, world);
   TORCH_CHECK(timeout.count() > 0, "gloo_group: timeout must be > 0 ms, got ", timeout.count());
   auto store = c10::make_intrusive<c10d::FileStore>(store_path, world);
   store->setTimeout(timeout);

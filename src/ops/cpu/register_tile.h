@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "cpu/vec16.h"
+#include "cpu/vector_clones.h"
 
 namespace kvpress::kernels {
 
@@ -64,6 +65,15 @@ KVPRESS_VEC_INLINE void multiply_tile(const float* a, int64_t row_stride, int64_
 // Columns per panel of multiply_panels: one pass of the widest tile.
 template <class Tiles>
 constexpr int64_t kPanelWidth = Tiles::kMaxVectors* Tiles::kLanes;
+
+// kPanelWidth of the tiles `isa` runs (AVX-512's unless isa is kAvx2).
+inline int64_t panel_width(TileIsa isa) {
+  return isa == TileIsa::kAvx2 ? kPanelWidth<Avx2Tiles> : kPanelWidth<Avx512Tiles>;
+}
+
+// Rows per call of multiply_panels: 240 rows of D = 128 floats (120 KiB) stay in L2 while every
+// panel passes, and 240 is a multiple of every tile's rows.
+constexpr int64_t kPanelRowBlock = 240;
 
 // The products of the rows of a [n, d] (row major) with panels of columns [n_panels, d, W]
 // (W = kPanelWidth<Tiles>, each panel contiguous), handed to sink.take(p, i, acc) for every panel p

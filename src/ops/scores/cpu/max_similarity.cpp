@@ -24,9 +24,6 @@
 namespace kvpress::kernels {
 namespace {
 
-// Rows per task: 240 rows of D = 128 floats (120 KiB) stay in L2 while every panel passes.
-constexpr int64_t kRowBlock = 240;
-
 typedef int32_t Ints16 __attribute__((vector_size(16 * sizeof(int32_t))));
 typedef int32_t Ints8 __attribute__((vector_size(8 * sizeof(int32_t))));
 
@@ -88,14 +85,17 @@ std::tuple<at::Tensor, at::Tensor> max_similarity_cpu(const at::Tensor& rows_in,
   if (!KVPRESS_HAVE_TILE_KERNELS || isa == TileIsa::kNone || m > std::numeric_limits<int32_t>::max())
     return ops::composite::max_similarity(rows_in, candidates);
   const bool avx512 = isa == TileIsa::kAvx512;
-  const int64_t width = avx512 ? kPanelWidth<Avx512Tiles> : kPanelWidth<Avx2Tiles>, lanes = avx512 ? 16 : 8;
+  const int64_t width = panel_width(isa), lanes = avx512 ? 16 : 8;
   const auto products = avx512 ? &row_max_of_products_avx512 : &row_max_of_products_avx2;
   const at::Tensor rows = rows_in.contiguous();
   const int64_t units = rows.size(0) * rows.size(1), n = rows.size(2), d = rows.size(3);
-  const int64_t n_panels = (m + width - 1) / width, row_blocks = (n + kRowBlock - 1) / kRowBlock;
+  const int64_t n_panels = (m + width - 1) / width, row_blocks = (n + kPanelRowBlock - 1) / kPanelRowBlock;
   at::Tensor values = at::empty({rows.size(0), rows.size(1), n}, rows.options());
   at::Tensor indices = at::empty({rows.size(0), rows.size(1), n}, rows.options().dtype(at::kLong));
   const at::Tensor flat_candidates = candidates.reshape({units, m, d});
+  const float* r = rows.data_ptr<float>();
+  float* value_out = values.data_ptr<float>();
+  int64_t* index_out = indices.data_ptr<int64_t>();
   for (int64_t u = 0; u < units; ++u) {
     // The head's candidates as panels [n_panels, D, W], zero past m (those columns are masked).
     const at::Tensor panels = at::constant_pad_nd(flat_candidates[u], {0, 0, 0, n_panels * width - m})
@@ -104,14 +104,13 @@ std::tuple<at::Tensor, at::Tensor> max_similarity_cpu(const at::Tensor& rows_in,
                                   .contiguous();
     const float* w = panels.data_ptr<float>();
     at::parallel_for(0, row_blocks, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> best(static_cast<size_t>(kRowBlock * lanes));
-      std::vector<int32_t> column(static_cast<size_t>(kRowBlock * lanes));
+      std::vector<float> best(static_cast<size_t>(kPanelRowBlock * lanes));
+      std::vector<int32_t> column(static_cast<size_t>(kPanelRowBlock * lanes));
       for (int64_t t = first; t < last; ++t) {
-        const int64_t start = t * kRowBlock, count = std::min(kRowBlock, n - start), row0 = u * n + start;
+        const int64_t start = t * kPanelRowBlock, count = std::min(kPanelRowBlock, n - start), row0 = u * n + start;
         std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
         std::fill(column.begin(), column.end(), 0);
-        products(rows.data_ptr<float>() + row0 * d, count, d, w, n_panels, static_cast<int32_t>(m), best.data(),
-                 column.data());
+        products(r + row0 * d, count, d, w, n_panels, static_cast<int32_t>(m), best.data(), column.data());
         // Each row's largest lane; of equal ones, the first column.
         for (int64_t i = 0; i < count; ++i) {
           float b = best[static_cast<size_t>(i * lanes)];
@@ -121,8 +120,8 @@ std::tuple<at::Tensor, at::Tensor> max_similarity_cpu(const at::Tensor& rows_in,
             const int32_t k = column[static_cast<size_t>(i * lanes + l)];
             if (x > b || (x == b && k < c)) b = x, c = k;
           }
-          values.data_ptr<float>()[row0 + i] = b;
-          indices.data_ptr<int64_t>()[row0 + i] = c;
+          value_out[row0 + i] = b;
+          index_out[row0 + i] = c;
         }
       }
     });

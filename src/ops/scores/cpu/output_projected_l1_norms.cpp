@@ -19,9 +19,6 @@
 namespace kvpress::kernels {
 namespace {
 
-// Rows of values per task: 240 rows of D = 128 floats (120 KiB) stay in L2 while every panel passes.
-constexpr int64_t kRowBlock = 240;
-
 // out[i] += the L1 norm of row i's products with a panel.
 struct L1Sink {
   float* out;
@@ -56,7 +53,7 @@ at::Tensor output_projected_l1_norms_cpu(const at::Tensor& values_in, const at::
   constexpr const char* op = "output_projected_l1_norms";
   checks::check_output_projection(op, values_in, o_proj, num_heads);
   const TileIsa isa = cpu_tile_isa();
-  const int64_t width = isa == TileIsa::kAvx512 ? kPanelWidth<Avx512Tiles> : kPanelWidth<Avx2Tiles>;
+  const int64_t width = panel_width(isa);
   const int64_t batch = values_in.size(0), kv_heads = values_in.size(1), seq = values_in.size(2), d = values_in.size(3),
                 hidden = o_proj.size(0), groups = num_heads / kv_heads;
   // Panels must not straddle two query heads' columns (hidden is a multiple of 64 in every model).
@@ -64,8 +61,10 @@ at::Tensor output_projected_l1_norms_cpu(const at::Tensor& values_in, const at::
     return ops::composite::output_projected_l1_norms(values_in, o_proj, num_heads);
   const at::Tensor values = values_in.to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({batch, kv_heads, seq}, values.options());
+  const float* v = values.data_ptr<float>();
+  float* o = out.data_ptr<float>();
   const auto products = isa == TileIsa::kAvx512 ? &l1_of_products_avx512 : &l1_of_products_avx2;
-  const int64_t n_panels = groups * hidden / width, row_blocks = (seq + kRowBlock - 1) / kRowBlock;
+  const int64_t n_panels = groups * hidden / width, row_blocks = (seq + kPanelRowBlock - 1) / kPanelRowBlock;
   for (int64_t j = 0; j < kv_heads; ++j) {
     // W_o^h of the group's query heads h = j·G + g, [hidden, D] each, as panels [G, hidden / W, D, W]:
     // panel (g, p) holds rows p·W .. p·W + W - 1 of W_o^h transposed, contiguous (8 MiB per KV head
@@ -78,9 +77,10 @@ at::Tensor output_projected_l1_norms_cpu(const at::Tensor& values_in, const at::
     const float* w = panels.data_ptr<float>();
     at::parallel_for(0, batch * row_blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t t = first; t < last; ++t) {
-        const int64_t b = t / row_blocks, start = (t % row_blocks) * kRowBlock, n = std::min(kRowBlock, seq - start);
+        const int64_t b = t / row_blocks, start = (t % row_blocks) * kPanelRowBlock,
+                      n = std::min(kPanelRowBlock, seq - start);
         const int64_t row0 = (b * kv_heads + j) * seq + start;
-        products(values.data_ptr<float>() + row0 * d, n, d, w, n_panels, out.data_ptr<float>() + row0);
+        products(v + row0 * d, n, d, w, n_panels, o + row0);
       }
     });
   }
