@@ -5,6 +5,9 @@
 // per_rank: compresses its share of testing::distributed_layer() with PRESS at RATIO and writes the
 //           kept indices (int64) then the kept keys and values (float32) to OUT, or for a
 //           head-ragged press its keep mask (bool); exit 0.
+// global:   the same in global mode.
+// die_mid:  global mode; rank 1 leaves after the setup, before the layer: the others' compression
+//           (PRESS exchanges across ranks) must raise, not hang; exit 4 when it did.
 // mismatch: rank 1 asks for ratio RATIO / 2: every rank's setup must raise; exit 3 when it did.
 // die:      rank 1 leaves right after the group forms; the others' setup must raise (not hang);
 //           exit 4 when it did.
@@ -42,9 +45,12 @@ int run(int argc, char** argv) {
   if (scenario == "die" && rank == 1) std::_Exit(0);  // gone before the setup's all-gather
   if (scenario == "stall" && rank == 1) std::this_thread::sleep_for(std::chrono::seconds(8));
   std::shared_ptr<const BasePress> press = make_press(press_name, ratio);
+  const bool global = scenario == "global" || scenario == "die_mid";
   try {
-    const distributed::ShardedPress sharded(press, group, 4, distributed::BudgetMode::kPerRank);
-    if (scenario != "per_rank") return 1;
+    const distributed::ShardedPress sharded(
+        press, group, 4, global ? distributed::BudgetMode::kGlobal : distributed::BudgetMode::kPerRank);
+    if (scenario == "die_mid" && rank == 1) std::_Exit(0);  // gone between the setup and the layer
+    if (scenario != "per_rank" && scenario != "global" && scenario != "die_mid") return 1;
     const LayerInputs local = testing::rank_share(testing::distributed_layer(), sharded.shard());
     std::FILE* out = std::fopen(out_path.c_str(), "wb");
     TORCH_CHECK(out != nullptr, "cannot write ", out_path);
@@ -63,6 +69,7 @@ int run(int argc, char** argv) {
     if (scenario == "mismatch" && what.find("differs from: rank") != std::string::npos) return 3;
     if ((scenario == "die" || scenario == "stall") && what.find("the setup's all-gather failed") != std::string::npos)
       return 4;
+    if (scenario == "die_mid" && what.find("an all-gather of per-head scores failed") != std::string::npos) return 4;
     return 1;
   }
 }

@@ -1,7 +1,9 @@
 // kvpress::distributed over Gloo with 2 and 4 ranks as separate processes on loopback
 // (tests/distributed_worker.cpp): each rank's per-rank compression equals compressing its heads
-// alone in this process, a configuration that differs across ranks is refused on every rank, and a
-// rank that leaves makes the others fail with an error instead of waiting.
+// alone in this process, its global compression equals what compressing the whole layer here keeps
+// of its heads, a configuration that differs across ranks is refused on every rank, and a rank that
+// leaves (before the setup or between the setup and a layer) makes the others fail with an error
+// instead of waiting. tests/test_head_span.cpp runs every press in global mode (ranks as threads).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
@@ -87,16 +89,33 @@ at::Tensor read_tensor(std::FILE* in, at::IntArrayRef sizes, at::ScalarType dtyp
   return t;
 }
 
-TEST(Distributed, EachRankCompressesItsHeadsAloneInPerRankMode) {
+// What a rank keeps in `scenario` ("per_rank": the press on its heads alone; "global": the whole
+// layer's compression restricted to its heads), computed in this process.
+KV expected_kv(const std::string& scenario, const char* name, int rank, int world) {
+  const LayerInputs layer = testing::distributed_layer();
+  const distributed::HeadShard shard = distributed::head_shard(4, rank, world);
+  if (scenario == "per_rank") return make_press(name, 0.5)->compress(testing::rank_share(layer, shard));
+  const KV whole = make_press(name, 0.5)->compress(layer);
+  return {whole.keys.narrow(1, shard.first(), shard.count()), whole.values.narrow(1, shard.first(), shard.count()),
+          whole.kept_indices.narrow(1, shard.first(), shard.count())};
+}
+at::Tensor expected_mask(const std::string& scenario, const char* name, int rank, int world) {
+  const LayerInputs layer = testing::distributed_layer();
+  const distributed::HeadShard shard = distributed::head_shard(4, rank, world);
+  if (scenario == "per_rank")
+    return make_press(name, 0.5)->compress_ragged(testing::rank_share(layer, shard)).keep_mask;
+  return make_press(name, 0.5)->compress_ragged(layer).keep_mask.narrow(1, shard.first(), shard.count());
+}
+
+// Each rank of 2 and 4 compresses its heads with KnormPress, SnapKVPress, TOVAPress (scores averaged
+// over every query head) and AdaKVPress (budgets across heads) in `scenario`, as expected_kv says.
+void expect_ranks_keep(const std::string& scenario) {
   for (int world : {2, 4}) {
     for (const char* name : {"KnormPress", "SnapKVPress", "TOVAPress"}) {
-      const RankRun run = run_ranks(world, "per_rank", name, 0.5);
-      const LayerInputs layer = testing::distributed_layer();
+      const RankRun run = run_ranks(world, scenario, name, 0.5);
       for (int rank = 0; rank < world; ++rank) {
         ASSERT_EQ(run.exit_codes[rank], 0) << name << ", rank " << rank << " of " << world;
-        // The same press on the same heads in this process.
-        const KV want =
-            make_press(name, 0.5)->compress(testing::rank_share(layer, distributed::head_shard(4, rank, world)));
+        const KV want = expected_kv(scenario, name, rank, world);
         std::FILE* in = std::fopen(run.outputs[rank].c_str(), "rb");
         ASSERT_NE(in, nullptr);
         const at::Tensor kept = read_tensor(in, want.kept_indices.sizes(), at::kLong);
@@ -108,14 +127,11 @@ TEST(Distributed, EachRankCompressesItsHeadsAloneInPerRankMode) {
         EXPECT_TRUE(at::equal(keys, want.keys) && at::equal(values, want.values)) << name << ", rank " << rank;
       }
     }
-    // A head-ragged press: AdaKV's budgets across the rank's heads alone.
-    const RankRun ragged = run_ranks(world, "per_rank", "AdaKVPress", 0.5);
+    // A head-ragged press: AdaKV's budgets across the rank's heads alone, or across every rank's.
+    const RankRun ragged = run_ranks(world, scenario, "AdaKVPress", 0.5);
     for (int rank = 0; rank < world; ++rank) {
       ASSERT_EQ(ragged.exit_codes[rank], 0) << "AdaKVPress, rank " << rank << " of " << world;
-      const at::Tensor want = make_press("AdaKVPress", 0.5)
-                                  ->compress_ragged(testing::rank_share(testing::distributed_layer(),
-                                                                        distributed::head_shard(4, rank, world)))
-                                  .keep_mask;
+      const at::Tensor want = expected_mask(scenario, "AdaKVPress", rank, world);
       std::FILE* in = std::fopen(ragged.outputs[rank].c_str(), "rb");
       ASSERT_NE(in, nullptr);
       const at::Tensor mask = read_tensor(in, want.sizes(), at::kBool);
@@ -127,6 +143,18 @@ TEST(Distributed, EachRankCompressesItsHeadsAloneInPerRankMode) {
         EXPECT_FALSE(at::equal(mask.sum(-1), mask.sum(-1).select(1, 0).unsqueeze(1).expand_as(mask.sum(-1))));
     }
   }
+}
+
+TEST(Distributed, EachRankCompressesItsHeadsAloneInPerRankMode) { expect_ranks_keep("per_rank"); }
+
+TEST(Distributed, EachRankKeepsWhatTheWholeLayerKeepsOfItsHeadsInGlobalMode) {
+  expect_ranks_keep("global");
+  // And the two modes differ for the presses that span heads (else the test above proves nothing).
+  for (const char* name : {"TOVAPress"})
+    EXPECT_FALSE(
+        at::equal(expected_kv("global", name, 0, 2).kept_indices, expected_kv("per_rank", name, 0, 2).kept_indices))
+        << name;
+  EXPECT_FALSE(at::equal(expected_mask("global", "AdaKVPress", 0, 2), expected_mask("per_rank", "AdaKVPress", 0, 2)));
 }
 
 TEST(Distributed, ADifferentConfigurationIsRefusedOnEveryRank) {
@@ -147,6 +175,11 @@ TEST(Distributed, ARankThatLeavesMakesTheOthersFailNotWait) {
   EXPECT_EQ(stalled.exit_codes[1], 4);
   EXPECT_GE(stalled.seconds[0], 4.5);
   EXPECT_LT(stalled.seconds[0], 30.0);
+  // In global mode rank 1 leaves between the setup and the layer: rank 0's all-gather of AdaKV's
+  // scores fails (at once, or after the timeout), it does not wait.
+  const RankRun mid = run_ranks(2, "die_mid", "AdaKVPress", 0.5);
+  EXPECT_EQ(mid.exit_codes[0], 4);
+  EXPECT_LT(mid.seconds[0], 30.0);
 }
 
 TEST(Distributed, HeadShardsAndModesAreChecked) {
@@ -160,15 +193,27 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
   const fs::path store = fs::temp_directory_path() / ("kvpress_dist_single_" + std::to_string(::getpid()));
   fs::remove(store);
   auto group = distributed::gloo_group(store.string(), 0, 1, std::chrono::milliseconds(5000));
-  testing::expect_error(
-      [&] { distributed::ShardedPress(make_press("KnormPress", 0.5), group, 4, distributed::BudgetMode::kGlobal); },
-      {"ShardedPress: global budgets across ranks are not implemented yet"});
+  for (distributed::BudgetMode mode : {distributed::BudgetMode::kPerRank, distributed::BudgetMode::kGlobal})
+    testing::expect_error([&] { distributed::ShardedPress(make_press("RandomPress", 0.5), group, 4, mode); },
+                          {"ShardedPress: RandomPress cannot be sharded across ranks yet: it reads per-head data",
+                           "(head_span whole_layer)"});
   const distributed::ShardedPress alone(make_press("KnormPress", 0.5), group, 4, distributed::BudgetMode::kPerRank);
   testing::expect_error(
       [&] {
         alone.compress(testing::rank_share(testing::distributed_layer(), {0, 2, 4}));
       },
       {"ShardedPress.compress: keys must hold this rank's 4 KV heads ([B, 4, S, D]), got [1, 2, 96, 16]"});
+  // An engine's inputs never carry an exchange of their own: the ShardedPress sets its group's.
+  struct OneRank : HeadExchange {
+    int64_t layer_kv_heads() const override { return 4; }
+    int64_t first_kv_head() const override { return 0; }
+    at::Tensor gather_heads(const at::Tensor& local) const override { return local; }
+    at::Tensor sum_over_ranks(const at::Tensor& partial) const override { return partial; }
+  };
+  LayerInputs with_exchange = testing::distributed_layer();
+  with_exchange.head_exchange = std::make_shared<const OneRank>();
+  testing::expect_error([&] { alone.compress(with_exchange); },
+                        {"ShardedPress.compress: local.head_exchange must be unset (the ShardedPress sets it)"});
   fs::remove(store);
 }
 

@@ -1,8 +1,8 @@
 // kvpress::distributed: presses over tensor-parallel ranks that each hold a block of a layer's KV
 // heads (and their query heads), as engines shard attention, over torch.distributed's c10d process
-// groups (Gloo on CPU; an engine passes the group it already has). Issue 36, first step: the group,
-// the head shards, the configuration check every rank makes at setup, and the per-rank budget mode
-// (each rank keeps (1 - r) of its own tokens, compactor-vllm's). docs/DISTRIBUTED.md.
+// groups (Gloo on CPU; an engine passes the group it already has): the group, the head shards, the
+// configuration check every rank makes at setup, and two budget modes: per rank (each rank keeps
+// (1 - r) of its own tokens, compactor-vllm's) and global (as one process would). docs/DISTRIBUTED.md.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -18,8 +18,8 @@
 namespace kvpress::distributed {
 
 // How a layer's budget is set across ranks: per rank (each rank compresses its heads alone), or
-// global (budgets over every rank's heads, as one process would set them: not implemented yet;
-// refused with an error that says so).
+// global (every rank keeps what one process compressing the whole layer keeps of its heads: the
+// presses whose scores or budgets span heads exchange them, BasePress::head_span()).
 enum class BudgetMode { kPerRank, kGlobal };
 const char* budget_mode_name(BudgetMode mode);  // "per_rank", "global"
 
@@ -47,6 +47,8 @@ class ShardedPress {
  public:
   // Every rank of `group` constructs one with the same press (name and parameters), mode and
   // kv_heads: one all-gather compares them, and each rank raises naming the ranks that differ.
+  // Raises for a press that cannot be sharded yet (head_span() kWholeLayer: per-head files or draws
+  // indexed by the layer's head), one that needs a second pass, or one that compresses while decoding.
   ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t kv_heads,
                BudgetMode mode);
 
@@ -55,19 +57,23 @@ class ShardedPress {
 
   // `local` holds this rank's heads: keys/values [B, kv_heads / world, S, D], queries or
   // attentions of its query heads, and for presses that read projections the rows or columns of
-  // its heads. Per rank: the press on these heads alone.
+  // its heads. Per rank: the press on these heads alone. Global: what the press keeps of these
+  // heads compressing the whole layer (every rank calls it for the same layer; presses that span
+  // heads exchange their sums or scores).
   KV compress(const LayerInputs& local) const;
-  // The same for every press, head-ragged ones (AdaKVPress, CriticalAdaKVPress, ...) included:
-  // per rank, their head budgets are set across the rank's heads alone.
+  // The same for every press, head-ragged ones (AdaKVPress, CriticalAdaKVPress, ...) included: per
+  // rank, their head budgets are set across the rank's heads alone; global, across every rank's.
   RaggedKV compress_ragged(const LayerInputs& local) const;
 
  private:
-  void check_local(const LayerInputs& local, const char* op) const;
+  // `local`, checked to hold this rank's heads, with the head exchange set in global mode.
+  LayerInputs share(const LayerInputs& local, const char* op) const;
 
   std::shared_ptr<const BasePress> press_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   HeadShard shard_;
   BudgetMode mode_;
+  std::shared_ptr<const HeadExchange> exchange_;  // global mode
 };
 
 }  // namespace kvpress::distributed

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,6 +16,24 @@ namespace kvpress {
 // Token id -> the token's text (a tokenizer decoding that one id, special tokens included, as
 // the reference's tokenizer.decode([id]) does). QSMPress derives its semantic weights from it.
 using TokenTextFn = std::function<std::string(int64_t token_id)>;
+
+// How a press reaches the KV heads other tensor-parallel ranks hold, when a layer's heads are
+// sharded across ranks and budgets are global (kvpress/distributed.h's BudgetMode::kGlobal). The
+// few presses whose scores or budgets span heads (BasePress::head_span() == kExchanged) call it
+// at those steps; every rank calls it the same number of times in the same order. Implementations
+// raise a c10::Error when a rank fails or times out.
+class HeadExchange {
+ public:
+  virtual ~HeadExchange() = default;
+  // The layer's KV heads on every rank together, and the first of them these inputs hold.
+  virtual int64_t layer_kv_heads() const = 0;
+  virtual int64_t first_kv_head() const = 0;
+  // local: [B, n, ...] rows of this rank's n heads (KV or query heads) -> [B, world·n, ...], every
+  // rank's rows in rank order (an all-gather; the rank order is the head order).
+  virtual at::Tensor gather_heads(const at::Tensor& local) const = 0;
+  // The elementwise sum of `partial` over every rank (an all-reduce); same shape and dtype.
+  virtual at::Tensor sum_over_ranks(const at::Tensor& partial) const = 0;
+};
 
 // One attention layer's state right after prefill. Optional tensors are left undefined
 // (`!t.defined()`); a press that needs one it was not given raises a c10::Error naming it.
@@ -57,6 +76,11 @@ struct LayerInputs {
   // kvpress::llama's prefill gives its PrefillOptions::tokenizer here. A function, not a tensor, so
   // not among for_each_field's fields (the CLI's input files and the torch ops cannot carry it).
   TokenTextFn token_text;  // optional
+
+  // Set when these inputs are one rank's share of a layer's heads under global budgets
+  // (kvpress::distributed::ShardedPress sets it); not a tensor either. Unset: the inputs are the
+  // whole layer.
+  std::shared_ptr<const HeadExchange> head_exchange;  // optional
 
   // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.
   int64_t num_heads = 0;

@@ -1,6 +1,7 @@
-// kvpress::distributed (kvpress/distributed.h): the Gloo group, head shards, the setup check and the
-// per-rank mode. Compiled with USE_C10D_GLOO, which ProcessGroupGloo.hpp needs; gloo's headers come
-// from Debian's libgloo-dev (scripts/setup.sh) and only declare what libtorch_cpu defines.
+// kvpress::distributed (kvpress/distributed.h): the Gloo group, head shards, the setup check, and
+// the two budget modes (global: the head exchange presses that span heads call). Compiled with USE_C10D_GLOO, which
+// ProcessGroupGloo.hpp needs; gloo's headers come from Debian's libgloo-dev (scripts/setup.sh) and only declare what
+// libtorch_cpu defines.
 #include "kvpress/distributed.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -36,6 +37,46 @@ std::string differing_ranks(const std::vector<at::Tensor>& all, const at::Tensor
   }
   return out.str();
 }
+
+// Runs one collective, turning Gloo's own exception types (a rank that left, a timeout) into one
+// c10::Error that says which step failed on which rank.
+void run_collective(const c10::intrusive_ptr<c10d::Work>& work, int64_t rank, int64_t world, const char* step) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ShardedPress: rank ", rank, " of ", world, ": ", step,
+                " failed (a rank left, or did not reach it within the group's timeout): ", c10::GetExceptionString(e));
+  }
+}
+
+// The head exchange of one rank in global mode: all-gathers and all-reduces over the group.
+class GroupHeadExchange final : public HeadExchange {
+ public:
+  GroupHeadExchange(c10::intrusive_ptr<c10d::ProcessGroup> group, HeadShard shard)
+      : group_(std::move(group)), shard_(shard) {}
+
+  int64_t layer_kv_heads() const override { return shard_.kv_heads; }
+  int64_t first_kv_head() const override { return shard_.first(); }
+
+  at::Tensor gather_heads(const at::Tensor& local) const override {
+    std::vector<std::vector<at::Tensor>> gathered(1);
+    for (int64_t r = 0; r < shard_.world; ++r)
+      gathered[0].push_back(at::empty_like(local, at::MemoryFormat::Contiguous));
+    std::vector<at::Tensor> input{local.contiguous()};
+    run_collective(group_->allgather(gathered, input), shard_.rank, shard_.world, "an all-gather of per-head scores");
+    return at::cat(gathered[0], 1);
+  }
+
+  at::Tensor sum_over_ranks(const at::Tensor& partial) const override {
+    std::vector<at::Tensor> tensors{partial.contiguous().clone()};
+    run_collective(group_->allreduce(tensors), shard_.rank, shard_.world, "an all-reduce of per-head sums");
+    return tensors[0];
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  HeadShard shard_;
+};
 
 void check_rank_in_world(const char* op, int64_t rank, int64_t world) {
   TORCH_CHECK(world > 0 && rank >= 0 && rank < world, op, ": rank must be in [0, world), got rank ", rank, " of world ",
@@ -78,36 +119,40 @@ ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusiv
   std::vector<std::vector<at::Tensor>> gathered(1);
   for (int64_t r = 0; r < shard_.world; ++r) gathered[0].push_back(at::empty_like(mine));
   std::vector<at::Tensor> input{mine.clone()};
-  try {
-    group_->allgather(gathered, input)->wait();
-  } catch (const std::exception& e) {
-    // Gloo reports a rank that left or timed out as its own exception types: one message here.
-    TORCH_CHECK(false, "ShardedPress: rank ", shard_.rank, " of ", shard_.world,
-                ": the setup's all-gather failed (a rank left, or did not reach it within the group's timeout): ",
-                c10::GetExceptionString(e));
-  }
+  run_collective(group_->allgather(gathered, input), shard_.rank, shard_.world, "the setup's all-gather");
   const std::string differ = differing_ranks(gathered[0], mine);
   TORCH_CHECK(differ.empty(), "ShardedPress: rank ", shard_.rank, " (", press_->name(), ", ratio ",
               press_->compression_ratio(), ", ", budget_mode_name(mode_), ", kv_heads ", kv_heads,
               ") differs from: ", differ);
-  TORCH_CHECK(mode_ == BudgetMode::kPerRank, "ShardedPress: global budgets across ranks are not implemented yet ",
-              "(issue 36); per_rank compresses each rank's heads alone");
+  // Every rank made the same press, so every rank raises the same here.
+  TORCH_CHECK(press_->head_span() != HeadSpan::kWholeLayer, "ShardedPress: ", press_->name(),
+              " cannot be sharded across ranks yet: it reads per-head data by the head's number in the whole layer ",
+              "(a file of per-head filters, budgets or statistics, a random draw per head, or scores normalised over ",
+              "every head), which a rank's share of the heads does not carry (head_span whole_layer)");
+  TORCH_CHECK(
+      !press_->needs_second_pass() && !press_->decoding_role().compresses && press_->prefill_press() == press_.get(),
+      "ShardedPress: ", press_->name(),
+      " cannot be sharded across ranks yet: it needs a second pass over the model or compresses while decoding; "
+      "ShardedPress compresses one layer at prefill");
+  if (mode_ == BudgetMode::kGlobal) exchange_ = std::make_shared<GroupHeadExchange>(group_, shard_);
 }
 
-void ShardedPress::check_local(const LayerInputs& local, const char* op) const {
+LayerInputs ShardedPress::share(const LayerInputs& local, const char* op) const {
   TORCH_CHECK(local.keys.defined() && local.keys.dim() == 4 && local.keys.size(1) == shard_.count(), op,
               ": keys must hold this rank's ", shard_.count(), " KV heads ([B, ", shard_.count(), ", S, D]), got ",
               local.keys.defined() ? local.keys.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(!local.head_exchange, op, ": local.head_exchange must be unset (the ShardedPress sets it), got one");
+  LayerInputs share = local;
+  share.head_exchange = exchange_;
+  return share;
 }
 
 KV ShardedPress::compress(const LayerInputs& local) const {
-  check_local(local, "ShardedPress.compress");
-  return press_->compress(local);
+  return press_->compress(share(local, "ShardedPress.compress"));
 }
 
 RaggedKV ShardedPress::compress_ragged(const LayerInputs& local) const {
-  check_local(local, "ShardedPress.compress_ragged");
-  return press_->compress_ragged(local);
+  return press_->compress_ragged(share(local, "ShardedPress.compress_ragged"));
 }
 
 }  // namespace kvpress::distributed

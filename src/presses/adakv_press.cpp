@@ -6,6 +6,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -21,12 +22,13 @@ at::Tensor AdaKVPress::keep_mask(const LayerInputs& in) const {
   checks::check_kv(op, in.keys, in.values);
   const double ratio = compression_ratio();
   if (ratio == 0.0) return budget::keep_everything(in);
-  const int64_t kv_heads = in.keys.size(1), seq = in.keys.size(2);
+  const int64_t seq = in.keys.size(2);
   const int64_t n_kept = ops::n_kept(seq, ratio);
-  const at::Tensor scores =
-      budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_));
+  // Every head of the layer (on a rank's share, every rank's scores).
+  const at::Tensor scores = head_exchange::all_heads(
+      in, budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_)));
   // kvpress masks the Hkv·(S - n_kept) lowest scores of each batch row; we keep the rest.
-  return ops::topk_mask_across_heads(scores, kv_heads * n_kept);
+  return head_exchange::own_kv_heads(in, ops::topk_mask_across_heads(scores, scores.size(1) * n_kept));
 }
 
 namespace {

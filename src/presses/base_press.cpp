@@ -8,6 +8,17 @@
 
 namespace kvpress {
 
+const char* head_span_name(HeadSpan span) {
+  switch (span) {
+    case HeadSpan::kPerHead: return "per_head";
+    case HeadSpan::kExchanged: return "exchanged";
+    case HeadSpan::kWholeLayer: return "whole_layer";
+  }
+  return "unknown";
+}
+
+HeadSpan wider_span(HeadSpan a, HeadSpan b) { return static_cast<int>(a) > static_cast<int>(b) ? a : b; }
+
 // ---- BasePress ------------------------------------------------------------------------------
 
 at::Tensor BasePress::keep_mask(const LayerInputs& inputs) const {

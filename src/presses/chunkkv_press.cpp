@@ -6,6 +6,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -20,7 +21,8 @@ at::Tensor ChunkKVPress::kept_positions(const LayerInputs& in) const {
   const int64_t n_full = seq / length, rest = seq % length;
   const LayerInputs no_attn = without_attentions(in);
   if (n_full == 0) return press()->kept_positions(no_attn);
-  const at::Tensor scores = inner_scores(no_attn, op).sum(1);  // [B, S]
+  // [B, S] summed over every head (on a rank's share, over every rank's).
+  const at::Tensor scores = head_exchange::sum_over_ranks(in, inner_scores(no_attn, op).sum(1));
   std::vector<at::Tensor> chunk_scores{scores.narrow(1, 0, n_full * length).view({batch, n_full, length}).mean(-1)};
   if (rest > 0) chunk_scores.push_back(scores.narrow(1, seq - rest, rest).mean(-1, true));
   const at::Tensor per_chunk = at::cat(chunk_scores, 1).sum(0).view({1, 1, -1});  // summed over the batch

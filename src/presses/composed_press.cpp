@@ -20,6 +20,12 @@ double ComposedPress::compression_ratio() const {
   return 1.0 - kept;
 }
 
+HeadSpan ComposedPress::head_span() const {
+  HeadSpan span = HeadSpan::kPerHead;
+  for (const auto& press : presses_) span = wider_span(span, press->head_span());
+  return span;
+}
+
 KV ComposedPress::compress(const LayerInputs& in) const {
   constexpr const char* op = "ComposedPress.compress";
   checks::check_kv(op, in.keys, in.values);

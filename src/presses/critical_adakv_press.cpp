@@ -7,6 +7,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "kvpress/presses/criticalkv_press.h"
 #include "presses/registration.h"
@@ -27,14 +28,17 @@ at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
   checks::check_kv(op, in.keys, in.values);
   const double ratio = compression_ratio();
   if (ratio == 0.0) return budget::keep_everything(in);
-  const int64_t kv_heads = in.keys.size(1), seq = in.keys.size(2);
+  const int64_t seq = in.keys.size(2);
   const int64_t n_kept = ops::n_kept(seq, ratio);
   constexpr float kMax = std::numeric_limits<float>::max();
 
   // AdaKV's safeguard, then each head's budget: its share of the layer's Hkv·n_kept best pairs.
   at::Tensor scores =
       budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_));
-  const at::Tensor budgets = ops::topk_mask_across_heads(scores, kv_heads * n_kept).sum(-1);  // [B, Hkv] int64
+  // (Across every head of the layer: on a rank's share, every rank's scores.)
+  const at::Tensor layer_scores = head_exchange::all_heads(in, scores);
+  const at::Tensor budgets = head_exchange::own_kv_heads(
+      in, ops::topk_mask_across_heads(layer_scores, layer_scores.size(1) * n_kept).sum(-1));  // [B, Hkv] int64
 
   // Stage 1: each head's top int(budget · first_stage_ratio) are forced (float32 product, as kvpress).
   const at::Tensor first = (budgets.to(at::kFloat) * static_cast<float>(first_stage_ratio_)).to(at::kLong);

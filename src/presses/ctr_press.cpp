@@ -10,6 +10,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -127,7 +128,10 @@ KV CTRPress::compress(const LayerInputs& inputs) const {
   if (compression_ratio() == 0.0) return budget::keep_all(inputs);  // the reference returns the cache untouched
   const int64_t seq = inputs.keys.size(2);
   const QSMScores st = stage_one_scores(inputs);
-  const int64_t n_kept = adaptive_kept_count(st);
+  // (The entropy spans every head: on a rank's share, every rank's scores.)
+  QSMScores layer = st;
+  if (ctr_.use_layer_adaptive) layer.scores = head_exchange::all_heads(inputs, st.scores);
+  const int64_t n_kept = adaptive_kept_count(layer);
   KV kv = select_and_merge(inputs, st, n_kept);
   const int64_t evicted = seq - n_kept;
   if (ctr_.rescue_ratio <= 0.0 || evicted == 0) return kv;

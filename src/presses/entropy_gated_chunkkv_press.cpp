@@ -10,6 +10,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -57,7 +58,12 @@ at::Tensor EntropyGatedChunkKVPress::kept_positions(const LayerInputs& in) const
   const int64_t n_full = seq / length, rest = seq % length;
 
   // Head-summed scores [S] (kvpress: .sum(dim=1)[0].float(); here summed over the batch too).
-  const at::Tensor scores = inner_scores(without_attentions(in), op).sum(1).sum(0).to(at::kFloat).cpu().contiguous();
+  // (Over every head: on a rank's share, over every rank's.)
+  const at::Tensor scores = head_exchange::sum_over_ranks(in, inner_scores(without_attentions(in), op).sum(1))
+                                .sum(0)
+                                .to(at::kFloat)
+                                .cpu()
+                                .contiguous();
   checks::check_finite_scores(op, scores);
   std::vector<at::Tensor> means, entropies;
   if (n_full > 0) {

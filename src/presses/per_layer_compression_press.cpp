@@ -32,6 +32,9 @@ double PerLayerCompressionPress::compression_ratio() const {
          static_cast<double>(compression_ratios_.size());
 }
 
+// Every ratio's press is the same press.
+HeadSpan PerLayerCompressionPress::head_span() const { return presses_.front()->head_span(); }
+
 const ScorerPress& PerLayerCompressionPress::press_for_layer(int64_t layer_idx, int64_t num_layers) const {
   constexpr const char* op = "PerLayerCompressionPress";
   checks::check_positive(op, "num_layers", num_layers);

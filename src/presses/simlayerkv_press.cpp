@@ -5,6 +5,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -29,7 +30,12 @@ std::optional<double> SimLayerKVPress::lazy_score(const LayerInputs& in) const {
   // The last n_last queries' attention over the keys before them, averaged over the batch, the
   // query heads and those queries: [S - n_last]. seq > n_initial + n_recent + n_last, so the two
   // ends do not overlap.
-  const at::Tensor attention = ops::window_attention_mean(in, n_last_, op).mean(at::IntArrayRef{0, 1});
+  // (Over every query head: on a rank's share, from every rank's sums.)
+  const at::Tensor local = ops::window_attention_mean(in, n_last_, op);  // [B, Hq, S - n_last]
+  const at::Tensor attention = in.head_exchange
+                                   ? head_exchange::sum_over_ranks(in, local.sum(at::IntArrayRef{0, 1})) /
+                                         static_cast<double>(local.size(0) * local.size(1) * head_exchange::ranks(in))
+                                   : local.mean(at::IntArrayRef{0, 1});
   const int64_t observed = attention.size(0);
   const at::Tensor share =
       attention.narrow(0, 0, n_initial_).sum() + attention.narrow(0, observed - n_recent_, n_recent_).sum();

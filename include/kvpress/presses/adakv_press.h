@@ -40,6 +40,8 @@ class AdaKVPress : public HeadRaggedWrapperPress {
       : AdaKVPress(std::move(press), params.alpha_safeguard) {}
 
   std::string name() const override { return "AdaKVPress"; }
+  // Budgets across every head: on a rank's share, the inner scores of every head are exchanged.
+  HeadSpan head_span() const override { return wider_span(HeadSpan::kExchanged, press()->head_span()); }
 
   // [B, Hkv, S] bool: the kept positions (the complement of kvpress's masked_key_indices);
   // compress_ragged() gathers them, compress() raises.

@@ -84,6 +84,25 @@ struct DecodingUpdate {
   at::Tensor evict;  // [B, Hkv, m] bool
 };
 
+// Whether a press's kept tokens for one KV head depend on other KV heads (what sharding a layer's
+// heads across tensor-parallel ranks needs to know; kvpress/distributed.h). tests/test_head_span.cpp
+// checks every registered press's declaration.
+enum class HeadSpan {
+  // Each head's kept tokens depend only on its own keys/values and its query heads' inputs (and on
+  // what every head shares: hidden states, RoPE tables, positions).
+  kPerHead,
+  // Scores or budgets span the layer's heads (a mean over every query head, a top-k across heads):
+  // on a rank's share of the heads the press reaches the others through LayerInputs::head_exchange.
+  kExchanged,
+  // Reads per-head data by the head's number in the whole layer (a file of per-head filters or
+  // budgets, a random draw per head, scores normalised over every head) without an exchange yet: a
+  // rank's share cannot be compressed as part of the layer.
+  kWholeLayer,
+};
+const char* head_span_name(HeadSpan span);  // "per_head", "exchanged", "whole_layer"
+// The wider of two spans (per_head < exchanged < whole_layer): a press built of both.
+HeadSpan wider_span(HeadSpan a, HeadSpan b);
+
 class BasePress {
  public:
   virtual ~BasePress() = default;
@@ -124,6 +143,9 @@ class BasePress {
   // Compresses one layer into per-head kept tokens: the gather of keep_mask() for head-ragged
   // presses, else per-head views of compress(), so every press can be called this way.
   virtual RaggedKV compress_ragged(const LayerInputs& inputs) const;
+
+  // Whether its kept tokens span KV heads (HeadSpan). The default: per head.
+  virtual HeadSpan head_span() const { return HeadSpan::kPerHead; }
 
   // True when compress() re-rotates the kept keys to the positions 0..n_kept-1 (KeyRerotationPress):
   // the engine then continues at position n_kept instead of S, as kvpress's pipeline does.
@@ -230,6 +252,8 @@ class ScorerWrapperPress : public BasePress {
  public:
   double compression_ratio() const override { return press_->compression_ratio(); }
   const std::shared_ptr<const ScorerPress>& press() const { return press_; }
+  // The inner press's (a wrapper that spans heads itself widens it).
+  HeadSpan head_span() const override { return press_->head_span(); }
 
  protected:
   // Raises "<wrapper_name>: press must be a ScorerPress, got nullptr" for a null press.

@@ -36,6 +36,8 @@ class ChunkKVPress : public ChunkedWrapperPress {
       : ChunkKVPress(std::move(press), params.chunk_length) {}
 
   std::string name() const override { return "ChunkKVPress"; }
+  // The chunks are chosen by scores summed over every head (exchanged on a rank's share).
+  HeadSpan head_span() const override { return wider_span(HeadSpan::kExchanged, press()->head_span()); }
   KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }
   at::Tensor kept_positions(const LayerInputs& inputs) const override;
 };

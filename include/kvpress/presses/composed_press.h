@@ -17,6 +17,7 @@ class ComposedPress : public BasePress {
   explicit ComposedPress(std::vector<std::shared_ptr<const BasePress>> presses);
 
   std::string name() const override { return "ComposedPress"; }
+  HeadSpan head_span() const override;  // the widest of its presses'
   KV compress(const LayerInputs& inputs) const override;
   double compression_ratio() const override;
   const std::vector<std::shared_ptr<const BasePress>>& presses() const { return presses_; }

@@ -52,10 +52,13 @@ class CTRPress : public QSMPress {
                     TokenTextFn token_text = nullptr);
 
   std::string name() const override { return "CTRPress"; }
+  // The adaptive budget's entropy reads every head's scores (gathered on a rank's share).
+  HeadSpan head_span() const override { return ctr_.use_layer_adaptive ? HeadSpan::kExchanged : HeadSpan::kPerHead; }
   const CTROptions& ctr_options() const { return ctr_; }
 
   // Tokens kept per head: the entropy-adaptive budget from QSMPress's kept_count (unchanged
-  // without use_layer_adaptive).
+  // without use_layer_adaptive). `st` holds every head of the layer (a rank's share: its scores
+  // gathered from every rank first).
   int64_t adaptive_kept_count(const QSMScores& st) const;
 
   KV compress(const LayerInputs& inputs) const override;

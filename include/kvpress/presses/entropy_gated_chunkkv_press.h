@@ -47,6 +47,8 @@ class EntropyGatedChunkKVPress : public ChunkedWrapperPress {
       : EntropyGatedChunkKVPress(std::move(press), params.chunk_length, params.low_entropy_chunk_length) {}
 
   std::string name() const override { return "EntropyGatedChunkKVPress"; }
+  // The chunks are chosen by scores summed over every head (exchanged on a rank's share).
+  HeadSpan head_span() const override { return wider_span(HeadSpan::kExchanged, press()->head_span()); }
   int64_t low_entropy_chunk_length() const { return low_entropy_chunk_length_; }
   KV compress(const LayerInputs& inputs) const override { return gather_kept(inputs); }
   at::Tensor kept_positions(const LayerInputs& inputs) const override;

@@ -26,6 +26,7 @@ class PerLayerCompressionPress : public BasePress {
   PerLayerCompressionPress(ScorerFactory make_press, std::vector<double> compression_ratios);
 
   std::string name() const override { return "PerLayerCompressionPress"; }
+  HeadSpan head_span() const override;  // its inner press's
   double compression_ratio() const override;
   KV compress(const LayerInputs& inputs) const override;
 

@@ -29,6 +29,8 @@ class RandomPress : public ScorerPress {
       : RandomPress(compression_ratio, Params{seed}) {}
 
   std::string name() const override { return "RandomPress"; }
+  // Its draw is shaped by the layer's heads: a rank's share would draw other numbers.
+  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   std::optional<int64_t> seed() const { return params_.seed; }
 
   at::Tensor score(const LayerInputs& inputs) const override {

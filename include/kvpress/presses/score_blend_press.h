@@ -38,6 +38,9 @@ class ScoreBlendPress : public ScorerPress {
                   std::vector<double> weights, ScoreBlendOptions options = {});
 
   std::string name() const override { return "ScoreBlendPress"; }
+  // Scores z-scored over every head are blended (a rank's share alone has other z-scores): not yet
+  // exchanged.
+  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
 
   at::Tensor score(const LayerInputs& inputs) const override;
 

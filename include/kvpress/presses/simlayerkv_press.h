@@ -50,6 +50,8 @@ class SimLayerKVPress : public BasePress {
                            int64_t n_recent = kDefaultNRecent, int64_t n_initial = kDefaultNInitial);
 
   std::string name() const override { return "SimLayerKVPress"; }
+  // The lazy-layer test averages every query head's attention (sums exchanged on a rank's share).
+  HeadSpan head_span() const override { return HeadSpan::kExchanged; }
   double compression_ratio() const override { return 0.0; }  // none: decided per layer
   double lazy_threshold() const { return lazy_threshold_; }
   int64_t n_last() const { return n_last_; }

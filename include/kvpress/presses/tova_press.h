@@ -12,6 +12,8 @@ class TOVAPress : public ScorerPress {
   explicit TOVAPress(double compression_ratio = 0.0) : ScorerPress(compression_ratio) {}
 
   std::string name() const override { return "TOVAPress"; }
+  // The mean over every query head: on a rank's share, their sums are exchanged.
+  HeadSpan head_span() const override { return HeadSpan::kExchanged; }
 
   at::Tensor score(const LayerInputs& inputs) const override;
 };
