@@ -54,6 +54,7 @@ LayerInputs kv_only(const LayerInputs& in, const at::Tensor& keys, const at::Ten
   out.layer_idx = in.layer_idx;
   out.num_layers = in.num_layers;
   out.inv_freq = in.inv_freq;
+  out.kv_head_range = in.kv_head_range;
   out.head_exchange = in.head_exchange;
   return out;
 }

@@ -20,7 +20,7 @@ int64_t known_num_heads(const LayerInputs& inputs);
 LayerInputs slice_positions(const LayerInputs& inputs, int64_t begin, int64_t end);
 
 // Only `keys` / `values` ([B, Hkv, n, D], e.g. a subset of the layer's tokens) and what does not
-// depend on positions: num_heads (when known), layer_idx, num_layers, inv_freq, head_exchange.
+// depend on positions: num_heads (when known), layer_idx, num_layers, inv_freq, kv_head_range, head_exchange.
 LayerInputs kv_only(const LayerInputs& inputs, const at::Tensor& keys, const at::Tensor& values);
 
 }  // namespace kvpress

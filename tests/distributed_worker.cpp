@@ -51,7 +51,7 @@ int run(int argc, char** argv) {
         press, group, 4, global ? distributed::BudgetMode::kGlobal : distributed::BudgetMode::kPerRank);
     if (scenario == "die_mid" && rank == 1) std::_Exit(0);  // gone between the setup and the layer
     if (scenario != "per_rank" && scenario != "global" && scenario != "die_mid") return 1;
-    const LayerInputs local = testing::rank_share(testing::distributed_layer(), sharded.shard());
+    const LayerInputs local = distributed::rank_share(testing::distributed_layer(), sharded.shard());
     std::FILE* out = std::fopen(out_path.c_str(), "wb");
     TORCH_CHECK(out != nullptr, "cannot write ", out_path);
     if (press->head_ragged()) {

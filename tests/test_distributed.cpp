@@ -94,7 +94,7 @@ at::Tensor read_tensor(std::FILE* in, at::IntArrayRef sizes, at::ScalarType dtyp
 KV expected_kv(const std::string& scenario, const char* name, int rank, int world) {
   const LayerInputs layer = testing::distributed_layer();
   const distributed::HeadShard shard = distributed::head_shard(4, rank, world);
-  if (scenario == "per_rank") return make_press(name, 0.5)->compress(testing::rank_share(layer, shard));
+  if (scenario == "per_rank") return make_press(name, 0.5)->compress(distributed::rank_share(layer, shard));
   const KV whole = make_press(name, 0.5)->compress(layer);
   return {whole.keys.narrow(1, shard.first(), shard.count()), whole.values.narrow(1, shard.first(), shard.count()),
           whole.kept_indices.narrow(1, shard.first(), shard.count())};
@@ -103,7 +103,7 @@ at::Tensor expected_mask(const std::string& scenario, const char* name, int rank
   const LayerInputs layer = testing::distributed_layer();
   const distributed::HeadShard shard = distributed::head_shard(4, rank, world);
   if (scenario == "per_rank")
-    return make_press(name, 0.5)->compress_ragged(testing::rank_share(layer, shard)).keep_mask;
+    return make_press(name, 0.5)->compress_ragged(distributed::rank_share(layer, shard)).keep_mask;
   return make_press(name, 0.5)->compress_ragged(layer).keep_mask.narrow(1, shard.first(), shard.count());
 }
 
@@ -194,26 +194,26 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
   fs::remove(store);
   auto group = distributed::gloo_group(store.string(), 0, 1, std::chrono::milliseconds(5000));
   for (distributed::BudgetMode mode : {distributed::BudgetMode::kPerRank, distributed::BudgetMode::kGlobal})
-    testing::expect_error([&] { distributed::ShardedPress(make_press("RandomPress", 0.5), group, 4, mode); },
-                          {"ShardedPress: RandomPress cannot be sharded across ranks yet: it reads per-head data",
-                           "(head_span whole_layer)"});
+    testing::expect_error(
+        [&] { distributed::ShardedPress(make_press("CompactorPress", 0.5), group, 4, mode); },
+        {"ShardedPress: CompactorPress cannot be sharded across ranks yet: its scores need every head of the layer",
+         "(head_span whole_layer)"});
   const distributed::ShardedPress alone(make_press("KnormPress", 0.5), group, 4, distributed::BudgetMode::kPerRank);
   testing::expect_error(
       [&] {
-        alone.compress(testing::rank_share(testing::distributed_layer(), {0, 2, 4}));
+        alone.compress(distributed::rank_share(testing::distributed_layer(), {0, 2, 4}));
       },
       {"ShardedPress.compress: keys must hold this rank's 4 KV heads ([B, 4, S, D]), got [1, 2, 96, 16]"});
   // An engine's inputs never carry an exchange of their own: the ShardedPress sets its group's.
   struct OneRank : HeadExchange {
-    int64_t layer_kv_heads() const override { return 4; }
-    int64_t first_kv_head() const override { return 0; }
     at::Tensor gather_heads(const at::Tensor& local) const override { return local; }
     at::Tensor sum_over_ranks(const at::Tensor& partial) const override { return partial; }
   };
   LayerInputs with_exchange = testing::distributed_layer();
   with_exchange.head_exchange = std::make_shared<const OneRank>();
   testing::expect_error([&] { alone.compress(with_exchange); },
-                        {"ShardedPress.compress: local.head_exchange must be unset (the ShardedPress sets it)"});
+                        {"ShardedPress.compress: local.head_exchange and local.kv_head_range must be unset (the "
+                         "ShardedPress sets them)"});
   fs::remove(store);
 }
 

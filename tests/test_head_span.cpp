@@ -40,7 +40,8 @@ namespace fs = std::filesystem;
 struct Kept {
   at::Tensor kept_indices, keys, values, keep_mask;
   std::vector<at::Tensor> head_keys, head_values;
-  std::string error;  // the c10::Error's message, when the press raised
+  std::string error;                     // the c10::Error's message, when the press raised
+  distributed::ExchangeStats exchanged;  // a rank's, in its compression
 };
 
 Kept kept_by(const std::function<KV()>& uniform, const std::function<RaggedKV()>& ragged, bool head_ragged) {
@@ -98,12 +99,15 @@ bool shardable(const BasePress& press) {
          !press.decoding_role().compresses && press.prefill_press() == &press;
 }
 
-// Every registered press, built to run on `layer`.
+// Every registered press, built to run on `layer`; sketches narrower than the head dimension, so
+// that a leverage sketched with another head's draw would differ.
 std::vector<std::shared_ptr<const BasePress>> every_press(const LayerInputs& layer) {
   std::vector<std::shared_ptr<const BasePress>> presses;
   for (const PressInfo& info : list_presses()) {
-    std::unique_ptr<BasePress> built =
-        make_press(info.name, ratio_for(info, 0.5), testing::runnable_params(info, layer));
+    std::map<std::string, std::string> params = testing::runnable_params(info, layer);
+    for (const PressParam& p : info.params)
+      if (p.name == "sketch_dimension") params[p.name] = "4";
+    std::unique_ptr<BasePress> built = make_press(info.name, ratio_for(info, 0.5), params);
     if (auto* qsm = dynamic_cast<QSMPress*>(built.get()))
       qsm->set_token_text([](int64_t id) { return id % 4 == 0 ? std::string("the") : "word" + std::to_string(id); });
     presses.push_back(std::move(built));
@@ -125,13 +129,14 @@ std::vector<std::vector<Kept>> sharded_runs(const std::vector<std::shared_ptr<co
     ranks.emplace_back([&, rank] {
       auto group = distributed::gloo_group((dir / "store").string(), rank, world, std::chrono::seconds(30));
       const int64_t kv_heads = layer.keys.size(1);
-      const LayerInputs local = testing::rank_share(layer, distributed::head_shard(kv_heads, rank, world));
+      const LayerInputs local = distributed::rank_share(layer, distributed::head_shard(kv_heads, rank, world));
       for (size_t p = 0; p < presses.size(); ++p) {
         Kept& kept = runs[p][static_cast<size_t>(rank)];
         try {
           const distributed::ShardedPress sharded(presses[p], group, kv_heads, mode);
           kept = kept_by([&] { return sharded.compress(local); }, [&] { return sharded.compress_ragged(local); },
                          presses[p]->head_ragged());
+          kept.exchanged = sharded.exchange_stats();
         } catch (const c10::Error& e) {
           kept.error = e.what_without_backtrace();
         }
@@ -172,6 +177,17 @@ TEST(HeadSpan, EveryPressKeepsOnEachRankWhatTheWholeLayerKeepsOfItsHeads) {
         const Kept expected = restricted(whole[p], r * count, count);
         EXPECT_TRUE(same(global[p][r], expected)) << "rank " << r << " " << global[p][r].error;
         per_rank_differs = per_rank_differs || !same(per_rank[p][r], expected);
+      }
+      for (int r = 0; r < world; ++r) {  // what each rank exchanged: nothing per rank, nor for a per_head press
+        EXPECT_EQ(per_rank[p][r].exchanged.collectives, 0);
+        if (press.head_span() == HeadSpan::kPerHead) EXPECT_EQ(global[p][r].exchanged.collectives, 0) << "rank " << r;
+        if (press.head_span() == HeadSpan::kExchanged && press.name() != "SimLayerKVPress")  // default: never lazy
+          EXPECT_GT(global[p][r].exchanged.collectives, 0) << "rank " << r;
+      }
+      if (press.name() == "AdaKVPress") {  // one all-gather of its [1, Hkv / world, S] float32 scores
+        EXPECT_EQ(global[p][0].exchanged.collectives, 1);
+        EXPECT_EQ(global[p][0].exchanged.bytes_sent, count * 96 * 4);
+        EXPECT_EQ(global[p][0].exchanged.bytes_received, (world - 1) * count * 96 * 4);
       }
       if (press.head_span() == HeadSpan::kExchanged) {
         exchanged_differs[press.name()] = exchanged_differs[press.name()] || per_rank_differs;

@@ -35,6 +35,12 @@ struct HeadShard {
 // Checks 0 <= rank < world and that world divides kv_heads.
 HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world);
 
+// Rank shard.rank's share of a whole layer's inputs (num_heads must be set or inferable from
+// queries/attentions/q_proj): its KV heads, their query heads, and those heads' rows or columns of
+// q_proj, k_proj, their biases and o_proj; what every head shares (hidden states, RoPE tables, token
+// ids, ...) as it is. Copies (contiguous), so a rank may drop the whole layer.
+LayerInputs rank_share(const LayerInputs& layer, const HeadShard& shard);
+
 // A Gloo process group of `world` processes on this machine (or sharing a file system) meeting at
 // the file `store_path` (absent or empty before the first rank starts; one per group). Every
 // collective, the rendezvous included, fails with a c10::Error after `timeout` instead of waiting
@@ -42,18 +48,30 @@ HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world);
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
                                                   std::chrono::milliseconds timeout);
 
-// A press compressing one rank's share of every layer.
+// What a rank's ShardedPress exchanged in its compressions so far (global mode; per-rank mode
+// exchanges nothing per layer): counted by the rank, waiting for the others included in the time.
+struct ExchangeStats {
+  int64_t collectives = 0;     // all-gathers and all-reduces
+  int64_t bytes_sent = 0;      // this rank's payload: its tensor in each collective
+  int64_t bytes_received = 0;  // the other ranks' payloads it received or summed in: (world - 1)·payload each
+  double seconds = 0.0;        // wall time inside the collectives
+};
+
+// A press compressing one rank's share of every layer. In global mode one thread at a time calls a
+// ShardedPress's compressions (every rank's collectives must come in the same order).
 class ShardedPress {
  public:
   // Every rank of `group` constructs one with the same press (name and parameters), mode and
   // kv_heads: one all-gather compares them, and each rank raises naming the ranks that differ.
-  // Raises for a press that cannot be sharded yet (head_span() kWholeLayer: per-head files or draws
-  // indexed by the layer's head), one that needs a second pass, or one that compresses while decoding.
+  // Raises for a press that cannot be sharded yet (head_span() kWholeLayer: CompactorPress and
+  // ScoreBlendPress), one that needs a second pass, or one that compresses while decoding.
   ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t kv_heads,
                BudgetMode mode);
 
   const HeadShard& shard() const { return shard_; }
   BudgetMode mode() const { return mode_; }
+  // The exchanges of every compression so far (zero in per-rank mode).
+  ExchangeStats exchange_stats() const;
 
   // `local` holds this rank's heads: keys/values [B, kv_heads / world, S, D], queries or
   // attentions of its query heads, and for presses that read projections the rows or columns of

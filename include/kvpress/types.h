@@ -25,14 +25,20 @@ using TokenTextFn = std::function<std::string(int64_t token_id)>;
 class HeadExchange {
  public:
   virtual ~HeadExchange() = default;
-  // The layer's KV heads on every rank together, and the first of them these inputs hold.
-  virtual int64_t layer_kv_heads() const = 0;
-  virtual int64_t first_kv_head() const = 0;
   // local: [B, n, ...] rows of this rank's n heads (KV or query heads) -> [B, world·n, ...], every
   // rank's rows in rank order (an all-gather; the rank order is the head order).
   virtual at::Tensor gather_heads(const at::Tensor& local) const = 0;
   // The elementwise sum of `partial` over every rank (an all-reduce); same shape and dtype.
   virtual at::Tensor sum_over_ranks(const at::Tensor& partial) const = 0;
+};
+
+// Which of the layer's KV heads a LayerInputs holds: all of them (the default), or one
+// tensor-parallel rank's block (kvpress::distributed::ShardedPress sets it). Presses that read
+// per-head data by the head's number in the layer (a file of per-head filters, a draw per head)
+// take this block's rows of it.
+struct KVHeadRange {
+  int64_t first = 0;           // the layer's KV head that keys[:, 0] is
+  int64_t layer_kv_heads = 0;  // the layer's KV heads on every rank together; 0: the keys' own (a whole layer)
 };
 
 // One attention layer's state right after prefill. Optional tensors are left undefined
@@ -77,9 +83,10 @@ struct LayerInputs {
   // not among for_each_field's fields (the CLI's input files and the torch ops cannot carry it).
   TokenTextFn token_text;  // optional
 
-  // Set when these inputs are one rank's share of a layer's heads under global budgets
-  // (kvpress::distributed::ShardedPress sets it); not a tensor either. Unset: the inputs are the
-  // whole layer.
+  // Set when these inputs are one rank's share of a layer's heads (kvpress::distributed::ShardedPress
+  // sets both; neither is a tensor): the block of heads they hold, and under global budgets how
+  // presses reach the other ranks' heads. Unset: the inputs are the whole layer.
+  KVHeadRange kv_head_range;
   std::shared_ptr<const HeadExchange> head_exchange;  // optional
 
   // Number of query heads Hq. 0 means "infer it" from queries, attentions or q_proj.

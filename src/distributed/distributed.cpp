@@ -9,6 +9,10 @@
 
 #include <ATen/ATen.h>
 
+#include "layer_slices.h"
+
+#include <functional>
+#include <mutex>
 #include <sstream>
 #include <vector>
 
@@ -49,33 +53,53 @@ void run_collective(const c10::intrusive_ptr<c10d::Work>& work, int64_t rank, in
   }
 }
 
-// The head exchange of one rank in global mode: all-gathers and all-reduces over the group.
+// The head exchange of one rank in global mode: all-gathers and all-reduces over the group, counted.
 class GroupHeadExchange final : public HeadExchange {
  public:
   GroupHeadExchange(c10::intrusive_ptr<c10d::ProcessGroup> group, HeadShard shard)
       : group_(std::move(group)), shard_(shard) {}
-
-  int64_t layer_kv_heads() const override { return shard_.kv_heads; }
-  int64_t first_kv_head() const override { return shard_.first(); }
 
   at::Tensor gather_heads(const at::Tensor& local) const override {
     std::vector<std::vector<at::Tensor>> gathered(1);
     for (int64_t r = 0; r < shard_.world; ++r)
       gathered[0].push_back(at::empty_like(local, at::MemoryFormat::Contiguous));
     std::vector<at::Tensor> input{local.contiguous()};
-    run_collective(group_->allgather(gathered, input), shard_.rank, shard_.world, "an all-gather of per-head scores");
+    counted(
+        input[0], [&] { return group_->allgather(gathered, input); }, "an all-gather of per-head scores");
     return at::cat(gathered[0], 1);
   }
 
   at::Tensor sum_over_ranks(const at::Tensor& partial) const override {
     std::vector<at::Tensor> tensors{partial.contiguous().clone()};
-    run_collective(group_->allreduce(tensors), shard_.rank, shard_.world, "an all-reduce of per-head sums");
+    counted(
+        tensors[0], [&] { return group_->allreduce(tensors); }, "an all-reduce of per-head sums");
     return tensors[0];
   }
 
+  ExchangeStats stats() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return stats_;
+  }
+
  private:
+  // Runs one collective whose payload on this rank is `payload`, and counts it.
+  void counted(const at::Tensor& payload, const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
+               const char* step) const {
+    const auto t0 = std::chrono::steady_clock::now();
+    run_collective(start(), shard_.rank, shard_.world, step);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto bytes = static_cast<int64_t>(payload.nbytes());
+    const std::lock_guard<std::mutex> lock(mutex_);
+    stats_.collectives += 1;
+    stats_.bytes_sent += bytes;
+    stats_.bytes_received += (shard_.world - 1) * bytes;
+    stats_.seconds += seconds;
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   HeadShard shard_;
+  mutable std::mutex mutex_;
+  mutable ExchangeStats stats_;
 };
 
 void check_rank_in_world(const char* op, int64_t rank, int64_t world) {
@@ -92,6 +116,35 @@ HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world) {
   TORCH_CHECK(kv_heads > 0 && kv_heads % world == 0, "head_shard: the world size (", world,
               ") must divide kv_heads, got kv_heads ", kv_heads);
   return HeadShard{rank, world, kv_heads};
+}
+
+LayerInputs rank_share(const LayerInputs& layer, const HeadShard& shard) {
+  constexpr const char* op = "rank_share";
+  TORCH_CHECK(layer.keys.defined() && layer.keys.dim() == 4 && layer.keys.size(1) == shard.kv_heads, op,
+              ": keys must hold the layer's ", shard.kv_heads, " KV heads ([B, ", shard.kv_heads, ", S, D]), got ",
+              layer.keys.defined() ? layer.keys.sizes() : at::IntArrayRef{});
+  const int64_t heads = known_num_heads(layer), d = layer.keys.size(3);
+  TORCH_CHECK(heads > 0 && heads % shard.kv_heads == 0, op,
+              ": the number of query heads must be known (num_heads, queries, attentions or q_proj) and a multiple "
+              "of kv_heads ",
+              shard.kv_heads, ", got ", heads);
+  const int64_t groups = heads / shard.kv_heads, kv_first = shard.first(), kv_count = shard.count();
+  const int64_t q_first = kv_first * groups, q_count = kv_count * groups;
+  const auto cut = [](const at::Tensor& t, int64_t dim, int64_t first, int64_t count) {
+    return t.defined() ? t.narrow(dim, first, count).contiguous() : t;
+  };
+  LayerInputs local = layer;
+  local.keys = cut(layer.keys, 1, kv_first, kv_count);
+  local.values = cut(layer.values, 1, kv_first, kv_count);
+  local.queries = cut(layer.queries, 1, q_first, q_count);
+  local.attentions = cut(layer.attentions, 1, q_first, q_count);
+  local.q_proj = cut(layer.q_proj, 0, q_first * d, q_count * d);
+  local.q_bias = cut(layer.q_bias, 0, q_first * d, q_count * d);
+  local.k_proj = cut(layer.k_proj, 0, kv_first * d, kv_count * d);
+  local.k_bias = cut(layer.k_bias, 0, kv_first * d, kv_count * d);
+  local.o_proj = cut(layer.o_proj, 1, q_first * d, q_count * d);
+  local.num_heads = q_count;
+  return local;
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
@@ -126,9 +179,8 @@ ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusiv
               ") differs from: ", differ);
   // Every rank made the same press, so every rank raises the same here.
   TORCH_CHECK(press_->head_span() != HeadSpan::kWholeLayer, "ShardedPress: ", press_->name(),
-              " cannot be sharded across ranks yet: it reads per-head data by the head's number in the whole layer ",
-              "(a file of per-head filters, budgets or statistics, a random draw per head, or scores normalised over ",
-              "every head), which a rank's share of the heads does not carry (head_span whole_layer)");
+              " cannot be sharded across ranks yet: its scores need every head of the layer in a way that is not ",
+              "exchanged yet (head_span whole_layer)");
   TORCH_CHECK(
       !press_->needs_second_pass() && !press_->decoding_role().compresses && press_->prefill_press() == press_.get(),
       "ShardedPress: ", press_->name(),
@@ -137,12 +189,18 @@ ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusiv
   if (mode_ == BudgetMode::kGlobal) exchange_ = std::make_shared<GroupHeadExchange>(group_, shard_);
 }
 
+ExchangeStats ShardedPress::exchange_stats() const {
+  return exchange_ ? static_cast<const GroupHeadExchange&>(*exchange_).stats() : ExchangeStats{};
+}
+
 LayerInputs ShardedPress::share(const LayerInputs& local, const char* op) const {
   TORCH_CHECK(local.keys.defined() && local.keys.dim() == 4 && local.keys.size(1) == shard_.count(), op,
               ": keys must hold this rank's ", shard_.count(), " KV heads ([B, ", shard_.count(), ", S, D]), got ",
               local.keys.defined() ? local.keys.sizes() : at::IntArrayRef{});
-  TORCH_CHECK(!local.head_exchange, op, ": local.head_exchange must be unset (the ShardedPress sets it), got one");
+  TORCH_CHECK(!local.head_exchange && local.kv_head_range.first == 0 && local.kv_head_range.layer_kv_heads == 0, op,
+              ": local.head_exchange and local.kv_head_range must be unset (the ShardedPress sets them)");
   LayerInputs share = local;
+  share.kv_head_range = {shard_.first(), shard_.kv_heads};
   share.head_exchange = exchange_;
   return share;
 }

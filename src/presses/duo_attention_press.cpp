@@ -12,6 +12,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "io/json_text.h"
 #include "presses/registration.h"
 
@@ -110,7 +111,7 @@ at::Tensor DuoAttentionPress::keep_mask(const LayerInputs& in) const {
   TORCH_CHECK(streaming_.defined(), op,
               ": no attention pattern: give attention_pattern=FOLDER (config.json and "
               "full_attention_heads.tsv; scripts/make_artifact.py duo-attention computes one for a model)");
-  const int64_t layers = streaming_.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
+  const int64_t layers = streaming_.size(0), kv_heads = head_exchange::layer_kv_heads(in), seq = in.keys.size(2);
   TORCH_CHECK(in.layer_idx >= 0 && in.layer_idx < layers, op, ": layer_idx must be in [0, ", layers,
               ") (the pattern's layers), got ", in.layer_idx);
   TORCH_CHECK(streaming_.size(1) == kv_heads, op, ": the pattern has ", streaming_.size(1), " KV heads, the keys have ",
@@ -119,7 +120,8 @@ at::Tensor DuoAttentionPress::keep_mask(const LayerInputs& in) const {
   const int64_t begin = pattern_.sink_size, end = seq - pattern_.recent_size;
   if (begin < end) {
     // [Hkv] -> [1, Hkv, 1] & [S] -> [1, 1, S]: a streaming head's middle positions are dropped.
-    const at::Tensor streaming = streaming_[in.layer_idx].to(keep.device()).view({1, kv_heads, 1});
+    const at::Tensor streaming =
+        head_exchange::own_rows(op, "the pattern", streaming_[in.layer_idx], 0, in).to(keep.device()).view({1, -1, 1});
     const at::Tensor pos = at::arange(seq, keep.options().dtype(at::kLong)).view({1, 1, seq});
     keep.masked_fill_(streaming & (pos >= begin) & (pos < end), false);
   }

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/io/safetensors.h"
 #include "presses/registration.h"
 
@@ -82,11 +83,18 @@ at::Tensor ExpectedAttentionStatsPress::score(const LayerInputs& in) const {
               ") (the statistics' layers), got ", in.layer_idx);
   TORCH_CHECK(mean.size(2) == d, op, ": the statistics' head_dim ", mean.size(2), " must match keys ",
               checks::shape_str(in.keys));
-  checks::check_gqa(op, heads, kv_heads);
+  const int64_t layer_kv_heads = head_exchange::layer_kv_heads(in);
+  checks::check_gqa(op, heads, layer_kv_heads);
+  // The statistics of the query heads `in` holds.
+  const int64_t group = heads / layer_kv_heads, own = kv_heads * group;
   const at::Device device = in.keys.device();
-  const at::Tensor mu = mean[in.layer_idx].to(device).expand({batch, heads, d});
+  const at::Tensor mu =
+      head_exchange::own_rows(op, "query_mean", mean[in.layer_idx], 0, in, group).to(device).expand({batch, own, d});
   const at::Tensor cov =
-      use_covariance() ? statistics_.query_cov[in.layer_idx].to(device).expand({batch, heads, d, d}) : at::Tensor();
+      use_covariance() ? head_exchange::own_rows(op, "query_cov", statistics_.query_cov[in.layer_idx], 0, in, group)
+                             .to(device)
+                             .expand({batch, own, d, d})
+                       : at::Tensor();
   return score_from_statistics(in, mu, cov);
 }
 

@@ -1,22 +1,28 @@
-// The steps of presses whose scores or budgets span KV heads (HeadSpan::kExchanged), written once
-// for the whole layer and for one rank's share of it (LayerInputs::head_exchange set): on a share
-// they reach the other ranks' heads, on the whole layer they are the identity.
+// What a press needs when its inputs may be one tensor-parallel rank's share of a layer's KV heads
+// (LayerInputs::kv_head_range, ::head_exchange): written once for the whole layer and for a share.
+// The steps of presses whose scores or budgets span heads (HeadSpan::kExchanged) reach the other
+// ranks' heads through the exchange (the identity on a whole layer), and presses reading per-head
+// data of the whole layer take the share's rows of it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include "kvpress/types.h"
 
 namespace kvpress::head_exchange {
 
+// The layer's KV heads on every rank together (the keys' own on a whole layer).
+inline int64_t layer_kv_heads(const LayerInputs& in) {
+  return in.kv_head_range.layer_kv_heads > 0 ? in.kv_head_range.layer_kv_heads : in.keys.size(1);
+}
+
+// The number of ranks the layer's heads are spread over (1 on a whole layer).
+inline int64_t ranks(const LayerInputs& in) { return layer_kv_heads(in) / in.keys.size(1); }
+
 // local: [B, n, ...] rows of the heads `in` holds -> the same rows of every head of the layer.
 inline at::Tensor all_heads(const LayerInputs& in, const at::Tensor& local) {
   return in.head_exchange ? in.head_exchange->gather_heads(local) : local;
-}
-
-// full: [B, H, ...] rows of every KV head of the layer -> the rows of the KV heads `in` holds.
-inline at::Tensor own_kv_heads(const LayerInputs& in, const at::Tensor& full) {
-  return in.head_exchange ? full.narrow(1, in.head_exchange->first_kv_head(), in.keys.size(1)) : full;
 }
 
 // A sum over the heads `in` holds -> the sum over every head of the layer.
@@ -24,9 +30,23 @@ inline at::Tensor sum_over_ranks(const LayerInputs& in, const at::Tensor& partia
   return in.head_exchange ? in.head_exchange->sum_over_ranks(partial) : partial;
 }
 
-// The number of ranks the layer's heads are spread over (1 on the whole layer).
-inline int64_t ranks(const LayerInputs& in) {
-  return in.head_exchange ? in.head_exchange->layer_kv_heads() / in.keys.size(1) : 1;
+// layer: per-head data of the whole layer along `dim`, `per_kv_head` rows for each KV head (1 for
+// KV-head data, the group size for query-head data) -> the rows of the heads `in` holds. `op` and
+// `what` name them in the error when their count is not the layer's.
+inline at::Tensor own_rows(const char* op, const char* what, const at::Tensor& layer, int64_t dim,
+                           const LayerInputs& in, int64_t per_kv_head = 1) {
+  const int64_t heads = in.keys.size(1), rows = layer_kv_heads(in) * per_kv_head;
+  TORCH_CHECK(layer.size(dim) == rows, op, ": ", what, " has ", layer.size(dim), " heads, the layer has ", rows,
+              in.kv_head_range.layer_kv_heads > 0 ? " (every rank's)" : "");
+  TORCH_CHECK(in.kv_head_range.first >= 0 && (in.kv_head_range.first + heads) * per_kv_head <= rows, op,
+              ": kv_head_range.first must be in [0, ", rows / per_kv_head - heads, "], got ", in.kv_head_range.first);
+  return layer.narrow(dim, in.kv_head_range.first * per_kv_head, heads * per_kv_head);
+}
+
+// all_heads()'s result, or what was computed from it: [B, H, ...] rows of every KV head of the layer
+// -> the rows of the KV heads `in` holds (without an exchange all_heads() gave those already).
+inline at::Tensor own_kv_heads(const LayerInputs& in, const at::Tensor& full) {
+  return in.head_exchange ? full.narrow(1, in.kv_head_range.first, in.keys.size(1)) : full;
 }
 
 }  // namespace kvpress::head_exchange

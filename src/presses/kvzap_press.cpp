@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/io/safetensors.h"
 #include "presses/registration.h"
 
@@ -82,7 +83,7 @@ at::Tensor KVzapPress::score(const LayerInputs& in) const {
               type_name(model_type_), "-<model>)");
   checks::check_defined(op, "hidden_states", in.hidden_states);
   const at::Tensor& h = in.hidden_states;
-  const int64_t layers = surrogate_.w1.size(0), kv_heads = in.keys.size(1);
+  const int64_t layers = surrogate_.w1.size(0), kv_heads = head_exchange::layer_kv_heads(in);
   TORCH_CHECK(h.dim() == 3 && h.size(0) == in.keys.size(0) && h.size(1) == in.keys.size(2), op,
               ": hidden_states must be [", in.keys.size(0), ", ", in.keys.size(2), ", hidden] to match keys, got ",
               checks::shape_str(h));
@@ -97,7 +98,8 @@ at::Tensor KVzapPress::score(const LayerInputs& in) const {
   at::Tensor x = at::linear(h.to(at::kFloat), surrogate_.w1[l].to(device), surrogate_.b1[l].to(device));
   if (surrogate_.w2.defined())
     x = at::linear(at::gelu(x), surrogate_.w2[l].to(device), surrogate_.b2[l].to(device));  // exact (erf) GELU
-  return x.transpose(1, 2).contiguous();  // [B, S, Hkv] -> [B, Hkv, S]
+  // [B, S, Hkv] -> [B, Hkv, S] (the heads `in` holds)
+  return head_exchange::own_rows(op, "the surrogate", x.transpose(1, 2), 1, in).contiguous();
 }
 
 namespace {

@@ -8,6 +8,7 @@
 
 #include "budget.h"
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/io/safetensors.h"
 #include "presses/registration.h"
 
@@ -78,7 +79,11 @@ at::Tensor LUKVPress::keep_mask(const LayerInputs& in) const {
   checks::check_kv(op, in.keys, in.values);
   if (compression_ratio_ == 0.0) return budget::keep_everything(in);
   const int64_t kv_heads = in.keys.size(1), seq = in.keys.size(2);
-  const at::Tensor budgets = head_budgets(in.layer_idx, kv_heads, seq).to(in.keys.device());
+  // The layer's budgets (from the curves alone), of the heads `in` holds.
+  const at::Tensor budgets =
+      head_exchange::own_rows(op, "budget_curves", head_budgets(in.layer_idx, head_exchange::layer_kv_heads(in), seq),
+                              0, in)
+          .to(in.keys.device());
   at::Tensor scores = inner_scores(in, op).clone();
   // The first `sink` and last `window` positions protected, as kvpress: max + 1.
   const double protect = scores.max().item<double>() + 1;

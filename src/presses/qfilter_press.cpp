@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/io/safetensors.h"
 #include "presses/registration.h"
 
@@ -40,14 +41,15 @@ at::Tensor QFilterPress::score(const LayerInputs& in) const {
   checks::check_kv(op, in.keys, in.values);
   TORCH_CHECK(q_filters_.defined(), op, ": no Q-filters: give q_filters=PATH, a safetensors file with '", kTensorName,
               "' [num_layers, num_kv_heads, head_dim] (scripts/make_artifact.py qfilters writes one for a model)");
-  const int64_t layers = q_filters_.size(0), kv_heads = in.keys.size(1), head_dim = in.keys.size(3);
+  const int64_t layers = q_filters_.size(0), kv_heads = head_exchange::layer_kv_heads(in), head_dim = in.keys.size(3);
   TORCH_CHECK(in.layer_idx >= 0 && in.layer_idx < layers, op, ": layer_idx must be in [0, ", layers,
               ") (the filters' layers), got ", in.layer_idx);
   TORCH_CHECK(q_filters_.size(1) == kv_heads && q_filters_.size(2) == head_dim, op, ": q_filters must be [", layers,
               ", ", kv_heads, ", ", head_dim, "] to match keys ", checks::shape_str(in.keys), ", got ",
               checks::shape_str(q_filters_));
   // [B, Hkv, S, D] @ [Hkv, D, 1] -> [B, Hkv, S]
-  const at::Tensor filters = q_filters_[in.layer_idx].to(in.keys.device()).unsqueeze(-1);
+  const at::Tensor filters =
+      head_exchange::own_rows(op, "q_filters", q_filters_[in.layer_idx], 0, in).to(in.keys.device()).unsqueeze(-1);
   return at::matmul(in.keys.to(at::kFloat), filters).squeeze(-1).neg_();
 }
 

@@ -63,8 +63,6 @@ class DuoAttentionPress : public BasePress {
   static Pattern load_pattern(const std::string& folder);
 
   std::string name() const override { return "DuoAttentionPress"; }
-  // Its pattern is indexed by the layer's KV head.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   double compression_ratio() const override { return 0.0; }  // none: each head's kind decides
   bool head_ragged() const override { return true; }
   KV compress(const LayerInputs& inputs) const override;  // raises: use compress_ragged()

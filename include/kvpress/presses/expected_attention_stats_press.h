@@ -64,8 +64,6 @@ class ExpectedAttentionStatsPress : public ExpectedAttentionPress {
   static Statistics load_statistics(const std::string& stats_folder);
 
   std::string name() const override { return "ExpectedAttentionStatsPress"; }
-  // Its statistics are indexed by the layer's query head.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   const Statistics& statistics() const { return statistics_; }
   int64_t sample_seq_len() const { return sample_seq_len_; }
   int64_t num_samples() const { return num_samples_; }

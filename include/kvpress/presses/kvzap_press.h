@@ -51,8 +51,6 @@ class KVzapPress : public ScorerPress {
   static Surrogate load_surrogate(const std::string& folder);
 
   std::string name() const override { return "KVzapPress"; }
-  // Its surrogate predicts every KV head of the layer.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   ModelType model_type() const { return model_type_; }
   const Surrogate& surrogate() const { return surrogate_; }
   at::Tensor score(const LayerInputs& inputs) const override;  // -> [B, Hkv, S] float32

@@ -40,8 +40,6 @@ class LeverageScorePress : public ScorerPress {
                               std::optional<int64_t> seed = std::nullopt);
 
   std::string name() const override { return "LeverageScorePress"; }
-  // The sketch is drawn per head of the layer, and the z-score normalises over every head.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   int64_t sketch_dimension() const { return sketch_dimension_; }
   std::optional<int64_t> seed() const { return seed_; }
 

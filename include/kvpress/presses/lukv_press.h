@@ -56,8 +56,6 @@ class LUKVPress : public HeadRaggedWrapperPress {
   static at::Tensor load_budget_curves(const std::string& path);
 
   std::string name() const override { return "LUKVPress"; }
-  // Its budget curves are indexed by the layer's KV head.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   double compression_ratio() const override { return compression_ratio_; }
   const at::Tensor& budget_curves() const { return budget_curves_; }
 

@@ -37,8 +37,6 @@ class QFilterPress : public ScorerPress {
   static at::Tensor load_filters(const std::string& path);
 
   std::string name() const override { return "QFilterPress"; }
-  // Its filters are indexed by the layer's KV head.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
   const at::Tensor& q_filters() const { return q_filters_; }
   at::Tensor score(const LayerInputs& inputs) const override;
 

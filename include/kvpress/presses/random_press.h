@@ -29,13 +29,11 @@ class RandomPress : public ScorerPress {
       : RandomPress(compression_ratio, Params{seed}) {}
 
   std::string name() const override { return "RandomPress"; }
-  // Its draw is shaped by the layer's heads: a rank's share would draw other numbers.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
+
   std::optional<int64_t> seed() const { return params_.seed; }
 
-  at::Tensor score(const LayerInputs& inputs) const override {
-    return ops::random_scores(inputs.keys, params_.seed.value_or(-1));
-  }
+  // On a rank's share of the heads, its rows of the whole layer's draw.
+  at::Tensor score(const LayerInputs& inputs) const override;
 
  private:
   Params params_;

@@ -14,6 +14,7 @@
 #include "checks.h"
 #include "compactor/compactor.h"
 #include "kvpress/ops.h"
+#include "presses/head_exchange.h"
 
 namespace kvpress::ops {
 namespace {
@@ -253,11 +254,14 @@ at::Tensor leverage_scores(const at::Tensor& prerope_keys, int64_t sketch_dimens
 at::Tensor leverage_scores(const LayerInputs& in, int64_t sketch_dimension, int64_t seed, const char* op) {
   checks::check_keys(op, in.keys);
   checks::check_positive(op, "sketch_dimension", sketch_dimension);
-  const int64_t batch = in.keys.size(0), heads = in.keys.size(1), dim = in.keys.size(3);
+  const int64_t batch = in.keys.size(0), dim = in.keys.size(3);
   const at::ScalarType dtype = in.keys.scalar_type();
   // One draw for every head, in the cache dtype (kvpress draws in the dtype of its pre-RoPE keys,
-  // the model's): the same numbers as the all-heads op.
-  const at::Tensor phi = gaussian_sketch(batch, heads, dim, sketch_dimension, dtype, in.keys.device(), seed);
+  // the model's): the same numbers as the all-heads op. On a rank's share, its heads' of the layer's.
+  const at::Tensor phi = head_exchange::own_rows(
+      op, "the sketch",
+      gaussian_sketch(batch, head_exchange::layer_kv_heads(in), dim, sketch_dimension, dtype, in.keys.device(), seed),
+      1, in);
   if (!in.cos.defined() && !in.sin.defined()) {
     // kvpress's path: keys projected for every head at once, centred and sketched at once, which
     // reproduces its numbers bit for bit in float32 (per-head slices of the strided projection
