@@ -19,6 +19,7 @@
 
 #include "distributed_layer.h"
 #include "kvpress/distributed.h"
+#include "kvpress/presses/knorm_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
 
@@ -193,10 +194,15 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
   const fs::path store = fs::temp_directory_path() / ("kvpress_dist_single_" + std::to_string(::getpid()));
   fs::remove(store);
   auto group = distributed::gloo_group(store.string(), 0, 1, std::chrono::milliseconds(5000));
+  // A press of an engine's own that needs every head in a way it does not exchange.
+  struct WholeLayerKnorm : KnormPress {
+    using KnormPress::KnormPress;
+    HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
+  };
   for (distributed::BudgetMode mode : {distributed::BudgetMode::kPerRank, distributed::BudgetMode::kGlobal})
     testing::expect_error(
-        [&] { distributed::ShardedPress(make_press("CompactorPress", 0.5), group, 4, mode); },
-        {"ShardedPress: CompactorPress cannot be sharded across ranks yet: its scores need every head of the layer",
+        [&] { distributed::ShardedPress(std::make_shared<WholeLayerKnorm>(0.5), group, 4, mode); },
+        {"ShardedPress: KnormPress cannot be sharded across ranks: its scores need every head of the layer",
          "(head_span whole_layer)"});
   const distributed::ShardedPress alone(make_press("KnormPress", 0.5), group, 4, distributed::BudgetMode::kPerRank);
   testing::expect_error(
@@ -208,6 +214,7 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
   struct OneRank : HeadExchange {
     at::Tensor gather_heads(const at::Tensor& local) const override { return local; }
     at::Tensor sum_over_ranks(const at::Tensor& partial) const override { return partial; }
+    at::Tensor max_over_ranks(const at::Tensor& partial) const override { return partial; }
   };
   LayerInputs with_exchange = testing::distributed_layer();
   with_exchange.head_exchange = std::make_shared<const OneRank>();

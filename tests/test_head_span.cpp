@@ -25,7 +25,10 @@
 #include "distributed_layer.h"
 #include "kvpress/distributed.h"
 #include "kvpress/kvpress.h"
+#include "kvpress/presses/knorm_press.h"
 #include "kvpress/presses/qsm_press.h"
+#include "kvpress/presses/score_blend_press.h"
+#include "kvpress/presses/snapkv_press.h"
 #include "random_inputs.h"
 #include "runnable_press.h"
 #include "test_util.h"
@@ -100,7 +103,9 @@ bool shardable(const BasePress& press) {
 }
 
 // Every registered press, built to run on `layer`; sketches narrower than the head dimension, so
-// that a leverage sketched with another head's draw would differ.
+// that a leverage sketched with another head's draw would differ. Then the blends' other paths:
+// CompactorPress selecting across heads, and a ScoreBlendPress that z-scores raw scores itself
+// (KnormPress's and SnapKVPress's) with sinks at both ends.
 std::vector<std::shared_ptr<const BasePress>> every_press(const LayerInputs& layer) {
   std::vector<std::shared_ptr<const BasePress>> presses;
   for (const PressInfo& info : list_presses()) {
@@ -112,6 +117,12 @@ std::vector<std::shared_ptr<const BasePress>> every_press(const LayerInputs& lay
       qsm->set_token_text([](int64_t id) { return id % 4 == 0 ? std::string("the") : "word" + std::to_string(id); });
     presses.push_back(std::move(built));
   }
+  presses.push_back(
+      make_press("CompactorPress", 0.5, {{"selection", "across_heads"}, {"sketch_dimension", "4"}, {"seed", "1"}}));
+  presses.push_back(std::make_shared<ScoreBlendPress>(
+      0.5,
+      std::vector<std::shared_ptr<const ScorerPress>>{std::make_shared<KnormPress>(), std::make_shared<SnapKVPress>()},
+      std::vector<double>{0.3, 1.0}, ScoreBlendOptions{4, 2, /*normalize=*/true, TokenSelection::kPerHead}));
   return presses;
 }
 
@@ -177,6 +188,15 @@ TEST(HeadSpan, EveryPressKeepsOnEachRankWhatTheWholeLayerKeepsOfItsHeads) {
         const Kept expected = restricted(whole[p], r * count, count);
         EXPECT_TRUE(same(global[p][r], expected)) << "rank " << r << " " << global[p][r].error;
         per_rank_differs = per_rank_differs || !same(per_rank[p][r], expected);
+        // A scorer whose exchange changes its scores but not its own kept sets (a z-score over every
+        // head keeps each head's order): its heads alone score otherwise.
+        if (const auto* scorer = dynamic_cast<const ScorerPress*>(&press);
+            scorer != nullptr && press.head_span() == HeadSpan::kExchanged) {
+          LayerInputs alone = distributed::rank_share(layer, distributed::head_shard(4, r, world));
+          alone.kv_head_range = {r * count, 4};
+          per_rank_differs =
+              per_rank_differs || !at::allclose(scorer->score(alone), scorer->score(layer).narrow(1, r * count, count));
+        }
       }
       for (int r = 0; r < world; ++r) {  // what each rank exchanged: nothing per rank, nor for a per_head press
         EXPECT_EQ(per_rank[p][r].exchanged.collectives, 0);
@@ -200,7 +220,7 @@ TEST(HeadSpan, EveryPressKeepsOnEachRankWhatTheWholeLayerKeepsOfItsHeads) {
   for (const auto& [name, differs] : exchanged_differs)
     if (name != "SimLayerKVPress")
       EXPECT_TRUE(differs) << name << ": declared exchanged, yet each rank's heads alone keep the same";
-  EXPECT_GE(exchanged_differs.size(), 6u);
+  EXPECT_GE(exchanged_differs.size(), 10u);
   EXPECT_GE(per_head, 2 * 20);
 }
 

@@ -63,8 +63,8 @@ class ShardedPress {
  public:
   // Every rank of `group` constructs one with the same press (name and parameters), mode and
   // kv_heads: one all-gather compares them, and each rank raises naming the ranks that differ.
-  // Raises for a press that cannot be sharded yet (head_span() kWholeLayer: CompactorPress and
-  // ScoreBlendPress), one that needs a second pass, or one that compresses while decoding.
+  // Raises for a press that cannot be sharded (head_span() kWholeLayer), one that needs a second
+  // pass, or one that compresses while decoding.
   ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t kv_heads,
                BudgetMode mode);
 

@@ -202,10 +202,11 @@ at::Tensor observed_attention_scores(const at::Tensor& attentions,  // [B, Hq, S
 
 // ---- Compactor: leverage, non-causal chunked attention, z-score blending ------------------
 
-// kvpress's normalisation of LeverageScorePress / NonCausalAttnPress: (x - mean) / max(std, 1e-6)
+// kvpress's normalisation of LeverageScorePress / NonCausalAttnPress: (x - mean) / max(std, floor)
 // with ONE mean and ONE (unbiased) std over the whole tensor (every batch row, head and token),
 // in float32. A tensor of fewer than two elements (no std) gives zeros.
 at::Tensor zscore(const at::Tensor& scores);  // any shape -> same shape, float32
+constexpr double kZscoreStdFloor = 1e-6;      // kvpress's floor on the standard deviation
 
 // sum_i weights[i] * s_i, each s_i first z-scored (zscore above) when `normalize`. Summed left to
 // right (weights[0] * s_0 + weights[1] * s_1 + ...), so CompactorPress's blending * lev + attn is
@@ -282,6 +283,10 @@ at::Tensor noncausal_column_sums(const LayerInputs& inputs, int64_t chunk_size, 
 // ||v_i||, avg_pool1d(kernel 3, stride 1, zero padding 1, padding counted), zscore.
 at::Tensor noncausal_attention_scores(const at::Tensor& column_sums,  // [B, Hq, S]
                                       const at::Tensor& values);      // [B, Hkv, S, D] -> [B, Hkv, S]
+// The same before the zscore, for a caller that z-scores over more heads than these (a rank's
+// share of a layer's heads).
+at::Tensor noncausal_attention_pooled(const at::Tensor& column_sums,  // [B, Hq, S]
+                                      const at::Tensor& values);      // [B, Hkv, S, D] -> [B, Hkv, S] float32
 
 // Across-heads selection (Compactor paper): the `n_total` highest scores over all (head, position)
 // pairs of each batch row. Ties go to the lower head, then the lower position. Heads may keep

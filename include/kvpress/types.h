@@ -28,8 +28,9 @@ class HeadExchange {
   // local: [B, n, ...] rows of this rank's n heads (KV or query heads) -> [B, world·n, ...], every
   // rank's rows in rank order (an all-gather; the rank order is the head order).
   virtual at::Tensor gather_heads(const at::Tensor& local) const = 0;
-  // The elementwise sum of `partial` over every rank (an all-reduce); same shape and dtype.
+  // The elementwise sum, or maximum, of `partial` over every rank (an all-reduce); same shape and dtype.
   virtual at::Tensor sum_over_ranks(const at::Tensor& partial) const = 0;
+  virtual at::Tensor max_over_ranks(const at::Tensor& partial) const = 0;
 };
 
 // Which of the layer's KV heads a LayerInputs holds: all of them (the default), or one

@@ -70,10 +70,10 @@ class GroupHeadExchange final : public HeadExchange {
   }
 
   at::Tensor sum_over_ranks(const at::Tensor& partial) const override {
-    std::vector<at::Tensor> tensors{partial.contiguous().clone()};
-    counted(
-        tensors[0], [&] { return group_->allreduce(tensors); }, "an all-reduce of per-head sums");
-    return tensors[0];
+    return all_reduce(partial, c10d::ReduceOp::SUM, "an all-reduce of per-head sums");
+  }
+  at::Tensor max_over_ranks(const at::Tensor& partial) const override {
+    return all_reduce(partial, c10d::ReduceOp::MAX, "an all-reduce of per-head maxima");
   }
 
   ExchangeStats stats() const {
@@ -82,6 +82,15 @@ class GroupHeadExchange final : public HeadExchange {
   }
 
  private:
+  at::Tensor all_reduce(const at::Tensor& partial, c10d::ReduceOp::RedOpType reduce, const char* step) const {
+    std::vector<at::Tensor> tensors{partial.contiguous().clone()};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp(reduce);
+    counted(
+        tensors[0], [&] { return group_->allreduce(tensors, options); }, step);
+    return tensors[0];
+  }
+
   // Runs one collective whose payload on this rank is `payload`, and counts it.
   void counted(const at::Tensor& payload, const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
                const char* step) const {
@@ -179,8 +188,8 @@ ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusiv
               ") differs from: ", differ);
   // Every rank made the same press, so every rank raises the same here.
   TORCH_CHECK(press_->head_span() != HeadSpan::kWholeLayer, "ShardedPress: ", press_->name(),
-              " cannot be sharded across ranks yet: its scores need every head of the layer in a way that is not ",
-              "exchanged yet (head_span whole_layer)");
+              " cannot be sharded across ranks: its scores need every head of the layer in a way it does not ",
+              "exchange (head_span whole_layer)");
   TORCH_CHECK(
       !press_->needs_second_pass() && !press_->decoding_role().compresses && press_->prefill_press() == press_.get(),
       "ShardedPress: ", press_->name(),

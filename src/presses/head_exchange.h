@@ -5,9 +5,10 @@
 // data of the whole layer take the share's rows of it.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "kvpress/ops.h"
 #include "kvpress/types.h"
 
 namespace kvpress::head_exchange {
@@ -28,6 +29,24 @@ inline at::Tensor all_heads(const LayerInputs& in, const at::Tensor& local) {
 // A sum over the heads `in` holds -> the sum over every head of the layer.
 inline at::Tensor sum_over_ranks(const LayerInputs& in, const at::Tensor& partial) {
   return in.head_exchange ? in.head_exchange->sum_over_ranks(partial) : partial;
+}
+
+// The elementwise maximum over every head of the layer of a maximum over the heads `in` holds.
+inline at::Tensor max_over_ranks(const LayerInputs& in, const at::Tensor& partial) {
+  return in.head_exchange ? in.head_exchange->max_over_ranks(partial) : partial;
+}
+
+// ops::zscore of scores [B, n, ...] over every head of the layer (on a rank's share: the layer's
+// mean and unbiased standard deviation, from two all-reduces of float64 sums).
+inline at::Tensor zscore(const LayerInputs& in, const at::Tensor& scores) {
+  if (!in.head_exchange) return ops::zscore(scores);
+  const at::Tensor s = scores.to(at::kFloat);
+  const double n = static_cast<double>(s.numel() * ranks(in));
+  if (n < 2) return at::zeros_like(s);
+  const at::Tensor mean = sum_over_ranks(in, s.sum(at::kDouble).view({1})) / n;
+  const at::Tensor centred = s - mean.to(at::kFloat);
+  const at::Tensor variance = sum_over_ranks(in, centred.square().sum(at::kDouble).view({1})) / (n - 1);
+  return centred / variance.sqrt().to(at::kFloat).clamp_min(ops::kZscoreStdFloor);
 }
 
 // layer: per-head data of the whole layer along `dim`, `per_kv_head` rows for each KV head (1 for

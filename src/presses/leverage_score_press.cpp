@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -19,7 +20,8 @@ LeverageScorePress::LeverageScorePress(double compression_ratio, int64_t sketch_
 at::Tensor LeverageScorePress::score(const LayerInputs& inputs) const {
   constexpr const char* op = "LeverageScorePress";
   checks::check_kv(op, inputs.keys, inputs.values);
-  return ops::zscore(ops::leverage_scores(inputs, sketch_dimension_, seed_.value_or(-1), op));
+  // z-scored over every head of the layer (on a rank's share, the layer's mean and deviation).
+  return head_exchange::zscore(inputs, ops::leverage_scores(inputs, sketch_dimension_, seed_.value_or(-1), op));
 }
 
 namespace {

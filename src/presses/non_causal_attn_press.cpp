@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "presses/registration.h"
 
@@ -20,7 +21,8 @@ at::Tensor NonCausalAttnPress::score(const LayerInputs& inputs) const {
   constexpr const char* op = "NonCausalAttnPress";
   checks::check_kv(op, inputs.keys, inputs.values);
   const at::Tensor sums = ops::noncausal_column_sums(inputs, chunk_size_, op);
-  return ops::noncausal_attention_scores(sums, inputs.values);
+  // z-scored over every head of the layer (on a rank's share, the layer's mean and deviation).
+  return head_exchange::zscore(inputs, ops::noncausal_attention_pooled(sums, inputs.values));
 }
 
 namespace {

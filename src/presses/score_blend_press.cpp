@@ -7,6 +7,7 @@
 #include <string>
 
 #include "checks.h"
+#include "head_exchange.h"
 #include "kvpress/ops.h"
 #include "layer_slices.h"
 
@@ -23,6 +24,12 @@ ScoreBlendPress::ScoreBlendPress(double compression_ratio, std::vector<std::shar
   for (double w : weights_) TORCH_CHECK(std::isfinite(w), op, ": weights must be finite, got ", w);
   checks::check_non_negative(op, "sink_size_start", options_.sink_size_start);
   checks::check_non_negative(op, "sink_size_end", options_.sink_size_end);
+}
+
+HeadSpan ScoreBlendPress::head_span() const {
+  HeadSpan span = HeadSpan::kExchanged;  // z-scores, the sinks' maximum and across-heads budgets span heads
+  for (const auto& scorer : scorers_) span = wider_span(span, scorer->head_span());
+  return span;
 }
 
 at::Tensor ScoreBlendPress::score(const LayerInputs& inputs) const {
@@ -48,10 +55,14 @@ at::Tensor ScoreBlendPress::score(const LayerInputs& inputs) const {
   const std::vector<double> w = weights();
   TORCH_CHECK(w.size() == parts.size(), op, ": weights must hold one weight per scorer (", parts.size(), "), got ",
               w.size());
-  const at::Tensor blended = ops::blend_scores(parts, w, options_.normalize);
+  // On a rank's share each part is z-scored over every rank's heads first.
+  const bool normalize_here = options_.normalize && inputs.head_exchange;
+  if (normalize_here)
+    for (at::Tensor& part : parts) part = head_exchange::zscore(inputs, part);
+  const at::Tensor blended = ops::blend_scores(parts, w, options_.normalize && !normalize_here);
   if (left == 0 && right == 0) return blended;
-  // Sinks get the maximum (not max + 1), as kvpress pads them.
-  const double top = blended.max().item<double>();
+  // Sinks get the layer's maximum (not max + 1), as kvpress pads them.
+  const double top = head_exchange::max_over_ranks(inputs, blended.max().view({1})).item<double>();
   return at::cat({at::full({batch, kv_heads, left}, top, f32), blended, at::full({batch, kv_heads, right}, top, f32)},
                  -1);
 }
@@ -70,7 +81,12 @@ at::Tensor ScoreBlendPress::keep_mask(const LayerInputs& inputs) const {
   const at::Tensor scores = score(inputs);
   checks::check_finite_scores(op.c_str(), scores);
   const int64_t n_kept = ops::n_kept(seq, compression_ratio());
-  if (options_.selection == TokenSelection::kAcrossHeads) return ops::topk_mask_across_heads(scores, kv_heads * n_kept);
+  if (options_.selection == TokenSelection::kAcrossHeads) {
+    // Across every head of the layer (on a rank's share, every rank's scores).
+    const at::Tensor layer_scores = head_exchange::all_heads(inputs, scores);
+    return head_exchange::own_kv_heads(inputs,
+                                       ops::topk_mask_across_heads(layer_scores, layer_scores.size(1) * n_kept));
+  }
   at::Tensor mask = at::zeros({batch, kv_heads, seq}, bool_opts);
   mask.scatter_(2, ops::topk_indices(scores, n_kept), true);
   return mask;

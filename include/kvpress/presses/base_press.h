@@ -94,10 +94,10 @@ enum class HeadSpan {
   // Scores or budgets span the layer's heads (a mean over every query head, a top-k across heads):
   // on a rank's share of the heads the press reaches the others through LayerInputs::head_exchange.
   kExchanged,
-  // Needs every head of the layer in a way not exchanged yet (ScoreBlendPress and CompactorPress
-  // blend z-scores taken over every head): a rank's share cannot be compressed as part of the layer.
-  // (Per-head data of the whole layer, a file of per-head filters or a draw per head, is no reason:
-  // presses take their share's rows of it, LayerInputs::kv_head_range.)
+  // Needs every head of the layer in a way it does not exchange: a rank's share cannot be compressed
+  // as part of the layer, and ShardedPress refuses it. No registered press says so; a press of an
+  // engine's own may. (Per-head data of the whole layer, a file of per-head filters or a draw per
+  // head, is no reason: presses take their share's rows of it, LayerInputs::kv_head_range.)
   kWholeLayer,
 };
 const char* head_span_name(HeadSpan span);  // "per_head", "exchanged", "whole_layer"

@@ -40,6 +40,8 @@ class LeverageScorePress : public ScorerPress {
                               std::optional<int64_t> seed = std::nullopt);
 
   std::string name() const override { return "LeverageScorePress"; }
+  // Its scores are z-scored over every head (their mean and deviation exchanged on a rank's share).
+  HeadSpan head_span() const override { return HeadSpan::kExchanged; }
   int64_t sketch_dimension() const { return sketch_dimension_; }
   std::optional<int64_t> seed() const { return seed_; }
 

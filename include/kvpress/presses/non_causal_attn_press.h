@@ -32,6 +32,8 @@ class NonCausalAttnPress : public ScorerPress {
   explicit NonCausalAttnPress(double compression_ratio = 0.0, int64_t chunk_size = kDefaultChunkSize);
 
   std::string name() const override { return "NonCausalAttnPress"; }
+  // Its scores are z-scored over every head (their mean and deviation exchanged on a rank's share).
+  HeadSpan head_span() const override { return HeadSpan::kExchanged; }
   int64_t chunk_size() const { return chunk_size_; }
 
   at::Tensor score(const LayerInputs& inputs) const override;

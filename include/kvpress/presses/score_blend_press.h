@@ -40,7 +40,7 @@ class ScoreBlendPress : public ScorerPress {
   std::string name() const override { return "ScoreBlendPress"; }
   // Scores z-scored over every head are blended (a rank's share alone has other z-scores): not yet
   // exchanged.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
+  HeadSpan head_span() const override;
 
   at::Tensor score(const LayerInputs& inputs) const override;
 

@@ -25,9 +25,6 @@ constexpr double kRidge = 1e-2;
 constexpr double kJitterGrowth = 10.0;
 constexpr int kCholeskyTries = 5;
 
-// kvpress's floor on the std of a z-score.
-constexpr double kStdFloor = 1e-6;
-
 // Logit kvpress writes into the padded key columns of the last chunk.
 constexpr double kPaddedKeyLogit = -1e-9;
 
@@ -116,7 +113,7 @@ at::Tensor zscore(const at::Tensor& scores) {
               scores.scalar_type());
   const at::Tensor s = scores.to(at::kFloat);
   if (s.numel() < 2) return at::zeros_like(s);
-  return (s - s.mean()) / s.std().clamp_min(kStdFloor);
+  return (s - s.mean()) / s.std().clamp_min(kZscoreStdFloor);
 }
 
 at::Tensor blend_scores(at::TensorList scores, at::ArrayRef<double> weights, bool normalize) {
@@ -323,6 +320,10 @@ at::Tensor noncausal_column_sums(const LayerInputs& in, int64_t chunk_size, cons
 }
 
 at::Tensor noncausal_attention_scores(const at::Tensor& column_sums, const at::Tensor& values) {
+  return zscore(noncausal_attention_pooled(column_sums, values));
+}
+
+at::Tensor noncausal_attention_pooled(const at::Tensor& column_sums, const at::Tensor& values) {
   constexpr const char* op = "noncausal_attention_scores";
   checks::check_rank(op, "column_sums", column_sums, 3, "[batch, num_heads, seq_len]");
   checks::check_rank(op, "values", values, 4, "[batch, kv_heads, seq_len, head_dim]");
@@ -339,8 +340,7 @@ at::Tensor noncausal_attention_scores(const at::Tensor& column_sums, const at::T
   for (int64_t h = 0; h < values.size(1); ++h)
     value_norms.narrow(1, h, 1).copy_(values.narrow(1, h, 1).to(at::kFloat).norm(2, -1));
   at::Tensor scores = per_kv_head * value_norms;
-  scores = at::avg_pool1d(scores, {3}, {1}, {1}, /*ceil_mode=*/false, /*count_include_pad=*/true);
-  return zscore(scores);
+  return at::avg_pool1d(scores, {3}, {1}, {1}, /*ceil_mode=*/false, /*count_include_pad=*/true);
 }
 
 at::Tensor topk_mask_across_heads(const at::Tensor& scores, int64_t n_total) {
