@@ -12,7 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,27 +28,23 @@ extern char** environ;
 namespace kvpress {
 namespace {
 
-namespace fs = std::filesystem;
-
 struct RankRun {
   std::vector<int> exit_codes;
-  std::vector<std::string> outputs;  // each rank's OUT file
-  std::vector<double> seconds;       // when each rank had finished, from the start
+  std::vector<std::string> outputs;                        // each rank's OUT file
+  std::vector<double> seconds;                             // when each rank had finished, from the start
+  std::shared_ptr<const testing::TemporaryFolder> folder;  // holds the outputs, removed with the last copy
 };
 
 // Starts `world` workers for `scenario` and waits for them all (killing them after 60 s: a hang is
 // a failure, never a stuck suite).
 RankRun run_ranks(int world, const std::string& scenario, const std::string& press, double ratio) {
-  const fs::path dir = fs::temp_directory_path() / ("kvpress_dist_" + std::to_string(::getpid()) + "_" + scenario +
-                                                    "_" + std::to_string(world) + "_" + press);
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  const std::string store = (dir / "store").string();
   RankRun run;
+  run.folder = std::make_shared<const testing::TemporaryFolder>("kvpress_dist_" + scenario);
+  const std::string store = run.folder->file("store");
   std::vector<pid_t> pids;
   const auto start = std::chrono::steady_clock::now();
   for (int rank = 0; rank < world; ++rank) {
-    run.outputs.push_back((dir / ("rank" + std::to_string(rank))).string());
+    run.outputs.push_back(run.folder->file("rank" + std::to_string(rank)));
     std::vector<std::string> args = {KVPRESS_DISTRIBUTED_WORKER,
                                      store,
                                      std::to_string(rank),
@@ -191,9 +187,8 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
                         {"head_shard: the world size (4) must divide kv_heads, got kv_heads 6"});
   testing::expect_error([] { distributed::head_shard(8, 4, 4); },
                         {"head_shard: rank must be in [0, world), got rank 4 of world 4"});
-  const fs::path store = fs::temp_directory_path() / ("kvpress_dist_single_" + std::to_string(::getpid()));
-  fs::remove(store);
-  auto group = distributed::gloo_group(store.string(), 0, 1, std::chrono::milliseconds(5000));
+  const testing::TemporaryFolder dir("kvpress_dist_single");
+  auto group = distributed::gloo_group(dir.file("store"), 0, 1, std::chrono::milliseconds(5000));
   // A press of an engine's own that needs every head in a way it does not exchange.
   struct WholeLayerKnorm : KnormPress {
     using KnormPress::KnormPress;
@@ -221,7 +216,6 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
   testing::expect_error([&] { alone.compress(with_exchange); },
                         {"ShardedPress.compress: local.head_exchange and local.kv_head_range must be unset (the "
                          "ShardedPress sets them)"});
-  fs::remove(store);
 }
 
 }  // namespace

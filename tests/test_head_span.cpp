@@ -16,7 +16,6 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <filesystem>
 #include <map>
 #include <string>
 #include <thread>
@@ -35,8 +34,6 @@
 
 namespace kvpress {
 namespace {
-
-namespace fs = std::filesystem;
 
 // What a press keeps of a layer: compress() for uniform presses, compress_ragged() for head-ragged
 // ones (then keys/values are each head's, in batch-major head order).
@@ -130,15 +127,12 @@ std::vector<std::shared_ptr<const BasePress>> every_press(const LayerInputs& lay
 // with every press in `mode`: [press][rank].
 std::vector<std::vector<Kept>> sharded_runs(const std::vector<std::shared_ptr<const BasePress>>& presses,
                                             const LayerInputs& layer, int world, distributed::BudgetMode mode) {
-  const fs::path dir = fs::temp_directory_path() / ("kvpress_head_span_" + std::to_string(::getpid()) + "_" +
-                                                    std::to_string(world) + distributed::budget_mode_name(mode));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
+  const testing::TemporaryFolder dir("kvpress_head_span");
   std::vector<std::vector<Kept>> runs(presses.size(), std::vector<Kept>(static_cast<size_t>(world)));
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < world; ++rank) {
     ranks.emplace_back([&, rank] {
-      auto group = distributed::gloo_group((dir / "store").string(), rank, world, std::chrono::seconds(30));
+      auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(30));
       const int64_t kv_heads = layer.keys.size(1);
       const LayerInputs local = distributed::rank_share(layer, distributed::head_shard(kv_heads, rank, world));
       for (size_t p = 0; p < presses.size(); ++p) {
@@ -155,7 +149,6 @@ std::vector<std::vector<Kept>> sharded_runs(const std::vector<std::shared_ptr<co
     });
   }
   for (auto& t : ranks) t.join();
-  fs::remove_all(dir);
   return runs;
 }
 
