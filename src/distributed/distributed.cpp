@@ -83,7 +83,7 @@ class GroupHeadExchange final : public HeadExchange {
 
  private:
   at::Tensor all_reduce(const at::Tensor& partial, c10d::ReduceOp::RedOpType reduce, const char* step) const {
-    std::vector<at::Tensor> tensors{partial.contiguous().clone()};
+    std::vector<at::Tensor> tensors{partial.clone(at::MemoryFormat::Contiguous)};  // reduced in place
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp(reduce);
     counted(

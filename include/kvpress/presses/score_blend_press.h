@@ -38,8 +38,8 @@ class ScoreBlendPress : public ScorerPress {
                   std::vector<double> weights, ScoreBlendOptions options = {});
 
   std::string name() const override { return "ScoreBlendPress"; }
-  // Scores z-scored over every head are blended (a rank's share alone has other z-scores): not yet
-  // exchanged.
+  // Exchanged (z-scores over every head, the sinks' maximum, across-heads budgets), or wider if a
+  // scorer's span is.
   HeadSpan head_span() const override;
 
   at::Tensor score(const LayerInputs& inputs) const override;
