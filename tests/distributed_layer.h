@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "kvpress/distributed.h"
 #include "kvpress/types.h"
@@ -58,5 +59,16 @@ inline LayerInputs distributed_layer(uint64_t seed = 7) {
   in.num_heads = 8;
   return in;
 }
+
+// The prompt of the prefill -> decode transfer tests (tests/transfer_worker.cpp): 150 token ids of
+// tinystories-656k's vocabulary drawn from a fixed seed, BOS first; and the tokens generated.
+inline std::vector<int64_t> transfer_prompt() {
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor ids = at::randint(3, 2000, {150}, generator, at::kLong);
+  std::vector<int64_t> prompt(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+  prompt[0] = 1;
+  return prompt;
+}
+constexpr int64_t kTransferNewTokens = 12;
 
 }  // namespace kvpress::testing

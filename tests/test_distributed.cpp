@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 
 #include "distributed_layer.h"
 #include "kvpress/distributed.h"
+#include "kvpress/llama/llama.h"
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
@@ -35,24 +37,19 @@ struct RankRun {
   std::shared_ptr<const testing::TemporaryFolder> folder;  // holds the outputs, removed with the last copy
 };
 
-// Starts `world` workers for `scenario` and waits for them all (killing them after 60 s: a hang is
-// a failure, never a stuck suite).
-RankRun run_ranks(int world, const std::string& scenario, const std::string& press, double ratio) {
+// Starts `world` processes, rank r with the command line args(r, store, out) for the group's file
+// store and its OUT file, and waits for them all (killing them after 60 s: a hang is a failure,
+// never a stuck suite).
+using WorkerArgs = std::function<std::vector<std::string>(int rank, const std::string& store, const std::string& out)>;
+RankRun run_processes(int world, const std::string& label, const WorkerArgs& args_of) {
   RankRun run;
-  run.folder = std::make_shared<const testing::TemporaryFolder>("kvpress_dist_" + scenario);
+  run.folder = std::make_shared<const testing::TemporaryFolder>("kvpress_dist_" + label);
   const std::string store = run.folder->file("store");
   std::vector<pid_t> pids;
   const auto start = std::chrono::steady_clock::now();
   for (int rank = 0; rank < world; ++rank) {
     run.outputs.push_back(run.folder->file("rank" + std::to_string(rank)));
-    std::vector<std::string> args = {KVPRESS_DISTRIBUTED_WORKER,
-                                     store,
-                                     std::to_string(rank),
-                                     std::to_string(world),
-                                     scenario,
-                                     press,
-                                     std::to_string(ratio),
-                                     run.outputs.back()};
+    std::vector<std::string> args = args_of(rank, store, run.outputs.back());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -68,7 +65,7 @@ RankRun run_ranks(int world, const std::string& scenario, const std::string& pre
       if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
         for (pid_t p : pids) ::kill(p, SIGKILL);
         waitpid(pids[i], &status, 0);
-        ADD_FAILURE() << "rank " << i << " of " << scenario << " did not finish in 60 s";
+        ADD_FAILURE() << "rank " << i << " of " << label << " did not finish in 60 s";
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -77,6 +74,23 @@ RankRun run_ranks(int world, const std::string& scenario, const std::string& pre
     run.seconds[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   return run;
+}
+
+// `world` ranks of tests/distributed_worker.cpp in `scenario`.
+RankRun run_ranks(int world, const std::string& scenario, const std::string& press, double ratio) {
+  return run_processes(world, scenario, [&](int rank, const std::string& store, const std::string& out) {
+    return std::vector<std::string>{KVPRESS_DISTRIBUTED_WORKER, store,    std::to_string(rank),
+                                    std::to_string(world),      scenario, press,
+                                    std::to_string(ratio),      out};
+  });
+}
+
+// The prefill worker (rank 0) and the decode worker (rank 1) of tests/transfer_worker.cpp.
+RankRun run_transfer(const std::string& scenario, const std::string& press, double ratio) {
+  return run_processes(2, "transfer_" + scenario, [&](int rank, const std::string& store, const std::string& out) {
+    return std::vector<std::string>{KVPRESS_TRANSFER_WORKER, store, std::to_string(rank), scenario, press,
+                                    std::to_string(ratio),   out};
+  });
 }
 
 at::Tensor read_tensor(std::FILE* in, at::IntArrayRef sizes, at::ScalarType dtype) {
@@ -216,6 +230,71 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
   testing::expect_error([&] { alone.compress(with_exchange); },
                         {"ShardedPress.compress: local.head_exchange and local.kv_head_range must be unset (the "
                          "ShardedPress sets them)"});
+}
+
+std::vector<int64_t> read_values(std::FILE* in, size_t n) {
+  std::vector<int64_t> v(n);
+  EXPECT_EQ(std::fread(v.data(), sizeof(int64_t), n, in), n);
+  return v;
+}
+
+// Item 3: a prefill worker's compressed sequence, sent to a decode worker that adopts it into its
+// own cache (another page size), decodes the tokens one process gives; what crosses is the kept
+// tokens' keys, values and positions plus a header bounded by the model's shape, so a press at
+// ratio r sends (1 - r) of the uncompressed sequence's token bytes.
+TEST(Distributed, APrefillWorkersSequenceDecodesOnAnotherAsInOneProcess) {
+  const llama::LlamaModel model = llama::LlamaModel::load(llama::resolve_model_dir("tinystories-656k"));
+  const llama::LlamaConfig& config = model.config();
+  const int64_t layers = config.num_layers, kv_heads = config.num_kv_heads, head_dim = config.head_dim;
+  const std::vector<int64_t> prompt = testing::transfer_prompt();
+  const int64_t whole = layers * kv_heads * static_cast<int64_t>(prompt.size());  // tokens without a press
+  for (const char* name : {"none", "SnapKVPress", "AdaKVPress"}) {
+    SCOPED_TRACE(name);
+    const RankRun run = run_transfer("transfer", name, 0.5);
+    ASSERT_EQ(run.exit_codes[0], 0);
+    ASSERT_EQ(run.exit_codes[1], 0);
+    std::FILE* sender = std::fopen(run.outputs[0].c_str(), "rb");
+    std::FILE* receiver = std::fopen(run.outputs[1].c_str(), "rb");
+    ASSERT_TRUE(sender != nullptr && receiver != nullptr);
+    const std::vector<int64_t> sent = read_values(sender, 4);
+    const std::vector<int64_t> tokens = read_values(receiver, testing::kTransferNewTokens);
+    const std::vector<int64_t> received = read_values(receiver, 4);
+    std::fclose(sender);
+    std::fclose(receiver);
+
+    const std::shared_ptr<const BasePress> press = std::string(name) == "none" ? nullptr : make_press(name, 0.5);
+    llama::GenerationOptions options;
+    options.max_new_tokens = testing::kTransferNewTokens;
+    options.press = press.get();
+    options.stop_at_eos = false;
+    EXPECT_EQ(tokens, llama::generate_greedy(model, prompt, {}, options).tokens);
+
+    EXPECT_EQ(sent, received);
+    const int64_t kept = sent[0];
+    EXPECT_EQ(kept, press ? whole / 2 : whole);   // 75 of 150 tokens per head (AdaKV: over the layer's heads)
+    EXPECT_EQ(sent[1], kept * 2 * head_dim * 4);  // float32 keys and values
+    EXPECT_EQ(sent[2], kept * 4);                 // int32 positions
+    EXPECT_EQ(sent[3], 8 * (8 + layers * kv_heads + layers + 1));  // preamble, lengths, next positions, 1 token id
+  }
+}
+
+TEST(Distributed, ATransferThatCannotCompleteFailsOnBothSidesNotWaits) {
+  const RankRun gone = run_transfer("sender_dies", "SnapKVPress", 0.5);
+  EXPECT_EQ(gone.exit_codes[1], 4) << "the decode worker must fail at the preamble";
+  EXPECT_LT(gone.seconds[1], 30.0);
+  const RankRun full = run_transfer("small_pool", "SnapKVPress", 0.5);
+  EXPECT_EQ(full.exit_codes[0], 3) << "the prefill worker must learn that the decode worker refused";
+  EXPECT_EQ(full.exit_codes[1], 3) << "the decode worker must refuse a sequence its pool cannot hold";
+
+  const testing::TemporaryFolder dir("kvpress_transfer_single");
+  auto group = distributed::gloo_group(dir.file("store"), 0, 1, std::chrono::milliseconds(5000));
+  PagedCacheOptions options;
+  PagedKVCache cache(options);
+  const SequenceId seq = cache.add_sequence();
+  testing::expect_error([&] { distributed::send_sequence(group, 0, cache, seq); },
+                        {"send_sequence: dst must be another rank of the group ([0, 1) but 0), got 0"});
+  testing::expect_error([&] { distributed::receive_sequence(group, 1, cache); },
+                        {"receive_sequence: src must be another rank of the group ([0, 1) but 0), got 1"});
 }
 
 }  // namespace

@@ -461,6 +461,62 @@ TEST(PagedCache, AppendAndAttentionEqualDenseAttentionOverTheKeptTokens) {
   }
 }
 
+// Item 3 of issue 36 (the transfer's cache side): an exported sequence adopted by a cache with
+// another page size and pool holds the same tokens, positions and next positions, attends alike,
+// and grows alike; a cache of another shape, or one too small, refuses it and stays as it was.
+TEST(PagedCache, AnAdoptedSequenceHoldsAndAttendsAsTheExportedOne) {
+  const VarlenBatch batch = varlen_batch({61, 100}, 2, 1, 16, at::kFloat, 75);
+  PagedKVCache source(small_options(64));
+  const std::vector<SequenceId> seqs = {source.add_sequence(), source.add_sequence()};
+  const auto adakv = make_press("AdaKVPress", 0.3);  // heads of different lengths
+  source.store(0, seqs, batch.keys, batch.values, batch.cu_seqlens, adakv.get(), inputs_of(batch));
+  source.append(0, seqs, randn({2, 2, 5, 16}, 76), randn({2, 2, 5, 16}, 77));  // layer 1 stays empty
+  const SequenceTokens tokens = source.export_sequence(seqs[1]);
+  EXPECT_EQ(tokens.tokens(), source.length(seqs[1], 0, 0) + source.length(seqs[1], 0, 1));
+  EXPECT_EQ(tokens.keys.size(0), tokens.tokens());
+  PagedCacheOptions other = small_options(40);
+  other.page_size = 5;
+  PagedKVCache target(other);
+  const SequenceId filler = target.add_sequence();  // pages of another sequence first: different page ids
+  target.append(0, {filler}, randn({1, 2, 7, 16}, 78), randn({1, 2, 7, 16}, 79));
+  const SequenceId adopted = target.adopt_sequence(tokens);
+  for (int64_t layer : {0, 1}) {
+    EXPECT_EQ(target.lengths(adopted, layer), source.lengths(seqs[1], layer));
+    EXPECT_EQ(target.next_position(adopted, layer), source.next_position(seqs[1], layer));
+    for (int64_t h = 0; h < 2; ++h) {
+      EXPECT_EQ(target.positions(adopted, layer, h), source.positions(seqs[1], layer, h));
+      EXPECT_TRUE(at::equal(target.head_keys(adopted, layer, h), source.head_keys(seqs[1], layer, h)));
+      EXPECT_TRUE(at::equal(target.head_values(adopted, layer, h), source.head_values(seqs[1], layer, h)));
+    }
+  }
+  EXPECT_NE(target.lengths(adopted, 0)[0], target.lengths(adopted, 0)[1]);  // a ragged sequence
+  // Both caches decode one more token alike.
+  const at::Tensor k = randn({1, 2, 1, 16}, 80), v = randn({1, 2, 1, 16}, 81), q = randn({1, 6, 1, 16}, 82);
+  source.append(0, {seqs[1]}, k, v);
+  target.append(0, {adopted}, k, v);
+  EXPECT_TRUE(at::allclose(target.attention(0, {adopted}, q), source.attention(0, {seqs[1]}, q), 1e-6, 1e-6));
+  EXPECT_EQ(target.positions(adopted, 0, 1).back(), 100 + 5);
+
+  // Refusals leave the cache as it was.
+  PagedCacheOptions tight = other;
+  tight.pages_per_layer = 10;  // the sequence's layer 0 needs more
+  PagedKVCache small(tight);
+  expect_error([&] { small.adopt_sequence(tokens); },
+               {"PagedKVCache::adopt_sequence: out of pages at layer 0: the sequence needs", "nothing was adopted"});
+  EXPECT_EQ(small.stats().pages_used, 0);
+  EXPECT_TRUE(small.sequences().empty());
+  PagedKVCache half(small_options(64, at::kHalf));
+  expect_error([&] { half.adopt_sequence(tokens); },
+               {"PagedKVCache::adopt_sequence: tokens must come from a cache of 2 layers, 2 KV heads, head_dim 16 and "
+                "Half like this one, got 2 layers, 2 KV heads, head_dim 16 and Float"});
+  SequenceTokens short_keys = tokens;
+  short_keys.keys = tokens.keys.narrow(0, 1, tokens.tokens() - 1);
+  expect_error([&] { target.adopt_sequence(short_keys); },
+               {"PagedKVCache::adopt_sequence: tokens.keys and tokens.values must be [", "got ["});
+  EXPECT_EQ(target.sequences(), (std::vector<SequenceId>{filler, adopted}));
+  expect_error([&] { source.export_sequence(9); }, {"PagedKVCache::export_sequence: sequence 9 is not in the cache"});
+}
+
 TEST(PagedCache, CompactMovesKeptTokensForwardAndReturnsEmptiedPages) {
   const VarlenBatch batch = varlen_batch({61, 100}, 2, 1, 16, at::kFloat, 70);
   PagedKVCache cache(small_options(64));

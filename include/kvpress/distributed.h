@@ -2,7 +2,9 @@
 // heads (and their query heads), as engines shard attention, over torch.distributed's c10d process
 // groups (Gloo on CPU; an engine passes the group it already has): the group, the head shards, the
 // configuration check every rank makes at setup, and two budget modes: per rank (each rank keeps
-// (1 - r) of its own tokens, compactor-vllm's) and global (as one process would). docs/DISTRIBUTED.md.
+// (1 - r) of its own tokens, compactor-vllm's) and global (as one process would); and the
+// compressed KV transfer from a prefill worker's PagedKVCache to a decode worker's (disaggregated
+// serving) over point-to-point messages. docs/DISTRIBUTED.md.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -11,7 +13,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "kvpress/paged.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
 
@@ -93,5 +97,44 @@ class ShardedPress {
   BudgetMode mode_;
   std::shared_ptr<const HeadExchange> exchange_;  // global mode
 };
+
+// ---- compressed KV transfer: prefill worker -> decode worker ------------------------------------
+//
+// The prefill worker compresses while storing (PagedKVCache::store with a press) and sends the
+// sequence's kept tokens; the decode worker adopts them into its own PagedKVCache
+// (adopt_sequence: any page size and pool) and decodes on as the prefill worker would have. What
+// crosses: a 64-byte preamble, a header of (layers * (kv_heads + 1) + token_ids) int64 (each head's
+// length, each layer's next position, the caller's token ids), each kept token's position (int32)
+// and its keys and values in the cache's dtype; the receiver answers with one int64 (adopted or
+// why not), so the sender knows whether it may free its copy. Gloo carries host tensors: a cache
+// on a GPU goes through host memory here (an NCCL path is for the GPU check, issue 38).
+
+// What one transfer moved (the sender's view; the receiver reports the same counts).
+struct TransferStats {
+  int64_t tokens = 0;          // stored tokens over every (layer, head)
+  int64_t kv_bytes = 0;        // their keys and values: tokens * 2 * head_dim * element size
+  int64_t position_bytes = 0;  // their positions: 4 bytes each
+  int64_t header_bytes = 0;    // the preamble and header: bounded by the model's shape and token_ids
+  double seconds = 0.0;        // wall time from the first message to the receiver's answer
+  int64_t bytes() const { return kv_bytes + position_bytes + header_bytes; }
+};
+
+// Sends sequence `seq` of `cache` to rank `dst` of `group`, with `token_ids` (say, the prefill's first
+// generated token) alongside, and waits for the receiver to adopt it. The sequence stays in `cache`
+// (free it once this returns). Raises naming the step on a timeout or a departed receiver, and when
+// the receiver refused the sequence (a cache of another shape or dtype, or too few free pages).
+TransferStats send_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int dst, const PagedKVCache& cache,
+                            SequenceId seq, const std::vector<int64_t>& token_ids = {}, int tag = 0);
+
+struct ReceivedSequence {
+  SequenceId seq = -1;             // the new sequence in the receiver's cache
+  std::vector<int64_t> token_ids;  // what the sender passed along
+  TransferStats stats;
+};
+// Receives one sequence from rank `src` of `group` into `cache` (PagedKVCache::adopt_sequence).
+// Raises, after answering the sender, when the sequence does not fit the cache; on a timeout or a
+// departed sender, naming the step. The cache is unchanged whenever it raises.
+ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int src, PagedKVCache& cache,
+                                  int tag = 0);
 
 }  // namespace kvpress::distributed

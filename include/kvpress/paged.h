@@ -51,6 +51,21 @@ struct PagedCacheOptions {
 
 using SequenceId = int64_t;
 
+// One sequence's stored tokens out of a PagedKVCache (PagedKVCache::export_sequence), to adopt into
+// another cache of the same layers, KV heads, head_dim and dtype, whatever its page size or pool
+// (PagedKVCache::adopt_sequence): a prefill worker's compressed sequence handed to a decode worker
+// (kvpress::distributed::send_sequence), or a sequence moved between pools. Tokens, not pages: a
+// partly filled last page costs nothing, and a compressed sequence is as small as its kept tokens.
+struct SequenceTokens {
+  int64_t num_layers = 0, kv_heads = 0, head_dim = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> lengths;         // [num_layers * kv_heads]: head h of layer l at l * kv_heads + h
+  std::vector<int64_t> next_positions;  // [num_layers]: each layer's PagedKVCache::next_position
+  at::Tensor positions;                 // [tokens] int64 on the CPU: each token's original position
+  at::Tensor keys, values;              // [tokens, head_dim]: layer by layer, head by head, storage order
+  int64_t tokens() const;               // the sum of lengths
+};
+
 struct PagedCacheStats {
   int64_t num_layers = 0, pages_per_layer = 0, page_size = 0;
   int64_t bytes_per_page = 0;   // keys + values of one page
@@ -140,6 +155,15 @@ class PagedKVCache {
   // changes are copied. keep_mask [Hkv, L] bool with L >= every head's length (entries at or past
   // a head's length must be false).
   void compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask);
+
+  // ---- moving a sequence between caches ----------------------------------------------------------
+  // Copies of every token the sequence stores, with their positions and each layer's next position.
+  SequenceTokens export_sequence(SequenceId seq) const;
+  // A new sequence holding `tokens` (any device; copied to the cache's): every head the lengths,
+  // positions and K/V it had, every layer the same next position, so decoding continues as it would
+  // have in the exporting cache. All or nothing: a shape or dtype unlike the cache's, or too few
+  // free pages in any layer, raise before a page is taken.
+  SequenceId adopt_sequence(const SequenceTokens& tokens);
 
   // ---- contents ----------------------------------------------------------------------------------
   int64_t length(SequenceId seq, int64_t layer, int64_t head) const;

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include "distributed/wait_for.h"
 #include "layer_slices.h"
 
 #include <functional>
@@ -42,15 +43,9 @@ std::string differing_ranks(const std::vector<at::Tensor>& all, const at::Tensor
   return out.str();
 }
 
-// Runs one collective, turning Gloo's own exception types (a rank that left, a timeout) into one
-// c10::Error that says which step failed on which rank.
+// Runs one collective of a ShardedPress on rank `rank`.
 void run_collective(const c10::intrusive_ptr<c10d::Work>& work, int64_t rank, int64_t world, const char* step) {
-  try {
-    work->wait();
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ShardedPress: rank ", rank, " of ", world, ": ", step,
-                " failed (a rank left, or did not reach it within the group's timeout): ", c10::GetExceptionString(e));
-  }
+  detail::wait_for(work, "ShardedPress: rank " + std::to_string(rank) + " of " + std::to_string(world), step);
 }
 
 // The head exchange of one rank in global mode: all-gathers and all-reduces over the group, counted.

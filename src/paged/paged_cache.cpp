@@ -566,6 +566,111 @@ std::pair<at::Tensor, at::Tensor> PagedKVCache::dense(SequenceId seq, int64_t la
           pool.value_pool.view({-1, options_.head_dim}).index_select(0, index).view(shape)};
 }
 
+// ---- moving a sequence between caches ------------------------------------------------------------
+
+int64_t SequenceTokens::tokens() const { return std::accumulate(lengths.begin(), lengths.end(), int64_t{0}); }
+
+SequenceTokens PagedKVCache::export_sequence(SequenceId seq) const {
+  const Sequence& s = sequence_at(seq, "PagedKVCache::export_sequence");
+  SequenceTokens out;
+  out.num_layers = options_.num_layers;
+  out.kv_heads = options_.kv_heads;
+  out.head_dim = options_.head_dim;
+  out.dtype = options_.dtype;
+  std::vector<int64_t> positions;
+  std::vector<at::Tensor> keys, values;
+  for (int64_t l = 0; l < options_.num_layers; ++l) {
+    const SequenceLayer& sl = s.layers[static_cast<size_t>(l)];
+    out.next_positions.push_back(sl.next_position);
+    std::vector<int64_t> slots;  // the layer's tokens, head by head: one gather per pool
+    for (const Head& head : sl.heads) {
+      const std::vector<int64_t> h =
+          head_slots(head.pages, static_cast<int64_t>(head.positions.size()), options_.page_size);
+      slots.insert(slots.end(), h.begin(), h.end());
+      positions.insert(positions.end(), head.positions.begin(), head.positions.end());
+      out.lengths.push_back(static_cast<int64_t>(head.positions.size()));
+    }
+    const at::Tensor index = to_device(slots, options_.device);
+    const Layer& pool = layers_[static_cast<size_t>(l)];
+    keys.push_back(pool.key_pool.view({-1, options_.head_dim}).index_select(0, index));
+    values.push_back(pool.value_pool.view({-1, options_.head_dim}).index_select(0, index));
+  }
+  out.positions = at::tensor(at::ArrayRef<int64_t>(positions), at::kLong);
+  out.keys = at::cat(keys);
+  out.values = at::cat(values);
+  return out;
+}
+
+namespace {
+
+// adopt_sequence's checks of `t` against a cache's options; returns the total token count.
+int64_t check_sequence_tokens(const SequenceTokens& t, const PagedCacheOptions& o) {
+  constexpr const char* op = "PagedKVCache::adopt_sequence";
+  TORCH_CHECK(
+      t.num_layers == o.num_layers && t.kv_heads == o.kv_heads && t.head_dim == o.head_dim && t.dtype == o.dtype, op,
+      ": tokens must come from a cache of ", o.num_layers, " layers, ", o.kv_heads, " KV heads, head_dim ", o.head_dim,
+      " and ", o.dtype, " like this one, got ", t.num_layers, " layers, ", t.kv_heads, " KV heads, head_dim ",
+      t.head_dim, " and ", t.dtype);
+  TORCH_CHECK(t.lengths.size() == static_cast<size_t>(o.num_layers * o.kv_heads) &&
+                  t.next_positions.size() == static_cast<size_t>(o.num_layers),
+              op, ": tokens.lengths must hold num_layers * kv_heads (", o.num_layers * o.kv_heads,
+              ") entries and tokens.next_positions num_layers (", o.num_layers, "), got ", t.lengths.size(), " and ",
+              t.next_positions.size());
+  for (size_t i = 0; i < t.lengths.size(); ++i)
+    TORCH_CHECK(t.lengths[i] >= 0, op, ": tokens.lengths must be >= 0, got ", t.lengths[i], " at entry ", i);
+  const int64_t n = t.tokens();
+  TORCH_CHECK(t.positions.defined() && t.positions.dim() == 1 && t.positions.size(0) == n &&
+                  t.positions.scalar_type() == at::kLong,
+              op, ": tokens.positions must be [", n, "] int64 (one per token), got ",
+              t.positions.defined() ? shape_str(t.positions) : std::string("undefined"));
+  for (const at::Tensor* kv : {&t.keys, &t.values})
+    TORCH_CHECK(kv->defined() && kv->dim() == 2 && kv->size(0) == n && kv->size(1) == o.head_dim &&
+                    kv->scalar_type() == o.dtype,
+                op, ": tokens.keys and tokens.values must be [", n, ", ", o.head_dim, "] ", o.dtype, ", got ",
+                kv->defined() ? shape_str(*kv) : std::string("undefined"));
+  return n;
+}
+
+}  // namespace
+
+SequenceId PagedKVCache::adopt_sequence(const SequenceTokens& tokens) {
+  constexpr const char* op = "PagedKVCache::adopt_sequence";
+  check_sequence_tokens(tokens, options_);
+  const int64_t kv_heads = options_.kv_heads;
+  for (int64_t l = 0; l < options_.num_layers; ++l) {  // every layer's pages, before any is taken
+    int64_t needed = 0;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      needed += ceil_div(tokens.lengths[static_cast<size_t>(l * kv_heads + h)], options_.page_size);
+    TORCH_CHECK(needed <= free_pages(l), op, ": out of pages at layer ", l, ": the sequence needs ", needed,
+                " pages of ", options_.page_size, " tokens, ", free_pages(l), " are free; nothing was adopted");
+  }
+  const at::Tensor positions = tokens.positions.contiguous();
+  const int64_t* position = positions.const_data_ptr<int64_t>();
+  const at::Tensor keys = tokens.keys.to(options_.device), values = tokens.values.to(options_.device);
+  const SequenceId seq = add_sequence();
+  try {
+    int64_t first = 0;  // the layer's first row in tokens
+    for (int64_t l = 0; l < options_.num_layers; ++l) {
+      std::vector<HeadWrite> writes;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t n = tokens.lengths[static_cast<size_t>(l * kv_heads + h)];
+        if (n == 0) continue;
+        writes.push_back({0, h, keys.narrow(0, first, n), values.narrow(0, first, n),
+                          std::vector<int64_t>(position + first, position + first + n)});
+        first += n;
+      }
+      write(l, {seq}, writes);
+      SequenceLayer& sl = sequences_.at(seq).layers[static_cast<size_t>(l)];
+      sl.next_position = tokens.next_positions[static_cast<size_t>(l)];
+      sl.stored = sl.next_position > 0 || !writes.empty();
+    }
+  } catch (...) {
+    free_sequence(seq);  // the layers written so far go back to the pools
+    throw;
+  }
+  return seq;
+}
+
 // ---- compaction ----------------------------------------------------------------------------------
 
 void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask) {
