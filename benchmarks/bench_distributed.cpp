@@ -1,7 +1,8 @@
 // Presses over tensor-parallel ranks: what global budgets exchange per layer, against the time the
 // compression takes (docs/PERFORMANCE.md, "Presses over ranks").
 //
-//   kvpress_bench_distributed [--ranks 2,4] [--seq 16384] [--repeats 3]
+//   kvpress_bench_distributed [--ranks 2,4] [--seq 16384] [--repeats 3] [--transfer-seq 4096]
+//                             [--transfer-ratios 0,0.25,0.5,0.75]
 //                             [--presses KnormPress,SnapKVPress,TOVAPress,AdaKVPress,ChunkKVPress,CriticalAdaKVPress]
 //
 // One Llama-3.1-8B layer (B = 1, Hq = 32, Hkv = 8, D = 128, hidden 4096, float32, ratio 0.5; keys,
@@ -16,6 +17,15 @@
 // Each rank runs hardware_concurrency / world intra-op threads (at least one). Medians of --repeats
 // layers after one warm-up; the ranks start each layer together (a barrier, outside the timing).
 // Prints the machine (CPU model, kernel ISA, date, commit) and one Markdown row per (press, world).
+//
+// With 2 ranks, also the compressed KV transfer (--transfer-seq S, 0: none): rank 0, a prefill
+// worker, stores one sequence of S tokens in a PagedKVCache of Llama-3.1-8B's shape (32 layers,
+// Hkv = 8, D = 128, bfloat16; every layer the same seeded K/V), compressed while storing by
+// KnormPress at each --transfer-ratios ratio (0: no press), and sends it --repeats times to rank 1,
+// a decode worker, which adopts it into its own cache and frees it: bytes sent (keys and values,
+// positions, header) against the uncompressed sequence's, the median time per transfer (rank 0's
+// export, the messages, rank 1's adoption and answer), and beside it the transport's floor: the
+// same bytes as one Gloo message.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <spawn.h>
@@ -59,7 +69,11 @@ struct Options {
   // A rank's run (set by the parent when it starts the ranks).
   int rank = -1, world = 0;
   std::string store, out;
+  int64_t transfer_seq = 4096;
+  std::vector<double> transfer_ratios{0.0, 0.25, 0.5, 0.75};
 };
+
+constexpr int64_t kTransferLayers = 32;
 
 // The whole layer, the same in every process.
 kvpress::LayerInputs llama_layer(int64_t seq) {
@@ -73,9 +87,10 @@ kvpress::LayerInputs llama_layer(int64_t seq) {
   return in;
 }
 
-std::shared_ptr<const kvpress::BasePress> build(const std::string& name) {
-  return kvpress::make_press(name, kvpress::ratio_for(*kvpress::find_press(name), kRatio), {});
+std::shared_ptr<const kvpress::BasePress> build_at(const std::string& name, double ratio) {
+  return kvpress::make_press(name, kvpress::ratio_for(*kvpress::find_press(name), ratio), {});
 }
+std::shared_ptr<const kvpress::BasePress> build(const std::string& name) { return build_at(name, kRatio); }
 
 // The transfer alone: the press's collectives as all-gathers of the same payload, each started right
 // after a barrier (so no rank waits for a slower one's compression), median over `repeats`.
@@ -99,6 +114,75 @@ double transfer_ms(c10d::ProcessGroup& group, const kvpress::distributed::Exchan
     total += ms[ms.size() / 2];
   }
   return total;
+}
+
+// One row of the transfer table, as rank 1 (the decode worker) measured it.
+struct TransferRow {
+  double ratio = 0;
+  kvpress::distributed::TransferStats stats;
+  double median_ms = 0;
+  double wire_ms = 0;  // the same bytes as one Gloo message
+};
+
+// Rank 0 prefills and sends, rank 1 receives: one row per ratio (written by rank 1 to `out`).
+void measure_transfers(const Options& o, const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::ostream& out) {
+  kvpress::PagedCacheOptions shape;
+  shape.num_layers = kTransferLayers;
+  shape.kv_heads = kKvHeads;
+  shape.head_dim = kHeadDim;
+  shape.dtype = at::kBFloat16;
+  shape.pages_per_layer = kKvHeads * ((o.transfer_seq + shape.page_size - 1) / shape.page_size);
+  kvpress::PagedKVCache cache(shape);
+  at::manual_seed(1);
+  const at::Tensor keys = at::randn({o.transfer_seq, kKvHeads, kHeadDim}).to(at::kBFloat16);
+  const at::Tensor values = at::randn({o.transfer_seq, kKvHeads, kHeadDim}).to(at::kBFloat16);
+  const at::Tensor cu_seqlens = at::tensor({int64_t{0}, o.transfer_seq}, at::kLong);
+  for (double ratio : o.transfer_ratios) {
+    std::vector<double> ms;
+    kvpress::distributed::TransferStats stats;
+    for (int i = 0; i < o.repeats + 1; ++i) {  // the first one warms up
+      group->barrier()->wait();
+      if (o.rank == 0) {
+        const kvpress::SequenceId seq = cache.add_sequence();
+        const auto press = ratio > 0 ? build_at("KnormPress", ratio) : nullptr;
+        for (int64_t layer = 0; layer < kTransferLayers; ++layer)
+          cache.store(layer, {seq}, keys, values, cu_seqlens, press.get());
+        group->barrier()->wait();  // the receiver times from here
+        kvpress::distributed::send_sequence(group, 1, cache, seq);
+        cache.free_sequence(seq);
+      } else {
+        group->barrier()->wait();
+        const auto t0 = std::chrono::steady_clock::now();
+        const kvpress::distributed::ReceivedSequence received = kvpress::distributed::receive_sequence(group, 0, cache);
+        if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        stats = received.stats;
+        cache.free_sequence(received.seq);
+      }
+    }
+    // The transport alone: the same bytes as one Gloo message, rank 0 to rank 1.
+    const int64_t bytes = o.rank == 1 ? stats.bytes() : 0;
+    std::vector<at::Tensor> size{at::tensor({bytes}, at::kLong)};
+    group->broadcast(size, c10d::BroadcastOptions{1})->wait();
+    std::vector<at::Tensor> message{at::empty({size[0].item<int64_t>()}, at::kByte)};
+    std::vector<double> wire_ms;
+    for (int i = 0; i < o.repeats + 1; ++i) {
+      group->barrier()->wait();
+      const auto t0 = std::chrono::steady_clock::now();
+      if (o.rank == 0) {
+        group->send(message, 1, 1)->wait();
+      } else {
+        group->recv(message, 0, 1)->wait();
+      }
+      if (i > 0)
+        wire_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (o.rank == 1) {
+      std::sort(ms.begin(), ms.end());
+      std::sort(wire_ms.begin(), wire_ms.end());
+      out << ratio << '\t' << stats.tokens << '\t' << stats.kv_bytes << '\t' << stats.position_bytes << '\t'
+          << stats.header_bytes << '\t' << ms[ms.size() / 2] << '\t' << wire_ms[wire_ms.size() / 2] << '\n';
+    }
+  }
 }
 
 // One rank: for each press, the median compression time in both modes and the global mode's
@@ -141,6 +225,11 @@ int run_rank(const Options& o) {
         << '\t' << exchanged.bytes_received << '\t' << exchanged.seconds * 1e3 << '\t'
         << transfer_ms(*group, exchanged, o.repeats) << '\n';
   }
+  if (o.world == 2 && o.transfer_seq > 0) {
+    std::ofstream transfers(o.out + ".transfer");
+    measure_transfers(o, group, transfers);
+    if (!transfers.good()) return 1;
+  }
   return out.good() ? 0 : 1;
 }
 
@@ -150,15 +239,21 @@ struct RankRow {
   double exchange_ms, transfer_ms;
 };
 
-// Starts `world` ranks of this binary and reads their rows: [rank][press name].
-std::vector<std::map<std::string, RankRow>> run_ranks(const Options& o, int world, const std::string& self) {
+struct RanksResult {
+  std::vector<std::map<std::string, RankRow>> rows;  // [rank][press name]
+  std::vector<TransferRow> transfers;                // 2 ranks: rank 1's, one per transfer ratio
+};
+
+// Starts `world` ranks of this binary and reads their rows.
+RanksResult run_ranks(const Options& o, int world, const std::string& self) {
   // (No std::filesystem: here it may resolve into libtorch's own copy, which crashes.)
   char dir_template[] = "/tmp/kvpress_bench_dist_XXXXXX";
   TORCH_CHECK(::mkdtemp(dir_template) != nullptr, "kvpress_bench_distributed: cannot make a temporary folder");
   const std::string dir = dir_template;
   const auto rank_file = [&](int rank) { return dir + "/rank" + std::to_string(rank); };
-  std::string presses;
+  std::string presses, ratios;
   for (const std::string& p : o.presses) presses += (presses.empty() ? "" : ",") + p;
+  for (double r : o.transfer_ratios) ratios += (ratios.empty() ? "" : ",") + std::to_string(r);
   std::vector<pid_t> pids;
   for (int rank = 0; rank < world; ++rank) {
     std::vector<std::string> args = {self,
@@ -175,7 +270,11 @@ std::vector<std::map<std::string, RankRow>> run_ranks(const Options& o, int worl
                                      "--repeats",
                                      std::to_string(o.repeats),
                                      "--presses",
-                                     presses};
+                                     presses,
+                                     "--transfer-seq",
+                                     std::to_string(o.transfer_seq),
+                                     "--transfer-ratios",
+                                     ratios};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -189,19 +288,26 @@ std::vector<std::map<std::string, RankRow>> run_ranks(const Options& o, int worl
     TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "kvpress_bench_distributed: a rank of ", world,
                 " failed (status ", status, ")");
   }
-  std::vector<std::map<std::string, RankRow>> rows(static_cast<size_t>(world));
+  RanksResult result;
+  result.rows.resize(static_cast<size_t>(world));
   for (int rank = 0; rank < world; ++rank) {
     std::ifstream in(rank_file(rank));
     std::string name;
     RankRow row{};
     while (in >> name >> row.global_ms >> row.per_rank_ms >> row.collectives >> row.sent >> row.received >>
            row.exchange_ms >> row.transfer_ms)
-      rows[static_cast<size_t>(rank)][name] = row;
+      result.rows[static_cast<size_t>(rank)][name] = row;
     std::remove(rank_file(rank).c_str());
+    std::ifstream transfers(rank_file(rank) + ".transfer");
+    TransferRow t;
+    while (transfers >> t.ratio >> t.stats.tokens >> t.stats.kv_bytes >> t.stats.position_bytes >>
+           t.stats.header_bytes >> t.median_ms >> t.wire_ms)
+      if (rank == 1) result.transfers.push_back(t);
+    std::remove((rank_file(rank) + ".transfer").c_str());
   }
   std::remove((dir + "/store").c_str());
   ::rmdir(dir.c_str());
-  return rows;
+  return result;
 }
 
 std::string machine_line() {
@@ -233,6 +339,25 @@ std::string kib(int64_t bytes) {
   return text;
 }
 
+// The transfer table: what crossed per ratio against the uncompressed sequence.
+void print_transfers(const Options& o, const std::vector<TransferRow>& transfers) {
+  if (transfers.empty()) return;
+  std::cout << "\nPrefill -> decode transfer: one sequence of S=" << o.transfer_seq << " at Llama-3.1-8B's shape ("
+            << kTransferLayers << " layers, Hkv=" << kKvHeads << ", D=" << kHeadDim
+            << ", bfloat16), KnormPress while storing, 2 processes over Gloo on loopback; median of " << o.repeats
+            << "\n\n| ratio | tokens sent (all layers and heads) | keys + values (MiB) | positions (KiB) | header (B) |"
+               " total (MiB) | of the uncompressed | transfer (ms) | GB/s | the same bytes as one Gloo message (ms) |"
+               "\n|---|---|---|---|---|---|---|---|---|---|\n";
+  const double whole = static_cast<double>(transfers.front().stats.bytes());  // ratio 0 comes first
+  for (const TransferRow& t : transfers) {
+    const double bytes = static_cast<double>(t.stats.bytes());
+    std::printf("| %.2f | %lld | %.1f | %.1f | %lld | %.1f | %.1f%% | %.1f | %.2f | %.1f |\n", t.ratio,
+                static_cast<long long>(t.stats.tokens), static_cast<double>(t.stats.kv_bytes) / (1 << 20),
+                static_cast<double>(t.stats.position_bytes) / 1024, static_cast<long long>(t.stats.header_bytes),
+                bytes / (1 << 20), 100.0 * bytes / whole, t.median_ms, bytes / (t.median_ms * 1e6), t.wire_ms);
+  }
+}
+
 int run_parent(const Options& o, const std::string& self) {
   std::cout << "Machine: " << machine_line() << "\n";
   std::cout << "Layer: B=1, Hq=" << kQHeads << ", Hkv=" << kKvHeads << ", D=" << kHeadDim << ", S=" << o.seq
@@ -256,11 +381,13 @@ int run_parent(const Options& o, const std::string& self) {
       << "| press | ranks | one process, whole layer (ms) | global: slowest rank (ms) | per rank: slowest rank (ms)"
          " | collectives | sent / received per rank (KiB) | in the exchange, slowest rank (ms) | share of the"
          " global layer | transfer alone, slowest rank (ms) |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  std::vector<TransferRow> transfers;
   for (int world : o.ranks) {
-    const auto ranks = run_ranks(o, world, self);
+    const RanksResult ranks = run_ranks(o, world, self);
+    if (world == 2) transfers = ranks.transfers;
     for (const std::string& name : o.presses) {
       RankRow slowest{};
-      for (const auto& rank : ranks) {
+      for (const auto& rank : ranks.rows) {
         const RankRow& r = rank.at(name);
         slowest.global_ms = std::max(slowest.global_ms, r.global_ms);
         slowest.per_rank_ms = std::max(slowest.per_rank_ms, r.per_rank_ms);
@@ -276,6 +403,7 @@ int run_parent(const Options& o, const std::string& self) {
                   100.0 * slowest.exchange_ms / slowest.global_ms, slowest.transfer_ms);
     }
   }
+  print_transfers(o, transfers);
   return 0;
 }
 
@@ -296,6 +424,10 @@ Options parse(int argc, char** argv) {
       o.presses.clear();
       std::stringstream list(value);
       for (std::string name; std::getline(list, name, ',');) o.presses.push_back(name);
+    } else if (arg == "--transfer-seq") {
+      o.transfer_seq = std::stoll(value);
+    } else if (arg == "--transfer-ratios") {
+      o.transfer_ratios = kvpress_bench::number_list(arg, value);
     } else if (arg == "--rank") {
       o.rank = std::stoi(value);
     } else if (arg == "--world") {
@@ -308,6 +440,8 @@ Options parse(int argc, char** argv) {
       TORCH_CHECK(false, "kvpress_bench_distributed: unknown option ", arg);
     }
   }
+  TORCH_CHECK(o.transfer_ratios.empty() || o.transfer_ratios.front() == 0.0,
+              "kvpress_bench_distributed: --transfer-ratios must start with 0 (the uncompressed sequence)");
   TORCH_CHECK(o.repeats > 0 && o.seq > kWindow, "kvpress_bench_distributed: --repeats must be > 0 and --seq > ",
               kWindow);
   for (int world : o.ranks)

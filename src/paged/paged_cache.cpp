@@ -578,26 +578,34 @@ SequenceTokens PagedKVCache::export_sequence(SequenceId seq) const {
   out.head_dim = options_.head_dim;
   out.dtype = options_.dtype;
   std::vector<int64_t> positions;
-  std::vector<at::Tensor> keys, values;
-  for (int64_t l = 0; l < options_.num_layers; ++l) {
-    const SequenceLayer& sl = s.layers[static_cast<size_t>(l)];
-    out.next_positions.push_back(sl.next_position);
-    std::vector<int64_t> slots;  // the layer's tokens, head by head: one gather per pool
+  for (const SequenceLayer& sl : s.layers)
     for (const Head& head : sl.heads) {
-      const std::vector<int64_t> h =
-          head_slots(head.pages, static_cast<int64_t>(head.positions.size()), options_.page_size);
-      slots.insert(slots.end(), h.begin(), h.end());
       positions.insert(positions.end(), head.positions.begin(), head.positions.end());
       out.lengths.push_back(static_cast<int64_t>(head.positions.size()));
     }
+  const auto total = static_cast<int64_t>(positions.size());
+  out.positions = at::tensor(at::ArrayRef<int64_t>(positions), at::kLong);
+  out.keys = at::empty({total, options_.head_dim}, at::TensorOptions().dtype(options_.dtype).device(options_.device));
+  out.values = at::empty_like(out.keys);
+  int64_t row = 0;  // the next row of out.keys
+  for (int64_t l = 0; l < options_.num_layers; ++l) {
+    const SequenceLayer& sl = s.layers[static_cast<size_t>(l)];
+    out.next_positions.push_back(sl.next_position);
+    // One gather per pool, straight into the layer's rows of the output.
+    std::vector<int64_t> slots;
+    for (const Head& head : sl.heads) {
+      const std::vector<int64_t> h = head_slots(head.pages, static_cast<int64_t>(head.positions.size()), options_.page_size);
+      slots.insert(slots.end(), h.begin(), h.end());
+    }
+    if (slots.empty()) continue;
     const at::Tensor index = to_device(slots, options_.device);
     const Layer& pool = layers_[static_cast<size_t>(l)];
-    keys.push_back(pool.key_pool.view({-1, options_.head_dim}).index_select(0, index));
-    values.push_back(pool.value_pool.view({-1, options_.head_dim}).index_select(0, index));
+    const auto n = static_cast<int64_t>(slots.size());
+    at::Tensor keys = out.keys.narrow(0, row, n), values = out.values.narrow(0, row, n);
+    at::index_select_out(keys, pool.key_pool.view({-1, options_.head_dim}), 0, index);
+    at::index_select_out(values, pool.value_pool.view({-1, options_.head_dim}), 0, index);
+    row += n;
   }
-  out.positions = at::tensor(at::ArrayRef<int64_t>(positions), at::kLong);
-  out.keys = at::cat(keys);
-  out.values = at::cat(values);
   return out;
 }
 
