@@ -154,7 +154,8 @@ void measure_transfers(const Options& o, const c10::intrusive_ptr<c10d::ProcessG
         group->barrier()->wait();
         const auto t0 = std::chrono::steady_clock::now();
         const kvpress::distributed::ReceivedSequence received = kvpress::distributed::receive_sequence(group, 0, cache);
-        if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        if (i > 0)
+          ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
         stats = received.stats;
         cache.free_sequence(received.seq);
       }

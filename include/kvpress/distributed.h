@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvpress/paged.h"
@@ -51,6 +52,24 @@ LayerInputs rank_share(const LayerInputs& layer, const HeadShard& shard);
 // for a rank that died or never came.
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
                                                   std::chrono::milliseconds timeout);
+
+// Every rank of `group` passes the same named numbers (a configuration); one all-gather compares
+// them, and each rank raises "<owner>: rank r (<mine_text>) differs from: rank 1: <name> <value>
+// (here <value>); ..." naming every rank that differs and how. A rank that left or timed out makes
+// the others raise "<owner>: rank r of w: the setup's all-gather failed (...)".
+void check_agreement(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                     const std::vector<std::pair<std::string, double>>& fields, const std::string& owner,
+                     const std::string& mine_text);
+
+// The head exchange over every rank of `group` (all-gathers and all-reduces; its errors start with
+// "<owner>: rank r of w"): what a ShardedPress in global mode gives its press, and what a
+// tensor-parallel model (kvpress/llama/tensor_parallel.h) sums its partial projections with.
+std::shared_ptr<const HeadExchange> group_head_exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                        const std::string& owner);
+
+// Why `press` cannot compress one rank's share of a layer's heads, or "" when it can: its head_span
+// is whole_layer, or it needs a second pass over the model, or it compresses while decoding.
+std::string why_not_sharded(const BasePress& press);
 
 // What a rank's ShardedPress exchanged in its compressions so far (global mode; per-rank mode
 // exchanges nothing per layer): counted by the rank, waiting for the others included in the time.

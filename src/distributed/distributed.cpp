@@ -20,43 +20,35 @@
 namespace kvpress::distributed {
 namespace {
 
-// What every rank must agree on, as numbers (one all-gather of a small float64 tensor): the
-// press's name (a hash), its compression ratio, the mode, the layer's KV heads and the world.
-at::Tensor configuration(const BasePress& press, BudgetMode mode, int64_t kv_heads, int64_t world) {
-  const auto name_hash = static_cast<double>(std::hash<std::string>{}(press.name()) % (uint64_t{1} << 52));
-  return at::tensor({name_hash, press.compression_ratio(), static_cast<double>(mode), static_cast<double>(kv_heads),
-                     static_cast<double>(world)},
-                    at::kDouble);
-}
-
-// The ranks whose configuration differs from this rank's, e.g. "1 (ratio 0.25 here 0.5), 3 (...)".
-std::string differing_ranks(const std::vector<at::Tensor>& all, const at::Tensor& mine) {
-  static const char* const kNames[] = {"press name", "compression ratio", "budget mode", "kv_heads", "world size"};
+// The ranks whose fields differ from this rank's, e.g. "rank 1: compression ratio 0.25 (here 0.5)".
+std::string differing_ranks(const std::vector<at::Tensor>& all, const at::Tensor& mine,
+                            const std::vector<std::pair<std::string, double>>& fields) {
   std::ostringstream out;
   for (size_t r = 0; r < all.size(); ++r) {
     if (at::equal(all[r], mine)) continue;
     out << (out.tellp() > 0 ? "; " : "") << "rank " << r << ":";
     for (int64_t f = 0; f < mine.numel(); ++f)
       if (all[r][f].item<double>() != mine[f].item<double>())
-        out << " " << kNames[f] << " " << all[r][f].item<double>() << " (here " << mine[f].item<double>() << ")";
+        out << " " << fields[static_cast<size_t>(f)].first << " " << all[r][f].item<double>() << " (here "
+            << mine[f].item<double>() << ")";
   }
   return out.str();
 }
 
-// Runs one collective of a ShardedPress on rank `rank`.
-void run_collective(const c10::intrusive_ptr<c10d::Work>& work, int64_t rank, int64_t world, const char* step) {
-  detail::wait_for(work, "ShardedPress: rank " + std::to_string(rank) + " of " + std::to_string(world), step);
+// "<owner>: rank r of w", what an error of a rank's collective starts with.
+std::string rank_of(const std::string& owner, const c10d::ProcessGroup& group) {
+  return owner + ": rank " + std::to_string(group.getRank()) + " of " + std::to_string(group.getSize());
 }
 
 // The head exchange of one rank in global mode: all-gathers and all-reduces over the group, counted.
 class GroupHeadExchange final : public HeadExchange {
  public:
-  GroupHeadExchange(c10::intrusive_ptr<c10d::ProcessGroup> group, HeadShard shard)
-      : group_(std::move(group)), shard_(shard) {}
+  GroupHeadExchange(c10::intrusive_ptr<c10d::ProcessGroup> group, const std::string& owner)
+      : group_(std::move(group)), who_(rank_of(owner, *group_)) {}
 
   at::Tensor gather_heads(const at::Tensor& local) const override {
     std::vector<std::vector<at::Tensor>> gathered(1);
-    for (int64_t r = 0; r < shard_.world; ++r)
+    for (int64_t r = 0; r < group_->getSize(); ++r)
       gathered[0].push_back(at::empty_like(local, at::MemoryFormat::Contiguous));
     std::vector<at::Tensor> input{local.contiguous()};
     counted(
@@ -90,18 +82,18 @@ class GroupHeadExchange final : public HeadExchange {
   void counted(const at::Tensor& payload, const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
                const char* step) const {
     const auto t0 = std::chrono::steady_clock::now();
-    run_collective(start(), shard_.rank, shard_.world, step);
+    detail::wait_for(start(), who_, step);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const auto bytes = static_cast<int64_t>(payload.nbytes());
     const std::lock_guard<std::mutex> lock(mutex_);
     stats_.collectives += 1;
     stats_.bytes_sent += bytes;
-    stats_.bytes_received += (shard_.world - 1) * bytes;
+    stats_.bytes_received += (group_->getSize() - 1) * bytes;
     stats_.seconds += seconds;
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  HeadShard shard_;
+  std::string who_;  // "ShardedPress: rank 1 of 4", what its errors start with
   mutable std::mutex mutex_;
   mutable ExchangeStats stats_;
 };
@@ -114,6 +106,38 @@ void check_rank_in_world(const char* op, int64_t rank, int64_t world) {
 }  // namespace
 
 const char* budget_mode_name(BudgetMode mode) { return mode == BudgetMode::kPerRank ? "per_rank" : "global"; }
+
+void check_agreement(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                     const std::vector<std::pair<std::string, double>>& fields, const std::string& owner,
+                     const std::string& mine_text) {
+  std::vector<double> values;
+  for (const auto& field : fields) values.push_back(field.second);
+  const at::Tensor mine = at::tensor(values, at::kDouble);
+  std::vector<std::vector<at::Tensor>> gathered(1);
+  for (int64_t r = 0; r < group->getSize(); ++r) gathered[0].push_back(at::empty_like(mine));
+  std::vector<at::Tensor> input{mine.clone()};
+  detail::wait_for(group->allgather(gathered, input), rank_of(owner, *group), "the setup's all-gather");
+  const std::string differ = differing_ranks(gathered[0], mine, fields);
+  TORCH_CHECK(differ.empty(), owner, ": rank ", group->getRank(), " (", mine_text, ") differs from: ", differ);
+}
+
+std::shared_ptr<const HeadExchange> group_head_exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                        const std::string& owner) {
+  TORCH_CHECK(group, "group_head_exchange: group must not be null");
+  return std::make_shared<GroupHeadExchange>(group, owner);
+}
+
+std::string why_not_sharded(const BasePress& press) {
+  if (press.head_span() == HeadSpan::kWholeLayer)
+    return press.name() +
+           " cannot be sharded across ranks: its scores need every head of the layer in a way it does not exchange "
+           "(head_span whole_layer)";
+  if (press.needs_second_pass() || press.decoding_role().compresses || press.prefill_press() != &press)
+    return press.name() +
+           " cannot be sharded across ranks yet: it needs a second pass over the model or compresses while decoding; "
+           "a shard compresses one layer at prefill";
+  return "";
+}
 
 HeadShard head_shard(int64_t kv_heads, int64_t rank, int64_t world) {
   check_rank_in_world("head_shard", rank, world);
@@ -172,25 +196,22 @@ ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusiv
   TORCH_CHECK(press_ != nullptr, "ShardedPress: press must not be null");
   TORCH_CHECK(group_, "ShardedPress: group must not be null");
   shard_ = head_shard(kv_heads, group_->getRank(), group_->getSize());
-  const at::Tensor mine = configuration(*press_, mode_, kv_heads, shard_.world);
-  std::vector<std::vector<at::Tensor>> gathered(1);
-  for (int64_t r = 0; r < shard_.world; ++r) gathered[0].push_back(at::empty_like(mine));
-  std::vector<at::Tensor> input{mine.clone()};
-  run_collective(group_->allgather(gathered, input), shard_.rank, shard_.world, "the setup's all-gather");
-  const std::string differ = differing_ranks(gathered[0], mine);
-  TORCH_CHECK(differ.empty(), "ShardedPress: rank ", shard_.rank, " (", press_->name(), ", ratio ",
-              press_->compression_ratio(), ", ", budget_mode_name(mode_), ", kv_heads ", kv_heads,
-              ") differs from: ", differ);
+  // The press's name (as a hash), its compression ratio, the mode, the layer's KV heads, the world.
+  const auto name_hash = static_cast<double>(std::hash<std::string>{}(press_->name()) % (uint64_t{1} << 52));
+  std::ostringstream mine;
+  mine << press_->name() << ", ratio " << press_->compression_ratio() << ", " << budget_mode_name(mode_)
+       << ", kv_heads " << kv_heads;
+  check_agreement(group_,
+                  {{"press name", name_hash},
+                   {"compression ratio", press_->compression_ratio()},
+                   {"budget mode", static_cast<double>(mode_)},
+                   {"kv_heads", static_cast<double>(kv_heads)},
+                   {"world size", static_cast<double>(shard_.world)}},
+                  "ShardedPress", mine.str());
   // Every rank made the same press, so every rank raises the same here.
-  TORCH_CHECK(press_->head_span() != HeadSpan::kWholeLayer, "ShardedPress: ", press_->name(),
-              " cannot be sharded across ranks: its scores need every head of the layer in a way it does not ",
-              "exchange (head_span whole_layer)");
-  TORCH_CHECK(
-      !press_->needs_second_pass() && !press_->decoding_role().compresses && press_->prefill_press() == press_.get(),
-      "ShardedPress: ", press_->name(),
-      " cannot be sharded across ranks yet: it needs a second pass over the model or compresses while decoding; "
-      "ShardedPress compresses one layer at prefill");
-  if (mode_ == BudgetMode::kGlobal) exchange_ = std::make_shared<GroupHeadExchange>(group_, shard_);
+  const std::string why = why_not_sharded(*press_);
+  TORCH_CHECK(why.empty(), "ShardedPress: ", why);
+  if (mode_ == BudgetMode::kGlobal) exchange_ = group_head_exchange(group_, "ShardedPress");
 }
 
 ExchangeStats ShardedPress::exchange_stats() const {

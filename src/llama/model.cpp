@@ -409,7 +409,11 @@ at::Tensor LlamaModel::project_output(int64_t layer, const at::Tensor& attn, con
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::project_output: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  return lora_linear(attn, w.o_proj, lora ? lora->find(layer, "o_proj") : nullptr, w.o_bias);
+  if (!tp_) return lora_linear(attn, w.o_proj, lora ? lora->find(layer, "o_proj") : nullptr, w.o_bias);
+  // A shard: its heads' part of the projection, summed over the ranks, then the bias once.
+  TORCH_CHECK(lora == nullptr, "LlamaModel::project_output: LoRA adapters are not applied on a tensor-parallel shard");
+  const at::Tensor y = sum_over_ranks(at::linear(attn, w.o_proj));
+  return w.o_bias.defined() ? y + w.o_bias : y;
 }
 
 at::Tensor LlamaModel::layer_mlp(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const {
@@ -422,9 +426,12 @@ at::Tensor LlamaModel::mlp_residual(int64_t layer, const at::Tensor& y, const Lo
   const Layer& w = layers_[static_cast<size_t>(layer)];
   const auto update = [&](const char* module) { return lora ? lora->find(layer, module) : nullptr; };
   const at::Tensor m = rms_norm(y, w.post_norm);
-  return y + lora_linear(at::silu(lora_linear(m, w.gate_proj, update("gate_proj"))) *
-                             lora_linear(m, w.up_proj, update("up_proj")),
-                         w.down_proj, update("down_proj"));
+  TORCH_CHECK(lora == nullptr || !tp_,
+              "LlamaModel::layer_mlp: LoRA adapters are not applied on a tensor-parallel shard");
+  // On a shard, its block of the intermediate rows: down_proj's partial output summed over the ranks.
+  return y + sum_over_ranks(lora_linear(at::silu(lora_linear(m, w.gate_proj, update("gate_proj"))) *
+                                            lora_linear(m, w.up_proj, update("up_proj")),
+                                        w.down_proj, update("down_proj")));
 }
 
 const at::Tensor& LlamaModel::projection(int64_t layer, const std::string& module) const {
@@ -438,6 +445,7 @@ const at::Tensor& LlamaModel::projection(int64_t layer, const std::string& modul
 }
 
 void LlamaModel::check_adapter(const LoraAdapter& adapter, const char* op) const {
+  TORCH_CHECK(!tp_ || adapter.modules().empty(), op, ": LoRA adapters are not applied on a tensor-parallel shard");
   for (const auto& [key, update] : adapter.modules()) {
     const auto& [layer, module] = key;
     TORCH_CHECK(layer < config_.num_layers, op, ": the LoRA adapter targets layer ", layer, " (", module,
@@ -465,6 +473,7 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   // A press that cannot compress layer by layer runs the model again over the context first: it
   // takes the prefill over (kvpress/model_view.h).
   const BasePress* press = prefill_press_of(options.press);
+  check_press_on_shard(press, "LlamaModel::prefill");
   if (press != nullptr && press->needs_second_pass()) {
     detail::LlamaSecondPassRun run("LlamaModel::prefill", *this, input_ids, cache, options, press->name());
     return run.take_output([&] { press->second_pass(run); });
@@ -556,6 +565,7 @@ ForwardOutput LlamaModel::run(const at::Tensor& input_ids, KVCache& cache, const
   const BasePress* decoding =
       start > 0 && options.press && options.press->decoding_role().compresses ? options.press : nullptr;
   PressSequenceState* state = options.press_state;
+  check_press_on_shard(decoding, "LlamaModel::forward");
   TORCH_CHECK(decoding == nullptr || state != nullptr, "LlamaModel: ", decoding->name(),
               " needs a press_state (press->new_sequence_state(), one per sequence), got nullptr");
   const DecodingRole role = decoding ? decoding->decoding_role() : DecodingRole{};
@@ -745,6 +755,10 @@ LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, 
   in.layer_idx = layer;
   in.num_layers = config_.num_layers;
   in.norm_eps = config_.rms_norm_eps;
+  if (tp_) {  // a shard's heads: their place in the layer, and the other ranks' with global budgets
+    in.kv_head_range = {tp_->rank * config_.num_kv_heads, tp_->world * config_.num_kv_heads};
+    if (tp_->global_budgets) in.head_exchange = tp_->exchange;
+  }
   return in;
 }
 

@@ -64,6 +64,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
     cu.push_back(static_cast<int64_t>(ids.size()));
   }
   const BasePress* press = prefill_press_of(options.press);
+  check_press_on_shard(press, op);
   TORCH_CHECK(press == nullptr || !press->needs_second_pass(), op, ": ", press->name(),
               " runs the model again over the context before compressing (use prefill())");
   const bool press_attentions = press && wants_attentions(options.press_attentions, ForwardOptions{}, press->name());
@@ -133,6 +134,7 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
   check_paged_cache(cache, op);
   check_token_ids(tokens, op);
   const BasePress* decoding = options.press && options.press->decoding_role().compresses ? options.press : nullptr;
+  check_press_on_shard(decoding, op);
   if (decoding) {
     const std::string why = why_not_paged_decoding(decoding);
     TORCH_CHECK(why.empty(), op, ": ", why);

@@ -594,7 +594,8 @@ SequenceTokens PagedKVCache::export_sequence(SequenceId seq) const {
     // One gather per pool, straight into the layer's rows of the output.
     std::vector<int64_t> slots;
     for (const Head& head : sl.heads) {
-      const std::vector<int64_t> h = head_slots(head.pages, static_cast<int64_t>(head.positions.size()), options_.page_size);
+      const std::vector<int64_t> h =
+          head_slots(head.pages, static_cast<int64_t>(head.positions.size()), options_.page_size);
       slots.insert(slots.end(), h.begin(), h.end());
     }
     if (slots.empty()) continue;

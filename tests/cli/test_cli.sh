@@ -513,6 +513,37 @@ assert pool["page_size"] == 8 and pool["max_running"] == 2 and pool["prefill_bat
 assert pool["prompt_pages_stored"] < pool["prompt_pages_uncompressed"], pool
 assert 0 < pool["peak_pages_used"] <= pool["num_layers"] * pool["pages_per_layer"], pool
 EOF2
+# ---- generate --tp N: the paged mode over N tensor-parallel ranks (separate processes, Gloo) --------
+# Global budgets: every rank keeps what one process keeps of its heads, so the tokens are one process's.
+for tp in 2 4; do
+  expect_ok "generate --tp $tp AdaKVPress" generate --prompts "$tmp/prompts.txt" --press AdaKVPress --ratio 0.5 \
+    --max-new-tokens 12 --no-stop-at-eos --quiet --json "$tmp/generate_tp$tp.json" --max-batch 2 --page-size 8 \
+    --tp "$tp"
+done
+checks=$((checks + 1))
+"$python" - "$tmp/generate_paged.json" "$tmp/generate_tp2.json" "$tmp/generate_tp4.json" <<'EOF2' || fail "generate --tp differs from one process"
+import json, sys
+one, *ranks = (json.load(open(p)) for p in sys.argv[1:])
+for tp, run in zip((2, 4), ranks):
+    assert run["mode"] == "paged" and run["tensor_parallel"] == {"ranks": tp, "budgets": "global"}, run["tensor_parallel"]
+    for o, r in zip(one["generations"], run["generations"]):
+        assert o["tokens"] == r["tokens"], (tp, o["text"], r["text"])
+    # Rank 0's pool holds its heads: 1/tp of one process's uncompressed prompt pages.
+    assert run["pool"]["prompt_pages_uncompressed"] * tp == one["pool"]["prompt_pages_uncompressed"], run["pool"]
+EOF2
+if expect_ok "generate --tp 2 prints the ranks" generate --tp 2 --budgets per_rank --prompt "Once upon a time, a cat" \
+  --press KnormPress --ratio 0.25 --max-new-tokens 4; then
+  grep -q 'paged mode over 2 tensor-parallel ranks (per_rank budgets)$' "$tmp/stdout" ||
+    fail "generate --tp: no ranks line: $(cat "$tmp/stdout")"
+  grep -q "^rank 0's cache (its 2 of 4 KV heads):" "$tmp/stdout" || fail "generate --tp: no rank 0 line: $(cat "$tmp/stdout")"
+fi
+expect_error "generate --budgets without --tp" "--budgets needs --tp N with N > 1" generate --prompt "A dog" \
+  --budgets per_rank
+expect_error "generate --tp not dividing the heads" "the world size (3) must divide the KV heads (4)" generate \
+  --prompt "A dog" --tp 3
+expect_error "generate --tp with a second-pass press" "on a tensor-parallel shard, KVzipPress cannot be sharded" \
+  generate --prompt "Once upon a time, a cat" --tp 2 --press KVzipPress --ratio 0.5
+
 if expect_ok "generate --paged prints the pool" generate --paged --prompt "Once upon a time, a cat" \
   --press StreamingLLMPress --ratio 0.25 --max-new-tokens 4; then
   grep -q '^\[0\] Once upon a time, a cat' "$tmp/stdout" || fail "generate: no prompt line: $(cat "$tmp/stdout")"

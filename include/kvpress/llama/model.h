@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -244,6 +246,19 @@ struct CapturedPrefill {
 
 using RopeTables = kvpress::RopeTables;  // kvpress/model_view.h
 
+// A tensor-parallel rank's place, for LlamaModel::shard (kvpress/llama/tensor_parallel.h makes one
+// from a c10d process group): rank `rank` of `world` holds the world-th block of every layer's KV
+// heads (with their query heads) and of its MLP's intermediate rows, as vLLM and TensorRT-LLM shard.
+struct TensorParallelRank {
+  int64_t rank = 0, world = 1;
+  // Sums the rank's partial o_proj and down_proj outputs over every rank (all-reduces); with global
+  // budgets, the presses' head exchange too.
+  std::shared_ptr<const HeadExchange> exchange;
+  // Presses keep what one process compressing the whole layer keeps (kvpress::distributed's global
+  // mode); false: each rank's heads alone (per-rank mode).
+  bool global_budgets = true;
+};
+
 // The model is its own ModelView (kvpress/model_view.h): a press's second pass reads it layer by layer.
 class LlamaModel : public ModelView {
  public:
@@ -256,8 +271,24 @@ class LlamaModel : public ModelView {
   // shape that does not match the config.
   LlamaModel(LlamaConfig config, const std::map<std::string, at::Tensor>& weights, at::ScalarType dtype = at::kFloat);
 
+  // A tensor-parallel shard's config() holds its own head and intermediate counts
+  // (num_heads / world, num_kv_heads / world, intermediate_size / world); the rest is the model's.
   const LlamaConfig& config() const { return config_; }
   at::ScalarType dtype() const { return dtype_; }
+
+  // ---- tensor parallelism ----------------------------------------------------------------------
+  // This rank's shard (copies of its rows and columns: the whole model may go): q/k/v projections
+  // (and biases) of its heads, o_proj's columns of its query heads, gate/up rows and down_proj
+  // columns of its intermediate block; norms, embedding and lm_head whole. Its forwards compute its
+  // heads' attention and its part of the MLP, and sum o_proj's and down_proj's partial outputs over
+  // the ranks (o_proj's bias added once, after the sum), so every rank holds the whole residual
+  // stream and the same logits. Its KV caches hold its heads only (new_paged_cache()); presses see
+  // its heads (LayerInputs::kv_head_range; with global budgets, LayerInputs::head_exchange). Every
+  // rank must run the same calls in the same order. Refused on a shard: presses that
+  // kvpress::distributed::why_not_sharded names, LoRA adapters. Raises unless world divides the KV
+  // heads and the intermediate size and `tp.exchange` is set.
+  LlamaModel shard(const TensorParallelRank& tp) const;
+  const TensorParallelRank* tensor_parallel() const { return tp_ ? &*tp_ : nullptr; }  // nullptr: a whole model
 
   KVCache new_cache() const { return KVCache(config_.num_layers); }
 
@@ -408,9 +439,14 @@ class LlamaModel : public ModelView {
   at::ScalarType dtype_;
   at::Tensor embed_tokens_;  // [vocab, hidden]
   std::vector<Layer> layers_;
-  at::Tensor norm_;      // [hidden]
-  at::Tensor lm_head_;   // [vocab, hidden]; the embedding when tied
-  at::Tensor inv_freq_;  // [head_dim / 2] float32
+  at::Tensor norm_;                       // [hidden]
+  at::Tensor lm_head_;                    // [vocab, hidden]; the embedding when tied
+  at::Tensor inv_freq_;                   // [head_dim / 2] float32
+  std::optional<TensorParallelRank> tp_;  // set on a shard
+  // Raises when this is a shard and `press` cannot compress a share of the heads.
+  void check_press_on_shard(const BasePress* press, const char* op) const;
+  // A partial projection output summed over the ranks on a shard; itself on a whole model.
+  at::Tensor sum_over_ranks(const at::Tensor& partial) const;
 };
 
 }  // namespace kvpress::llama

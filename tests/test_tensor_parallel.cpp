@@ -1,0 +1,208 @@
+// Issue 36, item 2: the Llama runner over tensor-parallel ranks (kvpress/llama/tensor_parallel.h).
+// Each rank (a thread of this process with its own Gloo group member) runs its shard of
+// tinystories-656k: its KV heads and MLP block, partial outputs summed over the ranks, its own
+// PagedKVCache of its heads. Continuous batching over 2 and 4 ranks gives every prompt the tokens,
+// and the logits within float32 summation-order rounding, of one process; presses compress each
+// rank's heads, with global budgets as one process would. kvpress-cli generate --tp N runs the
+// same as separate processes (tests/cli/test_cli.sh).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "distributed_layer.h"
+#include "kvpress/llama/llama.h"
+#include "kvpress/llama/tensor_parallel.h"
+#include "kvpress/presses/decoding_press.h"
+#include "kvpress/registry.h"
+#include "test_util.h"
+
+namespace kvpress {
+namespace {
+
+using distributed::BudgetMode;
+using llama::LlamaModel;
+
+const LlamaModel& model() {
+  static const LlamaModel m = LlamaModel::load(llama::resolve_model_dir("tinystories-656k"));
+  return m;
+}
+
+// Three prompts of different lengths (BOS first), seeded, drawn once (ranks are threads); max_batch 2
+// makes the third wait for pages.
+const std::vector<std::vector<int64_t>>& prompts() {
+  static const std::vector<std::vector<int64_t>> out = [] {
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(5);
+    std::vector<std::vector<int64_t>> drawn;
+    for (int64_t n : {90, 70, 120}) {
+      const at::Tensor ids = at::randint(3, 2000, {n}, generator, at::kLong);
+      std::vector<int64_t> p(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + n);
+      p[0] = 1;
+      drawn.push_back(p);
+    }
+    return drawn;
+  }();
+  return out;
+}
+
+struct RankGeneration {
+  llama::PagedGenerations generations;
+  std::map<std::pair<int64_t, int64_t>, at::Tensor> logits;  // (prompt, step)
+  std::string error;
+};
+
+llama::PagedGenerationOptions options(const BasePress* press) {
+  llama::PagedGenerationOptions opt;
+  opt.press = press;
+  opt.max_new_tokens = 10;
+  opt.stop_at_eos = false;
+  opt.max_batch = 2;
+  opt.page_size = 8;
+  return opt;
+}
+
+RankGeneration generate(const LlamaModel& m, const BasePress* press) {
+  RankGeneration run;
+  llama::PagedGenerationOptions opt = options(press);
+  opt.on_logits = [&](int64_t prompt, int64_t step, const at::Tensor& logits) {
+    run.logits[{prompt, step}] = logits.clone();
+  };
+  run.generations = llama::generate_paged(m, prompts(), opt);
+  return run;
+}
+
+// Every rank of `world` (threads) generates over its shard: [rank].
+std::vector<RankGeneration> tensor_parallel_runs(int world, BudgetMode budgets, const BasePress* press) {
+  const testing::TemporaryFolder dir("kvpress_tp");
+  std::vector<RankGeneration> runs(static_cast<size_t>(world));
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < world; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
+        const LlamaModel shard = llama::tensor_parallel_shard(model(), group, budgets);
+        runs[static_cast<size_t>(rank)] = generate(shard, press);
+      } catch (const c10::Error& e) {
+        runs[static_cast<size_t>(rank)].error = e.what_without_backtrace();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  return runs;
+}
+
+TEST(TensorParallel, ContinuousBatchingOverRanksGivesOneProcesssTokens) {
+  // No press; per-head presses (the same in both modes); presses whose scores or budgets span heads
+  // (TOVAPress's mean over heads, AdaKVPress's layer budget), which global budgets exchange.
+  const std::vector<std::pair<std::string, BudgetMode>> cases = {{"none", BudgetMode::kGlobal},
+                                                                 {"SnapKVPress", BudgetMode::kPerRank},
+                                                                 {"KnormPress", BudgetMode::kGlobal},
+                                                                 {"TOVAPress", BudgetMode::kGlobal},
+                                                                 {"AdaKVPress", BudgetMode::kGlobal}};
+  for (const auto& [name, budgets] : cases) {
+    const std::shared_ptr<const BasePress> press = name == "none" ? nullptr : make_press(name, 0.5);
+    const RankGeneration one = generate(model(), press.get());
+    for (int world : {2, 4}) {
+      SCOPED_TRACE(name + " over " + std::to_string(world) + " ranks, " + distributed::budget_mode_name(budgets));
+      const std::vector<RankGeneration> ranks = tensor_parallel_runs(world, budgets, press.get());
+      for (int rank = 0; rank < world; ++rank) {
+        const RankGeneration& r = ranks[static_cast<size_t>(rank)];
+        ASSERT_EQ(r.error, "") << "rank " << rank;
+        ASSERT_EQ(r.generations.generations.size(), 3u);
+        for (size_t p = 0; p < 3; ++p)
+          EXPECT_EQ(r.generations.generations[p].tokens, one.generations.generations[p].tokens)
+              << "rank " << rank << ", prompt " << p;
+        // The same admissions and steps: every rank ran the same schedule as one process.
+        EXPECT_EQ(r.generations.stats.decode_steps, one.generations.stats.decode_steps);
+        EXPECT_EQ(r.generations.stats.prefill_batches, one.generations.stats.prefill_batches);
+        // Each rank's cache holds its heads: 1/world of one process's pages (per-head budgets
+        // round per head, so within one page per head and layer).
+        EXPECT_EQ(r.generations.stats.prompt_pages_uncompressed * world,
+                  one.generations.stats.prompt_pages_uncompressed);
+        // Logits: float32 sums over ranks in another order than one process's (o_proj's and
+        // down_proj's partial outputs): within 1e-4 of logits of magnitude ~10.
+        ASSERT_EQ(r.logits.size(), one.logits.size());
+        for (const auto& [key, logits] : one.logits)
+          EXPECT_TRUE(at::allclose(r.logits.at(key), logits, 1e-4, 1e-4))
+              << "rank " << rank << ", prompt " << key.first << ", step " << key.second << ": max difference "
+              << (r.logits.at(key) - logits).abs().max().item<float>();
+      }
+      // Every rank computes the same logits (the all-reduce gives every rank the same sums).
+      for (int rank = 1; rank < world; ++rank)
+        for (const auto& [key, logits] : ranks[0].logits)
+          EXPECT_TRUE(at::equal(ranks[static_cast<size_t>(rank)].logits.at(key), logits)) << "rank " << rank;
+    }
+  }
+}
+
+TEST(TensorParallel, AShardRefusesWhatItCannotRun) {
+  const std::shared_ptr<const HeadExchange> one_rank = [] {
+    struct OneRank : HeadExchange {
+      at::Tensor gather_heads(const at::Tensor& local) const override { return local; }
+      at::Tensor sum_over_ranks(const at::Tensor& partial) const override { return partial; }
+      at::Tensor max_over_ranks(const at::Tensor& partial) const override { return partial; }
+    };
+    return std::make_shared<const OneRank>();
+  }();
+  testing::expect_error(
+      [&] {
+        model().shard({0, 3, one_rank, true});
+      },
+      {"LlamaModel::shard: the world size (3) must divide the KV heads (4) and the intermediate size"});
+  testing::expect_error(
+      [&] {
+        model().shard({2, 2, one_rank, true});
+      },
+      {"LlamaModel::shard: rank must be in [0, world), got rank 2 of world 2"});
+  testing::expect_error([&] { model().shard({0, 2, nullptr, true}); }, {"LlamaModel::shard: tp.exchange must be set"});
+  // Rank 0 of 2 whose other rank's sums are its own: enough to reach the checks.
+  const LlamaModel shard = model().shard({0, 2, one_rank, true});
+  EXPECT_EQ(shard.config().num_kv_heads, 2);
+  EXPECT_EQ(shard.config().num_heads, 4);
+  EXPECT_EQ(shard.config().intermediate_size, 192);
+  ASSERT_NE(shard.tensor_parallel(), nullptr);
+  EXPECT_EQ(model().tensor_parallel(), nullptr);
+  testing::expect_error(
+      [&] {
+        shard.shard({0, 2, one_rank, true});
+      },
+      {"LlamaModel::shard: the model is already a shard (rank 0 of 2)"});
+  const auto kvzip = make_press("KVzipPress", 0.5);
+  testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(kvzip.get())); },
+                        {"on a tensor-parallel shard, KVzipPress cannot be sharded across ranks yet"});
+  const auto decoding = make_press("DecodingPress", 0.0);
+  testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(decoding.get())); },
+                        {"on a tensor-parallel shard, DecodingPress cannot be sharded across ranks yet"});
+  LoraAdapter adapter;
+  adapter.add(0, "o_proj", {at::zeros({2, 128}), at::zeros({128, 2}), 1.0});
+  testing::expect_error([&] { shard.check_adapter(adapter, "test"); },
+                        {"test: LoRA adapters are not applied on a tensor-parallel shard"});
+  // Ranks that disagree (here the budget mode) are refused on every rank at setup.
+  const testing::TemporaryFolder dir("kvpress_tp_mismatch");
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        auto group = distributed::gloo_group(dir.file("store"), rank, 2, std::chrono::seconds(30));
+        llama::tensor_parallel_shard(model(), group, rank == 0 ? BudgetMode::kGlobal : BudgetMode::kPerRank);
+      } catch (const c10::Error& e) {
+        errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_NE(errors[0].find("tensor_parallel_shard: rank 0 (2 layers, 8 heads, 4 KV heads, hidden 128, Float, "
+                           "global budgets) differs from: rank 1: budget mode 0 (here 1)"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("differs from: rank 0: budget mode 1 (here 0)"), std::string::npos) << errors[1];
+}
+
+}  // namespace
+}  // namespace kvpress
