@@ -79,7 +79,8 @@ Usage:
                    [--max-stories N] [--threads N] [--json OUT] [--csv OUT] [--png OUT]
   kvpress-cli generate (--prompts FILE | --prompt TEXT ...) [--press NAME --ratio R
                    [--param KEY=VALUE ...]] [--max-new-tokens N] [--model DIR] [--paged
-                   [--page-size P] [--pages-per-layer N] [--max-batch B]] [--no-stop-at-eos]
+                   [--page-size P] [--pages-per-layer N] [--max-batch B]]
+                   [--tp N [--budgets global|per_rank]] [--no-stop-at-eos]
                    [--chat] [--threads N] [--json OUT] [--quiet]
   kvpress-cli ask --context FILE --question Q [--question Q ...] [--press NAME --ratio R
                    [--param KEY=VALUE ...]] [--query-aware] [--chat] [--max-new-tokens N]
