@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check (issue 31): the CUDA tests (CPU vs CUDA parity; a skip is a failure on a GPU) and
+# The GPU check (issue 31): the CUDA tests (CPU vs CUDA parity, and kvpress::distributed's NCCL group
+# running a ShardedPress's exchanges on the device; a skip is a failure on a GPU) and
 # kvpress_bench_gpu (every press on CUDA tensors, float32 and bfloat16, S=16384, against its floor
 # at the device's copy bandwidth). Every step runs under its own timeout and the next one runs
 # whatever happened; each writes its log to the output folder, and summary.txt lists every step's

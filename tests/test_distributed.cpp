@@ -232,6 +232,44 @@ TEST(Distributed, HeadShardsAndModesAreChecked) {
                          "ShardedPress sets them)"});
 }
 
+// The NCCL path (listed for the GPU check, benchmarks/gpu_check.sh's *Cuda* tests): on a one-rank
+// NCCL group, a ShardedPress in global mode runs its exchanges (all-gathers, all-reduces) on CUDA
+// tensors and keeps what the press keeps of the whole layer on the same device. Its CPU half runs
+// the same over a one-rank Gloo group.
+TEST(DistributedCuda, AnNcclGroupRunsTheHeadExchangeOnTheDevice) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  const testing::TemporaryFolder dir("kvpress_dist_nccl");
+  const LayerInputs layer = testing::distributed_layer();
+  const auto kept_by = [](const distributed::ShardedPress& sharded, const BasePress& press, const LayerInputs& in) {
+    if (press.head_ragged()) return sharded.compress_ragged(in).keep_mask.cpu();
+    return sharded.compress(in).kept_indices.cpu();
+  };
+  const auto kept_whole = [](const BasePress& press, const LayerInputs& in) {
+    return press.head_ragged() ? press.compress_ragged(in).keep_mask.cpu() : press.compress(in).kept_indices.cpu();
+  };
+  auto gloo = distributed::gloo_group(dir.file("gloo"), 0, 1, std::chrono::milliseconds(30000));
+  c10::intrusive_ptr<c10d::ProcessGroup> nccl;
+  LayerInputs on_device = layer;
+  if (no_cuda.empty()) {
+    nccl = distributed::nccl_group(dir.file("nccl"), 0, 1, std::chrono::milliseconds(30000));
+    on_device.keys = layer.keys.cuda();
+    on_device.values = layer.values.cuda();
+    on_device.queries = layer.queries.cuda();
+  }
+  for (const char* name : {"TOVAPress", "AdaKVPress"}) {
+    SCOPED_TRACE(name);
+    const std::shared_ptr<const BasePress> press = make_press(name, 0.5);
+    const distributed::ShardedPress on_gloo(press, gloo, 4, distributed::BudgetMode::kGlobal);
+    EXPECT_TRUE(at::equal(kept_by(on_gloo, *press, layer), kept_whole(*press, layer)));
+    EXPECT_GT(on_gloo.exchange_stats().collectives, 0);
+    if (!no_cuda.empty()) continue;
+    const distributed::ShardedPress on_nccl(press, nccl, 4, distributed::BudgetMode::kGlobal);
+    EXPECT_TRUE(at::equal(kept_by(on_nccl, *press, on_device), kept_whole(*press, on_device)));
+    EXPECT_GT(on_nccl.exchange_stats().collectives, 0);
+  }
+  if (!no_cuda.empty()) GTEST_SKIP() << no_cuda << " (the Gloo half ran; the NCCL half runs in the GPU check)";
+}
+
 std::vector<int64_t> read_values(std::FILE* in, size_t n) {
   std::vector<int64_t> v(n);
   EXPECT_EQ(std::fread(v.data(), sizeof(int64_t), n, in), n);

@@ -71,6 +71,12 @@ std::shared_ptr<const HeadExchange> group_head_exchange(const c10::intrusive_ptr
 // is whole_layer, or it needs a second pass over the model, or it compresses while decoding.
 std::string why_not_sharded(const BasePress& press);
 
+// The same with torch's NCCL backend, for CUDA tensors (each rank on its own GPU; an engine on GPUs
+// usually passes the NCCL group it already has). Built with the CUDA build only (KVPRESS_WITH_CUDA;
+// elsewhere it raises saying so). Not run on a GPU yet: the GPU check runs it (issue 38).
+c10::intrusive_ptr<c10d::ProcessGroup> nccl_group(const std::string& store_path, int rank, int world,
+                                                  std::chrono::milliseconds timeout);
+
 // What a rank's ShardedPress exchanged in its compressions so far (global mode; per-rank mode
 // exchanges nothing per layer): counted by the rank, waiting for the others included in the time.
 struct ExchangeStats {

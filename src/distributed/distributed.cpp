@@ -190,6 +190,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path,
   return group;
 }
 
+#ifndef KVPRESS_WITH_CUDA
+c10::intrusive_ptr<c10d::ProcessGroup> nccl_group(const std::string&, int, int, std::chrono::milliseconds) {
+  TORCH_CHECK(false, "nccl_group: this kvpress-cpp was built without CUDA (KVPRESS_WITH_CUDA=OFF); use gloo_group");
+}
+#endif
+
 ShardedPress::ShardedPress(std::shared_ptr<const BasePress> press, c10::intrusive_ptr<c10d::ProcessGroup> group,
                            int64_t kv_heads, BudgetMode mode)
     : press_(std::move(press)), group_(std::move(group)), mode_(mode) {
