@@ -131,8 +131,9 @@ class ShardedPress {
 // crosses: a 64-byte preamble, a header of (layers * (kv_heads + 1) + token_ids) int64 (each head's
 // length, each layer's next position, the caller's token ids), each kept token's position (int32)
 // and its keys and values in the cache's dtype; the receiver answers with one int64 (adopted or
-// why not), so the sender knows whether it may free its copy. Gloo carries host tensors: a cache
-// on a GPU goes through host memory here (an NCCL path is for the GPU check, issue 38).
+// why not), so the sender knows whether it may free its copy. The messages are host tensors over a
+// Gloo group (a cache on a GPU goes through host memory) and device tensors over a group with a CUDA
+// backend (NCCL: written, not yet run on GPUs; two ranks need two GPUs).
 
 // What one transfer moved (the sender's view; the receiver reports the same counts).
 struct TransferStats {

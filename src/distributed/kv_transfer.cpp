@@ -50,6 +50,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Where the messages live: on the current CUDA device when the group has a CUDA backend (NCCL),
+// else in host memory (Gloo). Both ends derive it from the group alone, so they agree.
+at::Device wire_device(const c10d::ProcessGroup& group) {
+  for (const c10::Device& d : group.getDeviceTypes())
+    if (d.is_cuda()) return at::Device(at::kCUDA, c10::DeviceIndex(-1));
+  return at::kCPU;
+}
+
 TransferStats counts(int64_t tokens, int64_t head_dim, at::ScalarType dtype, int64_t header_entries) {
   TransferStats s;
   s.tokens = tokens;
@@ -73,6 +81,7 @@ TransferStats send_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   TORCH_CHECK(n == 0 || t.positions.max().item<int64_t>() <= std::numeric_limits<int32_t>::max(), op,
               ": positions must fit in int32 for the transfer, got ", t.positions.max().item<int64_t>());
   const std::string from_to = who(op, group->getRank(), dst);
+  const at::Device wire = wire_device(*group);
   const auto t0 = std::chrono::steady_clock::now();
 
   std::vector<int64_t> header = t.lengths;
@@ -81,20 +90,21 @@ TransferStats send_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   std::vector<std::vector<at::Tensor>> messages{
       {at::tensor({kMagic, kVersion, t.num_layers, t.kv_heads, t.head_dim, static_cast<int64_t>(t.dtype), n,
                    static_cast<int64_t>(token_ids.size())},
-                  at::kLong)},
-      {at::tensor(at::ArrayRef<int64_t>(header), at::kLong)}};
+                  at::kLong)
+           .to(wire)},
+      {at::tensor(at::ArrayRef<int64_t>(header), at::kLong).to(wire)}};
   if (n > 0) {
-    messages.push_back({t.positions.to(at::kInt)});
-    messages.push_back({t.keys.to(at::kCPU).contiguous()});
-    messages.push_back({t.values.to(at::kCPU).contiguous()});
+    messages.push_back({t.positions.to(wire, at::kInt)});
+    messages.push_back({t.keys.to(wire).contiguous()});
+    messages.push_back({t.values.to(wire).contiguous()});
   }
   static const char* const kSteps[] = {"the preamble", "the header", "the positions", "the keys", "the values"};
   std::vector<c10::intrusive_ptr<c10d::Work>> sends;
   for (auto& message : messages) sends.push_back(group->send(message, dst, tag));
   for (size_t i = 0; i < sends.size(); ++i) detail::wait_for(sends[i], from_to, kSteps[i]);
-  std::vector<at::Tensor> answer{at::empty({1}, at::kLong)};
+  std::vector<at::Tensor> answer{at::empty({1}, at::TensorOptions(at::kLong).device(wire))};
   detail::wait_for(group->recv(answer, dst, tag), from_to, "the receiver's answer");
-  const int64_t a = answer[0].item<int64_t>();
+  const int64_t a = answer[0].item<int64_t>();  // (a device tensor's item() waits for it)
   TORCH_CHECK(a == kAdopted, from_to, ": the receiver refused sequence ", seq, ": ", answer_text(a),
               "; the sequence stays in this cache");
   TransferStats s = counts(n, t.head_dim, t.dtype, static_cast<int64_t>(header.size()));
@@ -110,13 +120,16 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
               ": src must be another rank of the group ([0, ", group->getSize(), ") but ", group->getRank(), "), got ",
               src);
   const std::string from_to = who(op, src, group->getRank());
-  const auto receive = [&](const at::Tensor& into, const char* step) {
-    std::vector<at::Tensor> message{into};
+  const at::Device wire = wire_device(*group);
+  // A message of `sizes` and `dtype`, received on the wire's device, returned in host memory for the
+  // header's fields (keys and values stay where they came: adopt_sequence moves them to the cache).
+  const auto receive = [&](at::IntArrayRef sizes, at::ScalarType dtype, const char* step) {
+    std::vector<at::Tensor> message{at::empty(sizes, at::TensorOptions(dtype).device(wire))};
     detail::wait_for(group->recv(message, src, tag), from_to, step);
-    return into;
+    return message[0];
   };
   const auto t0 = std::chrono::steady_clock::now();
-  const at::Tensor preamble = receive(at::empty({kPreambleLength}, at::kLong), "the preamble");
+  const at::Tensor preamble = receive({kPreambleLength}, at::kLong, "the preamble").cpu();
   const int64_t* p = preamble.const_data_ptr<int64_t>();
   TORCH_CHECK(p[0] == kMagic && p[1] == kVersion, from_to, ": the first message is not a sequence of send_sequence ",
               "version ", kVersion, " (magic ", p[0], ", version ", p[1], ")");
@@ -131,8 +144,7 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
               from_to, ": the preamble's shape is not a cache's: layers ", t.num_layers, ", kv_heads ", t.kv_heads,
               ", head_dim ", t.head_dim, ", dtype code ", p[5], ", tokens ", n, ", token ids ", n_ids);
   t.dtype = static_cast<at::ScalarType>(p[5]);
-  const at::Tensor header =
-      receive(at::empty({header_length(t.num_layers, t.kv_heads, n_ids)}, at::kLong), "the header");
+  const at::Tensor header = receive({header_length(t.num_layers, t.kv_heads, n_ids)}, at::kLong, "the header").cpu();
   const int64_t* h = header.const_data_ptr<int64_t>();
   const int64_t n_lengths = t.num_layers * t.kv_heads;
   t.lengths.assign(h, h + n_lengths);
@@ -142,9 +154,9 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
   t.positions = at::empty({0}, at::kLong);
   t.keys = t.values = at::empty({0, t.head_dim}, t.dtype);
   if (n > 0) {
-    t.positions = receive(at::empty({n}, at::kInt), "the positions").to(at::kLong);
-    t.keys = receive(at::empty({n, t.head_dim}, t.dtype), "the keys");
-    t.values = receive(at::empty({n, t.head_dim}, t.dtype), "the values");
+    t.positions = receive({n}, at::kInt, "the positions").to(at::kCPU, at::kLong);
+    t.keys = receive({n, t.head_dim}, t.dtype, "the keys");
+    t.values = receive({n, t.head_dim}, t.dtype, "the values");
   }
   // Adopt, then answer either way: the sender waits for the answer.
   const PagedCacheOptions& o = cache.options();
@@ -160,7 +172,7 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
       why = e.what_without_backtrace();
     }
   }
-  std::vector<at::Tensor> reply{at::tensor({answer}, at::kLong)};
+  std::vector<at::Tensor> reply{at::tensor({answer}, at::kLong).to(wire)};
   detail::wait_for(group->send(reply, src, tag), from_to, "the answer");
   TORCH_CHECK(answer != kUnlikeTheCache, from_to, ": the sequence (", t.num_layers, " layers, ", t.kv_heads,
               " KV heads, head_dim ", t.head_dim, ", ", t.dtype, ") does not fit this cache (", o.num_layers,
