@@ -141,6 +141,38 @@ TEST(TensorParallel, ContinuousBatchingOverRanksGivesOneProcesssTokens) {
   }
 }
 
+// A rank that stops part-way (here: it raises from its on_logits after the third step and leaves
+// the group) makes the other fail at its next all-reduce with an error naming it, never wait.
+TEST(TensorParallel, ARankThatLeavesMakesTheOtherFailNotWait) {
+  const testing::TemporaryFolder dir("kvpress_tp_leave");
+  std::vector<std::string> errors(2);
+  std::vector<double> seconds(2);
+  std::vector<std::thread> ranks;
+  const auto start = std::chrono::steady_clock::now();
+  for (int rank = 0; rank < 2; ++rank)
+    ranks.emplace_back([&, rank] {
+      try {
+        auto group = distributed::gloo_group(dir.file("store"), rank, 2, std::chrono::seconds(20));
+        const LlamaModel shard = llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal);
+        llama::PagedGenerationOptions opt = options(nullptr);
+        int steps = 0;
+        opt.on_logits = [&](int64_t, int64_t, const at::Tensor&) {
+          TORCH_CHECK(rank == 0 || ++steps < 3, "rank 1 stops here");
+        };
+        llama::generate_paged(shard, prompts(), opt);
+      } catch (const c10::Error& e) {
+        errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+      }
+      seconds[static_cast<size_t>(rank)] =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_NE(errors[1].find("rank 1 stops here"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("tensor-parallel model: rank 0 of 2: an all-reduce (sum) failed"), std::string::npos)
+      << errors[0];
+  EXPECT_LT(seconds[0], 30.0);
+}
+
 TEST(TensorParallel, AShardRefusesWhatItCannotRun) {
   const std::shared_ptr<const HeadExchange> one_rank = [] {
     struct OneRank : HeadExchange {

@@ -57,10 +57,10 @@ class GroupHeadExchange final : public HeadExchange {
   }
 
   at::Tensor sum_over_ranks(const at::Tensor& partial) const override {
-    return all_reduce(partial, c10d::ReduceOp::SUM, "an all-reduce of per-head sums");
+    return all_reduce(partial, c10d::ReduceOp::SUM, "an all-reduce (sum)");
   }
   at::Tensor max_over_ranks(const at::Tensor& partial) const override {
-    return all_reduce(partial, c10d::ReduceOp::MAX, "an all-reduce of per-head maxima");
+    return all_reduce(partial, c10d::ReduceOp::MAX, "an all-reduce (maximum)");
   }
 
   ExchangeStats stats() const {
