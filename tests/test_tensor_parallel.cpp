@@ -141,6 +141,71 @@ TEST(TensorParallel, ContinuousBatchingOverRanksGivesOneProcesssTokens) {
   }
 }
 
+// Each head's kept count in every layer after a prefill with `press`: [layer][head].
+std::vector<std::vector<int64_t>> kept_per_head(const LlamaModel& m, const BasePress& press) {
+  llama::KVCache cache = m.new_cache();
+  llama::PrefillOptions opt;
+  opt.press = &press;
+  m.prefill(at::tensor(at::ArrayRef<int64_t>(prompts()[0]), at::kLong).unsqueeze(0), cache, opt);
+  std::vector<std::vector<int64_t>> out;
+  for (int64_t l = 0; l < cache.num_layers(); ++l) {
+    if (!cache.is_ragged(l)) {
+      out.emplace_back(static_cast<size_t>(m.config().num_kv_heads), cache.length(l));
+      continue;
+    }
+    const at::Tensor lengths = cache.ragged(l).lengths()[0].contiguous();
+    out.emplace_back(lengths.data_ptr<int64_t>(), lengths.data_ptr<int64_t>() + lengths.numel());
+  }
+  return out;
+}
+
+// KVComposePress's second pass on shards (the dense runner): each rank observes its heads, and the
+// budgets are set over every rank's (the mean over heads, the composite curves, the per-head
+// ranking), so every rank keeps what one process keeps of its heads: each head's kept count equals
+// one process's for that head (structured: k_l; unstructured: k_{l,g}), and the tokens are the same.
+TEST(TensorParallel, KVComposeBudgetsOverEveryRanksHeads) {
+  for (const char* structured : {"true", "false"}) {
+    SCOPED_TRACE(std::string("structured ") + structured);
+    const std::shared_ptr<const BasePress> press = make_press("KVComposePress", 0.5, {{"structured", structured}});
+    llama::GenerationOptions opt;
+    opt.press = press.get();
+    opt.max_new_tokens = 8;
+    opt.stop_at_eos = false;
+    const llama::Generation one = llama::generate_greedy(model(), prompts()[0], {}, opt);
+    const std::vector<std::vector<int64_t>> one_kept = kept_per_head(model(), *press);
+    for (int world : {2, 4}) {
+      std::vector<std::vector<std::vector<int64_t>>> kept(static_cast<size_t>(world));
+      const testing::TemporaryFolder dir("kvpress_tp_kvcompose");
+      std::vector<llama::Generation> runs(static_cast<size_t>(world));
+      std::vector<std::string> errors(static_cast<size_t>(world));
+      std::vector<std::thread> ranks;
+      for (int rank = 0; rank < world; ++rank)
+        ranks.emplace_back([&, rank] {
+          try {
+            auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
+            const LlamaModel shard = llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal);
+            runs[static_cast<size_t>(rank)] = llama::generate_greedy(shard, prompts()[0], {}, opt);
+            kept[static_cast<size_t>(rank)] = kept_per_head(shard, *press);
+          } catch (const c10::Error& e) {
+            errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+          }
+        });
+      for (auto& t : ranks) t.join();
+      for (int rank = 0; rank < world; ++rank) {
+        ASSERT_EQ(errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
+        EXPECT_EQ(runs[static_cast<size_t>(rank)].tokens, one.tokens) << "rank " << rank << " of " << world;
+        const int64_t heads = 4 / world;
+        for (size_t l = 0; l < one_kept.size(); ++l) {
+          const std::vector<int64_t> mine(one_kept[l].begin() + rank * heads, one_kept[l].begin() + (rank + 1) * heads);
+          EXPECT_EQ(kept[static_cast<size_t>(rank)][l], mine) << "rank " << rank << " of " << world << ", layer " << l;
+        }
+      }
+      if (std::string(structured) == "false")  // heads of a layer keep different counts
+        EXPECT_NE(one_kept[0].front(), one_kept[0].back());
+    }
+  }
+}
+
 // A rank that stops part-way (here: it raises from its on_logits after the third step and leaves
 // the group) makes the other fail at its next all-reduce with an error naming it, never wait.
 TEST(TensorParallel, ARankThatLeavesMakesTheOtherFailNotWait) {

@@ -76,6 +76,11 @@ class ModelView {
                                   const LoraAdapter* lora = nullptr) const = 0;
   // Raises "<op>: <what>" unless every module of `adapter` fits one of this model's layers.
   virtual void check_adapter(const LoraAdapter& adapter, const char* op) const = 0;
+  // A tensor-parallel rank's view (kvpress/llama/tensor_parallel.h): the block of each layer's KV
+  // heads it holds, and, with global budgets, the exchange a press's second pass sets them with
+  // (KVComposeSession::share_heads). A whole model: {} and nullptr.
+  virtual KVHeadRange kv_head_range() const { return {}; }
+  virtual std::shared_ptr<const HeadExchange> head_exchange() const { return nullptr; }
 };
 
 // The text a chat template puts around a user message (rendered with the generation prompt and

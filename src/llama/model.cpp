@@ -755,10 +755,8 @@ LayerInputs LlamaModel::hook_inputs(int64_t layer, const at::Tensor& input_ids, 
   in.layer_idx = layer;
   in.num_layers = config_.num_layers;
   in.norm_eps = config_.rms_norm_eps;
-  if (tp_) {  // a shard's heads: their place in the layer, and the other ranks' with global budgets
-    in.kv_head_range = {tp_->rank * config_.num_kv_heads, tp_->world * config_.num_kv_heads};
-    if (tp_->global_budgets) in.head_exchange = tp_->exchange;
-  }
+  in.kv_head_range = kv_head_range();  // a shard's heads, and with global budgets the other ranks'
+  in.head_exchange = head_exchange();
   return in;
 }
 

@@ -49,8 +49,18 @@ at::Tensor LlamaModel::sum_over_ranks(const at::Tensor& partial) const {
   return tp_ ? tp_->exchange->sum_over_ranks(partial) : partial;
 }
 
+KVHeadRange LlamaModel::kv_head_range() const {
+  if (!tp_) return {};
+  return {tp_->rank * config_.num_kv_heads, tp_->world * config_.num_kv_heads};
+}
+
+std::shared_ptr<const HeadExchange> LlamaModel::head_exchange() const {
+  return tp_ && tp_->global_budgets ? tp_->exchange : nullptr;
+}
+
 void LlamaModel::check_press_on_shard(const BasePress* press, const char* op) const {
   if (!tp_ || press == nullptr) return;
+  if (press->needs_second_pass() && press->second_pass_shardable()) return;  // KVComposePress
   const std::string why = distributed::why_not_sharded(*press);
   TORCH_CHECK(why.empty(), op, ": on a tensor-parallel shard, ", why);
 }

@@ -140,6 +140,7 @@ KVComposePassResult KVComposePress::run_second_pass(SecondPassRun& run, const KV
   // 2. The second pass.
   KVComposePassResult result;
   KVComposeSession session = start_session(c.num_layers, c.num_heads, c.num_kv_heads, n, run.cached_keys(0).device());
+  if (run.model().head_exchange()) session.share_heads(run.model().kv_head_range(), run.model().head_exchange());
   const std::vector<at::Tensor> prompts =
       options.task_prompts.empty() ? std::vector<at::Tensor>{context_ids} : options.task_prompts;
   for (const at::Tensor& prompt : prompts) prompt_pass(run, prompt, options.query_chunk, session, result.memory);

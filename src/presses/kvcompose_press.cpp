@@ -183,6 +183,17 @@ void KVComposeSession::observe_values(int64_t layer, const at::Tensor& values) {
   has_values_[static_cast<size_t>(layer)] = true;
 }
 
+void KVComposeSession::share_heads(const KVHeadRange& range, std::shared_ptr<const HeadExchange> exchange) {
+  constexpr const char* op = "KVComposeSession.share_heads";
+  check_open(op);
+  TORCH_CHECK(exchange != nullptr, op, ": exchange must be set");
+  TORCH_CHECK(range.first >= 0 && range.first + num_kv_heads_ <= range.layer_kv_heads, op, ": the session's ",
+              num_kv_heads_, " KV heads from head ", range.first, " must lie within the layer's ",
+              range.layer_kv_heads);
+  range_ = range;
+  exchange_ = std::move(exchange);
+}
+
 int64_t KVComposeSession::observed_rows(int64_t layer) const {
   check_layer("KVComposeSession.observed_rows", layer);
   return rows_[static_cast<size_t>(layer)];
@@ -209,18 +220,32 @@ const KVComposeBudgets& KVComposeSession::budgets() {
   // 2. Per KV head: aggregate its group's query heads (query head g * G + j belongs to KV head g).
   at::Tensor scores = aggregate_slices(task.view({num_layers_, num_kv_heads_, groups, n}), agg_group_);
   TORCH_CHECK(at::isfinite(scores).all().item<bool>(), op, ": the attention statistics hold NaN or Inf values");
-  // 3. Enhancements.
+  // 3. Enhancements. A rank's heads (share_heads) take the mean over every rank's heads.
+  const bool shared = exchange_ != nullptr;
+  const int64_t all_kv_heads = shared ? range_.layer_kv_heads : num_kv_heads_;
   for (int64_t l = 0; l < num_layers_; ++l) {
     at::Tensor layer_scores = scores[l];  // [Hkv, N] view
     if (options_.add_v_norm) layer_scores.mul_(value_norms_[l]);
-    if (options_.add_mean_across_heads) layer_scores.add_(layer_scores.mean(0, /*keepdim=*/true));
+    if (options_.add_mean_across_heads && !shared) layer_scores.add_(layer_scores.mean(0, /*keepdim=*/true));
   }
+  if (options_.add_mean_across_heads && shared)
+    scores.add_(exchange_->sum_over_ranks(scores.sum(1, /*keepdim=*/true)).div_(static_cast<double>(all_kv_heads)));
   scores_ = scores;
 
-  // 4. Composite tokens: each head's curve sorted descending; per layer, the heads' curves aggregated.
+  // 4. Composite tokens: each head's curve sorted descending; per layer, the heads' curves aggregated
+  // (over every rank's heads for a rank's session).
   const at::Tensor sorted = std::get<0>(at::sort(scores, /*dim=*/-1, /*descending=*/true));  // [L, Hkv, N]
   at::Tensor per_head_curves = sorted.clone();
-  at::Tensor per_layer_curves = aggregate_slices(sorted.unsqueeze(0), agg_head_).squeeze(0);  // [L, N]
+  at::Tensor per_layer_curves;  // [L, N]
+  if (!shared) {
+    per_layer_curves = aggregate_slices(sorted.unsqueeze(0), agg_head_).squeeze(0);
+  } else if (agg_head_ == KVComposeAggregation::kMax) {
+    per_layer_curves = exchange_->max_over_ranks(std::get<0>(sorted.max(1)));
+  } else {
+    at::Tensor partial = at::zeros({num_layers_, n}, sorted.options());
+    for (int64_t g = 0; g < num_kv_heads_; ++g) partial.add_(sorted.select(1, g));
+    per_layer_curves = exchange_->sum_over_ranks(partial).div_(static_cast<double>(all_kv_heads));
+  }
   const int64_t bound = std::min(lb, n);
   if (bound > 0) {
     per_head_curves.narrow(-1, 0, bound).add_(1e9);
@@ -235,10 +260,14 @@ const KVComposeBudgets& KVComposeSession::budgets() {
                     std::max<int64_t>(1, lb))
           .cpu();
   budgets_.per_layer.assign(layer_counts.data_ptr<int64_t>(), layer_counts.data_ptr<int64_t>() + num_layers_);
-  budgets_.per_head = budget_counts(per_head_curves.view({num_layers_ * num_kv_heads_, n}),
-                                    ops::n_kept(num_layers_ * num_kv_heads_ * n, compression_ratio_))
-                          .view({num_layers_, num_kv_heads_})
-                          .cpu();
+  // Per-head budgets rank every head's curve of every layer: a rank's session gathers the others'.
+  const at::Tensor all_curves = shared ? exchange_->gather_heads(per_head_curves) : per_head_curves;
+  budgets_.per_head = budget_counts(all_curves.reshape({num_layers_ * all_kv_heads, n}),
+                                    ops::n_kept(num_layers_ * all_kv_heads * n, compression_ratio_))
+                          .view({num_layers_, all_kv_heads})
+                          .narrow(1, shared ? range_.first : 0, num_kv_heads_)
+                          .cpu()
+                          .contiguous();
   has_budgets_ = true;
   return budgets_;
 }

@@ -289,6 +289,10 @@ class LlamaModel : public ModelView {
   // heads and the intermediate size and `tp.exchange` is set.
   LlamaModel shard(const TensorParallelRank& tp) const;
   const TensorParallelRank* tensor_parallel() const { return tp_ ? &*tp_ : nullptr; }  // nullptr: a whole model
+  // A shard's block of KV heads ({rank * its heads, world * its heads}); {} for a whole model.
+  KVHeadRange kv_head_range() const override;
+  // The presses' exchange: a shard's with global budgets; nullptr otherwise.
+  std::shared_ptr<const HeadExchange> head_exchange() const override;
 
   KVCache new_cache() const { return KVCache(config_.num_layers); }
 

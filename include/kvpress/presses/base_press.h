@@ -166,6 +166,10 @@ class BasePress {
   // The prefill of a press that needs_second_pass(): its passes over run.model(), then the cache
   // filled through `run` (kvpress/model_view.h). Raises for any other press.
   virtual void second_pass(SecondPassRun& run) const;
+  // True when second_pass() runs on a tensor-parallel rank's view of the model (ModelView::
+  // head_exchange, kv_head_range) and keeps what the whole model's pass keeps of the rank's heads
+  // (KVComposePress). Other second-pass presses are refused on a shard.
+  virtual bool second_pass_shardable() const { return false; }
 
   // Fraction of the tokens removed (0 keeps everything).
   virtual double compression_ratio() const = 0;

@@ -34,6 +34,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,7 @@ class KVComposePress : public BasePress {
   double compression_ratio() const override { return compression_ratio_; }
   bool head_ragged() const override { return !options_.structured; }
   bool needs_second_pass() const override { return true; }
+  bool second_pass_shardable() const override { return true; }
   const KVComposeOptions& options() const { return options_; }
 
   // Always raise: KVCompose needs the engine's second pass (start_session, or
@@ -175,6 +177,11 @@ class KVComposeSession {
                       const at::Tensor& values);  // [B, Hkv, S, D], S >= context_len
   // Rows aggregated so far into `layer`.
   int64_t observed_rows(int64_t layer) const;
+  // A tensor-parallel rank's session: it observes its KV heads (range.first .. + num_kv_heads of the
+  // layer's range.layer_kv_heads) and their query heads, and budgets() sets the budgets over every
+  // rank's heads through `exchange` (the mean over heads, the composite curves, the per-head
+  // ranking), as one session over the whole model would. Every rank calls budgets() together.
+  void share_heads(const KVHeadRange& range, std::shared_ptr<const HeadExchange> exchange);
 
   // ---- budgets (once every layer was observed) -------------------------------------------------
   // Computes the scores and budgets on the first call; later observe calls raise.
@@ -218,6 +225,8 @@ class KVComposeSession {
   bool has_budgets_ = false;
   KVComposeBudgets budgets_;
   at::Tensor scores_;  // [L, Hkv, N] float32
+  KVHeadRange range_;  // share_heads
+  std::shared_ptr<const HeadExchange> exchange_;
 };
 
 }  // namespace kvpress
