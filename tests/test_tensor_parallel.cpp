@@ -100,13 +100,39 @@ std::vector<RankGeneration> tensor_parallel_runs(int world, BudgetMode budgets, 
 TEST(TensorParallel, ContinuousBatchingOverRanksGivesOneProcesssTokens) {
   // No press; per-head presses (the same in both modes); presses whose scores or budgets span heads
   // (TOVAPress's mean over heads, AdaKVPress's layer budget), which global budgets exchange.
-  const std::vector<std::pair<std::string, BudgetMode>> cases = {{"none", BudgetMode::kGlobal},
-                                                                 {"SnapKVPress", BudgetMode::kPerRank},
-                                                                 {"KnormPress", BudgetMode::kGlobal},
-                                                                 {"TOVAPress", BudgetMode::kGlobal},
-                                                                 {"AdaKVPress", BudgetMode::kGlobal}};
-  for (const auto& [name, budgets] : cases) {
-    const std::shared_ptr<const BasePress> press = name == "none" ? nullptr : make_press(name, 0.5);
+  // Presses compressing while decoding too: every rank's hook compacts its heads at the same steps.
+  struct Case {
+    std::string name;
+    BudgetMode budgets;
+    double ratio;
+    std::map<std::string, std::string> params;
+  };
+  const std::vector<Case> cases = {
+      {"none", BudgetMode::kGlobal, 0.0, {}},
+      {"SnapKVPress", BudgetMode::kPerRank, 0.5, {}},
+      {"KnormPress", BudgetMode::kGlobal, 0.5, {}},
+      {"TOVAPress", BudgetMode::kGlobal, 0.5, {}},
+      {"AdaKVPress", BudgetMode::kGlobal, 0.5, {}},
+      {"DecodingPress",
+       BudgetMode::kGlobal,
+       0.0,
+       {{"compression_interval", "4"}, {"target_size", "60"}, {"press", "SnapKVPress"}, {"press.window_size", "4"}}},
+      {"CompressionRatioDecodingPress",
+       BudgetMode::kGlobal,
+       0.3,
+       {{"compression_interval", "3"}, {"press", "KnormPress"}}},
+      {"PrefillDecodingPress",
+       BudgetMode::kGlobal,
+       0.0,
+       {{"prefilling_press", "StreamingLLMPress"},
+        {"prefilling_press.compression_ratio", "0.5"},
+        {"decoding_press", "DecodingPress"},
+        {"decoding_press.compression_interval", "3"},
+        {"decoding_press.target_size", "50"}}}};
+  for (const Case& c : cases) {
+    const std::string& name = c.name;
+    const BudgetMode budgets = c.budgets;
+    const std::shared_ptr<const BasePress> press = name == "none" ? nullptr : make_press(name, c.ratio, c.params);
     const RankGeneration one = generate(model(), press.get());
     for (int world : {2, 4}) {
       SCOPED_TRACE(name + " over " + std::to_string(world) + " ranks, " + distributed::budget_mode_name(budgets));
@@ -273,9 +299,11 @@ TEST(TensorParallel, AShardRefusesWhatItCannotRun) {
   const auto kvzip = make_press("KVzipPress", 0.5);
   testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(kvzip.get())); },
                         {"on a tensor-parallel shard, KVzipPress cannot be sharded across ranks yet"});
-  const auto decoding = make_press("DecodingPress", 0.0);
-  testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(decoding.get())); },
-                        {"on a tensor-parallel shard, DecodingPress cannot be sharded across ranks yet"});
+  const auto dms = make_press("DMSPress", 0.0, {{"threshold", "-3"}, {"decoding", "true"}});
+  llama::GenerationOptions dense;
+  dense.press = dms.get();
+  testing::expect_error([&] { llama::generate_greedy(shard, prompts()[0], {}, dense); },
+                        {"on a tensor-parallel shard, DMSPress cannot run yet: it evicts per head while decoding"});
   LoraAdapter adapter;
   adapter.add(0, "o_proj", {at::zeros({2, 128}), at::zeros({128, 2}), 1.0});
   testing::expect_error([&] { shard.check_adapter(adapter, "test"); },

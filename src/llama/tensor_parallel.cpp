@@ -61,6 +61,19 @@ std::shared_ptr<const HeadExchange> LlamaModel::head_exchange() const {
 void LlamaModel::check_press_on_shard(const BasePress* press, const char* op) const {
   if (!tp_ || press == nullptr) return;
   if (press->needs_second_pass() && press->second_pass_shardable()) return;  // KVComposePress
+  const DecodingRole role = press->decoding_role();
+  if (role.compresses && !press->needs_second_pass()) {
+    // A press compressing while decoding: every rank's hook sees its heads (and, with global
+    // budgets, the exchange) at the same steps; its scorer and its prefill part must shard.
+    TORCH_CHECK(!role.evicts_per_head, op, ": on a tensor-parallel shard, ", press->name(),
+                " cannot run yet: it evicts per head while decoding");
+    for (const BasePress* part : {role.scorer, press->prefill_press()}) {
+      if (part == nullptr || part == press) continue;
+      const std::string why = distributed::why_not_sharded(*part);
+      TORCH_CHECK(why.empty(), op, ": on a tensor-parallel shard, ", press->name(), "'s ", why);
+    }
+    return;
+  }
   const std::string why = distributed::why_not_sharded(*press);
   TORCH_CHECK(why.empty(), op, ": on a tensor-parallel shard, ", why);
 }

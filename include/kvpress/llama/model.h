@@ -284,8 +284,10 @@ class LlamaModel : public ModelView {
   // the ranks (o_proj's bias added once, after the sum), so every rank holds the whole residual
   // stream and the same logits. Its KV caches hold its heads only (new_paged_cache()); presses see
   // its heads (LayerInputs::kv_head_range; with global budgets, LayerInputs::head_exchange). Every
-  // rank must run the same calls in the same order. Refused on a shard: presses that
-  // kvpress::distributed::why_not_sharded names, LoRA adapters. Raises unless world divides the KV
+  // rank must run the same calls in the same order. Refused on a shard: second-pass presses but
+  // those whose second pass shards (KVComposePress: BasePress::second_pass_shardable), presses that
+  // evict per head while decoding (DMSPress), scorers that kvpress::distributed::why_not_sharded
+  // names, LoRA adapters. Raises unless world divides the KV
   // heads and the intermediate size and `tp.exchange` is set.
   LlamaModel shard(const TensorParallelRank& tp) const;
   const TensorParallelRank* tensor_parallel() const { return tp_ ? &*tp_ : nullptr; }  // nullptr: a whole model
