@@ -299,6 +299,13 @@ TEST(TensorParallel, AShardRefusesWhatItCannotRun) {
   const auto kvzip = make_press("KVzipPress", 0.5);
   testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(kvzip.get())); },
                         {"on a tensor-parallel shard, KVzipPress cannot be sharded across ranks yet"});
+  // CAMPress keeps the top of scores averaged over every head (head_span whole_layer), unexchanged.
+  const auto cam = make_press("CAMPress", 0.0, {{"target_size", "48"}, {"compression_interval", "3"}});
+  llama::GenerationOptions with_cam;
+  with_cam.press = cam.get();
+  testing::expect_error([&] { llama::generate_greedy(shard, prompts()[0], {}, with_cam); },
+                        {"on a tensor-parallel shard, CAMPress cannot be sharded across ranks: its scores need every "
+                         "head of the layer"});
   const auto dms = make_press("DMSPress", 0.0, {{"threshold", "-3"}, {"decoding", "true"}});
   llama::GenerationOptions dense;
   dense.press = dms.get();

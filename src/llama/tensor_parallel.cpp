@@ -62,7 +62,7 @@ void LlamaModel::check_press_on_shard(const BasePress* press, const char* op) co
   if (!tp_ || press == nullptr) return;
   if (press->needs_second_pass() && press->second_pass_shardable()) return;  // KVComposePress
   const DecodingRole role = press->decoding_role();
-  if (role.compresses && !press->needs_second_pass()) {
+  if (role.compresses && !press->needs_second_pass() && press->head_span() != HeadSpan::kWholeLayer) {
     // A press compressing while decoding: every rank's hook sees its heads (and, with global
     // budgets, the exchange) at the same steps; its scorer and its prefill part must shard.
     TORCH_CHECK(!role.evicts_per_head, op, ": on a tensor-parallel shard, ", press->name(),

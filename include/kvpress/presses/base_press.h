@@ -95,8 +95,9 @@ enum class HeadSpan {
   // on a rank's share of the heads the press reaches the others through LayerInputs::head_exchange.
   kExchanged,
   // Needs every head of the layer in a way it does not exchange: a rank's share cannot be compressed
-  // as part of the layer, and ShardedPress refuses it. No registered press says so; a press of an
-  // engine's own may. (Per-head data of the whole layer, a file of per-head filters or a draw per
+  // as part of the layer, and ShardedPress refuses it (CAMPress: its kept set is the top of scores
+  // averaged over every KV head; a press of an engine's own may say so too). (Per-head data of the whole layer, a file
+  // of per-head filters or a draw per
   // head, is no reason: presses take their share's rows of it, LayerInputs::kv_head_range.)
   kWholeLayer,
 };
