@@ -24,6 +24,7 @@
 #include "kvpress/presses/knorm_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 extern char** environ;
 
@@ -281,7 +282,7 @@ std::vector<int64_t> read_values(std::FILE* in, size_t n) {
 // tokens' keys, values and positions plus a header bounded by the model's shape, so a press at
 // ratio r sends (1 - r) of the uncompressed sequence's token bytes.
 TEST(Distributed, APrefillWorkersSequenceDecodesOnAnotherAsInOneProcess) {
-  const llama::LlamaModel model = llama::LlamaModel::load(llama::resolve_model_dir("tinystories-656k"));
+  const llama::LlamaModel& model = testing::tiny_model();
   const llama::LlamaConfig& config = model.config();
   const int64_t layers = config.num_layers, kv_heads = config.num_kv_heads, head_dim = config.head_dim;
   const std::vector<int64_t> prompt = testing::transfer_prompt();

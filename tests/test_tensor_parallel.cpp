@@ -23,6 +23,7 @@
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
+#include "tiny_model.h"
 
 namespace kvpress {
 namespace {
@@ -30,10 +31,7 @@ namespace {
 using distributed::BudgetMode;
 using llama::LlamaModel;
 
-const LlamaModel& model() {
-  static const LlamaModel m = LlamaModel::load(llama::resolve_model_dir("tinystories-656k"));
-  return m;
-}
+const LlamaModel& model() { return testing::tiny_model(); }
 
 // Three prompts of different lengths (BOS first), seeded, drawn once (ranks are threads); max_batch 2
 // makes the third wait for pages.

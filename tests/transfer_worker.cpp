@@ -24,6 +24,7 @@
 #include "kvpress/distributed.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/registry.h"
+#include "tiny_model.h"
 
 namespace {
 
@@ -68,7 +69,7 @@ int run(int argc, char** argv) {
   const int rank = std::stoi(argv[2]);
   auto group = distributed::gloo_group(store, rank, 2, std::chrono::milliseconds(5000));
   if (scenario == "sender_dies" && rank == 0) std::_Exit(0);
-  const llama::LlamaModel model = llama::LlamaModel::load(llama::resolve_model_dir("tinystories-656k"));
+  const llama::LlamaModel& model = testing::tiny_model();
   const std::shared_ptr<const BasePress> press =
       press_name == "none" ? nullptr : make_press(press_name, std::stod(argv[5]));
   std::FILE* out = std::fopen(out_path.c_str(), "wb");
