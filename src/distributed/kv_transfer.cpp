@@ -27,15 +27,9 @@ constexpr int64_t kMagic = 0x6b7670726573734b;  // "kvpressK"
 constexpr int64_t kVersion = 1;
 constexpr int64_t kPreambleLength = 8;
 
-enum Answer : int64_t { kAdopted = 0, kUnlikeTheCache = 1, kNotAdopted = 2 };
-
-const char* answer_text(int64_t answer) {
-  switch (answer) {
-    case kUnlikeTheCache: return "its cache has another number of layers, KV heads, head_dim or dtype";
-    case kNotAdopted: return "its cache could not adopt it (too few free pages; the receiver's error says why)";
-    default: return "an unknown answer";
-  }
-}
+// The receiver's answer: adopted, or not (PagedKVCache::adopt_sequence raised; its error, on the
+// receiver, says why: another shape or dtype, or too few free pages).
+enum Answer : int64_t { kAdopted = 0, kNotAdopted = 2 };
 
 std::string who(const char* op, int64_t from, int64_t to) {
   return std::string(op) + ": rank " + std::to_string(from) + " to rank " + std::to_string(to);
@@ -105,8 +99,9 @@ TransferStats send_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   std::vector<at::Tensor> answer{at::empty({1}, at::TensorOptions(at::kLong).device(wire))};
   detail::wait_for(group->recv(answer, dst, tag), from_to, "the receiver's answer");
   const int64_t a = answer[0].item<int64_t>();  // (a device tensor's item() waits for it)
-  TORCH_CHECK(a == kAdopted, from_to, ": the receiver refused sequence ", seq, ": ", answer_text(a),
-              "; the sequence stays in this cache");
+  TORCH_CHECK(a == kAdopted, from_to, ": the receiver refused sequence ", seq,
+              ": its cache could not adopt it (another shape or dtype, or too few free pages; the receiver's error "
+              "says which); the sequence stays in this cache");
   TransferStats s = counts(n, t.head_dim, t.dtype, static_cast<int64_t>(header.size()));
   s.seconds = seconds_since(t0);
   return s;
@@ -158,25 +153,18 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
     t.keys = receive({n, t.head_dim}, t.dtype, "the keys");
     t.values = receive({n, t.head_dim}, t.dtype, "the values");
   }
-  // Adopt, then answer either way: the sender waits for the answer.
-  const PagedCacheOptions& o = cache.options();
+  // Adopt (its checks are the cache's: shape, dtype, free pages), then answer either way: the sender
+  // waits for the answer.
   int64_t answer = kAdopted;
-  if (t.num_layers != o.num_layers || t.kv_heads != o.kv_heads || t.head_dim != o.head_dim || t.dtype != o.dtype)
-    answer = kUnlikeTheCache;
   std::string why;
-  if (answer == kAdopted) {
-    try {
-      out.seq = cache.adopt_sequence(t);
-    } catch (const c10::Error& e) {
-      answer = kNotAdopted;
-      why = e.what_without_backtrace();
-    }
+  try {
+    out.seq = cache.adopt_sequence(t);
+  } catch (const c10::Error& e) {
+    answer = kNotAdopted;
+    why = e.what_without_backtrace();
   }
   std::vector<at::Tensor> reply{at::tensor({answer}, at::kLong).to(wire)};
   detail::wait_for(group->send(reply, src, tag), from_to, "the answer");
-  TORCH_CHECK(answer != kUnlikeTheCache, from_to, ": the sequence (", t.num_layers, " layers, ", t.kv_heads,
-              " KV heads, head_dim ", t.head_dim, ", ", t.dtype, ") does not fit this cache (", o.num_layers,
-              " layers, ", o.kv_heads, " KV heads, head_dim ", o.head_dim, ", ", o.dtype, "); the sender was told");
   TORCH_CHECK(answer == kAdopted, from_to, ": ", why, "; the sender was told");
   out.stats = counts(n, t.head_dim, t.dtype, header.numel());
   out.stats.seconds = seconds_since(t0);

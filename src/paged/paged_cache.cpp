@@ -612,8 +612,8 @@ SequenceTokens PagedKVCache::export_sequence(SequenceId seq) const {
 
 namespace {
 
-// adopt_sequence's checks of `t` against a cache's options; returns the total token count.
-int64_t check_sequence_tokens(const SequenceTokens& t, const PagedCacheOptions& o) {
+// adopt_sequence's checks of `t` against a cache's options.
+void check_sequence_tokens(const SequenceTokens& t, const PagedCacheOptions& o) {
   constexpr const char* op = "PagedKVCache::adopt_sequence";
   TORCH_CHECK(
       t.num_layers == o.num_layers && t.kv_heads == o.kv_heads && t.head_dim == o.head_dim && t.dtype == o.dtype, op,
@@ -637,7 +637,6 @@ int64_t check_sequence_tokens(const SequenceTokens& t, const PagedCacheOptions& 
                     kv->scalar_type() == o.dtype,
                 op, ": tokens.keys and tokens.values must be [", n, ", ", o.head_dim, "] ", o.dtype, ", got ",
                 kv->defined() ? shape_str(*kv) : std::string("undefined"));
-  return n;
 }
 
 }  // namespace
