@@ -101,7 +101,8 @@ bool shardable(const BasePress& press) {
 
 // Every registered press, built to run on `layer`; sketches narrower than the head dimension, so
 // that a leverage sketched with another head's draw would differ. Then the blends' other paths:
-// CompactorPress selecting across heads, and a ScoreBlendPress that z-scores raw scores itself
+// FastKVzipPress layerwise (one layer at prefill), CompactorPress selecting across heads, and a
+// ScoreBlendPress that z-scores raw scores itself
 // (KnormPress's and SnapKVPress's) with sinks at both ends.
 std::vector<std::shared_ptr<const BasePress>> every_press(const LayerInputs& layer) {
   std::vector<std::shared_ptr<const BasePress>> presses;
@@ -113,6 +114,10 @@ std::vector<std::shared_ptr<const BasePress>> every_press(const LayerInputs& lay
     if (auto* qsm = dynamic_cast<QSMPress*>(built.get()))
       qsm->set_token_text([](int64_t id) { return id % 4 == 0 ? std::string("the") : "word" + std::to_string(id); });
     presses.push_back(std::move(built));
+    if (info.name == "FastKVzipPress") {  // one layer at prefill: its evictions across the layer's heads
+      params["layerwise"] = "true";
+      presses.push_back(make_press(info.name, ratio_for(info, 0.5), params));
+    }
   }
   presses.push_back(
       make_press("CompactorPress", 0.5, {{"selection", "across_heads"}, {"sketch_dimension", "4"}, {"seed", "1"}}));

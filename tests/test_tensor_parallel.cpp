@@ -9,19 +9,26 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "distributed_layer.h"
+#include "kvpress/llama/kvzip.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/llama/tensor_parallel.h"
 #include "kvpress/presses/decoding_press.h"
+#include "kvpress/presses/knorm_press.h"
+#include "kvpress/presses/kvgrad_press.h"
 #include "kvpress/registry.h"
+#include "runnable_press.h"
 #include "test_util.h"
 #include "tiny_model.h"
 
@@ -170,6 +177,7 @@ std::vector<std::vector<int64_t>> kept_per_head(const LlamaModel& m, const BaseP
   llama::KVCache cache = m.new_cache();
   llama::PrefillOptions opt;
   opt.press = &press;
+  opt.tokenizer = &testing::tiny_tokenizer();  // KVzipPress's repeat prompt
   m.prefill(at::tensor(at::ArrayRef<int64_t>(prompts()[0]), at::kLong).unsqueeze(0), cache, opt);
   std::vector<std::vector<int64_t>> out;
   for (int64_t l = 0; l < cache.num_layers(); ++l) {
@@ -183,23 +191,39 @@ std::vector<std::vector<int64_t>> kept_per_head(const LlamaModel& m, const BaseP
   return out;
 }
 
-// KVComposePress's second pass on shards (the dense runner): each rank observes its heads, and the
-// budgets are set over every rank's (the mean over heads, the composite curves, the per-head
-// ranking), so every rank keeps what one process keeps of its heads: each head's kept count equals
-// one process's for that head (structured: k_l; unstructured: k_{l,g}), and the tokens are the same.
-TEST(TensorParallel, KVComposeBudgetsOverEveryRanksHeads) {
-  for (const char* structured : {"true", "false"}) {
-    SCOPED_TRACE(std::string("structured ") + structured);
-    const std::shared_ptr<const BasePress> press = make_press("KVComposePress", 0.5, {{"structured", structured}});
+// Second passes on shards (the dense runner), global budgets over 2 and 4 ranks: each rank runs the
+// pass over its heads (its forwards summed over the ranks) and the budgets are set over every rank's
+// heads, so every rank keeps what one process keeps of its heads: each head's kept count equals one
+// process's for that head, and the tokens are the same.
+// - KVComposePress structured (k_l) and unstructured (k_{l,g}): the mean over heads and the composite
+//   curves by all-reduce, the per-head ranking by all-gather (KVComposeSession::share_heads).
+// - KVzipPress (evictions over every layer and head; layerwise: over each layer's heads),
+//   FastKVzipPress (its gates' rows of each rank's heads), RestoreKVPress (its restore tokens
+//   through the LoRA adapter cut as the shard's weights) and KVgradPress (gradients through the
+//   ranks' sums): the scores gathered for the selection.
+TEST(TensorParallel, SecondPassesBudgetOverEveryRanksHeads) {
+  const std::string gates = testing::random_artifact("gates", {2, 8, 4, 16, 128});
+  const std::string restore = testing::random_artifact("restore", {2, 8, 4, 16, 128});
+  const std::vector<std::pair<std::string, std::shared_ptr<const BasePress>>> cases = {
+      {"KVCompose structured", make_press("KVComposePress", 0.5, {{"structured", "true"}})},
+      {"KVCompose unstructured", make_press("KVComposePress", 0.5, {{"structured", "false"}})},
+      {"KVzip", make_press("KVzipPress", 0.5, {{"chunk_size", "40"}})},
+      {"KVzip layerwise", make_press("KVzipPress", 0.5, {{"layerwise", "true"}, {"kvzip_plus_normalization", "true"}})},
+      {"FastKVzip", make_press("FastKVzipPress", 0.5, {{"gates", gates}})},
+      {"RestoreKV", make_press("RestoreKVPress", 0.5, {{"restore", restore}})},
+      {"KVgrad", make_press("KVgradPress", 0.5, {{"chunk_size", "40"}})}};
+  for (const auto& [label, press] : cases) {
+    SCOPED_TRACE(label);
     llama::GenerationOptions opt;
     opt.press = press.get();
     opt.max_new_tokens = 8;
     opt.stop_at_eos = false;
+    opt.tokenizer = &testing::tiny_tokenizer();
     const llama::Generation one = llama::generate_greedy(model(), prompts()[0], {}, opt);
     const std::vector<std::vector<int64_t>> one_kept = kept_per_head(model(), *press);
     for (int world : {2, 4}) {
       std::vector<std::vector<std::vector<int64_t>>> kept(static_cast<size_t>(world));
-      const testing::TemporaryFolder dir("kvpress_tp_kvcompose");
+      const testing::TemporaryFolder dir("kvpress_tp_second_pass");
       std::vector<llama::Generation> runs(static_cast<size_t>(world));
       std::vector<std::string> errors(static_cast<size_t>(world));
       std::vector<std::thread> ranks;
@@ -224,9 +248,200 @@ TEST(TensorParallel, KVComposeBudgetsOverEveryRanksHeads) {
           EXPECT_EQ(kept[static_cast<size_t>(rank)][l], mine) << "rank " << rank << " of " << world << ", layer " << l;
         }
       }
-      if (std::string(structured) == "false")  // heads of a layer keep different counts
-        EXPECT_NE(one_kept[0].front(), one_kept[0].back());
     }
+    if (label != "KVCompose structured")  // heads of a layer keep different counts
+      EXPECT_NE(*std::min_element(one_kept[0].begin(), one_kept[0].end()),
+                *std::max_element(one_kept[0].begin(), one_kept[0].end()));
+  }
+}
+
+// KVgradPress's scores need gradients through the shard's forward: the ranks' sums of partial
+// projections pass the gradient to each rank's part, and each rank's q/k/v and gate/up inputs get the
+// sum over the ranks of their parts' gradients. Every rank's scores of its heads equal one process's
+// (float32 sums in another order: within 1e-4 relative), holding the full cache or recomputing it.
+TEST(TensorParallel, KVgradScoresThroughTheRanksSumsAsOneProcess) {
+  const KVgradPress press(0.5, false, 4, 40);
+  const at::Tensor ids = at::tensor(at::ArrayRef<int64_t>(prompts()[0]), at::kLong).unsqueeze(0);
+  for (const bool recompute : {false, true}) {
+    SCOPED_TRACE(recompute ? "recompute_context" : "full cache");
+    KVgradRunOptions run;
+    run.recompute_context = recompute;
+    const auto scores_of = [&](const LlamaModel& m) {
+      llama::KVCache cache = m.new_cache();
+      return llama::kvgrad_prefill(m, ids, cache, press, testing::tiny_tokenizer(), {}, run).scores;
+    };
+    const at::Tensor one = scores_of(model());  // [L, Hkv, N]
+    for (int world : {2, 4}) {
+      const testing::TemporaryFolder dir("kvpress_tp_kvgrad");
+      std::vector<at::Tensor> scores(static_cast<size_t>(world));
+      std::vector<std::string> errors(static_cast<size_t>(world));
+      std::vector<std::thread> ranks;
+      for (int rank = 0; rank < world; ++rank)
+        ranks.emplace_back([&, rank] {
+          try {
+            auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
+            scores[static_cast<size_t>(rank)] =
+                scores_of(llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal));
+          } catch (const c10::Error& e) {
+            errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+          }
+        });
+      for (auto& t : ranks) t.join();
+      const int64_t heads = 4 / world;
+      for (int rank = 0; rank < world; ++rank) {
+        ASSERT_EQ(errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
+        const at::Tensor mine = one.narrow(1, rank * heads, heads);
+        EXPECT_TRUE(at::allclose(scores[static_cast<size_t>(rank)], mine, 1e-4, 1e-7))
+            << "rank " << rank << " of " << world << ": max relative difference "
+            << ((scores[static_cast<size_t>(rank)] - mine).abs() / mine.abs().clamp_min(1e-7)).max().item<float>();
+      }
+    }
+  }
+}
+
+// A LoRA adapter on every projection of a layer (A's columns of o_proj and down_proj, B's rows of
+// the others, cut with the shard's weights) gives every rank the layer's output of one process, over
+// 2 and 4 ranks; an adapter shaped for the shard's own weights is refused, naming the whole shapes.
+TEST(TensorParallel, ALoraAdapterAppliesOnShardsAsOnTheWholeModel) {
+  static const auto drawn = [] {
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(9);
+    const llama::LlamaConfig& c = model().config();
+    const int64_t hidden = c.hidden_size, q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+    const int64_t inter = c.intermediate_size;
+    LoraAdapter adapter;
+    for (const auto& [module, out, in] : {std::tuple{"q_proj", q, hidden},
+                                          {"k_proj", kv, hidden},
+                                          {"v_proj", kv, hidden},
+                                          {"o_proj", hidden, q},
+                                          {"gate_proj", inter, hidden},
+                                          {"up_proj", inter, hidden},
+                                          {"down_proj", hidden, inter}})
+      adapter.add(1, module, {at::randn({2, in}, generator) * 0.1, at::randn({out, 2}, generator), 2.0});
+    return std::pair{adapter, at::randn({1, 12, model().config().hidden_size}, generator)};
+  }();
+  const auto& [adapter, x] = drawn;
+  // Layer 1's output of the residual stream x at positions 0..11.
+  const auto layer_output = [&](const LlamaModel& m, const LoraAdapter* lora) {
+    const LayerQKV qkv = m.layer_qkv(1, x, m.rope(0, x.size(1)), lora);
+    return m.layer_output(1, x, m.layer_attention(qkv.q, qkv.k, qkv.v), lora);
+  };
+  const at::Tensor one = layer_output(model(), &adapter);
+  ASSERT_GT((one - layer_output(model(), nullptr)).abs().max().item<float>(), 0.1);  // the adapter matters
+  for (int world : {2, 4}) {
+    const testing::TemporaryFolder dir("kvpress_tp_lora");
+    std::vector<at::Tensor> outputs(static_cast<size_t>(world));
+    std::vector<std::string> errors(static_cast<size_t>(world));
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < world; ++rank)
+      ranks.emplace_back([&, rank] {
+        try {
+          auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
+          const LlamaModel shard = llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal);
+          shard.check_adapter(adapter, "test");
+          outputs[static_cast<size_t>(rank)] = layer_output(shard, &adapter);
+        } catch (const c10::Error& e) {
+          errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+        }
+      });
+    for (auto& t : ranks) t.join();
+    for (int rank = 0; rank < world; ++rank) {
+      ASSERT_EQ(errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
+      EXPECT_TRUE(at::allclose(outputs[static_cast<size_t>(rank)], one, 1e-4, 1e-4))
+          << "rank " << rank << " of " << world << ": max difference "
+          << (outputs[static_cast<size_t>(rank)] - one).abs().max().item<float>();
+    }
+  }
+}
+
+// A greedy generation on the dense runner, kept with its cache: prompts()[0] prefilled with `press`,
+// then kDenseSteps tokens, each forward compressing with it (a decoding press) as generate_greedy.
+constexpr int64_t kDenseSteps = 10;
+struct DenseRun {
+  std::vector<int64_t> tokens;
+  std::optional<llama::KVCache> cache;
+  std::string error;
+};
+DenseRun dense_generation(const LlamaModel& m, const BasePress& press) {
+  DenseRun run;
+  run.cache.emplace(m.new_cache());
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(&press);
+  llama::PrefillOptions prefill;
+  prefill.press = &press;
+  prefill.press_state = state.get();
+  prefill.last_logits_only = true;
+  const at::Tensor ids = at::tensor(at::ArrayRef<int64_t>(prompts()[0]), at::kLong).unsqueeze(0);
+  at::Tensor logits = m.prefill(ids, *run.cache, prefill).logits;
+  llama::ForwardOptions step;
+  step.last_logits_only = true;
+  step.press = &press;
+  step.press_state = state.get();
+  for (int64_t i = 0; i < kDenseSteps; ++i) {
+    run.tokens.push_back(logits[0][logits.size(1) - 1].argmax().item<int64_t>());
+    logits = m.forward(at::tensor({run.tokens.back()}, at::kLong).unsqueeze(0), *run.cache, step).logits;
+  }
+  return run;
+}
+
+// Each KV head's cached tokens in `layer`: [Hkv] int64 (head-ragged layers and keep masks counted).
+at::Tensor tokens_per_head(const llama::KVCache& cache, int64_t layer) {
+  if (cache.is_ragged(layer)) return cache.ragged(layer).lengths()[0];
+  const at::Tensor mask = cache.keep_mask(layer);
+  const int64_t heads = cache.keys(layer).size(1), length = cache.length(layer);
+  return mask.defined() ? mask[0].sum(-1).to(at::kLong) : at::full({heads}, length, at::kLong);
+}
+
+// Presses that compress while decoding, on the dense runner over 2 and 4 ranks with global budgets:
+// DMSPress evicting per head as tokens leave its window, CAMPress keeping the top of the scores
+// averaged over every rank's heads and merging evicted values (its merges drawn once for every head,
+// by rank 0, from the default generator seeded as the one process's). Every rank's tokens equal one
+// process's, every head keeps as many tokens, and its keys and values equal one process's for that
+// head (within the float32 rounding of the summed projections).
+TEST(TensorParallel, DecodingEvictionsAndMergesAsOneProcess) {
+  const std::vector<std::pair<const char*, std::map<std::string, std::string>>> cases = {
+      {"DMSPress", {{"threshold", "-3"}, {"decoding", "true"}, {"sliding_window_size", "16"}}},
+      {"CAMPress", {{"target_size", "48"}, {"compression_interval", "3"}}}};
+  for (const auto& [name, params] : cases) {
+    SCOPED_TRACE(name);
+    const std::shared_ptr<const BasePress> press = make_press(name, 0.0, params);
+    at::manual_seed(11);  // CAMPress's merges; ranks (threads) never touch the generator but through rank 0
+    const DenseRun one = dense_generation(model(), *press);
+    for (int world : {2, 4}) {
+      const testing::TemporaryFolder dir("kvpress_tp_decoding");
+      std::vector<DenseRun> runs(static_cast<size_t>(world));
+      std::vector<std::thread> ranks;
+      at::manual_seed(11);
+      for (int rank = 0; rank < world; ++rank)
+        ranks.emplace_back([&, rank] {
+          DenseRun& run = runs[static_cast<size_t>(rank)];
+          try {
+            auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
+            run = dense_generation(llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal), *press);
+          } catch (const c10::Error& e) {
+            run.error = e.what_without_backtrace();
+          }
+        });
+      for (auto& t : ranks) t.join();
+      const int64_t heads = 4 / world;
+      for (int rank = 0; rank < world; ++rank) {
+        const DenseRun& run = runs[static_cast<size_t>(rank)];
+        ASSERT_EQ(run.error, "") << "rank " << rank << " of " << world;
+        EXPECT_EQ(run.tokens, one.tokens) << "rank " << rank << " of " << world;
+        for (int64_t l = 0; l < one.cache->num_layers(); ++l) {
+          SCOPED_TRACE("rank " + std::to_string(rank) + " of " + std::to_string(world) + ", layer " +
+                       std::to_string(l));
+          EXPECT_TRUE(
+              at::equal(tokens_per_head(*run.cache, l), tokens_per_head(*one.cache, l).narrow(0, rank * heads, heads)));
+          if (run.cache->is_ragged(l)) continue;
+          EXPECT_TRUE(
+              at::allclose(run.cache->values(l), one.cache->values(l).narrow(1, rank * heads, heads), 1e-4, 1e-4));
+          EXPECT_TRUE(at::allclose(run.cache->keys(l), one.cache->keys(l).narrow(1, rank * heads, heads), 1e-4, 1e-4));
+        }
+      }
+    }
+    // Not vacuous: the press compressed while decoding (DMSPress: heads keep different counts).
+    const at::Tensor kept = tokens_per_head(*one.cache, 0);
+    EXPECT_LT(kept.max().item<int64_t>(), static_cast<int64_t>(prompts()[0].size()) + kDenseSteps);
+    if (std::string(name) == "DMSPress") EXPECT_NE(kept.min().item<int64_t>(), kept.max().item<int64_t>());
   }
 }
 
@@ -294,25 +509,25 @@ TEST(TensorParallel, AShardRefusesWhatItCannotRun) {
         shard.shard({0, 2, one_rank, true});
       },
       {"LlamaModel::shard: the model is already a shard (rank 0 of 2)"});
-  const auto kvzip = make_press("KVzipPress", 0.5);
-  testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(kvzip.get())); },
-                        {"on a tensor-parallel shard, KVzipPress cannot be sharded across ranks yet"});
-  // CAMPress keeps the top of scores averaged over every head (head_span whole_layer), unexchanged.
-  const auto cam = make_press("CAMPress", 0.0, {{"target_size", "48"}, {"compression_interval", "3"}});
-  llama::GenerationOptions with_cam;
-  with_cam.press = cam.get();
-  testing::expect_error([&] { llama::generate_greedy(shard, prompts()[0], {}, with_cam); },
-                        {"on a tensor-parallel shard, CAMPress cannot be sharded across ranks: its scores need every "
-                         "head of the layer"});
-  const auto dms = make_press("DMSPress", 0.0, {{"threshold", "-3"}, {"decoding", "true"}});
-  llama::GenerationOptions dense;
-  dense.press = dms.get();
-  testing::expect_error([&] { llama::generate_greedy(shard, prompts()[0], {}, dense); },
-                        {"on a tensor-parallel shard, DMSPress cannot run yet: it evicts per head while decoding"});
-  LoraAdapter adapter;
-  adapter.add(0, "o_proj", {at::zeros({2, 128}), at::zeros({128, 2}), 1.0});
-  testing::expect_error([&] { shard.check_adapter(adapter, "test"); },
-                        {"test: LoRA adapters are not applied on a tensor-parallel shard"});
+  // A press whose scores need every head in a way it does not exchange (head_span whole_layer; no
+  // registered press is one): refused at every entry point (the dense prefill, the KVzip passes').
+  struct EveryHeadPress : KnormPress {
+    std::string name() const override { return "EveryHeadPress"; }
+    HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
+  };
+  const EveryHeadPress every_head;
+  llama::GenerationOptions with_every_head;
+  with_every_head.press = &every_head;
+  testing::expect_error([&] { llama::generate_greedy(shard, prompts()[0], {}, with_every_head); },
+                        {"LlamaModel::prefill: on a tensor-parallel shard, EveryHeadPress cannot be sharded across "
+                         "ranks: its scores need every head of the layer"});
+  testing::expect_error([&] { llama::generate_paged(shard, prompts(), options(&every_head)); },
+                        {"on a tensor-parallel shard, EveryHeadPress cannot be sharded across ranks"});
+  LoraAdapter for_the_shard;  // shaped for rank 0's own o_proj [128, 64]: the whole one is [128, 128]
+  for_the_shard.add(0, "o_proj", {at::zeros({2, 64}), at::zeros({128, 2}), 1.0});
+  testing::expect_error([&] { shard.check_adapter(for_the_shard, "test"); },
+                        {"test: the LoRA adapter's layer 0 o_proj needs A [r, 128] and B [128, r] (the weight is "
+                         "[128, 128]), got A [2, 64] and B [128, 2]"});
   // Ranks that disagree (here the budget mode) are refused on every rank at setup.
   const testing::TemporaryFolder dir("kvpress_tp_mismatch");
   std::vector<std::string> errors(2);

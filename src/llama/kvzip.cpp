@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "presses/kvzip_pass.h"
 #include "second_pass_run.h"
 
 namespace kvpress::llama {
@@ -19,6 +20,7 @@ namespace {
 template <typename Pass>
 KVzipResult run_pass(const char* op, const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                      const PrefillOptions& options, const BasePress& press, Pass&& pass) {
+  model.check_press_on_shard(&press, op);
   detail::LlamaSecondPassRun run(op, model, context_ids, cache, options, press.name());
   KVzipPassResult report;
   KVzipResult result;
@@ -69,6 +71,7 @@ at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, 
                         const CapturedPrefill* captured) {
   constexpr const char* op = "kvzip_scores";
   require_plain_kvzip(op, press);
+  model.check_press_on_shard(&press, op);
   TORCH_CHECK(captured == nullptr || (static_cast<int64_t>(captured->layers.size()) == model.config().num_layers &&
                                       captured->is_prefill_of(context_ids)),
               op, ": captured holds another prefill than context_ids (capture_prefill of them)");
@@ -84,6 +87,7 @@ KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& 
                                 const at::Tensor& scores, const PrefillOptions& options) {
   constexpr const char* op = "kvzip_compress_captured";
   require_plain_kvzip(op, press);
+  model.check_press_on_shard(&press, op);
   const LlamaConfig& c = model.config();
   TORCH_CHECK(!captured.layers.empty() && captured.layers.front().keys.defined(), op,
               ": the capture is empty (LlamaModel::capture_prefill)");
@@ -98,7 +102,9 @@ KVCache kvzip_compress_captured(const LlamaModel& model, const CapturedPrefill& 
     compressing.press = nullptr;
     return model.compress_captured(captured, compressing);
   }
-  const std::unique_ptr<BasePress> selected = selected_tokens_press(press, press.keep_masks(scores));
+  const std::unique_ptr<BasePress> selected = selected_tokens_press(
+      press,
+      kvpress::detail::keep_masks_over_ranks(model, scores, [&](const at::Tensor& s) { return press.keep_masks(s); }));
   compressing.press = selected.get();
   return model.compress_captured(captured, compressing);
 }

@@ -409,10 +409,10 @@ at::Tensor LlamaModel::project_output(int64_t layer, const at::Tensor& attn, con
   TORCH_CHECK(layer >= 0 && layer < config_.num_layers, "LlamaModel::project_output: layer must be in [0, ",
               config_.num_layers, "), got ", layer);
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  if (!tp_) return lora_linear(attn, w.o_proj, lora ? lora->find(layer, "o_proj") : nullptr, w.o_bias);
+  const std::optional<LoraLinear> update = lora_update(lora, layer, "o_proj");
+  if (!tp_) return lora_linear(attn, w.o_proj, update ? &*update : nullptr, w.o_bias);
   // A shard: its heads' part of the projection, summed over the ranks, then the bias once.
-  TORCH_CHECK(lora == nullptr, "LlamaModel::project_output: LoRA adapters are not applied on a tensor-parallel shard");
-  const at::Tensor y = sum_over_ranks(at::linear(attn, w.o_proj));
+  const at::Tensor y = sum_over_ranks(lora_linear(attn, w.o_proj, update ? &*update : nullptr));
   return w.o_bias.defined() ? y + w.o_bias : y;
 }
 
@@ -424,14 +424,15 @@ at::Tensor LlamaModel::layer_mlp(int64_t layer, const at::Tensor& y, const LoraA
 
 at::Tensor LlamaModel::mlp_residual(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const {
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  const auto update = [&](const char* module) { return lora ? lora->find(layer, module) : nullptr; };
-  const at::Tensor m = rms_norm(y, w.post_norm);
-  TORCH_CHECK(lora == nullptr || !tp_,
-              "LlamaModel::layer_mlp: LoRA adapters are not applied on a tensor-parallel shard");
+  const std::optional<LoraLinear> gate = lora_update(lora, layer, "gate_proj"),
+                                  up = lora_update(lora, layer, "up_proj"),
+                                  down = lora_update(lora, layer, "down_proj");
+  const auto part = [](const std::optional<LoraLinear>& u) { return u ? &*u : nullptr; };
+  const at::Tensor m = into_shard(rms_norm(y, w.post_norm));
   // On a shard, its block of the intermediate rows: down_proj's partial output summed over the ranks.
-  return y + sum_over_ranks(lora_linear(at::silu(lora_linear(m, w.gate_proj, update("gate_proj"))) *
-                                            lora_linear(m, w.up_proj, update("up_proj")),
-                                        w.down_proj, update("down_proj")));
+  return y + sum_over_ranks(
+                 lora_linear(at::silu(lora_linear(m, w.gate_proj, part(gate))) * lora_linear(m, w.up_proj, part(up)),
+                             w.down_proj, part(down)));
 }
 
 const at::Tensor& LlamaModel::projection(int64_t layer, const std::string& module) const {
@@ -445,16 +446,17 @@ const at::Tensor& LlamaModel::projection(int64_t layer, const std::string& modul
 }
 
 void LlamaModel::check_adapter(const LoraAdapter& adapter, const char* op) const {
-  TORCH_CHECK(!tp_ || adapter.modules().empty(), op, ": LoRA adapters are not applied on a tensor-parallel shard");
   for (const auto& [key, update] : adapter.modules()) {
     const auto& [layer, module] = key;
     TORCH_CHECK(layer < config_.num_layers, op, ": the LoRA adapter targets layer ", layer, " (", module,
                 "), the model has ", config_.num_layers, " layers");
+    // The whole model's weight shape (a shard holds a block of it: lora_update cuts the adapter alike).
     const at::Tensor& w = projection(layer, module);
-    TORCH_CHECK(update.a.size(1) == w.size(1) && update.b.size(0) == w.size(0), op, ": the LoRA adapter's layer ",
-                layer, " ", module, " needs A [r, ", w.size(1), "] and B [", w.size(0), ", r] (the weight is [",
-                w.size(0), ", ", w.size(1), "]), got A [", update.a.size(0), ", ", update.a.size(1), "] and B [",
-                update.b.size(0), ", ", update.b.size(1), "]");
+    int64_t out = w.size(0), in = w.size(1);
+    if (tp_) (shard_block(module).dim == 0 ? out : in) *= tp_->world;
+    TORCH_CHECK(update.a.size(1) == in && update.b.size(0) == out, op, ": the LoRA adapter's layer ", layer, " ",
+                module, " needs A [r, ", in, "] and B [", out, ", r] (the weight is [", out, ", ", in, "]), got A [",
+                update.a.size(0), ", ", update.a.size(1), "] and B [", update.b.size(0), ", ", update.b.size(1), "]");
   }
 }
 
@@ -664,19 +666,24 @@ bool LlamaModel::wants_attentions(PressAttentions mode, const ForwardOptions& op
 LlamaModel::LayerQKV LlamaModel::project_qkv(int64_t layer, const at::Tensor& h, const RopeTables& rope_tables,
                                              const LoraAdapter* lora) const {
   const Layer& w = layers_[static_cast<size_t>(layer)];
-  const auto update = [&](const char* module) { return lora ? lora->find(layer, module) : nullptr; };
+  const std::optional<LoraLinear> q_update = lora_update(lora, layer, "q_proj"),
+                                  k_update = lora_update(lora, layer, "k_proj"),
+                                  v_update = lora_update(lora, layer, "v_proj");
+  const auto update = [](const std::optional<LoraLinear>& u) { return u ? &*u : nullptr; };
   const int64_t batch = h.size(0), n = h.size(1), d = config_.head_dim;
   // [B, n, heads * D] -> [B, heads, n, D], RMS-normed per head first where the model has the norm.
   const auto heads = [&](const at::Tensor& projected, int64_t count, const at::Tensor& norm) {
     const at::Tensor x = projected.view({batch, n, count, d});
     return (norm.defined() ? rms_norm(x, norm) : x).transpose(1, 2);
   };
+  const at::Tensor input = into_shard(h);  // a shard's heads read the whole h
   LayerQKV out;
-  out.q = ops::apply_rope(heads(lora_linear(h, w.q_proj, update("q_proj"), w.q_bias), config_.num_heads, w.q_norm),
+  out.q = ops::apply_rope(heads(lora_linear(input, w.q_proj, update(q_update), w.q_bias), config_.num_heads, w.q_norm),
                           rope_tables.cos, rope_tables.sin);
-  out.k = ops::apply_rope(heads(lora_linear(h, w.k_proj, update("k_proj"), w.k_bias), config_.num_kv_heads, w.k_norm),
-                          rope_tables.cos, rope_tables.sin);
-  out.v = heads(lora_linear(h, w.v_proj, update("v_proj"), w.v_bias), config_.num_kv_heads, at::Tensor());
+  out.k =
+      ops::apply_rope(heads(lora_linear(input, w.k_proj, update(k_update), w.k_bias), config_.num_kv_heads, w.k_norm),
+                      rope_tables.cos, rope_tables.sin);
+  out.v = heads(lora_linear(input, w.v_proj, update(v_update), w.v_bias), config_.num_kv_heads, at::Tensor());
   return out;
 }
 

@@ -4,8 +4,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include <optional>
 #include <sstream>
+#include <utility>
 
 namespace kvpress::llama {
 
@@ -19,34 +22,98 @@ LlamaModel LlamaModel::shard(const TensorParallelRank& tp) const {
   TORCH_CHECK(c.num_kv_heads % tp.world == 0 && c.intermediate_size % tp.world == 0, op, ": the world size (", tp.world,
               ") must divide the KV heads (", c.num_kv_heads, ") and the intermediate size (", c.intermediate_size,
               ")");
-  const int64_t d = c.head_dim, kv = c.num_kv_heads / tp.world, q = c.num_heads / tp.world;
-  const int64_t inter = c.intermediate_size / tp.world;
-  // Rows (dim 0) or columns (dim 1) [first, first + count) of a weight, copied.
-  const auto cut = [](const at::Tensor& t, int64_t dim, int64_t first, int64_t count) {
-    return t.defined() ? t.narrow(dim, first, count).contiguous() : t;
-  };
   LlamaModel out = *this;
-  out.config_.num_heads = q;
-  out.config_.num_kv_heads = kv;
-  out.config_.intermediate_size = inter;
-  for (Layer& l : out.layers_) {
-    l.q_proj = cut(l.q_proj, 0, tp.rank * q * d, q * d);
-    l.k_proj = cut(l.k_proj, 0, tp.rank * kv * d, kv * d);
-    l.v_proj = cut(l.v_proj, 0, tp.rank * kv * d, kv * d);
-    l.q_bias = cut(l.q_bias, 0, tp.rank * q * d, q * d);
-    l.k_bias = cut(l.k_bias, 0, tp.rank * kv * d, kv * d);
-    l.v_bias = cut(l.v_bias, 0, tp.rank * kv * d, kv * d);
-    l.o_proj = cut(l.o_proj, 1, tp.rank * q * d, q * d);  // o_bias stays whole: added once after the sum
-    l.gate_proj = cut(l.gate_proj, 0, tp.rank * inter, inter);
-    l.up_proj = cut(l.up_proj, 0, tp.rank * inter, inter);
-    l.down_proj = cut(l.down_proj, 1, tp.rank * inter, inter);
-  }
+  out.config_.num_heads = c.num_heads / tp.world;
+  out.config_.num_kv_heads = c.num_kv_heads / tp.world;
+  out.config_.intermediate_size = c.intermediate_size / tp.world;
   out.tp_ = tp;
+  // Rows (dim 0) or columns (dim 1) of the shard's block of a weight, copied.
+  const auto cut = [&out](const at::Tensor& t, const char* module) {
+    const ShardBlock b = out.shard_block(module);
+    return t.defined() ? t.narrow(b.dim, b.first, b.count).contiguous() : t;
+  };
+  for (Layer& l : out.layers_) {
+    for (auto [weight, module] : {std::pair{&l.q_proj, "q_proj"},
+                                  {&l.q_bias, "q_proj"},
+                                  {&l.k_proj, "k_proj"},
+                                  {&l.k_bias, "k_proj"},
+                                  {&l.v_proj, "v_proj"},
+                                  {&l.v_bias, "v_proj"},
+                                  {&l.o_proj, "o_proj"},
+                                  {&l.gate_proj, "gate_proj"},
+                                  {&l.up_proj, "up_proj"},
+                                  {&l.down_proj, "down_proj"}})
+      *weight = cut(*weight, module);  // o_bias stays whole: added once after the sum
+  }
   return out;
 }
 
+LlamaModel::ShardBlock LlamaModel::shard_block(const std::string& module) const {
+  TORCH_CHECK(tp_, "LlamaModel::shard_block: the model is not a shard");
+  const int64_t d = config_.head_dim, rank = tp_->rank;
+  const int64_t q = config_.num_heads * d, kv = config_.num_kv_heads * d, inter = config_.intermediate_size;
+  if (module == "q_proj") return {0, rank * q, q};
+  if (module == "k_proj" || module == "v_proj") return {0, rank * kv, kv};
+  if (module == "o_proj") return {1, rank * q, q};
+  if (module == "gate_proj" || module == "up_proj") return {0, rank * inter, inter};
+  TORCH_CHECK(module == "down_proj", "LlamaModel::shard_block: no projection '", module, "'");
+  return {1, rank * inter, inter};
+}
+
+std::optional<LoraLinear> LlamaModel::lora_update(const LoraAdapter* lora, int64_t layer, const char* module) const {
+  const LoraLinear* update = lora ? lora->find(layer, module) : nullptr;
+  if (update == nullptr) return std::nullopt;
+  if (!tp_) return *update;
+  const ShardBlock block = shard_block(module);
+  LoraLinear part = *update;
+  // B's rows make the block's outputs; A's columns read the block's inputs (a partial sum).
+  if (block.dim == 0)
+    part.b = update->b.narrow(0, block.first, block.count);
+  else
+    part.a = update->a.narrow(1, block.first, block.count);
+  return part;
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The ranks' sum of partial projection outputs as autograd sees it: each rank's partial gets the
+// gradient of the sum, which every rank holds whole (the loss is the same on every rank).
+struct SumOfPartials : torch::autograd::Function<SumOfPartials> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& partial, const HeadExchange* exchange) {
+    return exchange->sum_over_ranks(partial);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
+};
+
+// A whole input entering a rank's block of projections: the identity (a copy), whose gradient is
+// the sum over the ranks of what each rank's projections give back. Every rank's backward reaches it
+// in the same order (the same graph), so the all-reduces pair up.
+struct IntoShard : torch::autograd::Function<IntoShard> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& whole, const HeadExchange* exchange) {
+    ctx->saved_data["exchange"] = reinterpret_cast<int64_t>(exchange);  // the model outlives its graphs
+    return whole.clone();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* exchange = reinterpret_cast<const HeadExchange*>(ctx->saved_data["exchange"].toInt());
+    return {exchange->sum_over_ranks(grads[0].contiguous()), at::Tensor()};
+  }
+};
+
+bool recording(const at::Tensor& t) { return at::GradMode::is_enabled() && t.requires_grad(); }
+
+}  // namespace
+
 at::Tensor LlamaModel::sum_over_ranks(const at::Tensor& partial) const {
-  return tp_ ? tp_->exchange->sum_over_ranks(partial) : partial;
+  if (!tp_) return partial;
+  return recording(partial) ? SumOfPartials::apply(partial, tp_->exchange.get())
+                            : tp_->exchange->sum_over_ranks(partial);
+}
+
+at::Tensor LlamaModel::into_shard(const at::Tensor& whole) const {
+  return tp_ && recording(whole) ? IntoShard::apply(whole, tp_->exchange.get()) : whole;
 }
 
 KVHeadRange LlamaModel::kv_head_range() const {
@@ -65,8 +132,7 @@ void LlamaModel::check_press_on_shard(const BasePress* press, const char* op) co
   if (role.compresses && !press->needs_second_pass() && press->head_span() != HeadSpan::kWholeLayer) {
     // A press compressing while decoding: every rank's hook sees its heads (and, with global
     // budgets, the exchange) at the same steps; its scorer and its prefill part must shard.
-    TORCH_CHECK(!role.evicts_per_head, op, ": on a tensor-parallel shard, ", press->name(),
-                " cannot run yet: it evicts per head while decoding");
+    // (DMSPress's per-head evictions need nothing from other ranks' heads.)
     for (const BasePress* part : {role.scorer, press->prefill_press()}) {
       if (part == nullptr || part == press) continue;
       const std::string why = distributed::why_not_sharded(*part);

@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "presses/head_exchange.h"
 #include "presses/registration.h"
 
 namespace kvpress {
@@ -36,6 +37,17 @@ at::Tensor last_query_attention(const LayerInputs& in, const char* op) {
   return at::softmax(logits, -1).mean(2);
 }
 
+// Which of the merge candidates merge: bernoulli(probability) [B, Hkv, k] from the default
+// generator, as torch.bernoulli. On a tensor-parallel shard with global budgets, the rank holding
+// the layer's first head draws for every head of the layer, as one process does, and the others
+// take their rows of its draw (their default generators do not advance).
+at::Tensor merge_draw(const LayerInputs& in, const at::Tensor& probability) {
+  if (!in.head_exchange) return at::bernoulli(probability);
+  const at::Tensor every_head = head_exchange::all_heads(in, probability.contiguous());
+  const at::Tensor mine = in.kv_head_range.first == 0 ? at::bernoulli(every_head) : at::zeros_like(every_head);
+  return head_exchange::own_kv_heads(in, head_exchange::max_over_ranks(in, mine));
+}
+
 }  // namespace
 
 CAMPress::CAMPress(ScorerFactory make_press, int64_t compression_interval, int64_t target_size,
@@ -54,13 +66,15 @@ KV CAMPress::merge_and_prune(const LayerInputs& in, const at::Tensor& attention_
               attention_sums.defined() ? checks::shape_str(attention_sums) : std::string("undefined"));
   const int64_t target = target_size(s);
   TORCH_CHECK(target < s, op, ": the cache (", s, " tokens) must exceed target_size (", target, ")");
-  // 1. One selection for every head: the inner scores averaged over KV heads. kvpress passes the
-  // inner scorer no attention weights here.
+  // 1. One selection for every head: the inner scores averaged over KV heads (on a tensor-parallel
+  // shard with global budgets, over every rank's). kvpress passes the inner scorer no attention
+  // weights here.
   LayerInputs scoring = in;
   scoring.attentions = at::Tensor();
+  const at::Tensor head_sum = inner_scores_at(scoring, find_target_compression_ratio(s, target), op).sum(1);
   const at::Tensor mean_scores =
-      inner_scores_at(scoring, find_target_compression_ratio(s, target), op).mean(1);      // [B, S]
-  const at::Tensor kept = ops::topk_indices(mean_scores.unsqueeze(1), target).squeeze(1);  // [B, target]
+      head_exchange::sum_over_ranks(in, head_sum) / static_cast<double>(hkv * head_exchange::ranks(in));  // [B, S]
+  const at::Tensor kept = ops::topk_indices(mean_scores.unsqueeze(1), target).squeeze(1);                 // [B, target]
   const at::Tensor evicted_mask = at::ones({batch, s}, kept.options().dtype(at::kBool)).scatter_(1, kept, false);
   const int64_t n_evict = s - target;
   const at::Tensor evicted =
@@ -86,7 +100,7 @@ KV CAMPress::merge_and_prune(const LayerInputs& in, const at::Tensor& attention_
   at::Tensor probability = a.gather(2, merging.unsqueeze(1).expand({batch, hkv, k})) / mean_attention;
   probability = at::where(at::isnan(probability), at::zeros_like(probability), probability);
   probability = at::where(at::isinf(probability), at::ones_like(probability), probability).clamp(0, 1);
-  const at::Tensor draw = at::bernoulli(probability);  // the default generator, as torch.bernoulli
+  const at::Tensor draw = merge_draw(in, probability);
   at::Tensor scale = (draw / budget.unsqueeze(1)).unsqueeze(-1);
   scale = at::where(budget.unsqueeze(1).unsqueeze(-1) == 0, at::zeros_like(scale), scale);
   const at::Tensor merged_values =

@@ -12,6 +12,7 @@
 #include "checks.h"
 #include "kvpress/io/safetensors.h"
 #include "kvpress/presses/kvzip_press.h"
+#include "presses/head_exchange.h"
 #include "presses/registration.h"
 
 namespace kvpress {
@@ -109,7 +110,7 @@ at::Tensor FastKVzipPress::layer_scores(const LayerInputs& in) const {
               "authors' .pt)");
   check_defined(op, "hidden_states", in.hidden_states);
   const at::Tensor& h = in.hidden_states;
-  const int64_t s = in.keys.size(2), hkv = gates_.k_base.size(1);
+  const int64_t s = in.keys.size(2), hkv = in.keys.size(1);
   const int64_t o = gates_.k_base.size(3), groups = gates_.b.size(2), layers = gates_.q_proj_weight.size(0);
   TORCH_CHECK(in.keys.size(0) == 1, op, ": batch must be 1 (as kvpress), got ", in.keys.size(0));
   TORCH_CHECK(h.dim() == 3 && h.size(0) == 1 && h.size(1) == s, op, ": hidden_states must be [1, ", s,
@@ -118,14 +119,20 @@ at::Tensor FastKVzipPress::layer_scores(const LayerInputs& in) const {
               ") (the gates' layers), got ", in.layer_idx);
   TORCH_CHECK(gates_.q_proj_weight.size(2) == h.size(2), op, ": the gates take hidden size ",
               gates_.q_proj_weight.size(2), ", hidden_states have ", h.size(2));
-  TORCH_CHECK(hkv == in.keys.size(1), op, ": the gates score ", hkv, " heads, keys have ", in.keys.size(1));
+  TORCH_CHECK(gates_.k_base.size(1) == head_exchange::layer_kv_heads(in), op, ": the gates score ",
+              gates_.k_base.size(1), " heads, keys have ", head_exchange::layer_kv_heads(in),
+              in.kv_head_range.layer_kv_heads > 0 ? " (every rank's)" : "");
 
   const at::Device device = h.device();
   const int64_t l = in.layer_idx;
-  const at::Tensor wq = gates_.q_proj_weight[l].to(device), bq = gates_.q_proj_bias[l].to(device);
-  const at::Tensor wk = gates_.k_proj_weight[l].to(device), qn = gates_.q_norm[l].to(device);
-  const at::Tensor kn = gates_.k_norm[l].to(device), b = gates_.b[l].to(device).view({hkv, 1, 1, groups});
-  const at::Tensor k_base = gates_.k_base[l].to(device).unsqueeze(1);  // [Hkv, 1, sink, O]
+  // The gates of the heads `in` holds (a tensor-parallel rank's share of the layer's).
+  const auto own = [&](const at::Tensor& layer, int64_t rows_per_head) {
+    return head_exchange::own_rows(op, "the gates", layer, 0, in, rows_per_head).to(device);
+  };
+  const at::Tensor wq = own(gates_.q_proj_weight[l], groups * o), bq = own(gates_.q_proj_bias[l], groups * o);
+  const at::Tensor wk = own(gates_.k_proj_weight[l], o), qn = gates_.q_norm[l].to(device);
+  const at::Tensor kn = gates_.k_norm[l].to(device), b = own(gates_.b[l], 1).view({hkv, 1, 1, groups});
+  const at::Tensor k_base = own(gates_.k_base[l], 1).unsqueeze(1);  // [Hkv, 1, sink, O]
   const double scale = std::sqrt(static_cast<double>(o));
   at::Tensor scores = at::empty({1, hkv, s}, h.options().dtype(at::kFloat));
   for (int64_t t0 = 0; t0 < s; t0 += kGateBlock) {
@@ -164,8 +171,10 @@ at::Tensor FastKVzipPress::keep_mask(const LayerInputs& inputs) const {
   if (!layerwise_) refuse_global_selection("FastKVzipPress.keep_mask");
   if (compression_ratio_ == 0.0)
     return at::ones(inputs.keys.sizes().slice(0, 3), inputs.keys.options().dtype(at::kBool));
-  return kvzip_evict_lowest(layer_scores(inputs)[0].unsqueeze(0), compression_ratio_, true,
-                            "FastKVzipPress.keep_mask")[0];
+  // The layer's evictions are taken across its heads: every rank's, on a shard with global budgets.
+  const at::Tensor scores = head_exchange::all_heads(inputs, layer_scores(inputs));
+  return head_exchange::own_kv_heads(
+      inputs, kvzip_evict_lowest(scores[0].unsqueeze(0), compression_ratio_, true, "FastKVzipPress.keep_mask")[0]);
 }
 
 KV FastKVzipPress::compress(const LayerInputs&) const {

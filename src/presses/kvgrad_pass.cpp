@@ -173,7 +173,9 @@ KVzipPassResult KVgradPress::run_kvgrad_pass(SecondPassRun& run, const KVgradRun
   at::NoGradGuard no_grad;
   // The compressing prefill holds one full layer at a time (the full cache of the plain prefill, if
   // any, is replaced).
-  detail::prefill_selected(run, *this, keep_masks(result.scores));
+  detail::prefill_selected(run, *this,
+                           detail::keep_masks_over_ranks(model, result.scores,
+                                                         [&](const at::Tensor& scores) { return keep_masks(scores); }));
   return result;
 }
 

@@ -56,6 +56,16 @@ std::vector<KVzipReplayChunk> framed_replay_chunks(const KVzipPress& press, cons
                              run.encode(suffix_text), prefix_length);
 }
 
+std::vector<at::Tensor> keep_masks_over_ranks(const ModelView& model, const at::Tensor& scores,
+                                              const KeepMasksFn& keep_masks) {
+  const std::shared_ptr<const HeadExchange> exchange = model.head_exchange();
+  if (!exchange) return keep_masks(scores);
+  std::vector<at::Tensor> masks = keep_masks(exchange->gather_heads(scores.contiguous()));  // every rank's heads
+  const int64_t first = model.kv_head_range().first, heads = scores.size(1);
+  for (at::Tensor& mask : masks) mask = mask.narrow(1, first, heads).contiguous();
+  return masks;
+}
+
 void prefill_selected(SecondPassRun& run, const BasePress& press, std::vector<at::Tensor> masks) {
   const std::unique_ptr<BasePress> selected = selected_tokens_press(press, std::move(masks));
   run.prefill(selected.get());
@@ -239,7 +249,10 @@ KVzipPassResult replay_pass(const KVzipPress& press, SecondPassRun& run, const K
   const std::vector<KVzipReplayChunk> chunks = detail::framed_replay_chunks(press, run);
   result.scores =
       scoring_pass(run, &press, chunks, {}, options.query_chunk, result.memory, restore ? &*restore : nullptr);
-  detail::prefill_selected(run, press, press.keep_masks(result.scores));
+  detail::prefill_selected(run, press,
+                           detail::keep_masks_over_ranks(run.model(), result.scores, [&](const at::Tensor& scores) {
+                             return press.keep_masks(scores);
+                           }));
   if (restore) {
     // The restore tokens join every layer after the kept context tokens, never evicted; the next
     // token comes after them (kvpress's pipeline: position N + n).
@@ -292,10 +305,13 @@ KVzipPassResult FastKVzipPress::run_second_pass(SecondPassRun& run) const {
     in.hidden_states = context.h;
     in.layer_idx = layer;
     in.num_layers = num_layers;
+    in.kv_head_range = run.model().kv_head_range();  // the gates of a shard's heads
     return layer_scores(in);
   };
   result.scores = scoring_pass(run, nullptr, {}, gate, /*query_chunk=*/1, result.memory);
-  detail::prefill_selected(run, *this, keep_masks(result.scores));
+  detail::prefill_selected(run, *this,
+                           detail::keep_masks_over_ranks(run.model(), result.scores,
+                                                         [&](const at::Tensor& scores) { return keep_masks(scores); }));
   return result;
 }
 

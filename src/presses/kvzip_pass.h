@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kvpress/model_view.h"
@@ -24,6 +25,14 @@ int64_t check_kvzip_context(const SecondPassRun& run);
 // before the user's message is not replayed (kvpress skips its token count) and the text after it
 // (end of turn, the assistant's header) comes between each prompt and its chunk.
 std::vector<KVzipReplayChunk> framed_replay_chunks(const KVzipPress& press, const SecondPassRun& run);
+
+// A KVzip-family selection, keep_masks ([L, Hkv, N] scores -> L x [1, Hkv, N] bool), of the scores of
+// the heads `model` holds. On a tensor-parallel shard with global budgets it is made over every
+// rank's heads (the scores gathered: L·Hkv·N floats from each rank) and this rank takes its heads'
+// rows, as one process selects; per rank (no exchange), over this rank's heads alone.
+using KeepMasksFn = std::function<std::vector<at::Tensor>(const at::Tensor& scores)>;
+std::vector<at::Tensor> keep_masks_over_ranks(const ModelView& model, const at::Tensor& scores,
+                                              const KeepMasksFn& keep_masks);
 
 // The ordinary prefill with each layer compressed to masks[l] [1, Hkv, N] right after its attention.
 void prefill_selected(SecondPassRun& run, const BasePress& press, std::vector<at::Tensor> masks);

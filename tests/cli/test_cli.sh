@@ -541,7 +541,7 @@ expect_error "generate --budgets without --tp" "--budgets needs --tp N with N > 
   --budgets per_rank
 expect_error "generate --tp not dividing the heads" "the world size (3) must divide the KV heads (4)" generate \
   --prompt "A dog" --tp 3
-expect_error "generate --tp with a second-pass press" "on a tensor-parallel shard, KVzipPress cannot be sharded" \
+expect_error "generate --tp with a second-pass press" "KVzipPress runs the model again over the context" \
   generate --prompt "Once upon a time, a cat" --tp 2 --press KVzipPress --ratio 0.5
 
 if expect_ok "generate --paged prints the pool" generate --paged --prompt "Once upon a time, a cat" \

@@ -284,13 +284,16 @@ class LlamaModel : public ModelView {
   // the ranks (o_proj's bias added once, after the sum), so every rank holds the whole residual
   // stream and the same logits. Its KV caches hold its heads only (new_paged_cache()); presses see
   // its heads (LayerInputs::kv_head_range; with global budgets, LayerInputs::head_exchange). Every
-  // rank must run the same calls in the same order. Refused on a shard: second-pass presses but
-  // those whose second pass shards (KVComposePress: BasePress::second_pass_shardable), presses that
-  // evict per head while decoding (DMSPress), scorers that kvpress::distributed::why_not_sharded
-  // names, LoRA adapters. Raises unless world divides the KV
-  // heads and the intermediate size and `tp.exchange` is set.
+  // rank must run the same calls in the same order. LoRA adapters apply as on the whole model
+  // (lora_update), and gradients flow through the ranks' sums (into_shard, sum_over_ranks).
+  // Refused on a shard: second-pass presses whose pass does not shard
+  // (BasePress::second_pass_shardable) and presses kvpress::distributed::why_not_sharded names.
+  // Raises unless world divides the KV heads and the intermediate size and `tp.exchange` is set.
   LlamaModel shard(const TensorParallelRank& tp) const;
   const TensorParallelRank* tensor_parallel() const { return tp_ ? &*tp_ : nullptr; }  // nullptr: a whole model
+  // Raises (naming `op`) when this is a shard and `press` cannot compress a share of the heads;
+  // every entry point taking a press calls it.
+  void check_press_on_shard(const BasePress* press, const char* op) const;
   // A shard's block of KV heads ({rank * its heads, world * its heads}); {} for a whole model.
   KVHeadRange kv_head_range() const override;
   // The presses' exchange: a shard's with global budgets; nullptr otherwise.
@@ -414,6 +417,16 @@ class LlamaModel : public ModelView {
   at::Tensor mlp_residual(int64_t layer, const at::Tensor& y, const LoraAdapter* lora) const;
   // The layer's weight named as in the checkpoint and in kvpress::LoraAdapter::kModules ("q_proj", ...).
   const at::Tensor& projection(int64_t layer, const std::string& module) const;
+  // The block of the whole model's `module` weight a shard holds: its output rows (dim 0: q/k/v and
+  // their biases, gate/up) or input columns (dim 1: o_proj, down_proj) [first, first + count), from
+  // the shard's counts and rank. Only on a shard.
+  struct ShardBlock {
+    int64_t dim = 0, first = 0, count = 0;
+  };
+  ShardBlock shard_block(const std::string& module) const;
+  // The adapter's update of `module` in `layer` as this model applies it: on a shard, the rows of B
+  // (dim 0 blocks) or columns of A (dim 1 blocks) of its block; nullopt where the adapter has none.
+  std::optional<LoraLinear> lora_update(const LoraAdapter* lora, int64_t layer, const char* module) const;
   // Causal attention of q [B, Hq, n, D] over a dense layer's keys/values [B, Hkv, L, D] (the last n
   // are the new tokens), hiding positions where keep_mask [B, Hkv, L] (if defined) is false.
   // -> [B, n, Hq * D]. With weights_out, eagerly as transformers' eager path (scores, float32
@@ -449,10 +462,11 @@ class LlamaModel : public ModelView {
   at::Tensor lm_head_;                    // [vocab, hidden]; the embedding when tied
   at::Tensor inv_freq_;                   // [head_dim / 2] float32
   std::optional<TensorParallelRank> tp_;  // set on a shard
-  // Raises when this is a shard and `press` cannot compress a share of the heads.
-  void check_press_on_shard(const BasePress* press, const char* op) const;
   // A partial projection output summed over the ranks on a shard; itself on a whole model.
   at::Tensor sum_over_ranks(const at::Tensor& partial) const;
+  // A whole input (the same on every rank) entering a shard's block of projections: itself, except
+  // that with autograd recording, its gradient is the sum over the ranks of each rank's part.
+  at::Tensor into_shard(const at::Tensor& whole) const;
 };
 
 }  // namespace kvpress::llama

@@ -169,7 +169,7 @@ class BasePress {
   virtual void second_pass(SecondPassRun& run) const;
   // True when second_pass() runs on a tensor-parallel rank's view of the model (ModelView::
   // head_exchange, kv_head_range) and keeps what the whole model's pass keeps of the rank's heads
-  // (KVComposePress). Other second-pass presses are refused on a shard.
+  // (KVComposePress, the KVzip family). Other second-pass presses are refused on a shard.
   virtual bool second_pass_shardable() const { return false; }
 
   // Fraction of the tokens removed (0 keeps everything).

@@ -50,9 +50,9 @@ class CAMPress : public DecodingPress {
   // for `forward`); keys/values are read on every call.
   std::optional<KV> step(const LayerInputs& forward, int64_t tokens_seen, DecodingState& state) const override;
   bool reads_cache_every_step() const override { return true; }
-  // Its kept set is the top of the inner scores averaged over every KV head of the layer, which it
-  // does not exchange across tensor-parallel ranks.
-  HeadSpan head_span() const override { return HeadSpan::kWholeLayer; }
+  // Its kept set is the top of the inner scores averaged over every KV head of the layer (summed over
+  // ranks), and its merges are drawn for every head at once (by the rank holding head 0).
+  HeadSpan head_span() const override { return wider_span(HeadSpan::kExchanged, press()->head_span()); }
   // One layer on its own (one decoding step's worth): merge_and_prune to target_size with the last
   // query's attention (the given weights' last row, else recomputed) as the running attention and one
   // merge candidate; the cache as it is when it holds at most target_size tokens.

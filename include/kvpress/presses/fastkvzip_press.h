@@ -93,6 +93,10 @@ class FastKVzipPress : public BasePress {
   double compression_ratio() const override { return compression_ratio_; }
   bool head_ragged() const override { return true; }
   bool needs_second_pass() const override { return !layerwise_; }
+  // Its evictions are taken across a layer's heads (and layers): on tensor-parallel shards the
+  // selection gathers every rank's scores.
+  HeadSpan head_span() const override { return HeadSpan::kExchanged; }
+  bool second_pass_shardable() const override { return true; }
   bool layerwise() const { return layerwise_; }
   const Gates& gates() const { return gates_; }
 

@@ -125,6 +125,11 @@ class KVzipPress : public BasePress {
   double compression_ratio() const override { return compression_ratio_; }
   bool head_ragged() const override { return true; }
   bool needs_second_pass() const override { return true; }
+  // Its evictions are taken across layers and heads: on tensor-parallel shards the selection gathers
+  // every rank's scores (RestoreKVPress's restore tokens ride the pass with the adapter cut as the
+  // shard's weights; KVgradPress's backward crosses the ranks' sums as autograd functions).
+  HeadSpan head_span() const override { return HeadSpan::kExchanged; }
+  bool second_pass_shardable() const override { return true; }
   bool layerwise() const { return layerwise_; }
   int64_t n_sink() const { return n_sink_; }
   bool kvzip_plus_normalization() const { return kvzip_plus_normalization_; }
