@@ -377,7 +377,7 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                : decoding.count(info.name) ? PressKind::kDecoding
                                : info.name == "KVComposePress" || info.name == "KVzipPress" ||
                                        info.name == "FastKVzipPress" || info.name == "KVgradPress" ||
-                                       info.name == "RestoreKVPress"
+                                       info.name == "RestoreKVPress" || info.name == "LayerDefensiveKVPress"
                                    ? PressKind::kSecondPass
                                : info.name == "ThinKPress" ? PressKind::kChannel
                                : info.name == "SimLayerKVPress" || info.name == "DuoAttentionPress" ? PressKind::kLayer

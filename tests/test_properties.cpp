@@ -38,6 +38,9 @@ struct Promise {
   std::function<int64_t(const BasePress&, int64_t seq, double ratio)> kept = nullptr;
   std::function<std::vector<int64_t>(const BasePress&, int64_t seq)> protected_positions = nullptr;
   int64_t tie_slack = 0;
+  // Head-ragged presses whose layer budget is not Hkv times the per-head one: the tokens each batch
+  // row keeps over its heads.
+  std::function<int64_t(int64_t seq, int64_t kv_heads, double ratio)> row_kept = nullptr;
 };
 
 std::vector<int64_t> range(int64_t begin, int64_t end) {
@@ -68,6 +71,14 @@ const std::map<std::string, Promise>& promises() {
       {"DuoAttentionPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},
       // The threshold and the content decide how many go (tests/test_dms.cpp checks which).
       {"DMSPress", {1, nullptr, nullptr}},
+      // AdaKV-style selection across heads of int(S (1 - ratio) Hkv) pairs (the authors' rounding).
+      {"DefensiveKVPress",
+       {DefensiveKVPress::kDefaultWindowSize + 1, nullptr, nullptr, 0,
+        [](int64_t seq, int64_t kv_heads, double ratio) {
+          return ratio == 0.0
+                     ? seq * kv_heads
+                     : static_cast<int64_t>(static_cast<double>(seq) * (1.0 - ratio) * static_cast<double>(kv_heads));
+        }}},
       {"TOVAPress", {2, default_kept, [](const BasePress&, int64_t seq) { return range(seq - 1, seq); }}},
       {"LagKVPress", {1, default_kept, [](const BasePress&, int64_t) { return range(0, LagKVPress::kDefaultNSink); }}},
       {"ExpectedAttentionPress",
@@ -173,6 +184,9 @@ void check_press(const PressInfo& info, const Shape& s, uint64_t seed) {
   if (const auto* lukv = dynamic_cast<const LUKVPress*>(press.get())) {  // its curve's budgets, every row
     EXPECT_TRUE(at::equal(per_head, lukv->head_budgets(in.layer_idx, s.kv_heads, s.seq).expand({s.batch, -1})) ||
                 ratio == 0.0);
+  } else if (promise.row_kept) {
+    EXPECT_TRUE(at::equal(per_head.sum(-1), at::full({s.batch}, promise.row_kept(s.seq, s.kv_heads, ratio), at::kLong)))
+        << "kept " << per_head;
   } else if (press->head_ragged() && it == promises().end()) {  // the layer keeps Hkv * n_kept
     EXPECT_TRUE(
         at::equal(per_head.sum(-1), at::full({s.batch}, s.kv_heads * default_kept(*press, s.seq, ratio), at::kLong)));

@@ -201,6 +201,8 @@ std::vector<std::vector<int64_t>> kept_per_head(const LlamaModel& m, const BaseP
 //   FastKVzipPress (its gates' rows of each rank's heads), RestoreKVPress (its restore tokens
 //   through the LoRA adapter cut as the shard's weights) and KVgradPress (gradients through the
 //   ranks' sums): the scores gathered for the selection.
+// - LayerDefensiveKVPress: each layer's DefensiveKV scores (window bias, value-norm shares and
+//   maximum over every rank's heads), then the selection across layers over the gathered scores.
 TEST(TensorParallel, SecondPassesBudgetOverEveryRanksHeads) {
   const std::string gates = testing::random_artifact("gates", {2, 8, 4, 16, 128});
   const std::string restore = testing::random_artifact("restore", {2, 8, 4, 16, 128});
@@ -211,7 +213,8 @@ TEST(TensorParallel, SecondPassesBudgetOverEveryRanksHeads) {
       {"KVzip layerwise", make_press("KVzipPress", 0.5, {{"layerwise", "true"}, {"kvzip_plus_normalization", "true"}})},
       {"FastKVzip", make_press("FastKVzipPress", 0.5, {{"gates", gates}})},
       {"RestoreKV", make_press("RestoreKVPress", 0.5, {{"restore", restore}})},
-      {"KVgrad", make_press("KVgradPress", 0.5, {{"chunk_size", "40"}})}};
+      {"KVgrad", make_press("KVgradPress", 0.5, {{"chunk_size", "40"}})},
+      {"LayerDefensiveKV", make_press("LayerDefensiveKVPress", 0.5, {{"window_size", "16"}})}};
   for (const auto& [label, press] : cases) {
     SCOPED_TRACE(label);
     llama::GenerationOptions opt;

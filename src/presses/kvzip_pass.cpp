@@ -86,9 +86,6 @@ struct RestoreStream {
   std::vector<at::Tensor> keys, values;  // per layer [1, Hkv, n, D]
 };
 
-// Scores a layer's context tokens from its attention input: [1, Hkv, N] (FastKVzip's gates).
-using ContextScorer = std::function<at::Tensor(int64_t layer, const LayerQKV& context)>;
-
 // One layer of the replay: each chunk's queries, in blocks of query_chunk rows, score the chunk's
 // context tokens (a running maximum into `scores`) and, but in the last layer, move its stream on.
 struct ReplayLayer {
@@ -140,7 +137,7 @@ struct ReplayLayer {
 // a running maximum). With `restore`, its tokens run through each layer right after the context.
 // The context's keys/values come from run.captured_layer() when it has them.
 at::Tensor scoring_pass(const SecondPassRun& run, const KVzipPress* press, const std::vector<KVzipReplayChunk>& chunks,
-                        const ContextScorer& context_scorer, int64_t query_chunk, KVzipMemory& memory,
+                        const detail::ContextScorer& context_scorer, int64_t query_chunk, KVzipMemory& memory,
                         RestoreStream* restore = nullptr) {
   const ModelView& model = run.model();
   const ModelShape c = model.shape();
@@ -265,6 +262,10 @@ KVzipPassResult replay_pass(const KVzipPress& press, SecondPassRun& run, const K
 
 }  // namespace
 
+at::Tensor detail::context_scores(const SecondPassRun& run, const ContextScorer& scorer, KVzipMemory& memory) {
+  return scoring_pass(run, nullptr, {}, scorer, /*query_chunk=*/1, memory);
+}
+
 void KVzipPress::second_pass(SecondPassRun& run) const { run_second_pass(run, KVzipRunOptions{}); }
 
 KVzipPassResult KVzipPress::run_second_pass(SecondPassRun& run, const KVzipRunOptions& options) const {
@@ -298,7 +299,7 @@ KVzipPassResult FastKVzipPress::run_second_pass(SecondPassRun& run) const {
   KVzipPassResult result;
   result.memory.full_cache_bytes = detail::check_kvzip_context(run);
   const int64_t num_layers = run.model().shape().num_layers;
-  const ContextScorer gate = [&](int64_t layer, const LayerQKV& context) {
+  const detail::ContextScorer gate = [&](int64_t layer, const LayerQKV& context) {
     LayerInputs in;
     in.keys = context.k;
     in.values = context.v;
@@ -308,7 +309,7 @@ KVzipPassResult FastKVzipPress::run_second_pass(SecondPassRun& run) const {
     in.kv_head_range = run.model().kv_head_range();  // the gates of a shard's heads
     return layer_scores(in);
   };
-  result.scores = scoring_pass(run, nullptr, {}, gate, /*query_chunk=*/1, result.memory);
+  result.scores = detail::context_scores(run, gate, result.memory);
   detail::prefill_selected(run, *this,
                            detail::keep_masks_over_ranks(run.model(), result.scores,
                                                          [&](const at::Tensor& scores) { return keep_masks(scores); }));

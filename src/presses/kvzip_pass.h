@@ -34,6 +34,13 @@ using KeepMasksFn = std::function<std::vector<at::Tensor>(const at::Tensor& scor
 std::vector<at::Tensor> keep_masks_over_ranks(const ModelView& model, const at::Tensor& scores,
                                               const KeepMasksFn& keep_masks);
 
+// Scores a layer's context tokens from its attention input: [1, Hkv, N] float32.
+using ContextScorer = std::function<at::Tensor(int64_t layer, const LayerQKV& context)>;
+// Every context token's scores, [L, Hkv, N] float32: the context goes through run's model layer by
+// layer (one layer's keys/values at a time) and `scorer` scores each layer's (FastKVzipPress's
+// gates, LayerDefensiveKVPress's per-layer scores). `memory` records the peak.
+at::Tensor context_scores(const SecondPassRun& run, const ContextScorer& scorer, KVzipMemory& memory);
+
 // The ordinary prefill with each layer compressed to masks[l] [1, Hkv, N] right after its attention.
 void prefill_selected(SecondPassRun& run, const BasePress& press, std::vector<at::Tensor> masks);
 
