@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -83,23 +84,39 @@ RankGeneration generate(const LlamaModel& m, const BasePress* press) {
   return run;
 }
 
-// Every rank of `world` (threads) generates over its shard: [rank].
-std::vector<RankGeneration> tensor_parallel_runs(int world, BudgetMode budgets, const BasePress* press) {
+// What every rank of `world` returned from body(rank, its shard) (ranks as threads, each with its own
+// Gloo group member and its shard of the model with `budgets`), or the c10::Error it raised: [rank].
+template <typename T>
+struct OnRanks {
+  std::vector<T> values;
+  std::vector<std::string> errors;  // "" where the rank returned
+};
+template <typename Body>
+auto on_ranks(int world, BudgetMode budgets, Body&& body) {
+  using T = std::invoke_result_t<Body&, int, const LlamaModel&>;
   const testing::TemporaryFolder dir("kvpress_tp");
-  std::vector<RankGeneration> runs(static_cast<size_t>(world));
+  OnRanks<T> out{std::vector<T>(static_cast<size_t>(world)), std::vector<std::string>(static_cast<size_t>(world))};
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < world; ++rank)
     ranks.emplace_back([&, rank] {
       try {
         auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
-        const LlamaModel shard = llama::tensor_parallel_shard(model(), group, budgets);
-        runs[static_cast<size_t>(rank)] = generate(shard, press);
+        out.values[static_cast<size_t>(rank)] = body(rank, llama::tensor_parallel_shard(model(), group, budgets));
       } catch (const c10::Error& e) {
-        runs[static_cast<size_t>(rank)].error = e.what_without_backtrace();
+        out.errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
       }
     });
   for (auto& t : ranks) t.join();
-  return runs;
+  return out;
+}
+
+// Every rank of `world` generates over its shard: [rank].
+std::vector<RankGeneration> tensor_parallel_runs(int world, BudgetMode budgets, const BasePress* press) {
+  OnRanks<RankGeneration> runs =
+      on_ranks(world, budgets, [&](int, const LlamaModel& shard) { return generate(shard, press); });
+  for (int rank = 0; rank < world; ++rank)
+    runs.values[static_cast<size_t>(rank)].error = runs.errors[static_cast<size_t>(rank)];
+  return runs.values;
 }
 
 TEST(TensorParallel, ContinuousBatchingOverRanksGivesOneProcesssTokens) {
@@ -225,30 +242,18 @@ TEST(TensorParallel, SecondPassesBudgetOverEveryRanksHeads) {
     const llama::Generation one = llama::generate_greedy(model(), prompts()[0], {}, opt);
     const std::vector<std::vector<int64_t>> one_kept = kept_per_head(model(), *press);
     for (int world : {2, 4}) {
-      std::vector<std::vector<std::vector<int64_t>>> kept(static_cast<size_t>(world));
-      const testing::TemporaryFolder dir("kvpress_tp_second_pass");
-      std::vector<llama::Generation> runs(static_cast<size_t>(world));
-      std::vector<std::string> errors(static_cast<size_t>(world));
-      std::vector<std::thread> ranks;
-      for (int rank = 0; rank < world; ++rank)
-        ranks.emplace_back([&, rank] {
-          try {
-            auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
-            const LlamaModel shard = llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal);
-            runs[static_cast<size_t>(rank)] = llama::generate_greedy(shard, prompts()[0], {}, opt);
-            kept[static_cast<size_t>(rank)] = kept_per_head(shard, *press);
-          } catch (const c10::Error& e) {
-            errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
-          }
-        });
-      for (auto& t : ranks) t.join();
+      // Each rank's greedy tokens and its heads' kept counts.
+      const auto runs = on_ranks(world, BudgetMode::kGlobal, [&](int, const LlamaModel& shard) {
+        return std::pair{llama::generate_greedy(shard, prompts()[0], {}, opt).tokens, kept_per_head(shard, *press)};
+      });
       for (int rank = 0; rank < world; ++rank) {
-        ASSERT_EQ(errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
-        EXPECT_EQ(runs[static_cast<size_t>(rank)].tokens, one.tokens) << "rank " << rank << " of " << world;
+        ASSERT_EQ(runs.errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
+        const auto& [tokens, kept] = runs.values[static_cast<size_t>(rank)];
+        EXPECT_EQ(tokens, one.tokens) << "rank " << rank << " of " << world;
         const int64_t heads = 4 / world;
         for (size_t l = 0; l < one_kept.size(); ++l) {
           const std::vector<int64_t> mine(one_kept[l].begin() + rank * heads, one_kept[l].begin() + (rank + 1) * heads);
-          EXPECT_EQ(kept[static_cast<size_t>(rank)][l], mine) << "rank " << rank << " of " << world << ", layer " << l;
+          EXPECT_EQ(kept[l], mine) << "rank " << rank << " of " << world << ", layer " << l;
         }
       }
     }
@@ -275,21 +280,10 @@ TEST(TensorParallel, KVgradScoresThroughTheRanksSumsAsOneProcess) {
     };
     const at::Tensor one = scores_of(model());  // [L, Hkv, N]
     for (int world : {2, 4}) {
-      const testing::TemporaryFolder dir("kvpress_tp_kvgrad");
-      std::vector<at::Tensor> scores(static_cast<size_t>(world));
-      std::vector<std::string> errors(static_cast<size_t>(world));
-      std::vector<std::thread> ranks;
-      for (int rank = 0; rank < world; ++rank)
-        ranks.emplace_back([&, rank] {
-          try {
-            auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
-            scores[static_cast<size_t>(rank)] =
-                scores_of(llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal));
-          } catch (const c10::Error& e) {
-            errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
-          }
-        });
-      for (auto& t : ranks) t.join();
+      const auto runs =
+          on_ranks(world, BudgetMode::kGlobal, [&](int, const LlamaModel& shard) { return scores_of(shard); });
+      const std::vector<at::Tensor>& scores = runs.values;
+      const std::vector<std::string>& errors = runs.errors;
       const int64_t heads = 4 / world;
       for (int rank = 0; rank < world; ++rank) {
         ASSERT_EQ(errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
@@ -331,22 +325,12 @@ TEST(TensorParallel, ALoraAdapterAppliesOnShardsAsOnTheWholeModel) {
   const at::Tensor one = layer_output(model(), &adapter);
   ASSERT_GT((one - layer_output(model(), nullptr)).abs().max().item<float>(), 0.1);  // the adapter matters
   for (int world : {2, 4}) {
-    const testing::TemporaryFolder dir("kvpress_tp_lora");
-    std::vector<at::Tensor> outputs(static_cast<size_t>(world));
-    std::vector<std::string> errors(static_cast<size_t>(world));
-    std::vector<std::thread> ranks;
-    for (int rank = 0; rank < world; ++rank)
-      ranks.emplace_back([&, rank] {
-        try {
-          auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
-          const LlamaModel shard = llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal);
-          shard.check_adapter(adapter, "test");
-          outputs[static_cast<size_t>(rank)] = layer_output(shard, &adapter);
-        } catch (const c10::Error& e) {
-          errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
-        }
-      });
-    for (auto& t : ranks) t.join();
+    const auto runs = on_ranks(world, BudgetMode::kGlobal, [&](int, const LlamaModel& shard) {
+      shard.check_adapter(adapter, "test");
+      return layer_output(shard, &adapter);
+    });
+    const std::vector<at::Tensor>& outputs = runs.values;
+    const std::vector<std::string>& errors = runs.errors;
     for (int rank = 0; rank < world; ++rank) {
       ASSERT_EQ(errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
       EXPECT_TRUE(at::allclose(outputs[static_cast<size_t>(rank)], one, 1e-4, 1e-4))
@@ -362,7 +346,6 @@ constexpr int64_t kDenseSteps = 10;
 struct DenseRun {
   std::vector<int64_t> tokens;
   std::optional<llama::KVCache> cache;
-  std::string error;
 };
 DenseRun dense_generation(const LlamaModel& m, const BasePress& press) {
   DenseRun run;
@@ -409,25 +392,13 @@ TEST(TensorParallel, DecodingEvictionsAndMergesAsOneProcess) {
     at::manual_seed(11);  // CAMPress's merges; ranks (threads) never touch the generator but through rank 0
     const DenseRun one = dense_generation(model(), *press);
     for (int world : {2, 4}) {
-      const testing::TemporaryFolder dir("kvpress_tp_decoding");
-      std::vector<DenseRun> runs(static_cast<size_t>(world));
-      std::vector<std::thread> ranks;
       at::manual_seed(11);
-      for (int rank = 0; rank < world; ++rank)
-        ranks.emplace_back([&, rank] {
-          DenseRun& run = runs[static_cast<size_t>(rank)];
-          try {
-            auto group = distributed::gloo_group(dir.file("store"), rank, world, std::chrono::seconds(60));
-            run = dense_generation(llama::tensor_parallel_shard(model(), group, BudgetMode::kGlobal), *press);
-          } catch (const c10::Error& e) {
-            run.error = e.what_without_backtrace();
-          }
-        });
-      for (auto& t : ranks) t.join();
+      const auto runs = on_ranks(world, BudgetMode::kGlobal,
+                                 [&](int, const LlamaModel& shard) { return dense_generation(shard, *press); });
       const int64_t heads = 4 / world;
       for (int rank = 0; rank < world; ++rank) {
-        const DenseRun& run = runs[static_cast<size_t>(rank)];
-        ASSERT_EQ(run.error, "") << "rank " << rank << " of " << world;
+        const DenseRun& run = runs.values[static_cast<size_t>(rank)];
+        ASSERT_EQ(runs.errors[static_cast<size_t>(rank)], "") << "rank " << rank << " of " << world;
         EXPECT_EQ(run.tokens, one.tokens) << "rank " << rank << " of " << world;
         for (int64_t l = 0; l < one.cache->num_layers(); ++l) {
           SCOPED_TRACE("rank " + std::to_string(rank) + " of " + std::to_string(world) + ", layer " +
