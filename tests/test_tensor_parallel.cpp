@@ -232,7 +232,10 @@ TEST(TensorParallel, SecondPassesBudgetOverEveryRanksHeads) {
       {"RestoreKV", make_press("RestoreKVPress", 0.5, {{"restore", restore}})},
       {"KVgrad", make_press("KVgradPress", 0.5, {{"chunk_size", "40"}})},
       {"LayerDefensiveKV", make_press("LayerDefensiveKVPress", 0.5, {{"window_size", "16"}})}};
-  for (const auto& [label, press] : cases) {
+  for (const auto& test_case : cases) {
+    // Named, not structured bindings: C++17 lambdas (the ranks' bodies) cannot capture those.
+    const std::string& label = test_case.first;
+    const std::shared_ptr<const BasePress>& press = test_case.second;
     SCOPED_TRACE(label);
     llama::GenerationOptions opt;
     opt.press = press.get();
@@ -316,7 +319,8 @@ TEST(TensorParallel, ALoraAdapterAppliesOnShardsAsOnTheWholeModel) {
       adapter.add(1, module, {at::randn({2, in}, generator) * 0.1, at::randn({out, 2}, generator), 2.0});
     return std::pair{adapter, at::randn({1, 12, model().config().hidden_size}, generator)};
   }();
-  const auto& [adapter, x] = drawn;
+  const LoraAdapter& adapter = drawn.first;  // named: the lambdas below capture them
+  const at::Tensor& x = drawn.second;
   // Layer 1's output of the residual stream x at positions 0..11.
   const auto layer_output = [&](const LlamaModel& m, const LoraAdapter* lora) {
     const LayerQKV qkv = m.layer_qkv(1, x, m.rope(0, x.size(1)), lora);
