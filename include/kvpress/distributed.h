@@ -49,7 +49,8 @@ LayerInputs rank_share(const LayerInputs& layer, const HeadShard& shard);
 // A Gloo process group of `world` processes on this machine (or sharing a file system) meeting at
 // the file `store_path` (absent or empty before the first rank starts; one per group). Every
 // collective, the rendezvous included, fails with a c10::Error after `timeout` instead of waiting
-// for a rank that died or never came.
+// for a rank that died or never came. Returns once every rank has joined (a first barrier); ranks
+// may be processes or threads of one process.
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path, int rank, int world,
                                                   std::chrono::milliseconds timeout);
 

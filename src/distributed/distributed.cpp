@@ -187,6 +187,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path,
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world);
   group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  // torch's flight recorder (FlightRecorder::recordWithResetEnabled, torch 2.11) enters a group in
+  // its process-wide table at the group's first collective without taking its own lock, so ranks
+  // that are threads of one process would race there (a lost table node, LeakSanitizer saw it; or a
+  // corrupted table). The group's first collective is therefore this barrier, enqueued (Gloo enqueues
+  // on the caller's thread without waiting for peers) under one process-wide lock; its wait, which
+  // needs the other ranks, is not. When gloo_group returns, every rank of the world has entered.
+  static std::mutex first_collective;
+  c10::intrusive_ptr<c10d::Work> barrier;
+  {
+    const std::lock_guard<std::mutex> lock(first_collective);
+    barrier = backend->barrier();
+  }
+  detail::wait_for(barrier, rank_of("gloo_group", *group), "the group's first barrier");
   return group;
 }
 
