@@ -11,8 +11,7 @@ namespace kvpress::llama {
 KVComposeResult kvcompose_prefill(const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                                   const KVComposePress& press, const KVComposeRunOptions& run,
                                   const PrefillOptions& prefill) {
-  model.check_press_on_shard(&press, "kvcompose_prefill");
-  detail::LlamaSecondPassRun pass_run("kvcompose_prefill", model, context_ids, cache, prefill, press.name());
+  detail::LlamaSecondPassRun pass_run("kvcompose_prefill", model, context_ids, cache, prefill, press);
   KVComposePassResult pass;
   KVComposeResult result;
   result.prefill = pass_run.take_output([&] { pass = press.run_second_pass(pass_run, run); });

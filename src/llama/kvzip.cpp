@@ -20,8 +20,7 @@ namespace {
 template <typename Pass>
 KVzipResult run_pass(const char* op, const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
                      const PrefillOptions& options, const BasePress& press, Pass&& pass) {
-  model.check_press_on_shard(&press, op);
-  detail::LlamaSecondPassRun run(op, model, context_ids, cache, options, press.name());
+  detail::LlamaSecondPassRun run(op, model, context_ids, cache, options, press);
   KVzipPassResult report;
   KVzipResult result;
   result.prefill = run.take_output([&] { report = pass(run); });
@@ -71,7 +70,6 @@ at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, 
                         const CapturedPrefill* captured) {
   constexpr const char* op = "kvzip_scores";
   require_plain_kvzip(op, press);
-  model.check_press_on_shard(&press, op);
   TORCH_CHECK(captured == nullptr || (static_cast<int64_t>(captured->layers.size()) == model.config().num_layers &&
                                       captured->is_prefill_of(context_ids)),
               op, ": captured holds another prefill than context_ids (capture_prefill of them)");
@@ -79,7 +77,7 @@ at::Tensor kvzip_scores(const LlamaModel& model, const at::Tensor& context_ids, 
   options.tokenizer = &tokenizer;
   options.chat_template = chat_template;
   KVCache unused = model.new_cache();  // the scoring pass fills no cache
-  const detail::LlamaSecondPassRun pass_run(op, model, context_ids, unused, options, press.name(), captured);
+  const detail::LlamaSecondPassRun pass_run(op, model, context_ids, unused, options, press, captured);
   return press.replay_scores(pass_run, run);
 }
 

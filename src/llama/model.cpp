@@ -477,7 +477,7 @@ ForwardOutput LlamaModel::prefill(const at::Tensor& input_ids, KVCache& cache, c
   const BasePress* press = prefill_press_of(options.press);
   check_press_on_shard(press, "LlamaModel::prefill");
   if (press != nullptr && press->needs_second_pass()) {
-    detail::LlamaSecondPassRun run("LlamaModel::prefill", *this, input_ids, cache, options, press->name());
+    detail::LlamaSecondPassRun run("LlamaModel::prefill", *this, input_ids, cache, options, *press);
     return run.take_output([&] { press->second_pass(run); });
   }
   return run(input_ids, cache, options, &options);

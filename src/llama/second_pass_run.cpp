@@ -11,15 +11,16 @@
 namespace kvpress::llama::detail {
 
 LlamaSecondPassRun::LlamaSecondPassRun(const char* op, const LlamaModel& model, const at::Tensor& context_ids,
-                                       KVCache& cache, const PrefillOptions& options, std::string press_name,
+                                       KVCache& cache, const PrefillOptions& options, const BasePress& press,
                                        const CapturedPrefill* captured)
     : op_(op),
       model_(model),
       context_ids_(context_ids),
       cache_(cache),
       options_(options),
-      press_name_(std::move(press_name)),
+      press_name_(press.name()),
       captured_(captured) {
+  model.check_press_on_shard(&press, op);
   TORCH_CHECK(cache.position() == 0, op, ": the cache already holds ", cache.position(),
               " tokens; it prefills an empty cache");
 }

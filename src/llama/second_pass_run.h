@@ -18,10 +18,11 @@ class LlamaSecondPassRun final : public SecondPassRun {
  public:
   // `cache` must be empty (raises "<op>: the cache already holds ..."); `options`: the prefill's
   // (its press is not used: the pass gives its own), with its tokenizer and chat template for
-  // encode() and user_turn_frame(). `press_name` names the press in errors. `captured` (optional):
-  // a plain prefill of context_ids whose keys/values captured_layer() gives.
+  // encode() and user_turn_frame(). `press`: the press whose pass runs (checked against a
+  // tensor-parallel shard; named in errors). `captured` (optional): a plain prefill of context_ids
+  // whose keys/values captured_layer() gives.
   LlamaSecondPassRun(const char* op, const LlamaModel& model, const at::Tensor& context_ids, KVCache& cache,
-                     const PrefillOptions& options, std::string press_name, const CapturedPrefill* captured = nullptr);
+                     const PrefillOptions& options, const BasePress& press, const CapturedPrefill* captured = nullptr);
 
   const char* op() const override { return op_; }
   const ModelView& model() const override { return model_; }

@@ -24,11 +24,10 @@ at::Tensor AdaKVPress::keep_mask(const LayerInputs& in) const {
   if (ratio == 0.0) return budget::keep_everything(in);
   const int64_t seq = in.keys.size(2);
   const int64_t n_kept = ops::n_kept(seq, ratio);
-  // Every head of the layer (on a rank's share, every rank's scores).
-  const at::Tensor scores = head_exchange::all_heads(
-      in, budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_)));
+  const at::Tensor scores =
+      budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_));
   // kvpress masks the Hkv·(S - n_kept) lowest scores of each batch row; we keep the rest.
-  return head_exchange::own_kv_heads(in, ops::topk_mask_across_heads(scores, scores.size(1) * n_kept));
+  return head_exchange::keep_top_across_heads(in, scores, static_cast<double>(n_kept));
 }
 
 namespace {

@@ -35,10 +35,8 @@ at::Tensor CriticalAdaKVPress::keep_mask(const LayerInputs& in) const {
   // AdaKV's safeguard, then each head's budget: its share of the layer's Hkv·n_kept best pairs.
   at::Tensor scores =
       budget::force_top_per_head(inner_scores(in, op), budget::safeguard_count(n_kept, alpha_safeguard_));
-  // (Across every head of the layer: on a rank's share, every rank's scores.)
-  const at::Tensor layer_scores = head_exchange::all_heads(in, scores);
-  const at::Tensor budgets = head_exchange::own_kv_heads(
-      in, ops::topk_mask_across_heads(layer_scores, layer_scores.size(1) * n_kept).sum(-1));  // [B, Hkv] int64
+  const at::Tensor budgets =
+      head_exchange::keep_top_across_heads(in, scores, static_cast<double>(n_kept)).sum(-1);  // [B, Hkv] int64
 
   // Stage 1: each head's top int(budget · first_stage_ratio) are forced (float32 product, as kvpress).
   const at::Tensor first = (budgets.to(at::kFloat) * static_cast<float>(first_stage_ratio_)).to(at::kLong);

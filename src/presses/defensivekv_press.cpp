@@ -80,11 +80,8 @@ at::Tensor DefensiveKVPress::keep_mask(const LayerInputs& in) const {
   checks::check_kv(kOp, in.keys, in.values);
   const int64_t seq = in.keys.size(2);
   if (compression_ratio() == 0.0) return at::ones(in.keys.sizes().slice(0, 3), in.keys.options().dtype(at::kBool));
-  // Across every head of the layer (on a rank's share, every rank's scores).
-  const at::Tensor layer_scores = head_exchange::all_heads(in, score(in));
-  const auto kept = static_cast<int64_t>(static_cast<double>(seq) * (1.0 - compression_ratio()) *
-                                         static_cast<double>(layer_scores.size(1)));
-  return head_exchange::own_kv_heads(in, ops::topk_mask_across_heads(layer_scores, kept));
+  // The authors keep int(S·(1 - ratio)·H) pairs of the layer (the product in float64, as here).
+  return head_exchange::keep_top_across_heads(in, score(in), static_cast<double>(seq) * (1.0 - compression_ratio()));
 }
 
 KV DefensiveKVPress::compress(const LayerInputs&) const { refuse_uniform_compress(); }

@@ -68,4 +68,14 @@ inline at::Tensor own_kv_heads(const LayerInputs& in, const at::Tensor& full) {
   return in.head_exchange ? full.narrow(1, in.kv_head_range.first, in.keys.size(1)) : full;
 }
 
+// The layer-wide selection of presses whose budgets vary by head: scores [B, n, S] of the heads `in`
+// holds -> the keep mask [B, n, S] of those heads within the int(kept_per_head · H) best (head,
+// token) pairs of each batch row over the H heads selected together (every rank's on a share in
+// global mode, the held ones otherwise; ops::topk_mask_across_heads).
+inline at::Tensor keep_top_across_heads(const LayerInputs& in, const at::Tensor& scores, double kept_per_head) {
+  const at::Tensor layer_scores = all_heads(in, scores);
+  const auto kept = static_cast<int64_t>(kept_per_head * static_cast<double>(layer_scores.size(1)));
+  return own_kv_heads(in, ops::topk_mask_across_heads(layer_scores, kept));
+}
+
 }  // namespace kvpress::head_exchange

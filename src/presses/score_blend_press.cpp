@@ -82,10 +82,7 @@ at::Tensor ScoreBlendPress::keep_mask(const LayerInputs& inputs) const {
   checks::check_finite_scores(op.c_str(), scores);
   const int64_t n_kept = ops::n_kept(seq, compression_ratio());
   if (options_.selection == TokenSelection::kAcrossHeads) {
-    // Across every head of the layer (on a rank's share, every rank's scores).
-    const at::Tensor layer_scores = head_exchange::all_heads(inputs, scores);
-    return head_exchange::own_kv_heads(inputs,
-                                       ops::topk_mask_across_heads(layer_scores, layer_scores.size(1) * n_kept));
+    return head_exchange::keep_top_across_heads(inputs, scores, static_cast<double>(n_kept));
   }
   at::Tensor mask = at::zeros({batch, kv_heads, seq}, bool_opts);
   mask.scatter_(2, ops::topk_indices(scores, n_kept), true);
