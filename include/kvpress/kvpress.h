@@ -7,6 +7,7 @@
 #include "kvpress/io/atomic_file.h"
 #include "kvpress/io/gguf.h"
 #include "kvpress/io/safetensors.h"
+#include "kvpress/kv_format.h"
 #include "kvpress/lora.h"
 #include "kvpress/model_view.h"
 #include "kvpress/ops.h"

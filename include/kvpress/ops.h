@@ -16,6 +16,7 @@
 #include <string>
 #include <tuple>
 
+#include "kvpress/kv_format.h"
 #include "kvpress/types.h"
 
 namespace kvpress::ops {
@@ -328,6 +329,32 @@ at::Tensor paged_attention(const at::Tensor& queries,                    // [B, 
                            const at::Tensor& page_table,                 // [B, Hkv, max_pages] int64, same device
                            const at::Tensor& lengths,                    // [B, Hkv] int64, same device
                            std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
+
+// paged_attention over quantized pages (kvpress/kv_format.h): head (b, h) of length L holds its
+// first L / page_size pages quantized, at page_table[b, h, 0 ..], and its last L % page_size tokens
+// in full precision at residual_keys/values[residual_slots[b], h, 0 ..] (the page that is not full
+// yet). Rows are dequantized inside the kernel, a block at a time; nothing else as paged_attention.
+at::Tensor paged_attention_quantized(const at::Tensor& queries,          // [B, Hq, n, D]
+                                     const at::Tensor& key_codes,        // [num_pages, page_size, code_bytes] uint8
+                                     const at::Tensor& key_scales,       // [num_pages, ...] (kv_page_layout)
+                                     const at::Tensor& value_codes,      // [num_pages, page_size, code_bytes] uint8
+                                     const at::Tensor& value_scales,     // [num_pages, ...]
+                                     KVFormat format,                    // int8, fp8 or int4
+                                     const at::Tensor& page_table,       // [B, Hkv, max_pages] int64, same device
+                                     const at::Tensor& lengths,          // [B, Hkv] int64, same device
+                                     const at::Tensor& residual_keys,    // [R, Hkv, page_size, D], queries' dtype
+                                     const at::Tensor& residual_values,  // [R, Hkv, page_size, D]
+                                     const at::Tensor& residual_slots,   // [B] int64 in [0, R)
+                                     std::optional<double> scale = std::nullopt);  // -> [B, Hq, n, D]
+
+// Quantizes P full pages of keys or values (kvpress/kv_format.h): {codes [P, page_size,
+// code_bytes] uint8, scales [P, ...] of kv_page_layout}. Any device (ATen operations).
+std::tuple<at::Tensor, at::Tensor> kv_quantize(const at::Tensor& rows,  // [P, page_size, D] float
+                                               KVFormat format, KVRole role);
+// The inverse reading: [P, page_size, D] float32 (code times scale, plus the minimum for int4).
+at::Tensor kv_dequantize(const at::Tensor& codes,   // [P, page_size, code_bytes] uint8
+                         const at::Tensor& scales,  // [P, ...] of kv_page_layout
+                         KVFormat format, KVRole role, int64_t head_dim);
 
 // Writes row r of keys/values into slot slots[r] = page * page_size + row of the pools, in place
 // (vLLM's reshape_and_cache). Slots must be in range and distinct (c10::Error otherwise; on CUDA

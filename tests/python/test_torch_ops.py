@@ -94,5 +94,21 @@ try:
 except RuntimeError as error:
     check("press_compress bad param", 'params must be ["key=value", ...], got "window_size"' in str(error))
 
+# Quantized pages: one full int8 page and 3 residual tokens per head; the kernel equals paged_attention over
+# the dequantized page followed by the residual rows.
+pages = torch.randn(2, 4, 16)  # head h's full page is page h
+kc, ks = ops.kv_quantize(pages, "int8", True)
+vc, vs = ops.kv_quantize(pages.flip(1), "int8", False)
+check("kv_quantize int8", kc.dtype == torch.uint8 and ks.shape == (2, 1))
+rk, rv = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
+table = torch.tensor([[[0], [1]]])
+qlen = torch.tensor([[7, 7]])
+q8 = torch.randn(1, 4, 1, 16)
+got = ops.paged_attention_quantized(q8, kc, ks, vc, vs, "int8", table, qlen, rk, rv, torch.tensor([0]))
+pool_k = torch.cat([ops.kv_dequantize(kc, ks, "int8", True, 16), rk[0]])
+pool_v = torch.cat([ops.kv_dequantize(vc, vs, "int8", False, 16), rv[0]])
+want = ops.paged_attention(q8, pool_k, pool_v, torch.tensor([[[0, 2], [1, 3]]]), qlen)
+check("paged_attention_quantized", torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+
 print(f"{passed} passed, {len(failures)} failed")
 sys.exit(1 if failures else 0)

@@ -259,6 +259,30 @@ def paged_write(key_pool: Tensor, value_pool: Tensor, keys: Tensor, values: Tens
     _ops.paged_write(key_pool, value_pool, keys, values, slots)
 
 
+def paged_attention_quantized(queries: Tensor, key_codes: Tensor, key_scales: Tensor, value_codes: Tensor,
+                              value_scales: Tensor, format: str, page_table: Tensor, lengths: Tensor,
+                              residual_keys: Tensor, residual_values: Tensor, residual_slots: Tensor,
+                              scale: Optional[float] = None) -> Tensor:
+    """paged_attention over quantized pages (format "int8", "fp8" or "int4", kv_quantize's codes and
+    scales): head (b, h) of length L holds its first L // page_size pages in the page table and its
+    last L % page_size tokens at residual_keys/values[residual_slots[b], h] ([R, Hkv, page_size, D],
+    the queries' dtype). Rows are dequantized inside the kernel."""
+    return _ops.paged_attention_quantized(queries, key_codes, key_scales, value_codes, value_scales, format,
+                                          page_table, lengths, residual_keys, residual_values, residual_slots, scale)
+
+
+def kv_quantize(rows: Tensor, format: str, keys: bool) -> Tuple[Tensor, Tensor]:
+    """Full pages [P, page_size, D] -> (codes [P, page_size, code_bytes] uint8, scales): int8 and fp8
+    e4m3 with one float32 scale per page, int4 with KIVI's split (keys per channel, values per token;
+    float16 scales and minima)."""
+    return _ops.kv_quantize(rows, format, keys)
+
+
+def kv_dequantize(codes: Tensor, scales: Tensor, format: str, keys: bool, head_dim: int) -> Tensor:
+    """kv_quantize's pages read back as float32 [P, page_size, D]."""
+    return _ops.kv_dequantize(codes, scales, format, keys, head_dim)
+
+
 # ---- any press of the registry on one layer --------------------------------------------------
 
 Params = Union[Mapping[str, object], Sequence[str], None]

@@ -12,9 +12,13 @@
 //   int64_t units, groups, dim;  float scale;
 //   int64_t n_visible(int64_t unit) const;                 // keys unit may attend to
 //   const scalar_t* query(int64_t unit, int64_t g) const;  // [D], query head g of the unit's group
-//   const scalar_t* key(int64_t unit, int64_t j) const;    // [D], its j-th visible key (positions ascend)
-//   const scalar_t* value(int64_t unit, int64_t j) const;  // [D]
+//   // Its j-th visible key (positions ascend) and value as float32 [D]: the row itself, or the row
+//   // converted or dequantized into `buffer` ([D] scratch).
+//   const float* key_row(int64_t unit, int64_t j, float* buffer) const;
+//   const float* value_row(int64_t unit, int64_t j, float* buffer) const;
+//   void prefetch(int64_t unit, int64_t j) const;          // asks for row j's key and value bytes
 //   scalar_t* output(int64_t unit, int64_t g) const;       // [D]
+// A layout whose rows lie in memory as scalar_t derives the three row methods from StoredRows.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -49,6 +53,30 @@ inline const float* as_float<float>(const float* row, float* /*buffer*/, int64_t
   return row;
 }
 
+// key_row, value_row and prefetch of a Layout whose key and value rows are scalar_t [D] in memory:
+// it gives const scalar_t* key(unit, j) and value(unit, j) (CRTP).
+template <typename scalar_t, typename Layout>
+struct StoredRows {
+  const float* key_row(int64_t unit, int64_t j, float* buffer) const {
+    return as_float<scalar_t>(self().key(unit, j), buffer, self().dim);
+  }
+  const float* value_row(int64_t unit, int64_t j, float* buffer) const {
+    return as_float<scalar_t>(self().value(unit, j), buffer, self().dim);
+  }
+  void prefetch(int64_t unit, int64_t j) const {
+    const auto row_bytes = self().dim * static_cast<int64_t>(sizeof(scalar_t));
+    const char* k = reinterpret_cast<const char*>(self().key(unit, j));
+    const char* v = reinterpret_cast<const char*>(self().value(unit, j));
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
+  }
+
+ private:
+  const Layout& self() const { return static_cast<const Layout&>(*this); }
+};
+
 // Partial attention state of one unit over a range of its visible keys, for the G query heads of
 // the group: running max, running sum and unnormalised output.
 struct Partial {
@@ -63,15 +91,7 @@ struct Partial {
 template <typename Layout>
 inline void prefetch_block(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end) {
   const int64_t len = std::min(kAttentionBlock, j_end - j_begin);
-  const int64_t row_bytes = l.dim * static_cast<int64_t>(sizeof(*l.key(unit, j_begin)));
-  for (int64_t j = 0; j < len; ++j) {
-    const char* k = reinterpret_cast<const char*>(l.key(unit, j_begin + j));
-    const char* v = reinterpret_cast<const char*>(l.value(unit, j_begin + j));
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      __builtin_prefetch(k + b);
-      __builtin_prefetch(v + b);
-    }
-  }
+  for (int64_t j = 0; j < len; ++j) l.prefetch(unit, j_begin + j);
 }
 
 // Attends `unit` over its visible keys [j_begin, j_end) into `part`. `qf` ([G, D]), `scores`
@@ -92,7 +112,7 @@ void attend(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end, Parti
     const int64_t len = std::min(kAttentionBlock, j_end - j0);
     const float* rows[kAttentionBlock];
     // Scores of the block for every query head of the group.
-    for (int64_t j = 0; j < len; ++j) rows[j] = as_float<scalar_t>(l.key(unit, j0 + j), row_buffer + j * dim, dim);
+    for (int64_t j = 0; j < len; ++j) rows[j] = l.key_row(unit, j0 + j, row_buffer + j * dim);
     prefetch_block(l, unit, j0 + len, j_end);
     block_scores(qf, rows, len, groups, dim, scores);
     // Online softmax: rescale what was accumulated when the running max grows.
@@ -114,7 +134,7 @@ void attend(const Layout& l, int64_t unit, int64_t j_begin, int64_t j_end, Parti
       part.max[g] = new_max;
       part.sum[g] = sum;
     }
-    for (int64_t j = 0; j < len; ++j) rows[j] = as_float<scalar_t>(l.value(unit, j0 + j), row_buffer + j * dim, dim);
+    for (int64_t j = 0; j < len; ++j) rows[j] = l.value_row(unit, j0 + j, row_buffer + j * dim);
     block_accumulate(scores, rows, len, groups, dim, part.acc);
   }
 }

@@ -51,6 +51,31 @@ at::Tensor paged_attention(const at::Tensor& queries, const at::Tensor& key_pool
   return op.call(queries, key_pool, value_pool, page_table, lengths, scale);
 }
 
+at::Tensor paged_attention_quantized(const at::Tensor& queries, const at::Tensor& key_codes,
+                                     const at::Tensor& key_scales, const at::Tensor& value_codes,
+                                     const at::Tensor& value_scales, KVFormat format, const at::Tensor& page_table,
+                                     const at::Tensor& lengths, const at::Tensor& residual_keys,
+                                     const at::Tensor& residual_values, const at::Tensor& residual_slots,
+                                     std::optional<double> scale) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, c10::string_view, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, std::optional<double>);
+  static const auto op = dispatcher_op<Signature>("kvpress::paged_attention_quantized");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"queries", &queries},
+                                {"key_codes", &key_codes},
+                                {"key_scales", &key_scales},
+                                {"value_codes", &value_codes},
+                                {"value_scales", &value_scales},
+                                {"page_table", &page_table},
+                                {"lengths", &lengths},
+                                {"residual_keys", &residual_keys},
+                                {"residual_values", &residual_values},
+                                {"residual_slots", &residual_slots}})
+    checks::check_defined("paged_attention_quantized", name, *t);
+  return op.call(queries, key_codes, key_scales, value_codes, value_scales, kv_format_name(format), page_table, lengths,
+                 residual_keys, residual_values, residual_slots, scale);
+}
+
 void paged_write(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& keys, const at::Tensor& values,
                  const at::Tensor& slots) {
   static const auto op =
@@ -96,6 +121,34 @@ at::Tensor composite::paged_attention(const at::Tensor& queries, const at::Tenso
   return out;
 }
 
+at::Tensor composite::paged_attention_quantized(const at::Tensor& queries, const at::Tensor& key_codes,
+                                                const at::Tensor& key_scales, const at::Tensor& value_codes,
+                                                const at::Tensor& value_scales, KVFormat format,
+                                                const at::Tensor& page_table, const at::Tensor& lengths,
+                                                const at::Tensor& residual_keys, const at::Tensor& residual_values,
+                                                const at::Tensor& residual_slots, std::optional<double> scale) {
+  const checks::QuantizedPagedAttentionArgs a = checks::quantized_paged_attention_args(
+      queries, key_codes, key_scales, value_codes, value_scales, format, page_table, lengths, residual_keys,
+      residual_values, residual_slots, scale);
+  const int64_t dim = queries.size(3), page_size = key_codes.size(1), num_pages = key_codes.size(0);
+  const int64_t batch = page_table.size(0), kv_heads = page_table.size(1), max_pages = page_table.size(2);
+  // Pages 0 .. num_pages - 1 dequantized, then residual row (r, h) as page num_pages + r * Hkv + h.
+  const at::Tensor key_pool = at::cat({kv_dequantize(a.key_codes, a.key_scales, format, KVRole::kKeys, dim),
+                                       a.residual_keys.to(at::kFloat).view({-1, page_size, dim})});
+  const at::Tensor value_pool = at::cat({kv_dequantize(a.value_codes, a.value_scales, format, KVRole::kValues, dim),
+                                         a.residual_values.to(at::kFloat).view({-1, page_size, dim})});
+  at::Tensor table = at::zeros({batch, kv_heads, max_pages + 1}, a.host_page_table.options());
+  table.narrow(2, 0, max_pages).copy_(a.host_page_table);
+  const int64_t* len = a.host_lengths.const_data_ptr<int64_t>();
+  const int64_t* slot = a.host_residual_slots.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      table[b][h][len[b * kv_heads + h] / page_size] = num_pages + slot[b] * kv_heads + h;
+  return paged_attention(a.queries.to(at::kFloat), key_pool, value_pool, table.to(page_table.device()), lengths,
+                         a.scale)
+      .to(queries.scalar_type());
+}
+
 void composite::paged_write(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& slots) {
   checks::check_paged_write(key_pool, value_pool, keys, values, slots);
@@ -111,17 +164,39 @@ void composite::paged_write(at::Tensor& key_pool, at::Tensor& value_pool, const 
 
 namespace kvpress {
 
+namespace {
+
+// The schema's form of ops::composite::paged_attention_quantized (the format by name).
+at::Tensor paged_attention_quantized_composite(const at::Tensor& queries, const at::Tensor& key_codes,
+                                               const at::Tensor& key_scales, const at::Tensor& value_codes,
+                                               const at::Tensor& value_scales, c10::string_view format,
+                                               const at::Tensor& page_table, const at::Tensor& lengths,
+                                               const at::Tensor& residual_keys, const at::Tensor& residual_values,
+                                               const at::Tensor& residual_slots, std::optional<double> scale) {
+  return ops::composite::paged_attention_quantized(queries, key_codes, key_scales, value_codes, value_scales,
+                                                   parse_kv_format(std::string(format), "paged_attention_quantized"),
+                                                   page_table, lengths, residual_keys, residual_values, residual_slots,
+                                                   scale);
+}
+
+}  // namespace
+
 // kvpress/paged.h's kernels.
 TORCH_LIBRARY_FRAGMENT(kvpress, m) {
   m.def(
       "paged_attention(Tensor queries, Tensor key_pool, Tensor value_pool, Tensor page_table, Tensor lengths, "
       "float? scale=None) -> Tensor");
+  m.def(
+      "paged_attention_quantized(Tensor queries, Tensor key_codes, Tensor key_scales, Tensor value_codes, "
+      "Tensor value_scales, str format, Tensor page_table, Tensor lengths, Tensor residual_keys, "
+      "Tensor residual_values, Tensor residual_slots, float? scale=None) -> Tensor");
   m.def("paged_write(Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor keys, Tensor values, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpress, CompositeExplicitAutograd, m) {
   m.impl("paged_attention", &ops::composite::paged_attention);
   m.impl("paged_write", &ops::composite::paged_write);
+  m.impl("paged_attention_quantized", &paged_attention_quantized_composite);
 }
 
 }  // namespace kvpress

@@ -15,7 +15,7 @@ namespace {
 
 // Unit (b * Hkv + h) * n + i sees the packed rows of head (b, h), then tail rows 0 .. m - n + i.
 template <typename scalar_t>
-struct RaggedLayout {
+struct RaggedLayout : StoredRows<scalar_t, RaggedLayout<scalar_t>> {
   int64_t units, groups, dim;
   float scale;
   int64_t q_heads, n, kv_heads, m;
