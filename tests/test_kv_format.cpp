@@ -42,8 +42,9 @@ TEST(KVFormat, NamesRoundTripAndAnUnknownNameIsRefused) {
     parse_kv_format("int2", "generate --kv-dtype");
     FAIL() << "int2 accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("generate --kv-dtype: the KV format must be full, int8, "
-                                                           "fp8 or int4, got 'int2'"),
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("generate --kv-dtype: the KV format must be full, int8, "
+                        "fp8 or int4, got 'int2'"),
               std::string::npos)
         << e.what_without_backtrace();
   }
@@ -226,9 +227,9 @@ at::Tensor attend(const at::Tensor& q, const QuantizedLayout& l, KVFormat format
   return composite ? ops::composite::paged_attention_quantized(
                          q, l.key_codes, l.key_scales, l.value_codes, l.value_scales, format, l.page_table, l.lengths,
                          l.residual_keys, l.residual_values, l.residual_slots, std::nullopt)
-                   : ops::paged_attention_quantized(q, l.key_codes, l.key_scales, l.value_codes, l.value_scales,
-                                                    format, l.page_table, l.lengths, l.residual_keys,
-                                                    l.residual_values, l.residual_slots);
+                   : ops::paged_attention_quantized(q, l.key_codes, l.key_scales, l.value_codes, l.value_scales, format,
+                                                    l.page_table, l.lengths, l.residual_keys, l.residual_values,
+                                                    l.residual_slots);
 }
 
 // The kernel reads every row as the reference does (the same float32 dequantization), so the
@@ -240,15 +241,16 @@ TEST(PagedQuantizedOps, AttentionMatchesDenseAttentionOverTheDequantizedRows) {
     std::vector<int64_t> lengths;
   };
   const std::vector<Case> cases = {
-      {2, 2, 3, 1, 16, 16, {1, 17, 32, 40}},      // only residual rows, one of them, none, both kinds
-      {2, 2, 1, 4, 8, 8, {4, 9, 23, 50}},         // n new tokens, no GQA
-      {1, 1, 4, 1, 16, 64, {3000}},               // one long head: split across threads and merged
+      {2, 2, 3, 1, 16, 16, {1, 17, 32, 40}},       // only residual rows, one of them, none, both kinds
+      {2, 2, 1, 4, 8, 8, {4, 9, 23, 50}},          // n new tokens, no GQA
+      {1, 1, 4, 1, 16, 64, {3000}},                // one long head: split across threads and merged
       {1, 4, 2, 1, 16, 128, {700, 16, 15, 2049}},  // Llama-like head_dim
   };
   for (const Case& c : cases) {
     for (KVFormat format : kQuantized) {
       for (auto dtype : {at::kFloat, at::kBFloat16}) {
-        const QuantizedLayout l = quantized_layout(c.batch, c.kv_heads, c.lengths, c.page_size, c.dim, format, dtype, 7);
+        const QuantizedLayout l =
+            quantized_layout(c.batch, c.kv_heads, c.lengths, c.page_size, c.dim, format, dtype, 7);
         const at::Tensor q = randn({c.batch, c.kv_heads * c.groups, c.n, c.dim}, 8, dtype);
         const at::Tensor expected = dense_reference(q, l, c.kv_heads);
         const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
@@ -296,8 +298,11 @@ TEST(PagedQuantizedOps, BadArgumentsAreNamed) {
   bad_table[0][0][1] = 1000;
   expect_error(call(l.key_codes, l.key_scales, KVFormat::kInt8, bad_table, l.residual_slots),
                "paged_attention_quantized: page_table must hold pages in [0, 4) where used, got 1000");
-  expect_error([&] { ops::kv_quantize(randn({1, 4, 5}, 1), KVFormat::kInt4, KVRole::kKeys); },
-               "kv_quantize: int4 packs two channels per byte, so head_dim must be even, got 5");
+  expect_error(
+      [&] {
+        ops::kv_quantize(randn({1, 4, 5}, 1), KVFormat::kInt4, KVRole::kKeys);
+      },
+      "kv_quantize: int4 packs two channels per byte, so head_dim must be even, got 5");
   expect_error([&] { ops::kv_dequantize(l.key_codes, l.key_scales, KVFormat::kFp8, KVRole::kKeys, 32); },
                "kv_dequantize: codes must be uint8 [4, 8, 32] for fp8 and head_dim 32");
 }

@@ -41,8 +41,8 @@ KVFormat parse_kv_format(const std::string& name, const char* op);
 // One quantized page of one head, keys or values: codes [page_size, code_bytes] uint8 and scales
 // of scale_shape and scale_dtype. For KVFormat::kFull, the page's rows themselves.
 struct KVPageLayout {
-  int64_t code_bytes = 0;             // per token row: D (int8, fp8), D / 2 (int4)
-  std::vector<int64_t> scale_shape;   // [1], [2, D] (int4 keys), [page_size, 2] (int4 values); empty for kFull
+  int64_t code_bytes = 0;            // per token row: D (int8, fp8), D / 2 (int4)
+  std::vector<int64_t> scale_shape;  // [1], [2, D] (int4 keys), [page_size, 2] (int4 values); empty for kFull
   c10::ScalarType scale_dtype = c10::ScalarType::Float;
   int64_t code_bytes_per_page(int64_t page_size) const { return page_size * code_bytes; }
   int64_t scale_bytes_per_page() const;

@@ -95,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor> kv_quantize(const at::Tensor& rows, KVFormat 
   checks::check_defined(op, "rows", rows);
   checks::check_rank(op, "rows", rows, 3, "[pages, page_size, head_dim]");
   checks::check_float(op, "rows", rows);
-  TORCH_CHECK(format != KVFormat::kFull, op, ": the format must be int8, fp8 or int4 (full pages are stored as they are)");
+  TORCH_CHECK(format != KVFormat::kFull, op,
+              ": the format must be int8, fp8 or int4 (full pages are stored as they are)");
   const int64_t pages = rows.size(0), page_size = rows.size(1), dim = rows.size(2);
   const KVPageLayout layout = kv_page_layout(format, role, page_size, dim, rows.scalar_type(), op);
   std::vector<int64_t> scale_shape{pages};
@@ -146,8 +147,8 @@ at::Tensor kv_dequantize(const at::Tensor& codes, const at::Tensor& scales, KVFo
     if (role == KVRole::kKeys) return q * s.narrow(1, 0, 1) + s.narrow(1, 1, 1);
     return q * s.narrow(2, 0, 1) + s.narrow(2, 1, 1);
   }
-  const at::Tensor q = format == KVFormat::kInt8 ? codes.view(at::kChar).to(at::kFloat)
-                                                 : codes.view(at::kFloat8_e4m3fn).to(at::kFloat);
+  const at::Tensor q =
+      format == KVFormat::kInt8 ? codes.view(at::kChar).to(at::kFloat) : codes.view(at::kFloat8_e4m3fn).to(at::kFloat);
   return q * scales.view({pages, 1, 1});
 }
 
