@@ -204,6 +204,54 @@ TEST(PagedLlama, AnEnginesOwnDecodingPressRunsThroughTheLifecycle) {
   }
 }
 
+// Quantized pages under continuous batching, with a prefill press and a decoding press that reads
+// the cached keys back (dequantized) to compact: every sequence keeps the full cache's counts. With
+// the prefill press (its kept sets chosen from the unquantized prompt, so the same as the full
+// cache's), until a sequence's tokens first differ from the full cache's its logits stay within a
+// sanity bound of them (a bound on the whole model's output, not an analysis: every layer's
+// quantization errors add up). The decoding press chooses from dequantized keys, so its kept sets,
+// and the logits after them, may differ from the full cache's.
+TEST(PagedLlama, QuantizedPagesKeepTheFullCachesCounts) {
+  const std::vector<std::vector<int64_t>> ps = prompts({95, 150, 88}, 3);
+  const std::vector<PressCase> cases = {
+      {"SnapKVPress", 0.5, {}},
+      {"DecodingPress", 0.0, {{"compression_interval", "4"}, {"target_size", "30"}, {"press", "KnormPress"}}},
+  };
+  for (const PressCase& c : cases) {
+    const std::unique_ptr<BasePress> press = make_press(c.name, c.ratio, c.params);
+    std::map<std::pair<int64_t, int64_t>, at::Tensor> logits[2];
+    llama::PagedGenerations runs[2];
+    for (int quantized = 0; quantized < 2; ++quantized) {
+      llama::PagedGenerationOptions opt;
+      opt.press = press.get();
+      opt.max_new_tokens = 12;
+      opt.stop_at_eos = false;
+      opt.max_batch = 2;
+      opt.page_size = 8;
+      opt.kv_format = quantized ? KVFormat::kInt8 : KVFormat::kFull;
+      std::map<std::pair<int64_t, int64_t>, at::Tensor>& seen = logits[quantized];
+      opt.on_logits = [&seen](int64_t prompt, int64_t step, const at::Tensor& l) {
+        seen[{prompt, step}] = l.to(at::kFloat).clone();
+      };
+      runs[quantized] = llama::generate_paged(model(), ps, opt);
+    }
+    EXPECT_EQ(runs[1].stats.kv_format, KVFormat::kInt8);
+    EXPECT_EQ(runs[1].stats.bytes_per_page, 2 * (8 * 16 + 4)) << "int8 codes and a float32 scale, keys and values";
+    EXPECT_GT(runs[1].stats.residual_bytes, 0);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const llama::Generation &full = runs[0].generations[i], &int8 = runs[1].generations[i];
+      EXPECT_EQ(int8.final_cache_lengths, full.final_cache_lengths) << c.name << " prompt " << i;
+      EXPECT_EQ(int8.tokens.size(), full.tokens.size());
+      for (size_t k = 0; k < full.tokens.size() && c.name == "SnapKVPress"; ++k) {
+        const at::Tensor& a = logits[0].at({static_cast<int64_t>(i), static_cast<int64_t>(k)});
+        const at::Tensor& b = logits[1].at({static_cast<int64_t>(i), static_cast<int64_t>(k)});
+        EXPECT_LE((a - b).abs().max().item<double>(), 0.25) << c.name << " prompt " << i << " step " << k;
+        if (int8.tokens[k] != full.tokens[k]) break;  // from here on the two runs feed different tokens
+      }
+    }
+  }
+}
+
 TEST(PagedLlama, PrefillAndDecodeRefuseBadInputAndLeaveTheCacheAsItWas) {
   const LlamaModel& m = model();
   PagedKVCache cache = m.new_paged_cache(40, 16);

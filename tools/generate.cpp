@@ -47,7 +47,8 @@ struct GenerateArgs {
   int64_t max_new_tokens = 32;
   bool paged = false;
   int64_t page_size = kvpress::PagedCacheOptions::kDefaultPageSize;
-  int64_t pages_per_layer = 0;  // 0: generate_paged sizes the pool for max_batch
+  kvpress::KVFormat kv_format = kvpress::KVFormat::kFull;  // --kv-dtype
+  int64_t pages_per_layer = 0;                             // 0: generate_paged sizes the pool for max_batch
   int64_t max_batch = 8;
   bool stop_at_eos = true;
   int64_t tp = 1;  // tensor-parallel ranks (paged mode)
@@ -74,6 +75,12 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
       out.max_new_tokens = parse_int_option("--max-new-tokens", value, 1, 1 << 20);
     } else if (take_value(args, i, "--page-size", "", value)) {
       out.page_size = parse_int_option("--page-size", value, 1, 1 << 16);
+    } else if (take_value(args, i, "--kv-dtype", "", value)) {
+      try {
+        out.kv_format = kvpress::parse_kv_format(value, "--kv-dtype");
+      } catch (const c10::Error& e) {
+        usage_error("{}", e.msg());
+      }
     } else if (take_value(args, i, "--pages-per-layer", "", value)) {
       out.pages_per_layer = parse_int_option("--pages-per-layer", value, 1, kMax);
     } else if (take_value(args, i, "--max-batch", "", value)) {
@@ -104,9 +111,9 @@ GenerateArgs parse_generate_args(const std::vector<std::string>& args) {
   if (out.tp == 1 && (out.budgets != kvpress::distributed::BudgetMode::kGlobal || out.tp_rank > 0)) {
     usage_error("generate: --budgets needs --tp N with N > 1");
   }
-  if (!out.paged && (out.pages_per_layer > 0 || out.max_batch != 8 ||
+  if (!out.paged && (out.pages_per_layer > 0 || out.max_batch != 8 || out.kv_format != kvpress::KVFormat::kFull ||
                      out.page_size != kvpress::PagedCacheOptions::kDefaultPageSize)) {
-    usage_error("generate: --page-size, --pages-per-layer and --max-batch need --paged");
+    usage_error("generate: --page-size, --kv-dtype, --pages-per-layer and --max-batch need --paged");
   }
   return out;
 }
@@ -130,7 +137,9 @@ nlohmann::json stats_json(const llama::PagedGenerationStats& s) {
   return {{"num_layers", s.num_layers},
           {"pages_per_layer", s.pages_per_layer},
           {"page_size", s.page_size},
+          {"kv_format", kvpress::kv_format_name(s.kv_format)},
           {"bytes_per_page", s.bytes_per_page},
+          {"residual_bytes", s.residual_bytes},
           {"prompt_pages_uncompressed", s.prompt_pages_uncompressed},
           {"prompt_pages_stored", s.prompt_pages_stored},
           {"peak_pages_used", s.peak_pages_used},
@@ -143,8 +152,11 @@ std::string mib(int64_t bytes) { return fmt::format("{:.2f} MiB", static_cast<do
 
 void print_pool(const llama::PagedGenerationStats& s, size_t prompts) {
   const int64_t pool = s.num_layers * s.pages_per_layer;
-  fmt::print("paged cache: {} layers x {} pages of {} tokens ({} bytes each, keys and values): {}\n", s.num_layers,
-             s.pages_per_layer, s.page_size, s.bytes_per_page, mib(pool * s.bytes_per_page));
+  fmt::print("paged cache: {} layers x {} pages of {} tokens ({} bytes each, keys and values, {}): {}\n", s.num_layers,
+             s.pages_per_layer, s.page_size, s.bytes_per_page, kvpress::kv_format_name(s.kv_format),
+             mib(pool * s.bytes_per_page));
+  if (s.residual_bytes > 0)
+    fmt::print("residual rows (each head's page that is not full yet, unquantized): {}\n", mib(s.residual_bytes));
   const double saved = s.prompt_pages_uncompressed > 0
                            ? 100.0 * (1.0 - static_cast<double>(s.prompt_pages_stored) /
                                                 static_cast<double>(s.prompt_pages_uncompressed))
@@ -313,6 +325,7 @@ int run_generate(const std::vector<std::string>& argv) {
     opt.max_new_tokens = args.max_new_tokens;
     opt.stop_at_eos = args.stop_at_eos;
     opt.page_size = args.page_size;
+    opt.kv_format = args.kv_format;
     opt.pages_per_layer = args.pages_per_layer;
     opt.max_batch = args.max_batch;
     llama::PagedGenerations run = llama::generate_paged(model, prompts, opt);

@@ -79,7 +79,7 @@ Usage:
                    [--max-stories N] [--threads N] [--json OUT] [--csv OUT] [--png OUT]
   kvpress-cli generate (--prompts FILE | --prompt TEXT ...) [--press NAME --ratio R
                    [--param KEY=VALUE ...]] [--max-new-tokens N] [--model DIR] [--paged
-                   [--page-size P] [--pages-per-layer N] [--max-batch B]]
+                   [--page-size P] [--kv-dtype F] [--pages-per-layer N] [--max-batch B]]
                    [--tp N [--budgets global|per_rank]] [--no-stop-at-eos]
                    [--chat] [--threads N] [--json OUT] [--quiet]
   kvpress-cli ask --context FILE --question Q [--question Q ...] [--press NAME --ratio R
@@ -153,6 +153,8 @@ generate options (greedy continuations with the kvpress::llama runner):
                            each compressed while its pages are written; a finished prompt's
                            pages go to the next one; prints the pool's figures
   --page-size P            tokens per page (default 16)
+  --kv-dtype F             how full pages are stored: full (the model's dtype, default), int8,
+                           fp8 (e4m3) or int4 (KIVI); a head's last, partly filled page stays full
   --pages-per-layer N      pool size per layer (default: max-batch prompts' worst case)
   --max-batch B            sequences running at once (default 8)
   --no-stop-at-eos         generate N tokens even after the end-of-story token

@@ -33,6 +33,7 @@
 #include <optional>
 #include <vector>
 
+#include "kvpress/kv_format.h"
 #include "kvpress/presses/base_press.h"
 #include "kvpress/types.h"
 
@@ -47,6 +48,10 @@ struct PagedCacheOptions {
   int64_t page_size = kDefaultPageSize;  // tokens per page
   at::ScalarType dtype = at::kFloat;     // float32, float16 or bfloat16
   at::Device device = at::kCPU;
+  // How full pages are stored (kvpress/kv_format.h): in `dtype` (kFull), or quantized (int8, fp8,
+  // int4). A quantized cache keeps each head's last, partly filled page in `dtype` (its residual
+  // rows) and quantizes the page when it fills.
+  KVFormat kv_format = KVFormat::kFull;
 };
 
 using SequenceId = int64_t;
@@ -68,13 +73,16 @@ struct SequenceTokens {
 
 struct PagedCacheStats {
   int64_t num_layers = 0, pages_per_layer = 0, page_size = 0;
-  int64_t bytes_per_page = 0;   // keys + values of one page
+  int64_t bytes_per_page = 0;   // keys + values of one page: codes and scales when quantized
   int64_t pages_used = 0;       // over every layer
   int64_t pages_free = 0;       // over every layer
   int64_t peak_pages_used = 0;  // since construction or reset_peak()
   int64_t sequences = 0;
   int64_t tokens = 0;       // stored over every (sequence, layer, head)
   int64_t table_bytes = 0;  // the device page and length tables (grown as sequences and heads need)
+  // A quantized cache's residual rows: a page of keys and values in the cache's dtype for each
+  // (sequence slot, layer, KV head), grown with the tables; 0 for KVFormat::kFull.
+  int64_t residual_bytes = 0;
   int64_t bytes_used() const { return pages_used * bytes_per_page; }
   int64_t bytes_total() const { return (pages_used + pages_free) * bytes_per_page; }
 };
@@ -85,6 +93,17 @@ struct PagedBatchView {
   // holds; entries past a head's ceil(length / page_size) pages are page ids of no meaning.
   at::Tensor page_table;
   at::Tensor lengths;  // [B, Hkv] int64 on the cache's device
+  at::Tensor slots;    // [B] int64 on the cache's device: the sequences' rows of the tables and of the residual rows
+};
+
+// A quantized cache's storage of one layer (PagedKVCache::quantized_pool), what
+// ops::paged_attention_quantized reads: head h of the sequence in table row `slot` keeps its full
+// pages' codes and scales in the pools and its last length % page_size tokens at
+// residual_keys/values[slot, h].
+struct QuantizedPagePool {
+  at::Tensor key_codes, value_codes;          // [pages_per_layer, page_size, code_bytes] uint8
+  at::Tensor key_scales, value_scales;        // [pages_per_layer, ...] (kv_page_layout)
+  at::Tensor residual_keys, residual_values;  // [slot capacity, Hkv, page_size, D] in the cache's dtype
 };
 
 // Completes sequence i's LayerInputs for a press at store(): the cache sets keys, values,
@@ -139,7 +158,8 @@ class PagedKVCache {
   // across layers before starting it).
   int64_t pages_to_append(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n) const;
   // Undoes the last append of n tokens to each sequence at `layer` (a step that failed part-way):
-  // drops each head's last n tokens, returns pages left empty, moves next_position back by n.
+  // drops each head's last n tokens, returns pages left empty, moves next_position back by n. In a
+  // quantized cache, a page that is no longer full goes back to the residual rows dequantized.
   void remove_last(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n);
   // Causal attention of each sequence's last n stored tokens' queries over its heads' pages
   // (ops::paged_attention): new token i sees every older token of its head and new tokens <= i.
@@ -152,12 +172,15 @@ class PagedKVCache {
   // ---- decode-time compression ---------------------------------------------------------------
   // Keeps, in every head of (seq, layer), the tokens where keep_mask is true, moved to the front of
   // the head's own pages in order; the pages left empty go back to the pool. Only rows whose slot
-  // changes are copied. keep_mask [Hkv, L] bool with L >= every head's length (entries at or past
-  // a head's length must be false).
+  // changes are copied; in a quantized cache a page whose rows change is quantized again from its
+  // new rows, dequantized (its scales follow its rows). keep_mask [Hkv, L] bool with L >= every
+  // head's length (entries at or past a head's length must be false).
   void compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask);
 
   // ---- moving a sequence between caches ----------------------------------------------------------
-  // Copies of every token the sequence stores, with their positions and each layer's next position.
+  // Copies of every token the sequence stores, with their positions and each layer's next position
+  // (a quantized cache's rows dequantized to its dtype: adopting them into a cache of the same format
+  // and page size quantizes each page to the same codes).
   SequenceTokens export_sequence(SequenceId seq) const;
   // A new sequence holding `tokens` (any device; copied to the cache's): every head the lengths,
   // positions and K/V it had, every layer the same next position, so decoding continues as it would
@@ -173,9 +196,11 @@ class PagedKVCache {
   int64_t next_position(SequenceId seq, int64_t layer) const;
   // Original positions of head h's stored tokens, in storage order (ascending).
   std::vector<int64_t> positions(SequenceId seq, int64_t layer, int64_t head) const;
+  // Head h's pages in token order: every page holding a token, or in a quantized cache its full
+  // pages only (its last length % page_size tokens are residual rows).
   const std::vector<int64_t>& pages(SequenceId seq, int64_t layer, int64_t head) const;
   // Copies of head h's tokens [length, D], and of a layer whose heads have equal lengths as a dense
-  // [1, Hkv, L, D] pair (what a decoding press scores).
+  // [1, Hkv, L, D] pair (what a decoding press scores); a quantized cache's dequantized to its dtype.
   at::Tensor head_keys(SequenceId seq, int64_t layer, int64_t head) const;
   at::Tensor head_values(SequenceId seq, int64_t layer, int64_t head) const;
   std::pair<at::Tensor, at::Tensor> dense(SequenceId seq, int64_t layer) const;
@@ -184,9 +209,11 @@ class PagedKVCache {
   PagedCacheStats stats() const;
   void reset_peak();
   int64_t free_pages(int64_t layer) const;
-  // Raw pools for kernels: [pages_per_layer, page_size, D].
+  // Raw pools for kernels: [pages_per_layer, page_size, D] (KVFormat::kFull; a quantized cache
+  // raises and gives quantized_pool()).
   const at::Tensor& key_pool(int64_t layer) const;
   const at::Tensor& value_pool(int64_t layer) const;
+  QuantizedPagePool quantized_pool(int64_t layer) const;  // a quantized cache's (raises for kFull)
 
  private:
   struct Head {
@@ -206,7 +233,8 @@ class PagedKVCache {
     int64_t slot = 0;  // its row of the device tables
   };
   struct Layer {
-    at::Tensor key_pool, value_pool;  // [pages_per_layer, page_size, D]
+    at::Tensor key_pool, value_pool;  // [pages_per_layer, page_size, D] (KVFormat::kFull)
+    QuantizedPagePool quantized;      // a quantized cache's (residual rows grown with the tables)
     std::vector<int64_t> free_pages;  // a stack: the last entry is taken first
     at::Tensor page_table;            // [slot_capacity, Hkv, page_capacity] int64, on the device
     at::Tensor lengths;               // [slot_capacity, Hkv] int64, on the device
@@ -218,8 +246,29 @@ class PagedKVCache {
     at::Tensor keys, values;         // [n, D]
     std::vector<int64_t> positions;  // n original positions
   };
-  // Takes the pages the writes need (all or nothing) and writes every row with one paged_write.
+  // Takes the pages the writes need (all or nothing) and writes every row: with one paged_write,
+  // or (quantized) the pages that fill quantized with one kv_quantize and the rest as residual rows.
   void write(int64_t layer, const std::vector<SequenceId>& seqs, std::vector<HeadWrite>& writes);
+  // Rows bound for a quantized layer (paged_cache.cpp): pages to quantize and residual rows, staged
+  // (quantized, indices on the device: what can fail) before they are written.
+  class QuantizedRows;
+  // The quantized half of write(): heads' rows after their current tokens, into `new_pages`.
+  QuantizedRows quantized_write(int64_t layer, const std::vector<SequenceId>& seqs,
+                                const std::vector<HeadWrite>& writes,
+                                const std::vector<std::vector<int64_t>>& new_pages) const;
+  bool quantized() const { return options_.kv_format != KVFormat::kFull; }
+  // Pages in the table of a head of `length` tokens: every page that holds one (kFull), or only the
+  // full ones (quantized: the rest are residual rows).
+  int64_t table_pages(int64_t length) const;
+  // Rows [n, D] of `heads` of (seq, layer), every token of each in storage order, one head after
+  // another, in the cache's dtype (a quantized cache's dequantized).
+  at::Tensor head_rows(int64_t layer, SequenceId seq, const std::vector<int64_t>& heads, bool keys) const;
+  // remove_last(layer, seqs, n) in a quantized cache: the rows of each page that stops being full,
+  // dequantized, as residual rows.
+  QuantizedRows reopened_rows(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n) const;
+  // compact(layer, seq, ...) in a quantized cache: each head's pages from the first moved row on,
+  // quantized again from the kept rows, and its new residual rows.
+  QuantizedRows compacted_rows(int64_t layer, SequenceId seq, const std::vector<std::vector<int64_t>>& kept) const;
   // Shared by store() and store_padded(): sequence i's [1, Hkv, S_i, D] views.
   void store_views(int64_t layer, const std::vector<SequenceId>& seqs, const std::vector<at::Tensor>& keys,
                    const std::vector<at::Tensor>& values, const BasePress* press, const SequenceInputsFn& inputs,

@@ -120,12 +120,13 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
   out.generations.resize(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i)
     out.generations[i].context_length = static_cast<int64_t>(prompts[i].size());
-  PagedKVCache cache = model.new_paged_cache(pages_per_layer, page_size);
+  PagedKVCache cache = model.new_paged_cache(pages_per_layer, page_size, options.kv_format);
   PagedGenerationStats& stats = out.stats;
   stats.num_layers = config.num_layers;
   stats.pages_per_layer = pages_per_layer;
   stats.page_size = page_size;
   stats.bytes_per_page = cache.stats().bytes_per_page;
+  stats.kv_format = options.kv_format;
   if (prompts.empty() || max_new == 0) return out;
 
   PagedPrefillOptions prefill;
@@ -198,7 +199,9 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
     }
     retire_finished();
   }
-  stats.peak_pages_used = cache.stats().peak_pages_used;
+  const PagedCacheStats final_stats = cache.stats();
+  stats.peak_pages_used = final_stats.peak_pages_used;
+  stats.residual_bytes = final_stats.residual_bytes;
   return out;
 }
 

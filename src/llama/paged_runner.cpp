@@ -14,7 +14,7 @@
 
 namespace kvpress::llama {
 
-PagedKVCache LlamaModel::new_paged_cache(int64_t pages_per_layer, int64_t page_size) const {
+PagedKVCache LlamaModel::new_paged_cache(int64_t pages_per_layer, int64_t page_size, KVFormat kv_format) const {
   PagedCacheOptions o;
   o.num_layers = config_.num_layers;
   o.kv_heads = config_.num_kv_heads;
@@ -23,6 +23,7 @@ PagedKVCache LlamaModel::new_paged_cache(int64_t pages_per_layer, int64_t page_s
   o.page_size = page_size;
   o.dtype = dtype_;
   o.device = embed_tokens_.device();
+  o.kv_format = kv_format;
   return PagedKVCache(o);
 }
 

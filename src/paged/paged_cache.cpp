@@ -59,8 +59,22 @@ PagedKVCache::PagedKVCache(const PagedCacheOptions& options) : options_(options)
   layers_.resize(static_cast<size_t>(options.num_layers));
   const auto tensor_options = at::TensorOptions().dtype(options.dtype).device(options.device);
   for (Layer& l : layers_) {
-    l.key_pool = at::empty({options.pages_per_layer, options.page_size, options.head_dim}, tensor_options);
-    l.value_pool = at::empty_like(l.key_pool);
+    if (quantized()) {
+      for (const auto role : {KVRole::kKeys, KVRole::kValues}) {
+        const KVPageLayout layout =
+            kv_page_layout(options.kv_format, role, options.page_size, options.head_dim, options.dtype, op);
+        std::vector<int64_t> scale_shape{options.pages_per_layer};
+        scale_shape.insert(scale_shape.end(), layout.scale_shape.begin(), layout.scale_shape.end());
+        at::Tensor codes =
+            at::empty({options.pages_per_layer, options.page_size, layout.code_bytes}, tensor_options.dtype(at::kByte));
+        at::Tensor scales = at::empty(scale_shape, tensor_options.dtype(layout.scale_dtype));
+        (role == KVRole::kKeys ? l.quantized.key_codes : l.quantized.value_codes) = std::move(codes);
+        (role == KVRole::kKeys ? l.quantized.key_scales : l.quantized.value_scales) = std::move(scales);
+      }
+    } else {
+      l.key_pool = at::empty({options.pages_per_layer, options.page_size, options.head_dim}, tensor_options);
+      l.value_pool = at::empty_like(l.key_pool);
+    }
     l.free_pages.resize(static_cast<size_t>(options.pages_per_layer));
     // A stack taken from the back: page 0 first.
     std::iota(l.free_pages.rbegin(), l.free_pages.rend(), int64_t{0});
@@ -80,6 +94,7 @@ void PagedKVCache::reserve_tables(int64_t slots, int64_t pages) {
   const auto int64_options = at::TensorOptions().dtype(at::kLong).device(options_.device);
   // Every layer's new tables first, so that a failed allocation changes nothing.
   std::vector<std::pair<at::Tensor, at::Tensor>> grown;
+  std::vector<std::pair<at::Tensor, at::Tensor>> residual;  // a quantized cache's, a page per slot and head
   for (const Layer& l : layers_) {
     at::Tensor table = at::zeros({new_slots, options_.kv_heads, new_pages}, int64_options);
     at::Tensor lengths = at::zeros({new_slots, options_.kv_heads}, int64_options);
@@ -88,10 +103,24 @@ void PagedKVCache::reserve_tables(int64_t slots, int64_t pages) {
       lengths.narrow(0, 0, slot_capacity_).copy_(l.lengths);
     }
     grown.emplace_back(std::move(table), std::move(lengths));
+    if (quantized() && new_slots > slot_capacity_) {
+      const auto rows = at::TensorOptions().dtype(options_.dtype).device(options_.device);
+      at::Tensor keys = at::zeros({new_slots, options_.kv_heads, options_.page_size, options_.head_dim}, rows);
+      at::Tensor values = at::zeros_like(keys);
+      if (slot_capacity_ > 0) {
+        keys.narrow(0, 0, slot_capacity_).copy_(l.quantized.residual_keys);
+        values.narrow(0, 0, slot_capacity_).copy_(l.quantized.residual_values);
+      }
+      residual.emplace_back(std::move(keys), std::move(values));
+    }
   }
   for (size_t l = 0; l < layers_.size(); ++l) {
     layers_[l].page_table = std::move(grown[l].first);
     layers_[l].lengths = std::move(grown[l].second);
+    if (!residual.empty()) {
+      layers_[l].quantized.residual_keys = std::move(residual[l].first);
+      layers_[l].quantized.residual_values = std::move(residual[l].second);
+    }
   }
   for (int64_t slot = new_slots - 1; slot >= slot_capacity_; --slot) free_slots_.push_back(slot);  // lowest first
   slot_capacity_ = new_slots;
@@ -212,6 +241,59 @@ void PagedKVCache::check_sequences(const std::vector<SequenceId>& seqs, const ch
 
 // ---- writing -------------------------------------------------------------------------------------
 
+class PagedKVCache::QuantizedRows {
+ public:
+  // Rows [count * page_size, D] of keys and values, to quantize into pages page_ids[0 .. count).
+  void add_pages(const at::Tensor& keys, const at::Tensor& values, std::vector<int64_t>::const_iterator page_ids,
+                 int64_t count) {
+    if (count == 0) return;
+    page_keys_.push_back(keys);
+    page_values_.push_back(values);
+    pages_.insert(pages_.end(), page_ids, page_ids + count);
+  }
+  // Rows [r, D] for rows first_row .. first_row + r - 1 of the flat residual tensors.
+  void add_residual(const at::Tensor& keys, const at::Tensor& values, int64_t first_row) {
+    if (keys.size(0) == 0) return;
+    rest_keys_.push_back(keys);
+    rest_values_.push_back(values);
+    for (int64_t i = 0; i < keys.size(0); ++i) residual_rows_.push_back(first_row + i);
+  }
+  // Quantizes the pages and moves the indices to the device: everything that can fail.
+  void stage(const PagedCacheOptions& o) {
+    if (!pages_.empty()) {
+      const auto as_pages = [&](const std::vector<at::Tensor>& rows) {
+        return at::cat(rows).view({static_cast<int64_t>(pages_.size()), o.page_size, o.head_dim});
+      };
+      std::tie(key_codes_, key_scales_) = ops::kv_quantize(as_pages(page_keys_), o.kv_format, KVRole::kKeys);
+      std::tie(value_codes_, value_scales_) = ops::kv_quantize(as_pages(page_values_), o.kv_format, KVRole::kValues);
+      page_index_ = to_device(pages_, o.device);
+    }
+    if (!residual_rows_.empty()) {
+      residual_index_ = to_device(residual_rows_, o.device);
+      rest_k_ = at::cat(rest_keys_);
+      rest_v_ = at::cat(rest_values_);
+    }
+  }
+  // Writes what stage() prepared (copies that do not fail once staged).
+  void apply(QuantizedPagePool& q, int64_t head_dim) const {
+    if (page_index_.defined()) {
+      q.key_codes.index_copy_(0, page_index_, key_codes_);
+      q.key_scales.index_copy_(0, page_index_, key_scales_);
+      q.value_codes.index_copy_(0, page_index_, value_codes_);
+      q.value_scales.index_copy_(0, page_index_, value_scales_);
+    }
+    if (residual_index_.defined()) {
+      q.residual_keys.view({-1, head_dim}).index_copy_(0, residual_index_, rest_k_);
+      q.residual_values.view({-1, head_dim}).index_copy_(0, residual_index_, rest_v_);
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> page_keys_, page_values_, rest_keys_, rest_values_;
+  std::vector<int64_t> pages_, residual_rows_;
+  at::Tensor key_codes_, key_scales_, value_codes_, value_scales_, page_index_, residual_index_, rest_k_, rest_v_;
+};
+
 void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std::vector<HeadWrite>& writes) {
   Layer& pool = layers_[static_cast<size_t>(layer)];
   const int64_t page_size = options_.page_size;
@@ -223,7 +305,7 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
                            .layers[static_cast<size_t>(layer)]
                            .heads[static_cast<size_t>(writes[w].head)];
     const int64_t total = static_cast<int64_t>(head.positions.size() + writes[w].positions.size());
-    needed += std::max<int64_t>(0, ceil_div(total, page_size) - static_cast<int64_t>(head.pages.size()));
+    needed += std::max<int64_t>(0, table_pages(total) - static_cast<int64_t>(head.pages.size()));
   }
   const int64_t available = static_cast<int64_t>(pool.free_pages.size());
   TORCH_CHECK(needed <= available, "PagedKVCache: out of pages at layer ", layer, ": the write needs ", needed,
@@ -240,8 +322,9 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
     pages = head.pages;
     const auto length = static_cast<int64_t>(head.positions.size());
     const auto n = static_cast<int64_t>(writes[w].positions.size());
-    while (static_cast<int64_t>(pages.size()) < ceil_div(length + n, page_size))
+    while (static_cast<int64_t>(pages.size()) < table_pages(length + n))
       pages.push_back(pool.free_pages[pool.free_pages.size() - 1 - taken++]);
+    if (quantized()) continue;
     for (int64_t t = length; t < length + n; ++t)
       slots.push_back(pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size);
     key_rows.push_back(writes[w].keys);
@@ -250,6 +333,7 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
   int64_t most_pages = 0;
   for (const auto& pages : new_pages) most_pages = std::max(most_pages, static_cast<int64_t>(pages.size()));
   reserve_tables(slot_capacity_, most_pages);
+  const QuantizedRows quantized_rows = quantized() ? quantized_write(layer, seqs, writes, new_pages) : QuantizedRows{};
   // The tables after the write, staged before anything changes.
   std::vector<int64_t> write_of(seqs.size() * static_cast<size_t>(options_.kv_heads), -1);  // (seq, head) -> w
   for (size_t w = 0; w < writes.size(); ++w)
@@ -263,7 +347,10 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
         &pages, pages.size(),
         static_cast<int64_t>(head.positions.size() + writes[static_cast<size_t>(w)].positions.size())};
   });
-  if (!slots.empty()) {
+  if (quantized()) {
+    // The pages that fill are free until the commit; residual rows that fill a page are in it by now.
+    quantized_rows.apply(pool.quantized, options_.head_dim);
+  } else if (!slots.empty()) {
     const at::Tensor keys = at::cat(key_rows), values = at::cat(value_rows);
     ops::paged_write(pool.key_pool, pool.value_pool, keys, values, to_device(slots, options_.device));
   }
@@ -278,6 +365,36 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
   }
   apply_tables(layer, seqs, upload);
   peak_pages_used_ = std::max(peak_pages_used_, pages_used_now());
+}
+
+PagedKVCache::QuantizedRows PagedKVCache::quantized_write(int64_t layer, const std::vector<SequenceId>& seqs,
+                                                          const std::vector<HeadWrite>& writes,
+                                                          const std::vector<std::vector<int64_t>>& new_pages) const {
+  const QuantizedPagePool& q = layers_[static_cast<size_t>(layer)].quantized;
+  const int64_t page_size = options_.page_size, dim = options_.head_dim;
+  QuantizedRows rows;
+  for (size_t w = 0; w < writes.size(); ++w) {
+    const HeadWrite& hw = writes[w];
+    const Sequence& s = sequences_.at(seqs[static_cast<size_t>(hw.seq_index)]);
+    const Head& head = s.layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(hw.head)];
+    const auto length = static_cast<int64_t>(head.positions.size());
+    const int64_t full = length / page_size, residual = length % page_size;
+    const int64_t first_row = (s.slot * options_.kv_heads + hw.head) * page_size;
+    // The head's residual rows, then the new rows (copies: the residual rows are rewritten after).
+    const at::Tensor k = at::cat({q.residual_keys.view({-1, dim}).narrow(0, first_row, residual), hw.keys});
+    const at::Tensor v = at::cat({q.residual_values.view({-1, dim}).narrow(0, first_row, residual), hw.values});
+    const int64_t filled = static_cast<int64_t>(new_pages[w].size()) - full;  // pages that fill
+    rows.add_pages(k.narrow(0, 0, filled * page_size), v.narrow(0, 0, filled * page_size), new_pages[w].begin() + full,
+                   filled);
+    const int64_t rest = k.size(0) - filled * page_size;
+    rows.add_residual(k.narrow(0, filled * page_size, rest), v.narrow(0, filled * page_size, rest), first_row);
+  }
+  rows.stage(options_);
+  return rows;
+}
+
+int64_t PagedKVCache::table_pages(int64_t length) const {
+  return quantized() ? length / options_.page_size : ceil_div(length, options_.page_size);
 }
 
 void PagedKVCache::store(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& keys,
@@ -424,8 +541,7 @@ int64_t PagedKVCache::pages_to_append(int64_t layer, const std::vector<SequenceI
   int64_t pages = 0;
   for (SequenceId s : seqs)
     for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
-      pages += ceil_div(static_cast<int64_t>(h.positions.size()) + n, options_.page_size) -
-               static_cast<int64_t>(h.pages.size());
+      pages += table_pages(static_cast<int64_t>(h.positions.size()) + n) - static_cast<int64_t>(h.pages.size());
   return pages;
 }
 
@@ -438,18 +554,20 @@ void PagedKVCache::remove_last(int64_t layer, const std::vector<SequenceId>& seq
     for (const Head& h : sequences_.at(s).layers[static_cast<size_t>(layer)].heads)
       TORCH_CHECK(static_cast<int64_t>(h.positions.size()) >= n, op, ": sequence ", s, " holds ", h.positions.size(),
                   " tokens in a head of layer ", layer, ", fewer than the ", n, " to remove");
-  const auto pages_for = [&](int64_t tokens) { return static_cast<size_t>(ceil_div(tokens, options_.page_size)); };
+  const auto pages_for = [&](int64_t tokens) { return static_cast<size_t>(table_pages(tokens)); };
+  const QuantizedRows reopened = reopened_rows(layer, seqs, n);
   const TableUpload upload = stage_tables(layer, seqs, [&](size_t i, int64_t h) {
     const Head& head = sequences_.at(seqs[i]).layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
     const int64_t length = static_cast<int64_t>(head.positions.size()) - n;
     return HeadTableState{&head.pages, pages_for(length), length};
   });
   Layer& pool = layers_[static_cast<size_t>(layer)];
+  if (quantized()) reopened.apply(pool.quantized, options_.head_dim);
   for (SequenceId s : seqs) {
     SequenceLayer& sl = sequences_.at(s).layers[static_cast<size_t>(layer)];
     for (Head& h : sl.heads) {
       h.positions.resize(h.positions.size() - static_cast<size_t>(n));
-      const auto keep = static_cast<size_t>(ceil_div(static_cast<int64_t>(h.positions.size()), options_.page_size));
+      const auto keep = pages_for(static_cast<int64_t>(h.positions.size()));
       pool.free_pages.insert(pool.free_pages.end(), h.pages.rbegin(),
                              h.pages.rbegin() + static_cast<std::ptrdiff_t>(h.pages.size() - keep));
       h.pages.resize(keep);
@@ -457,6 +575,55 @@ void PagedKVCache::remove_last(int64_t layer, const std::vector<SequenceId>& seq
     sl.next_position -= n;
   }
   apply_tables(layer, seqs, upload);
+}
+
+PagedKVCache::QuantizedRows PagedKVCache::reopened_rows(int64_t layer, const std::vector<SequenceId>& seqs,
+                                                        int64_t n) const {
+  QuantizedRows rows;
+  if (!quantized()) return rows;
+  const int64_t page_size = options_.page_size;
+  for (SequenceId id : seqs) {
+    const Sequence& s = sequences_.at(id);
+    for (int64_t h = 0; h < options_.kv_heads; ++h) {
+      const Head& head = s.layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+      const int64_t after = static_cast<int64_t>(head.positions.size()) - n;
+      // Only a page that was full before and holds tokens after is reopened.
+      if (after / page_size >= static_cast<int64_t>(head.pages.size()) || after % page_size == 0) continue;
+      const int64_t first = after / page_size * page_size;
+      rows.add_residual(head_rows(layer, id, {h}, true).narrow(0, first, after - first),
+                        head_rows(layer, id, {h}, false).narrow(0, first, after - first),
+                        (s.slot * options_.kv_heads + h) * page_size);
+    }
+  }
+  rows.stage(options_);
+  return rows;
+}
+
+PagedKVCache::QuantizedRows PagedKVCache::compacted_rows(int64_t layer, SequenceId seq,
+                                                         const std::vector<std::vector<int64_t>>& kept) const {
+  const Sequence& s = sequences_.at(seq);
+  const int64_t page_size = options_.page_size;
+  QuantizedRows rows;
+  for (int64_t h = 0; h < options_.kv_heads; ++h) {
+    const Head& head = s.layers[static_cast<size_t>(layer)].heads[static_cast<size_t>(h)];
+    const std::vector<int64_t>& k = kept[static_cast<size_t>(h)];
+    const auto count = static_cast<int64_t>(k.size());
+    int64_t first_moved = 0;
+    while (first_moved < count && k[static_cast<size_t>(first_moved)] == first_moved) ++first_moved;
+    const int64_t full = count / page_size, unchanged = std::min(first_moved / page_size, full);
+    // Nothing moved and the residual rows stay residual rows: the head keeps its storage.
+    if (first_moved == count && full == static_cast<int64_t>(head.pages.size())) continue;
+    const at::Tensor index = to_device(std::vector<int64_t>(k.begin(), k.end()), options_.device);
+    const at::Tensor keys = head_rows(layer, seq, {h}, true).index_select(0, index);
+    const at::Tensor values = head_rows(layer, seq, {h}, false).index_select(0, index);
+    const int64_t from = unchanged * page_size, to = full * page_size;
+    rows.add_pages(keys.narrow(0, from, to - from), values.narrow(0, from, to - from), head.pages.begin() + unchanged,
+                   full - unchanged);
+    rows.add_residual(keys.narrow(0, to, count - to), values.narrow(0, to, count - to),
+                      (s.slot * options_.kv_heads + h) * page_size);
+  }
+  rows.stage(options_);
+  return rows;
 }
 
 // ---- reading -------------------------------------------------------------------------------------
@@ -475,7 +642,7 @@ PagedBatchView PagedKVCache::batch_view(int64_t layer, const std::vector<Sequenc
   }
   const Layer& l = layers_[static_cast<size_t>(layer)];
   const at::Tensor rows = to_device(slots, options_.device);
-  return {l.page_table.narrow(2, 0, max_pages).index_select(0, rows), l.lengths.index_select(0, rows)};
+  return {l.page_table.narrow(2, 0, max_pages).index_select(0, rows), l.lengths.index_select(0, rows), rows};
 }
 
 at::Tensor PagedKVCache::attention(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& queries,
@@ -486,6 +653,12 @@ at::Tensor PagedKVCache::attention(int64_t layer, const std::vector<SequenceId>&
               seqs.size(), "), got ", shape_str(queries));
   const PagedBatchView view = batch_view(layer, seqs);
   const Layer& pool = layers_[static_cast<size_t>(layer)];
+  if (quantized()) {
+    const QuantizedPagePool& q = pool.quantized;
+    return ops::paged_attention_quantized(queries, q.key_codes, q.key_scales, q.value_codes, q.value_scales,
+                                          options_.kv_format, view.page_table, view.lengths, q.residual_keys,
+                                          q.residual_values, view.slots, scale);
+  }
   return ops::paged_attention(queries, pool.key_pool, pool.value_pool, view.page_table, view.lengths, scale);
 }
 
@@ -534,18 +707,55 @@ std::vector<int64_t> head_slots(const std::vector<int64_t>& pages, int64_t n, in
 
 }  // namespace
 
+at::Tensor PagedKVCache::head_rows(int64_t layer, SequenceId seq, const std::vector<int64_t>& heads, bool keys) const {
+  const SequenceLayer& sl = sequences_.at(seq).layers[static_cast<size_t>(layer)];
+  const Layer& pool = layers_[static_cast<size_t>(layer)];
+  const int64_t page_size = options_.page_size, dim = options_.head_dim;
+  if (!quantized()) {
+    std::vector<int64_t> slots;
+    for (int64_t h : heads) {
+      const Head& head = sl.heads[static_cast<size_t>(h)];
+      const std::vector<int64_t> s = head_slots(head.pages, static_cast<int64_t>(head.positions.size()), page_size);
+      slots.insert(slots.end(), s.begin(), s.end());
+    }
+    return (keys ? pool.key_pool : pool.value_pool).view({-1, dim}).index_select(0, to_device(slots, options_.device));
+  }
+  // Every head's full pages dequantized at once, then each head's share followed by its residual rows.
+  const QuantizedPagePool& q = pool.quantized;
+  std::vector<int64_t> pages;
+  for (int64_t h : heads) {
+    const std::vector<int64_t>& p = sl.heads[static_cast<size_t>(h)].pages;
+    pages.insert(pages.end(), p.begin(), p.end());
+  }
+  const at::Tensor index = to_device(pages, options_.device);
+  const at::Tensor dequantized = ops::kv_dequantize((keys ? q.key_codes : q.value_codes).index_select(0, index),
+                                                    (keys ? q.key_scales : q.value_scales).index_select(0, index),
+                                                    options_.kv_format, keys ? KVRole::kKeys : KVRole::kValues, dim)
+                                     .to(options_.dtype)
+                                     .view({static_cast<int64_t>(pages.size()) * page_size, dim});
+  const at::Tensor residual = (keys ? q.residual_keys : q.residual_values).view({-1, dim});
+  const int64_t slot = sequences_.at(seq).slot;
+  std::vector<at::Tensor> parts;
+  int64_t row = 0;
+  for (int64_t h : heads) {
+    const Head& head = sl.heads[static_cast<size_t>(h)];
+    const auto full = static_cast<int64_t>(head.pages.size()) * page_size;
+    parts.push_back(dequantized.narrow(0, row, full));
+    parts.push_back(residual.narrow(0, (slot * options_.kv_heads + h) * page_size,
+                                    static_cast<int64_t>(head.positions.size()) - full));
+    row += full;
+  }
+  return at::cat(parts);
+}
+
 at::Tensor PagedKVCache::head_keys(SequenceId seq, int64_t layer, int64_t head) const {
-  const std::vector<int64_t>& p = pages(seq, layer, head);
-  const at::Tensor& pool = layers_[static_cast<size_t>(layer)].key_pool;
-  return pool.view({-1, options_.head_dim})
-      .index_select(0, to_device(head_slots(p, length(seq, layer, head), options_.page_size), options_.device));
+  pages(seq, layer, head);  // checks seq, layer and head
+  return head_rows(layer, seq, {head}, true);
 }
 
 at::Tensor PagedKVCache::head_values(SequenceId seq, int64_t layer, int64_t head) const {
-  const std::vector<int64_t>& p = pages(seq, layer, head);
-  const at::Tensor& pool = layers_[static_cast<size_t>(layer)].value_pool;
-  return pool.view({-1, options_.head_dim})
-      .index_select(0, to_device(head_slots(p, length(seq, layer, head), options_.page_size), options_.device));
+  pages(seq, layer, head);
+  return head_rows(layer, seq, {head}, false);
 }
 
 std::pair<at::Tensor, at::Tensor> PagedKVCache::dense(SequenceId seq, int64_t layer) const {
@@ -554,16 +764,10 @@ std::pair<at::Tensor, at::Tensor> PagedKVCache::dense(SequenceId seq, int64_t la
   TORCH_CHECK(std::all_of(len.begin(), len.end(), [&](int64_t l) { return l == len.front(); }) && len.front() > 0, op,
               ": every head of sequence ", seq, " at layer ", layer,
               " must hold the same non-zero number of tokens for a dense copy, got ", c10::Join(", ", len));
-  std::vector<int64_t> slots;
-  for (int64_t h = 0; h < options_.kv_heads; ++h) {
-    const std::vector<int64_t> s = head_slots(pages(seq, layer, h), len.front(), options_.page_size);
-    slots.insert(slots.end(), s.begin(), s.end());
-  }
-  const at::Tensor index = to_device(slots, options_.device);
-  const Layer& pool = layers_[static_cast<size_t>(layer)];
+  std::vector<int64_t> heads(static_cast<size_t>(options_.kv_heads));
+  std::iota(heads.begin(), heads.end(), int64_t{0});
   const std::vector<int64_t> shape{1, options_.kv_heads, len.front(), options_.head_dim};
-  return {pool.key_pool.view({-1, options_.head_dim}).index_select(0, index).view(shape),
-          pool.value_pool.view({-1, options_.head_dim}).index_select(0, index).view(shape)};
+  return {head_rows(layer, seq, heads, true).view(shape), head_rows(layer, seq, heads, false).view(shape)};
 }
 
 // ---- moving a sequence between caches ------------------------------------------------------------
@@ -591,20 +795,13 @@ SequenceTokens PagedKVCache::export_sequence(SequenceId seq) const {
   for (int64_t l = 0; l < options_.num_layers; ++l) {
     const SequenceLayer& sl = s.layers[static_cast<size_t>(l)];
     out.next_positions.push_back(sl.next_position);
-    // One gather per pool, straight into the layer's rows of the output.
-    std::vector<int64_t> slots;
-    for (const Head& head : sl.heads) {
-      const std::vector<int64_t> h =
-          head_slots(head.pages, static_cast<int64_t>(head.positions.size()), options_.page_size);
-      slots.insert(slots.end(), h.begin(), h.end());
-    }
-    if (slots.empty()) continue;
-    const at::Tensor index = to_device(slots, options_.device);
-    const Layer& pool = layers_[static_cast<size_t>(l)];
-    const auto n = static_cast<int64_t>(slots.size());
-    at::Tensor keys = out.keys.narrow(0, row, n), values = out.values.narrow(0, row, n);
-    at::index_select_out(keys, pool.key_pool.view({-1, options_.head_dim}), 0, index);
-    at::index_select_out(values, pool.value_pool.view({-1, options_.head_dim}), 0, index);
+    int64_t n = 0;
+    for (const Head& head : sl.heads) n += static_cast<int64_t>(head.positions.size());
+    if (n == 0) continue;
+    std::vector<int64_t> heads(static_cast<size_t>(options_.kv_heads));
+    std::iota(heads.begin(), heads.end(), int64_t{0});
+    out.keys.narrow(0, row, n).copy_(head_rows(l, seq, heads, true));
+    out.values.narrow(0, row, n).copy_(head_rows(l, seq, heads, false));
     row += n;
   }
   return out;
@@ -647,8 +844,7 @@ SequenceId PagedKVCache::adopt_sequence(const SequenceTokens& tokens) {
   const int64_t kv_heads = options_.kv_heads;
   for (int64_t l = 0; l < options_.num_layers; ++l) {  // every layer's pages, before any is taken
     int64_t needed = 0;
-    for (int64_t h = 0; h < kv_heads; ++h)
-      needed += ceil_div(tokens.lengths[static_cast<size_t>(l * kv_heads + h)], options_.page_size);
+    for (int64_t h = 0; h < kv_heads; ++h) needed += table_pages(tokens.lengths[static_cast<size_t>(l * kv_heads + h)]);
     TORCH_CHECK(needed <= free_pages(l), op, ": out of pages at layer ", l, ": the sequence needs ", needed,
                 " pages of ", options_.page_size, " tokens, ", free_pages(l), " are free; nothing was adopted");
   }
@@ -695,33 +891,37 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
   const bool* m = mask.const_data_ptr<bool>();
   const int64_t width = mask.size(1), page_size = options_.page_size;
 
-  // Rows whose slot changes: kept token k_j moves to index j (k_j >= j, so gathering every source
-  // before writing is enough; no full copy of the head).
-  std::vector<int64_t> sources, destinations;
   std::vector<std::vector<int64_t>> kept(static_cast<size_t>(options_.kv_heads));
   for (int64_t h = 0; h < options_.kv_heads; ++h) {
-    const Head& head = sl.heads[static_cast<size_t>(h)];
     for (int64_t t = len[static_cast<size_t>(h)]; t < width; ++t)
       TORCH_CHECK(!m[h * width + t], op, ": keep_mask must be false past head ", h, "'s ", len[static_cast<size_t>(h)],
                   " tokens, got true at ", t);
-    std::vector<int64_t>& k = kept[static_cast<size_t>(h)];
     for (int64_t t = 0; t < len[static_cast<size_t>(h)]; ++t)
-      if (m[h * width + t]) k.push_back(t);
+      if (m[h * width + t]) kept[static_cast<size_t>(h)].push_back(t);
+  }
+  // Rows whose slot changes: kept token k_j moves to index j (k_j >= j, so gathering every source
+  // before writing is enough; no full copy of the head).
+  std::vector<int64_t> sources, destinations;
+  for (int64_t h = 0; h < options_.kv_heads && !quantized(); ++h) {
+    const Head& head = sl.heads[static_cast<size_t>(h)];
+    const std::vector<int64_t>& k = kept[static_cast<size_t>(h)];
+    const auto slot = [&](int64_t t) {
+      return head.pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size;
+    };
     for (size_t j = 0; j < k.size(); ++j) {
       if (k[j] == static_cast<int64_t>(j)) continue;
-      const auto slot = [&](int64_t t) {
-        return head.pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size;
-      };
       sources.push_back(slot(k[j]));
       destinations.push_back(slot(static_cast<int64_t>(j)));
     }
   }
+  const QuantizedRows rewritten = quantized() ? compacted_rows(layer, seq, kept) : QuantizedRows{};
   const TableUpload upload = stage_tables(layer, {seq}, [&](size_t, int64_t h) {
     const Head& head = sl.heads[static_cast<size_t>(h)];
     const auto length = static_cast<int64_t>(kept[static_cast<size_t>(h)].size());
-    return HeadTableState{&head.pages, static_cast<size_t>(ceil_div(length, page_size)), length};
+    return HeadTableState{&head.pages, static_cast<size_t>(table_pages(length)), length};
   });
   Layer& pool = layers_[static_cast<size_t>(layer)];
+  if (quantized()) rewritten.apply(pool.quantized, options_.head_dim);
   if (!sources.empty()) {
     const at::Tensor src = to_device(sources, options_.device);
     const at::Tensor moved_keys = pool.key_pool.view({-1, options_.head_dim}).index_select(0, src);
@@ -735,7 +935,7 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
     std::vector<int64_t> positions(k.size());
     for (size_t j = 0; j < k.size(); ++j) positions[j] = head.positions[static_cast<size_t>(k[j])];
     head.positions = std::move(positions);
-    const auto keep_pages = static_cast<size_t>(ceil_div(static_cast<int64_t>(k.size()), page_size));
+    const auto keep_pages = static_cast<size_t>(table_pages(static_cast<int64_t>(k.size())));
     pool.free_pages.insert(pool.free_pages.end(), head.pages.rbegin(),
                            head.pages.rbegin() + static_cast<std::ptrdiff_t>(head.pages.size() - keep_pages));
     head.pages.resize(keep_pages);
@@ -756,8 +956,11 @@ PagedCacheStats PagedKVCache::stats() const {
   s.num_layers = options_.num_layers;
   s.pages_per_layer = options_.pages_per_layer;
   s.page_size = options_.page_size;
-  s.bytes_per_page =
-      2 * options_.page_size * options_.head_dim * static_cast<int64_t>(c10::elementSize(options_.dtype));
+  for (const auto role : {KVRole::kKeys, KVRole::kValues})
+    s.bytes_per_page += kv_page_layout(options_.kv_format, role, options_.page_size, options_.head_dim, options_.dtype)
+                            .bytes_per_page(options_.page_size);
+  if (quantized())
+    s.residual_bytes = 2 * options_.num_layers * static_cast<int64_t>(layers_.front().quantized.residual_keys.nbytes());
   s.pages_used = pages_used_now();
   s.pages_free = options_.num_layers * options_.pages_per_layer - s.pages_used;
   s.peak_pages_used = std::max(peak_pages_used_, s.pages_used);
@@ -780,12 +983,24 @@ int64_t PagedKVCache::free_pages(int64_t layer) const {
 
 const at::Tensor& PagedKVCache::key_pool(int64_t layer) const {
   check_layer(layer, "PagedKVCache::key_pool");
+  TORCH_CHECK(!quantized(), "PagedKVCache::key_pool: the cache stores ", kv_format_name(options_.kv_format),
+              " pages; quantized_pool() gives their codes, scales and residual rows");
   return layers_[static_cast<size_t>(layer)].key_pool;
 }
 
 const at::Tensor& PagedKVCache::value_pool(int64_t layer) const {
   check_layer(layer, "PagedKVCache::value_pool");
+  TORCH_CHECK(!quantized(), "PagedKVCache::value_pool: the cache stores ", kv_format_name(options_.kv_format),
+              " pages; quantized_pool() gives their codes, scales and residual rows");
   return layers_[static_cast<size_t>(layer)].value_pool;
+}
+
+QuantizedPagePool PagedKVCache::quantized_pool(int64_t layer) const {
+  check_layer(layer, "PagedKVCache::quantized_pool");
+  TORCH_CHECK(quantized(),
+              "PagedKVCache::quantized_pool: the cache stores full pages (KVFormat::kFull); key_pool() "
+              "and value_pool() give them");
+  return layers_[static_cast<size_t>(layer)].quantized;
 }
 
 }  // namespace kvpress

@@ -555,6 +555,23 @@ expect_error "generate scorer without ratio" "--press SnapKVPress needs --ratio 
   --press SnapKVPress
 expect_error "generate ratio without press" "--ratio and --param apply to a --press" generate --prompt "A dog" --ratio 0.5
 expect_error "generate pool option without --paged" "need --paged" generate --prompt "A dog" --page-size 8
+# Quantized pages: the pool line names the format and its bytes (int8: D codes per row and a float32
+# scale per page, for keys and values), the residual rows get their own line.
+if expect_ok "generate --paged --kv-dtype int8" generate --paged --kv-dtype int8 --page-size 8 \
+  --prompt "Once upon a time, a cat" --press KnormPress --ratio 0.5 --max-new-tokens 4 --json "$tmp/int8.json"; then
+  grep -q 'keys and values, int8)' "$tmp/stdout" || fail "generate --kv-dtype: no int8 pool line: $(cat "$tmp/stdout")"
+  grep -q '^residual rows' "$tmp/stdout" || fail "generate --kv-dtype: no residual line: $(cat "$tmp/stdout")"
+  checks=$((checks + 1))
+  "$python" - "$tmp/int8.json" <<'EOF2' || fail "generate --kv-dtype int8: pool figures"
+import json, sys
+pool = json.load(open(sys.argv[1]))["pool"]
+assert pool["kv_format"] == "int8" and pool["residual_bytes"] > 0, pool
+assert pool["bytes_per_page"] == 2 * (8 * 16 + 4), pool  # head_dim 16
+EOF2
+fi
+expect_error "generate bad KV format" "--kv-dtype: the KV format must be full, int8, fp8 or int4, got 'int2'" \
+  generate --paged --prompt "A dog" --kv-dtype int2
+expect_error "generate KV format without --paged" "need --paged" generate --prompt "A dog" --kv-dtype int8
 expect_error "generate bad page size" "--page-size must be an integer in [1, 65536], got '0'" generate --paged \
   --prompt "A dog" --page-size 0
 expect_error "generate missing prompts file" "--prompts $tmp/none.txt: cannot open the file" generate \

@@ -47,6 +47,7 @@ struct PagedGenerationOptions {
   PressAttentions press_attentions = PressAttentions::kAuto;
   bool stop_at_eos = true;
   int64_t page_size = PagedCacheOptions::kDefaultPageSize;
+  KVFormat kv_format = KVFormat::kFull;  // how full pages are stored (kvpress/kv_format.h)
   // Pool size of each layer; 0: room for max_batch copies of the longest prompt plus max_new_tokens,
   // uncompressed.
   int64_t pages_per_layer = 0;
@@ -58,6 +59,8 @@ struct PagedGenerationOptions {
 
 struct PagedGenerationStats {
   int64_t num_layers = 0, pages_per_layer = 0, page_size = 0, bytes_per_page = 0;
+  KVFormat kv_format = KVFormat::kFull;
+  int64_t residual_bytes = 0;  // a quantized cache's residual rows (PagedCacheStats::residual_bytes)
   // Over every prompt and layer: the pages its prefill would take stored whole (Hkv * ceil(S / page)
   // per layer), and the pages store() took after compression.
   int64_t prompt_pages_uncompressed = 0;

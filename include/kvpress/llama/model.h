@@ -348,7 +348,8 @@ class LlamaModel : public ModelView {
   // ---- paged mode: many sequences of different lengths over one PagedKVCache --------------------
   // A cache shaped for this model (layers, KV heads, head_dim, dtype), pages_per_layer pages of
   // page_size tokens per layer.
-  PagedKVCache new_paged_cache(int64_t pages_per_layer, int64_t page_size = PagedCacheOptions::kDefaultPageSize) const;
+  PagedKVCache new_paged_cache(int64_t pages_per_layer, int64_t page_size = PagedCacheOptions::kDefaultPageSize,
+                               KVFormat kv_format = KVFormat::kFull) const;
   // Prefills new sequences together, packed along tokens: prompts[i] at positions 0..S_i-1 into the
   // empty sequence seqs[i]. Each layer attends causally within each prompt, then
   // PagedKVCache::store() writes what options.press keeps (every token without a press). Returns
