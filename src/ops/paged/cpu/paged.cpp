@@ -15,26 +15,52 @@
 namespace kvpress::kernels {
 namespace {
 
-// Unit (b * Hkv + h) * n + i is new token i of head (b, h): it sees the head's tokens
-// 0 .. lengths[b, h] - n + i, token t at row t % page_size of page page_table[b, h, t / page_size].
+// What the paged layouts share. Unit (b * Hkv + h) * n + i is new token i of head (b, h): it sees
+// the head's tokens 0 .. lengths[b, h] - n + i.
 template <typename scalar_t>
-struct PagedLayout : StoredRows<scalar_t, PagedLayout<scalar_t>> {
+struct PagedUnits {
   int64_t units, groups, dim;
   float scale;
   int64_t q_heads, n, kv_heads, page_size, max_pages;
-  const scalar_t *q_ptr, *key_pool, *value_pool;
+  const scalar_t* q_ptr;
   const int64_t* page_table;  // [B * Hkv, max_pages], host
   const int64_t* lengths;     // [B * Hkv], host
   scalar_t* o_ptr;
 
+  // queries [B, Hq, n, D] and out (its shape), the host tables [B, Hkv, max_pages] and [B, Hkv].
+  void set_units(const at::Tensor& queries, const at::Tensor& host_page_table, const at::Tensor& host_lengths,
+                 int64_t pages_of, double attention_scale, at::Tensor& out) {
+    q_heads = queries.size(1);
+    n = queries.size(2);
+    dim = queries.size(3);
+    kv_heads = host_page_table.size(1);
+    max_pages = host_page_table.size(2);
+    page_size = pages_of;
+    groups = q_heads / kv_heads;
+    units = queries.size(0) * kv_heads * n;
+    scale = static_cast<float>(attention_scale);
+    q_ptr = queries.const_data_ptr<scalar_t>();
+    page_table = host_page_table.const_data_ptr<int64_t>();
+    lengths = host_lengths.const_data_ptr<int64_t>();
+    o_ptr = out.data_ptr<scalar_t>();
+  }
   int64_t n_visible(int64_t unit) const { return lengths[unit / n] - n + unit % n + 1; }
   const scalar_t* query(int64_t unit, int64_t g) const {
     const int64_t i = unit % n, bh = unit / n, b = bh / kv_heads, h = bh % kv_heads;
     return q_ptr + ((b * q_heads + h * groups + g) * n + i) * dim;
   }
   scalar_t* output(int64_t unit, int64_t g) const { return o_ptr + (query(unit, g) - q_ptr); }
+  // Token j of the unit's head: its page and its row in the page.
+  int64_t page(int64_t unit, int64_t j) const { return page_table[(unit / n) * max_pages + j / page_size]; }
+};
+
+// Full pages: token t at row t % page_size of page page_table[b, h, t / page_size] of the pools.
+template <typename scalar_t>
+struct PagedLayout : PagedUnits<scalar_t>, StoredRows<scalar_t, PagedLayout<scalar_t>> {
+  const scalar_t *key_pool, *value_pool;
+
   int64_t row(int64_t unit, int64_t j) const {
-    return (page_table[(unit / n) * max_pages + j / page_size] * page_size + j % page_size) * dim;
+    return (this->page(unit, j) * this->page_size + j % this->page_size) * this->dim;
   }
   const scalar_t* key(int64_t unit, int64_t j) const { return key_pool + row(unit, j); }
   const scalar_t* value(int64_t unit, int64_t j) const { return value_pool + row(unit, j); }
@@ -48,50 +74,26 @@ at::Tensor paged_attention_cpu(const at::Tensor& queries, const at::Tensor& key_
   if (a.queries.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.queries.scalar_type(), "paged_attention_cpu", [&] {
     PagedLayout<scalar_t> l;
-    l.q_heads = a.queries.size(1);
-    l.n = a.queries.size(2);
-    l.dim = a.queries.size(3);
-    l.kv_heads = a.page_table.size(1);
-    l.max_pages = a.page_table.size(2);
-    l.page_size = a.key_pool.size(1);
-    l.groups = l.q_heads / l.kv_heads;
-    l.units = a.queries.size(0) * l.kv_heads * l.n;
-    l.scale = static_cast<float>(a.scale);
-    l.q_ptr = a.queries.const_data_ptr<scalar_t>();
+    l.set_units(a.queries, a.host_page_table, a.host_lengths, a.key_pool.size(1), a.scale, out);
     l.key_pool = a.key_pool.const_data_ptr<scalar_t>();
     l.value_pool = a.value_pool.const_data_ptr<scalar_t>();
-    l.page_table = a.host_page_table.const_data_ptr<int64_t>();
-    l.lengths = a.host_lengths.const_data_ptr<int64_t>();
-    l.o_ptr = out.data_ptr<scalar_t>();
     run_attention<scalar_t>(l);
   });
   return out;
 }
 
-// PagedLayout's units over quantized pages (kv_codec.h): key j of head (b, h) is row j % page_size of
-// page page_table[b, h, j / page_size] while j lies in the head's full pages, else row
-// j - full_tokens of its residual rows, in the queries' dtype.
+// Quantized pages (kv_codec.h): key j of head (b, h) is row j % page_size of page
+// page_table[b, h, j / page_size] while j lies in the head's full pages, else row j - full_tokens of
+// its residual rows, in the queries' dtype.
 template <typename scalar_t>
-struct QuantizedPagedLayout {
-  int64_t units, groups, dim;
-  float scale;
-  int64_t q_heads, n, kv_heads, page_size, max_pages, code_bytes;
+struct QuantizedPagedLayout : PagedUnits<scalar_t> {
+  int64_t code_bytes;
   PageCodec codec;
-  const scalar_t *q_ptr, *residual_keys, *residual_values;  // residual [R, Hkv, page_size, D]
-  const uint8_t *key_codes, *value_codes;                   // [num_pages, page_size, code_bytes]
-  const char *key_scales, *value_scales;                    // [num_pages, ...]
-  int64_t key_scale_bytes, value_scale_bytes;               // one page's
-  const int64_t* page_table;                                // [B * Hkv, max_pages], host
-  const int64_t* lengths;                                   // [B * Hkv], host
-  const int64_t* residual_slots;                            // [B], host
-  scalar_t* o_ptr;
-
-  int64_t n_visible(int64_t unit) const { return lengths[unit / n] - n + unit % n + 1; }
-  const scalar_t* query(int64_t unit, int64_t g) const {
-    const int64_t i = unit % n, bh = unit / n, b = bh / kv_heads, h = bh % kv_heads;
-    return q_ptr + ((b * q_heads + h * groups + g) * n + i) * dim;
-  }
-  scalar_t* output(int64_t unit, int64_t g) const { return o_ptr + (query(unit, g) - q_ptr); }
+  const scalar_t *residual_keys, *residual_values;  // [R, Hkv, page_size, D]
+  const uint8_t *key_codes, *value_codes;           // [num_pages, page_size, code_bytes]
+  const char *key_scales, *value_scales;            // [num_pages, ...]
+  int64_t key_scale_bytes, value_scale_bytes;       // one page's
+  const int64_t* residual_slots;                    // [B], host
 
   const float* key_row(int64_t unit, int64_t j, float* buffer) const {
     return row(unit, j, buffer, key_codes, key_scales, key_scale_bytes, residual_keys, true);
@@ -100,26 +102,25 @@ struct QuantizedPagedLayout {
     return row(unit, j, buffer, value_codes, value_scales, value_scale_bytes, residual_values, false);
   }
   void prefetch(int64_t unit, int64_t j) const {
-    const int64_t bh = unit / n;
-    if (j >= full_tokens(bh)) return;  // the residual rows are few and read last
-    const int64_t page = page_table[bh * max_pages + j / page_size], offset = (page * page_size + j % page_size);
+    if (j >= full_tokens(unit / this->n)) return;  // the residual rows are few and read last
+    const int64_t offset = (this->page(unit, j) * this->page_size + j % this->page_size) * code_bytes;
     for (int64_t b = 0; b < code_bytes; b += 64) {
-      __builtin_prefetch(key_codes + offset * code_bytes + b);
-      __builtin_prefetch(value_codes + offset * code_bytes + b);
+      __builtin_prefetch(key_codes + offset + b);
+      __builtin_prefetch(value_codes + offset + b);
     }
   }
 
  private:
-  int64_t full_tokens(int64_t bh) const { return lengths[bh] / page_size * page_size; }
+  int64_t full_tokens(int64_t bh) const { return this->lengths[bh] / this->page_size * this->page_size; }
   const float* row(int64_t unit, int64_t j, float* buffer, const uint8_t* codes, const char* scales,
                    int64_t scale_bytes, const scalar_t* residual, bool keys) const {
-    const int64_t bh = unit / n, full = full_tokens(bh);
+    const int64_t bh = unit / this->n, full = full_tokens(bh), dim = this->dim, page_size = this->page_size;
     if (j >= full) {
-      const int64_t b = bh / kv_heads, h = bh % kv_heads;
-      return as_float<scalar_t>(residual + ((residual_slots[b] * kv_heads + h) * page_size + j - full) * dim, buffer,
-                                dim);
+      const int64_t b = bh / this->kv_heads, h = bh % this->kv_heads;
+      return as_float<scalar_t>(residual + ((residual_slots[b] * this->kv_heads + h) * page_size + j - full) * dim,
+                                buffer, dim);
     }
-    const int64_t page = page_table[bh * max_pages + j / page_size];
+    const int64_t page = this->page(unit, j);
     dequantize_row(codec, keys, PageRef{codes + page * page_size * code_bytes, scales + page * scale_bytes},
                    j % page_size, dim, buffer);
     return buffer;
@@ -138,34 +139,24 @@ at::Tensor paged_attention_quantized_cpu(const at::Tensor& queries, const at::Te
       residual_values, residual_slots, scale);
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
   if (a.queries.numel() == 0) return out;
+  const int64_t page_size = a.key_codes.size(1), dim = a.queries.size(3);
+  const auto scale_bytes = [&](KVRole role) {
+    return kv_page_layout(format, role, page_size, dim, a.queries.scalar_type()).scale_bytes_per_page();
+  };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.queries.scalar_type(), "paged_attention_quantized", [&] {
     QuantizedPagedLayout<scalar_t> l;
-    l.q_heads = a.queries.size(1);
-    l.n = a.queries.size(2);
-    l.dim = a.queries.size(3);
-    l.kv_heads = a.page_table.size(1);
-    l.max_pages = a.page_table.size(2);
-    l.page_size = a.key_codes.size(1);
+    l.set_units(a.queries, a.host_page_table, a.host_lengths, page_size, a.scale, out);
     l.code_bytes = a.key_codes.size(2);
-    l.groups = l.q_heads / l.kv_heads;
-    l.units = a.queries.size(0) * l.kv_heads * l.n;
-    l.scale = static_cast<float>(a.scale);
     l.codec = static_cast<PageCodec>(format);
-    l.q_ptr = a.queries.const_data_ptr<scalar_t>();
     l.residual_keys = a.residual_keys.const_data_ptr<scalar_t>();
     l.residual_values = a.residual_values.const_data_ptr<scalar_t>();
     l.key_codes = a.key_codes.const_data_ptr<uint8_t>();
     l.value_codes = a.value_codes.const_data_ptr<uint8_t>();
     l.key_scales = static_cast<const char*>(a.key_scales.const_data_ptr());
     l.value_scales = static_cast<const char*>(a.value_scales.const_data_ptr());
-    l.key_scale_bytes =
-        kv_page_layout(format, KVRole::kKeys, l.page_size, l.dim, a.queries.scalar_type()).scale_bytes_per_page();
-    l.value_scale_bytes =
-        kv_page_layout(format, KVRole::kValues, l.page_size, l.dim, a.queries.scalar_type()).scale_bytes_per_page();
-    l.page_table = a.host_page_table.const_data_ptr<int64_t>();
-    l.lengths = a.host_lengths.const_data_ptr<int64_t>();
+    l.key_scale_bytes = scale_bytes(KVRole::kKeys);
+    l.value_scale_bytes = scale_bytes(KVRole::kValues);
     l.residual_slots = a.host_residual_slots.const_data_ptr<int64_t>();
-    l.o_ptr = out.data_ptr<scalar_t>();
     run_attention<scalar_t>(l);
   });
   return out;
