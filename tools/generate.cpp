@@ -157,13 +157,21 @@ void print_pool(const llama::PagedGenerationStats& s, size_t prompts) {
              mib(pool * s.bytes_per_page));
   if (s.residual_bytes > 0)
     fmt::print("residual rows (each head's page that is not full yet, unquantized): {}\n", mib(s.residual_bytes));
-  const double saved = s.prompt_pages_uncompressed > 0
-                           ? 100.0 * (1.0 - static_cast<double>(s.prompt_pages_stored) /
-                                                static_cast<double>(s.prompt_pages_uncompressed))
-                           : 0.0;
-  fmt::print("  prompts stored in {} pages ({}), {} uncompressed ({}): {:.1f}% saved\n", s.prompt_pages_stored,
-             mib(s.prompt_pages_stored * s.bytes_per_page), s.prompt_pages_uncompressed,
-             mib(s.prompt_pages_uncompressed * s.bytes_per_page), saved);
+  if (s.kv_format != kvpress::KVFormat::kFull) {
+    // A quantized cache pages only full pages (the rest are residual rows), so its page count is not
+    // comparable with the uncompressed one: no percentage.
+    fmt::print("  prompts stored in {} full {} pages ({}) plus each head's residual rows; {} pages uncompressed\n",
+               s.prompt_pages_stored, kvpress::kv_format_name(s.kv_format),
+               mib(s.prompt_pages_stored * s.bytes_per_page), s.prompt_pages_uncompressed);
+  } else {
+    const double saved = s.prompt_pages_uncompressed > 0
+                             ? 100.0 * (1.0 - static_cast<double>(s.prompt_pages_stored) /
+                                                  static_cast<double>(s.prompt_pages_uncompressed))
+                             : 0.0;
+    fmt::print("  prompts stored in {} pages ({}), {} uncompressed ({}): {:.1f}% saved\n", s.prompt_pages_stored,
+               mib(s.prompt_pages_stored * s.bytes_per_page), s.prompt_pages_uncompressed,
+               mib(s.prompt_pages_uncompressed * s.bytes_per_page), saved);
+  }
   fmt::print("  peak pages in use: {} of {} ({:.1f}%)\n", s.peak_pages_used, pool,
              pool > 0 ? 100.0 * static_cast<double>(s.peak_pages_used) / static_cast<double>(pool) : 0.0);
   fmt::print("  {} prompts, at most {} running at once; {} prefill batches, {} decode steps\n", prompts, s.max_running,
