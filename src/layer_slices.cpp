@@ -18,6 +18,13 @@ int64_t known_num_heads(const LayerInputs& in) {
   }
 }
 
+int64_t query_rows(const LayerInputs& in) {
+  if (in.attentions.defined()) return in.attentions.size(2);
+  if (in.queries.defined()) return in.queries.size(2);
+  if (in.hidden_states.defined()) return in.hidden_states.size(1);
+  return in.keys.size(2);
+}
+
 LayerInputs slice_positions(const LayerInputs& in, int64_t begin, int64_t end) {
   const int64_t seq = in.keys.size(2), len = end - begin;
   LayerInputs out = in;

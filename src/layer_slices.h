@@ -13,6 +13,10 @@ namespace kvpress {
 // Hq when it is known (num_heads, or queries, attentions or q_proj to infer it from), else 0.
 int64_t known_num_heads(const LayerInputs& inputs);
 
+// Query rows the inputs hold (kvpress: the forward's q_len, hidden_states.shape[1]): the given
+// attentions' rows, else the given queries', else hidden_states' positions, else S.
+int64_t query_rows(const LayerInputs& inputs);
+
 // The inputs restricted to positions [begin, end): keys, values, hidden_states and cos/sin are
 // cut; queries and attention rows cover the last q_len positions, and only those inside the range
 // are kept (none left: the tensor is dropped); attention columns are cut, not renormalised.

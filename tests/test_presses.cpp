@@ -371,7 +371,7 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "MergingPress",
                                        "DMSPress"};
   const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress",
-                                       "CAMPress"};
+                                       "CAMPress", "RKVDecodingPress"};
   for (const PressInfo& info : list_presses()) {
     const PressKind expected = wrappers.count(info.name)   ? PressKind::kWrapper
                                : decoding.count(info.name) ? PressKind::kDecoding

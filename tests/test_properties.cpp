@@ -141,6 +141,12 @@ const std::map<std::string, Promise>& promises() {
         },
         nullptr}},
       {"PrefillDecodingPress", {1, [](const BasePress&, int64_t seq, double) { return seq; }, nullptr}},
+      // Its prefill keeps `budget` tokens of a longer prompt, the last window_size among them.
+      {"RKVDecodingPress",
+       {1, [](const BasePress&, int64_t seq, double) { return std::min(seq, RKVDecodingPress::kDefaultBudget); },
+        [](const BasePress&, int64_t seq) { return range(seq - RKVPress::kDefaultWindowSize, seq); }}},
+      {"RKVPress",
+       {1, default_kept, [](const BasePress&, int64_t seq) { return range(seq - RKVPress::kDefaultWindowSize, seq); }}},
   };
   return table;
 }

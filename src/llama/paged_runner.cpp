@@ -119,6 +119,8 @@ std::string LlamaModel::why_not_paged_decoding(const BasePress* press) {
   if (role.scorer && needs_attentions(role.scorer->name()))
     return press->name() + "'s scorer " + role.scorer->name() +
            " needs attention weights, which paged attention does not compute";
+  if (role.records_prefill)
+    return press->name() + " starts its decoding state at prefill (record_prefill), which prefill_paged does not call";
   if (role.reads_cache_every_step)
     return press->name() +
            " reads the layer's whole cache on every step, which the paged decode gives only when it "

@@ -6,6 +6,7 @@
 
 #include "checks.h"
 #include "kvpress/ops.h"
+#include "layer_slices.h"
 #include "presses/registration.h"
 
 namespace kvpress {
@@ -13,14 +14,6 @@ namespace kvpress {
 namespace {
 
 constexpr const char* kOp = "DropKVPress";
-
-// Query rows the inputs hold (kvpress: the forward's q_len, hidden_states.shape[1]).
-int64_t query_rows(const LayerInputs& in) {
-  if (in.attentions.defined()) return in.attentions.size(2);
-  if (in.queries.defined()) return in.queries.size(2);
-  if (in.hidden_states.defined()) return in.hidden_states.size(1);
-  return in.keys.size(2);
-}
 
 }  // namespace
 

@@ -364,7 +364,7 @@ class LlamaModel : public ModelView {
                           const PagedDecodeOptions& options = {}) const;
   // Why decode_paged() refuses `press` while decoding, or "" when it takes it (no press, or one that
   // does nothing while decoding, included): its scorer needs attention weights, it reads the whole
-  // cache every step, or it evicts per head (DecodingRole).
+  // cache every step, it evicts per head, or it needs its prefill recorded (DecodingRole).
   static std::string why_not_paged_decoding(const BasePress* press);
 
   // ---- the ModelView: one decoder layer at a time, for the presses' second passes (kvpress/model_view.h)

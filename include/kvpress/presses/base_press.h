@@ -69,6 +69,9 @@ struct DecodingRole {
   bool evicts_per_head = false;
   // decoding_update() reads the layer's whole cache on every forward, not only when it compresses.
   bool reads_cache_every_step = false;
+  // decoding_update() needs what record_prefill() kept (RKVDecodingPress's query window): an engine
+  // must call record_prefill() at the prefill of every sequence.
+  bool records_prefill = false;
 };
 
 // What one decoding forward's press hook does to a layer's cache.
