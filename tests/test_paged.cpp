@@ -38,6 +38,7 @@ namespace {
 
 using testing::expect_error;
 using testing::randn;
+using testing::reference_attention;
 
 // Per-head token lists laid out in randomly ordered pages of a pool.
 struct PagedLayout {
@@ -75,28 +76,6 @@ PagedLayout random_layout(int64_t batch, int64_t kv_heads, const std::vector<int
     const at::Tensor index = at::tensor(at::ArrayRef<int64_t>(slots), at::kLong);
     out.keys.push_back(out.key_pool.view({-1, dim}).index_select(0, index));
     out.values.push_back(out.value_pool.view({-1, dim}).index_select(0, index));
-  }
-  return out;
-}
-
-// Dense causal attention in float64 of queries [B, Hq, n, D] over per-head keys/values [L_bh, D]:
-// new token i sees rows 0 .. L - n + i.
-at::Tensor reference_attention(const at::Tensor& queries, const std::vector<at::Tensor>& keys,
-                               const std::vector<at::Tensor>& values, int64_t kv_heads) {
-  const int64_t batch = queries.size(0), q_heads = queries.size(1), n = queries.size(2), dim = queries.size(3);
-  const int64_t group = q_heads / kv_heads;
-  at::Tensor out = at::empty({batch, q_heads, n, dim}, at::kDouble);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t qh = 0; qh < q_heads; ++qh) {
-      const size_t bh = static_cast<size_t>(b * kv_heads + qh / group);
-      const at::Tensor k = keys[bh].to(at::kDouble), v = values[bh].to(at::kDouble);
-      const int64_t len = k.size(0);
-      at::Tensor logits = at::matmul(queries[b][qh].to(at::kDouble), k.t()) / std::sqrt(static_cast<double>(dim));
-      const at::Tensor hidden =
-          at::arange(len, at::kLong).unsqueeze(0) > (at::arange(n, at::kLong) + (len - n)).unsqueeze(1);
-      logits.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
-      out[b][qh].copy_(at::matmul(at::softmax(logits, -1), v));
-    }
   }
   return out;
 }

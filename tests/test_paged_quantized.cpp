@@ -52,20 +52,14 @@ at::Tensor as_stored(const at::Tensor& rows, KVFormat format, KVRole role, int64
 // float64: what the kernel computes from the rows the cache holds.
 at::Tensor attention_over_rows(const PagedKVCache& cache, int64_t layer, const std::vector<SequenceId>& seqs,
                                const at::Tensor& queries) {
-  const int64_t hkv = cache.options().kv_heads, group = queries.size(1) / hkv, n = queries.size(2);
-  at::Tensor out = at::empty(queries.sizes(), at::kDouble);
-  for (size_t b = 0; b < seqs.size(); ++b)
-    for (int64_t qh = 0; qh < queries.size(1); ++qh) {
-      const at::Tensor k = cache.head_keys(seqs[b], layer, qh / group).to(at::kDouble);
-      const at::Tensor v = cache.head_values(seqs[b], layer, qh / group).to(at::kDouble);
-      const int64_t len = k.size(0);
-      at::Tensor logits = at::matmul(queries[static_cast<int64_t>(b)][qh].to(at::kDouble), k.t()) /
-                          std::sqrt(static_cast<double>(k.size(1)));
-      logits.masked_fill_(at::arange(len).unsqueeze(0) > (at::arange(n) + (len - n)).unsqueeze(1),
-                          -std::numeric_limits<double>::infinity());
-      out[static_cast<int64_t>(b)][qh].copy_(at::matmul(at::softmax(logits, -1), v));
+  const int64_t hkv = cache.options().kv_heads;
+  std::vector<at::Tensor> keys, values;  // [B * Hkv] x [L, D]
+  for (SequenceId seq : seqs)
+    for (int64_t h = 0; h < hkv; ++h) {
+      keys.push_back(cache.head_keys(seq, layer, h));
+      values.push_back(cache.head_values(seq, layer, h));
     }
-  return out;
+  return testing::reference_attention(queries, keys, values, hkv);
 }
 
 TEST(QuantizedPagedCache, StoresFullPagesQuantizedAndTheRestInItsDtype) {
