@@ -21,7 +21,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -58,25 +57,16 @@ int main(int argc, char** argv) {
   std::vector<double> seq_lens{16384}, batch{16384, 9000, 3000, 700, 128}, ratios{0.5, 0.75};
   int64_t page_size = kvpress::PagedCacheOptions::kDefaultPageSize;
   int repeats = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--seq-lens"))
-      seq_lens = kvpress_bench::number_list("--seq-lens", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--batch"))
-      batch = kvpress_bench::number_list("--batch", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--ratios"))
-      ratios = kvpress_bench::number_list("--ratios", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--page-size"))
-      page_size = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--repeats"))
-      repeats = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--seq-lens 16384] [--batch 16384,9000,3000,700,128] [--ratios 0.5,0.75] "
-                   "[--page-size 16] [--repeats 20]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  if (!kvpress_bench::Options()
+           .list("--seq-lens", seq_lens)
+           .list("--batch", batch)
+           .list("--ratios", ratios)
+           .integer("--page-size", page_size)
+           .integer("--repeats", repeats)
+           .parse(argc, argv,
+                  "[--seq-lens 16384] [--batch 16384,9000,3000,700,128] [--ratios 0.5,0.75] [--page-size 16] "
+                  "[--repeats 20]"))
+    return 2;
   std::vector<Workload> workloads;
   for (double s : seq_lens)
     workloads.push_back({"S=" + std::to_string(static_cast<int64_t>(s)), {static_cast<int64_t>(s)}});

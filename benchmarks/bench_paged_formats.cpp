@@ -16,7 +16,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -68,21 +67,13 @@ int run(int argc, char** argv) {
   std::vector<double> seq_lens{4096, 16384}, ratios{0.0, 0.5};
   int64_t page_size = kvpress::PagedCacheOptions::kDefaultPageSize;
   int repeats = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--seq-lens"))
-      seq_lens = kvpress_bench::number_list("--seq-lens", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--ratios"))
-      ratios = kvpress_bench::number_list("--ratios", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--page-size"))
-      page_size = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--repeats"))
-      repeats = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: %s [--seq-lens 4096,16384] [--ratios 0,0.5] [--page-size 16] [--repeats 20]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  if (!kvpress_bench::Options()
+           .list("--seq-lens", seq_lens)
+           .list("--ratios", ratios)
+           .integer("--page-size", page_size)
+           .integer("--repeats", repeats)
+           .parse(argc, argv, "[--seq-lens 4096,16384] [--ratios 0,0.5] [--page-size 16] [--repeats 20]"))
+    return 2;
   std::printf("Hkv=%lld Hq=%lld D=%lld bfloat16, page_size %lld, %d threads, median of %d decode steps (n=1)\n\n",
               static_cast<long long>(kKvHeads), static_cast<long long>(kQHeads), static_cast<long long>(kDim),
               static_cast<long long>(page_size), at::get_num_threads(), repeats);

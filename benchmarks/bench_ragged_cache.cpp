@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -62,18 +61,12 @@ std::vector<int64_t> uneven_budgets(int64_t total, int64_t seq_len) {
 int main(int argc, char** argv) {
   std::vector<double> seq_lens{4096, 32768}, ratios{0.5, 0.75};
   int repeats = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--seq-lens"))
-      seq_lens = kvpress_bench::number_list("--seq-lens", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--ratios"))
-      ratios = kvpress_bench::number_list("--ratios", argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--repeats"))
-      repeats = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: %s [--seq-lens 4096,32768] [--ratios 0.5,0.75] [--repeats 20]\n", argv[0]);
-      return 2;
-    }
-  }
+  if (!kvpress_bench::Options()
+           .list("--seq-lens", seq_lens)
+           .list("--ratios", ratios)
+           .integer("--repeats", repeats)
+           .parse(argc, argv, "[--seq-lens 4096,32768] [--ratios 0.5,0.75] [--repeats 20]"))
+    return 2;
   std::printf("B=%lld Hkv=%lld Hq=%lld D=%lld float32, %d threads, median of %d decode calls (n=1)\n\n",
               static_cast<long long>(kBatch), static_cast<long long>(kKvHeads), static_cast<long long>(kQHeads),
               static_cast<long long>(kDim), at::get_num_threads(), repeats);

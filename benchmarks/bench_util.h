@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvpress/presses/base_press.h"
@@ -42,6 +44,54 @@ inline std::vector<double> number_list(const std::string& option, const std::str
   TORCH_CHECK(list && !list->empty(), option, ": expected comma-separated numbers, got '", text, "'");
   return *list;
 }
+
+// The "--name VALUE" options of a small benchmark program: each declared option fills its target.
+//   Options().list("--seq-lens", seq_lens).integer("--repeats", repeats).parse(argc, argv, usage)
+// parse() prints "usage: PROGRAM <usage>" and returns false for an unknown option, an option without
+// its value, or a value that is not what the option takes (numbers; a whole integer).
+class Options {
+ public:
+  Options& list(const char* name, std::vector<double>& target) {
+    options_.push_back({name, [name, &target](const std::string& text) {
+                          const auto values = kvpress::parse_double_list(text);
+                          if (!values || values->empty()) return why(name, "comma-separated numbers", text);
+                          target = *values;
+                          return true;
+                        }});
+    return *this;
+  }
+  template <typename Int>
+  Options& integer(const char* name, Int& target) {
+    options_.push_back({name, [name, &target](const std::string& text) {
+                          char* end = nullptr;
+                          const long long value = std::strtoll(text.c_str(), &end, 10);
+                          if (text.empty() || *end != '\0') return why(name, "an integer", text);
+                          target = static_cast<Int>(value);
+                          return true;
+                        }});
+    return *this;
+  }
+  bool parse(int argc, char** argv, const std::string& usage) const {
+    for (int i = 1; i < argc; i += 2) {
+      const auto option =
+          std::find_if(options_.begin(), options_.end(), [&](const auto& o) { return o.first == argv[i]; });
+      if (option == options_.end() || i + 1 >= argc || !option->second(argv[i + 1])) {
+        if (option == options_.end()) std::cerr << "unknown option '" << argv[i] << "'\n";
+        if (option != options_.end() && i + 1 >= argc) std::cerr << argv[i] << " needs a value\n";
+        std::cerr << "usage: " << argv[0] << " " << usage << "\n";
+        return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  static bool why(const char* name, const char* expected, const std::string& text) {
+    std::cerr << name << ": expected " << expected << ", got '" << text << "'\n";
+    return false;
+  }
+  std::vector<std::pair<std::string, std::function<bool(const std::string&)>>> options_;
+};
 
 // The Llama runner's dense decode attention (src/llama/model.cpp): matmul, float32 softmax, matmul,
 // GQA folded into the matmul rows; keep_mask (optional, [B, Hkv, L] bool) masks with -inf, which is
