@@ -80,6 +80,42 @@ TEST(Pipeline, AnswersFromOneCacheEqualSeparateRuns) {
   }
 }
 
+// Answers over pages (PipelineOptions::paged_kv_format): in full precision the dense pipeline's
+// answers and kept counts, uniform and head-ragged presses alike, query-aware too; quantized pages
+// keep the same tokens of the context (quantization drops none) and answer from them.
+TEST(Pipeline, AnswersOverPagesInEachFormat) {
+  const auto& [model, tok] = tiny();
+  const std::string question = "Who is in the story?";
+  for (const char* name : {"SnapKVPress", "AdaKVPress"}) {
+    SCOPED_TRACE(name);
+    const auto press = kvpress::make_press(name, 0.5);
+    PipelineOptions opt;
+    opt.press = press.get();
+    opt.max_new_tokens = 12;
+    for (bool query_aware : {false, true}) {
+      opt.query_aware = query_aware;
+      opt.paged_kv_format.reset();
+      const Answer dense = answer_questions(model, tok, story(), {question}, opt).at(0);
+      opt.paged_kv_format = kvpress::KVFormat::kFull;
+      const Answer paged = answer_questions(model, tok, story(), {question}, opt).at(0);
+      EXPECT_EQ(paged.tokens, dense.tokens) << query_aware;
+      EXPECT_EQ(paged.text, dense.text);
+      EXPECT_EQ(paged.prefill_length, dense.prefill_length);
+      EXPECT_EQ(paged.cache_lengths, dense.cache_lengths);
+      EXPECT_NEAR(paged.kept_fraction, dense.kept_fraction, 1e-12);
+      EXPECT_LT(paged.kept_fraction, 0.6);
+      for (kvpress::KVFormat format : {kvpress::KVFormat::kInt8, kvpress::KVFormat::kFp8, kvpress::KVFormat::kInt4}) {
+        opt.paged_kv_format = format;
+        const Answer quantized = answer_questions(model, tok, story(), {question}, opt).at(0);
+        EXPECT_EQ(quantized.cache_lengths, dense.cache_lengths) << kvpress::kv_format_name(format);
+        EXPECT_NEAR(quantized.kept_fraction, dense.kept_fraction, 1e-12);
+        EXPECT_FALSE(quantized.tokens.empty());
+        EXPECT_EQ(quantized.text, tok.decode(quantized.tokens));
+      }
+    }
+  }
+}
+
 // One captured prefill answered through by several presses (PipelineOptions::captured; kvpress-cli
 // bench): the same answers and cache lengths as each press's own prefill.
 TEST(Pipeline, CapturedPrefillGivesTheSameAnswers) {
@@ -205,6 +241,18 @@ TEST(Pipeline, RefusesBadInput) {
   opt.press = finch.get();
   expect_error([&] { answer_questions(model, tok, story(), {"Q?"}, opt); },
                {"answer_questions", "FinchPress observes the question", "query_aware"});
+  opt.query_aware = true;
+  opt.paged_kv_format = kvpress::KVFormat::kInt8;
+  expect_error([&] { answer_questions(model, tok, story(), {"Q?"}, opt); },
+               {"answer_questions", "FinchPress observes the question, which prefill_paged does not give a press"});
+  opt.query_aware = false;
+  opt.press = nullptr;
+  const kvpress::llama::CapturedPrefill captured;
+  opt.captured = &captured;
+  expect_error([&] { answer_questions(model, tok, story(), {"Q?"}, opt); },
+               {"answer_questions", "options.captured is a dense prefill"});
+  opt.captured = nullptr;
+  opt.paged_kv_format.reset();
   const auto decoding = kvpress::make_press("DecodingPress", 0.0);
   opt.press = decoding.get();
   expect_error(

@@ -32,6 +32,7 @@
 #include "cli_args.h"
 #include "kvpress/calibration.h"
 #include "kvpress/io/atomic_file.h"
+#include "kvpress/kv_format.h"
 #include "kvpress/llama/kvzip.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/registry.h"
@@ -53,6 +54,9 @@ struct BenchPress {
   std::string label;           // what the rows and tables call it
   bool calibrated = false;     // its ratio searched per example (--calibrate); the runs' "ratio" is the tolerance
   std::vector<double> ratios;  // --press-ratios: its own ratios; empty: --ratios
+  // --kv-dtype: answered over a PagedKVCache of this format (llama::PipelineOptions::paged_kv_format);
+  // unset: over the dense cache, as kvpress.
+  std::optional<kvpress::KVFormat> kv_format;
 };
 
 struct BenchArgs {
@@ -111,7 +115,8 @@ std::string label_of(const BenchPress& p) {
     label += "(" + inner + ")";
   }
   if (p.calibrated) label += " [calibrated]";
-  return p.query_aware ? label + " [query-aware]" : label;
+  if (p.query_aware) label += " [query-aware]";
+  return p.kv_format ? label + " [" + kvpress::kv_format_name(*p.kv_format) + " pages]" : label;
 }
 
 // A press that takes no ratio (DecodingPress's target_size, DuoAttention's heads) runs once.
@@ -135,6 +140,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
   // 0.9 for the best presses alone, in the same run so that they share its prefills); set on the
   // press (BenchPress::ratios) once every press is known.
   std::map<std::string, std::vector<double>> press_ratios;
+  std::optional<kvpress::KVFormat> kv_format;  // --kv-dtype, for every press of the run
   for (size_t i = 0; i < args.size(); ++i) {
     std::string v;
     if (take_value(args, i, "--model", "", out.model)) {
@@ -167,6 +173,12 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       if (out.presses.empty() || !out.presses.back().label.empty() || v.empty())
         usage_error("bench: --label {} must follow the --press (and its --param) it names", v);
       out.presses.back().label = v;
+    } else if (take_value(args, i, "--kv-dtype", "", v)) {
+      try {
+        kv_format = kvpress::parse_kv_format(v, "bench: --kv-dtype");
+      } catch (const c10::Error& e) {
+        usage_error("{}", e.msg());
+      }
     } else if (take_value(args, i, "--ratios", "", v)) {
       out.ratios = parse_ratios(v);
     } else if (take_value(args, i, "--press-ratios", "", v)) {
@@ -196,6 +208,7 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
   if (out.out.empty()) usage_error("bench: --out RESULTS.jsonl is required (rows are appended; a rerun resumes)");
   if (!out.png.empty() && out.csv.empty()) usage_error("bench: --png draws the --csv summary: give --csv too");
   if (out.presses.empty()) out.presses = default_presses();
+  for (BenchPress& p : out.presses) p.kv_format = kv_format;
   std::set<std::string> labels;  // a run's rows are keyed by label: two presses cannot share one
   for (const BenchPress& p : out.presses)
     if (!labels.insert(label_of(p)).second) usage_error("bench: two presses are labelled {}", label_of(p));
@@ -406,6 +419,13 @@ std::vector<BenchPress> checked_presses(const BenchArgs& args) {
       const auto built = kvpress::make_press(p.name, takes_ratio(p) ? args.ratios.front() : 0.0, p.params);
       TORCH_CHECK(!built->observes_question() || p.query_aware, "bench: ", label_of(p),
                   " observes the question: give it with --query-aware");
+      if (p.kv_format) {  // what prefill_paged and decode_paged take (PipelineOptions::paged_kv_format)
+        TORCH_CHECK(!built->observes_question() && !built->needs_second_pass(), "bench: --kv-dtype: ", label_of(p),
+                    built->needs_second_pass() ? " runs a second pass over the context" : " observes the question",
+                    ", which a paged prefill does not run");
+        const std::string why = llama::LlamaModel::why_not_paged_decoding(built.get());
+        TORCH_CHECK(why.empty(), "bench: --kv-dtype: ", why);
+      }
       if (!args.tolerances.empty() && takes_ratio(p) && !p.query_aware) {
         // The search compresses the captured prefill's layers, so only presses that can use it.
         const std::string why = llama::LlamaModel::why_not_captured(built.get(), llama::PressAttentions::kAuto);
@@ -476,7 +496,8 @@ class ExampleRuns {
     llama::PipelineOptions opt = base_;
     opt.press = press.get();
     opt.query_aware = p.query_aware;
-    const bool shared = share_prefill(p, opt);
+    opt.paged_kv_format = p.kv_format;
+    const bool shared = !p.kv_format && share_prefill(p, opt);  // pages: each run prefills with prefill_paged
     at::manual_seed(0);
     const llama::Answer a =
         llama::answer_questions(checkpoint_.model, checkpoint_.tokenizer, e_.context, {e_.question}, opt).at(0);
@@ -496,6 +517,7 @@ class ExampleRuns {
             {"expected", e_.answers},
             {"score", score(e_.metric, a.text, e_.answers)},
             {"shared_prefill", shared},
+            {"kv_format", p.kv_format ? kvpress::kv_format_name(*p.kv_format) : "dense"},
             {"calibration", calibration},  // --calibrate: the tolerance and the ratio found
             {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}};
   }

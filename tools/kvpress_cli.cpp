@@ -89,7 +89,7 @@ Usage:
   kvpress-cli bench --tasks DIR --out RESULTS.jsonl [--model NAME|DIR] [--task LIST]
                    [--lengths LIST] [--examples N] [--press NAME [--param KEY=VALUE ...] [--label TEXT]]...
                    [--query-aware NAME]... [--ratios LIST] [--press-ratios LABEL=LIST]...
-                   [--calibrate LIST] [--csv OUT [--png OUT]] [--threads N]
+                   [--calibrate LIST] [--kv-dtype F] [--csv OUT [--png OUT]] [--threads N]
                    [--no-progress]
   kvpress-cli list [--names | --json | --markdown]
   kvpress-cli --help
@@ -208,6 +208,9 @@ bench options (RULER-style accuracy of every press on a real model; docs/QUALITY
   --calibrate LIST         tolerances in (0, 1): each score-based press also runs "[calibrated]",
                            its ratio per example the largest whose attention output (last 16
                            queries) stays within the tolerance; its rows' ratio is the tolerance
+  --kv-dtype F              answer over a paged KV cache whose full pages are F: full, int8,
+                           fp8 or int4 (every press of the run, labelled "[F pages]"; each run
+                           prefills with compression while storing; default: the dense cache)
   --csv OUT                accuracy and mean kept fraction per press, ratio, task and length
   --png OUT                accuracy against ratio, one line per press (scripts/plot.py)
   --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)

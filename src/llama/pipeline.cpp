@@ -9,6 +9,7 @@
 
 #include "greedy.h"
 #include "kvpress/llama/kvzip.h"
+#include "kvpress/paged.h"
 
 namespace kvpress::llama {
 namespace {
@@ -34,14 +35,18 @@ struct Prefilled {
   std::unique_ptr<PressSequenceState> press_state;
 };
 
+// The context's tokens cut to options.max_context_length (kvpress cuts its context text's tokens,
+// the question's too when it is part of that text), and how many of the last are the question's.
+void cut_context(std::vector<int64_t>& ids, int64_t& question_length, const PipelineOptions& options) {
+  if (options.max_context_length <= 0 || static_cast<int64_t>(ids.size()) <= options.max_context_length) return;
+  const int64_t cut = static_cast<int64_t>(ids.size()) - options.max_context_length;
+  ids.resize(static_cast<size_t>(options.max_context_length));
+  question_length = std::max<int64_t>(0, question_length - cut);
+}
+
 Prefilled prefill(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<int64_t> ids,
                   int64_t question_length, const PipelineOptions& options) {
-  if (options.max_context_length > 0 && static_cast<int64_t>(ids.size()) > options.max_context_length) {
-    // kvpress cuts its context text's tokens, the question's too when it is part of that text.
-    const int64_t cut = static_cast<int64_t>(ids.size()) - options.max_context_length;
-    ids.resize(static_cast<size_t>(options.max_context_length));
-    question_length = std::max<int64_t>(0, question_length - cut);
-  }
+  cut_context(ids, question_length, options);
   Prefilled p;
   p.length = static_cast<int64_t>(ids.size());
   PrefillOptions prefill;
@@ -90,6 +95,46 @@ double kept_fraction(const KVCache& cache, int64_t length) {
     }
   }
   return sum / static_cast<double>(cache.num_layers());
+}
+
+// One answer over a PagedKVCache in *options.paged_kv_format: `ids` prefilled with the press
+// compressing as the pages are written, then `question_ids` and the answer one decode step each.
+Answer answer_over_pages(const LlamaModel& model, std::vector<int64_t> ids, const std::vector<int64_t>& question_ids,
+                         const PipelineOptions& options) {
+  int64_t question_length = 0;
+  cut_context(ids, question_length, options);
+  const auto prefill_length = static_cast<int64_t>(ids.size());
+  const int64_t page_size = PagedCacheOptions::kDefaultPageSize, heads = model.config().num_kv_heads;
+  const int64_t rows = prefill_length + static_cast<int64_t>(question_ids.size()) + options.max_new_tokens;
+  PagedKVCache cache =
+      model.new_paged_cache(heads * ((rows + page_size - 1) / page_size), page_size, *options.paged_kv_format);
+  const SequenceId seq = cache.add_sequence();
+  PagedPrefillOptions prefill;
+  prefill.press = options.press;
+  prefill.press_attentions = options.press_attentions;
+  at::Tensor logits = model.prefill_paged({ids}, {seq}, cache, prefill)[0];  // [vocab]
+  Answer a;
+  a.prefill_length = prefill_length;
+  double kept = 0.0;
+  for (int64_t l = 0; l < model.config().num_layers; ++l) {
+    const std::vector<int64_t> lengths = cache.lengths(seq, l);
+    a.cache_lengths.push_back(*std::max_element(lengths.begin(), lengths.end()));
+    for (int64_t n : lengths) kept += static_cast<double>(n) / static_cast<double>(prefill_length * heads);
+  }
+  a.kept_fraction = kept / static_cast<double>(model.config().num_layers);
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(options.press);
+  PagedDecodeOptions step;
+  step.press = options.press;
+  if (state) step.press_states.push_back(state.get());
+  const auto feed = [&](int64_t token) { logits = model.decode_paged({seq}, {token}, cache, step)[0]; };
+  for (int64_t token : question_ids) feed(token);
+  const int64_t eos = model.config().eos_token_id;
+  while (true) {  // greedy_continue's loop: the EOS that ends the answer is kept
+    a.tokens.push_back(logits.argmax().item<int64_t>());
+    if (static_cast<int64_t>(a.tokens.size()) >= options.max_new_tokens || a.tokens.back() == eos) break;
+    feed(a.tokens.back());
+  }
+  return a;
 }
 
 // The text the plain prompt starts with (the model's BOS token), or "" with a chat template.
@@ -192,6 +237,28 @@ std::vector<Answer> answer_questions(const LlamaModel& model, const Tokenizer& t
   };
 
   std::vector<Answer> answers;
+  if (options.paged_kv_format) {
+    TORCH_CHECK(
+        options.captured == nullptr, kOp,
+        ": options.captured is a dense prefill; answers over pages (paged_kv_format) prefill with prefill_paged");
+    TORCH_CHECK(!observes_question, kOp, ": ", press ? press->name() : std::string(),
+                " observes the question, which prefill_paged does not give a press (paged_kv_format)");
+    const Framed framed = frame(context, bos_text, chat);
+    for (const std::string& q : questions) {
+      Answer a;
+      if (options.query_aware) {
+        QueryAwarePrefill aware = query_aware_prefill(tokenizer, context, q, bos_text, chat, false);
+        a = answer_over_pages(model, std::move(aware.ids), encode(aware.framed.question_suffix + options.answer_prefix),
+                              options);
+      } else {
+        a = answer_over_pages(model, encode(framed.prefill), encode(q + framed.question_suffix + options.answer_prefix),
+                              options);
+      }
+      a.text = tokenizer.decode(a.tokens, /*skip_special_tokens=*/true);
+      answers.push_back(std::move(a));
+    }
+    return answers;
+  }
   if (!options.query_aware) {
     const Framed framed = frame(context, bos_text, chat);
     Prefilled p = prefill(model, tokenizer, encode(framed.prefill), 0, options);

@@ -14,9 +14,11 @@ and SnapKVPress at ratio 0.5 (4 runs) and must:
 * with --calibrate, run each score-based press again at the ratio its search finds per example;
 * run KVzipPress (under a --label) and query-aware SnapKVPress at two ratios given by --press-ratios,
   each from one prefill;
+* with --kv-dtype int8, answer over int8 pages, keeping what the dense run keeps;
 * refuse a results file of another model, a --task the folder does not hold, and a press that
   observes the question given without --query-aware (before running anything), two presses of one
-  label, and --press-ratios naming no press or a press without a ratio, with clear errors.
+  label, --press-ratios naming no press or a press without a ratio, an unknown --kv-dtype and a
+  press a paged prefill cannot run, with clear errors.
 """
 import csv
 import json
@@ -124,6 +126,18 @@ with tempfile.TemporaryDirectory() as tmp:
         assert r["shared_prefill"] is True and abs(r["kept_fraction"] - (1 - r["ratio"])) < 0.02, r
         assert r["score"] == ruler_all(r["answer"], r["expected"]), r
 
+    # --kv-dtype: SnapKVPress answered over int8 pages (llama::PipelineOptions::paged_kv_format), its
+    # rows labelled "[int8 pages]", each its own paged prefill keeping the tokens the dense run keeps.
+    paged_out = tmp / "paged.jsonl"
+    run([cli, "bench", "--tasks", tasks, "--out", paged_out, "--press", "SnapKVPress", "--ratios", "0.5",
+         "--kv-dtype", "int8", "--examples", "1", "--threads", "2", "--no-progress"])
+    paged = rows(paged_out)
+    assert [(r["press"], r["kv_format"], r["shared_prefill"]) for r in paged] == [
+        ("SnapKVPress [int8 pages]", "int8", False)], paged
+    dense = next(r for r in got if r["press"] == "SnapKVPress" and r["id"] == paged[0]["id"])
+    assert dense["kv_format"] == "dense" and abs(paged[0]["kept_fraction"] - dense["kept_fraction"]) < 1e-9, paged
+    assert paged[0]["score"] == ruler_all(paged[0]["answer"], paged[0]["expected"]), paged
+
     other = tmp / "other.jsonl"
     other.write_text(json.dumps(dict(got[0], model="another.gguf")) + "\n")
     proc = run([*bench[:5], other, *bench[6:]], expect_ok=False)
@@ -138,7 +152,10 @@ with tempfile.TemporaryDirectory() as tmp:
     for args, message in [(["--press", "SnapKVPress", "--press", "SnapKVPress"], "two presses are labelled SnapKVPress"),
                           (["--press-ratios", "KVzip=0.5"], "--press-ratios KVzip: no press of this run is labelled so"),
                           (["--press", "none", "--press-ratios", "none=0.5"], "this press takes no compression ratio"),
-                          (["--press", "KnormPress", "--press-ratios", "KnormPress=0.5,1"], "--press-ratios must be")]:
+                          (["--press", "KnormPress", "--press-ratios", "KnormPress=0.5,1"], "--press-ratios must be"),
+                          (["--kv-dtype", "int2"], "bench: --kv-dtype: the KV format must be full, int8, fp8 or int4"),
+                          (["--press", "KVzipPress", "--kv-dtype", "int8"],
+                           "bench: --kv-dtype: KVzipPress [int8 pages] runs a second pass over the context")]:
         proc = run([cli, "bench", "--tasks", tasks, "--out", tmp / "z.jsonl", *args], expect_ok=False)
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,13 @@ struct PipelineOptions {
   // kvpress/llama/kvzip.h), so that the capture is compressed to its selection
   // (kvzip_compress_captured) instead of replaying the context: one scoring pass for every ratio.
   const at::Tensor* kvzip_scores = nullptr;
+  // Unset: the answers come from the dense KVCache, as kvpress's. Set: from a PagedKVCache in that
+  // format (kvpress/paged.h; int8, fp8 and int4 quantize each page when it fills): the prefill
+  // (context, and question when query_aware) through prefill_paged, the press keeping its tokens as
+  // the pages are written, then the question and the answer one decode_paged step per token. Each
+  // question gets its own prefill. Not with `captured` (a dense capture), a press that observes the
+  // question or runs a second pass (prefill_paged takes neither), or one decode_paged refuses.
+  std::optional<KVFormat> paged_kv_format;
 };
 
 struct Answer {
