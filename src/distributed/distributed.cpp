@@ -82,7 +82,7 @@ class GroupHeadExchange final : public HeadExchange {
   void counted(const at::Tensor& payload, const std::function<c10::intrusive_ptr<c10d::Work>()>& start,
                const char* step) const {
     const auto t0 = std::chrono::steady_clock::now();
-    detail::wait_for(start(), who_, step);
+    detail::run_operation(start, who_, step);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const auto bytes = static_cast<int64_t>(payload.nbytes());
     const std::lock_guard<std::mutex> lock(mutex_);
@@ -116,7 +116,8 @@ void check_agreement(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   std::vector<std::vector<at::Tensor>> gathered(1);
   for (int64_t r = 0; r < group->getSize(); ++r) gathered[0].push_back(at::empty_like(mine));
   std::vector<at::Tensor> input{mine.clone()};
-  detail::wait_for(group->allgather(gathered, input), rank_of(owner, *group), "the setup's all-gather");
+  detail::run_operation([&] { return group->allgather(gathered, input); }, rank_of(owner, *group),
+                        "the setup's all-gather");
   const std::string differ = differing_ranks(gathered[0], mine, fields);
   TORCH_CHECK(differ.empty(), owner, ": rank ", group->getRank(), " (", mine_text, ") differs from: ", differ);
 }
@@ -197,7 +198,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(const std::string& store_path,
   c10::intrusive_ptr<c10d::Work> barrier;
   {
     const std::lock_guard<std::mutex> lock(first_collective);
-    barrier = backend->barrier();
+    barrier = detail::start_operation([&] { return backend->barrier(); }, rank_of("gloo_group", *group),
+                                      "the group's first barrier");
   }
   detail::wait_for(barrier, rank_of("gloo_group", *group), "the group's first barrier");
   return group;

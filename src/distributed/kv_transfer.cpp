@@ -94,10 +94,11 @@ TransferStats send_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
   }
   static const char* const kSteps[] = {"the preamble", "the header", "the positions", "the keys", "the values"};
   std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-  for (auto& message : messages) sends.push_back(group->send(message, dst, tag));
+  for (size_t i = 0; i < messages.size(); ++i)
+    sends.push_back(detail::start_operation([&] { return group->send(messages[i], dst, tag); }, from_to, kSteps[i]));
   for (size_t i = 0; i < sends.size(); ++i) detail::wait_for(sends[i], from_to, kSteps[i]);
   std::vector<at::Tensor> answer{at::empty({1}, at::TensorOptions(at::kLong).device(wire))};
-  detail::wait_for(group->recv(answer, dst, tag), from_to, "the receiver's answer");
+  detail::run_operation([&] { return group->recv(answer, dst, tag); }, from_to, "the receiver's answer");
   const int64_t a = answer[0].item<int64_t>();  // (a device tensor's item() waits for it)
   TORCH_CHECK(a == kAdopted, from_to, ": the receiver refused sequence ", seq,
               ": its cache could not adopt it (another shape or dtype, or too few free pages; the receiver's error "
@@ -120,7 +121,7 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
   // header's fields (keys and values stay where they came: adopt_sequence moves them to the cache).
   const auto receive = [&](at::IntArrayRef sizes, at::ScalarType dtype, const char* step) {
     std::vector<at::Tensor> message{at::empty(sizes, at::TensorOptions(dtype).device(wire))};
-    detail::wait_for(group->recv(message, src, tag), from_to, step);
+    detail::run_operation([&] { return group->recv(message, src, tag); }, from_to, step);
     return message[0];
   };
   const auto t0 = std::chrono::steady_clock::now();
@@ -164,7 +165,7 @@ ReceivedSequence receive_sequence(const c10::intrusive_ptr<c10d::ProcessGroup>& 
     why = e.what_without_backtrace();
   }
   std::vector<at::Tensor> reply{at::tensor({answer}, at::kLong).to(wire)};
-  detail::wait_for(group->send(reply, src, tag), from_to, "the answer");
+  detail::run_operation([&] { return group->send(reply, src, tag); }, from_to, "the answer");
   TORCH_CHECK(answer == kAdopted, from_to, ": ", why, "; the sender was told");
   out.stats = counts(n, t.head_dim, t.dtype, header.numel());
   out.stats.seconds = seconds_since(t0);
