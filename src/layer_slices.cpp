@@ -25,6 +25,10 @@ int64_t query_rows(const LayerInputs& in) {
   return in.keys.size(2);
 }
 
+int64_t clamped_window(const LayerInputs& in, int64_t window_size) {
+  return std::max<int64_t>(1, std::min({window_size, query_rows(in), in.keys.size(2)}));
+}
+
 LayerInputs slice_positions(const LayerInputs& in, int64_t begin, int64_t end) {
   const int64_t seq = in.keys.size(2), len = end - begin;
   LayerInputs out = in;

@@ -17,6 +17,10 @@ int64_t known_num_heads(const LayerInputs& inputs);
 // attentions' rows, else the given queries', else hidden_states' positions, else S.
 int64_t query_rows(const LayerInputs& inputs);
 
+// A window of the last `window_size` queries as the inputs allow it: clamped to the query rows they
+// hold and to S, at least 1 (DropKVPress, RKVPress: the pull request's and the authors' q_len clamp).
+int64_t clamped_window(const LayerInputs& inputs, int64_t window_size);
+
 // The inputs restricted to positions [begin, end): keys, values, hidden_states and cos/sin are
 // cut; queries and attention rows cover the last q_len positions, and only those inside the range
 // are kept (none left: the tensor is dropped); attention columns are cut, not renormalised.

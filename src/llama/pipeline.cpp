@@ -126,14 +126,10 @@ Answer answer_over_pages(const LlamaModel& model, std::vector<int64_t> ids, cons
   PagedDecodeOptions step;
   step.press = options.press;
   if (state) step.press_states.push_back(state.get());
-  const auto feed = [&](int64_t token) { logits = model.decode_paged({seq}, {token}, cache, step)[0]; };
-  for (int64_t token : question_ids) feed(token);
-  const int64_t eos = model.config().eos_token_id;
-  while (true) {  // greedy_continue's loop: the EOS that ends the answer is kept
-    a.tokens.push_back(logits.argmax().item<int64_t>());
-    if (static_cast<int64_t>(a.tokens.size()) >= options.max_new_tokens || a.tokens.back() == eos) break;
-    feed(a.tokens.back());
-  }
+  const auto feed = [&](int64_t token) { return model.decode_paged({seq}, {token}, cache, step)[0]; };  // [V]
+  for (int64_t token : question_ids) logits = feed(token);
+  a.tokens = detail::greedy_tokens(logits, feed, model.config().eos_token_id, options.max_new_tokens,
+                                   /*stop_at_eos=*/true);
   return a;
 }
 

@@ -25,7 +25,7 @@ DropKVPress::DropKVPress(double compression_ratio, const Params& params)
 at::Tensor DropKVPress::score(const LayerInputs& inputs) const {
   checks::check_kv(kOp, inputs.keys, inputs.values);
   const int64_t batch = inputs.keys.size(0), kv_heads = inputs.keys.size(1), seq = inputs.keys.size(2);
-  const int64_t window = std::max<int64_t>(1, std::min({params_.window_size, query_rows(inputs), seq}));
+  const int64_t window = clamped_window(inputs, params_.window_size);
   const at::Tensor p = ops::window_probabilities(inputs, window, kOp);  // [B, Hq, w, S]
   const int64_t group = p.size(1) / kv_heads;
   // A KV head's rows: its group's query heads times the window, [B, Hkv, g·w, S].

@@ -19,8 +19,7 @@ constexpr const char* kOp = "RKVDecodingPress";
 
 // The inputs' last min(window, query rows, S) queries, float32 [B, Hq, w, D].
 at::Tensor last_queries(const LayerInputs& in, int64_t window, const char* op) {
-  const int64_t rows = std::max<int64_t>(1, std::min({window, query_rows(in), in.keys.size(2)}));
-  return ops::window_queries(in, rows, op).to(at::kFloat);
+  return ops::window_queries(in, clamped_window(in, window), op).to(at::kFloat);
 }
 
 }  // namespace

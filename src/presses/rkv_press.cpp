@@ -76,7 +76,7 @@ at::Tensor RKVPress::redundancy(const at::Tensor& keys) const {
 at::Tensor RKVPress::score(const LayerInputs& in) const {
   checks::check_kv(kOp, in.keys, in.values);
   const int64_t batch = in.keys.size(0), kv_heads = in.keys.size(1), seq = in.keys.size(2);
-  const int64_t window = std::max<int64_t>(1, std::min({params_.window_size, query_rows(in), seq}));
+  const int64_t window = clamped_window(in, params_.window_size);
   const int64_t past = seq - window;
   at::Tensor scores = at::zeros({batch, kv_heads, seq}, in.keys.options().dtype(at::kFloat));
   if (past == 0) return scores;  // every position is the window's: all kept alike
