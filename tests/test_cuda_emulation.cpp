@@ -14,6 +14,7 @@
 #include "compactor/compactor.h"
 #include "kvpress/ops.h"
 #include "paged/paged.h"
+#include "quantized_pages.h"
 #include "ragged_attention/ragged_attention.h"
 #include "rope_heads/rope_heads.h"
 #include "scores/scores.h"
@@ -410,6 +411,102 @@ TEST(CudaEmulation, PagedKernelsRefuseBadDeviceDataWithoutReadingOutside) {
   EXPECT_EQ(errors.item<int>(), cu::kPagedBadSlot);
   EXPECT_TRUE(at::equal(key_pool.view({-1, dim})[4], keys[0]) && at::equal(value_pool.view({-1, dim})[4], values[0]));
   EXPECT_EQ(key_pool.abs().sum().item<double>(), keys[0].abs().sum().item<double>()) << "only slot 4 written";
+}
+
+// ---- paged_attention_quantized -----------------------------------------------------------------
+
+// The kernel's launch over quantized pages with the plan the bridge makes for `sms` SMs; errors
+// into `errors` (nullptr: none recorded).
+at::Tensor launch_quantized(const at::Tensor& queries, const kvpress::testing::QuantizedLayout& l,
+                            kvpress::KVFormat format, const at::Tensor& page_table, const at::Tensor& lengths,
+                            const at::Tensor& residual_slots, int64_t longest, int64_t sms, int* errors) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(queries.size(3)));
+  // The arguments as the bridge has them when it leaves the tables on the device.
+  const kvpress::checks::QuantizedPagedAttentionArgs a = kvpress::checks::quantized_paged_attention_args(
+      queries, l.key_codes, l.key_scales, l.value_codes, l.value_scales, format, page_table, lengths, l.residual_keys,
+      l.residual_values, residual_slots, scale, kvpress::checks::IndexContents::kLeaveOnDevice);
+  cu::PagedAttentionShape shape = cu::quantized_paged_attention_shape(a.queries, a.key_codes, a.residual_keys,
+                                                                      a.residual_values, a.page_table, a.scale);
+  const int64_t units = queries.size(0) * queries.size(1) * queries.size(2);
+  shape.split = cu::plan_attention_splits(units, longest, sms);
+  at::Tensor partials = at::empty({units, shape.split.count, cu::split_partial_stride(shape.dim)}, at::kFloat);
+  at::Tensor out = at::empty_like(queries);
+  with_cuda_type(queries.scalar_type(), [&](auto element) {
+    using T = decltype(element);
+    expect_launched(cu::launch_paged_attention_quantized<T>(
+        ptr<T>(a.queries), a.pools<T>(a.residual_slots), a.page_table.const_data_ptr<int64_t>(),
+        a.lengths.const_data_ptr<int64_t>(), mut<T>(out), partials.data_ptr<float>(), errors, shape, nullptr));
+  });
+  return out;
+}
+
+// Every format against the CPU kernel, which dequantizes by the same formulas (kv_codec.h) and
+// exact conversions: what differs is the order of the float32 sums, as for full pages.
+TEST(CudaEmulation, QuantizedPagedAttentionMatchesTheCpuKernel) {
+  struct Case {
+    at::ScalarType dtype;
+    int64_t batch, kv_heads, group, n, page_size, dim;
+    std::vector<int64_t> lengths;
+    int64_t sms;
+  };
+  const std::vector<Case> cases = {
+      // only residual rows, one of them, none, both kinds; fp32 D = 64: 16 lanes of a vector
+      {at::kFloat, 2, 2, 3, 1, 16, 64, {1, 17, 32, 40}, 132},
+      // bf16 D = 128 (16 lanes of 8), a long head in 6 splits merged by the reduce kernel
+      {at::kBFloat16, 1, 4, 2, 1, 16, 128, {700, 16, 15, 300}, 132},
+      // n new tokens, no GQA, half D = 80 (scalar lanes), page size 8
+      {at::kHalf, 2, 2, 1, 4, 8, 80, {4, 9, 23, 50}, 132},
+      // one split on a small device
+      {at::kFloat, 1, 1, 4, 1, 16, 128, {300}, 1},
+  };
+  for (const Case& c : cases) {
+    for (const kvpress::KVFormat format :
+         {kvpress::KVFormat::kInt8, kvpress::KVFormat::kFp8, kvpress::KVFormat::kInt4}) {
+      const kvpress::testing::QuantizedLayout l =
+          kvpress::testing::quantized_layout(c.batch, c.kv_heads, c.lengths, c.page_size, c.dim, format, c.dtype, 41);
+      const at::Tensor q = kvpress::testing::seeded_randn({c.batch, c.kv_heads * c.group, c.n, c.dim}, 42, c.dtype);
+      const at::Tensor expected = kvpress::ops::paged_attention_quantized(
+          q, l.key_codes, l.key_scales, l.value_codes, l.value_scales, format, l.page_table, l.lengths, l.residual_keys,
+          l.residual_values, l.residual_slots);
+      at::Tensor errors = at::zeros({1}, at::kInt);
+      const at::Tensor out =
+          launch_quantized(q, l, format, l.page_table, l.lengths, l.residual_slots,
+                           *std::max_element(c.lengths.begin(), c.lengths.end()), c.sms, errors.data_ptr<int>());
+      EXPECT_EQ(errors.item<int>(), 0);
+      const double rtol = attention_rtol(c.dtype);
+      expect_close(out, expected, c.dtype == at::kFloat ? 1e-5 : rtol, rtol,
+                   std::string(kvpress::kv_format_name(format)) + " dim " + std::to_string(c.dim) + " page " +
+                       std::to_string(c.page_size) + " " + std::string(c10::toString(c.dtype)));
+    }
+  }
+}
+
+// Lengths, pages and residual slots the host did not check: NaN outputs for the rows they reach,
+// right outputs elsewhere, each kind recorded, nothing read outside (AddressSanitizer's stage).
+TEST(CudaEmulation, QuantizedPagedAttentionRefusesBadDeviceData) {
+  const kvpress::KVFormat format = kvpress::KVFormat::kInt4;
+  // Batch rows 0..2, one KV head each, GQA group 2: row 0 good, row 1 a length past its table and a
+  // residual slot outside the residual rows, row 2 a page outside the pools.
+  const kvpress::testing::QuantizedLayout l =
+      kvpress::testing::quantized_layout(3, 1, {40, 40, 40}, 16, 64, format, at::kFloat, 43);
+  at::Tensor page_table = l.page_table.clone(), lengths = l.lengths.clone(), slots = l.residual_slots.clone();
+  lengths[1][0] = 3 * 16 + 5;
+  slots[1] = 9;
+  page_table[2][0][1] = l.key_codes.size(0) + 3;
+  const at::Tensor q = kvpress::testing::seeded_randn({3, 2, 1, 64}, 44);
+  for (const int64_t sms : {132, 1}) {
+    at::Tensor errors = at::zeros({1}, at::kInt);
+    const at::Tensor out =
+        launch_quantized(q, l, format, page_table, lengths, slots, 3 * 16 + 15, sms, errors.data_ptr<int>());
+    const std::string what = "sms " + std::to_string(sms);
+    EXPECT_EQ(errors.item<int>(), cu::kPagedBadLength | cu::kPagedBadResidual | cu::kPagedBadPage) << what;
+    EXPECT_TRUE(at::isnan(out.narrow(0, 1, 2)).all().item<bool>()) << what;
+    const at::Tensor good = kvpress::ops::paged_attention_quantized(
+        q.narrow(0, 0, 1), l.key_codes, l.key_scales, l.value_codes, l.value_scales, format,
+        l.page_table.narrow(0, 0, 1), l.lengths.narrow(0, 0, 1), l.residual_keys, l.residual_values,
+        l.residual_slots.narrow(0, 0, 1));
+    expect_close(out.narrow(0, 0, 1), good, 1e-5, attention_rtol(at::kFloat), what + " good row");
+  }
 }
 
 // ---- ragged_attention ------------------------------------------------------------------------

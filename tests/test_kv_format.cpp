@@ -16,6 +16,7 @@
 #include "kvpress/kv_format.h"
 #include "kvpress/ops.h"
 #include "paged/paged.h"
+#include "quantized_pages.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -23,18 +24,10 @@ namespace {
 
 constexpr std::array<KVFormat, 3> kQuantized{KVFormat::kInt8, KVFormat::kFp8, KVFormat::kInt4};
 
-at::Tensor randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
-  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn(shape, g, at::TensorOptions().dtype(at::kFloat)).to(dtype);
-}
-
-// Rows like a model's keys: a few channels far larger than the rest (the outliers that make per-channel
-// key scales worth their bytes), and tokens of different magnitudes.
-at::Tensor outlier_rows(int64_t pages, int64_t page_size, int64_t dim, uint64_t seed) {
-  at::Tensor rows = randn({pages, page_size, dim}, seed);
-  rows.narrow(2, 0, std::min<int64_t>(dim, 3)).mul_(20.0);
-  return rows * (1.0 + randn({pages, page_size, 1}, seed + 1).abs());
-}
+using testing::outlier_rows;
+using testing::quantized_layout;
+using testing::QuantizedLayout;
+using testing::seeded_randn;
 
 TEST(KVFormat, NamesRoundTripAndAnUnknownNameIsRefused) {
   for (KVFormat f : {KVFormat::kFull, KVFormat::kInt8, KVFormat::kFp8, KVFormat::kInt4})
@@ -145,57 +138,6 @@ TEST(KVFormat, AnAllZeroPageStaysZeroWithoutNaN) {
 
 // ---- paged attention over quantized pages ------------------------------------------------------
 
-// A batch's heads stored as a cache stores them: each head's full pages quantized, in shuffled
-// pages of shared pools, and its last length % page_size tokens in full precision at its residual
-// rows; `keys` / `values` hold each head's tokens as the kernel reads them (dequantized, then residual).
-struct QuantizedLayout {
-  at::Tensor key_codes, key_scales, value_codes, value_scales, page_table, lengths;
-  at::Tensor residual_keys, residual_values, residual_slots;
-  std::vector<at::Tensor> keys, values;  // [B * Hkv] x [L, D] float64
-};
-
-QuantizedLayout quantized_layout(int64_t batch, int64_t kv_heads, const std::vector<int64_t>& lengths,
-                                 int64_t page_size, int64_t dim, KVFormat format, at::ScalarType dtype, uint64_t seed) {
-  int64_t pages = 0, max_pages = 1;
-  for (int64_t len : lengths) {
-    pages += len / page_size;
-    max_pages = std::max(max_pages, len / page_size);
-  }
-  QuantizedLayout l;
-  const at::Tensor key_rows = outlier_rows(pages + 2, page_size, dim, seed).to(dtype);  // 2 pages no head uses
-  const at::Tensor value_rows = randn({pages + 2, page_size, dim}, seed + 1, dtype);
-  std::tie(l.key_codes, l.key_scales) = ops::kv_quantize(key_rows, format, KVRole::kKeys);
-  std::tie(l.value_codes, l.value_scales) = ops::kv_quantize(value_rows, format, KVRole::kValues);
-  const at::Tensor key_pages = ops::kv_dequantize(l.key_codes, l.key_scales, format, KVRole::kKeys, dim);
-  const at::Tensor value_pages = ops::kv_dequantize(l.value_codes, l.value_scales, format, KVRole::kValues, dim);
-  // Batch row b uses residual row R - 1 - b of R = batch + 1 (one unused).
-  l.residual_keys = randn({batch + 1, kv_heads, page_size, dim}, seed + 2, dtype);
-  l.residual_values = randn({batch + 1, kv_heads, page_size, dim}, seed + 3, dtype);
-  l.residual_slots = -at::arange(batch, at::kLong) + batch;
-  const at::Tensor order = at::randperm(pages + 2, at::make_generator<at::CPUGeneratorImpl>(seed + 4), at::kLong);
-  l.page_table = at::full({batch, kv_heads, max_pages}, -1, at::kLong);  // unused entries: out of the pool
-  l.lengths = at::tensor(lengths, at::kLong).view({batch, kv_heads});
-  int64_t next = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t len = lengths[static_cast<size_t>(b * kv_heads + h)], full = len / page_size;
-      std::vector<at::Tensor> k, v;
-      for (int64_t p = 0; p < full; ++p) {
-        const int64_t page = order[next++].item<int64_t>();
-        l.page_table[b][h][p] = page;
-        k.push_back(key_pages[page]);
-        v.push_back(value_pages[page]);
-      }
-      const int64_t row = batch - b;
-      k.push_back(l.residual_keys[row][h].narrow(0, 0, len - full * page_size).to(at::kFloat));
-      v.push_back(l.residual_values[row][h].narrow(0, 0, len - full * page_size).to(at::kFloat));
-      l.keys.push_back(at::cat(k).to(at::kDouble));
-      l.values.push_back(at::cat(v).to(at::kDouble));
-    }
-  }
-  return l;
-}
-
 at::Tensor attend(const at::Tensor& q, const QuantizedLayout& l, KVFormat format, bool composite) {
   return composite ? ops::composite::paged_attention_quantized(
                          q, l.key_codes, l.key_scales, l.value_codes, l.value_scales, format, l.page_table, l.lengths,
@@ -224,7 +166,7 @@ TEST(PagedQuantizedOps, AttentionMatchesDenseAttentionOverTheDequantizedRows) {
       for (auto dtype : {at::kFloat, at::kBFloat16}) {
         const QuantizedLayout l =
             quantized_layout(c.batch, c.kv_heads, c.lengths, c.page_size, c.dim, format, dtype, 7);
-        const at::Tensor q = randn({c.batch, c.kv_heads * c.groups, c.n, c.dim}, 8, dtype);
+        const at::Tensor q = seeded_randn({c.batch, c.kv_heads * c.groups, c.n, c.dim}, 8, dtype);
         const at::Tensor expected = testing::reference_attention(q, l.keys, l.values, c.kv_heads);
         const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
         for (bool composite : {false, true}) {
@@ -239,9 +181,34 @@ TEST(PagedQuantizedOps, AttentionMatchesDenseAttentionOverTheDequantizedRows) {
   }
 }
 
+// The CUDA kernel (src/ops/paged/cuda/paged.cuh, run through the CPU model by
+// test_cuda_emulation.cpp everywhere) against the CPU kernel: the same dequantization, so the
+// float32 sums' order and one rounding of 16-bit outputs (the emulated test's tolerances).
+TEST(PagedQuantizedOps, CudaKernelMatchesTheCpuKernel) {
+  const std::string no_cuda = testing::cuda_half_unavailable();
+  for (KVFormat format : kQuantized) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      const QuantizedLayout l = quantized_layout(2, 2, {700, 16, 15, 300}, 16, 128, format, dtype, 31);
+      const at::Tensor q = seeded_randn({2, 8, 1, 128}, 32, dtype);
+      const at::Tensor cpu = attend(q, l, format, false);
+      if (!no_cuda.empty()) continue;
+      const auto cuda = [](const at::Tensor& t) { return t.cuda(); };
+      const at::Tensor gpu =
+          ops::paged_attention_quantized(cuda(q), cuda(l.key_codes), cuda(l.key_scales), cuda(l.value_codes),
+                                         cuda(l.value_scales), format, cuda(l.page_table), cuda(l.lengths),
+                                         cuda(l.residual_keys), cuda(l.residual_values), cuda(l.residual_slots))
+              .cpu();
+      const double tol = dtype == at::kFloat ? 1e-4 : 1.6e-2;
+      EXPECT_TRUE(at::allclose(gpu.to(at::kDouble), cpu.to(at::kDouble), tol, tol))
+          << kv_format_name(format) << " " << dtype << " max err " << (gpu - cpu).abs().max();
+    }
+  }
+  KVPRESS_SKIP_IF_NO_CUDA_HALF(no_cuda);
+}
+
 TEST(PagedQuantizedOps, BadArgumentsAreNamed) {
   const QuantizedLayout l = quantized_layout(1, 2, {20, 5}, 8, 16, KVFormat::kInt8, at::kFloat, 11);
-  const at::Tensor q = randn({1, 2, 1, 16}, 12);
+  const at::Tensor q = seeded_randn({1, 2, 1, 16}, 12);
   const auto expect_error = [](const std::function<void()>& call, const std::string& message) {
     testing::expect_error(call, {message});
   };
@@ -268,7 +235,7 @@ TEST(PagedQuantizedOps, BadArgumentsAreNamed) {
                "paged_attention_quantized: page_table must hold pages in [0, 4) where used, got 1000");
   expect_error(
       [&] {
-        ops::kv_quantize(randn({1, 4, 5}, 1), KVFormat::kInt4, KVRole::kKeys);
+        ops::kv_quantize(seeded_randn({1, 4, 5}, 1), KVFormat::kInt4, KVRole::kKeys);
       },
       "kv_quantize: int4 packs two channels per byte, so head_dim must be even, got 5");
   expect_error([&] { ops::kv_dequantize(l.key_codes, l.key_scales, KVFormat::kFp8, KVRole::kKeys, 32); },

@@ -827,7 +827,8 @@ TEST(PagedCuda, DecodeStepMakesNoHostSynchronisation) {
   ops::check_device_errors(q.device());  // nothing wrong so far
   const at::Tensor out = ops::paged_attention(q, key_pool, value_pool, page_table, lengths + 10000);
   expect_error([&] { ops::check_device_errors(q.device()); },
-               {"check_device_errors", "paged_attention got lengths outside [n, max_pages * page_size]"});
+               {"check_device_errors",
+                "paged_attention (paged_attention_quantized) got lengths outside [n, max_pages * page_size]"});
   EXPECT_TRUE(at::isnan(out.cpu()).all().item<bool>());
   ops::check_device_errors(q.device());  // cleared
 #endif

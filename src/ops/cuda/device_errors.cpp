@@ -40,10 +40,15 @@ void check_and_clear(c10::DeviceIndex index) {
   const auto add = [&](int bit, const char* text) {
     if (bits & bit) what += std::string(what.empty() ? "" : "; ") + text;
   };
-  add(kPagedBadLength, "paged_attention got lengths outside [n, max_pages * page_size] (those heads' outputs are NaN)");
+  add(kPagedBadLength,
+      "paged_attention (paged_attention_quantized) got lengths outside [n, max_pages * page_size] ([n, (max_pages + 1) "
+      "* page_size - 1]) (those heads' outputs are NaN)");
   add(kPagedBadPage,
-      "paged_attention got used page_table entries outside [0, num_pages) (those heads' outputs are NaN)");
+      "paged_attention (paged_attention_quantized) got used page_table entries outside [0, num_pages) (those heads' "
+      "outputs are NaN)");
   add(kPagedBadSlot, "paged_write got slots outside [0, num_pages * page_size) (those rows were not written)");
+  add(kPagedBadResidual,
+      "paged_attention_quantized got residual_slots outside [0, residual rows) (those batch rows' outputs are NaN)");
   TORCH_CHECK(false, "check_device_errors: the CUDA kernels on device ", static_cast<int>(index),
               " found bad device data since the last check: ", what,
               ". Turn on device argument checks (kvpress::ops::set_device_argument_checks(true) or "

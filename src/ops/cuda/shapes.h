@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "paged/cuda/paged_launch.h"
+#include "paged/paged.h"
 #include "ragged_attention/cuda/ragged_attention_launch.h"
 
 namespace kvpress::cuda {
@@ -40,11 +41,11 @@ inline RaggedAttentionShape ragged_attention_shape(const at::Tensor& queries, co
   return shape;
 }
 
-// queries [B, Hq, n, D] and pools [P, page_size, D] contiguous; page_table [B, Hkv, max_pages]. The
-// split plan (shape.split) is left to plan_attention_splits.
-inline PagedAttentionShape paged_attention_shape(const at::Tensor& queries, const at::Tensor& key_pool,
-                                                 const at::Tensor& value_pool, const at::Tensor& page_table,
-                                                 double scale) {
+// queries [B, Hq, n, D] contiguous, page_table [B, Hkv, max_pages], pools of num_pages pages of
+// page_size rows; `aligned`: every full-precision row the kernel reads starts on a 16-byte
+// boundary. The split plan (shape.split) is left to plan_attention_splits.
+inline PagedAttentionShape paged_shape(const at::Tensor& queries, const at::Tensor& page_table, int64_t num_pages,
+                                       int64_t page_size, bool aligned, double scale) {
   PagedAttentionShape shape{};
   shape.batch = queries.size(0);
   shape.q_heads = queries.size(1);
@@ -52,13 +53,31 @@ inline PagedAttentionShape paged_attention_shape(const at::Tensor& queries, cons
   shape.dim = queries.size(3);
   shape.kv_heads = page_table.size(1);
   shape.max_pages = page_table.size(2);
-  shape.num_pages = key_pool.size(0);
-  shape.page_size = key_pool.size(1);
-  const bool aligned = vector_aligned(queries.const_data_ptr()) && vector_aligned(key_pool.const_data_ptr()) &&
-                       vector_aligned(value_pool.const_data_ptr());
+  shape.num_pages = num_pages;
+  shape.page_size = page_size;
   shape.rows = plan_lane_rows(shape.dim, queries.element_size(), aligned);
   shape.scale = static_cast<float>(scale);
   return shape;
+}
+
+// paged_attention: pools [P, page_size, D] contiguous.
+inline PagedAttentionShape paged_attention_shape(const at::Tensor& queries, const at::Tensor& key_pool,
+                                                 const at::Tensor& value_pool, const at::Tensor& page_table,
+                                                 double scale) {
+  const bool aligned = vector_aligned(queries.const_data_ptr()) && vector_aligned(key_pool.const_data_ptr()) &&
+                       vector_aligned(value_pool.const_data_ptr());
+  return paged_shape(queries, page_table, key_pool.size(0), key_pool.size(1), aligned, scale);
+}
+
+// paged_attention_quantized: codes [P, page_size, code_bytes], residual rows [R, Hkv, page_size, D]
+// contiguous (the rows read in full precision; the lanes read codes one element at a time).
+inline PagedAttentionShape quantized_paged_attention_shape(const at::Tensor& queries, const at::Tensor& key_codes,
+                                                           const at::Tensor& residual_keys,
+                                                           const at::Tensor& residual_values,
+                                                           const at::Tensor& page_table, double scale) {
+  const bool aligned = vector_aligned(queries.const_data_ptr()) && vector_aligned(residual_keys.const_data_ptr()) &&
+                       vector_aligned(residual_values.const_data_ptr());
+  return paged_shape(queries, page_table, key_codes.size(0), key_codes.size(1), aligned, scale);
 }
 
 }  // namespace kvpress::cuda

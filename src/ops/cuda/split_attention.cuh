@@ -18,10 +18,11 @@ namespace kvpress::cuda {
 // One query's online softmax (float32) over keys [j_begin, j_end) by every warp of the block: group
 // g of warp w (attention_plan.h) takes key j_begin + w * G + g, then every (kWarps * G)-th, G = 32 /
 // lanes groups a warp. `q`: the lane's query elements, scaled. `row(j, key, value)` sets key j's rows
-// or returns false for a row it refuses (skipped). Leaves each group's state in part_max[s],
+// (of type Row: a pointer to the elements, or a handle that a load_lane overload reads) or returns
+// false for a row it refuses (skipped). Leaves each group's state in part_max[s],
 // part_sum[s] and part_acc[s * dim + d], s = w * G + g, and returns whether this thread saw a row
 // refused.
-template <int kWarps, typename T, typename RowFn>
+template <int kWarps, typename Row, typename RowFn>
 __device__ bool attend_keys(const LaneRows& l, const float* q, int64_t dim, int64_t j_begin, int64_t j_end, RowFn&& row,
                             float* part_max, float* part_sum, float* part_acc) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -35,8 +36,7 @@ __device__ bool attend_keys(const LaneRows& l, const float* q, int64_t dim, int6
   for (int64_t base = j_begin + static_cast<int64_t>(warp) * groups; base < j_end;
        base += static_cast<int64_t>(kWarps) * groups) {
     const int64_t j = base + g;
-    const T* key = nullptr;
-    const T* value = nullptr;
+    Row key{}, value{};
     const bool have = j < j_end && row(j, key, value);
     refused |= j < j_end && !have;
     float dot = 0.f;

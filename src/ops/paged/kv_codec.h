@@ -1,18 +1,23 @@
-// Reading one token row of a quantized page as float32 (kvpress/kv_format.h): what the paged
-// attention kernels do in their inner loop instead of loading a full-precision row. Plain C++ on
-// raw pointers, host and device (C10_HOST_DEVICE), so the CPU kernel and the CUDA kernel read a
-// page alike. ops::kv_dequantize is the ATen form of the same, the tests' reference.
+// Reading a quantized page (kvpress/kv_format.h) as float32: what the paged attention kernels do
+// in their inner loop instead of loading a full-precision row. Torch-free plain C++ on raw
+// pointers, host and device, so that the CPU kernel (src/ops/paged/cpu/paged.cpp) and the CUDA
+// kernel (src/ops/paged/cuda/paged.cuh) decode a page by the same formulas. The two conversions a
+// format rests on (float16 and fp8 e4m3fn bits to float, both exact) come from a `Numbers` policy:
+// c10's on the CPU, CUDA's own types on the GPU. ops::kv_dequantize is the ATen form of the same,
+// the tests' reference.
 #pragma once
-
-#include <c10/macros/Macros.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Half.h>
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define KVPRESS_CODEC_FN __host__ __device__ __forceinline__
+#else
+#define KVPRESS_CODEC_FN inline
+#endif
+
 namespace kvpress::kernels {
 
-// kvpress::KVFormat's quantized formats, as kernels take them.
+// kvpress::KVFormat's quantized formats, as kernels take them (the same values).
 enum class PageCodec : int8_t { kInt8 = 1, kFp8 = 2, kInt4 = 3 };
 
 // Where one quantized page of one role (keys or values) lies: codes [page_size, code_bytes] and
@@ -23,57 +28,78 @@ struct PageRef {
   const void* scales;    // the page's scales
 };
 
-// e4m3fn byte -> float (c10's conversion: exact, subnormals and NaN included). On the host through
-// a table of the 256 values made by that conversion once (the conversion's bit arithmetic per
-// element made fp8 pages 5x slower to attend than int8 ones).
-C10_HOST_DEVICE inline float fp8_e4m3_to_float(uint8_t code) {
-#ifdef __CUDA_ARCH__
-  return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
-#else
-  struct Table {
-    float value[256];
-    Table() {
-      for (int c = 0; c < 256; ++c)
-        value[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c), c10::Float8_e4m3fn::from_bits()));
-    }
-  };
-  static const Table table;
-  return table.value[code];
-#endif
+// A batch's quantized pages and each head's last tokens that fill no page, as
+// paged_attention_quantized takes them: a head of length L has its first full_tokens(L) tokens in
+// the pages of its table row and the rest in its residual rows.
+template <typename T>
+struct QuantizedPagePools {
+  PageCodec codec;
+  int64_t page_size, dim;
+  const uint8_t* key_codes;    // [P, page_size, code_bytes]
+  const uint8_t* value_codes;  // [P, page_size, code_bytes]
+  const void* key_scales;      // [P, ...] (kv_page_layout), key_scale_bytes a page
+  const void* value_scales;    // [P, ...], value_scale_bytes a page
+  int64_t code_bytes, key_scale_bytes, value_scale_bytes;
+  const T* residual_keys;         // [R, Hkv, page_size, D]
+  const T* residual_values;       // [R, Hkv, page_size, D]
+  const int64_t* residual_slots;  // [B]: batch row b's residual row
+  int64_t residual_rows;          // R
+
+  KVPRESS_CODEC_FN int64_t full_tokens(int64_t length) const { return length / page_size * page_size; }
+  KVPRESS_CODEC_FN PageRef page(bool keys, int64_t p) const {
+    return keys ? PageRef{key_codes + p * page_size * code_bytes,
+                          static_cast<const char*>(key_scales) + p * key_scale_bytes}
+                : PageRef{value_codes + p * page_size * code_bytes,
+                          static_cast<const char*>(value_scales) + p * value_scale_bytes};
+  }
+  // Residual row i of head h of batch row b (Hkv heads).
+  KVPRESS_CODEC_FN const T* residual(bool keys, int64_t b, int64_t h, int64_t kv_heads, int64_t i) const {
+    return (keys ? residual_keys : residual_values) + ((residual_slots[b] * kv_heads + h) * page_size + i) * dim;
+  }
+};
+
+// Element d of row r of `page` (head size `dim`) as float32. kCodec: the page's format; keys:
+// whether the page holds keys (int4 only differs). Numbers: static float half(uint16_t bits) and
+// static float fp8(uint8_t bits).
+template <typename Numbers, PageCodec kCodec>
+KVPRESS_CODEC_FN float page_element(bool keys, PageRef page, int64_t r, int64_t dim, int64_t d) {
+  if constexpr (kCodec == PageCodec::kInt8) {
+    return static_cast<float>(static_cast<int8_t>(page.codes[r * dim + d])) * *static_cast<const float*>(page.scales);
+  } else if constexpr (kCodec == PageCodec::kFp8) {
+    return Numbers::fp8(page.codes[r * dim + d]) * *static_cast<const float*>(page.scales);
+  } else {
+    // Two codes a byte, the even channel in the low nibble; float16 scale and minimum per channel
+    // for keys ([2, D]: scales, then minima), per row for values ([page_size, 2]).
+    const uint8_t byte = page.codes[r * (dim / 2) + d / 2];
+    const float code = static_cast<float>(d % 2 == 0 ? byte & 15 : byte >> 4);
+    const auto* s = static_cast<const uint16_t*>(page.scales);
+    return keys ? code * Numbers::half(s[d]) + Numbers::half(s[dim + d])
+                : code * Numbers::half(s[2 * r]) + Numbers::half(s[2 * r + 1]);
+  }
 }
 
-// Row r of `page` ([D] float32 into out). keys: whether the page holds keys (int4 only differs).
-C10_HOST_DEVICE inline void dequantize_row(PageCodec codec, bool keys, PageRef page, int64_t r, int64_t dim,
-                                           float* out) {
+// The same for a codec known at run time.
+template <typename Numbers>
+KVPRESS_CODEC_FN float page_element(PageCodec codec, bool keys, PageRef page, int64_t r, int64_t dim, int64_t d) {
+  if (codec == PageCodec::kInt8) return page_element<Numbers, PageCodec::kInt8>(keys, page, r, dim, d);
+  if (codec == PageCodec::kFp8) return page_element<Numbers, PageCodec::kFp8>(keys, page, r, dim, d);
+  return page_element<Numbers, PageCodec::kInt4>(keys, page, r, dim, d);
+}
+
+// Row r of `page` ([dim] float32 into out): the codec chosen once per row, the elements in a loop
+// the compiler can vectorise.
+template <typename Numbers>
+KVPRESS_CODEC_FN void dequantize_row(PageCodec codec, bool keys, PageRef page, int64_t r, int64_t dim, float* out) {
   switch (codec) {
-    case PageCodec::kInt8: {
-      const float s = *static_cast<const float*>(page.scales);
-      const auto* q = reinterpret_cast<const int8_t*>(page.codes + r * dim);
-      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(q[d]) * s;
+    case PageCodec::kInt8:
+      for (int64_t d = 0; d < dim; ++d) out[d] = page_element<Numbers, PageCodec::kInt8>(keys, page, r, dim, d);
       return;
-    }
-    case PageCodec::kFp8: {
-      const float s = *static_cast<const float*>(page.scales);
-      const uint8_t* q = page.codes + r * dim;
-      for (int64_t d = 0; d < dim; ++d) out[d] = fp8_e4m3_to_float(q[d]) * s;
+    case PageCodec::kFp8:
+      for (int64_t d = 0; d < dim; ++d) out[d] = page_element<Numbers, PageCodec::kFp8>(keys, page, r, dim, d);
       return;
-    }
-    case PageCodec::kInt4: {
-      const uint8_t* q = page.codes + r * (dim / 2);
-      const auto* s = static_cast<const c10::Half*>(page.scales);
-      for (int64_t d = 0; d < dim; d += 2) {
-        const float lo = static_cast<float>(q[d / 2] & 15), hi = static_cast<float>(q[d / 2] >> 4);
-        if (keys) {  // [2, D]: scale then minimum, per channel
-          out[d] = lo * static_cast<float>(s[d]) + static_cast<float>(s[dim + d]);
-          out[d + 1] = hi * static_cast<float>(s[d + 1]) + static_cast<float>(s[dim + d + 1]);
-        } else {  // [page_size, 2]: the row's scale and minimum
-          const float scale = static_cast<float>(s[2 * r]), minimum = static_cast<float>(s[2 * r + 1]);
-          out[d] = lo * scale + minimum;
-          out[d + 1] = hi * scale + minimum;
-        }
-      }
+    case PageCodec::kInt4:
+      for (int64_t d = 0; d < dim; ++d) out[d] = page_element<Numbers, PageCodec::kInt4>(keys, page, r, dim, d);
       return;
-    }
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include "kernel_ops.h"
 #include "kvpress/kv_format.h"
+#include "paged/kv_codec.h"
 
 namespace kvpress {
 namespace checks {
@@ -98,6 +99,15 @@ inline PagedAttentionArgs paged_attention_args(const at::Tensor& queries, const 
   return args;
 }
 
+// A quantized format as the kernels take it (kv_codec.h).
+inline kernels::PageCodec page_codec(KVFormat format) {
+  static_assert(static_cast<int>(kernels::PageCodec::kInt8) == static_cast<int>(KVFormat::kInt8) &&
+                static_cast<int>(kernels::PageCodec::kFp8) == static_cast<int>(KVFormat::kFp8) &&
+                static_cast<int>(kernels::PageCodec::kInt4) == static_cast<int>(KVFormat::kInt4));
+  TORCH_CHECK(format != KVFormat::kFull, "page_codec: the format must be int8, fp8 or int4, got full");
+  return static_cast<kernels::PageCodec>(format);
+}
+
 // paged_attention_quantized's arguments (see kvpress/ops.h), checked and laid out as the kernels
 // read them; with IndexContents::kRead the page table, lengths and residual slots are read on the
 // host and checked (every used page in the pools, every slot in the residual rows).
@@ -107,6 +117,32 @@ struct QuantizedPagedAttentionArgs {
   at::Tensor page_table, lengths, residual_keys, residual_values, residual_slots;  // contiguous
   at::Tensor host_page_table, host_lengths, host_residual_slots;                   // CPU copies (kRead only)
   double scale;
+
+  // The pools as the kernels read them (T: the queries' element type), with `slots` (residual_slots
+  // or its host copy) where the kernel reads them.
+  template <typename T>
+  kernels::QuantizedPagePools<T> pools(const at::Tensor& slots) const {
+    const auto scale_bytes = [&](KVRole role) {
+      return kv_page_layout(format, role, key_codes.size(1), queries.size(3), queries.scalar_type())
+          .scale_bytes_per_page();
+    };
+    kernels::QuantizedPagePools<T> p{};
+    p.codec = page_codec(format);
+    p.page_size = key_codes.size(1);
+    p.dim = queries.size(3);
+    p.key_codes = key_codes.const_data_ptr<uint8_t>();
+    p.value_codes = value_codes.const_data_ptr<uint8_t>();
+    p.key_scales = key_scales.const_data_ptr();
+    p.value_scales = value_scales.const_data_ptr();
+    p.code_bytes = key_codes.size(2);
+    p.key_scale_bytes = scale_bytes(KVRole::kKeys);
+    p.value_scale_bytes = scale_bytes(KVRole::kValues);
+    p.residual_keys = reinterpret_cast<const T*>(residual_keys.const_data_ptr());
+    p.residual_values = reinterpret_cast<const T*>(residual_values.const_data_ptr());
+    p.residual_slots = slots.const_data_ptr<int64_t>();
+    p.residual_rows = residual_keys.size(0);
+    return p;
+  }
 };
 inline QuantizedPagedAttentionArgs quantized_paged_attention_args(
     const at::Tensor& queries, const at::Tensor& key_codes, const at::Tensor& key_scales, const at::Tensor& value_codes,

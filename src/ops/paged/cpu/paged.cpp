@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -82,47 +84,49 @@ at::Tensor paged_attention_cpu(const at::Tensor& queries, const at::Tensor& key_
   return out;
 }
 
+// kv_codec.h's conversions on the host: c10's, fp8 through a table of the 256 values made by c10's
+// conversion once (its bit arithmetic per element made fp8 pages 5x slower to attend than int8 ones).
+struct HostNumbers {
+  static float half(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+  static float fp8(uint8_t bits) {
+    struct Table {
+      float value[256];
+      Table() {
+        for (int c = 0; c < 256; ++c)
+          value[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c), c10::Float8_e4m3fn::from_bits()));
+      }
+    };
+    static const Table table;
+    return table.value[bits];
+  }
+};
+
 // Quantized pages (kv_codec.h): key j of head (b, h) is row j % page_size of page
 // page_table[b, h, j / page_size] while j lies in the head's full pages, else row j - full_tokens of
 // its residual rows, in the queries' dtype.
 template <typename scalar_t>
 struct QuantizedPagedLayout : PagedUnits<scalar_t> {
-  int64_t code_bytes;
-  PageCodec codec;
-  const scalar_t *residual_keys, *residual_values;  // [R, Hkv, page_size, D]
-  const uint8_t *key_codes, *value_codes;           // [num_pages, page_size, code_bytes]
-  const char *key_scales, *value_scales;            // [num_pages, ...]
-  int64_t key_scale_bytes, value_scale_bytes;       // one page's
-  const int64_t* residual_slots;                    // [B], host
+  QuantizedPagePools<scalar_t> pools;  // residual_slots on the host
 
-  const float* key_row(int64_t unit, int64_t j, float* buffer) const {
-    return row(unit, j, buffer, key_codes, key_scales, key_scale_bytes, residual_keys, true);
-  }
-  const float* value_row(int64_t unit, int64_t j, float* buffer) const {
-    return row(unit, j, buffer, value_codes, value_scales, value_scale_bytes, residual_values, false);
-  }
+  const float* key_row(int64_t unit, int64_t j, float* buffer) const { return row(unit, j, buffer, true); }
+  const float* value_row(int64_t unit, int64_t j, float* buffer) const { return row(unit, j, buffer, false); }
   void prefetch(int64_t unit, int64_t j) const {
-    if (j >= full_tokens(unit / this->n)) return;  // the residual rows are few and read last
-    const int64_t offset = (this->page(unit, j) * this->page_size + j % this->page_size) * code_bytes;
-    for (int64_t b = 0; b < code_bytes; b += 64) {
-      __builtin_prefetch(key_codes + offset + b);
-      __builtin_prefetch(value_codes + offset + b);
+    if (j >= pools.full_tokens(this->lengths[unit / this->n])) return;  // the residual rows are few and read last
+    const int64_t page = this->page(unit, j), offset = j % this->page_size * pools.code_bytes;
+    for (int64_t b = 0; b < pools.code_bytes; b += 64) {
+      __builtin_prefetch(pools.page(true, page).codes + offset + b);
+      __builtin_prefetch(pools.page(false, page).codes + offset + b);
     }
   }
 
  private:
-  int64_t full_tokens(int64_t bh) const { return this->lengths[bh] / this->page_size * this->page_size; }
-  const float* row(int64_t unit, int64_t j, float* buffer, const uint8_t* codes, const char* scales,
-                   int64_t scale_bytes, const scalar_t* residual, bool keys) const {
-    const int64_t bh = unit / this->n, full = full_tokens(bh), dim = this->dim, page_size = this->page_size;
-    if (j >= full) {
-      const int64_t b = bh / this->kv_heads, h = bh % this->kv_heads;
-      return as_float<scalar_t>(residual + ((residual_slots[b] * this->kv_heads + h) * page_size + j - full) * dim,
-                                buffer, dim);
-    }
-    const int64_t page = this->page(unit, j);
-    dequantize_row(codec, keys, PageRef{codes + page * page_size * code_bytes, scales + page * scale_bytes},
-                   j % page_size, dim, buffer);
+  const float* row(int64_t unit, int64_t j, float* buffer, bool keys) const {
+    const int64_t bh = unit / this->n, full = pools.full_tokens(this->lengths[bh]);
+    if (j >= full)
+      return as_float<scalar_t>(
+          pools.residual(keys, bh / this->kv_heads, bh % this->kv_heads, this->kv_heads, j - full), buffer, this->dim);
+    dequantize_row<HostNumbers>(pools.codec, keys, pools.page(keys, this->page(unit, j)), j % this->page_size,
+                                this->dim, buffer);
     return buffer;
   }
 };
@@ -139,24 +143,10 @@ at::Tensor paged_attention_quantized_cpu(const at::Tensor& queries, const at::Te
       residual_values, residual_slots, scale);
   at::Tensor out = at::empty(a.queries.sizes(), a.queries.options());
   if (a.queries.numel() == 0) return out;
-  const int64_t page_size = a.key_codes.size(1), dim = a.queries.size(3);
-  const auto scale_bytes = [&](KVRole role) {
-    return kv_page_layout(format, role, page_size, dim, a.queries.scalar_type()).scale_bytes_per_page();
-  };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.queries.scalar_type(), "paged_attention_quantized", [&] {
     QuantizedPagedLayout<scalar_t> l;
-    l.set_units(a.queries, a.host_page_table, a.host_lengths, page_size, a.scale, out);
-    l.code_bytes = a.key_codes.size(2);
-    l.codec = static_cast<PageCodec>(format);
-    l.residual_keys = a.residual_keys.const_data_ptr<scalar_t>();
-    l.residual_values = a.residual_values.const_data_ptr<scalar_t>();
-    l.key_codes = a.key_codes.const_data_ptr<uint8_t>();
-    l.value_codes = a.value_codes.const_data_ptr<uint8_t>();
-    l.key_scales = static_cast<const char*>(a.key_scales.const_data_ptr());
-    l.value_scales = static_cast<const char*>(a.value_scales.const_data_ptr());
-    l.key_scale_bytes = scale_bytes(KVRole::kKeys);
-    l.value_scale_bytes = scale_bytes(KVRole::kValues);
-    l.residual_slots = a.host_residual_slots.const_data_ptr<int64_t>();
+    l.set_units(a.queries, a.host_page_table, a.host_lengths, a.key_codes.size(1), a.scale, out);
+    l.pools = a.pools<scalar_t>(a.host_residual_slots);
     run_attention<scalar_t>(l);
   });
   return out;

@@ -9,6 +9,7 @@
 
 #include "cuda/attention_plan.h"
 #include "cuda/limits.h"
+#include "paged/kv_codec.h"
 
 namespace kvpress::cuda {
 
@@ -27,9 +28,11 @@ struct PagedAttentionShape {
 // the pools and tables: a unit whose head has a bad length or page gets NaN outputs, a row whose
 // slot is out of range is not written.
 enum PagedError : int {
-  kPagedBadLength = 1 << 0,  // lengths[b, h] outside [n, max_pages * page_size]
-  kPagedBadPage = 1 << 1,    // a used page_table entry outside [0, num_pages)
-  kPagedBadSlot = 1 << 2,    // a paged_write slot outside [0, num_pages * page_size)
+  kPagedBadLength = 1 << 0,    // lengths[b, h] outside [n, max_pages * page_size] ((max_pages + 1) * page_size - 1
+                               // with residual rows)
+  kPagedBadPage = 1 << 1,      // a used page_table entry outside [0, num_pages)
+  kPagedBadSlot = 1 << 2,      // a paged_write slot outside [0, num_pages * page_size)
+  kPagedBadResidual = 1 << 3,  // a residual_slots entry outside [0, residual rows)
 };
 
 // `partials`: [units, splits, D + 2] float32 scratch when shape.split.count > 1 (else unused). `errors`:
@@ -44,6 +47,17 @@ cudaError_t launch_paged_attention(const T* queries,           // [B, Hq, n, D] 
                                    const int64_t* lengths,     // [B, Hkv]
                                    T* out,                     // [B, Hq, n, D]
                                    float* partials, int* errors, const PagedAttentionShape& shape, cudaStream_t stream);
+
+// paged_attention over quantized pages: the same kernel and plan, each row dequantized in the lanes
+// that read it (no full-precision copy of a page). shape.num_pages / page_size are the pools'.
+template <typename T>
+cudaError_t launch_paged_attention_quantized(const T* queries,  // [B, Hq, n, D] contiguous
+                                             const kernels::QuantizedPagePools<T>& pools,
+                                             const int64_t* page_table,  // [B, Hkv, max_pages]
+                                             const int64_t* lengths,     // [B, Hkv]
+                                             T* out,                     // [B, Hq, n, D]
+                                             float* partials, int* errors, const PagedAttentionShape& shape,
+                                             cudaStream_t stream);
 
 // Row r of keys/values to slot slots[r] of the pools ([capacity, dim] rows); a slot outside
 // [0, capacity) is skipped and reported in `errors` (as above).

@@ -51,7 +51,7 @@ __global__ void ragged_attention_kernel(const T* __restrict__ queries,  // [B, H
     value = j < n_packed ? packed_values + (begin + j) * s.dim : tail_v + (j - n_packed) * s.tv_s;
     return true;
   };
-  attend_keys<kRaggedWarps, T>(s.rows, q, s.dim, j_begin, j_end, row, part_max, part_sum, part_acc);
+  attend_keys<kRaggedWarps, const T*>(s.rows, q, s.dim, j_begin, j_end, row, part_max, part_sum, part_acc);
   __syncthreads();
   finish_split<T>(part_max, part_sum, part_acc, kRaggedWarps * (kWarpSize / s.rows.lanes), s.dim, unit, split,
                   s.split.count, out, partials);
