@@ -9,8 +9,12 @@
 
 #include <cstdint>
 
+// Host and device; always inlined, so that the CPU kernel's per-ISA loops (run_per_isa) compile it
+// for their ISA and vectorise it.
 #if defined(__CUDACC__)
 #define KVPRESS_CODEC_FN __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define KVPRESS_CODEC_FN inline __attribute__((always_inline))
 #else
 #define KVPRESS_CODEC_FN inline
 #endif
@@ -58,6 +62,18 @@ struct QuantizedPagePools {
   }
 };
 
+// int4: two codes a byte, the even channel in the low nibble.
+KVPRESS_CODEC_FN uint8_t int4_even_code(uint8_t byte) { return byte & 15; }
+KVPRESS_CODEC_FN uint8_t int4_odd_code(uint8_t byte) { return byte >> 4; }
+
+// int4: element d of row r from its code, with the page's float16 scales `s`: a scale and a minimum
+// per channel for keys ([2, D]: scales, then minima), per row for values ([page_size, 2]).
+template <typename Numbers>
+KVPRESS_CODEC_FN float int4_value(float code, bool keys, const uint16_t* s, int64_t r, int64_t dim, int64_t d) {
+  return keys ? code * Numbers::half(s[d]) + Numbers::half(s[dim + d])
+              : code * Numbers::half(s[2 * r]) + Numbers::half(s[2 * r + 1]);
+}
+
 // Element d of row r of `page` (head size `dim`) as float32. kCodec: the page's format; keys:
 // whether the page holds keys (int4 only differs). Numbers: static float half(uint16_t bits) and
 // static float fp8(uint8_t bits).
@@ -68,38 +84,9 @@ KVPRESS_CODEC_FN float page_element(bool keys, PageRef page, int64_t r, int64_t 
   } else if constexpr (kCodec == PageCodec::kFp8) {
     return Numbers::fp8(page.codes[r * dim + d]) * *static_cast<const float*>(page.scales);
   } else {
-    // Two codes a byte, the even channel in the low nibble; float16 scale and minimum per channel
-    // for keys ([2, D]: scales, then minima), per row for values ([page_size, 2]).
     const uint8_t byte = page.codes[r * (dim / 2) + d / 2];
-    const float code = static_cast<float>(d % 2 == 0 ? byte & 15 : byte >> 4);
-    const auto* s = static_cast<const uint16_t*>(page.scales);
-    return keys ? code * Numbers::half(s[d]) + Numbers::half(s[dim + d])
-                : code * Numbers::half(s[2 * r]) + Numbers::half(s[2 * r + 1]);
-  }
-}
-
-// The same for a codec known at run time.
-template <typename Numbers>
-KVPRESS_CODEC_FN float page_element(PageCodec codec, bool keys, PageRef page, int64_t r, int64_t dim, int64_t d) {
-  if (codec == PageCodec::kInt8) return page_element<Numbers, PageCodec::kInt8>(keys, page, r, dim, d);
-  if (codec == PageCodec::kFp8) return page_element<Numbers, PageCodec::kFp8>(keys, page, r, dim, d);
-  return page_element<Numbers, PageCodec::kInt4>(keys, page, r, dim, d);
-}
-
-// Row r of `page` ([dim] float32 into out): the codec chosen once per row, the elements in a loop
-// the compiler can vectorise.
-template <typename Numbers>
-KVPRESS_CODEC_FN void dequantize_row(PageCodec codec, bool keys, PageRef page, int64_t r, int64_t dim, float* out) {
-  switch (codec) {
-    case PageCodec::kInt8:
-      for (int64_t d = 0; d < dim; ++d) out[d] = page_element<Numbers, PageCodec::kInt8>(keys, page, r, dim, d);
-      return;
-    case PageCodec::kFp8:
-      for (int64_t d = 0; d < dim; ++d) out[d] = page_element<Numbers, PageCodec::kFp8>(keys, page, r, dim, d);
-      return;
-    case PageCodec::kInt4:
-      for (int64_t d = 0; d < dim; ++d) out[d] = page_element<Numbers, PageCodec::kInt4>(keys, page, r, dim, d);
-      return;
+    const float code = static_cast<float>(d % 2 == 0 ? int4_even_code(byte) : int4_odd_code(byte));
+    return int4_value<Numbers>(code, keys, static_cast<const uint16_t*>(page.scales), r, dim, d);
   }
 }
 

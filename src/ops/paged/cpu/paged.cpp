@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "cpu/attention_core.h"
+#include "cpu/per_isa.h"
 #include "paged/kv_codec.h"
 #include "paged/paged.h"
 
@@ -84,20 +85,49 @@ at::Tensor paged_attention_cpu(const at::Tensor& queries, const at::Tensor& key_
   return out;
 }
 
-// kv_codec.h's conversions on the host: c10's, fp8 through a table of the 256 values made by c10's
-// conversion once (its bit arithmetic per element made fp8 pages 5x slower to attend than int8 ones).
+// e4m3fn byte -> float32 for the 256 bytes, made once by c10's conversion (its bit arithmetic per
+// element made fp8 pages 5x slower to attend than int8 ones); at namespace scope, so that a loop
+// reading it has no initialisation guard to check and can be vectorised (a gather).
+const struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int c = 0; c < 256; ++c)
+      value[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c), c10::Float8_e4m3fn::from_bits()));
+  }
+} kFp8Table;
+
+// kv_codec.h's conversions on the host: c10's float16, the fp8 table.
 struct HostNumbers {
   static float half(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
-  static float fp8(uint8_t bits) {
-    struct Table {
-      float value[256];
-      Table() {
-        for (int c = 0; c < 256; ++c)
-          value[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c), c10::Float8_e4m3fn::from_bits()));
-      }
-    };
-    static const Table table;
-    return table.value[bits];
+  static float fp8(uint8_t bits) { return kFp8Table.value[bits]; }
+};
+
+// Row r of a quantized page as float32 ([dim] into out): kv_codec.h's formulas in loops compiled
+// for AVX-512, for AVX2 + FMA and for the baseline (run_per_isa), written so that gcc vectorises
+// them: int8 a conversion and a product, fp8 a gather from the table, int4 the codes unpacked a byte
+// (two channels) at a time, then scaled (the float16 scales converted lane-wise).
+struct DequantizeRow {
+  template <PageCodec kCodec>
+  KVPRESS_VEC_INLINE static void codes(PageRef page, int64_t r, int64_t dim, float* out) {
+    for (int64_t d = 0; d < dim; ++d) out[d] = page_element<HostNumbers, kCodec>(false, page, r, dim, d);
+  }
+  template <bool kKeys>
+  KVPRESS_VEC_INLINE static void int4(PageRef page, int64_t r, int64_t dim, float* out) {
+    const uint8_t* q = page.codes + r * (dim / 2);
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      out[2 * i] = static_cast<float>(int4_even_code(q[i]));
+      out[2 * i + 1] = static_cast<float>(int4_odd_code(q[i]));
+    }
+    const auto* s = static_cast<const uint16_t*>(page.scales);
+    for (int64_t d = 0; d < dim; ++d) out[d] = int4_value<HostNumbers>(out[d], kKeys, s, r, dim, d);
+  }
+  template <class V>
+  KVPRESS_VEC_INLINE static void run(PageCodec codec, bool keys, PageRef page, int64_t r, int64_t dim, float* out) {
+    switch (codec) {
+      case PageCodec::kInt8: return codes<PageCodec::kInt8>(page, r, dim, out);
+      case PageCodec::kFp8: return codes<PageCodec::kFp8>(page, r, dim, out);
+      case PageCodec::kInt4: return keys ? int4<true>(page, r, dim, out) : int4<false>(page, r, dim, out);
+    }
   }
 };
 
@@ -125,8 +155,8 @@ struct QuantizedPagedLayout : PagedUnits<scalar_t> {
     if (j >= full)
       return as_float<scalar_t>(
           pools.residual(keys, bh / this->kv_heads, bh % this->kv_heads, this->kv_heads, j - full), buffer, this->dim);
-    dequantize_row<HostNumbers>(pools.codec, keys, pools.page(keys, this->page(unit, j)), j % this->page_size,
-                                this->dim, buffer);
+    run_per_isa<DequantizeRow>(pools.codec, keys, pools.page(keys, this->page(unit, j)), j % this->page_size, this->dim,
+                               buffer);
     return buffer;
   }
 };
