@@ -79,30 +79,35 @@ struct BenchArgs {
 // configures them: AdaKV over ExpectedAttention with epsilon 1e-2, CriticalKV over
 // ExpectedAttention without its ||v|| rescaling; SnapKV also query-aware (the question in the
 // prefill). DuoAttentionPress and QFilterPress need their artifacts (--press with --param).
+// A press of the runs: `name` ("" for none) with `params`, its prefill holding the question when
+// query_aware, called `label` in the tables ("" for its name).
+BenchPress bench_press(std::string name, std::map<std::string, std::string> params = {}, bool query_aware = false,
+                       std::string label = "") {
+  BenchPress p;
+  p.name = std::move(name);
+  p.params = std::move(params);
+  p.query_aware = query_aware;
+  p.label = std::move(label);
+  return p;
+}
+
 std::vector<BenchPress> default_presses() {
-  std::vector<BenchPress> out = {{"", {}, false, "", false, {}},
-                                 {"StreamingLLMPress", {}, false, "", false, {}},
-                                 {"KnormPress", {}, false, "", false, {}},
-                                 {"KeyDiffPress", {}, false, "", false, {}},
-                                 {"SnapKVPress", {}, false, "", false, {}},
-                                 {"TOVAPress", {}, false, "", false, {}},
-                                 {"ExpectedAttentionPress", {}, false, "", false, {}},
-                                 {"CompactorPress", {}, false, "", false, {}},
-                                 {"PyramidKVPress", {}, false, "", false, {}},
-                                 {"KVzipPress", {}, false, "", false, {}},
-                                 {"AdaKVPress",
-                                  {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}},
-                                  false,
-                                  "AdaKVPress(ExpectedAttentionPress)",
-                                  false,
-                                  {}},
-                                 {"CriticalKVPress",
-                                  {{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}},
-                                  false,
-                                  "CriticalKVPress(ExpectedAttentionPress)",
-                                  false,
-                                  {}},
-                                 {"SnapKVPress", {}, true, "", false, {}}};
+  std::vector<BenchPress> out = {
+      bench_press(""),
+      bench_press("StreamingLLMPress"),
+      bench_press("KnormPress"),
+      bench_press("KeyDiffPress"),
+      bench_press("SnapKVPress"),
+      bench_press("TOVAPress"),
+      bench_press("ExpectedAttentionPress"),
+      bench_press("CompactorPress"),
+      bench_press("PyramidKVPress"),
+      bench_press("KVzipPress"),
+      bench_press("AdaKVPress", {{"press", "ExpectedAttentionPress"}, {"press.epsilon", "0.01"}}, false,
+                  "AdaKVPress(ExpectedAttentionPress)"),
+      bench_press("CriticalKVPress", {{"press", "ExpectedAttentionPress"}, {"press.use_vnorm", "false"}}, false,
+                  "CriticalKVPress(ExpectedAttentionPress)"),
+      bench_press("SnapKVPress", {}, true)};
   return out;
 }
 
@@ -159,11 +164,11 @@ BenchArgs parse_args(const std::vector<std::string>& args) {
       }
       if (v != "none" && kvpress::find_press(v) == nullptr)
         usage_error("bench: --press {}: no such press (kvpress-cli list)", v);
-      out.presses.push_back({v == "none" ? "" : v, {}, false, "", false, {}});
+      out.presses.push_back(bench_press(v == "none" ? "" : v));
     } else if (take_value(args, i, "--query-aware", "", v)) {
       if (kvpress::find_press(v) == nullptr)
         usage_error("bench: --query-aware {}: no such press (kvpress-cli list)", v);
-      out.presses.push_back({v, {}, true, "", false, {}});
+      out.presses.push_back(bench_press(v, {}, true));
     } else if (take_value(args, i, "--param", "", v)) {
       if (out.presses.empty() || out.presses.back().name.empty() || !out.presses.back().label.empty())
         usage_error("bench: --param {} must follow the --press it applies to", v);
