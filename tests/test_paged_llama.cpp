@@ -13,6 +13,7 @@
 #include "kvpress/llama/llama.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
+#include "kvpress/presses/rkv_decoding_press.h"
 #include "kvpress/registry.h"
 #include "test_util.h"
 
@@ -46,12 +47,13 @@ std::vector<at::Tensor> dense_logits(const std::vector<int64_t>& prompt, const s
                                      const BasePress* press) {
   const LlamaModel& m = model();
   llama::KVCache cache = m.new_cache();
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(press);  // started by the prefill
   llama::PrefillOptions pre;
   pre.press = press;
+  pre.press_state = state.get();
   pre.last_logits_only = true;
   std::vector<at::Tensor> out;
   out.push_back(m.prefill(at::tensor(at::ArrayRef<int64_t>(prompt), at::kLong).unsqueeze(0), cache, pre).logits[0][0]);
-  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(press);
   llama::ForwardOptions step;
   step.last_logits_only = true;
   step.press = press;
@@ -87,6 +89,8 @@ TEST(PagedLlama, ContinuousBatchingGivesEachPromptItsDenseGeneration) {
         {"decoding_press", "DecodingPress"},
         {"decoding_press.compression_interval", "3"},
         {"decoding_press.target_size", "50"}}},
+      // its query window started at prefill (record_prefill, from prefill_paged's press_states)
+      {"RKVDecodingPress", 0.0, {{"budget", "40"}, {"divide_length", "8"}, {"window_size", "4"}}},
   };
   for (const PressCase& c : cases) {
     SCOPED_TRACE(c.name.empty() ? "no press" : c.name);
@@ -291,6 +295,44 @@ TEST(PagedLlama, PrefillAndDecodeRefuseBadInputAndLeaveTheCacheAsItWas) {
   PagedKVCache wrong(PagedCacheOptions{});
   expect_error([&] { m.decode_paged({0}, {5}, wrong); },
                {"LlamaModel::decode_paged: the cache must have 2 layers of 4 KV heads x 16 in Float like the model"});
+}
+
+// A press that starts its decoding state at prefill (RKVDecodingPress) needs one state per prompt;
+// a failure part-way leaves the states as they were, so a retry records from scratch.
+TEST(PagedLlama, PrefillRecordsEachSequencesPressStateOrRefuses) {
+  const LlamaModel& m = model();
+  PagedKVCache cache = m.new_paged_cache(40, 16);
+  const std::vector<std::vector<int64_t>> ps = prompts({48, 30}, 4);
+  const auto rkv = make_press("RKVDecodingPress", 0.0, {{"budget", "20"}, {"window_size", "4"}});
+  const SequenceId a = cache.add_sequence(), b = cache.add_sequence();
+  llama::PagedPrefillOptions prefill;
+  prefill.press = rkv.get();
+  expect_error(
+      [&] {
+        m.prefill_paged(ps, {a, b}, cache, prefill);
+      },
+      {"LlamaModel::prefill_paged: RKVDecodingPress starts its decoding state at prefill: press_states must "
+       "hold one state per prompt (2"});
+  const std::unique_ptr<PressSequenceState> sa = rkv->new_sequence_state(), sb = rkv->new_sequence_state();
+  prefill.press_states = {sa.get(), sb.get()};
+  // Token 5000 fails the prefill before any layer: the states stay empty.
+  expect_error([&] { m.prefill_paged({ps[0], {1, 5000}}, {a, b}, cache, prefill); }, {"token ids must be in"});
+  const auto window_rows = [&](const PressSequenceState& s) {
+    const auto& w = dynamic_cast<const RKVQueryWindow&>(s);
+    std::vector<int64_t> rows;
+    for (const at::Tensor& q : w.queries) rows.push_back(q.defined() ? q.size(2) : 0);
+    return rows;
+  };
+  EXPECT_TRUE(window_rows(*sa).empty());
+  m.prefill_paged(ps, {a, b}, cache, prefill);
+  EXPECT_EQ(window_rows(*sa), std::vector<int64_t>({4, 4}));  // each layer's last 4 prompt queries
+  EXPECT_EQ(window_rows(*sb), std::vector<int64_t>({4, 4}));
+  EXPECT_EQ(cache.lengths(a, 0), std::vector<int64_t>(4, 20)) << "a prompt over the budget is kept to it";
+  llama::PagedPrefillOptions stray;
+  stray.press_states = {sa.get()};
+  const SequenceId c = cache.add_sequence();
+  expect_error([&] { m.prefill_paged({ps[0]}, {c}, cache, stray); },
+               {"press_states must be empty or hold one state per prompt (1) of a press, got 1 without a press"});
 }
 
 }  // namespace

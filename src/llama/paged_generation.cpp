@@ -163,9 +163,13 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
     if (!admitted.empty()) {
       std::vector<std::vector<int64_t>> batch;
       std::vector<SequenceId> seqs;
+      std::vector<std::unique_ptr<PressSequenceState>> states;  // started by the prefill (record_prefill)
+      prefill.press_states.clear();
       for (int64_t i : admitted) {
         batch.push_back(prompts[static_cast<size_t>(i)]);
         seqs.push_back(cache.add_sequence());
+        states.push_back(new_sequence_state_of(options.press));
+        if (states.back()) prefill.press_states.push_back(states.back().get());
       }
       at::Tensor logits;
       try {
@@ -179,7 +183,7 @@ PagedGenerations generate_paged(const LlamaModel& model, const std::vector<std::
         auto r = std::make_unique<Running>();
         r->prompt = admitted[k];
         r->seq = seqs[k];
-        r->state = new_sequence_state_of(options.press);
+        r->state = std::move(states[k]);
         Generation& g = out.generations[static_cast<size_t>(r->prompt)];
         g.cache_lengths = longest_heads(cache, r->seq);
         count_prompt_pages(cache, r->seq, pages(g.context_length), stats);

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -13,6 +14,36 @@
 #include "kvpress/registry.h"
 
 namespace kvpress::llama {
+namespace {
+
+// The press states prefill_paged starts (PagedPrefillOptions::press_states), checked, and their
+// snapshots, which a failure restores.
+std::vector<std::unique_ptr<PressSequenceState>> started_states(const PagedPrefillOptions& options, size_t prompts,
+                                                                const char* op) {
+  const std::vector<PressSequenceState*>& states = options.press_states;
+  if (options.press != nullptr && options.press->decoding_role().records_prefill)
+    TORCH_CHECK(states.size() == prompts, op, ": ", options.press->name(),
+                " starts its decoding state at prefill: press_states must hold one state per prompt (", prompts,
+                ", press->new_sequence_state()), got ", states.size());
+  TORCH_CHECK(states.empty() || (options.press != nullptr && states.size() == prompts), op,
+              ": press_states must be empty or hold one state per prompt (", prompts, ") of a press, got ",
+              states.size(), options.press == nullptr ? " without a press" : "");
+  std::vector<std::unique_ptr<PressSequenceState>> snapshots;
+  for (PressSequenceState* state : states) {
+    TORCH_CHECK(state != nullptr, op, ": press_states must not hold nullptr");
+    snapshots.push_back(state->snapshot());
+  }
+  return snapshots;
+}
+
+// record_prefill() of `press` for sequence i's layer inputs (`in`, keys and values set).
+void record_prefill_of(const BasePress& press, const LayerInputs& in, PressSequenceState& state, const char* op) {
+  const at::Tensor mask = press.record_prefill(in, state);
+  TORCH_CHECK(!mask.defined(), op, ": ", press.name(),
+              " gives a per-head keep mask at prefill (it evicts per head), which a paged cache does not take");
+}
+
+}  // namespace
 
 PagedKVCache LlamaModel::new_paged_cache(int64_t pages_per_layer, int64_t page_size, KVFormat kv_format) const {
   PagedCacheOptions o;
@@ -69,6 +100,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
   TORCH_CHECK(press == nullptr || !press->needs_second_pass(), op, ": ", press->name(),
               " runs the model again over the context before compressing (use prefill())");
   const bool press_attentions = press && wants_attentions(options.press_attentions, ForwardOptions{}, press->name());
+  const std::vector<std::unique_ptr<PressSequenceState>> states_before = started_states(options, prompts.size(), op);
 
   const auto batch = static_cast<int64_t>(prompts.size());
   const at::Tensor input_ids = detail::as_batch(ids);  // [1, T]
@@ -97,6 +129,13 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
         in.queries = qkv.q.narrow(2, start, len);  // computed anyway, as prefill() gives them
         if (press_attentions) in.attentions = weights[static_cast<size_t>(i)];
       };
+      for (size_t i = 0; i < options.press_states.size(); ++i) {  // as forward() records a prefill
+        LayerInputs in;
+        inputs(static_cast<int64_t>(i), in);
+        in.keys = qkv.k.narrow(2, cu[i], cu[i + 1] - cu[i]);
+        in.values = qkv.v.narrow(2, cu[i], cu[i + 1] - cu[i]);
+        record_prefill_of(*options.press, in, *options.press_states[i], op);
+      }
       // [1, Hkv, T, D] -> [T, Hkv, D], the varlen layout.
       cache.store(li, seqs, qkv.k[0].transpose(0, 1), qkv.v[0].transpose(0, 1), cu_seqlens, press, inputs);
       x = mlp_residual(li, x + project_output(li, at::cat(attn, 1)), nullptr);
@@ -104,6 +143,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
   } catch (...) {
     for (SequenceId s : seqs)
       if (cache.contains(s)) cache.reset_sequence(s);
+    for (size_t i = 0; i < states_before.size(); ++i) options.press_states[i]->restore(*states_before[i]);
     throw;
   }
   const at::Tensor last = cu_seqlens.narrow(0, 1, batch) - 1;                // each prompt's last token
@@ -119,8 +159,6 @@ std::string LlamaModel::why_not_paged_decoding(const BasePress* press) {
   if (role.scorer && needs_attentions(role.scorer->name()))
     return press->name() + "'s scorer " + role.scorer->name() +
            " needs attention weights, which paged attention does not compute";
-  if (role.records_prefill)
-    return press->name() + " starts its decoding state at prefill (record_prefill), which prefill_paged does not call";
   if (role.reads_cache_every_step)
     return press->name() +
            " reads the layer's whole cache on every step, which the paged decode gives only when it "

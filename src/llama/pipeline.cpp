@@ -109,9 +109,11 @@ Answer answer_over_pages(const LlamaModel& model, std::vector<int64_t> ids, cons
   PagedKVCache cache =
       model.new_paged_cache(heads * ((rows + page_size - 1) / page_size), page_size, *options.paged_kv_format);
   const SequenceId seq = cache.add_sequence();
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(options.press);
   PagedPrefillOptions prefill;
   prefill.press = options.press;
   prefill.press_attentions = options.press_attentions;
+  if (state) prefill.press_states.push_back(state.get());
   at::Tensor logits = model.prefill_paged({ids}, {seq}, cache, prefill)[0];  // [vocab]
   Answer a;
   a.prefill_length = prefill_length;
@@ -122,7 +124,6 @@ Answer answer_over_pages(const LlamaModel& model, std::vector<int64_t> ids, cons
     for (int64_t n : lengths) kept += static_cast<double>(n) / static_cast<double>(prefill_length * heads);
   }
   a.kept_fraction = kept / static_cast<double>(model.config().num_layers);
-  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(options.press);
   PagedDecodeOptions step;
   step.press = options.press;
   if (state) step.press_states.push_back(state.get());

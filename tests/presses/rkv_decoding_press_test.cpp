@@ -160,7 +160,7 @@ TEST(RKVDecodingPress, GeneratesWithTheBudgetInTheRunner) {
   EXPECT_EQ(g.final_cache_lengths, (std::vector<int64_t>{46, 46}));
 }
 
-TEST(RKVDecodingPress, RefusesBadParametersAndThePagedRunner) {
+TEST(RKVDecodingPress, RefusesBadParametersAndRunsOnThePagedRunner) {
   RKVDecodingPress::Params p = small_params();
   p.budget = 4;
   expect_error([&] { RKVDecodingPress{p}; }, {"RKVDecodingPress: budget must be > window_size (4), got 4"});
@@ -168,7 +168,7 @@ TEST(RKVDecodingPress, RefusesBadParametersAndThePagedRunner) {
   p.divide_length = 0;
   expect_error([&] { RKVDecodingPress{p}; }, {"RKVDecodingPress: divide_length must be > 0, got 0"});
   const RKVDecodingPress press(small_params());
-  EXPECT_NE(kvpress::llama::LlamaModel::why_not_paged_decoding(&press).find("record_prefill"), std::string::npos);
+  EXPECT_EQ(kvpress::llama::LlamaModel::why_not_paged_decoding(&press), "") << "prefill_paged records its prefill";
   const auto info = kvpress::find_press("RKVDecodingPress");
   ASSERT_NE(info, nullptr);
   EXPECT_EQ(info->params.size(), 7u);

@@ -216,6 +216,11 @@ struct PagedPrefillOptions {
   // PrefillDecodingPress applies its prefilling press. KVComposePress (second pass) is refused.
   const BasePress* press = nullptr;
   PressAttentions press_attentions = PressAttentions::kAuto;
+  // One state per prompt (same order; press->new_sequence_state()) when the press starts its
+  // decoding state at prefill (DecodingRole::records_prefill: RKVDecodingPress's query window):
+  // prefill_paged calls record_prefill() for each sequence and layer, and decode_paged() continues
+  // from these states. Unused otherwise.
+  std::vector<PressSequenceState*> press_states;
 };
 struct PagedDecodeOptions {
   // The sequences' press in the loop (ForwardOptions::press), with one state per sequence (same order
@@ -353,7 +358,8 @@ class LlamaModel : public ModelView {
   // Prefills new sequences together, packed along tokens: prompts[i] at positions 0..S_i-1 into the
   // empty sequence seqs[i]. Each layer attends causally within each prompt, then
   // PagedKVCache::store() writes what options.press keeps (every token without a press). Returns
-  // each prompt's last-position logits [B, vocab]. A failure resets the sequences (no pages kept).
+  // each prompt's last-position logits [B, vocab]. A failure resets the sequences (no pages kept) and
+  // restores the press states.
   at::Tensor prefill_paged(const std::vector<std::vector<int64_t>>& prompts, const std::vector<SequenceId>& seqs,
                            PagedKVCache& cache, const PagedPrefillOptions& options = {}) const;
   // One decoding step: tokens[i] is appended to seqs[i] at its next position and attends over each
@@ -364,7 +370,7 @@ class LlamaModel : public ModelView {
                           const PagedDecodeOptions& options = {}) const;
   // Why decode_paged() refuses `press` while decoding, or "" when it takes it (no press, or one that
   // does nothing while decoding, included): its scorer needs attention weights, it reads the whole
-  // cache every step, it evicts per head, or it needs its prefill recorded (DecodingRole).
+  // cache every step, or it evicts per head (DecodingRole).
   static std::string why_not_paged_decoding(const BasePress* press);
 
   // ---- the ModelView: one decoder layer at a time, for the presses' second passes (kvpress/model_view.h)
