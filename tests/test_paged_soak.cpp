@@ -1,0 +1,298 @@
+// The paged engine under load (issue 39, item 1, short run): a seeded traffic generator drives
+// LlamaModel::prefill_paged / decode_paged as an engine does (examples/engine_loop.cpp), with random
+// prompt lengths, arrival steps, presses (prefill, decoding, none) and output lengths, admissions
+// that overcommit the pool (a decode step then runs out of pages, fails whole, and the engine
+// preempts its youngest sequence and queues it again), and requests cancelled at random steps
+// (PagedKVCache::free_sequence). After every step the cache's invariants are checked: every page of a
+// layer is owned by one head or free, never both and never twice; each head holds exactly the pages
+// its length needs; the live sequences are the engine's; and every finished or cancelled sequence
+// gave its pages back. Every finished request's tokens equal the dense runner's for its prompt and
+// press alone. KVPRESS_SOAK_STEPS sets the length (default 1500 steps, about 20 s on a 2-core machine).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kvpress/llama/llama.h"
+#include "kvpress/registry.h"
+#include "test_util.h"
+#include "tiny_model.h"
+
+namespace kvpress {
+namespace {
+
+using llama::LlamaModel;
+
+struct SoakPress {
+  std::string name;  // "" for none
+  double ratio;
+  std::map<std::string, std::string> params;
+};
+
+// Prefill presses, decoding presses (one starting its state at prefill) and none.
+const std::vector<SoakPress> kSoakPresses = {
+    {"", 0.0, {}},
+    {"SnapKVPress", 0.5, {{"window_size", "16"}}},
+    {"KnormPress", 0.3, {}},
+    {"StreamingLLMPress", 0.6, {}},
+    {"DecodingPress", 0.0, {{"compression_interval", "4"}, {"target_size", "48"}, {"press", "KnormPress"}}},
+    {"RKVDecodingPress", 0.0, {{"budget", "40"}, {"divide_length", "8"}, {"window_size", "4"}}},
+};
+
+struct Request {
+  int64_t id = 0, arrival = 0, max_new = 0;
+  size_t press = 0;
+  std::vector<int64_t> prompt;
+  int64_t cancel_after = -1;  // cancelled once it has this many tokens (-1: never)
+};
+
+struct Live {
+  const Request* request = nullptr;
+  SequenceId seq = 0;
+  std::unique_ptr<PressSequenceState> state;
+  std::vector<int64_t> tokens;
+};
+
+struct SoakFigures {
+  int64_t steps = 0, prefills = 0, decode_calls = 0, tokens = 0, finished = 0, cancelled = 0, preempted = 0;
+  int64_t refused_steps = 0, peak_pages = 0, invariant_checks = 0;
+};
+
+// The requests: prompt lengths 24..220, 4..24 new tokens, arrivals in bursts, a tenth cancelled.
+std::vector<Request> make_traffic(int64_t steps, std::mt19937_64& rng) {
+  std::vector<Request> out;
+  std::uniform_int_distribution<int64_t> length(24, 220), new_tokens(4, 24), token(3, 1999), burst(0, 3);
+  std::uniform_int_distribution<size_t> press(0, kSoakPresses.size() - 1);
+  for (int64_t step = 0; step < steps * 3 / 4; step += 1 + static_cast<int64_t>(rng() % 6)) {
+    for (int64_t k = burst(rng); k >= 0; --k) {
+      Request r;
+      r.id = static_cast<int64_t>(out.size());
+      r.arrival = step;
+      r.max_new = new_tokens(rng);
+      r.press = press(rng);
+      r.prompt.resize(static_cast<size_t>(length(rng)));
+      for (int64_t& t : r.prompt) t = token(rng);
+      r.prompt[0] = 1;  // BOS
+      if (rng() % 10 == 0) r.cancel_after = static_cast<int64_t>(rng() % static_cast<uint64_t>(r.max_new));
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
+// The cache against what the engine holds: pages owned once or free, each head's pages its length's.
+::testing::AssertionResult cache_invariants(const PagedKVCache& cache, const std::vector<SequenceId>& live) {
+  const PagedCacheOptions& o = cache.options();
+  std::vector<SequenceId> held = cache.sequences(), expected = live;
+  std::sort(expected.begin(), expected.end());
+  if (held != expected)
+    return ::testing::AssertionFailure() << "the cache holds " << held.size() << " sequences, the engine "
+                                         << expected.size();
+  int64_t used = 0;
+  for (int64_t l = 0; l < o.num_layers; ++l) {
+    std::set<int64_t> owned;
+    for (SequenceId s : held) {
+      for (int64_t h = 0; h < o.kv_heads; ++h) {
+        const std::vector<int64_t>& pages = cache.pages(s, l, h);
+        const int64_t length = cache.length(s, l, h);
+        if (static_cast<int64_t>(pages.size()) != (length + o.page_size - 1) / o.page_size)
+          return ::testing::AssertionFailure() << "sequence " << s << " layer " << l << " head " << h << " holds "
+                                               << pages.size() << " pages for " << length << " tokens";
+        for (int64_t p : pages)
+          if (p < 0 || p >= o.pages_per_layer || !owned.insert(p).second)
+            return ::testing::AssertionFailure() << "layer " << l << " page " << p << " out of the pool or owned twice";
+      }
+    }
+    if (static_cast<int64_t>(owned.size()) + cache.free_pages(l) != o.pages_per_layer)
+      return ::testing::AssertionFailure() << "layer " << l << ": " << owned.size() << " pages owned + "
+                                           << cache.free_pages(l) << " free != " << o.pages_per_layer;
+    used += static_cast<int64_t>(owned.size());
+  }
+  if (cache.stats().pages_used != used)
+    return ::testing::AssertionFailure() << "stats().pages_used " << cache.stats().pages_used << ", owned " << used;
+  return ::testing::AssertionSuccess();
+}
+
+bool out_of_pages(const c10::Error& e) {
+  return std::string(e.what_without_backtrace()).find("out of pages") != std::string::npos;
+}
+
+class SoakEngine {
+ public:
+  SoakEngine(const LlamaModel& model, int64_t pages_per_layer, uint64_t seed)
+      : model_(model), cache_(model.new_paged_cache(pages_per_layer, 16)), rng_(seed) {
+    for (const SoakPress& p : kSoakPresses)
+      presses_.push_back(p.name.empty() ? nullptr : make_press(p.name, p.ratio, p.params));
+  }
+
+  SoakFigures run(const std::vector<Request>& traffic, int64_t steps,
+                  std::map<int64_t, std::vector<int64_t>>& finished_tokens) {
+    size_t next = 0;
+    for (int64_t step = 0; step < steps || !waiting_.empty() || !running_.empty(); ++step) {
+      for (; next < traffic.size() && traffic[next].arrival <= step; ++next) waiting_.push_back(&traffic[next]);
+      admit();
+      decode(finished_tokens);
+      cancel_some();
+      ++figures_.steps;
+      figures_.peak_pages = std::max(figures_.peak_pages, cache_.stats().pages_used);
+      ++figures_.invariant_checks;
+      std::vector<SequenceId> live;
+      for (const auto& r : running_) live.push_back(r->seq);
+      EXPECT_TRUE(cache_invariants(cache_, live)) << "step " << step;
+      if (::testing::Test::HasFailure() || step > 50 * steps) break;
+    }
+    EXPECT_EQ(cache_.stats().pages_used, 0) << "every finished or cancelled sequence gave its pages back";
+    return figures_;
+  }
+
+ private:
+  // Pages of one layer a request may need: its prompt and every new token stored whole.
+  int64_t worst_pages(const Request& r) const {
+    return model_.config().num_kv_heads * ((static_cast<int64_t>(r.prompt.size()) + r.max_new + 15) / 16);
+  }
+
+  // Admits waiting requests in order while the pool holds their worst case, and now and then one
+  // whose prompt fits but whose worst case does not (the decode steps may then run out).
+  void admit() {
+    while (!waiting_.empty()) {
+      const Request& r = *waiting_.front();
+      int64_t free_now = cache_.free_pages(0);
+      for (int64_t l = 1; l < model_.config().num_layers; ++l) free_now = std::min(free_now, cache_.free_pages(l));
+      int64_t free = free_now;  // less what the running sequences may still take
+      for (const auto& live : running_)
+        free -= model_.config().num_kv_heads *
+                ((live->request->max_new - static_cast<int64_t>(live->tokens.size()) + 15) / 16 + 1);
+      const bool overcommit = rng_() % 4 == 0 && free_now >= worst_pages(r);
+      if (worst_pages(r) > free && !overcommit) return;
+      auto live = std::make_unique<Live>();
+      live->request = &r;
+      live->seq = cache_.add_sequence();
+      live->state = new_sequence_state_of(presses_[r.press].get());
+      llama::PagedPrefillOptions prefill;
+      prefill.press = presses_[r.press].get();
+      if (live->state) prefill.press_states = {live->state.get()};
+      const at::Tensor logits = model_.prefill_paged({r.prompt}, {live->seq}, cache_, prefill);
+      ++figures_.prefills;
+      live->tokens.push_back(logits[0].argmax().item<int64_t>());
+      waiting_.pop_front();
+      running_.push_back(std::move(live));
+    }
+  }
+
+  // One decode step per press among the running sequences; a step that runs out of pages changes
+  // nothing, and the youngest sequence of its group is preempted (queued again from scratch).
+  void decode(std::map<int64_t, std::vector<int64_t>>& finished_tokens) {
+    retire(finished_tokens);
+    for (size_t p = 0; p < presses_.size(); ++p) {
+      std::vector<Live*> group;
+      for (const auto& r : running_)
+        if (r->request->press == p) group.push_back(r.get());
+      if (group.empty()) continue;
+      std::vector<SequenceId> seqs;
+      std::vector<int64_t> tokens;
+      llama::PagedDecodeOptions step;
+      step.press = presses_[p].get();
+      for (Live* r : group) {
+        seqs.push_back(r->seq);
+        tokens.push_back(r->tokens.back());
+        if (r->state) step.press_states.push_back(r->state.get());
+      }
+      ++figures_.decode_calls;
+      at::Tensor logits;
+      try {
+        logits = model_.decode_paged(seqs, tokens, cache_, step);
+      } catch (const c10::Error& e) {
+        ASSERT_TRUE(out_of_pages(e)) << e.what_without_backtrace();
+        ++figures_.refused_steps;
+        preempt(group.back());
+        continue;
+      }
+      for (size_t i = 0; i < group.size(); ++i) {
+        group[i]->tokens.push_back(logits[static_cast<int64_t>(i)].argmax().item<int64_t>());
+        ++figures_.tokens;
+      }
+    }
+    retire(finished_tokens);
+  }
+
+  void retire(std::map<int64_t, std::vector<int64_t>>& finished_tokens) {
+    for (auto& r : running_) {
+      if (static_cast<int64_t>(r->tokens.size()) < r->request->max_new) continue;
+      finished_tokens[r->request->id] = r->tokens;
+      ++figures_.finished;
+      cache_.free_sequence(r->seq);
+      r.reset();
+    }
+    running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
+  }
+
+  void preempt(Live* victim) {
+    ++figures_.preempted;
+    waiting_.push_front(victim->request);
+    cache_.free_sequence(victim->seq);
+    running_.erase(std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == victim; }));
+  }
+
+  void cancel_some() {
+    for (auto& r : running_) {
+      if (r->request->cancel_after < 0 || static_cast<int64_t>(r->tokens.size()) < r->request->cancel_after) continue;
+      ++figures_.cancelled;
+      cache_.free_sequence(r->seq);
+      r.reset();
+    }
+    running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
+  }
+
+  const LlamaModel& model_;
+  PagedKVCache cache_;
+  std::mt19937_64 rng_;
+  std::vector<std::unique_ptr<BasePress>> presses_;
+  std::deque<const Request*> waiting_;
+  std::vector<std::unique_ptr<Live>> running_;
+  SoakFigures figures_;
+};
+
+TEST(PagedSoak, TrafficWithOvercommitAndCancellationsKeepsEveryInvariant) {
+  const char* env = std::getenv("KVPRESS_SOAK_STEPS");
+  const int64_t steps = env != nullptr ? std::atoll(env) : 1500;
+  std::mt19937_64 rng(39);
+  const std::vector<Request> traffic = make_traffic(steps, rng);
+  SoakEngine engine(testing::tiny_model(), 160, 40);
+  std::map<int64_t, std::vector<int64_t>> finished;
+  const SoakFigures f = engine.run(traffic, steps, finished);
+  std::printf(
+      "soak: %lld steps, %zu requests, %lld prefills, %lld decode calls, %lld tokens, %lld finished, %lld cancelled, "
+      "%lld preempted after %lld refused steps, peak %lld pages of %d, %lld invariant checks\n",
+      static_cast<long long>(f.steps), traffic.size(), static_cast<long long>(f.prefills),
+      static_cast<long long>(f.decode_calls), static_cast<long long>(f.tokens), static_cast<long long>(f.finished),
+      static_cast<long long>(f.cancelled), static_cast<long long>(f.preempted), static_cast<long long>(f.refused_steps),
+      static_cast<long long>(f.peak_pages), 2 * 160, static_cast<long long>(f.invariant_checks));
+  EXPECT_GT(f.preempted, 0) << "the traffic must overcommit the pool at least once";
+  EXPECT_GT(f.cancelled, 0);
+  EXPECT_EQ(f.finished + f.cancelled, static_cast<int64_t>(traffic.size()));
+  // Every finished request's tokens are the dense runner's for its prompt and press alone.
+  std::vector<std::unique_ptr<BasePress>> presses;
+  for (const SoakPress& p : kSoakPresses)
+    presses.push_back(p.name.empty() ? nullptr : make_press(p.name, p.ratio, p.params));
+  for (const auto& [id, tokens] : finished) {
+    const Request& r = traffic[static_cast<size_t>(id)];
+    llama::GenerationOptions dense;
+    dense.press = presses[r.press].get();
+    dense.max_new_tokens = r.max_new;
+    dense.stop_at_eos = false;
+    EXPECT_EQ(tokens, llama::generate_greedy(testing::tiny_model(), r.prompt, {}, dense).tokens)
+        << "request " << id << " (" << (kSoakPresses[r.press].name.empty() ? "no press" : kSoakPresses[r.press].name)
+        << ", prompt " << r.prompt.size() << ")";
+  }
+}
+
+}  // namespace
+}  // namespace kvpress
