@@ -15,6 +15,7 @@
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/presses/rkv_decoding_press.h"
 #include "kvpress/registry.h"
+#include "paged/fault_injection.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -206,6 +207,54 @@ TEST(PagedLlama, AnEnginesOwnDecodingPressRunsThroughTheLifecycle) {
     EXPECT_EQ(expected.final_cache_lengths, std::vector<int64_t>(2, 24 + 1)) << "prompt " << i;
     EXPECT_EQ(run.generations[i].final_cache_lengths, expected.final_cache_lengths) << "prompt " << i;
   }
+}
+
+// A decoding step whose compactions fail part-way (a device-table upload of the second sequence's,
+// after the first's was staged) leaves the cache and the press states as they were: every
+// compaction of a step is staged before any is applied, and the appends are undone. Found by the
+// soak (PagedSoak.*): before, compactions were applied one by one after the step.
+TEST(PagedLlama, ADecodeStepFailingInItsCompactionsLeavesTheCacheAsItWas) {
+  const LlamaModel& m = model();
+  const KeepRecentWhileDecoding press(/*window=*/24, /*interval=*/1);  // compacts every step
+  PagedKVCache cache = m.new_paged_cache(40, 16);
+  const std::vector<std::vector<int64_t>> ps = prompts({40, 52}, 8);
+  const std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence()};
+  m.prefill_paged(ps, seqs, cache);
+  std::vector<std::unique_ptr<PressSequenceState>> states;
+  llama::PagedDecodeOptions step;
+  step.press = &press;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    states.push_back(press.new_sequence_state());
+    step.press_states.push_back(states.back().get());
+  }
+  const auto image = [&] {
+    std::vector<std::vector<int64_t>> out;
+    for (SequenceId s : seqs)
+      for (int64_t l = 0; l < 2; ++l) {
+        out.push_back({cache.next_position(s, l), cache.free_pages(l)});
+        for (int64_t h = 0; h < 4; ++h) {
+          out.push_back(cache.positions(s, l, h));
+          out.push_back(cache.pages(s, l, h));
+        }
+      }
+    return out;
+  };
+  const auto before = image();
+  // Uploads of the step: an append per layer (2), then a compaction per (layer, sequence) (4).
+  for (int64_t failing = 0; failing < 6; ++failing) {
+    detail::fail_table_upload_after(failing);
+    expect_error([&] { m.decode_paged(seqs, {5, 6}, cache, step); }, {"injected failure of a device-table upload"});
+    detail::fail_table_upload_after(-1);
+    EXPECT_EQ(image(), before) << "upload " << failing << " failing";
+  }
+  m.decode_paged(seqs, {5, 6}, cache, step);
+  EXPECT_EQ(cache.lengths(seqs[0], 1), std::vector<int64_t>(4, 24)) << "compacted once the step succeeds";
+  const at::Tensor keep = at::ones({4, 24}, at::kBool);
+  expect_error(
+      [&] {
+        cache.compact({{1, seqs[0], keep}, {0, seqs[1], keep}, {1, seqs[0], keep}});
+      },
+      {"PagedKVCache::compact: layer 1 of sequence 0 is compacted twice in one call"});
 }
 
 // Quantized pages under continuous batching, with a prefill press and a decoding press that reads

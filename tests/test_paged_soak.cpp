@@ -6,8 +6,11 @@
 // (PagedKVCache::free_sequence). After every step the cache's invariants are checked: every page of a
 // layer is owned by one head or free, never both and never twice; each head holds exactly the pages
 // its length needs; the live sequences are the engine's; and every finished or cancelled sequence
-// gave its pages back. Every finished request's tokens equal the dense runner's for its prompt and
-// press alone. KVPRESS_SOAK_STEPS sets the length (default 1500 steps, about 20 s on a 2-core machine).
+// gave its pages back. One call in 48 has a device-table upload fail part-way (item 2's injection,
+// for the one failure point the cache has a hook for so far): the cache must then be as it was
+// (pages, positions, rows, free pages), and the engine makes the call again. Every finished
+// request's tokens equal the dense runner's for its prompt and press alone. KVPRESS_SOAK_STEPS sets
+// the length (default 1500 steps).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +26,7 @@
 
 #include "kvpress/llama/llama.h"
 #include "kvpress/registry.h"
+#include "paged/fault_injection.h"
 #include "test_util.h"
 #include "tiny_model.h"
 
@@ -63,8 +67,39 @@ struct Live {
 
 struct SoakFigures {
   int64_t steps = 0, prefills = 0, decode_calls = 0, tokens = 0, finished = 0, cancelled = 0, preempted = 0;
-  int64_t refused_steps = 0, peak_pages = 0, invariant_checks = 0;
+  int64_t refused_steps = 0, peak_pages = 0, invariant_checks = 0, injected_failures = 0;
 };
+
+// What an engine can observe of a cache: per sequence, layer and head its pages, positions and
+// rows, and each layer's free pages.
+struct CacheImage {
+  std::vector<std::vector<int64_t>> indices;
+  std::vector<at::Tensor> rows;
+};
+
+CacheImage image_of(const PagedKVCache& cache) {
+  const PagedCacheOptions& o = cache.options();
+  CacheImage image;
+  for (SequenceId s : cache.sequences())
+    for (int64_t l = 0; l < o.num_layers; ++l) {
+      image.indices.push_back({s, cache.next_position(s, l)});
+      for (int64_t h = 0; h < o.kv_heads; ++h) {
+        image.indices.push_back(cache.positions(s, l, h));
+        image.indices.push_back(cache.pages(s, l, h));
+        image.rows.push_back(cache.head_keys(s, l, h));
+        image.rows.push_back(cache.head_values(s, l, h));
+      }
+    }
+  for (int64_t l = 0; l < o.num_layers; ++l) image.indices.push_back({cache.free_pages(l)});
+  return image;
+}
+
+bool same_image(const CacheImage& a, const CacheImage& b) {
+  if (a.indices != b.indices || a.rows.size() != b.rows.size()) return false;
+  for (size_t i = 0; i < a.rows.size(); ++i)
+    if (!at::equal(a.rows[i], b.rows[i])) return false;
+  return true;
+}
 
 // The requests: prompt lengths 24..220, 4..24 new tokens, arrivals in bursts, a tenth cancelled.
 std::vector<Request> make_traffic(int64_t steps, std::mt19937_64& rng) {
@@ -125,6 +160,10 @@ bool out_of_pages(const c10::Error& e) {
   return std::string(e.what_without_backtrace()).find("out of pages") != std::string::npos;
 }
 
+bool injected(const c10::Error& e) {
+  return std::string(e.what_without_backtrace()).find("injected failure") != std::string::npos;
+}
+
 class SoakEngine {
  public:
   SoakEngine(const LlamaModel& model, int64_t pages_per_layer, uint64_t seed)
@@ -154,6 +193,27 @@ class SoakEngine {
   }
 
  private:
+  // call(), and for one call in 48 a device-table upload failing part-way (the first to fourth of
+  // the call's uploads; fault_injection.h): the failed call must leave the cache as it was, and the
+  // engine then makes the same call again.
+  template <typename Call>
+  at::Tensor with_injected_failure(Call&& call) {
+    if (rng_() % 48 != 0) return call();
+    const CacheImage before = image_of(cache_);
+    detail::fail_table_upload_after(static_cast<int64_t>(rng_() % 4));
+    try {
+      at::Tensor out = call();  // it made fewer uploads: nothing failed
+      detail::fail_table_upload_after(-1);
+      return out;
+    } catch (const c10::Error& e) {
+      detail::fail_table_upload_after(-1);
+      if (!injected(e)) throw;
+      ++figures_.injected_failures;
+      EXPECT_TRUE(same_image(image_of(cache_), before)) << "a failed upload changed the cache";
+      return call();
+    }
+  }
+
   // Pages of one layer a request may need: its prompt and every new token stored whole.
   int64_t worst_pages(const Request& r) const {
     return model_.config().num_kv_heads * ((static_cast<int64_t>(r.prompt.size()) + r.max_new + 15) / 16);
@@ -170,7 +230,7 @@ class SoakEngine {
       for (const auto& live : running_)
         free -= model_.config().num_kv_heads *
                 ((live->request->max_new - static_cast<int64_t>(live->tokens.size()) + 15) / 16 + 1);
-      const bool overcommit = rng_() % 4 == 0 && free_now >= worst_pages(r);
+      const bool overcommit = rng_() % 2 == 0 && free_now >= worst_pages(r);
       if (worst_pages(r) > free && !overcommit) return;
       auto live = std::make_unique<Live>();
       live->request = &r;
@@ -179,7 +239,8 @@ class SoakEngine {
       llama::PagedPrefillOptions prefill;
       prefill.press = presses_[r.press].get();
       if (live->state) prefill.press_states = {live->state.get()};
-      const at::Tensor logits = model_.prefill_paged({r.prompt}, {live->seq}, cache_, prefill);
+      const at::Tensor logits =
+          with_injected_failure([&] { return model_.prefill_paged({r.prompt}, {live->seq}, cache_, prefill); });
       ++figures_.prefills;
       live->tokens.push_back(logits[0].argmax().item<int64_t>());
       waiting_.pop_front();
@@ -208,7 +269,7 @@ class SoakEngine {
       ++figures_.decode_calls;
       at::Tensor logits;
       try {
-        logits = model_.decode_paged(seqs, tokens, cache_, step);
+        logits = with_injected_failure([&] { return model_.decode_paged(seqs, tokens, cache_, step); });
       } catch (const c10::Error& e) {
         ASSERT_TRUE(out_of_pages(e)) << e.what_without_backtrace();
         ++figures_.refused_steps;
@@ -270,13 +331,16 @@ TEST(PagedSoak, TrafficWithOvercommitAndCancellationsKeepsEveryInvariant) {
   const SoakFigures f = engine.run(traffic, steps, finished);
   std::printf(
       "soak: %lld steps, %zu requests, %lld prefills, %lld decode calls, %lld tokens, %lld finished, %lld cancelled, "
-      "%lld preempted after %lld refused steps, peak %lld pages of %d, %lld invariant checks\n",
+      "%lld preempted after %lld refused steps, peak %lld pages of %d, %lld invariant checks, %lld injected upload "
+      "failures\n",
       static_cast<long long>(f.steps), traffic.size(), static_cast<long long>(f.prefills),
       static_cast<long long>(f.decode_calls), static_cast<long long>(f.tokens), static_cast<long long>(f.finished),
       static_cast<long long>(f.cancelled), static_cast<long long>(f.preempted), static_cast<long long>(f.refused_steps),
-      static_cast<long long>(f.peak_pages), 2 * 160, static_cast<long long>(f.invariant_checks));
+      static_cast<long long>(f.peak_pages), 2 * 160, static_cast<long long>(f.invariant_checks),
+      static_cast<long long>(f.injected_failures));
   EXPECT_GT(f.preempted, 0) << "the traffic must overcommit the pool at least once";
   EXPECT_GT(f.cancelled, 0);
+  EXPECT_GT(f.injected_failures, 0);
   EXPECT_EQ(f.finished + f.cancelled, static_cast<int64_t>(traffic.size()));
   // Every finished request's tokens are the dense runner's for its prompt and press alone.
   std::vector<std::unique_ptr<BasePress>> presses;

@@ -176,6 +176,16 @@ class PagedKVCache {
   // new rows, dequantized (its scales follow its rows). keep_mask [Hkv, L] bool with L >= every
   // head's length (entries at or past a head's length must be false).
   void compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask);
+  // Several compactions as one mutation (a decoding step's, one per sequence and layer it
+  // compresses): every one is checked and staged (its table upload, the rows it moves or quantizes
+  // again) before any is applied, so a failure leaves the cache as it was. Each (layer, seq) at most
+  // once.
+  struct Compaction {
+    int64_t layer;
+    SequenceId seq;
+    at::Tensor keep_mask;  // [Hkv, L] bool, as compact()'s
+  };
+  void compact(const std::vector<Compaction>& compactions);
 
   // ---- moving a sequence between caches ----------------------------------------------------------
   // Copies of every token the sequence stores, with their positions and each layer's next position
@@ -266,6 +276,10 @@ class PagedKVCache {
   // remove_last(layer, seqs, n) in a quantized cache: the rows of each page that stops being full,
   // dequantized, as residual rows.
   QuantizedRows reopened_rows(int64_t layer, const std::vector<SequenceId>& seqs, int64_t n) const;
+  // A compaction checked and staged (all that can fail done: paged_cache.cpp), and applying it.
+  struct StagedCompaction;
+  StagedCompaction stage_compaction(int64_t layer, SequenceId seq, const at::Tensor& keep_mask) const;
+  void apply_compaction(const StagedCompaction& staged);
   // compact(layer, seq, ...) in a quantized cache: each head's pages from the first moved row on,
   // quantized again from the kept rows, and its new residual rows.
   QuantizedRows compacted_rows(int64_t layer, SequenceId seq, const std::vector<std::vector<int64_t>>& kept) const;

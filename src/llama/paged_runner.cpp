@@ -200,10 +200,11 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
   const double scaling = 1.0 / std::sqrt(static_cast<double>(config_.head_dim));
   const at::Tensor input_ids = at::tensor(at::ArrayRef<int64_t>(tokens), at::kLong).unsqueeze(0);  // [1, B]
   // The B tokens ride along the sequence axis of one [1, B] forward, each with its own position.
-  const RopeTables rope_tables = rope_at(positions);                     // [B, D]
-  at::Tensor x = embed(input_ids);                                       // [1, B, hidden]
-  std::vector<std::tuple<int64_t, SequenceId, at::Tensor>> compactions;  // applied once every layer ran
+  const RopeTables rope_tables = rope_at(positions);  // [B, D]
+  at::Tensor x = embed(input_ids);                    // [1, B, hidden]
+  std::vector<PagedKVCache::Compaction> compactions;  // applied once every layer ran
   int64_t appended_layers = 0;
+  at::Tensor logits;
   try {
     for (int64_t li = 0; li < config_.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
@@ -228,20 +229,23 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
           if (update.kind != DecodingUpdate::Kind::kReplace) continue;  // why_not_paged_decoding refuses kEvict
           at::Tensor keep = at::zeros({config_.num_kv_heads, in.keys.size(2)}, at::kBool);
           keep.scatter_(1, update.replacement.kept_indices[0].to(at::kCPU), true);
-          compactions.emplace_back(li, seqs[b], keep);
+          compactions.push_back({li, seqs[b], keep});
         }
       }
       x = mlp_residual(
           li, x + project_output(li, attn.transpose(1, 2).reshape({1, batch, config_.num_heads * config_.head_dim})),
           nullptr);
     }
+    logits = at::linear(rms_norm(x, norm_), lm_head_)[0];  // [B, vocab]
+    // Last, as one mutation: every compaction staged before any is applied, so a failure there still
+    // finds the appends to undo.
+    cache.compact(compactions);
   } catch (...) {
     for (int64_t li = 0; li < appended_layers; ++li) cache.remove_last(li, seqs, 1);
     for (size_t i = 0; i < saved_states.size(); ++i) options.press_states[i]->restore(*saved_states[i]);
     throw;
   }
-  for (const auto& [layer, seq, keep] : compactions) cache.compact(layer, seq, keep);
-  return at::linear(rms_norm(x, norm_), lm_head_)[0];  // [B, vocab]
+  return logits;
 }
 
 }  // namespace kvpress::llama

@@ -877,10 +877,20 @@ SequenceId PagedKVCache::adopt_sequence(const SequenceTokens& tokens) {
 
 // ---- compaction ----------------------------------------------------------------------------------
 
-void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask) {
+struct PagedKVCache::StagedCompaction {
+  int64_t layer;
+  SequenceId seq;
+  std::vector<std::vector<int64_t>> kept;             // per head, the kept tokens' indices
+  QuantizedRows rewritten;                            // a quantized cache's pages written again
+  at::Tensor moved_keys, moved_values, destinations;  // a full cache's rows that change slot
+  TableUpload upload;
+};
+
+PagedKVCache::StagedCompaction PagedKVCache::stage_compaction(int64_t layer, SequenceId seq,
+                                                              const at::Tensor& keep_mask) const {
   constexpr const char* op = "PagedKVCache::compact";
   check_layer(layer, op);
-  SequenceLayer& sl = sequence_at(seq, op).layers[static_cast<size_t>(layer)];
+  const SequenceLayer& sl = sequence_at(seq, op).layers[static_cast<size_t>(layer)];
   checks::check_rank(op, "keep_mask", keep_mask, 2, "[kv_heads, length]");
   TORCH_CHECK(keep_mask.scalar_type() == at::kBool, op, ": keep_mask must be bool, got ", keep_mask.scalar_type());
   const std::vector<int64_t> len = lengths(seq, layer);
@@ -914,24 +924,33 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
       destinations.push_back(slot(static_cast<int64_t>(j)));
     }
   }
-  const QuantizedRows rewritten = quantized() ? compacted_rows(layer, seq, kept) : QuantizedRows{};
-  const TableUpload upload = stage_tables(layer, {seq}, [&](size_t, int64_t h) {
+  StagedCompaction staged{layer, seq, {}, quantized() ? compacted_rows(layer, seq, kept) : QuantizedRows{},
+                          {},    {},  {}, {}};
+  if (!sources.empty()) {
+    const Layer& pool = layers_[static_cast<size_t>(layer)];
+    const at::Tensor src = to_device(sources, options_.device);
+    staged.moved_keys = pool.key_pool.view({-1, options_.head_dim}).index_select(0, src);
+    staged.moved_values = pool.value_pool.view({-1, options_.head_dim}).index_select(0, src);
+    staged.destinations = to_device(destinations, options_.device);
+  }
+  staged.upload = stage_tables(layer, {seq}, [&](size_t, int64_t h) {
     const Head& head = sl.heads[static_cast<size_t>(h)];
     const auto length = static_cast<int64_t>(kept[static_cast<size_t>(h)].size());
     return HeadTableState{&head.pages, static_cast<size_t>(table_pages(length)), length};
   });
-  Layer& pool = layers_[static_cast<size_t>(layer)];
-  if (quantized()) rewritten.apply(pool.quantized, options_.head_dim);
-  if (!sources.empty()) {
-    const at::Tensor src = to_device(sources, options_.device);
-    const at::Tensor moved_keys = pool.key_pool.view({-1, options_.head_dim}).index_select(0, src);
-    const at::Tensor moved_values = pool.value_pool.view({-1, options_.head_dim}).index_select(0, src);
-    ops::paged_write(pool.key_pool, pool.value_pool, moved_keys, moved_values,
-                     to_device(destinations, options_.device));
-  }
+  staged.kept = std::move(kept);
+  return staged;
+}
+
+void PagedKVCache::apply_compaction(const StagedCompaction& staged) {
+  Layer& pool = layers_[static_cast<size_t>(staged.layer)];
+  SequenceLayer& sl = sequence_at(staged.seq, "PagedKVCache::compact").layers[static_cast<size_t>(staged.layer)];
+  if (quantized()) staged.rewritten.apply(pool.quantized, options_.head_dim);
+  if (staged.destinations.defined())
+    ops::paged_write(pool.key_pool, pool.value_pool, staged.moved_keys, staged.moved_values, staged.destinations);
   for (int64_t h = 0; h < options_.kv_heads; ++h) {
     Head& head = sl.heads[static_cast<size_t>(h)];
-    const std::vector<int64_t>& k = kept[static_cast<size_t>(h)];
+    const std::vector<int64_t>& k = staged.kept[static_cast<size_t>(h)];
     std::vector<int64_t> positions(k.size());
     for (size_t j = 0; j < k.size(); ++j) positions[j] = head.positions[static_cast<size_t>(k[j])];
     head.positions = std::move(positions);
@@ -940,7 +959,22 @@ void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep
                            head.pages.rbegin() + static_cast<std::ptrdiff_t>(head.pages.size() - keep_pages));
     head.pages.resize(keep_pages);
   }
-  apply_tables(layer, {seq}, upload);
+  apply_tables(staged.layer, {staged.seq}, staged.upload);
+}
+
+void PagedKVCache::compact(int64_t layer, SequenceId seq, const at::Tensor& keep_mask) {
+  apply_compaction(stage_compaction(layer, seq, keep_mask));
+}
+
+void PagedKVCache::compact(const std::vector<Compaction>& compactions) {
+  std::set<std::pair<int64_t, SequenceId>> seen;
+  for (const Compaction& c : compactions)
+    TORCH_CHECK(seen.insert({c.layer, c.seq}).second, "PagedKVCache::compact: layer ", c.layer, " of sequence ", c.seq,
+                " is compacted twice in one call");
+  std::vector<StagedCompaction> staged;
+  staged.reserve(compactions.size());
+  for (const Compaction& c : compactions) staged.push_back(stage_compaction(c.layer, c.seq, c.keep_mask));
+  for (const StagedCompaction& s : staged) apply_compaction(s);
 }
 
 // ---- memory --------------------------------------------------------------------------------------
