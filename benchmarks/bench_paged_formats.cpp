@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpress/ops.h"
 #include "kvpress/paged.h"
 #include "kvpress/registry.h"
 
@@ -74,9 +75,11 @@ int run(int argc, char** argv) {
            .integer("--repeats", repeats)
            .parse(argc, argv, "[--seq-lens 4096,16384] [--ratios 0,0.5] [--page-size 16] [--repeats 20]"))
     return 2;
-  std::printf("Hkv=%lld Hq=%lld D=%lld bfloat16, page_size %lld, %d threads, median of %d decode steps (n=1)\n\n",
-              static_cast<long long>(kKvHeads), static_cast<long long>(kQHeads), static_cast<long long>(kDim),
-              static_cast<long long>(page_size), at::get_num_threads(), repeats);
+  std::printf(
+      "Hkv=%lld Hq=%lld D=%lld bfloat16, page_size %lld, %d threads, median of %d decode steps (n=1), CPU kernels "
+      "%s\n\n",
+      static_cast<long long>(kKvHeads), static_cast<long long>(kQHeads), static_cast<long long>(kDim),
+      static_cast<long long>(page_size), at::get_num_threads(), repeats, kvpress::ops::cpu_kernel_isa().c_str());
   std::printf(
       "| S | r | format | bytes per kept (head, token) | vs bf16 | attention ms | us per kept token | vs bf16 |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
