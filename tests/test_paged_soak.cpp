@@ -8,9 +8,10 @@
 // its length needs; the live sequences are the engine's; and every finished or cancelled sequence
 // gave its pages back. One call in 48 has a device-table upload fail part-way (item 2's injection,
 // for the one failure point the cache has a hook for so far): the cache must then be as it was
-// (pages, positions, rows, free pages), and the engine makes the call again. A sample of the
-// finished requests' tokens equal the dense runner's for their prompt and press alone.
-// KVPRESS_SOAK_STEPS sets the length (default 1500 steps).
+// (pages, positions, rows, free pages), and the engine makes the call again. Every finished
+// request's tokens equal the dense runner's for its prompt and press alone (one exception: exact
+// score ties, see kSoakPresses). KVPRESS_SOAK_STEPS sets the length (default 1500 steps),
+// KVPRESS_SOAK_COMPARE_EVERY compares only every n-th finished request (default 1: all).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -39,15 +40,25 @@ struct SoakPress {
   std::string name;  // "" for none
   double ratio;
   std::map<std::string, std::string> params;
+  // Its scores tie exactly in real arithmetic, so rounding picks the tokens kept: a request batched
+  // with others may then part from the dense run (see the comparison in the test).
+  bool exact_ties = false;
 };
 
-// Prefill presses, decoding presses (one starting its state at prefill) and none.
+// Prefill presses, decoding presses (one starting its state at prefill) and none. KnormPress's
+// layer-0 scores tie for every repeated token (a layer-0 key depends on the token and its position
+// only, and RoPE, a rotation, keeps its norm); prefill KnormPress scores the same prompt in the same
+// call shape as the dense run, DecodingPress(KnormPress) scores keys a decode step projected in one
+// GEMM with the batch's other tokens (other last bits, 1e-6 here, than the dense run's one-row GEMM).
 const std::vector<SoakPress> kSoakPresses = {
     {"", 0.0, {}},
     {"SnapKVPress", 0.5, {{"window_size", "16"}}},
     {"KnormPress", 0.3, {}},
     {"StreamingLLMPress", 0.6, {}},
-    {"DecodingPress", 0.0, {{"compression_interval", "4"}, {"target_size", "48"}, {"press", "KnormPress"}}},
+    {"DecodingPress",
+     0.0,
+     {{"compression_interval", "4"}, {"target_size", "48"}, {"press", "KnormPress"}},
+     /*exact_ties=*/true},
     {"RKVDecodingPress", 0.0, {{"budget", "40"}, {"divide_length", "8"}, {"window_size", "4"}}},
 };
 
@@ -321,6 +332,24 @@ class SoakEngine {
   SoakFigures figures_;
 };
 
+// The request's tokens from the paged runner with no other sequence in the cache.
+std::vector<int64_t> paged_alone(const Request& r, const BasePress* press) {
+  const LlamaModel& model = testing::tiny_model();
+  PagedKVCache cache = model.new_paged_cache(160, 16);
+  const SequenceId seq = cache.add_sequence();
+  const std::unique_ptr<PressSequenceState> state = new_sequence_state_of(press);
+  llama::PagedPrefillOptions prefill;
+  prefill.press = press;
+  if (state) prefill.press_states = {state.get()};
+  std::vector<int64_t> tokens{model.prefill_paged({r.prompt}, {seq}, cache, prefill)[0].argmax().item<int64_t>()};
+  llama::PagedDecodeOptions step;
+  step.press = press;
+  if (state) step.press_states = {state.get()};
+  while (static_cast<int64_t>(tokens.size()) < r.max_new)
+    tokens.push_back(model.decode_paged({seq}, {tokens.back()}, cache, step)[0].argmax().item<int64_t>());
+  return tokens;
+}
+
 TEST(PagedSoak, TrafficWithOvercommitAndCancellationsKeepsEveryInvariant) {
   const char* env = std::getenv("KVPRESS_SOAK_STEPS");
   const int64_t steps = env != nullptr ? std::atoll(env) : 1500;
@@ -342,26 +371,37 @@ TEST(PagedSoak, TrafficWithOvercommitAndCancellationsKeepsEveryInvariant) {
   EXPECT_GT(f.cancelled, 0);
   EXPECT_GT(f.injected_failures, 0);
   EXPECT_EQ(f.finished + f.cancelled, static_cast<int64_t>(traffic.size()));
-  // A sample of the finished requests (every 8th) gets the dense runner's tokens for its prompt and
-  // press alone. Not every one: a 67,096-step run (docs/RELIABILITY.md) found 2 of 29,108 finished
-  // DecodingPress(KnormPress) requests whose tokens part from the dense run's after 9 and 17 tokens,
-  // not yet explained (presumably rounding: a paged step projects its B tokens in one GEMM, the dense
-  // runner one, and a compression near a tie then keeps other tokens); at that rate comparing all
-  // ~740 here would fail on some CPUs about one run in ten.
+  // Every finished request's tokens equal the dense runner's for its prompt and press alone, but for
+  // a press with exact ties (kSoakPresses): a batched step's rounding may break a tie the other way
+  // (a 67,096-step run found 2 of 29,108 requests, docs/RELIABILITY.md). Such a request must then
+  // give the dense tokens when run alone through the paged runner (its own rounding, no batch), and
+  // parting requests must stay rare: any fault of the batched path would show in most requests.
+  const char* every_env = std::getenv("KVPRESS_SOAK_COMPARE_EVERY");
+  const int64_t every = every_env != nullptr ? std::max<int64_t>(1, std::atoll(every_env)) : 1;
   std::vector<std::unique_ptr<BasePress>> presses;
   for (const SoakPress& p : kSoakPresses)
     presses.push_back(p.name.empty() ? nullptr : make_press(p.name, p.ratio, p.params));
+  int64_t compared = 0, parted_at_ties = 0;
   for (const auto& [id, tokens] : finished) {
-    if (id % 8 != 0) continue;
+    if (id % every != 0) continue;
     const Request& r = traffic[static_cast<size_t>(id)];
+    ++compared;
     llama::GenerationOptions dense;
     dense.press = presses[r.press].get();
     dense.max_new_tokens = r.max_new;
     dense.stop_at_eos = false;
-    EXPECT_EQ(tokens, llama::generate_greedy(testing::tiny_model(), r.prompt, {}, dense).tokens)
-        << "request " << id << " (" << (kSoakPresses[r.press].name.empty() ? "no press" : kSoakPresses[r.press].name)
-        << ", prompt " << r.prompt.size() << ")";
+    const std::vector<int64_t> expected = llama::generate_greedy(testing::tiny_model(), r.prompt, {}, dense).tokens;
+    if (tokens == expected) continue;
+    const std::string what = "request " + std::to_string(id) + " (" +
+                             (r.press == 0 ? "no press" : kSoakPresses[r.press].name) + ", prompt " +
+                             std::to_string(r.prompt.size()) + ")";
+    EXPECT_TRUE(kSoakPresses[r.press].exact_ties) << what << " parted from the dense run";
+    EXPECT_EQ(paged_alone(r, presses[r.press].get()), expected) << what << " run alone on the paged runner";
+    ++parted_at_ties;
   }
+  std::printf("soak: %lld finished requests compared with the dense runner, %lld parted at exact ties\n",
+              static_cast<long long>(compared), static_cast<long long>(parted_at_ties));
+  EXPECT_LE(parted_at_ties * 200, compared) << "more than 1 in 200 requests parted from the dense run at ties";
 }
 
 }  // namespace
