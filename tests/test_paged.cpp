@@ -21,9 +21,9 @@
 #endif
 
 #include "compactor/compactor.h"
+#include "fault_sweep.h"
 #include "kvpress/kvpress.h"
 #include "kvpress/paged.h"
-#include "paged/fault_injection.h"
 #include "paged/paged.h"
 #include "ragged_attention/ragged_attention.h"
 #include "random_inputs.h"
@@ -632,72 +632,75 @@ TEST(PagedCache, DeviceTablesFollowEveryChange) {
   EXPECT_EQ(cache.stats().pages_used, 0);
 }
 
-// A device-table upload that fails (an allocation or a copy to the device; injected here) leaves the
-// cache as it was: host page lists, positions, free pages and the device tables, for every mutation
-// and every upload it makes (reset_sequence makes one per layer). The same call then succeeds and
-// the tables follow it: no entry is left unsent.
-TEST(PagedCache, AFailedTableUploadLeavesTheCacheAsItWas) {
-  PagedKVCache cache(small_options(200));
-  const PagedCacheOptions& opt = cache.options();
-  const int64_t hkv = opt.kv_heads, d = opt.head_dim;
-  at::manual_seed(11);
-  std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence()};
-  const auto snapshot = [&] {
-    std::vector<std::vector<int64_t>> s;
-    for (SequenceId q : cache.sequences())
-      for (int64_t layer = 0; layer < opt.num_layers; ++layer) {
-        s.push_back({q, cache.next_position(q, layer)});
-        for (int64_t h = 0; h < hkv; ++h) {
-          s.push_back(cache.positions(q, layer, h));
-          s.push_back(cache.pages(q, layer, h));
-        }
-      }
-    for (int64_t layer = 0; layer < opt.num_layers; ++layer) s.push_back({cache.free_pages(layer)});
-    return s;
-  };
-  const auto tables_match = [&] {
-    for (int64_t layer = 0; layer < opt.num_layers; ++layer) expect_tables_match(cache, layer, cache.sequences());
-  };
-  const auto press = make_press("AdaKVPress", 0.5, {{"press", "KnormPress"}});
-  const at::Tensor cu = at::tensor({int64_t{0}, int64_t{37}, int64_t{37 + 21}});
-  const at::Tensor prefill_k = at::randn({58, hkv, d}), prefill_v = at::randn({58, hkv, d});
-  const at::Tensor step_k = at::randn({2, hkv, 9, d}), step_v = at::randn({2, hkv, 9, d});
-  struct Mutation {
-    const char* name;
-    int uploads;
-    std::function<void()> run;
-  };
-  const std::vector<Mutation> mutations = {
-      {"store", 1, [&] { cache.store(0, seqs, prefill_k, prefill_v, cu, press.get()); }},
-      {"store without a press", 1, [&] { cache.store(1, seqs, prefill_k, prefill_v, cu); }},
-      {"append", 1, [&] { cache.append(0, seqs, step_k, step_v); }},
-      {"remove_last", 1, [&] { cache.remove_last(0, seqs, 4); }},
-      {"compact", 1,
-       [&] {
-         const std::vector<int64_t> len = cache.lengths(seqs[0], 0);
-         const int64_t longest = *std::max_element(len.begin(), len.end());
-         at::Tensor keep = (at::arange(longest) % 3 != 1).unsqueeze(0).repeat({hkv, 1});
-         for (int64_t h = 0; h < hkv; ++h)
-           keep[h].narrow(0, len[static_cast<size_t>(h)], longest - len[static_cast<size_t>(h)]).fill_(false);
-         cache.compact(0, seqs[0], keep);
-       }},
-      {"reset_sequence", 2, [&] { cache.reset_sequence(seqs[1]); }},
-      {"free_sequence", 2, [&] { cache.free_sequence(seqs[0]); }},
-  };
-  for (const Mutation& m : mutations) {
-    for (int failing = 0; failing < m.uploads; ++failing) {
-      const auto before = snapshot();
-      detail::fail_table_upload_after(failing);
-      expect_error(m.run, {"injected failure of a device-table upload"});
-      detail::fail_table_upload_after(-1);
-      EXPECT_EQ(snapshot(), before) << m.name << ", upload " << failing << " failing";
+// A mutation that fails part-way (a tensor allocation, a page taken, the tables growing or an upload
+// to the device; injected here at each of the call's fault points in turn, fault_sweep.h) leaves the
+// cache as it was: page lists, positions, rows, free pages and the device tables, for every
+// mutation, on a full and a quantized cache. The same call then succeeds and the tables follow it:
+// no entry is left unsent.
+TEST(PagedCache, AFailureAtAnyFaultPointLeavesTheCacheAsItWas) {
+  for (const KVFormat format : {KVFormat::kFull, KVFormat::kInt4}) {
+    PagedCacheOptions options = small_options(200);
+    options.kv_format = format;
+    PagedKVCache cache(options);
+    const int64_t hkv = options.kv_heads, d = options.head_dim;
+    at::manual_seed(11);
+    std::vector<SequenceId> seqs = {cache.add_sequence(), cache.add_sequence()};
+    for (int64_t idle = 0; idle < 6; ++idle) cache.add_sequence();  // every slot of the first tables taken
+    const auto tables_match = [&] {
+      for (int64_t layer = 0; layer < options.num_layers; ++layer) expect_tables_match(cache, layer, cache.sequences());
+    };
+    const auto press = make_press("AdaKVPress", 0.5, {{"press", "KnormPress"}});
+    const at::Tensor cu = at::tensor({int64_t{0}, int64_t{37}, int64_t{37 + 21}});
+    const at::Tensor prefill_k = at::randn({58, hkv, d}), prefill_v = at::randn({58, hkv, d});
+    const at::Tensor step_k = at::randn({2, hkv, 9, d}), step_v = at::randn({2, hkv, 9, d});
+    struct Mutation {
+      const char* name;
+      int points;  // fault points the call has at least (table growth, uploads)
+      std::function<void()> run;
+    };
+    const std::vector<Mutation> mutations = {
+        {"add_sequence (the tables grow)", 1, [&] { seqs.push_back(cache.add_sequence()); }},
+        {"store", 1,
+         [&] {
+           cache.store(0, {seqs[0], seqs[1]}, prefill_k, prefill_v, cu, press.get());
+         }},
+        {"store without a press", 1,
+         [&] {
+           cache.store(1, {seqs[0], seqs[1]}, prefill_k, prefill_v, cu);
+         }},
+        {"append", 1,
+         [&] {
+           cache.append(0, {seqs[0], seqs[1]}, step_k, step_v);
+         }},
+        {"remove_last", 1,
+         [&] {
+           cache.remove_last(0, {seqs[0], seqs[1]}, 4);
+         }},
+        {"compact", 1,
+         [&] {
+           const std::vector<int64_t> len = cache.lengths(seqs[0], 0);
+           const int64_t longest = *std::max_element(len.begin(), len.end());
+           at::Tensor keep = (at::arange(longest) % 3 != 1).unsqueeze(0).repeat({hkv, 1});
+           for (int64_t h = 0; h < hkv; ++h)
+             keep[h].narrow(0, len[static_cast<size_t>(h)], longest - len[static_cast<size_t>(h)]).fill_(false);
+           cache.compact(0, seqs[0], keep);
+         }},
+        {"adopt_sequence", 2, [&] { seqs.push_back(cache.adopt_sequence(cache.export_sequence(seqs[1]))); }},
+        {"reset_sequence", 2, [&] { cache.reset_sequence(seqs[1]); }},
+        {"free_sequence", 2, [&] { cache.free_sequence(seqs[0]); }},
+    };
+    for (const Mutation& m : mutations) {
+      const testing::CacheImage before = testing::image_of(cache);
+      const int64_t failures = testing::sweep_fault_points(m.run, [&] {
+        EXPECT_TRUE(testing::same_image(testing::image_of(cache), before)) << kv_format_name(format) << " " << m.name;
+        tables_match();
+      });
+      EXPECT_GE(failures, m.points) << kv_format_name(format) << " " << m.name;
       tables_match();
     }
-    m.run();
-    tables_match();
+    EXPECT_FALSE(cache.contains(seqs[0]));
+    EXPECT_EQ(cache.lengths(seqs[1], 0), (std::vector<int64_t>{0, 0}));
   }
-  EXPECT_FALSE(cache.contains(seqs[0]));
-  EXPECT_EQ(cache.lengths(seqs[1], 0), (std::vector<int64_t>{0, 0}));
 }
 
 TEST(PagedCuda, AttentionMatchesCpuIncludingSplitHeads) {

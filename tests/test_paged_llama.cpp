@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "fault_sweep.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/presses/decoding_press.h"
 #include "kvpress/presses/prefill_decoding_press.h"
 #include "kvpress/presses/rkv_decoding_press.h"
 #include "kvpress/registry.h"
-#include "paged/fault_injection.h"
 #include "test_util.h"
 
 namespace kvpress {
@@ -209,10 +209,12 @@ TEST(PagedLlama, AnEnginesOwnDecodingPressRunsThroughTheLifecycle) {
   }
 }
 
-// A decoding step whose compactions fail part-way (a device-table upload of the second sequence's,
-// after the first's was staged) leaves the cache and the press states as they were: every
-// compaction of a step is staged before any is applied, and the appends are undone. Found by the
-// soak (PagedSoak.*): before, compactions were applied one by one after the step.
+// A decoding step that fails at any of its fault points (fault_sweep.h), its compactions included
+// (a device-table upload of the second sequence's after the first's was staged, an allocation
+// while applying them) leaves the cache as it was: every compaction of a step is staged before any
+// is applied, applying allocates nothing, and the appends are undone. Found by the soak
+// (PagedSoak.*): before, compactions were applied one by one after the step, and then each applied
+// its moved rows through ops::paged_write, which allocates.
 TEST(PagedLlama, ADecodeStepFailingInItsCompactionsLeavesTheCacheAsItWas) {
   const LlamaModel& m = model();
   const KeepRecentWhileDecoding press(/*window=*/24, /*interval=*/1);  // compacts every step
@@ -227,27 +229,13 @@ TEST(PagedLlama, ADecodeStepFailingInItsCompactionsLeavesTheCacheAsItWas) {
     states.push_back(press.new_sequence_state());
     step.press_states.push_back(states.back().get());
   }
-  const auto image = [&] {
-    std::vector<std::vector<int64_t>> out;
-    for (SequenceId s : seqs)
-      for (int64_t l = 0; l < 2; ++l) {
-        out.push_back({cache.next_position(s, l), cache.free_pages(l)});
-        for (int64_t h = 0; h < 4; ++h) {
-          out.push_back(cache.positions(s, l, h));
-          out.push_back(cache.pages(s, l, h));
-        }
-      }
-    return out;
-  };
-  const auto before = image();
-  // Uploads of the step: an append per layer (2), then a compaction per (layer, sequence) (4).
-  for (int64_t failing = 0; failing < 6; ++failing) {
-    detail::fail_table_upload_after(failing);
-    expect_error([&] { m.decode_paged(seqs, {5, 6}, cache, step); }, {"injected failure of a device-table upload"});
-    detail::fail_table_upload_after(-1);
-    EXPECT_EQ(image(), before) << "upload " << failing << " failing";
-  }
-  m.decode_paged(seqs, {5, 6}, cache, step);
+  const testing::CacheImage before = testing::image_of(cache);
+  const int64_t failures = testing::sweep_fault_points(
+      [&] {
+        m.decode_paged(seqs, {5, 6}, cache, step);
+      },
+      [&] { EXPECT_TRUE(testing::same_image(testing::image_of(cache), before)); });
+  EXPECT_GE(failures, 6) << "the step's table uploads alone: an append per layer, a compaction per layer and sequence";
   EXPECT_EQ(cache.lengths(seqs[0], 1), std::vector<int64_t>(4, 24)) << "compacted once the step succeeds";
   const at::Tensor keep = at::ones({4, 24}, at::kBool);
   expect_error(

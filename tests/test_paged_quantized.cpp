@@ -224,7 +224,7 @@ TEST(QuantizedPagedCache, AFailedAppendLeavesEveryRowAsItWas) {
   const int64_t free_pages = cache.free_pages(0);
   // The append fills page 2 with the 3 residual rows and writes 2 rows over them: a table upload
   // that fails before that must leave the residual rows untouched.
-  detail::fail_table_upload_after(0);
+  detail::inject_failure_after(0, detail::FaultPoint::kTableUpload);
   expect_error(
       [&] {
         cache.append(0, {seq}, testing::randn({1, 2, 3, 16}, 22), testing::randn({1, 2, 3, 16}, 23));

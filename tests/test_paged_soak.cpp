@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
+#include "fault_sweep.h"
 #include "kvpress/llama/llama.h"
 #include "kvpress/registry.h"
-#include "paged/fault_injection.h"
 #include "test_util.h"
 #include "tiny_model.h"
 
@@ -62,6 +62,18 @@ const std::vector<SoakPress> kSoakPresses = {
     {"RKVDecodingPress", 0.0, {{"budget", "40"}, {"divide_length", "8"}, {"window_size", "4"}}},
 };
 
+std::vector<std::unique_ptr<BasePress>> soak_presses() {
+  std::vector<std::unique_ptr<BasePress>> presses;
+  for (const SoakPress& p : kSoakPresses)
+    presses.push_back(p.name.empty() ? nullptr : make_press(p.name, p.ratio, p.params));
+  return presses;
+}
+
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? std::atoll(value) : fallback;
+}
+
 struct Request {
   int64_t id = 0, arrival = 0, max_new = 0;
   size_t press = 0;
@@ -78,39 +90,8 @@ struct Live {
 
 struct SoakFigures {
   int64_t steps = 0, prefills = 0, decode_calls = 0, tokens = 0, finished = 0, cancelled = 0, preempted = 0;
-  int64_t refused_steps = 0, peak_pages = 0, invariant_checks = 0, injected_failures = 0;
+  int64_t refused_steps = 0, peak_pages = 0, invariant_checks = 0, injected_failures = 0, swept_steps = 0;
 };
-
-// What an engine can observe of a cache: per sequence, layer and head its pages, positions and
-// rows, and each layer's free pages.
-struct CacheImage {
-  std::vector<std::vector<int64_t>> indices;
-  std::vector<at::Tensor> rows;
-};
-
-CacheImage image_of(const PagedKVCache& cache) {
-  const PagedCacheOptions& o = cache.options();
-  CacheImage image;
-  for (SequenceId s : cache.sequences())
-    for (int64_t l = 0; l < o.num_layers; ++l) {
-      image.indices.push_back({s, cache.next_position(s, l)});
-      for (int64_t h = 0; h < o.kv_heads; ++h) {
-        image.indices.push_back(cache.positions(s, l, h));
-        image.indices.push_back(cache.pages(s, l, h));
-        image.rows.push_back(cache.head_keys(s, l, h));
-        image.rows.push_back(cache.head_values(s, l, h));
-      }
-    }
-  for (int64_t l = 0; l < o.num_layers; ++l) image.indices.push_back({cache.free_pages(l)});
-  return image;
-}
-
-bool same_image(const CacheImage& a, const CacheImage& b) {
-  if (a.indices != b.indices || a.rows.size() != b.rows.size()) return false;
-  for (size_t i = 0; i < a.rows.size(); ++i)
-    if (!at::equal(a.rows[i], b.rows[i])) return false;
-  return true;
-}
 
 // The requests: prompt lengths 24..220, 4..24 new tokens, arrivals in bursts, a tenth cancelled.
 std::vector<Request> make_traffic(int64_t steps, std::mt19937_64& rng) {
@@ -177,17 +158,17 @@ bool injected(const c10::Error& e) {
 
 class SoakEngine {
  public:
-  SoakEngine(const LlamaModel& model, int64_t pages_per_layer, uint64_t seed)
-      : model_(model), cache_(model.new_paged_cache(pages_per_layer, 16)), rng_(seed) {
-    for (const SoakPress& p : kSoakPresses)
-      presses_.push_back(p.name.empty() ? nullptr : make_press(p.name, p.ratio, p.params));
-  }
+  // Every `sweep_every`-th step runs each of its cache calls with a failure at each fault point in turn.
+  SoakEngine(const LlamaModel& model, int64_t pages_per_layer, uint64_t seed, int64_t sweep_every)
+      : model_(model), cache_(model.new_paged_cache(pages_per_layer, 16)), rng_(seed), sweep_every_(sweep_every) {}
 
   SoakFigures run(const std::vector<Request>& traffic, int64_t steps,
                   std::map<int64_t, std::vector<int64_t>>& finished_tokens) {
     size_t next = 0;
     for (int64_t step = 0; step < steps || !waiting_.empty() || !running_.empty(); ++step) {
       for (; next < traffic.size() && traffic[next].arrival <= step; ++next) waiting_.push_back(&traffic[next]);
+      sweeping_ = step % sweep_every_ == sweep_every_ - 1;
+      figures_.swept_steps += sweeping_ ? 1 : 0;
       admit();
       decode(finished_tokens);
       cancel_some();
@@ -204,25 +185,43 @@ class SoakEngine {
   }
 
  private:
-  // call(), and for one call in 48 a device-table upload failing part-way (the first to fourth of
-  // the call's uploads; fault_injection.h): the failed call must leave the cache as it was, and the
+  // call(), failing first at each of its fault points in turn on a sweeping step, and otherwise one
+  // call in 48 failing at one of its first 64 fault points (fault_injection.h: tensor allocations,
+  // pages taken, table growth and uploads): a failed call must leave the cache as it was, and the
   // engine then makes the same call again.
   template <typename Call>
-  at::Tensor with_injected_failure(Call&& call) {
-    if (rng_() % 48 != 0) return call();
-    const CacheImage before = image_of(cache_);
-    detail::fail_table_upload_after(static_cast<int64_t>(rng_() % 4));
+  auto with_injected_failures(Call&& call) {
+    decltype(call()) out{};
+    const bool inject = sweeping_ || rng_() % 48 == 0;
+    if (!inject) return call();
+    const testing::CacheImage before = testing::image_of(cache_);
+    const auto unchanged = [&] {
+      ++figures_.injected_failures;
+      EXPECT_TRUE(testing::same_image(testing::image_of(cache_), before))
+          << "a failed call changed the cache (failure " << figures_.injected_failures << ")";
+    };
+    if (sweeping_) {
+      testing::sweep_fault_points([&] { out = call(); }, unchanged);
+      return out;
+    }
+    detail::inject_failure_after(static_cast<int64_t>(rng_() % 64));
     try {
-      at::Tensor out = call();  // it made fewer uploads: nothing failed
-      detail::fail_table_upload_after(-1);
+      out = call();  // it passed fewer points: nothing failed
+      detail::inject_failure_after(-1);
       return out;
     } catch (const c10::Error& e) {
-      detail::fail_table_upload_after(-1);
+      detail::inject_failure_after(-1);
       if (!injected(e)) throw;
-      ++figures_.injected_failures;
-      EXPECT_TRUE(same_image(image_of(cache_), before)) << "a failed upload changed the cache";
+      unchanged();
       return call();
     }
+  }
+
+  void free_sequence(SequenceId seq) {
+    with_injected_failures([&] {
+      cache_.free_sequence(seq);
+      return 0;
+    });
   }
 
   // Pages of one layer a request may need: its prompt and every new token stored whole.
@@ -245,13 +244,13 @@ class SoakEngine {
       if (worst_pages(r) > free && !overcommit) return;
       auto live = std::make_unique<Live>();
       live->request = &r;
-      live->seq = cache_.add_sequence();
+      live->seq = with_injected_failures([&] { return cache_.add_sequence(); });
       live->state = new_sequence_state_of(presses_[r.press].get());
       llama::PagedPrefillOptions prefill;
       prefill.press = presses_[r.press].get();
       if (live->state) prefill.press_states = {live->state.get()};
       const at::Tensor logits =
-          with_injected_failure([&] { return model_.prefill_paged({r.prompt}, {live->seq}, cache_, prefill); });
+          with_injected_failures([&] { return model_.prefill_paged({r.prompt}, {live->seq}, cache_, prefill); });
       ++figures_.prefills;
       live->tokens.push_back(logits[0].argmax().item<int64_t>());
       waiting_.pop_front();
@@ -280,7 +279,7 @@ class SoakEngine {
       ++figures_.decode_calls;
       at::Tensor logits;
       try {
-        logits = with_injected_failure([&] { return model_.decode_paged(seqs, tokens, cache_, step); });
+        logits = with_injected_failures([&] { return model_.decode_paged(seqs, tokens, cache_, step); });
       } catch (const c10::Error& e) {
         ASSERT_TRUE(out_of_pages(e)) << e.what_without_backtrace();
         ++figures_.refused_steps;
@@ -300,7 +299,7 @@ class SoakEngine {
       if (static_cast<int64_t>(r->tokens.size()) < r->request->max_new) continue;
       finished_tokens[r->request->id] = r->tokens;
       ++figures_.finished;
-      cache_.free_sequence(r->seq);
+      free_sequence(r->seq);
       r.reset();
     }
     running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
@@ -309,7 +308,7 @@ class SoakEngine {
   void preempt(Live* victim) {
     ++figures_.preempted;
     waiting_.push_front(victim->request);
-    cache_.free_sequence(victim->seq);
+    free_sequence(victim->seq);
     running_.erase(std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == victim; }));
   }
 
@@ -317,7 +316,7 @@ class SoakEngine {
     for (auto& r : running_) {
       if (r->request->cancel_after < 0 || static_cast<int64_t>(r->tokens.size()) < r->request->cancel_after) continue;
       ++figures_.cancelled;
-      cache_.free_sequence(r->seq);
+      free_sequence(r->seq);
       r.reset();
     }
     running_.erase(std::remove(running_.begin(), running_.end(), nullptr), running_.end());
@@ -326,7 +325,9 @@ class SoakEngine {
   const LlamaModel& model_;
   PagedKVCache cache_;
   std::mt19937_64 rng_;
-  std::vector<std::unique_ptr<BasePress>> presses_;
+  const int64_t sweep_every_;
+  bool sweeping_ = false;
+  const std::vector<std::unique_ptr<BasePress>> presses_ = soak_presses();
   std::deque<const Request*> waiting_;
   std::vector<std::unique_ptr<Live>> running_;
   SoakFigures figures_;
@@ -351,22 +352,21 @@ std::vector<int64_t> paged_alone(const Request& r, const BasePress* press) {
 }
 
 TEST(PagedSoak, TrafficWithOvercommitAndCancellationsKeepsEveryInvariant) {
-  const char* env = std::getenv("KVPRESS_SOAK_STEPS");
-  const int64_t steps = env != nullptr ? std::atoll(env) : 1500;
+  const int64_t steps = env_or("KVPRESS_SOAK_STEPS", 1500);
   std::mt19937_64 rng(39);
   const std::vector<Request> traffic = make_traffic(steps, rng);
-  SoakEngine engine(testing::tiny_model(), 160, 40);
+  SoakEngine engine(testing::tiny_model(), 160, 40, env_or("KVPRESS_SOAK_SWEEP_EVERY", 300));
   std::map<int64_t, std::vector<int64_t>> finished;
   const SoakFigures f = engine.run(traffic, steps, finished);
   std::printf(
       "soak: %lld steps, %zu requests, %lld prefills, %lld decode calls, %lld tokens, %lld finished, %lld cancelled, "
-      "%lld preempted after %lld refused steps, peak %lld pages of %d, %lld invariant checks, %lld injected upload "
-      "failures\n",
+      "%lld preempted after %lld refused steps, peak %lld pages of %d, %lld invariant checks, %lld injected failures "
+      "(%lld steps swept)\n",
       static_cast<long long>(f.steps), traffic.size(), static_cast<long long>(f.prefills),
       static_cast<long long>(f.decode_calls), static_cast<long long>(f.tokens), static_cast<long long>(f.finished),
       static_cast<long long>(f.cancelled), static_cast<long long>(f.preempted), static_cast<long long>(f.refused_steps),
       static_cast<long long>(f.peak_pages), 2 * 160, static_cast<long long>(f.invariant_checks),
-      static_cast<long long>(f.injected_failures));
+      static_cast<long long>(f.injected_failures), static_cast<long long>(f.swept_steps));
   EXPECT_GT(f.preempted, 0) << "the traffic must overcommit the pool at least once";
   EXPECT_GT(f.cancelled, 0);
   EXPECT_GT(f.injected_failures, 0);
@@ -376,11 +376,8 @@ TEST(PagedSoak, TrafficWithOvercommitAndCancellationsKeepsEveryInvariant) {
   // (a 67,096-step run found 2 of 29,108 requests, docs/RELIABILITY.md). Such a request must then
   // give the dense tokens when run alone through the paged runner (its own rounding, no batch), and
   // parting requests must stay rare: any fault of the batched path would show in most requests.
-  const char* every_env = std::getenv("KVPRESS_SOAK_COMPARE_EVERY");
-  const int64_t every = every_env != nullptr ? std::max<int64_t>(1, std::atoll(every_env)) : 1;
-  std::vector<std::unique_ptr<BasePress>> presses;
-  for (const SoakPress& p : kSoakPresses)
-    presses.push_back(p.name.empty() ? nullptr : make_press(p.name, p.ratio, p.params));
+  const int64_t every = std::max<int64_t>(1, env_or("KVPRESS_SOAK_COMPARE_EVERY", 1));
+  const std::vector<std::unique_ptr<BasePress>> presses = soak_presses();
   int64_t compared = 0, parted_at_ties = 0;
   for (const auto& [id, tokens] : finished) {
     if (id % every != 0) continue;

@@ -107,6 +107,7 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
   const at::Tensor cu_seqlens = at::tensor(at::ArrayRef<int64_t>(cu), at::kLong);
   const RopeTables rope_tables = rope_at(positions);  // [T, D]: each prompt from position 0
   at::Tensor x = embed(input_ids);                    // [1, T, hidden]
+  at::Tensor logits;  // computed inside the undo's reach: a failure there too leaves the sequences empty
   try {
     for (int64_t li = 0; li < config_.num_layers; ++li) {
       const Layer& w = layers_[static_cast<size_t>(li)];
@@ -140,14 +141,15 @@ at::Tensor LlamaModel::prefill_paged(const std::vector<std::vector<int64_t>>& pr
       cache.store(li, seqs, qkv.k[0].transpose(0, 1), qkv.v[0].transpose(0, 1), cu_seqlens, press, inputs);
       x = mlp_residual(li, x + project_output(li, at::cat(attn, 1)), nullptr);
     }
+    const at::Tensor last = cu_seqlens.narrow(0, 1, batch) - 1;                  // each prompt's last token
+    logits = at::linear(rms_norm(x.index_select(1, last), norm_), lm_head_)[0];  // [B, vocab]
   } catch (...) {
     for (SequenceId s : seqs)
       if (cache.contains(s)) cache.reset_sequence(s);
     for (size_t i = 0; i < states_before.size(); ++i) options.press_states[i]->restore(*states_before[i]);
     throw;
   }
-  const at::Tensor last = cu_seqlens.narrow(0, 1, batch) - 1;                // each prompt's last token
-  return at::linear(rms_norm(x.index_select(1, last), norm_), lm_head_)[0];  // [B, vocab]
+  return logits;
 }
 
 std::string LlamaModel::why_not_paged_decoding(const BasePress* press) {

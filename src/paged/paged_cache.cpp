@@ -32,20 +32,7 @@ std::vector<int64_t> to_host_vector(const at::Tensor& t) {  // any integer tenso
   return {c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel()};
 }
 
-// fail_table_upload_after(): uploads left before the injected failure; negative: off.
-int64_t table_uploads_before_failure = -1;
-
-bool table_upload_failures_armed() {
-  if (table_uploads_before_failure < 0) return false;
-  if (table_uploads_before_failure-- > 0) return false;
-  return true;  // this upload fails; the hook is now off (-1)
-}
-
 }  // namespace
-
-void detail::fail_table_upload_after(int64_t successes) {
-  table_uploads_before_failure = successes < 0 ? -1 : successes;
-}
 
 PagedKVCache::PagedKVCache(const PagedCacheOptions& options) : options_(options) {
   constexpr const char* op = "PagedKVCache";
@@ -91,6 +78,7 @@ void PagedKVCache::reserve_tables(int64_t slots, int64_t pages) {
   const int64_t new_pages = pages <= page_capacity_
                                 ? page_capacity_
                                 : std::min(std::max(pages, 2 * page_capacity_), options_.pages_per_layer);
+  detail::fault_point(detail::FaultPoint::kTableGrowth);
   const auto int64_options = at::TensorOptions().dtype(at::kLong).device(options_.device);
   // Every layer's new tables first, so that a failed allocation changes nothing.
   std::vector<std::pair<at::Tensor, at::Tensor>> grown;
@@ -149,7 +137,7 @@ PagedKVCache::TableUpload PagedKVCache::stage_tables(int64_t layer, const std::v
   packed.insert(packed.end(), table_value.begin(), table_value.end());
   packed.insert(packed.end(), length_index.begin(), length_index.end());
   packed.insert(packed.end(), length_value.begin(), length_value.end());
-  if (table_upload_failures_armed()) TORCH_CHECK(false, "PagedKVCache: injected failure of a device-table upload");
+  detail::fault_point(detail::FaultPoint::kTableUpload);
   return {to_device(packed, options_.device), static_cast<int64_t>(table_index.size()),
           static_cast<int64_t>(length_index.size())};
 }
@@ -322,8 +310,10 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
     pages = head.pages;
     const auto length = static_cast<int64_t>(head.positions.size());
     const auto n = static_cast<int64_t>(writes[w].positions.size());
-    while (static_cast<int64_t>(pages.size()) < table_pages(length + n))
+    while (static_cast<int64_t>(pages.size()) < table_pages(length + n)) {
+      detail::fault_point(detail::FaultPoint::kPageTaking);
       pages.push_back(pool.free_pages[pool.free_pages.size() - 1 - taken++]);
+    }
     if (quantized()) continue;
     for (int64_t t = length; t < length + n; ++t)
       slots.push_back(pages[static_cast<size_t>(t / page_size)] * page_size + t % page_size);
@@ -946,8 +936,10 @@ void PagedKVCache::apply_compaction(const StagedCompaction& staged) {
   Layer& pool = layers_[static_cast<size_t>(staged.layer)];
   SequenceLayer& sl = sequence_at(staged.seq, "PagedKVCache::compact").layers[static_cast<size_t>(staged.layer)];
   if (quantized()) staged.rewritten.apply(pool.quantized, options_.head_dim);
-  if (staged.destinations.defined())
-    ops::paged_write(pool.key_pool, pool.value_pool, staged.moved_keys, staged.moved_values, staged.destinations);
+  if (staged.destinations.defined()) {  // in-place copies, no allocation: applying must not fail
+    pool.key_pool.view({-1, options_.head_dim}).index_copy_(0, staged.destinations, staged.moved_keys);
+    pool.value_pool.view({-1, options_.head_dim}).index_copy_(0, staged.destinations, staged.moved_values);
+  }
   for (int64_t h = 0; h < options_.kv_heads; ++h) {
     Head& head = sl.heads[static_cast<size_t>(h)];
     const std::vector<int64_t>& k = staged.kept[static_cast<size_t>(h)];
