@@ -13,14 +13,13 @@
 #include "kvpress/ops.h"
 #include "kvpress/paged.h"
 #include "paged/fault_injection.h"
+#include "paged/kv_codec.h"
 
 namespace kvpress {
 
 using checks::shape_str;
 
 namespace {
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // A host int64 vector as a tensor on `device`.
 at::Tensor to_device(const std::vector<int64_t>& v, at::Device device) {
@@ -384,7 +383,7 @@ PagedKVCache::QuantizedRows PagedKVCache::quantized_write(int64_t layer, const s
 }
 
 int64_t PagedKVCache::table_pages(int64_t length) const {
-  return quantized() ? length / options_.page_size : ceil_div(length, options_.page_size);
+  return kernels::table_pages(quantized(), length, options_.page_size);
 }
 
 void PagedKVCache::store(int64_t layer, const std::vector<SequenceId>& seqs, const at::Tensor& keys,

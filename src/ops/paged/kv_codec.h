@@ -24,6 +24,16 @@ namespace kvpress::kernels {
 // kvpress::KVFormat's quantized formats, as kernels take them (the same values).
 enum class PageCodec : int8_t { kInt8 = 1, kFp8 = 2, kInt4 = 3 };
 
+// A page-table row, full and quantized caches alike: the pages it lists for a head of `length`
+// tokens (a quantized head's last length % page_size tokens are residual rows, in no page), and the
+// most tokens a row of max_pages pages can stand for.
+KVPRESS_CODEC_FN int64_t table_pages(bool quantized, int64_t length, int64_t page_size) {
+  return quantized ? length / page_size : (length + page_size - 1) / page_size;
+}
+KVPRESS_CODEC_FN int64_t table_capacity(bool quantized, int64_t max_pages, int64_t page_size) {
+  return quantized ? (max_pages + 1) * page_size - 1 : max_pages * page_size;
+}
+
 // Where one quantized page of one role (keys or values) lies: codes [page_size, code_bytes] and
 // its scales (kvpress/kv_format.h: float32 [1]; int4 keys float16 [2, D]; int4 values float16
 // [page_size, 2]).

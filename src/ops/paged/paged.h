@@ -93,9 +93,9 @@ inline PagedAttentionArgs paged_attention_args(const at::Tensor& queries, const 
                           {},
                           s};
   if (contents == IndexContents::kLeaveOnDevice) return args;
-  std::tie(args.host_page_table, args.host_lengths) =
-      read_page_indices(op, page_table, lengths, n, max_pages * page_size, "max_pages * page_size", num_pages,
-                        [page_size](int64_t length) { return (length + page_size - 1) / page_size; });
+  std::tie(args.host_page_table, args.host_lengths) = read_page_indices(
+      op, page_table, lengths, n, kernels::table_capacity(false, max_pages, page_size), "max_pages * page_size",
+      num_pages, [page_size](int64_t length) { return kernels::table_pages(false, length, page_size); });
   return args;
 }
 
@@ -223,8 +223,9 @@ inline QuantizedPagedAttentionArgs quantized_paged_attention_args(
   if (contents == IndexContents::kLeaveOnDevice) return args;
   // A head's full pages are in the table; the rest of its tokens (fewer than a page) are residual rows.
   std::tie(args.host_page_table, args.host_lengths) =
-      read_page_indices(op, page_table, lengths, n, (max_pages + 1) * page_size - 1, "(max_pages + 1) * page_size - 1",
-                        num_pages, [page_size](int64_t length) { return length / page_size; });
+      read_page_indices(op, page_table, lengths, n, kernels::table_capacity(true, max_pages, page_size),
+                        "(max_pages + 1) * page_size - 1", num_pages,
+                        [page_size](int64_t length) { return kernels::table_pages(true, length, page_size); });
   args.host_residual_slots = residual_slots.to(at::kCPU).contiguous();
   const int64_t* slot = args.host_residual_slots.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b)

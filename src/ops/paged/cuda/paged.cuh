@@ -41,7 +41,9 @@ struct FullPages {
   const T* key_pool;    // [P, page_size, D]
   const T* value_pool;  // [P, page_size, D]
 
-  __device__ int64_t max_length(const PagedAttentionShape& s) const { return s.max_pages * s.page_size; }
+  __device__ int64_t max_length(const PagedAttentionShape& s) const {
+    return kernels::table_capacity(false, s.max_pages, s.page_size);
+  }
   __device__ int check_row(int64_t) const { return 0; }
   __device__ bool find(const PagedAttentionShape& s, const int64_t* table, int64_t, int64_t, int64_t, int64_t j,
                        Row& key, Row& value) const {
@@ -101,7 +103,9 @@ struct QuantizedPages {
   using Row = QuantizedRow<T, kCodec>;
   kernels::QuantizedPagePools<T> p;
 
-  __device__ int64_t max_length(const PagedAttentionShape& s) const { return (s.max_pages + 1) * s.page_size - 1; }
+  __device__ int64_t max_length(const PagedAttentionShape& s) const {
+    return kernels::table_capacity(true, s.max_pages, s.page_size);
+  }
   __device__ int check_row(int64_t b) const {
     return p.residual_slots[b] < 0 || p.residual_slots[b] >= p.residual_rows ? kPagedBadResidual : 0;
   }

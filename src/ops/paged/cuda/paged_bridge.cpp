@@ -64,7 +64,8 @@ at::Tensor paged_attention_cuda(const at::Tensor& queries_in, const at::Tensor& 
       queries_in, key_pool_in, value_pool_in, page_table_in, lengths_in, scale_in, index_contents());
   const PagedAttentionShape shape = paged_attention_shape(a.queries, a.key_pool, a.value_pool, a.page_table, a.scale);
   return run_paged_attention(
-      "paged_attention", a.queries, shape, longest_head(a.host_lengths, shape.max_pages * shape.page_size),
+      "paged_attention", a.queries, shape,
+      longest_head(a.host_lengths, kernels::table_capacity(false, shape.max_pages, shape.page_size)),
       [&](auto element, const auto* queries, auto* out, float* partials, const PagedAttentionShape& s,
           cudaStream_t stream) {
         using T = decltype(element);
@@ -88,15 +89,16 @@ at::Tensor paged_attention_quantized_cuda(const at::Tensor& queries, const at::T
       residual_values, residual_slots, scale, index_contents());
   const PagedAttentionShape shape = quantized_paged_attention_shape(a.queries, a.key_codes, a.residual_keys,
                                                                     a.residual_values, a.page_table, a.scale);
-  return run_paged_attention("paged_attention_quantized", a.queries, shape,
-                             longest_head(a.host_lengths, (shape.max_pages + 1) * shape.page_size - 1),
-                             [&](auto element, const auto* queries, auto* out, float* partials,
-                                 const PagedAttentionShape& s, cudaStream_t stream) {
-                               using T = decltype(element);
-                               return launch_paged_attention_quantized<T>(
-                                   queries, a.pools<T>(a.residual_slots), a.page_table.const_data_ptr<int64_t>(),
-                                   a.lengths.const_data_ptr<int64_t>(), out, partials, device_error_word(), s, stream);
-                             });
+  return run_paged_attention(
+      "paged_attention_quantized", a.queries, shape,
+      longest_head(a.host_lengths, kernels::table_capacity(true, shape.max_pages, shape.page_size)),
+      [&](auto element, const auto* queries, auto* out, float* partials, const PagedAttentionShape& s,
+          cudaStream_t stream) {
+        using T = decltype(element);
+        return launch_paged_attention_quantized<T>(
+            queries, a.pools<T>(a.residual_slots), a.page_table.const_data_ptr<int64_t>(),
+            a.lengths.const_data_ptr<int64_t>(), out, partials, device_error_word(), s, stream);
+      });
 }
 
 void paged_write_cuda(at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& keys_in,
