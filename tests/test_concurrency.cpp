@@ -8,10 +8,16 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +27,7 @@
 #include "kvpress/llama/model.h"
 #include "kvpress/llama/tokenizer.h"
 #include "kvpress/presses/qsm_press.h"
+#include "paged_soak.h"
 #include "random_inputs.h"
 #include "runnable_press.h"
 #include "test_util.h"
@@ -169,6 +176,96 @@ TEST(Concurrency, PagedAttentionReadsOneCacheFromEightThreads) {
     ASSERT_EQ(errors[i], "") << "thread " << i;
     EXPECT_TRUE(at::equal(concurrent[i], serial[i])) << "thread " << i;
   }
+}
+
+// One head's attention for one query token, from its keys and values [L, D]: the reference.
+at::Tensor head_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale) {
+  return at::softmax(at::matmul(keys, q) * scale, 0).unsqueeze(0).matmul(values).squeeze(0);  // [D]
+}
+
+// The paged engine's soak (paged_soak.h, no injected failures) on one thread, and two readers that
+// use its cache as paged.h's threading contract allows: only while it does not mutate (a shared
+// lock; the engine holds it exclusively for each step), to read its statistics and export a live
+// sequence, and from snapshots (export_sequence, taken by the engine as each request finishes,
+// before freeing it), which they adopt into caches of their own and attend over while the engine
+// goes on reusing those pages. Under ThreadSanitizer (scripts/test_tsan.sh) a snapshot that still
+// shared the engine's pools, or a const read with hidden state, is reported as a race.
+TEST(Concurrency, PagedEngineSoakWithReadersOfStatisticsAndSnapshots) {
+  const llama::LlamaModel& model = testing::tiny_model();
+  std::mt19937_64 rng(39);
+  const int64_t steps = 200;
+  const std::vector<testing::Request> traffic = testing::make_traffic(steps, rng);
+  testing::SoakEngine engine(model, 160, 40, /*sweep_every=*/0);
+  std::shared_mutex cache_lock;
+  std::mutex queue_lock;
+  std::deque<SequenceTokens> finished;
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> attended{0}, stats_read{0};
+  testing::SoakHooks hooks;
+  hooks.cache_lock = &cache_lock;
+  hooks.on_finished = [&](const PagedKVCache& cache, SequenceId seq) {
+    SequenceTokens snapshot = cache.export_sequence(seq);
+    const std::lock_guard<std::mutex> lock(queue_lock);
+    finished.push_back(std::move(snapshot));
+  };
+  const PagedCacheOptions options = engine.cache().options();
+  const int64_t group = model.config().num_heads / options.kv_heads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(options.head_dim));
+  // A reader: the statistics and a live sequence's export under the shared lock, then each snapshot
+  // it takes off the queue adopted into its own cache and attended over, layer by layer.
+  const auto read = [&](int reader) {
+    PagedKVCache own(options);
+    for (int64_t round = 0;; ++round) {
+      const bool last_round = done.load();
+      {
+        const std::shared_lock<std::shared_mutex> lock(cache_lock);
+        const PagedKVCache& cache = engine.cache();
+        const PagedCacheStats stats = cache.stats();
+        int64_t free = 0;
+        for (int64_t l = 0; l < options.num_layers; ++l) free += cache.free_pages(l);
+        ASSERT_EQ(stats.pages_used + free, options.num_layers * options.pages_per_layer) << "reader " << reader;
+        const std::vector<SequenceId> live = cache.sequences();
+        if (!live.empty()) cache.export_sequence(live[static_cast<size_t>(round) % live.size()]);
+        ++stats_read;
+      }
+      std::optional<SequenceTokens> snapshot;
+      {
+        const std::lock_guard<std::mutex> lock(queue_lock);
+        if (!finished.empty()) {
+          snapshot = std::move(finished.front());
+          finished.pop_front();
+        }
+      }
+      if (!snapshot) {
+        if (last_round) return;
+        std::this_thread::yield();
+        continue;
+      }
+      const SequenceId seq = own.adopt_sequence(*snapshot);
+      for (int64_t l = 0; l < options.num_layers; ++l) {
+        const at::Tensor q = randn({1, model.config().num_heads, 1, options.head_dim}, 1000 * reader + round);
+        const at::Tensor out = own.attention(l, {seq}, q, scale);  // [1, Hq, 1, D]
+        for (int64_t h = 0; h < model.config().num_heads; ++h) {
+          const at::Tensor expected =
+              head_attention(q[0][h][0], own.head_keys(seq, l, h / group), own.head_values(seq, l, h / group), scale);
+          ASSERT_TRUE(at::allclose(out[0][h][0], expected, 1e-5, 1e-5)) << "reader " << reader << " layer " << l;
+        }
+      }
+      own.free_sequence(seq);
+      ++attended;
+    }
+  };
+  std::map<int64_t, std::vector<int64_t>> tokens;
+  testing::SoakFigures figures;
+  const std::vector<std::string> errors = run_together(3, [&](int i) {
+    if (i > 0) return read(i);
+    figures = engine.run(traffic, steps, tokens, hooks);
+    done = true;
+  });
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(errors[static_cast<size_t>(i)], "") << "thread " << i;
+  EXPECT_EQ(attended.load(), figures.finished) << "every finished request's snapshot was attended over";
+  EXPECT_GT(stats_read.load(), 0);
+  EXPECT_GT(figures.finished, 50);
 }
 
 // One model, tokenizer and set of presses shared by 8 generations at once (generate_greedy gives

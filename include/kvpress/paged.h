@@ -22,7 +22,10 @@
 // sequence); each mutation sends only the entries it changed, so a decoding step copies O(batch)
 // integers to the device, not the tables. The host keeps the same lists (and the tokens' original
 // positions) for bookkeeping. Not thread-safe: one engine thread mutates a cache (reads from
-// several threads are safe while none mutates).
+// several threads are safe while none mutates, e.g. under a shared lock the engine holds
+// exclusively while it mutates). export_sequence's copies are the engine-free way out: a snapshot
+// stays valid, and can be adopted and attended over on another thread, while the engine reuses
+// the sequence's pages (tests/test_concurrency.cpp, under ThreadSanitizer).
 #pragma once
 
 #include <ATen/core/Tensor.h>
