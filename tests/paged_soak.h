@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -184,6 +185,10 @@ class SoakEngine {
       std::vector<SequenceId> live;
       for (const auto& r : running_) live.push_back(r->seq);
       EXPECT_TRUE(cache_invariants(cache_, live)) << "step " << step;
+      if (figures_.steps % 20000 == 0)  // a long run's progress
+        std::printf("soak: step %lld, %lld finished, %lld cancelled, %lld injected failures\n",
+                    static_cast<long long>(figures_.steps), static_cast<long long>(figures_.finished),
+                    static_cast<long long>(figures_.cancelled), static_cast<long long>(figures_.injected_failures));
       if (::testing::Test::HasFailure() || step > 50 * steps) break;
     }
     EXPECT_EQ(cache_.stats().pages_used, 0) << "every finished or cancelled sequence gave its pages back";

@@ -101,6 +101,7 @@ void PagedKVCache::reserve_tables(int64_t slots, int64_t pages) {
       residual.emplace_back(std::move(keys), std::move(values));
     }
   }
+  free_slots_.reserve(static_cast<size_t>(new_slots));  // free_sequence then gives a slot back without allocating
   for (size_t l = 0; l < layers_.size(); ++l) {
     layers_[l].page_table = std::move(grown[l].first);
     layers_[l].lengths = std::move(grown[l].second);
@@ -162,9 +163,10 @@ SequenceId PagedKVCache::add_sequence() {
   for (SequenceLayer& l : s.layers) l.heads.resize(static_cast<size_t>(options_.kv_heads));
   if (free_slots_.empty()) reserve_tables(slot_capacity_ + 1, page_capacity_);
   s.slot = free_slots_.back();  // its length rows are 0: never used, or zeroed when freed
+  const SequenceId id = next_id_;
+  sequences_.emplace(id, std::move(s));  // the one allocation: before anything changes
   free_slots_.pop_back();
-  const SequenceId id = next_id_++;
-  sequences_.emplace(id, std::move(s));
+  ++next_id_;
   return id;
 }
 
@@ -342,6 +344,15 @@ void PagedKVCache::write(int64_t layer, const std::vector<SequenceId>& seqs, std
   } else if (!slots.empty()) {
     const at::Tensor keys = at::cat(key_rows), values = at::cat(value_rows);
     ops::paged_write(pool.key_pool, pool.value_pool, keys, values, to_device(slots, options_.device));
+  }
+  // Room for the new positions, so that the commit allocates nothing and cannot fail half-way.
+  for (const HeadWrite& hw : writes) {
+    std::vector<int64_t>& positions = sequences_.at(seqs[static_cast<size_t>(hw.seq_index)])
+                                          .layers[static_cast<size_t>(layer)]
+                                          .heads[static_cast<size_t>(hw.head)]
+                                          .positions;
+    const size_t needed = positions.size() + hw.positions.size();
+    if (positions.capacity() < needed) positions.reserve(std::max(needed, 2 * positions.capacity()));
   }
   // Commit.
   pool.free_pages.resize(pool.free_pages.size() - taken);
@@ -942,9 +953,9 @@ void PagedKVCache::apply_compaction(const StagedCompaction& staged) {
   for (int64_t h = 0; h < options_.kv_heads; ++h) {
     Head& head = sl.heads[static_cast<size_t>(h)];
     const std::vector<int64_t>& k = staged.kept[static_cast<size_t>(h)];
-    std::vector<int64_t> positions(k.size());
-    for (size_t j = 0; j < k.size(); ++j) positions[j] = head.positions[static_cast<size_t>(k[j])];
-    head.positions = std::move(positions);
+    // In place (k[j] >= j): applying allocates nothing.
+    for (size_t j = 0; j < k.size(); ++j) head.positions[j] = head.positions[static_cast<size_t>(k[j])];
+    head.positions.resize(k.size());
     const auto keep_pages = static_cast<size_t>(table_pages(static_cast<int64_t>(k.size())));
     pool.free_pages.insert(pool.free_pages.end(), head.pages.rbegin(),
                            head.pages.rbegin() + static_cast<std::ptrdiff_t>(head.pages.size() - keep_pages));
