@@ -51,6 +51,11 @@ inline ::testing::AssertionResult same_image(const CacheImage& a, const CacheIma
   return ::testing::AssertionSuccess();
 }
 
+// Whether `e` is the failure fault_injection.h injected (its message, "injected failure of ...").
+inline bool is_injected_failure(const c10::Error& e) {
+  return std::string(e.what_without_backtrace()).find("injected failure") != std::string::npos;
+}
+
 // Makes `call` fail at its first fault point among `points`, then its second, and so on, checking
 // `after_failure()` after each failure, until the call passes all its points and succeeds (that
 // last run stays). Returns how many failures were injected. A call that fails for another reason
@@ -63,7 +68,7 @@ int64_t sweep_fault_points(Call&& call, AfterFailure&& after_failure, unsigned p
       call();
     } catch (const c10::Error& e) {
       detail::inject_failure_after(-1);
-      if (std::string(e.what_without_backtrace()).find("injected failure") == std::string::npos) throw;
+      if (!is_injected_failure(e)) throw;
       after_failure();
       continue;
     } catch (...) {

@@ -145,10 +145,6 @@ inline bool out_of_pages(const c10::Error& e) {
   return std::string(e.what_without_backtrace()).find("out of pages") != std::string::npos;
 }
 
-inline bool injected(const c10::Error& e) {
-  return std::string(e.what_without_backtrace()).find("injected failure") != std::string::npos;
-}
-
 // What a test adds to the engine's loop: a lock held exclusively for each step (other threads may
 // read the cache under it shared, as paged.h's threading contract allows), and a call on each
 // finished sequence before it is freed (on the engine thread).
@@ -222,7 +218,7 @@ class SoakEngine {
       return out;
     } catch (const c10::Error& e) {
       detail::inject_failure_after(-1);
-      if (!injected(e)) throw;
+      if (!is_injected_failure(e)) throw;
       unchanged();
       return call();
     }
