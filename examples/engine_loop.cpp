@@ -196,10 +196,14 @@ int main() {
         if (decoding_press->decoding_reads_cache(layer, 1, tokens_seen, *r.press_state))
           std::tie(in.keys, in.values) = cache.dense(r.seq, layer);  // [1, Hkv, L, D]
         const kvpress::DecodingUpdate update = decoding_press->decoding_update(in, tokens_seen, *r.press_state);
-        if (update.kind != kvpress::DecodingUpdate::Kind::kReplace) continue;
+        // A press selecting once for the whole model (TriAttentionPress) answers at the last layer
+        // with the slots every layer keeps; the others replace this layer.
+        const bool every_layer = update.kind == kvpress::DecodingUpdate::Kind::kKeepEveryLayer;
+        if (update.kind != kvpress::DecodingUpdate::Kind::kReplace && !every_layer) continue;
         const int64_t length = in.keys.size(2), before = cache.free_pages(layer);
-        at::Tensor keep = at::zeros({kKvHeads, length}, at::kBool);
-        cache.compact(layer, r.seq, keep.scatter_(1, update.replacement.kept_indices[0], true));  // [Hkv, L]
+        at::Tensor keep = at::zeros({kKvHeads, length}, at::kBool);  // [Hkv, L]
+        keep.scatter_(1, (every_layer ? update.keep : update.replacement.kept_indices)[0], true);
+        for (int64_t l = every_layer ? 0 : layer; l <= layer; ++l) cache.compact(l, r.seq, keep);
         if (layer == 0 && cache.length(r.seq, 0, 0) < length) {
           std::printf("request %lld: compacted %lld -> %lld tokens per head, %lld pages freed\n",
                       static_cast<long long>(r.id), static_cast<long long>(length),

@@ -37,7 +37,8 @@ struct ModelShape {
 // budget curves (a file: prune fractions [99, L, Hkv] uniform in [0, 1)) and DuoAttentionPress's
 // attention pattern (a folder: sink 4, recent 16, head scores uniform in [0, 1)) and FastKVzipPress's
 // gates (a file: 16 dimensions, 4 sink keys per layer) and RestoreKVPress's restore folder (8
-// restore embeddings and a PEFT LoRA adapter of rank 2 on every layer's q_proj and v_proj).
+// restore embeddings and a PEFT LoRA adapter of rank 2 on every layer's q_proj and v_proj) and
+// TriAttentionPress's query statistics (a file: [L, Hq, D / 2] each, the modulus mean above the mean's).
 inline std::string random_artifact(const std::string& kind, const ModelShape& s) {
   // Removed with the C library at exit: std::filesystem there may resolve into libtorch's copy,
   // already torn down.
@@ -73,6 +74,14 @@ inline std::string random_artifact(const std::string& kind, const ModelShape& s)
     io::save_safetensors(path + "/model.safetensors",
                          {{"query_mean", at::randn({s.num_layers, s.num_heads, s.head_dim}, gen)},
                           {"query_cov", at::matmul(a, a.transpose(-1, -2)) / static_cast<double>(s.head_dim)}});
+  } else if (kind == "stats_file") {  // TriAttentionPress: query statistics [L, Hq, D / 2]
+    path = base.string() + ".safetensors";
+    const at::Tensor re = at::randn({s.num_layers, s.num_heads, s.head_dim / 2}, gen);
+    const at::Tensor im = at::randn({s.num_layers, s.num_heads, s.head_dim / 2}, gen);
+    io::save_safetensors(
+        path, {{"q_mean_real", re},
+               {"q_mean_imag", im},
+               {"q_abs_mean", at::hypot(re, im) + at::rand({s.num_layers, s.num_heads, s.head_dim / 2}, gen)}});
   } else if (kind == "attention_pattern") {  // DuoAttentionPress: sink 4, recent 16, scores [L, Hkv]
     path = base.string();
     std::filesystem::create_directories(path);

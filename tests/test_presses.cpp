@@ -370,8 +370,9 @@ TEST(Registry, KindsMatchTheBuiltPresses) {
                                        "LUKVPress",
                                        "MergingPress",
                                        "DMSPress"};
-  const std::set<std::string> decoding{"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress",
-                                       "CAMPress", "RKVDecodingPress"};
+  const std::set<std::string> decoding{"DecodingPress",        "CompressionRatioDecodingPress",
+                                       "PrefillDecodingPress", "CAMPress",
+                                       "RKVDecodingPress",     "TriAttentionPress"};
   for (const PressInfo& info : list_presses()) {
     const PressKind expected = wrappers.count(info.name)   ? PressKind::kWrapper
                                : decoding.count(info.name) ? PressKind::kDecoding

@@ -51,6 +51,7 @@
 #include "cli_args.h"
 #include "eval.h"
 #include "generate.h"
+#include "query_stats.h"
 
 #if __has_include(<torch/headeronly/version.h>)
 #include <torch/headeronly/version.h>
@@ -91,6 +92,8 @@ Usage:
                    [--query-aware NAME]... [--ratios LIST] [--press-ratios LABEL=LIST]...
                    [--calibrate LIST] [--kv-dtype F] [--csv OUT [--png OUT]] [--threads N]
                    [--no-progress]
+  kvpress-cli query-stats --out FILE [--model NAME|DIR] [--text FILE] [--max-tokens N]
+                   [--threads N] [--quiet]
   kvpress-cli list [--names | --json | --markdown]
   kvpress-cli --help
   kvpress-cli --version
@@ -215,6 +218,14 @@ bench options (RULER-style accuracy of every press on a real model; docs/QUALITY
   --png OUT                accuracy against ratio, one line per press (scripts/plot.py)
   --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)
   --no-progress            no progress bar (shown only on a terminal)
+
+query-stats options (TriAttentionPress's statistics: one prefill of a calibration text):
+  --out FILE, -o FILE      where the statistics go (safetensors: q_mean_real, q_mean_imag,
+                           q_abs_mean [layers, heads, head_dim / 2]; TriAttentionPress's stats_file)
+  --model NAME|DIR         checkpoint folder, .gguf file or model name (default tinystories-656k)
+  --text FILE              plain text (default: the bundled tinystories_valid_100.txt, whole)
+  --max-tokens N           its first N tokens, BOS included (default 32768, as the authors')
+  --threads N              intra-op threads (default: torch's, every core or OMP_NUM_THREADS)
 
 list options:
   --names                  print only the press names, one per line
@@ -641,8 +652,11 @@ int run(int argc, char** argv) {
   if (command == "bench") return kvpress_cli::run_bench(rest);
   if (command == "generate") return kvpress_cli::run_generate(rest);
   if (command == "ask") return kvpress_cli::run_ask(rest);
-  usage_error("unknown command '{}' (commands: compress, calibrate, eval, generate, ask, list; see kvpress-cli --help)",
-              command);
+  if (command == "query-stats") return kvpress_cli::run_query_stats(rest);
+  usage_error(
+      "unknown command '{}' (commands: compress, calibrate, eval, generate, ask, bench, query-stats, list; see "
+      "kvpress-cli --help)",
+      command);
 }
 
 }  // namespace

@@ -817,9 +817,39 @@ void LlamaModel::compress_at_prefill(const BasePress& press, const PrefillOption
   if (options.on_compress) options.on_compress(in, kv);
 }
 
+namespace {
+
+// A kKeepEveryLayer update: every layer keeps the slots `keep` [B, Hkv, k] of its dense cache (each
+// layer has run its attention of this forward; the forward's undo covers a failure part-way).
+void keep_in_every_layer(const BasePress& press, const ForwardOptions& options, const LayerInputs& last,
+                         const at::Tensor& keep, KVCache& cache) {
+  const int64_t length = last.keys.size(2);
+  TORCH_CHECK(keep.dim() == 3 && keep.size(0) == last.keys.size(0) && keep.size(1) == last.keys.size(1),
+              "LlamaModel: ", press.name(), " returned slots ", shape_str(keep), " to keep for a cache of ",
+              shape_str(last.keys));
+  for (int64_t layer = 0; layer < cache.num_layers(); ++layer) {
+    TORCH_CHECK(!cache.is_ragged(layer) && !cache.keep_mask(layer).defined() && cache.length(layer) == length,
+                "LlamaModel: ", press.name(), " keeps the same slots in every layer, but layer ", layer,
+                " is not a dense layer of ", length, " tokens");
+    LayerInputs in = last;
+    in.layer_idx = layer;
+    in.keys = cache.keys(layer);
+    in.values = cache.values(layer);
+    const KV kv = ops::gather_kv(in.keys, in.values, keep);
+    cache.replace(layer, kv.keys, kv.values);
+    if (options.on_decoding_compress) options.on_decoding_compress(in, kv);
+  }
+}
+
+}  // namespace
+
 void LlamaModel::update_while_decoding(const BasePress& press, const ForwardOptions& options, int64_t layer,
                                        LayerInputs in, int64_t tokens_seen, KVCache& cache) const {
   const DecodingUpdate update = press.decoding_update(in, tokens_seen, *options.press_state);
+  if (update.kind == DecodingUpdate::Kind::kKeepEveryLayer) {
+    keep_in_every_layer(press, options, in, update.keep, cache);
+    return;
+  }
   if (update.kind == DecodingUpdate::Kind::kEvict) {
     cache.evict(layer, update.evict_first, update.evict);
     return;

@@ -228,10 +228,13 @@ at::Tensor LlamaModel::decode_paged(const std::vector<SequenceId>& seqs, const s
           if (decoding->decoding_reads_cache(li, 1, tokens_seen, state))
             std::tie(in.keys, in.values) = cache.dense(seqs[b], li);
           const DecodingUpdate update = decoding->decoding_update(in, tokens_seen, state);
-          if (update.kind != DecodingUpdate::Kind::kReplace) continue;  // why_not_paged_decoding refuses kEvict
+          // why_not_paged_decoding refuses kEvict; kKeepEveryLayer comes from the last layer, for all.
+          const bool every_layer = update.kind == DecodingUpdate::Kind::kKeepEveryLayer;
+          if (update.kind != DecodingUpdate::Kind::kReplace && !every_layer) continue;
           at::Tensor keep = at::zeros({config_.num_kv_heads, in.keys.size(2)}, at::kBool);
-          keep.scatter_(1, update.replacement.kept_indices[0].to(at::kCPU), true);
-          compactions.push_back({li, seqs[b], keep});
+          keep.scatter_(1, (every_layer ? update.keep : update.replacement.kept_indices)[0].to(at::kCPU), true);
+          for (int64_t layer = every_layer ? 0 : li; layer <= li; ++layer)
+            compactions.push_back({layer, seqs[b], keep});
         }
       }
       x = mlp_residual(

@@ -550,6 +550,30 @@ if expect_ok "generate --paged prints the pool" generate --paged --prompt "Once 
   grep -q '^paged cache: 2 layers x ' "$tmp/stdout" || fail "generate: no pool line: $(cat "$tmp/stdout")"
   grep -q 'peak pages in use: ' "$tmp/stdout" || fail "generate: no peak line: $(cat "$tmp/stdout")"
 fi
+# ---- query-stats: TriAttentionPress's statistics, then generation with them, dense and paged --------
+if expect_ok "query-stats" query-stats --max-tokens 300 --out "$tmp/tri.safetensors"; then
+  grep -q '^query statistics of .* over 300 tokens of .*: 2 layers x 8 heads x 8 frequency pairs' "$tmp/stdout" ||
+    fail "query-stats: no summary line: $(cat "$tmp/stdout")"
+  "$python" - "$tmp/tri.safetensors" <<'EOF2' || fail "query-stats: the file is not [layers, heads, head_dim / 2] x 3"
+import sys
+from safetensors.torch import load_file
+t = load_file(sys.argv[1])
+assert sorted(t) == ["q_abs_mean", "q_mean_imag", "q_mean_real"], sorted(t)
+assert all(v.shape == (2, 8, 8) for v in t.values()), {k: v.shape for k, v in t.items()}
+assert bool((t["q_abs_mean"] >= (t["q_mean_real"] ** 2 + t["q_mean_imag"] ** 2).sqrt() - 1e-5).all())
+EOF2
+  for mode in dense paged; do
+    flags=()
+    [ "$mode" = paged ] && flags=(--paged)
+    expect_ok "generate $mode TriAttentionPress" generate --prompt "Once upon a time, a cat" --press TriAttentionPress \
+      --param stats_file="$tmp/tri.safetensors" --param budget=12 --param divide_length=4 --max-new-tokens 30 \
+      --no-stop-at-eos --quiet --json "$tmp/tri_$mode.json" "${flags[@]}"
+  done
+  cmp -s <("$python" -c 'import json,sys; print([g["tokens"] for g in json.load(open(sys.argv[1]))["generations"]])' "$tmp/tri_dense.json") \
+    <("$python" -c 'import json,sys; print([g["tokens"] for g in json.load(open(sys.argv[1]))["generations"]])' "$tmp/tri_paged.json") ||
+    fail "generate TriAttentionPress: paged differs from dense"
+fi
+expect_error "query-stats without --out" "query-stats: --out FILE is required" query-stats --max-tokens 10
 expect_error "generate without prompts" "generate needs --prompts FILE" generate --press KnormPress --ratio 0.5
 expect_error "generate scorer without ratio" "--press SnapKVPress needs --ratio R" generate --prompt "A dog" \
   --press SnapKVPress

@@ -72,6 +72,10 @@ struct DecodingRole {
   // decoding_update() needs what record_prefill() kept (RKVDecodingPress's query window): an engine
   // must call record_prefill() at the prefill of every sequence.
   bool records_prefill = false;
+  // Its updates are kKeepEveryLayer (one selection for the whole model, TriAttentionPress): the engine
+  // calls decoding_update() for every layer of every decoding forward, in layer order, and applies
+  // the update the last layer returns to every layer (each layer's attention of that forward has run).
+  bool keeps_every_layer = false;
 };
 
 // What one decoding forward's press hook does to a layer's cache.
@@ -80,11 +84,15 @@ struct DecodingUpdate {
     kNone,     // nothing
     kReplace,  // the layer becomes `replacement` (kept_indices index the cache the press saw)
     kEvict,    // each head drops the positions [evict_first, evict_first + m) where `evict` is true
+    // Every layer keeps, in each head, the cache slots `keep` (DecodingRole::keeps_every_layer: the
+    // layers hold the same tokens in the same slots, and the forward's last layer returns this).
+    kKeepEveryLayer,
   };
   Kind kind = Kind::kNone;
   KV replacement;
   int64_t evict_first = 0;
   at::Tensor evict;  // [B, Hkv, m] bool
+  at::Tensor keep;   // [B, Hkv, k] int64 slots, ascending per head (kKeepEveryLayer)
 };
 
 // Whether a press's kept tokens for one KV head depend on other KV heads (what sharding a layer's
