@@ -72,7 +72,7 @@ def params_of(press):
     params = ["seed=1"] if any(p["name"] == "seed" for p in press["params"]) else []
     # Files a press reads (QFilterPress's filters, ExpectedAttentionStatsPress's statistics, KVzapPress's
     # surrogate, LUKVPress's budget curves, DuoAttentionPress's pattern, FastKVzipPress's gates, RestoreKVPress's
-    # restore folder): random ones.
+    # restore folder, TriAttentionPress's query statistics): random ones.
     params += [f"{p['name']}={ARTIFACTS[p['name']]}" for p in press["params"] if p["type"] == "path"]
     if press["name"] == "SimLayerKVPress":  # it reads its inputs only where it judges a layer
         params += ["lazy_threshold=0.5", "n_recent=16"]
@@ -102,7 +102,7 @@ with tempfile.TemporaryDirectory() as tmp:
     ARTIFACTS = {"q_filters": tmp / "qfilters.safetensors", "stats_folder": tmp / "eastats",
                  "kvzap_model": tmp / "kvzap", "budget_curves": tmp / "lukv_curves.safetensors",
                  "attention_pattern": tmp / "duo_pattern", "gates": tmp / "fastkvzip_gates.safetensors",
-                 "restore": tmp / "restore"}
+                 "restore": tmp / "restore", "stats_file": tmp / "triattention_stats.safetensors"}
     save_file({"q_filters": torch.randn(scalars["num_layers"], HKV, D, generator=g)}, str(ARTIFACTS["q_filters"]))
     ARTIFACTS["stats_folder"].mkdir()
     a = torch.randn(scalars["num_layers"], HQ, D, D, generator=g)
@@ -122,6 +122,10 @@ with tempfile.TemporaryDirectory() as tmp:
                    "k_base": (HKV, 1, 4, 16), "b": (HKV, 1, HQ // HKV)}  # FastKVzipPress: 4 sink keys per gate
     save_file({f"layers.{i}.{k}": torch.randn(*shape, generator=g) for i in range(scalars["num_layers"])
                for k, shape in gate_shapes.items()}, str(ARTIFACTS["gates"]))
+    pairs = (scalars["num_layers"], HQ, D // 2)  # TriAttentionPress: the queries' complex mean and mean modulus
+    q_re, q_im = torch.randn(*pairs, generator=g), torch.randn(*pairs, generator=g)
+    save_file({"q_mean_real": q_re, "q_mean_imag": q_im,
+               "q_abs_mean": torch.hypot(q_re, q_im) + torch.rand(*pairs, generator=g)}, str(ARTIFACTS["stats_file"]))
     ARTIFACTS["restore"].mkdir()  # RestoreKVPress: 8 restore embeddings, a rank-2 LoRA on layer 0's q_proj
     save_file({"restore_embeddings": torch.randn(8, HIDDEN, generator=g)},
               str(ARTIFACTS["restore"] / "restore_embeddings.safetensors"))
