@@ -159,17 +159,23 @@ at::Tensor TriAttentionPress::frequency_scores(const at::Tensor& keys, const at:
 at::Tensor TriAttentionPress::layer_scores(const LayerInputs& forward, const TriAttentionState& state,
                                            int64_t tokens_seen, const char* op) const {
   const int64_t layer = forward.layer_idx, hkv = forward.keys.size(1), d = forward.keys.size(3);
+  // On a tensor-parallel rank the keys are the layer's KV heads [first, first + hkv) of layer_kv_heads.
+  const KVHeadRange& range = forward.kv_head_range;
+  const int64_t layer_kv_heads = range.layer_kv_heads > 0 ? range.layer_kv_heads : hkv;
+  const int64_t heads = statistics_.q_mean_real.size(1);
   TORCH_CHECK(layer < statistics_.q_mean_real.size(0), op, ": the statistics cover ", statistics_.q_mean_real.size(0),
               " layers, got layer_idx ", layer);
-  TORCH_CHECK(statistics_.q_mean_real.size(2) * 2 == d && statistics_.q_mean_real.size(1) % hkv == 0, op,
-              ": the statistics' [num_heads, head_dim / 2] = ", statistics_.q_mean_real.size(1), " x ",
-              statistics_.q_mean_real.size(2), " do not fit a layer of ", hkv, " KV heads of head_dim ", d);
+  TORCH_CHECK(statistics_.q_mean_real.size(2) * 2 == d && heads % layer_kv_heads == 0, op,
+              ": the statistics' [num_heads, head_dim / 2] = ", heads, " x ", statistics_.q_mean_real.size(2),
+              " do not fit a layer of ", layer_kv_heads, " KV heads of head_dim ", d);
   TORCH_CHECK(forward.inv_freq.defined(), op, ": needs inv_freq (the model's RoPE inverse frequencies), got none");
+  const int64_t group = heads / layer_kv_heads;
+  const auto rows = [&](const at::Tensor& t) { return t[layer].narrow(0, range.first * group, hkv * group); };
   const int64_t first = state.prompt_length, m = forward.keys.size(2) - first;
   const at::Tensor scores = frequency_scores(
       forward.keys[0].narrow(1, first, m), state.positions.narrow(1, first, m), tokens_seen,
-      statistics_.q_mean_real[layer], statistics_.q_mean_imag[layer], statistics_.q_abs_mean[layer], forward.inv_freq,
-      offsets_.to(forward.keys.device()), params_.score_aggregation == "max");  // [Hq, m]
+      rows(statistics_.q_mean_real), rows(statistics_.q_mean_imag), rows(statistics_.q_abs_mean), forward.inv_freq,
+      offsets_.to(forward.keys.device()), params_.score_aggregation == "max");  // [hkv * group, m]
   const at::Tensor mean = scores.mean(1, true);
   const at::Tensor std = scores.std(1, /*unbiased=*/false, true).clamp_min(kStdFloor);
   const at::Tensor z = (scores - mean) / std;

@@ -269,6 +269,42 @@ TEST(TriAttentionPress, SelectsOnceForEveryLayerPinsThePromptAndTracksEachHeadsP
   }
 }
 
+// On a tensor-parallel rank holding KV head 1 of 2 (its query heads' statistics rows 2-3), the press
+// keeps what the whole layer's run keeps in that head: the selection is per KV head.
+TEST(TriAttentionPress, ARankOfTheHeadsKeepsWhatTheWholeLayerKeepsInThem) {
+  TriAttentionPress::Params p;
+  p.budget = 10;
+  p.divide_length = 4;
+  const TriAttentionPress press(p, random_statistics(Decoder::kLayers, Decoder::kQ, Decoder::kDim / 2, 31));
+  Decoder d(30);
+  d.slots.assign(Decoder::kKv, {0, 1, 2, 3, 4, 5});
+  const auto whole = press.new_sequence_state(), rank = press.new_sequence_state();
+  int64_t compared = 0;
+  for (int64_t t = 6; t < 30; ++t) {
+    for (auto& head : d.slots) head.push_back(t);
+    for (int64_t l = 0; l < Decoder::kLayers; ++l) {
+      LayerInputs shard = d.forward(l);
+      shard.keys = shard.keys.narrow(1, 1, 1).contiguous();
+      shard.values = shard.keys;
+      shard.num_heads = Decoder::kQ / Decoder::kKv;
+      shard.kv_head_range = {/*first=*/1, /*layer_kv_heads=*/Decoder::kKv};
+      const DecodingUpdate on_rank = press.decoding_update(shard, t + 1, *rank);
+      const DecodingUpdate u = press.decoding_update(d.forward(l), t + 1, *whole);
+      ASSERT_EQ(on_rank.kind, u.kind) << "t " << t << " layer " << l;
+      if (u.kind != DecodingUpdate::Kind::kKeepEveryLayer) continue;
+      EXPECT_TRUE(on_rank.keep[0][0].equal(u.keep[0][1])) << "t " << t;
+      for (int64_t h = 0; h < Decoder::kKv; ++h) {
+        std::vector<int64_t> kept;
+        for (int64_t j = 0; j < p.budget; ++j)
+          kept.push_back(d.slots[static_cast<size_t>(h)][static_cast<size_t>(u.keep[0][h][j].item<int64_t>())]);
+        d.slots[static_cast<size_t>(h)] = kept;
+      }
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 5);
+}
+
 // The authors' quirk: a prompt of >= budget tokens keeps its first `budget` tokens and no decoding token.
 TEST(TriAttentionPress, APromptOverTheBudgetKeepsItsFirstBudgetTokens) {
   TriAttentionPress::Params p;
