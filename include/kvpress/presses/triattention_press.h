@@ -24,7 +24,7 @@ struct TriAttentionState : CopyableSequenceState<TriAttentionState> {
   int64_t layers_scored = 0;
 };
 
-// TriAttention (Mao et al., 2026; github.com/WeianMao/triattention, its Hugging Face path
+// TriAttention (Mao et al.; github.com/WeianMao/triattention, its Hugging Face path
 // `triattention/methods/triattention.py` at c3744ee6; docs/PRESS_NOTES.md, "TriAttentionPress"):
 // compression while generating a long reasoning trace, from the keys alone and statistics of the
 // model's pre-RoPE queries measured once on plain text.
