@@ -152,6 +152,15 @@ struct Decoder {
 
   explicit Decoder(int64_t total) : keys(kvpress::testing::randn({kLayers, kKv, total, kDim}, 11)) {}
 
+  // Each head keeps the slots keep[0][h] [1, Hkv, k], as the engine's cache does.
+  void keep(const at::Tensor& keep) {
+    for (int64_t h = 0; h < kKv; ++h) {
+      std::vector<int64_t> kept;
+      for (int64_t j = 0; j < keep.size(2); ++j)
+        kept.push_back(slots[static_cast<size_t>(h)][static_cast<size_t>(keep[0][h][j].item<int64_t>())]);
+      slots[static_cast<size_t>(h)] = kept;
+    }
+  }
   at::Tensor cache(int64_t layer) const {  // [1, Hkv, L, D] as the slots say
     std::vector<at::Tensor> heads;
     for (int64_t h = 0; h < kKv; ++h)
@@ -252,10 +261,8 @@ TEST(TriAttentionPress, SelectsOnceForEveryLayerPinsThePromptAndTracksEachHeadsP
         const at::Tensor row = u.keep[0][h].contiguous();
         const std::vector<int64_t> got(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + kBudget);
         EXPECT_EQ(got, expected[static_cast<size_t>(h)]) << "t " << t << " head " << h;
-        std::vector<int64_t> kept_positions;
-        for (int64_t slot : got) kept_positions.push_back(d.slots[static_cast<size_t>(h)][static_cast<size_t>(slot)]);
-        d.slots[static_cast<size_t>(h)] = kept_positions;
       }
+      d.keep(u.keep);
       ++compressions;
     }
   }
@@ -293,12 +300,7 @@ TEST(TriAttentionPress, ARankOfTheHeadsKeepsWhatTheWholeLayerKeepsInThem) {
       ASSERT_EQ(on_rank.kind, u.kind) << "t " << t << " layer " << l;
       if (u.kind != DecodingUpdate::Kind::kKeepEveryLayer) continue;
       EXPECT_TRUE(on_rank.keep[0][0].equal(u.keep[0][1])) << "t " << t;
-      for (int64_t h = 0; h < Decoder::kKv; ++h) {
-        std::vector<int64_t> kept;
-        for (int64_t j = 0; j < p.budget; ++j)
-          kept.push_back(d.slots[static_cast<size_t>(h)][static_cast<size_t>(u.keep[0][h][j].item<int64_t>())]);
-        d.slots[static_cast<size_t>(h)] = kept;
-      }
+      d.keep(u.keep);
       ++compared;
     }
   }
