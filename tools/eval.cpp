@@ -368,11 +368,15 @@ void print_table(const EvalArgs& args, const Evaluation& e) {
                std::isnan(r.ratio) ? std::string("-") : fmt::format("{:.2f}", r.ratio), m, m - e.full_mean,
                mean(r.agreement));
   }
-  const size_t press_runs = e.results.size();
-  fmt::print("\n{} runs ({} stories x (1 + {} press runs: {} presses x {} ratios{})) in {}\n", e.runs, e.stories.size(),
-             press_runs, args.presses.size(), args.ratios.size(),
-             press_runs == args.presses.size() * args.ratios.size() ? "" : ", DecodingPress once",
-             fmt_duration(e.seconds));
+  const auto fixed = static_cast<size_t>(std::count_if(args.presses.begin(), args.presses.end(), fixed_budget));
+  std::string runs_of;  // e.g. "2 presses x 3 ratios + 1 without a ratio, once"
+  if (fixed < args.presses.size())
+    runs_of = fmt::format("{} press{} x {} ratio{}", args.presses.size() - fixed,
+                          args.presses.size() - fixed == 1 ? "" : "es", args.ratios.size(),
+                          args.ratios.size() == 1 ? "" : "s");
+  if (fixed > 0) runs_of += fmt::format("{}{} without a ratio, once", runs_of.empty() ? "" : " + ", fixed);
+  fmt::print("\n{} runs ({} stories x (1 + {} press runs: {})) in {}\n", e.runs, e.stories.size(), e.results.size(),
+             runs_of, fmt_duration(e.seconds));
 }
 
 nlohmann::json to_json(const EvalArgs& args, const Evaluation& e) {

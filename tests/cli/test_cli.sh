@@ -434,10 +434,12 @@ expect_error "eval PrefillDecodingPress bad part" "decoding_press must be Decodi
   eval --press PrefillDecodingPress --param decoding_press=KnormPress
 # Decoding presses in eval (docs/EVAL.md): the continuation is fed one token per forward; a
 # DecodingPress runs once (no ratio: JSON null), a CompressionRatioDecodingPress once per ratio.
-if expect_ok "eval decoding presses" eval --max-stories 1 --ratios 0.25,0.5 --quiet --json "$tmp/eval_decoding.json" \
+if expect_ok "eval decoding presses" eval --max-stories 1 --ratios 0.25,0.5 --no-progress --json "$tmp/eval_decoding.json" \
     --press DecodingPress --param press=SnapKVPress --param press.window_size=8 --param compression_interval=16 \
     --param target_size=64 --press CompressionRatioDecodingPress --param press=KeyDiffPress --param compression_interval=8; then
-  checks=$((checks + 1))
+  checks=$((checks + 2))
+  grep -qF "(1 stories x (1 + 3 press runs: 1 press x 2 ratios + 1 without a ratio, once))" "$tmp/stdout" ||
+    fail "eval decoding presses: summary line ($(tail -n 1 "$tmp/stdout"))"
   "$python" - "$tmp/eval_decoding.json" <<'EOF' || fail "eval decoding presses: results (see above)"
 import json, math, sys
 j = json.load(open(sys.argv[1]))
