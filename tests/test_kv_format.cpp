@@ -181,6 +181,32 @@ TEST(PagedQuantizedOps, AttentionMatchesDenseAttentionOverTheDequantizedRows) {
   }
 }
 
+// The kernel decodes every one of the 256 fp8 bytes as torch's e4m3fn conversion does (its
+// branch-free bit arithmetic: normal and subnormal codes, both zeros, the two NaNs), on the ISA path
+// this run takes (the AVX2 rerun and KVPRESS_DISABLE_AVX2 reach the others). Row 0 of each head's
+// page has keys at the largest code and every other row zero keys, so the softmax puts all weight on
+// row 0 (the others' logits are 5,069 lower: exp underflows to 0) and the output is row 0's values:
+// head h's value codes are the bytes 128 h .. 128 h + 127, their scale 1.
+TEST(PagedQuantizedOps, EveryFp8CodeDecodesAsTorchDecodesIt) {
+  QuantizedLayout l = quantized_layout(1, 2, {16, 16}, 16, 128, KVFormat::kFp8, at::kFloat, 41);
+  l.key_codes.zero_();
+  l.value_codes.zero_();
+  l.key_scales.fill_(1.0);
+  l.value_scales.fill_(1.0);
+  const at::Tensor bytes = at::arange(256, at::kInt).to(at::kByte).view({2, 128});
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t page = l.page_table[0][h][0].item<int64_t>();
+    l.key_codes[page][0].fill_(0x7E);  // 448
+    l.value_codes[page][0].copy_(bytes[h]);
+  }
+  const at::Tensor q = at::ones({1, 2, 1, 128});
+  const at::Tensor got = attend(q, l, KVFormat::kFp8, false).view({2, 128});
+  const at::Tensor expected = bytes.view(at::kFloat8_e4m3fn).to(at::kFloat);
+  EXPECT_EQ(expected.isnan().sum().item<int64_t>(), 2);  // 0x7f and 0xff
+  EXPECT_TRUE(at::allclose(got, expected, 1e-6, 0, /*equal_nan=*/true))
+      << "ISA " << ops::cpu_kernel_isa() << ", max err " << (got - expected).nan_to_num(0).abs().max();
+}
+
 // The CUDA kernel (src/ops/paged/cuda/paged.cuh, run through the CPU model by
 // test_cuda_emulation.cpp everywhere) against the CPU kernel: the same dequantization, so the
 // float32 sums' order and one rounding of 16-bit outputs (the emulated test's tolerances).

@@ -4,10 +4,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "cpu/attention_core.h"
@@ -85,26 +86,28 @@ at::Tensor paged_attention_cpu(const at::Tensor& queries, const at::Tensor& key_
   return out;
 }
 
-// e4m3fn byte -> float32 for the 256 bytes, made once by c10's conversion (its bit arithmetic per
-// element made fp8 pages 5x slower to attend than int8 ones); at namespace scope, so that a loop
-// reading it has no initialisation guard to check and can be vectorised (a gather).
-const struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int c = 0; c < 256; ++c)
-      value[c] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(c), c10::Float8_e4m3fn::from_bits()));
-  }
-} kFp8Table;
-
-// kv_codec.h's conversions on the host: c10's float16, the fp8 table.
+// kv_codec.h's conversions on the host. float16: c10's. fp8 (e4m3fn): exact for all 256 codes in
+// branch-free integer arithmetic, which gcc vectorises (a 256-entry table costs a gather per
+// element, which made fp8 pages twice as slow to attend as int8 ones; selects by `?:` kept the loop
+// scalar): the 7 magnitude bits shifted into float32's exponent and mantissa fields and the exponent
+// rebased (bias 7 -> 127); codes of exponent 0 are subnormal, m x 2^-9; 0x7f is NaN (e4m3fn has no
+// infinity); then the sign bit.
 struct HostNumbers {
   static float half(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
-  static float fp8(uint8_t bits) { return kFp8Table.value[bits]; }
+  static float fp8(uint8_t bits) {
+    const uint32_t magnitude = bits & 0x7Fu;
+    const uint32_t normal = (magnitude << 20) + (120u << 23);
+    const uint32_t subnormal = c10::bit_cast<uint32_t>(static_cast<float>(magnitude) * 0x1p-9f);
+    const uint32_t is_subnormal = ((magnitude + 120u) >> 7) - 1u;  // all ones for magnitude < 8
+    const uint32_t is_nan = 0u - ((magnitude + 1u) >> 7);          // all ones for magnitude 0x7f
+    const uint32_t value = (normal & ~is_subnormal) | (subnormal & is_subnormal) | (is_nan & 0x7FC00000u);
+    return c10::bit_cast<float>(value | (static_cast<uint32_t>(bits & 0x80u) << 24));
+  }
 };
 
 // Row r of a quantized page as float32 ([dim] into out): kv_codec.h's formulas in loops compiled
 // for AVX-512, for AVX2 + FMA and for the baseline (run_per_isa), written so that gcc vectorises
-// them: int8 a conversion and a product, fp8 a gather from the table, int4 the codes unpacked a byte
+// them: int8 a conversion and a product, fp8 its bit arithmetic, int4 the codes unpacked a byte
 // (two channels) at a time, then scaled (the float16 scales converted lane-wise).
 struct DequantizeRow {
   template <PageCodec kCodec>
