@@ -87,11 +87,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& queries, const at::Tensor& key_
 }
 
 // kv_codec.h's conversions on the host. float16: c10's. fp8 (e4m3fn): exact for all 256 codes in
-// branch-free integer arithmetic, which gcc vectorises (a 256-entry table costs a gather per
-// element, which made fp8 pages twice as slow to attend as int8 ones; selects by `?:` kept the loop
-// scalar): the 7 magnitude bits shifted into float32's exponent and mantissa fields and the exponent
-// rebased (bias 7 -> 127); codes of exponent 0 are subnormal, m x 2^-9; 0x7f is NaN (e4m3fn has no
-// infinity); then the sign bit.
+// branch-free integer arithmetic that gcc vectorises (selects by `?:` kept the loop scalar): the 7
+// magnitude bits shifted into float32's exponent and mantissa fields and the exponent rebased
+// (bias 7 -> 127); codes of exponent 0 are subnormal, m x 2^-9; 0x7f is NaN (e4m3fn has no
+// infinity); then the sign bit. About 20 vector operations per vector of codes, it costs what the
+// 256-entry table it replaced did in gathers (docs/PERFORMANCE.md "Quantized pages": about twice
+// int8's time). F16C's vcvtph2ps would need a few: an e4m3 byte's fields moved into float16's
+// (magnitude << 7, sign << 8) are float16 bits of 2^-8 times its value, subnormals included.
 struct HostNumbers {
   static float half(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
   static float fp8(uint8_t bits) {
