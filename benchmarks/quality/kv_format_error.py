@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What each quantized page format does to a real model's answers, and why fp8 costs the most.
 
-    python benchmarks/quality/kv_format_error.py --tasks DIR [--length 2048] [--examples 2]
+    python benchmarks/quality/kv_format_error.py --tasks DIR [--length 2048] [--examples 2] [--first 0]
         [--model smollm2-135m-instruct|FILE.gguf] [--press none,CompactorPress] [--ratio 0.5]
         [--threads 1] [--json OUT]
 
@@ -234,6 +234,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tasks", type=Path, required=True, help="make_tasks.py's output folder")
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--examples", type=int, default=2, help="examples per task")
+    p.add_argument("--first", type=int, default=0, help="each task's first example (0-based), to extend a run")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--press", default="none,CompactorPress", help="kvpress presses, comma-separated; none: no press")
     p.add_argument("--ratio", type=float, default=0.5)
@@ -257,7 +258,7 @@ def main() -> None:
     setup(args.threads)
     examples = []
     for path in sorted(args.tasks.glob(f"*_{args.length}.jsonl")):
-        lines = [json.loads(line) for line in path.read_text().splitlines()[: args.examples]]
+        lines = [json.loads(line) for line in path.read_text().splitlines()[args.first : args.first + args.examples]]
         examples += [e for e in lines if e["task"] != "cwe"]
     if not examples:
         sys.exit(f"kv_format_error: no *_{args.length}.jsonl examples in {args.tasks}")
