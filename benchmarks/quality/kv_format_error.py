@@ -47,11 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_kvpress import build_press, hf_pipeline, load, model_file, setup  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 import kvpress_cpp  # noqa: E402,F401 (registers torch.ops.kvpress)
 
 PAGE = 16  # PagedKVCache::Options::kDefaultPageSize, the benchmark's pages
-FP8_MAX = 448.0  # e4m3fn's largest finite value
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def library_roundtrip(fmt: str):
@@ -109,7 +110,7 @@ def paged_roundtrip(x: torch.Tensor, codec, keys: bool) -> torch.Tensor:
 
 class QueryRecorder:
     """The post-RoPE queries of each layer's attention, recorded by a hook on q_proj's output and
-    rotated as transformers' Llama attention does."""
+    rotated by transformers' own Llama RoPE."""
 
     def __init__(self, model) -> None:
         self.model, self.queries, self.handles = model, {}, []
@@ -124,14 +125,11 @@ class QueryRecorder:
 
     def rotated(self, i: int, position_ids: torch.Tensor) -> torch.Tensor:
         """[Hq, n, D] queries of layer i at position_ids [1, n]."""
-        cfg = self.model.config
-        dim = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
-        q = self.queries[i].view(1, -1, cfg.num_attention_heads, dim).transpose(1, 2)
+        dim = self.model.model.layers[i].self_attn.head_dim
+        q = self.queries[i].view(1, -1, self.model.config.num_attention_heads, dim).transpose(1, 2)
         cos, sin = self.model.model.rotary_emb(q, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = dim // 2
-        rotated = torch.cat([-q[..., half:], q[..., :half]], dim=-1)
-        return (q * cos + rotated * sin)[0]
+        rotated, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        return rotated[0]
 
     def close(self) -> None:
         for h in self.handles:
